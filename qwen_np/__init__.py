@@ -1,0 +1,9 @@
+"""qwen_np: the Qwen3 dense decoder in pure NumPy, exact to transformers' Qwen3ForCausalLM in FP32."""
+
+from .config import PRESETS, Qwen3Config, load_config, parameter_count, preset
+from .errors import QwenNPError
+from .model import KVCache, Qwen3Model, load_model
+
+__all__ = ["KVCache", "PRESETS", "Qwen3Config", "Qwen3Model", "QwenNPError", "load_config", "load_model",
+           "parameter_count", "preset"]
+__version__ = "0.1.0"

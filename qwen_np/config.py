@@ -1,0 +1,177 @@
+"""Qwen3 hyper-parameters: a dataclass read from a checkpoint's config.json, plus named presets.
+
+Dimension vocabulary used in shape comments throughout qwen_np (defined once, here):
+
+    T    tokens in this forward call           D    hidden_size (model width)
+    H    query heads (num_attention_heads)     KVH  key/value heads (num_key_value_heads)
+    Dh   head_dim (read from config, NOT D/H)  F    intermediate_size (SwiGLU width)
+    V    vocab_size                            L    num_hidden_layers
+    S    positions held by the KV cache (past + current)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import QwenNPError
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """The fields of config.json that change the forward pass (and a few that describe the model)."""
+
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 151643
+    eos_token_id: int | list[int] | None = 151645
+    torch_dtype: str = "bfloat16"
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that share one key/value head (GQA): query head h reads KV head h // group_size."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """eos_token_id as a list (config.json may hold one id or several)."""
+        eos = self.eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "Qwen3Config":
+        """Validate a config.json dict, in either the original Qwen3 style or the newer transformers style."""
+        _check_supported(raw, source)
+        try:
+            config = cls(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=int(raw["num_attention_heads"]),
+                num_key_value_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+                # transformers' Qwen3Config defaults head_dim to 128 (not hidden/heads) when absent.
+                head_dim=int(raw.get("head_dim") or 128),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=_rope_theta(raw, source),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_id=raw.get("eos_token_id"),
+                # Old files write torch_dtype, transformers >= 4.56 writes dtype.
+                torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
+            )
+        except KeyError as missing:
+            raise QwenNPError(f"{source}: missing required field {missing}") from None
+        except (TypeError, ValueError) as bad:
+            raise QwenNPError(f"{source}: bad value ({bad})") from None
+        config.validate(source)
+        return config
+
+    def validate(self, source: str = "config") -> None:
+        """Reject shapes the network cannot run; every message names the field."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise QwenNPError(f"{source}: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise QwenNPError(f"{source}: num_attention_heads ({self.num_attention_heads}) is not divisible "
+                              f"by num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise QwenNPError(f"{source}: head_dim must be even for RoPE, got {self.head_dim}")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise QwenNPError(f"{source}: rms_norm_eps and rope_theta must be positive")
+
+
+def _check_supported(raw: dict[str, Any], source: str) -> None:
+    """Refuse what this implementation does not compute, rather than compute it wrongly."""
+    model_type = raw.get("model_type")
+    if model_type != "qwen3":
+        raise QwenNPError(f"{source}: model_type {model_type!r} is not supported (only dense 'qwen3'; "
+                          "Qwen3-MoE, Qwen2 and others are different networks)")
+    if raw.get("use_sliding_window"):
+        raise QwenNPError(f"{source}: use_sliding_window=true is not supported (every released Qwen3 uses full attention)")
+    layer_types = raw.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise QwenNPError(f"{source}: layer_types other than 'full_attention' are not supported")
+    if raw.get("attention_bias"):
+        raise QwenNPError(f"{source}: attention_bias=true is not supported (Qwen3 has no q/k/v/o bias)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise QwenNPError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (Qwen3 uses silu)")
+
+
+def _rope_theta(raw: dict[str, Any], source: str) -> float:
+    """RoPE base from `rope_theta` (Qwen3 as released) or `rope_parameters` (transformers >= 5)."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise QwenNPError(f"{source}: rope scaling {rope_type!r} is not supported (only default RoPE; "
+                          "remove rope_scaling to run at the native context length)")
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    if theta is None:
+        raise QwenNPError(f"{source}: missing rope_theta (or rope_parameters.rope_theta)")
+    return float(theta)
+
+
+def load_config(folder: str | Path) -> Qwen3Config:
+    """Read and validate `folder/config.json`."""
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QwenNPError(f"{path}: config.json not found (is this a Hugging Face checkpoint folder?)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+        raise QwenNPError(f"{path}: not valid JSON ({bad})") from None
+    if not isinstance(raw, dict):
+        raise QwenNPError(f"{path}: expected a JSON object")
+    return Qwen3Config.from_dict(raw, source=str(path))
+
+
+# Published shapes of the dense Qwen3 family (spec §2), so shapes, parameter counts and memory can be
+# computed with no weights at all.
+PRESETS: dict[str, Qwen3Config] = {
+    "qwen3-0.6b": Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-1.7b": Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-4b": Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-8b": Qwen3Config(),
+    "qwen3-14b": Qwen3Config(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                             num_attention_heads=40, num_key_value_heads=8),
+    "qwen3-32b": Qwen3Config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                             num_attention_heads=64, num_key_value_heads=8),
+}
+
+
+def preset(name: str) -> Qwen3Config:
+    """A named preset ('qwen3-8b', ...); the error lists the known names."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise QwenNPError(f"--preset: unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+def parameter_count(config: Qwen3Config) -> int:
+    """Parameters in the checkpoint (the LM head counted only when it is not tied to the embedding)."""
+    D, F, H, KVH, Dh, V = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                           config.num_key_value_heads, config.head_dim, config.vocab_size)
+    attention = D * H * Dh + 2 * D * KVH * Dh + H * Dh * D + 2 * Dh   # q, k, v, o, q_norm, k_norm
+    mlp = 3 * D * F                                                     # gate, up, down
+    layer = attention + mlp + 2 * D                                     # + two RMSNorm weights
+    head = 0 if config.tie_word_embeddings else V * D
+    return V * D + config.num_hidden_layers * layer + D + head

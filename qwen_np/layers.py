@@ -1,0 +1,137 @@
+"""The math of one Qwen3 decoder, as small pure NumPy functions (FP32 in, FP32 out).
+
+Shapes use the vocabulary defined in config.py: T tokens, S cached positions, D width, H query heads,
+KVH key/value heads, Dh head_dim, F MLP width, V vocab. Each function mirrors one piece of
+transformers' modeling_qwen3.py; comments record where the numerics could silently drift.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .numerics import upcast
+
+# How many weight rows to upcast at a time when a weight is stored as BF16: small enough that the
+# FP32 block stays in the CPU's last-level cache between being written and being multiplied.
+UPCAST_BLOCK_ROWS = 512
+
+
+def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """y = x W^T, as nn.Linear without bias.  x [T, in], weight [out, in] -> [T, out].
+
+    An FP32 weight is used as is. A weight kept in BF16 (uint16 bits) or F16 is upcast a block of rows
+    at a time, so the full FP32 copy never exists (an 8B model does not fit in RAM as FP32).
+    """
+    if weight.dtype == np.float32:
+        return x @ weight.T
+    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+    for start in range(0, weight.shape[0], UPCAST_BLOCK_ROWS):
+        block = upcast(weight[start:start + UPCAST_BLOCK_ROWS])               # [rows, in] FP32
+        out[:, start:start + block.shape[0]] = x @ block.T
+    return out
+
+
+def embed(token_ids: np.ndarray, embed_tokens: np.ndarray) -> np.ndarray:
+    """Look up rows of the embedding table: [T] -> [T, D]. A plain gather: no sqrt(D) scaling."""
+    return upcast(embed_tokens[token_ids])      # upcast only the T rows used, never the whole table
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Qwen3RMSNorm over the last axis: weight * x / sqrt(mean(x^2) + eps).
+
+    The weight multiplies (it is not 1 + weight as in Gemma). Used for the D-wide layer norms and,
+    per head, for q_norm/k_norm over Dh.
+    """
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return weight * (x * (np.float32(1.0) / np.sqrt(variance + np.float32(eps))))
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:
+    """inv_freq[i] = 1 / theta^(2i/Dh) for i < Dh/2, rounded exactly as torch computes it in FP32.
+
+    Trap: a 1-ulp error here becomes a visible phase error thousands of positions later. torch forms
+    the exponent in FP32, raises theta to it (correctly rounded to FP32), then takes an FP32
+    reciprocal; doing the power in float64 and rounding once reproduces that bit for bit.
+    """
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)   # [Dh/2] FP32
+    power = (np.float64(theta) ** exponent.astype(np.float64)).astype(np.float32)
+    return np.float32(1.0) / power
+
+
+def rope_angles(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables for the given absolute positions: [T] -> two [T, Dh].
+
+    The angle is one FP32 product position * inv_freq (as torch forms it); cos/sin are then taken in
+    float64 and rounded, i.e. correctly rounded, which torch's FP32 kernels match almost always.
+    Both Dh/2-wide halves are the same because RoPE here pairs dimension i with i + Dh/2.
+    """
+    angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]               # [T, Dh/2]
+    angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)            # [T, Dh]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotary position embedding, half-split ("rotate_half", NeoX) layout.  x [T, heads, Dh].
+
+    Dimension i rotates with dimension i + Dh/2; NOT the interleaved (2i, 2i+1) layout of GPT-J/Meta.
+    """
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)               # rotate_half
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def attention_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Scaled dot products of queries with keys: q [T, H, Dh], k [S, KVH, Dh] -> [H, T, S].
+
+    GQA: query head h reads key head h // (H / KVH). np.repeat gives exactly that (it is
+    repeat_interleave, like transformers' repeat_kv); np.tile would wrongly give h % KVH.
+    The scale Dh^-0.5 is applied after the product, as transformers' eager attention does.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = np.repeat(k, group, axis=1)                                                  # [S, H, Dh]
+    scores = q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)                             # [H, T, S]
+    return scores * np.float32(q.shape[-1] ** -0.5)
+
+
+def causal_mask(scores: np.ndarray, q_positions: np.ndarray) -> np.ndarray:
+    """Hide the future: query at position p sees keys at positions 0..p.  scores [H, T, S].
+
+    -inf instead of transformers' finfo(float32).min: both make exp() exactly 0.
+    """
+    key_positions = np.arange(scores.shape[-1])
+    future = key_positions[None, :] > q_positions[:, None]                           # [T, S]
+    return np.where(future, -np.inf, scores).astype(np.float32)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, shifted by the max so exp() cannot overflow."""
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def weighted_sum(probs: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Mix the values by the attention weights: probs [H, T, S], v [S, KVH, Dh] -> [T, H*Dh].
+
+    Heads are concatenated head-major (feature f of o_proj's input is head f // Dh).
+    """
+    H, T, _ = probs.shape
+    v = np.repeat(v, H // v.shape[1], axis=1)                                        # [S, H, Dh]
+    out = probs @ v.transpose(1, 0, 2)                                               # [H, T, Dh]
+    return out.transpose(1, 0, 2).reshape(T, -1)                                     # [T, H*Dh]
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray) -> np.ndarray:
+    """Causal grouped-query attention: q [T, H, Dh], k/v [S, KVH, Dh] (all keys so far) -> [T, H*Dh]."""
+    scores = causal_mask(attention_scores(q, k), q_positions)                         # [H, T, S]
+    return weighted_sum(softmax(scores), v)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x). Written as x / (1 + exp(-x)): exp overflows to inf for x << 0 and x/inf = -0."""
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1.0) + np.exp(-x))
+
+
+def swiglu(x: np.ndarray, gate_proj: np.ndarray, up_proj: np.ndarray, down_proj: np.ndarray) -> np.ndarray:
+    """Qwen3MLP: down(silu(gate(x)) * up(x)).  x [T, D] -> [T, F] -> [T, D]."""
+    return linear(silu(linear(x, gate_proj)) * linear(x, up_proj), down_proj)

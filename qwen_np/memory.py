@@ -1,0 +1,97 @@
+"""The memory plan: decided from the config alone, before a single weight is allocated.
+
+Weights stay resident in FP32 when they fit with margin (fastest: no conversion per token).
+Otherwise they stay in their stored 2-byte format, memory-mapped from the checkpoint, and are
+upcast block by block as each matmul uses them (Qwen3-8B: 30.5 GiB FP32 vs 15.3 GiB BF16).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .config import Qwen3Config, parameter_count
+from .errors import QwenNPError
+
+GiB = 1024 ** 3
+MODES = ("auto", "fp32", "bf16")
+SAFETY_FRACTION = 0.85   # leave room for the OS, the page cache of the BF16 path and Python itself
+
+
+def available_memory() -> int:
+    """Bytes the kernel says a new process can still use (MemAvailable), or physical RAM as fallback."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_cache_bytes_per_token(config: Qwen3Config, bytes_per_value: int = 4) -> int:
+    """Keys and values of every layer for one position (qwen_np keeps them in FP32: 4 bytes)."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * bytes_per_value
+
+
+def working_bytes(config: Qwen3Config, max_tokens: int, chunk: int = 512) -> int:
+    """Rough peak of activations for a prefill chunk: logits, MLP activations, attention scores."""
+    T = min(chunk, max_tokens)
+    logits = T * config.vocab_size * 4
+    mlp = 3 * T * config.intermediate_size * 4
+    scores = 2 * config.num_attention_heads * T * max_tokens * 4
+    return logits + mlp + scores + 8 * T * config.hidden_size * 4
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How the weights will be held, and what every part costs in bytes."""
+
+    mode: str                  # "fp32" (upcast once at load) or "bf16" (stored format, upcast per use)
+    fp32_weight_bytes: int
+    stored_weight_bytes: int
+    kv_cache_bytes: int
+    working_bytes: int
+    available_bytes: int
+    max_tokens: int
+
+    @property
+    def total_bytes(self) -> int:
+        weights = self.fp32_weight_bytes if self.mode == "fp32" else self.stored_weight_bytes
+        return weights + self.kv_cache_bytes + self.working_bytes
+
+    def describe(self) -> str:
+        rows = [
+            ("weights FP32", self.fp32_weight_bytes), ("weights as stored", self.stored_weight_bytes),
+            (f"KV cache ({self.max_tokens} tokens, FP32)", self.kv_cache_bytes),
+            ("working buffers", self.working_bytes), ("available RAM", self.available_bytes),
+        ]
+        lines = [f"  {label:<34} {n / GiB:8.2f} GiB" for label, n in rows]
+        how = ("weights upcast to FP32 once, at load" if self.mode == "fp32"
+               else "weights memory-mapped as stored, upcast block by block on use")
+        return "\n".join([f"memory plan: {self.mode} ({how}); needs {self.total_bytes / GiB:.2f} GiB", *lines])
+
+
+def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
+                stored_bytes_per_value: int = 2, available: int | None = None) -> MemoryPlan:
+    """Choose fp32 or bf16 residency; raise QwenNPError (before loading) when nothing fits."""
+    if requested not in MODES:
+        raise QwenNPError(f"--memory: expected one of {', '.join(MODES)}, got {requested!r}")
+    params = parameter_count(config)
+    available = available_memory() if available is None else available
+    budget = int(available * SAFETY_FRACTION)
+    common = dict(fp32_weight_bytes=4 * params, stored_weight_bytes=stored_bytes_per_value * params,
+                  kv_cache_bytes=max_tokens * kv_cache_bytes_per_token(config),
+                  working_bytes=working_bytes(config, max_tokens), available_bytes=available,
+                  max_tokens=max_tokens)
+    fp32, stored = MemoryPlan(mode="fp32", **common), MemoryPlan(mode="bf16", **common)
+    if requested == "fp32":
+        return fp32
+    if requested == "bf16" or fp32.total_bytes > budget:
+        if requested == "auto" and stored.total_bytes > budget:
+            raise QwenNPError(f"--memory: the model needs {stored.total_bytes / GiB:.1f} GiB even with weights kept "
+                              f"as stored, but only {available / GiB:.1f} GiB is available (try a smaller model "
+                              "or a shorter context)")
+        return stored
+    return fp32

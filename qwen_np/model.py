@@ -1,0 +1,218 @@
+"""Qwen3ForCausalLM in NumPy: the weights, the KV cache, and one forward pass top to bottom.
+
+    token ids [T]
+      -> embed_tokens                                   [T, D]
+      -> L x decoder layer:
+           x = x + attention(input_layernorm(x))       q/k/v proj, per-head q/k RMSNorm, RoPE, GQA
+           x = x + swiglu(post_attention_layernorm(x))
+      -> norm -> lm_head                                [T, V] logits at every position
+
+The KV cache keeps the post-RoPE keys and the values of every position seen so far, so a decode step
+only computes the new token's q/k/v and attends over the cache instead of re-running the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import layers
+from .checkpoint import DTYPE_BYTES, EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, Checkpoint
+from .config import Qwen3Config, load_config
+from .errors import QwenNPError
+from .memory import MemoryPlan, plan_memory
+from .numerics import upcast
+
+# trace(name, value) is called with every intermediate of the forward pass when given (see inspect).
+Trace = Callable[[str, np.ndarray], None]
+DEFAULT_CONTEXT = 4096   # KV cache size the memory plan assumes when the caller does not say
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's tensors, named as in the checkpoint (model.layers.{i}.<...>.weight).
+
+    Projections are [out, in]; in "bf16" memory mode they are memory-mapped BF16 bits (uint16).
+    """
+
+    input_layernorm: np.ndarray            # [D]
+    q_proj: np.ndarray                     # [H*Dh, D]
+    k_proj: np.ndarray                     # [KVH*Dh, D]
+    v_proj: np.ndarray                     # [KVH*Dh, D]
+    q_norm: np.ndarray                     # [Dh]  shared by all query heads
+    k_norm: np.ndarray                     # [Dh]  shared by all key heads
+    o_proj: np.ndarray                     # [D, H*Dh]
+    post_attention_layernorm: np.ndarray   # [D]
+    gate_proj: np.ndarray                  # [F, D]
+    up_proj: np.ndarray                    # [F, D]
+    down_proj: np.ndarray                  # [D, F]
+
+
+class KVCache:
+    """Preallocated keys and values for up to `max_tokens` positions, for every layer.
+
+    keys[l, p] is layer l's key at position p after k_norm and RoPE; values[l, p] the raw value.
+    `length` positions are filled; a forward pass with the cache appends its T tokens after them.
+    """
+
+    def __init__(self, config: Qwen3Config, max_tokens: int):
+        if max_tokens <= 0:
+            raise QwenNPError(f"max_tokens: the KV cache needs at least one position, got {max_tokens}")
+        shape = (config.num_hidden_layers, max_tokens, config.num_key_value_heads, config.head_dim)
+        self.keys = np.zeros(shape, dtype=np.float32)          # [L, S_max, KVH, Dh]
+        self.values = np.zeros(shape, dtype=np.float32)        # [L, S_max, KVH, Dh]
+        self.length = 0
+        self.max_tokens = max_tokens
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (e.g. to re-render a chat's changed history)."""
+        if not 0 <= length <= self.length:
+            raise QwenNPError(f"cache: cannot truncate {self.length} cached positions to {length}")
+        self.length = length
+
+
+class Qwen3Model:
+    """A loaded Qwen3 checkpoint. `forward` maps token ids to logits, optionally through a KVCache."""
+
+    def __init__(self, config: Qwen3Config, embed_tokens: np.ndarray, decoder_layers: list[LayerWeights],
+                 norm: np.ndarray, lm_head: np.ndarray, plan: MemoryPlan | None = None):
+        self.config = config
+        self.embed_tokens = embed_tokens      # [V, D]
+        self.layers = decoder_layers          # L x LayerWeights
+        self.norm = norm                      # [D]
+        self.lm_head = lm_head                # [V, D]; the same array as embed_tokens when tied
+        self.plan = plan
+        self.inv_freq = layers.rope_inverse_frequencies(config.head_dim, config.rope_theta)   # [Dh/2]
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        """An empty KV cache for up to `max_tokens` positions."""
+        return KVCache(self.config, max_tokens)
+
+    def forward(self, token_ids: Sequence[int] | np.ndarray, cache: KVCache | None = None,
+                trace: Trace | None = None) -> np.ndarray:
+        """Logits [T, V] (FP32) for every position of `token_ids`.
+
+        Without a cache the tokens are a whole sequence starting at position 0. With a cache they
+        continue after the cache's `length` positions, and their keys/values are appended to it.
+        """
+        ids = self._check_ids(token_ids)
+        start = cache.length if cache is not None else 0
+        if cache is not None and start + len(ids) > cache.max_tokens:
+            raise QwenNPError(f"cache: {start} cached + {len(ids)} new tokens exceed its {cache.max_tokens} positions")
+        note = trace or _no_trace
+        positions = np.arange(start, start + len(ids))                                 # [T]
+        cos, sin = layers.rope_angles(self.inv_freq, positions)                        # [T, Dh] each
+
+        x = layers.embed(ids, self.embed_tokens)                                       # [T, D]
+        note("model.embed_tokens", x)
+        for i, layer in enumerate(self.layers):
+            x = self._decoder_layer(i, layer, x, positions, cos, sin, cache, note)     # [T, D]
+        x = layers.rms_norm(x, self.norm, self.config.rms_norm_eps)                    # [T, D]
+        note("model.norm", x)
+        logits = layers.linear(x, self.lm_head)                                        # [T, V]
+        note("lm_head", logits)
+        if cache is not None:
+            cache.length += len(ids)
+        return logits
+
+    def _decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray,
+                       cos: np.ndarray, sin: np.ndarray, cache: KVCache | None, note: Trace) -> np.ndarray:
+        """x + attention(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).  [T, D] -> [T, D]."""
+        c, T, name = self.config, x.shape[0], f"model.layers.{i}"
+        eps = c.rms_norm_eps
+
+        # --- self-attention block ---
+        h = layers.rms_norm(x, w.input_layernorm, eps)                                  # [T, D]
+        note(f"{name}.input_layernorm", h)
+        q = layers.linear(h, w.q_proj).reshape(T, c.num_attention_heads, c.head_dim)    # [T, H, Dh]
+        k = layers.linear(h, w.k_proj).reshape(T, c.num_key_value_heads, c.head_dim)    # [T, KVH, Dh]
+        v = layers.linear(h, w.v_proj).reshape(T, c.num_key_value_heads, c.head_dim)    # [T, KVH, Dh]
+        note(f"{name}.self_attn.q_proj", q), note(f"{name}.self_attn.k_proj", k), note(f"{name}.self_attn.v_proj", v)
+        q = layers.rms_norm(q, w.q_norm, eps)          # per head, over Dh, BEFORE RoPE    [T, H, Dh]
+        k = layers.rms_norm(k, w.k_norm, eps)          # v gets no norm                    [T, KVH, Dh]
+        note(f"{name}.self_attn.q_norm", q), note(f"{name}.self_attn.k_norm", k)
+        q = layers.rope(q, cos, sin)                                                     # [T, H, Dh]
+        k = layers.rope(k, cos, sin)                                                     # [T, KVH, Dh]
+        note(f"{name}.self_attn.rope_q", q), note(f"{name}.self_attn.rope_k", k)
+        if cache is not None:                          # append this call's keys/values, attend over all
+            start = positions[0]
+            cache.keys[i, start:start + T] = k
+            cache.values[i, start:start + T] = v
+            k = cache.keys[i, :start + T]                                                # [S, KVH, Dh]
+            v = cache.values[i, :start + T]                                              # [S, KVH, Dh]
+        scores = layers.causal_mask(layers.attention_scores(q, k), positions)            # [H, T, S]
+        note(f"{name}.self_attn.scores", scores)
+        probs = layers.softmax(scores)                                                   # [H, T, S]
+        note(f"{name}.self_attn.softmax", probs)
+        mixed = layers.weighted_sum(probs, v)                                            # [T, H*Dh]
+        note(f"{name}.self_attn.weighted_sum", mixed)
+        attn_out = layers.linear(mixed, w.o_proj)                                        # [T, D]
+        note(f"{name}.self_attn.o_proj", attn_out)
+        x = x + attn_out
+        note(f"{name}.residual_attn", x)
+
+        # --- MLP block (SwiGLU) ---
+        h = layers.rms_norm(x, w.post_attention_layernorm, eps)                         # [T, D]
+        note(f"{name}.post_attention_layernorm", h)
+        gate = layers.linear(h, w.gate_proj)                                             # [T, F]
+        up = layers.linear(h, w.up_proj)                                                 # [T, F]
+        note(f"{name}.mlp.gate_proj", gate), note(f"{name}.mlp.up_proj", up)
+        act = layers.silu(gate) * up                                                     # [T, F]
+        note(f"{name}.mlp.act_fn", act)
+        mlp_out = layers.linear(act, w.down_proj)                                        # [T, D]
+        note(f"{name}.mlp.down_proj", mlp_out)
+        x = x + mlp_out
+        note(f"{name}.residual_mlp", x)
+        return x
+
+    def _check_ids(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise QwenNPError(f"token_ids: expected a non-empty 1-D sequence of integers, got shape {ids.shape} {ids.dtype}")
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
+            raise QwenNPError(f"token_ids: id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
+        return ids.astype(np.int64)
+
+
+def _no_trace(name: str, value: np.ndarray) -> None:
+    """The trace used when nobody is watching: does nothing."""
+
+
+def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None) -> Qwen3Model:
+    """Load a Qwen3 checkpoint folder (or hub id) for inference.
+
+    memory: "fp32" upcasts every weight once; "bf16" keeps the stored weights memory-mapped and
+    upcasts them block by block on use; "auto" picks fp32 when it fits in RAM with margin.
+    max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
+    """
+    from .checkpoint import resolve_model_path   # local import keeps the hub client off the math path
+
+    folder = resolve_model_path(path)
+    config = load_config(folder)
+    checkpoint = Checkpoint(folder, config)
+    context = max_tokens or min(config.max_position_embeddings, DEFAULT_CONTEXT)
+    stored_width = DTYPE_BYTES[checkpoint.tensors[EMBED_TOKENS].dtype]
+    plan = plan_memory(config, context, memory, stored_bytes_per_value=stored_width)
+
+    def matrix(name: str) -> np.ndarray:
+        # fp32: read the stored bytes with plain file I/O and upcast, one tensor at a time, so the
+        # peak is the FP32 model plus one stored tensor. bf16: a zero-copy view of the mapped file.
+        return upcast(checkpoint.read(name)) if plan.mode == "fp32" else checkpoint.mapped(name)
+
+    def vector(name: str) -> np.ndarray:
+        return upcast(checkpoint.read(name))      # norms are tiny: always FP32
+
+    decoder_layers = []
+    for i in range(config.num_hidden_layers):
+        tensors = {key: LAYER_TENSOR_NAMES[key].format(i=i) for key in LAYER_TENSOR_NAMES}
+        decoder_layers.append(LayerWeights(**{
+            key: vector(name) if len(checkpoint.tensors[name].shape) == 1 else matrix(name)
+            for key, name in tensors.items()}))
+    embed_tokens = matrix(EMBED_TOKENS)
+    lm_head = embed_tokens if config.tie_word_embeddings else matrix(LM_HEAD)
+    return Qwen3Model(config, embed_tokens, decoder_layers, vector(FINAL_NORM), lm_head, plan)
+

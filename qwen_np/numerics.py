@@ -1,0 +1,46 @@
+"""Number formats: BF16/F16 bits in, FP32 out (and FP32 -> BF16 for writing test checkpoints).
+
+BF16 is the top half of an IEEE float32 (1 sign, 8 exponent, 7 mantissa bits), so widening it is
+exact: put the 16 bits in the high half of a uint32 and reinterpret. NumPy has no bfloat16 dtype,
+so BF16 tensors travel as uint16 "bit" arrays until they are upcast.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# On-disk dtype name (safetensors) -> the NumPy dtype whose bytes we read. BF16 stays as raw bits.
+STORAGE_DTYPES: dict[str, np.dtype] = {
+    "BF16": np.dtype("<u2"),
+    "F16": np.dtype("<f2"),
+    "F32": np.dtype("<f4"),
+}
+BYTES_PER_VALUE = {"FP32": 4, "BF16": 2, "FP16": 2, "FP8": 1, "INT8": 1, "INT4": 0.5}
+
+
+def bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Exact BF16 -> FP32: shift the 16 stored bits into the high half of a 32-bit word."""
+    if out is None:
+        out = np.empty(bits.shape, dtype=np.float32)
+    np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
+    return out
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """FP32 -> BF16 bits, rounding to nearest even as torch's .to(bfloat16) does (NaN stays NaN)."""
+    word = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = ((word >> 16) & 1) + np.uint32(0x7FFF)        # ties go to the even neighbour
+    bits = ((word + rounding) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    bits[nan] = ((word[nan] >> 16) | 0x0040).astype(np.uint16)  # keep NaN a NaN (quiet bit set)
+    return bits
+
+
+def upcast(stored: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """FP32 copy of a stored tensor (BF16 bits, F16 or F32), optionally written into `out`."""
+    if stored.dtype == np.uint16:
+        return bf16_bits_to_f32(stored, out)
+    if out is None:
+        return stored.astype(np.float32)
+    out[...] = stored
+    return out
