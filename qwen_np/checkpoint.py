@@ -258,8 +258,11 @@ def _sharded_tensors(index_path: Path) -> dict[str, TensorInfo]:
 
 # --- Writing safetensors (test checkpoints, benchmarks, the bundled model) -----------------------
 
+_ENCODERS = {"BF16": f32_to_bf16_bits, "F16": lambda v: v.astype("<f2"), "F32": lambda v: v.astype("<f4")}
+
+
 def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype: str = "BF16") -> None:
-    """Write FP32 arrays as one safetensors file in `dtype` (BF16 rounded to nearest even, or F32).
+    """Write FP32 arrays as one safetensors file in `dtype` (BF16 rounded to nearest even, F16 or F32).
 
     Laid out the way the reference writer does: header padded with spaces to a multiple of 8,
     tensors back to back in name order, `{"format": "pt"}` metadata.
@@ -278,7 +281,7 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype:
         f.write(struct.pack("<Q", len(text)) + text)
         for name in names:
             values = np.asarray(tensors[name], dtype=np.float32)
-            f.write((f32_to_bf16_bits(values) if dtype == "BF16" else values.astype("<f4")).tobytes())
+            f.write(_ENCODERS[dtype](values).tobytes())
     os.replace(tmp, path)   # never leave a half-written checkpoint under the real name
 
 

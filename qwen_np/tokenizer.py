@@ -58,11 +58,13 @@ class Tokenizer:
         backend = _load_backend(folder / TOKENIZER_FILE)
         config = _load_config(folder / CONFIG_FILE)
         template_path = folder / TEMPLATE_FILE
-        template = template_path.read_text(encoding="utf-8") if template_path.is_file() else config.get("chat_template")
+        if template_path.is_file():
+            source, template = template_path, template_path.read_text(encoding="utf-8")
+        else:
+            source, template = folder / CONFIG_FILE, config.get("chat_template")
         try:
             return cls(backend, config, template)
         except jinja2.TemplateSyntaxError as exc:
-            source = template_path if template_path.is_file() else folder / CONFIG_FILE
             raise QwenNPError(f"{source}: chat template does not compile: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
@@ -116,9 +118,9 @@ class Tokenizer:
             raise QwenNPError(f"{CONFIG_FILE}: no chat_template (and no {TEMPLATE_FILE} next to it)")
         if not messages:
             raise QwenNPError("apply_chat_template: messages is empty")
-        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        # Like transformers: special tokens first, so explicit keyword arguments override them.
-        variables = {**self._template_tokens(), **extra}
+        variables = self._template_tokens()  # bos_token, eos_token, ... as transformers passes them
+        if enable_thinking is not None:
+            variables["enable_thinking"] = enable_thinking
         try:
             return self._template.render(
                 messages=_normalize_messages(messages),

@@ -1,0 +1,48 @@
+"""Shared test helpers: tiny random Qwen3 checkpoints written through the real checkpoint writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from qwen_np.checkpoint import expected_tensors, save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+TINY_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96, "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 2048,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def write_random_checkpoint(folder: Path, seed: int = 0, shards: int = 1, dtype: str = "BF16",
+                            **overrides: object) -> Path:
+    """A Qwen3 checkpoint with random weights (norm weights random too, so q/k norm bugs show)."""
+    from qwen_np.config import Qwen3Config
+
+    config_json = {**TINY_CONFIG, **overrides}
+    config = Qwen3Config.from_dict(config_json)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in expected_tensors(config).items():
+        if len(shape) == 1:
+            tensors[name] = (1.0 + 0.5 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            tensors[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    names = sorted(tensors)
+    groups = [names[i::shards] for i in range(shards)]
+    return save_checkpoint(folder, config_json, [{n: tensors[n] for n in g} for g in groups], dtype=dtype)
+
+
+@pytest.fixture
+def make_checkpoint(tmp_path: Path) -> Callable[..., Path]:
+    """Factory: make_checkpoint(name="ckpt", seed=0, shards=1, dtype="BF16", **config_overrides) -> folder."""
+    def make(name: str = "ckpt", **kwargs: object) -> Path:
+        return write_random_checkpoint(tmp_path / name, **kwargs)
+    return make
