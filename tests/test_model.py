@@ -1,0 +1,151 @@
+"""The forward pass: KV cache, chunked prefill, memory modes, and the pieces that are easy to get wrong."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from qwen_np import QwenNPError, layers, load_model
+from qwen_np.config import parameter_count
+
+IDS = np.array([5, 17, 42, 3, 3, 88, 61, 0, 95, 12, 7, 30, 64, 2, 9, 50])
+
+
+def _close(a: np.ndarray, b: np.ndarray, rel: float = 1e-5) -> bool:
+    return np.abs(a - b).max() <= rel * max(1.0, np.abs(b).max())
+
+
+@pytest.fixture(params=["fp32", "bf16"])
+def model(request, make_checkpoint):
+    return load_model(make_checkpoint(seed=1, num_key_value_heads=1), memory=request.param)
+
+
+def test_kv_cache_prefill_then_decode_matches_full_forward(model):
+    full = model.forward(IDS)
+    cache = model.new_cache(len(IDS))
+    steps = [model.forward(IDS[:6], cache=cache)]
+    steps += [model.forward(IDS[i:i + 1], cache=cache) for i in range(6, len(IDS))]
+    assert cache.length == len(IDS)
+    assert _close(np.concatenate(steps), full)
+
+
+def test_chunked_prefill_matches_full_forward(model):
+    full = model.forward(IDS)
+    cache = model.new_cache(32)
+    chunks = [model.forward(IDS[a:b], cache=cache) for a, b in ((0, 5), (5, 6), (6, 13), (13, 16))]
+    assert _close(np.concatenate(chunks), full)
+
+
+def test_decode_step_does_not_recompute_the_sequence(model, monkeypatch):
+    cache = model.new_cache(32)
+    model.forward(IDS[:10], cache=cache)
+    rows_seen = []
+    original = layers.linear
+
+    def counting_linear(x, weight):
+        rows_seen.append(x.shape[0])
+        return original(x, weight)
+
+    monkeypatch.setattr(layers, "linear", counting_linear)
+    model.forward(IDS[10:11], cache=cache)
+    assert rows_seen and set(rows_seen) == {1}       # every projection saw the one new token only
+
+
+def test_decode_reads_history_from_the_cache(model):
+    # If decode silently ignored the cache (or recomputed from the ids), corrupting it would not matter.
+    cache = model.new_cache(32)
+    model.forward(IDS[:10], cache=cache)
+    honest = model.forward(IDS[10:11], cache=cache)
+    cache.truncate(10)
+    cache.keys[:, :10] = np.random.default_rng(0).standard_normal(cache.keys[:, :10].shape)
+    assert not _close(model.forward(IDS[10:11], cache=cache), honest, rel=1e-3)
+
+
+def test_memory_modes_give_the_same_logits(make_checkpoint):
+    folder = make_checkpoint(seed=2, tie_word_embeddings=True)
+    fp32 = load_model(folder, memory="fp32")
+    bf16 = load_model(folder, memory="bf16")
+    assert fp32.plan.mode == "fp32" and bf16.plan.mode == "bf16"
+    assert bf16.layers[0].q_proj.dtype == np.uint16          # stays in stored BF16 bits
+    assert np.array_equal(fp32.forward(IDS), bf16.forward(IDS))
+
+
+def test_cache_overflow_is_an_error_not_a_silent_wrap(model):
+    cache = model.new_cache(4)
+    with pytest.raises(QwenNPError, match="exceed its 4 positions"):
+        model.forward(IDS[:5], cache=cache)
+
+
+@pytest.mark.parametrize("bad", [[], [[1, 2]], [1.5, 2.0], [96], [-1]])
+def test_bad_token_ids_are_rejected(model, bad):
+    with pytest.raises(QwenNPError, match="token_ids"):
+        model.forward(np.array(bad))
+
+
+def test_loading_fp32_holds_no_second_copy_of_the_model(make_checkpoint):
+    folder = make_checkpoint(hidden_size=128, intermediate_size=256, vocab_size=4096, head_dim=32)
+    tracemalloc.start()
+    model = load_model(folder, memory="fp32")
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    fp32_bytes = 4 * parameter_count(model.config)
+    largest_stored = 2 * 4096 * 128
+    assert peak <= fp32_bytes + 2 * largest_stored + 1_000_000
+
+
+def test_gqa_query_head_h_reads_kv_head_h_div_group():
+    rng = np.random.default_rng(0)
+    T, H, KVH, Dh = 3, 4, 2, 8
+    q = rng.standard_normal((T, H, Dh)).astype(np.float32)
+    k = rng.standard_normal((T, KVH, Dh)).astype(np.float32)
+    scores = layers.attention_scores(q, k)                           # [H, T, S]
+    for h in range(H):
+        expected = q[:, h] @ k[:, h // (H // KVH)].T * Dh ** -0.5
+        assert np.allclose(scores[h], expected, rtol=1e-6)
+
+
+def test_rope_pairs_dimension_i_with_i_plus_half():
+    Dh = 8
+    inv_freq = layers.rope_inverse_frequencies(Dh, 10000.0)
+    cos, sin = layers.rope_angles(inv_freq, np.array([3]))
+    x = np.zeros((1, 1, Dh), np.float32)
+    x[0, 0, 1] = 1.0                                                  # only dimension 1 is set
+    y = layers.rope(x, cos, sin)[0, 0]
+    angle = 3 * inv_freq[1]
+    assert np.allclose([y[1], y[1 + Dh // 2]], [np.cos(angle), np.sin(angle)], atol=1e-6)
+    assert np.count_nonzero(y) == 2                                   # the pair (1, 5), nothing else
+
+
+def test_rope_inverse_frequencies_match_torch_within_one_ulp_and_negligible_phase():
+    torch = pytest.importorskip("torch")
+    for head_dim, theta in ((128, 1e6), (64, 1e4), (80, 5e6), (16, 1e6)):
+        expected = (1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))).numpy()
+        ours = layers.rope_inverse_frequencies(head_dim, theta)
+        ulps = np.abs(ours.view(np.int32) - expected.view(np.int32))
+        assert ulps.max() <= 1 and ulps.sum() <= 1                    # at most one entry, one ulp
+        assert np.abs(ours - expected).max() * 40960 < 2e-6             # phase error at the context end
+
+
+def test_rope_tables_match_torch_at_long_positions():
+    torch = pytest.importorskip("torch")
+    inv_freq = layers.rope_inverse_frequencies(128, 1e6)
+    positions = np.array([0, 1, 999, 4097, 32767, 40959])
+    cos, sin = layers.rope_angles(inv_freq, positions)
+    freqs = torch.from_numpy(inv_freq)[None, :] * torch.from_numpy(positions).float()[:, None]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    assert np.abs(cos - emb.cos().numpy()).max() <= 2e-7 and np.abs(sin - emb.sin().numpy()).max() <= 2e-7
+
+
+def test_rms_norm_uses_weight_times_normalised_x():
+    x = np.array([[3.0, 4.0]], np.float32)
+    weight = np.array([2.0, 0.5], np.float32)
+    rms = np.sqrt((9 + 16) / 2 + 1e-6)
+    assert np.allclose(layers.rms_norm(x, weight, 1e-6), [[2 * 3 / rms, 0.5 * 4 / rms]])
+
+
+def test_silu_does_not_overflow_for_very_negative_inputs():
+    with np.errstate(invalid="raise", divide="raise"):
+        out = layers.silu(np.array([-1000.0, 0.0, 1000.0], np.float32))
+    assert np.array_equal(out, np.array([-0.0, 0.0, 1000.0], np.float32))
