@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from . import fast as fast_path
 from . import layers
 from .checkpoint import DTYPE_BYTES, EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, Checkpoint
 from .config import Qwen3Config, load_config
@@ -78,13 +79,14 @@ class Qwen3Model:
     """A loaded Qwen3 checkpoint. `forward` maps token ids to logits, optionally through a KVCache."""
 
     def __init__(self, config: Qwen3Config, embed_tokens: np.ndarray, decoder_layers: list[LayerWeights],
-                 norm: np.ndarray, lm_head: np.ndarray, plan: MemoryPlan | None = None):
+                 norm: np.ndarray, lm_head: np.ndarray, plan: MemoryPlan | None = None, fast: bool = False):
         self.config = config
         self.embed_tokens = embed_tokens      # [V, D]
         self.layers = decoder_layers          # L x LayerWeights
         self.norm = norm                      # [D]
         self.lm_head = lm_head                # [V, D]; the same array as embed_tokens when tied
         self.plan = plan
+        self.fast = fast                      # forward() without a trace runs qwen_np/fast.py: same logits
         self.inv_freq = layers.rope_inverse_frequencies(config.head_dim, config.rope_theta)   # [Dh/2]
 
     def new_cache(self, max_tokens: int) -> KVCache:
@@ -102,6 +104,8 @@ class Qwen3Model:
         start = cache.length if cache is not None else 0
         if cache is not None and start + len(ids) > cache.max_tokens:
             raise QwenNPError(f"cache: {start} cached + {len(ids)} new tokens exceed its {cache.max_tokens} positions")
+        if self.fast and trace is None:
+            return fast_path.forward(self, ids, cache)
         note = trace or _no_trace
         positions = np.arange(start, start + len(ids))                                 # [T]
         cos, sin = layers.rope_angles(self.inv_freq, positions)                        # [T, Dh] each
@@ -182,12 +186,15 @@ def _no_trace(name: str, value: np.ndarray) -> None:
     """The trace used when nobody is watching: does nothing."""
 
 
-def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None) -> Qwen3Model:
+def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None,
+               fast: bool = True) -> Qwen3Model:
     """Load a Qwen3 checkpoint folder (or hub id) for inference.
 
     memory: "fp32" upcasts every weight once; "bf16" keeps the stored weights memory-mapped and
     upcasts them block by block on use; "auto" picks fp32 when it fits in RAM with margin.
     max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
+    fast: run forward() through qwen_np/fast.py (same logits, tuned for speed); False keeps every
+    call on the readable path below.
     """
     from .checkpoint import resolve_model_path   # local import keeps the hub client off the math path
 
@@ -214,5 +221,8 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
             for key, name in tensors.items()}))
     embed_tokens = matrix(EMBED_TOKENS)
     lm_head = embed_tokens if config.tie_word_embeddings else matrix(LM_HEAD)
-    return Qwen3Model(config, embed_tokens, decoder_layers, vector(FINAL_NORM), lm_head, plan)
+    model = Qwen3Model(config, embed_tokens, decoder_layers, vector(FINAL_NORM), lm_head, plan, fast)
+    if fast:
+        fast_path.fuse_projections(model)     # q/k/v and gate/up as one array each (FP32 only)
+    return model
 

@@ -1,0 +1,281 @@
+"""Generating text: prefill the prompt, then sample one token at a time through the KV cache.
+
+    from qwen_np import load_model
+    from qwen_np.checkpoint import resolve_model_path
+    from qwen_np.config import load_config
+    from qwen_np.generate import generate, prompt_ids, read_generation_defaults, resolve_sampling
+    from qwen_np.tokenizer import Tokenizer
+
+    folder = resolve_model_path("Qwen/Qwen3-0.6B")
+    model, tokenizer = load_model(folder), Tokenizer.from_folder(folder)
+    defaults = read_generation_defaults(folder, model.config)
+    params = resolve_sampling(defaults, enable_thinking=False, seed=0)
+    ids = prompt_ids(tokenizer, "Why is the sky blue?", enable_thinking=False)
+    for event in generate(model, tokenizer, ids, params, 200, eos_token_ids=defaults.eos_token_ids):
+        print(event.text, end="", flush=True)
+
+`ChatSession` holds a multi-turn conversation whose KV cache survives between turns.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .config import Qwen3Config
+from .errors import QwenNPError
+from .model import KVCache, Qwen3Model, Trace
+from .sampling import SamplingParams, next_token
+from .tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
+
+GENERATION_CONFIG = "generation_config.json"
+# Prompt tokens per forward pass during prefill: bounds the [T, V] logits and [H, T, S] attention
+# scores one pass allocates (the memory plan budgets its working buffers for this chunk size).
+PREFILL_CHUNK = 512
+# The model card's settings for non-thinking mode (spec §2.6), used with enable_thinking=False.
+NON_THINKING_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
+# What transformers' GenerationConfig falls back to for keys a generation_config.json leaves out.
+TRANSFORMERS_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0,
+                         "repetition_penalty": 1.0}
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token and the text it completes ("" while a multi-byte character is unfinished).
+
+    The last event carries `finish_reason`: "eos" (its token is the end-of-sequence id, whose own
+    text is not included), "length" (max_new_tokens reached) or "context" (the context is full).
+    """
+
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of one generation, kept current while it runs (so Ctrl-C can still report)."""
+
+    prompt_tokens: int = 0        # prompt tokens run through the model in this call
+    cached_tokens: int = 0        # prompt tokens whose keys/values were already in the cache
+    new_tokens: int = 0
+    load_seconds: float = 0.0     # filled in by whoever loads the model
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0   # sampling every new token and running all but the last through the model
+    finish_reason: str | None = None
+
+    def summary(self, model_name: str) -> str:
+        """The one-line report printed after every run."""
+        return (f"stats: model={model_name} prompt_tokens={self.prompt_tokens} cached_tokens={self.cached_tokens} "
+                f"new_tokens={self.new_tokens} load={self.load_seconds:.2f}s "
+                f"prefill={_rate(self.prompt_tokens, self.prefill_seconds)} "
+                f"decode={_rate(self.new_tokens, self.decode_seconds)} "
+                f"peak_rss={peak_rss_bytes() / 2**20:.0f}MiB finish={self.finish_reason or 'none'}")
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.1f}tok/s" if seconds > 0 and tokens else "n/a"
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024   # macOS reports bytes, Linux KiB
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a checkpoint says about generating: its sampling settings and every id that ends a reply."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def read_generation_defaults(folder: str | Path, config: Qwen3Config) -> GenerationDefaults:
+    """Sampling defaults from `folder/generation_config.json`, read the way transformers reads them.
+
+    Keys the file leaves out take transformers' defaults; do_sample false (transformers' default)
+    means greedy, i.e. temperature 0. The EOS ids are the file's and config.json's together.
+    """
+    path = Path(folder) / GENERATION_CONFIG
+    raw = _read_json(path) if path.is_file() else {}
+    value = {key: default if raw.get(key) is None else raw[key] for key, default in TRANSFORMERS_DEFAULTS.items()}
+    try:
+        sampling = SamplingParams(
+            temperature=float(value["temperature"]) if value["do_sample"] else 0.0,
+            top_k=int(value["top_k"]), top_p=float(value["top_p"]), min_p=float(value["min_p"]),
+            repetition_penalty=float(value["repetition_penalty"]))
+        eos = _id_list(raw.get("eos_token_id")) + config.eos_token_ids
+    except (TypeError, ValueError, QwenNPError) as bad:
+        raise QwenNPError(f"{path}: bad sampling setting ({bad})") from None
+    return GenerationDefaults(sampling, tuple(dict.fromkeys(int(i) for i in eos)))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+        raise QwenNPError(f"{path}: not valid JSON ({bad})") from None
+    if not isinstance(raw, dict):
+        raise QwenNPError(f"{path}: expected a JSON object")
+    return raw
+
+
+def _id_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+
+def resolve_sampling(defaults: GenerationDefaults, enable_thinking: bool | None = None,
+                     **explicit: float | int | None) -> SamplingParams:
+    """The sampling settings to use: explicit values (None = not given) win over the model card's
+    non-thinking settings when enable_thinking is False, which win over the checkpoint's defaults."""
+    chosen = {**(NON_THINKING_SAMPLING if enable_thinking is False else {}),
+              **{key: value for key, value in explicit.items() if value is not None}}
+    return replace(defaults.sampling, **chosen)
+
+
+def chat_messages(user: str, system: str | None = None) -> list[Message]:
+    """A conversation's opening messages: the optional system prompt, then the user's."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool = True, enable_thinking: bool | None = None,
+               system: str | None = None) -> list[int]:
+    """Token ids for `prompt`: rendered as a user message with the chat template, or as plain text."""
+    if not prompt.strip():
+        raise QwenNPError("prompt: empty (give the text to continue or the question to ask)")
+    if not chat:
+        if system is not None:
+            raise QwenNPError("--system: a system prompt needs the chat template (drop --no-chat)")
+        return tokenizer.encode(prompt)
+    text = tokenizer.apply_chat_template(chat_messages(prompt, system), add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
+    return tokenizer.encode(text)
+
+
+def context_budget(config: Qwen3Config, prompt_tokens: int, max_new_tokens: int) -> int:
+    """KV cache positions one generation needs: prompt + new tokens, capped at the model's context.
+
+    Raises when the prompt leaves no room for a single new token (checked before loading weights).
+    """
+    context = config.max_position_embeddings
+    where = f"the model's {context}-token context (max_position_embeddings)"
+    _check_room(prompt_tokens, max_new_tokens, context, where)
+    return min(prompt_tokens + max_new_tokens, context)
+
+
+def _check_room(prompt_tokens: int, max_new_tokens: int, limit: int, where: str) -> None:
+    if max_new_tokens < 0:
+        raise QwenNPError(f"--max-new-tokens: must be >= 0, got {max_new_tokens}")
+    if prompt_tokens + min(max_new_tokens, 1) > limit:
+        raise QwenNPError(f"prompt: {prompt_tokens} tokens leave no room for new tokens in {where}")
+
+
+def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
+             max_new_tokens: int, *, eos_token_ids: Sequence[int] = (), cache: KVCache | None = None,
+             rng: np.random.Generator | None = None, trace: Trace | None = None,
+             stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
+    """Yield one TokenEvent per generated token until an EOS id, max_new_tokens or the context limit.
+
+    With a `cache`, its first `cache.length` positions must hold `prompt_ids[:cache.length]`; only
+    the rest of the prompt is prefilled. `rng` defaults to one seeded with params.seed. `trace`
+    sees the prompt prefill and the first decode step. `stats`, when given, is updated as it runs.
+    """
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise QwenNPError("prompt: no tokens")
+    if cache is None:
+        cache = model.new_cache(context_budget(model.config, len(prompt), max_new_tokens))
+    limit = min(cache.max_tokens, model.config.max_position_embeddings)
+    if cache.length >= len(prompt):
+        raise QwenNPError(f"cache: holds {cache.length} positions, the whole {len(prompt)}-token prompt; "
+                          "at least one prompt token must be new")
+    _check_room(len(prompt), max_new_tokens, limit, f"a {limit}-token context")
+    rng = rng if rng is not None else np.random.default_rng(params.seed)
+    stats = stats if stats is not None else GenerationStats()
+    stats.cached_tokens, stats.prompt_tokens = cache.length, len(prompt) - cache.length
+
+    started = time.perf_counter()
+    logits = _prefill(model, prompt[cache.length:], cache, trace)                      # [V]
+    stats.prefill_seconds = time.perf_counter() - started
+    if max_new_tokens == 0:
+        stats.finish_reason = "length"
+        return
+
+    eos, decoder, sequence, generated = set(eos_token_ids), StreamDecoder(tokenizer), list(prompt), []
+    while True:
+        started = time.perf_counter()
+        token = next_token(logits, params, rng, sequence, generated)
+        sequence.append(token)
+        generated.append(token)
+        finish = ("eos" if token in eos else "length" if len(generated) == max_new_tokens
+                  else "context" if len(sequence) >= limit else None)
+        text = decoder.flush() if finish == "eos" else decoder.push(token) + (decoder.flush() if finish else "")
+        stats.new_tokens, stats.finish_reason = len(generated), finish
+        stats.decode_seconds += time.perf_counter() - started
+        yield TokenEvent(token, text, finish)    # before the next forward pass: print as soon as known
+        if finish:
+            return
+        started = time.perf_counter()
+        logits = model.forward([token], cache, trace if len(generated) == 1 else None)[-1]
+        stats.decode_seconds += time.perf_counter() - started
+
+
+def _prefill(model: Qwen3Model, ids: list[int], cache: KVCache, trace: Trace | None) -> np.ndarray:
+    """Run the prompt through the model in chunks; return the last position's logits [V]."""
+    for start in range(0, len(ids), PREFILL_CHUNK):
+        logits = model.forward(ids[start:start + PREFILL_CHUNK], cache, trace)
+    return logits[-1]
+
+
+class ChatSession:
+    """A multi-turn conversation that keeps the KV cache between turns.
+
+    Each turn renders the whole conversation with the chat template, but only the tokens the cache
+    does not hold yet are run through the model. Qwen3's template drops the thinking of earlier
+    turns, so a new turn may differ from what was fed inside the last reply: the cache is then cut
+    back to the common prefix (tokenizer.chat_delta), never rebuilt from scratch.
+    """
+
+    def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, params: SamplingParams, *,
+                 eos_token_ids: Sequence[int] = (), system: str | None = None,
+                 enable_thinking: bool | None = None, max_tokens: int | None = None) -> None:
+        self.model, self.tokenizer, self.params = model, tokenizer, params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.enable_thinking = enable_thinking
+        self.system = system
+        self.messages: list[Message] = []
+        self.cache = model.new_cache(max_tokens or model.config.max_position_embeddings)
+        self.rng = np.random.default_rng(params.seed)   # one stream across turns: a seed fixes the chat
+        self.fed_ids: list[int] = []                     # the tokens whose keys/values the cache holds
+
+    def send(self, text: str, max_new_tokens: int, stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
+        """Add a user message and yield the reply's tokens; the reply joins the history when it ends
+        (or is interrupted, e.g. by Ctrl-C: the part generated so far is kept)."""
+        if not text.strip():
+            raise QwenNPError("chat: empty message")
+        messages = self.messages + chat_messages(text, self.system if not self.messages else None)
+        delta = chat_delta(self.tokenizer, self.fed_ids, messages, enable_thinking=self.enable_thinking)
+        self.cache.truncate(delta.keep)
+        ids = self.fed_ids[:delta.keep] + delta.ids
+        reply: list[int] = []
+        answered = False     # True once the model has produced anything, even an immediate EOS
+        try:
+            for event in generate(self.model, self.tokenizer, ids, self.params, max_new_tokens,
+                                  eos_token_ids=self.eos_token_ids, cache=self.cache, rng=self.rng, stats=stats):
+                answered = True
+                if event.finish_reason != "eos":
+                    reply.append(event.token_id)
+                yield event
+        finally:
+            # The cache holds a prefix of prompt + reply (an interrupted forward pass adds nothing).
+            self.fed_ids = (ids + reply)[:self.cache.length]
+            if answered:
+                self.messages = messages + [{"role": "assistant", "content": self.tokenizer.decode(reply)}]

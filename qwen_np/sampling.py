@@ -1,0 +1,161 @@
+"""Choosing the next token from logits: penalties, then the warpers, then one draw.
+
+Each step is a small pure function on a logits vector [V] and follows transformers'
+semantics (generation/logits_process.py), applied in transformers' order:
+
+    repetition penalty -> presence penalty -> temperature -> top-k -> top-p -> min-p -> draw
+
+* repetition_penalty (HF RepetitionPenaltyLogitsProcessor): for every token already in the
+  context, prompt included as HF does, a positive logit is divided by the penalty and a
+  negative one multiplied by it. 1.0 disables it.
+* presence_penalty (OpenAI / vLLM; transformers has none): subtract the penalty once from the
+  logit of every token the model has *generated* so far. The prompt is not counted, as in vLLM,
+  so a long prompt does not push the model away from the words it asks about. 0.0 disables it.
+* temperature divides the logits; 0 means greedy: the argmax of the penalised logits (HF's
+  do_sample=False, which still applies the repetition penalty). Warpers are skipped then.
+* top-k keeps every token scoring at least the k-th highest logit (ties kept, as in HF); 0 disables.
+* top-p keeps the smallest set of most likely tokens whose probability reaches p; 1.0 disables.
+* min-p drops tokens whose probability is below min_p times the top token's; 0.0 disables.
+
+Removed tokens get -inf, so a later softmax gives them exactly zero probability.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import QwenNPError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. Invalid values raise QwenNPError naming the CLI flag."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("--temperature", self.temperature, self.temperature >= 0, "must be >= 0 (0 = greedy)"),
+            ("--top-k", self.top_k, self.top_k >= 0, "must be >= 0 (0 = off)"),
+            ("--top-p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("--min-p", self.min_p, 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("--repetition-penalty", self.repetition_penalty, self.repetition_penalty > 0, "must be > 0 (1 = off)"),
+            ("--presence-penalty", self.presence_penalty, True, "must be a finite number"),
+        ]
+        for flag, value, ok, rule in checks:
+            # `not ok` alone would let NaN through every comparison above.
+            if not ok or not math.isfinite(value):
+                raise QwenNPError(f"{flag}: {rule}, got {value}")
+        if self.seed is not None and self.seed < 0:
+            raise QwenNPError(f"--seed: must be >= 0, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_repetition_penalty(logits: np.ndarray, context_ids: Sequence[int], penalty: float) -> np.ndarray:
+    """Penalise every token of the context once: positive logits / penalty, negative ones * penalty."""
+    if penalty == 1.0 or len(context_ids) == 0:
+        return logits
+    ids = np.unique(np.asarray(context_ids, dtype=np.int64))
+    out = logits.copy()
+    seen = out[ids]
+    out[ids] = np.where(seen < 0, seen * penalty, seen / penalty)
+    return out
+
+
+def apply_presence_penalty(logits: np.ndarray, generated_ids: Sequence[int], penalty: float) -> np.ndarray:
+    """Subtract `penalty` once from every token present in the generated ids (however often it occurs)."""
+    if penalty == 0.0 or len(generated_ids) == 0:
+        return logits
+    out = logits.copy()
+    out[np.unique(np.asarray(generated_ids, dtype=np.int64))] -= penalty
+    return out
+
+
+def apply_temperature(logits: np.ndarray, temperature: float) -> np.ndarray:
+    return logits if temperature == 1.0 else logits / np.float32(temperature)
+
+
+def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
+    """Keep the tokens scoring at least the k-th highest logit (k = 0: keep all)."""
+    if k == 0 or k >= logits.size:
+        return logits
+    kth = np.partition(logits, logits.size - k)[logits.size - k]
+    return np.where(logits < kth, -np.inf, logits).astype(logits.dtype, copy=False)
+
+
+def top_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
+    """Keep the smallest set of most likely tokens whose probabilities sum to at least p.
+
+    As HF: sort ascending, drop tokens while the cumulative probability is <= 1 - p, keep the
+    top token always. Only the tokens still alive are sorted (after top-k that is a handful).
+    """
+    if p >= 1.0:
+        return logits
+    alive = np.flatnonzero(np.isfinite(logits))
+    ascending = alive[np.argsort(logits[alive], kind="stable")]
+    cumulative = np.cumsum(softmax(logits[ascending]))
+    drop = cumulative <= 1.0 - p
+    drop[-1] = False
+    out = logits.copy()
+    out[ascending[drop]] = -np.inf
+    return out
+
+
+def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
+    """Drop tokens whose probability is below min_p x the most likely token's (the top token stays)."""
+    if min_p == 0.0:
+        return logits
+    probs = softmax(logits)
+    drop = probs < min_p * probs.max()
+    drop[np.argmax(probs)] = False
+    return np.where(drop, -np.inf, logits).astype(logits.dtype, copy=False)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Probabilities in float64 (so cumulative sums over 150k tokens do not drift); -inf -> 0."""
+    shifted = logits.astype(np.float64) - np.max(logits)
+    weights = np.exp(shifted)
+    return weights / weights.sum()
+
+
+def draw(logits: np.ndarray, rng: np.random.Generator) -> int:
+    """One token id drawn from softmax(logits) by inverse CDF with a single uniform from `rng`."""
+    cumulative = np.cumsum(softmax(logits))
+    # Kept strictly below the total so rounding can never land past the last token with mass.
+    u = min(rng.random() * cumulative[-1], np.nextafter(cumulative[-1], 0.0))
+    return int(np.searchsorted(cumulative, u, side="right"))
+
+
+def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Temperature, top-k, top-p, min-p in transformers' order: the distribution a draw samples from."""
+    logits = apply_temperature(logits, params.temperature)
+    logits = top_k_filter(logits, params.top_k)
+    logits = top_p_filter(logits, params.top_p)
+    return min_p_filter(logits, params.min_p)
+
+
+def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+               context_ids: Sequence[int], generated_ids: Sequence[int]) -> int:
+    """The next token id from one position's logits [V].
+
+    context_ids: every token of the sequence so far (prompt + generated), for the repetition penalty;
+    generated_ids: only the generated ones, for the presence penalty.
+    """
+    logits = apply_repetition_penalty(logits, context_ids, params.repetition_penalty)
+    logits = apply_presence_penalty(logits, generated_ids, params.presence_penalty)
+    if params.greedy:
+        return int(np.argmax(logits))
+    return draw(warp(logits, params), rng)

@@ -1,0 +1,222 @@
+"""`python -m qwen_np` end to end, as a subprocess, on the bundled model (offline, empty HF cache)."""
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwen_np.cli import ReplyWriter
+from qwen_np.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+WEIGHTS = ROOT / "weights"
+STATS = re.compile(r"^stats: model=.+ prompt_tokens=(\d+) cached_tokens=(\d+) new_tokens=(\d+) load=[\d.]+s "
+                   r"prefill=\S+ decode=\S+ peak_rss=\d+MiB finish=(\w+)$")
+DIM, RESET = ReplyWriter.DIM, ReplyWriter.RESET
+HAS_INSPECTION = (ROOT / "qwen_np" / "inspection.py").exists()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    """No network and an empty Hugging Face cache: what a fresh offline machine has."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
+            "PYTHONPATH": str(ROOT)}
+
+
+def qwen(env, *args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qwen_np", *args], cwd=ROOT, env=env, capture_output=True,
+                          input=None if stdin is None else stdin.encode(), timeout=timeout)
+
+
+def stderr_lines(result: subprocess.CompletedProcess) -> list[str]:
+    return result.stderr.decode().splitlines()
+
+
+def ids_line(lines: list[str], label: str) -> list[int]:
+    line = next(line for line in lines if line.startswith(label))
+    return [int(n) for n in re.findall(r"\d+", line[len(label):])]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_folder(WEIGHTS)
+
+
+def test_greedy_completion_streams_valid_utf8_equal_to_the_decoded_ids(env, tok) -> None:
+    result = qwen(env, "generate", "--no-chat", "--temperature", "0", "-n", "24", "--verbose", "猫日本")
+    assert result.returncode == 0, result.stderr.decode()
+    text = result.stdout.decode("utf-8")                      # strict: raises on half a character
+    lines = stderr_lines(result)
+    assert ids_line(lines, "prompt ids:") == tok.encode("猫日本")
+    generated = ids_line(lines, "generated ids:")
+    assert len(generated) == 24
+    assert text == tok.decode(generated) + "\n"
+    assert any(ord(ch) > 0x7F for ch in text) and "\ufffd" not in text
+    assert "memory plan:" in result.stderr.decode()
+
+
+def test_default_run_says_the_model_is_random_and_ends_with_one_stats_line(env) -> None:
+    result = qwen(env, "generate", "Hello!", "-n", "5", "--seed", "3")
+    assert result.returncode == 0, result.stderr.decode()
+    lines = stderr_lines(result)
+    assert len(lines) == 2
+    assert "RANDOM" in lines[0] and "--model" in lines[0]
+    match = STATS.match(lines[-1])
+    assert match, lines[-1]
+    assert match.groups() == ("10", "0", "5", "length")     # "Hello!" as a chat turn is 10 tokens
+
+
+def test_same_seed_same_text_across_runs(env) -> None:
+    first = qwen(env, "generate", "Once upon a time", "-n", "12", "--seed", "5", "--no-think")
+    second = qwen(env, "generate", "Once upon a time", "-n", "12", "--seed", "5", "--no-think")
+    assert first.returncode == second.returncode == 0
+    assert first.stdout == second.stdout and first.stdout.strip()
+
+
+def test_chat_keeps_the_cache_across_turns(env) -> None:
+    result = qwen(env, "chat", "--temperature", "0", "-n", "4", stdin="Hello!\nAnd a second question?\n")
+    assert result.returncode == 0, result.stderr.decode()
+    stats = [STATS.match(line) for line in stderr_lines(result) if line.startswith("stats:")]
+    assert len(stats) == 2 and all(stats)
+    (prompt1, cached1, _, _), (prompt2, cached2, _, _) = (tuple(map(int, m.groups()[:3])) + (m[4],) for m in stats)
+    assert cached1 == 0 and cached2 >= prompt1 and prompt2 < prompt1 + 10
+    assert len(result.stdout.decode().splitlines()) == 2     # one line per reply
+
+
+def test_ctrl_c_stops_cleanly_and_prints_stats(env) -> None:
+    command = [sys.executable, "-m", "qwen_np", "generate", "--no-chat", "-n", "30000", "--seed", "0", "Hello"]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert process.stdout.read(1)                        # it is generating
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    lines = stderr.decode().splitlines()
+    assert process.returncode == 130
+    assert "Traceback" not in stderr.decode()
+    match = STATS.match(lines[-1])
+    assert match and match[4] == "interrupted" and 0 < int(match[3]) < 30000
+
+
+def test_help_explains_every_flag(env) -> None:
+    result = qwen(env, "generate", "--help")
+    assert result.returncode == 0
+    text = result.stdout.decode()
+    for flag in ("--model", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
+                 "--repetition-penalty", "--presence-penalty", "--seed", "--no-chat", "--think", "--no-think",
+                 "--system", "--memory", "--threads", "--verbose", "--trace", "--trace-layers", "--lens",
+                 "--attention", "--attention-png"):
+        assert flag in text, flag
+
+
+@pytest.fixture(scope="module")
+def broken_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """A checkpoint without tokenizer files, and one whose safetensors file is garbage."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    no_tokenizer, garbage = root / "no_tokenizer", root / "garbage"
+    tokenizer_files = ["tokenizer.json", "tokenizer_config.json"]
+    for folder, names in ((no_tokenizer, ["config.json", "generation_config.json", "model.safetensors"]),
+                          (garbage, ["config.json", "generation_config.json", *tokenizer_files])):
+        folder.mkdir()
+        for name in names:
+            (folder / name).symlink_to(WEIGHTS / name)
+    (garbage / "model.safetensors").write_bytes(b"this is not a safetensors file")
+    return {"no_tokenizer": no_tokenizer, "garbage": garbage}
+
+
+BAD_INPUTS = {
+    "negative temperature": (["generate", "hi", "--temperature", "-1"], "--temperature"),
+    "top-p zero": (["generate", "hi", "--top-p", "0"], "--top-p"),
+    "top-p above one": (["generate", "hi", "--top-p", "1.5"], "--top-p"),
+    "negative top-k": (["generate", "hi", "--top-k", "-1"], "--top-k"),
+    "min-p above one": (["generate", "hi", "--min-p", "1.5"], "--min-p"),
+    "zero repetition penalty": (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty"),
+    "negative max tokens": (["generate", "hi", "-n", "-1"], "--max-new-tokens"),
+    "non-numeric top-k": (["generate", "hi", "--top-k", "many"], "--top-k"),
+    "zero threads": (["generate", "hi", "--threads", "0"], "--threads"),
+    "empty prompt": (["generate", ""], "prompt: empty"),
+    "prompt longer than the context": (["generate", "--no-chat", "a " * 42000], "40960-token context"),
+    "unknown hub id offline": (["generate", "--model", "nobody/no-such-model", "hi"], "python -m qwen_np download"),
+    "download offline": (["download", "nobody/no-such-model"], "nobody/no-such-model"),
+    "not a model": (["generate", "--model", "/no/such/folder", "hi"], "--model"),
+    "system without chat": (["generate", "--no-chat", "--system", "x", "hi"], "--system"),
+    "attention out of range": (["generate", "hi", "--attention", "7:0"], "--attention"),
+    "attention png alone": (["generate", "hi", "--attention-png", "out.png"], "--attention-png"),
+    "chat with a tiny context": (["chat", "--ctx-size", "1"], "--ctx-size"),
+}
+
+
+@pytest.mark.parametrize("args, expected", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_bad_input_is_one_line_and_exit_code_2(env, args, expected) -> None:
+    result = qwen(env, *args)
+    assert_one_error_line(result, expected)
+
+
+@pytest.mark.parametrize("which, expected", [("no_tokenizer", "tokenizer.json not found"),
+                                             ("garbage", "model.safetensors")])
+def test_broken_checkpoint_is_one_line_and_exit_code_2(env, broken_checkpoints, which, expected) -> None:
+    result = qwen(env, "generate", "--model", str(broken_checkpoints[which]), "hi")
+    assert_one_error_line(result, expected)
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, expected: str) -> None:
+    lines = stderr_lines(result)
+    assert result.returncode == 2, result.stderr.decode()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert result.stdout == b""
+    assert not (ROOT / "out.png").exists()
+
+
+@pytest.mark.skipif(not HAS_INSPECTION, reason="qwen_np/inspection.py is not written yet")
+def test_inspect_reads_only_the_config(env) -> None:
+    result = qwen(env, "inspect", "--preset", "qwen3-8b", "--json")
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.strip()
+    assert qwen(env, "inspect", "--tokens", "3").returncode == 0
+
+
+@pytest.mark.skipif(not HAS_INSPECTION, reason="qwen_np/inspection.py is not written yet")
+def test_trace_lens_and_attention_print_on_stderr(env, tmp_path) -> None:
+    png = tmp_path / "head.png"
+    result = qwen(env, "generate", "Hi", "-n", "2", "--trace-layers", "1", "--lens", "--attention", "1:3",
+                  "--attention-png", str(png))
+    assert result.returncode == 0, result.stderr.decode()
+    assert len(stderr_lines(result)) > 5
+    assert png.exists()
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_thinking_is_dimmed_on_a_terminal_and_left_alone_in_a_pipe(monkeypatch) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    deltas = ["<think>", "\nhmm", "\n</think>", "\n\nAnswer"]
+    for stream, expected in ((Terminal(), f"{DIM}<think>\nhmm\n</think>{RESET}\n\nAnswer\n"),
+                             (io.StringIO(), "<think>\nhmm\n</think>\n\nAnswer\n")):
+        writer = ReplyWriter(stream)
+        for delta in deltas:
+            writer.write(delta)
+        writer.end()
+        assert stream.getvalue() == expected
+    unfinished = Terminal()
+    writer = ReplyWriter(unfinished)
+    writer.write("<think>\nstill thinking")
+    writer.end()
+    assert unfinished.getvalue() == f"{DIM}<think>\nstill thinking{RESET}\n"
+
+
+def test_an_install_without_the_bundled_model_asks_for_model(monkeypatch, tmp_path, capsys) -> None:
+    import qwen_np.cli as cli
+
+    monkeypatch.setattr(cli, "BUNDLED_MODEL", tmp_path / "weights")
+    assert cli.main(["generate", "hi"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --model: not given, and the bundled model is not at")

@@ -1,0 +1,128 @@
+"""The fast path (qwen_np/fast.py) gives the readable path's logits, in every memory mode and cache use.
+
+Both paths run the same math; only the FP32 rounding of BLAS sums may differ, so logits must agree
+to 1e-5 relative (of the largest logit) and pick the same token at every position.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+import qwen_np
+from qwen_np import fast
+
+RTOL = 1e-5
+# (name, config overrides): GQA groups 1/2/4, head_dim above and below D/H, tied and untied heads.
+SHAPES = {
+    "mha_narrow_untied": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=6),
+    "gqa2_wide_tied": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    "gqa4_untied": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=12),
+}
+MODES = ("fp32", "bf16")
+PROMPT = np.array([5, 17, 3, 88, 42, 9, 61, 0, 95, 33, 7, 70])
+
+
+def assert_same_logits(fast_logits: np.ndarray, plain_logits: np.ndarray, what: str) -> None:
+    assert fast_logits.shape == plain_logits.shape and fast_logits.dtype == np.float32, what
+    scale = np.abs(plain_logits).max()
+    error = np.abs(fast_logits - plain_logits).max() / scale
+    assert error <= RTOL, f"{what}: max error {error:.2e} of the largest logit"
+    np.testing.assert_array_equal(fast_logits.argmax(-1), plain_logits.argmax(-1), err_msg=what)
+
+
+@pytest.fixture(params=sorted(SHAPES), scope="module")
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from conftest import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp(request.param), seed=len(request.param),
+                                   num_hidden_layers=3, **SHAPES[request.param])
+
+
+def load_pair(folder: Path, memory: str) -> tuple[qwen_np.Qwen3Model, qwen_np.Qwen3Model]:
+    return (qwen_np.load_model(folder, memory=memory, max_tokens=64, fast=True),
+            qwen_np.load_model(folder, memory=memory, max_tokens=64, fast=False))
+
+
+@pytest.mark.parametrize("memory", MODES)
+def test_full_sequence_without_cache(checkpoint: Path, memory: str) -> None:
+    fast_model, plain_model = load_pair(checkpoint, memory)
+    assert fast_model.fast and not plain_model.fast
+    assert_same_logits(fast_model.forward(PROMPT), plain_model.forward(PROMPT), f"{memory} no cache")
+    assert_same_logits(fast_model.forward(PROMPT[:1]), plain_model.forward(PROMPT[:1]), f"{memory} one token")
+
+
+@pytest.mark.parametrize("memory", MODES)
+def test_prefill_then_decode_with_cache(checkpoint: Path, memory: str) -> None:
+    """Prefill a prompt, then decode token by token (each step attends over the whole cache)."""
+    fast_model, plain_model = load_pair(checkpoint, memory)
+    fast_cache, plain_cache = fast_model.new_cache(32), plain_model.new_cache(32)
+    assert_same_logits(fast_model.forward(PROMPT[:7], fast_cache), plain_model.forward(PROMPT[:7], plain_cache),
+                       f"{memory} prefill")
+    for step, token in enumerate(PROMPT[7:]):
+        assert_same_logits(fast_model.forward([token], fast_cache), plain_model.forward([token], plain_cache),
+                           f"{memory} decode step {step}")
+    assert fast_cache.length == plain_cache.length == len(PROMPT)
+    np.testing.assert_allclose(fast_cache.keys[:, :len(PROMPT)], plain_cache.keys[:, :len(PROMPT)], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(fast_cache.values[:, :len(PROMPT)], plain_cache.values[:, :len(PROMPT)], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("memory", MODES)
+def test_chunked_prefill_matches_one_uncached_pass(checkpoint: Path, memory: str) -> None:
+    """Prefill in chunks of 5, 4 and 3 tokens (masks offset by the cache) == one plain pass."""
+    fast_model, plain_model = load_pair(checkpoint, memory)
+    cache = fast_model.new_cache(32)
+    chunks = [fast_model.forward(PROMPT[a:b], cache) for a, b in ((0, 5), (5, 9), (9, 12))]
+    assert_same_logits(np.concatenate(chunks), plain_model.forward(PROMPT), f"{memory} chunked prefill")
+
+
+def test_memory_modes_agree(checkpoint: Path) -> None:
+    """BF16-stored weights upcast exactly, so fp32 and bf16 residency give the same logits."""
+    fp32, _ = load_pair(checkpoint, "fp32")
+    bf16, _ = load_pair(checkpoint, "bf16")
+    assert bf16.lm_head.dtype == np.uint16 and fp32.lm_head.dtype == np.float32
+    assert_same_logits(bf16.forward(PROMPT), fp32.forward(PROMPT), "bf16 vs fp32 residency")
+
+
+def test_trace_takes_the_readable_path(checkpoint: Path) -> None:
+    """A traced call must see every intermediate, so it always runs the plain code."""
+    model, _ = load_pair(checkpoint, "fp32")
+    names: list[str] = []
+    model.forward(PROMPT[:3], trace=lambda name, value: names.append(name))
+    assert "model.layers.0.self_attn.q_norm" in names and names[-1] == "lm_head"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_streamed_bf16_rows_split_over_threads(checkpoint: Path, threads: int) -> None:
+    """The row split between streaming threads covers every row once, for any thread count."""
+    fast_model, plain_model = load_pair(checkpoint, "bf16")
+    before = fast._threads
+    try:
+        fast.set_threads(threads)
+        assert_same_logits(fast_model.forward(PROMPT), plain_model.forward(PROMPT), f"{threads} threads")
+        assert all(info["num_threads"] == threads for info in fast.blas_info())
+    finally:
+        fast.set_threads(before)
+
+
+def test_bf16_decode_never_materialises_a_whole_fp32_weight(make_checkpoint: Callable[..., Path]) -> None:
+    """A decode step in bf16 mode upcasts blocks of rows, never a whole FP32 copy of lm_head."""
+    folder = make_checkpoint(vocab_size=16384, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=32)
+    model = qwen_np.load_model(folder, memory="bf16", max_tokens=16)
+    cache = model.new_cache(16)
+    model.forward(PROMPT[:4], cache)
+    model.forward([1], cache)                     # first decode step allocates the reused buffers
+    lm_head_fp32 = model.lm_head.size * 4         # 8 MiB
+    tracemalloc.start()
+    try:
+        model.forward([2], cache)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert model.lm_head.dtype == np.uint16
+    assert peak < lm_head_fp32 / 8, f"decode step peaked at {peak} bytes; lm_head in FP32 is {lm_head_fp32}"
