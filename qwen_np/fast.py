@@ -17,6 +17,10 @@ this path adds no new math; it stops wasting memory traffic and Python time:
 The decode buffers and fused weights are kept per model, so one model must not run two forward
 passes at once from different threads (the readable path has no such state).
 
+Where a decode step's time goes (measured, per token): Qwen3-0.6B FP32 44 ms = products 37.9
+(64 GB/s), attention 3.6 (reading the cache is latency-bound), norms 1.1, RoPE 0.5, SiLU 0.3, the rest
+0.7; Qwen3-8B BF16 625 ms = products 614 (the same products alone, back to back: 617-628 ms).
+
 Every function reproduces the matching function in layers.py up to FP32 rounding (BLAS may sum in a
 different order); tests/test_fast_path.py holds the two paths to 1e-5 relative.
 """

@@ -21,7 +21,8 @@ import numpy as np
 
 from . import fast as fast_path
 from . import layers
-from .checkpoint import DTYPE_BYTES, EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, Checkpoint
+from .checkpoint import (DTYPE_BYTES, EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, Checkpoint,
+                         resolve_model_path)
 from .config import Qwen3Config, load_config
 from .errors import QwenNPError
 from .memory import MemoryPlan, plan_memory
@@ -196,8 +197,6 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     fast: run forward() through qwen_np/fast.py (same logits, tuned for speed); False keeps every
     call on the readable path below.
     """
-    from .checkpoint import resolve_model_path   # local import keeps the hub client off the math path
-
     folder = resolve_model_path(path)
     config = load_config(folder)
     checkpoint = Checkpoint(folder, config)

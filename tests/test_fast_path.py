@@ -88,6 +88,14 @@ def test_memory_modes_agree(checkpoint: Path) -> None:
     assert_same_logits(bf16.forward(PROMPT), fp32.forward(PROMPT), "bf16 vs fp32 residency")
 
 
+def test_f32_checkpoint_kept_as_stored(make_checkpoint: Callable[..., Path]) -> None:
+    """"bf16" residency keeps whatever the file stores; an F32 file maps as FP32 and skips the upcast."""
+    folder = make_checkpoint(dtype="F32", num_attention_heads=8, num_key_value_heads=2)
+    fast_model, plain_model = load_pair(folder, "bf16")
+    assert fast_model.lm_head.dtype == np.float32 and not fast_model.lm_head.flags.writeable
+    assert_same_logits(fast_model.forward(PROMPT), plain_model.forward(PROMPT), "F32 stored, mapped")
+
+
 def test_trace_takes_the_readable_path(checkpoint: Path) -> None:
     """A traced call must see every intermediate, so it always runs the plain code."""
     model, _ = load_pair(checkpoint, "fp32")

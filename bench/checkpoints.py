@@ -1,0 +1,114 @@
+"""Random-weight checkpoints at real Qwen3 shapes, written as BF16 safetensors without holding the model.
+
+A benchmark of a memory-bound decoder needs the real tensor shapes, not the real values. Each tensor
+is drawn from its own generator seeded by its name, so the files are the same on every machine and
+every run. Values come from a fixed 65536-entry table of BF16 normals (std 0.02, like a trained
+model's projections) indexed by random 16-bit words: one cheap gather per value, so the 16.4 GB
+Qwen3-8B checkpoint is written in a few minutes, a chunk at a time, with almost no RAM.
+Norm weights are 1.0, as at initialisation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from qwen_np.checkpoint import INDEX_FILE, expected_tensors
+from qwen_np.config import PRESETS, Qwen3Config
+from qwen_np.numerics import f32_to_bf16_bits
+
+CACHE_ENV = "QWEN_NP_BENCH_CACHE"
+FORMAT_VERSION = 1             # bump to invalidate cached checkpoints when the generator changes
+SHARD_BYTES = 2 * 1024 ** 3    # like the hub's ~4 GB shards, smaller so one shard never dominates
+CHUNK_VALUES = 1 << 23         # 16 MB of BF16 generated and written at a time
+WEIGHT_STD = 0.02
+MODELS = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b"}
+
+
+def cache_dir() -> Path:
+    """Where generated checkpoints live: $QWEN_NP_BENCH_CACHE or ~/.cache/qwen_np_bench (never the repo)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qwen_np_bench")
+
+
+def config_json(config: Qwen3Config) -> dict[str, object]:
+    """The config.json a hub checkpoint of these shapes would carry."""
+    fields = config.to_dict()
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+            "attention_bias": False, "use_sliding_window": False, **fields}
+
+
+def ensure_checkpoint(model: str, log=print) -> Path:
+    """The folder of the cached random checkpoint for `model` ('0.6b' or '8b'), generated if missing."""
+    folder = cache_dir() / f"{MODELS[model]}-random-v{FORMAT_VERSION}"
+    if (folder / "config.json").exists():
+        return folder
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    config = PRESETS[MODELS[model]]
+    log(f"generating {folder} (random BF16 weights, written shard by shard) ...")
+    write_random_checkpoint(partial, config)
+    partial.rename(folder)     # config.json appears under the real name only when every shard is complete
+    return folder
+
+
+def write_random_checkpoint(folder: Path, config: Qwen3Config) -> None:
+    shapes = expected_tensors(config)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():          # model order: embedding, layer by layer, norm, head
+        nbytes = 2 * int(np.prod(shape))
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    table = _value_table()
+    weight_map = {}
+    for number, names in enumerate(shards, start=1):
+        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        _write_shard(folder / file_name, {n: shapes[n] for n in names}, table)
+        weight_map.update({n: file_name for n in names})
+    total = sum(2 * int(np.prod(s)) for s in shapes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (folder / "config.json").write_text(json.dumps(config_json(config), indent=2, sort_keys=True))
+
+
+def _value_table() -> np.ndarray:
+    """65536 BF16 bit patterns of N(0, WEIGHT_STD): a random 16-bit word picks one."""
+    normals = np.random.default_rng(FORMAT_VERSION).standard_normal(65536).astype(np.float32)
+    return f32_to_bf16_bits(WEIGHT_STD * normals)
+
+
+def _write_shard(path: Path, shapes: dict[str, tuple[int, ...]], table: np.ndarray) -> None:
+    """One safetensors file (8-byte header length, space-padded JSON header, BF16 data back to back)."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = 2 * int(np.prod(shape))
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    one = f32_to_bf16_bits(np.ones(1, dtype=np.float32))[0]
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name, shape in shapes.items():
+            count = int(np.prod(shape))
+            if len(shape) == 1:
+                f.write(np.full(count, one, dtype="<u2").tobytes())
+                continue
+            rng = np.random.default_rng(zlib.crc32(name.encode()))
+            buffer = np.empty(min(count, CHUNK_VALUES), dtype="<u2")
+            for start in range(0, count, CHUNK_VALUES):
+                n = min(CHUNK_VALUES, count - start)
+                words = np.frombuffer(rng.bytes(2 * n), dtype="<u2")
+                np.take(table, words, out=buffer[:n])
+                f.write(buffer[:n].data)

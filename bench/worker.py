@@ -1,0 +1,163 @@
+"""One measured configuration, run in its own process; prints one JSON line of results.
+
+Bandwidth differs from process to process on this machine (50-73 GB/s), so the limits a run is
+judged against are measured in the same process, just before the model is loaded:
+
+* read_gbs: streaming read bandwidth, as FP32 GEMV over a 1 GiB matrix (what decode does with FP32
+  weights: every byte read once, two flops per four bytes).
+* gemm_gflops: FP32 GEMM at the shape of the model's MLP for a 128-token prefill ([T, D] x [D, F]).
+* fused_gbs: qwen_np's BF16 streaming product (upcast blocks of rows, then GEMV) over 1 GiB of BF16
+  weights, in BF16 bytes per second: the ceiling for decoding with weights kept as BF16.
+
+Usage: python -m bench.worker ENGINE MODEL_DIR MODE PREFILL DECODE THREADS
+(ENGINE qwen_np|qwen_np_plain|transformers; MODE fp32|bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+GiB = 1024 ** 3
+
+
+def best_seconds(run: Callable[[], object], repeats: int = 3) -> float:
+    run()                                            # warm caches, fault pages, spin up threads
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def machine_rates(hidden: int, intermediate: int, prefill: int) -> dict[str, float]:
+    """This process's read bandwidth, FP32 GEMM rate and fused BF16 upcast+GEMV rate."""
+    from qwen_np import fast
+
+    rng = np.random.default_rng(0)
+    matrix = rng.standard_normal((GiB // (4 * 4096), 4096), dtype=np.float32)
+    vector = np.ones(4096, np.float32)
+    out = np.empty(matrix.shape[0], np.float32)
+    read_gbs = matrix.nbytes / best_seconds(lambda: np.matmul(matrix, vector, out=out)) / 1e9
+    del matrix, out
+    a = rng.standard_normal((prefill, hidden), dtype=np.float32)
+    b = rng.standard_normal((intermediate, hidden), dtype=np.float32)
+    c = np.empty((prefill, intermediate), np.float32)
+    gemm_gflops = 2 * a.shape[0] * a.shape[1] * b.shape[0] / best_seconds(lambda: np.matmul(a, b.T, out=c)) / 1e9
+    del a, b, c
+    bits = rng.integers(0x3C00, 0x3D00, size=(GiB // (2 * hidden), hidden), dtype=np.uint16)  # |w| ~ 0.01
+    x = np.ones((1, hidden), np.float32)
+    y = np.empty((1, bits.shape[0]), np.float32)
+    with fast.single_threaded_blas():
+        fused_gbs = bits.nbytes / best_seconds(lambda: fast.linear(x, bits, y)) / 1e9
+    return {"read_gbs": read_gbs, "gemm_gflops": gemm_gflops, "fused_gbs": fused_gbs}
+
+
+def read_into_page_cache(folder: str) -> None:
+    """Read every checkpoint file once, so the timed load measures loading from the page cache."""
+    from pathlib import Path
+
+    chunk = bytearray(16 * 1024 ** 2)
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(chunk):
+                pass
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # Linux reports KiB
+
+
+def run_qwen_np(folder: str, mode: str, prefill: int, decode: int, fast: bool) -> dict[str, Any]:
+    import qwen_np
+
+    start = time.perf_counter()
+    model = qwen_np.load_model(folder, memory=mode, max_tokens=prefill + decode, fast=fast)
+    load_s = time.perf_counter() - start
+    prompt = (np.arange(prefill) * 7919 + 1000) % model.config.vocab_size
+    model.forward(prompt, model.new_cache(prefill + decode))     # warm-up: page faults, buffers
+    cache = model.new_cache(prefill + decode)
+    start = time.perf_counter()
+    logits = model.forward(prompt, cache)
+    prefill_s = time.perf_counter() - start
+    token = int(logits[-1].argmax())
+    start = time.perf_counter()
+    for _ in range(decode):
+        token = int(model.forward([token], cache)[-1].argmax())
+    decode_s = time.perf_counter() - start
+    return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "mode": model.plan.mode,
+            "stream_s": weight_stream_seconds(model)}
+
+
+def weight_stream_seconds(model: Any) -> float:
+    """One token's products alone: every weight matrix through qwen_np.fast.linear, back to back.
+
+    Bandwidth depends on where in physical memory an array lands (it varies from allocation to
+    allocation in this VM, 48-73 GB/s), so the 1 GiB test matrix can read slower or faster than the
+    model's own weights; this measures the weights where they actually are.
+    """
+    from qwen_np import fast
+
+    matrices = [w for layer in model.layers for w in vars(layer).values() if w.ndim == 2] + [model.lm_head]
+    inputs = {n: np.ones((1, n), np.float32) for n in {w.shape[1] for w in matrices}}
+    outputs = [np.empty((1, w.shape[0]), np.float32) for w in matrices]
+
+    def run() -> None:
+        for w, out in zip(matrices, outputs):
+            fast.linear(inputs[w.shape[1]], w, out)
+
+    with fast._blas_threads_for(model.lm_head):
+        return best_seconds(run)
+
+
+def run_transformers(folder: str, mode: str, prefill: int, decode: int, threads: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    load_s = time.perf_counter() - start
+    prompt = torch.tensor([(np.arange(prefill) * 7919 + 1000) % model.config.vocab_size])
+    with torch.inference_mode():
+        model(prompt, use_cache=True)                                     # warm-up
+        start = time.perf_counter()
+        out = model(prompt, use_cache=True)
+        prefill_s = time.perf_counter() - start
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(decode):
+            out = model(token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        decode_s = time.perf_counter() - start
+    return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "mode": mode}
+
+
+def main(argv: list[str]) -> None:
+    engine, folder, mode, prefill, decode, threads = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5])
+    from qwen_np import fast
+    from qwen_np.config import load_config
+
+    fast.set_threads(threads)
+    config = load_config(folder)
+    result: dict[str, Any] = machine_rates(config.hidden_size, config.intermediate_size, prefill)
+    read_into_page_cache(folder)
+    result["blas"] = [{key: info.get(key) for key in ("internal_api", "architecture", "num_threads", "version")}
+                      for info in fast.blas_info()]
+    if engine == "transformers":
+        result.update(run_transformers(folder, mode, prefill, decode, threads))
+    else:
+        result.update(run_qwen_np(folder, mode, prefill, decode, fast=engine == "qwen_np"))
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
