@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-from qwen_np.checkpoint import INDEX_FILE, expected_tensors
+from qwen_np.checkpoint import INDEX_FILE, expected_tensors, safetensors_header
 from qwen_np.config import PRESETS, Qwen3Config
 from qwen_np.numerics import f32_to_bf16_bits
 
@@ -88,18 +87,10 @@ def _value_table() -> np.ndarray:
 
 
 def _write_shard(path: Path, shapes: dict[str, tuple[int, ...]], table: np.ndarray) -> None:
-    """One safetensors file (8-byte header length, space-padded JSON header, BF16 data back to back)."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in shapes.items():
-        nbytes = 2 * int(np.prod(shape))
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    """One BF16 safetensors file, its tensors generated and written a chunk at a time."""
     one = f32_to_bf16_bits(np.ones(1, dtype=np.float32))[0]
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
+        f.write(safetensors_header(shapes, "BF16"))
         for name, shape in shapes.items():
             count = int(np.prod(shape))
             if len(shape) == 1:

@@ -262,27 +262,31 @@ def _sharded_tensors(index_path: Path) -> dict[str, TensorInfo]:
 _ENCODERS = {"BF16": f32_to_bf16_bits, "F16": lambda v: v.astype("<f2"), "F32": lambda v: v.astype("<f4")}
 
 
-def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype: str = "BF16") -> None:
-    """Write FP32 arrays as one safetensors file in `dtype` (BF16 rounded to nearest even, F16 or F32).
+def safetensors_header(shapes: Mapping[str, tuple[int, ...]], dtype: str = "BF16") -> bytes:
+    """The 8-byte length and JSON header of a file holding these tensors back to back, in this order.
 
     Laid out the way the reference writer does: header padded with spaces to a multiple of 8,
-    tensors back to back in name order, `{"format": "pt"}` metadata.
+    `{"format": "pt"}` metadata.
     """
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset, itemsize = 0, DTYPE_BYTES[dtype]
-    names = sorted(tensors)
-    for name in names:
-        nbytes = tensors[name].size * itemsize
-        header[name] = {"dtype": dtype, "shape": list(tensors[name].shape), "data_offsets": [offset, offset + nbytes]}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype: str = "BF16") -> None:
+    """Write FP32 arrays as one safetensors file in `dtype` (BF16 rounded to nearest even, F16 or F32)."""
+    names = sorted(tensors)
     tmp = Path(f"{path}.partial")
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
+        f.write(safetensors_header({name: tensors[name].shape for name in names}, dtype))
         for name in names:
-            values = np.asarray(tensors[name], dtype=np.float32)
-            f.write(_ENCODERS[dtype](values).tobytes())
+            f.write(_ENCODERS[dtype](np.asarray(tensors[name], dtype=np.float32)).tobytes())
     os.replace(tmp, path)   # never leave a half-written checkpoint under the real name
 
 
