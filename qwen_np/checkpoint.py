@@ -181,7 +181,7 @@ def _file_size(path: Path) -> int:
 class Checkpoint:
     """A checkpoint folder's tensors, validated, read lazily from memory-mapped files."""
 
-    def __init__(self, folder: str | Path, config: Qwen3Config):
+    def __init__(self, folder: str | Path, config: Qwen3Config) -> None:
         self.folder = Path(folder)
         self.config = config
         self.tensors = _index_tensors(self.folder)
@@ -335,8 +335,8 @@ def download(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_FILE_PATTERNS))
     except LocalEntryNotFoundError:
-        raise QwenNPError(f"--model: {repo_id!r} is not in the Hugging Face cache and the hub cannot be reached; "
+        raise QwenNPError(f"hub id {repo_id!r}: not in the Hugging Face cache and the hub cannot be reached; "
                           f"run `python -m qwen_np download {repo_id}` with network access, or pass a local folder") from None
     except (HfHubHTTPError, OSError, ValueError) as bad:
         first_line = str(bad).strip().splitlines()[0] if str(bad).strip() else type(bad).__name__
-        raise QwenNPError(f"--model: could not fetch {repo_id!r} from the hub ({first_line})") from None
+        raise QwenNPError(f"hub id {repo_id!r}: could not fetch it from the hub ({first_line})") from None

@@ -180,7 +180,7 @@ def _upcast_rows(stored: np.ndarray, out: np.ndarray) -> None:
 class _Buffers:
     """Every activation of one decoder layer for T tokens, reused by all layers (and later calls)."""
 
-    def __init__(self, config: Qwen3Config, T: int):
+    def __init__(self, config: Qwen3Config, T: int) -> None:
         D, F, H, KVH, Dh = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                             config.num_key_value_heads, config.head_dim)
         self.h = np.empty((T, D), np.float32)                          # normed input of a block

@@ -60,7 +60,7 @@ class KVCache:
     `length` positions are filled; a forward pass with the cache appends its T tokens after them.
     """
 
-    def __init__(self, config: Qwen3Config, max_tokens: int):
+    def __init__(self, config: Qwen3Config, max_tokens: int) -> None:
         if max_tokens <= 0:
             raise QwenNPError(f"max_tokens: the KV cache needs at least one position, got {max_tokens}")
         shape = (config.num_hidden_layers, max_tokens, config.num_key_value_heads, config.head_dim)
@@ -80,7 +80,7 @@ class Qwen3Model:
     """A loaded Qwen3 checkpoint. `forward` maps token ids to logits, optionally through a KVCache."""
 
     def __init__(self, config: Qwen3Config, embed_tokens: np.ndarray, decoder_layers: list[LayerWeights],
-                 norm: np.ndarray, lm_head: np.ndarray, plan: MemoryPlan | None = None, fast: bool = False):
+                 norm: np.ndarray, lm_head: np.ndarray, plan: MemoryPlan | None = None, fast: bool = False) -> None:
         self.config = config
         self.embed_tokens = embed_tokens      # [V, D]
         self.layers = decoder_layers          # L x LayerWeights

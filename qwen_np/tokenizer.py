@@ -172,7 +172,8 @@ def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, 
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         # Unlike jinja's own tojson, this does not HTML-escape, and it keeps non-ASCII text as is.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
