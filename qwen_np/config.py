@@ -68,7 +68,7 @@ class Qwen3Config:
                 head_dim=int(raw.get("head_dim") or 128),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=_rope_theta(raw, source),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),   # transformers' default
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_id=raw.get("eos_token_id"),
@@ -114,6 +114,9 @@ def _check_supported(raw: dict[str, Any], source: str) -> None:
         raise QwenNPError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (Qwen3 uses silu)")
 
 
+TRANSFORMERS_DEFAULT_ROPE_THETA = 10000.0
+
+
 def _rope_theta(raw: dict[str, Any], source: str) -> float:
     """RoPE base from `rope_theta` (Qwen3 as released) or `rope_parameters` (transformers >= 5)."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -122,9 +125,8 @@ def _rope_theta(raw: dict[str, Any], source: str) -> float:
         raise QwenNPError(f"{source}: rope scaling {rope_type!r} is not supported (only default RoPE; "
                           "remove rope_scaling to run at the native context length)")
     theta = params.get("rope_theta", raw.get("rope_theta"))
-    if theta is None:
-        raise QwenNPError(f"{source}: missing rope_theta (or rope_parameters.rope_theta)")
-    return float(theta)
+    # Absent everywhere, transformers falls back to its standard RoPE base 10000 (not Qwen3's 1e6).
+    return float(TRANSFORMERS_DEFAULT_ROPE_THETA if theta is None else theta)
 
 
 def load_config(folder: str | Path) -> Qwen3Config:

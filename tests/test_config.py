@@ -84,3 +84,13 @@ def test_shared_tokenizer_config_agrees_with_config_eos():
         pytest.skip("../shared is not beside this checkout")
     tokenizer_config = json.loads(path.read_text())
     assert tokenizer_config["added_tokens_decoder"][str(PRESETS["qwen3-8b"].eos_token_id)]["content"] == "<|im_end|>"
+
+
+def test_fields_left_out_take_transformers_defaults():
+    bare = {k: v for k, v in TINY_CONFIG.items() if k not in ("rope_theta", "max_position_embeddings", "rms_norm_eps")}
+    config = Qwen3Config.from_dict(bare)
+    assert (config.rope_theta, config.max_position_embeddings, config.rms_norm_eps) == (10000.0, 32768, 1e-6)
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.Qwen3Config(**{k: v for k, v in bare.items() if k != "architectures"})
+    assert theirs.rope_parameters["rope_theta"] == config.rope_theta
+    assert theirs.max_position_embeddings == config.max_position_embeddings
