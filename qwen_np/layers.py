@@ -7,9 +7,18 @@ transformers' modeling_qwen3.py; comments record where the numerics could silent
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .numerics import upcast
+
+# note(name, value) receives each intermediate when someone watches (a trace); by default nobody does.
+Note = Callable[[str, np.ndarray], None]
+
+
+def ignore(name: str, value: np.ndarray) -> None:
+    """The note used when nobody is watching: does nothing."""
 
 # How many weight rows to upcast at a time when a weight is stored as BF16: small enough that the
 # FP32 block stays in the CPU's last-level cache between being written and being multiplied.
@@ -122,10 +131,17 @@ def weighted_sum(probs: np.ndarray, v: np.ndarray) -> np.ndarray:
     return out.transpose(1, 0, 2).reshape(T, -1)                                     # [T, H*Dh]
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray) -> np.ndarray:
-    """Causal grouped-query attention: q [T, H, Dh], k/v [S, KVH, Dh] (all keys so far) -> [T, H*Dh]."""
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
+              note: Note = ignore) -> np.ndarray:
+    """Causal grouped-query attention: q [T, H, Dh], k/v [S, KVH, Dh] (all keys so far) -> [T, H*Dh].
+
+    `note(step, value)` receives each intermediate (the trace and the walkthrough use it).
+    """
     scores = causal_mask(attention_scores(q, k), q_positions)                         # [H, T, S]
-    return weighted_sum(softmax(scores), v)
+    note("scores", scores)
+    probs = softmax(scores)                                                           # [H, T, S]
+    note("softmax", probs)
+    return weighted_sum(probs, v)                                                     # [T, H*Dh]
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -134,6 +150,13 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (np.float32(1.0) + np.exp(-x))
 
 
-def swiglu(x: np.ndarray, gate_proj: np.ndarray, up_proj: np.ndarray, down_proj: np.ndarray) -> np.ndarray:
+def swiglu(x: np.ndarray, gate_proj: np.ndarray, up_proj: np.ndarray, down_proj: np.ndarray,
+           note: Note = ignore) -> np.ndarray:
     """Qwen3MLP: down(silu(gate(x)) * up(x)).  x [T, D] -> [T, F] -> [T, D]."""
-    return linear(silu(linear(x, gate_proj)) * linear(x, up_proj), down_proj)
+    gate = linear(x, gate_proj)                                                       # [T, F]
+    note("gate_proj", gate)
+    up = linear(x, up_proj)                                                           # [T, F]
+    note("up_proj", up)
+    act = silu(gate) * up                                                             # [T, F]
+    note("act_fn", act)
+    return linear(act, down_proj)                                                     # [T, D]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -28,8 +28,8 @@ from .errors import QwenNPError
 from .memory import MemoryPlan, plan_memory
 from .numerics import upcast
 
-# trace(name, value) is called with every intermediate of the forward pass when given (see inspect).
-Trace = Callable[[str, np.ndarray], None]
+# trace(name, value) is called with every intermediate of the forward pass when given (see inspection).
+Trace = layers.Note
 DEFAULT_CONTEXT = 4096   # KV cache size the memory plan assumes when the caller does not say
 
 
@@ -107,7 +107,7 @@ class Qwen3Model:
             raise QwenNPError(f"cache: {start} cached + {len(ids)} new tokens exceed its {cache.max_tokens} positions")
         if self.fast and trace is None:
             return fast_path.forward(self, ids, cache)
-        note = trace or _no_trace
+        note = trace or layers.ignore
         positions = np.arange(start, start + len(ids))                                 # [T]
         cos, sin = layers.rope_angles(self.inv_freq, positions)                        # [T, Dh] each
 
@@ -133,26 +133,26 @@ class Qwen3Model:
         h = layers.rms_norm(x, w.input_layernorm, eps)                                  # [T, D]
         note(f"{name}.input_layernorm", h)
         q = layers.linear(h, w.q_proj).reshape(T, c.num_attention_heads, c.head_dim)    # [T, H, Dh]
+        note(f"{name}.self_attn.q_proj", q)
         k = layers.linear(h, w.k_proj).reshape(T, c.num_key_value_heads, c.head_dim)    # [T, KVH, Dh]
+        note(f"{name}.self_attn.k_proj", k)
         v = layers.linear(h, w.v_proj).reshape(T, c.num_key_value_heads, c.head_dim)    # [T, KVH, Dh]
-        note(f"{name}.self_attn.q_proj", q), note(f"{name}.self_attn.k_proj", k), note(f"{name}.self_attn.v_proj", v)
+        note(f"{name}.self_attn.v_proj", v)
         q = layers.rms_norm(q, w.q_norm, eps)          # per head, over Dh, BEFORE RoPE    [T, H, Dh]
+        note(f"{name}.self_attn.q_norm", q)
         k = layers.rms_norm(k, w.k_norm, eps)          # v gets no norm                    [T, KVH, Dh]
-        note(f"{name}.self_attn.q_norm", q), note(f"{name}.self_attn.k_norm", k)
+        note(f"{name}.self_attn.k_norm", k)
         q = layers.rope(q, cos, sin)                                                     # [T, H, Dh]
+        note(f"{name}.self_attn.rope_q", q)
         k = layers.rope(k, cos, sin)                                                     # [T, KVH, Dh]
-        note(f"{name}.self_attn.rope_q", q), note(f"{name}.self_attn.rope_k", k)
+        note(f"{name}.self_attn.rope_k", k)
         if cache is not None:                          # append this call's keys/values, attend over all
             start = positions[0]
             cache.keys[i, start:start + T] = k
             cache.values[i, start:start + T] = v
             k = cache.keys[i, :start + T]                                                # [S, KVH, Dh]
             v = cache.values[i, :start + T]                                              # [S, KVH, Dh]
-        scores = layers.causal_mask(layers.attention_scores(q, k), positions)            # [H, T, S]
-        note(f"{name}.self_attn.scores", scores)
-        probs = layers.softmax(scores)                                                   # [H, T, S]
-        note(f"{name}.self_attn.softmax", probs)
-        mixed = layers.weighted_sum(probs, v)                                            # [T, H*Dh]
+        mixed = layers.attention(q, k, v, positions, _scoped(note, f"{name}.self_attn."))  # [T, H*Dh]
         note(f"{name}.self_attn.weighted_sum", mixed)
         attn_out = layers.linear(mixed, w.o_proj)                                        # [T, D]
         note(f"{name}.self_attn.o_proj", attn_out)
@@ -162,12 +162,7 @@ class Qwen3Model:
         # --- MLP block (SwiGLU) ---
         h = layers.rms_norm(x, w.post_attention_layernorm, eps)                         # [T, D]
         note(f"{name}.post_attention_layernorm", h)
-        gate = layers.linear(h, w.gate_proj)                                             # [T, F]
-        up = layers.linear(h, w.up_proj)                                                 # [T, F]
-        note(f"{name}.mlp.gate_proj", gate), note(f"{name}.mlp.up_proj", up)
-        act = layers.silu(gate) * up                                                     # [T, F]
-        note(f"{name}.mlp.act_fn", act)
-        mlp_out = layers.linear(act, w.down_proj)                                        # [T, D]
+        mlp_out = layers.swiglu(h, w.gate_proj, w.up_proj, w.down_proj, _scoped(note, f"{name}.mlp."))  # [T, D]
         note(f"{name}.mlp.down_proj", mlp_out)
         x = x + mlp_out
         note(f"{name}.residual_mlp", x)
@@ -183,8 +178,12 @@ class Qwen3Model:
         return ids.astype(np.int64)
 
 
-def _no_trace(name: str, value: np.ndarray) -> None:
-    """The trace used when nobody is watching: does nothing."""
+def _scoped(note: Trace, prefix: str) -> Trace:
+    """A note that puts `prefix` before each step name (layers.attention says "scores", the trace
+    shows "model.layers.3.self_attn.scores")."""
+    if note is layers.ignore:
+        return layers.ignore
+    return lambda step, value: note(prefix + step, value)
 
 
 def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None,

@@ -114,13 +114,16 @@ NOTE = re.compile(r'note\(f?"(?:\{name\}\.)?([\w.]+)"')
 
 
 def model_code_by_step() -> dict[str, str]:
-    """Step name -> the lines of model.py that compute it: those since the previous note() call.
+    """Step name -> the lines that compute it: those since the previous note() call.
 
-    Qwen3Model reports each step to the trace with note(name, value) right after computing it, so
-    the source between two note() calls is exactly the code of the step (or steps) noted second.
+    Qwen3Model (and the layers.attention / layers.swiglu it calls) report each step to the trace with
+    note(name, value) right after computing it, so the source between two note() calls is exactly
+    the code of the step noted second.
     """
     code: dict[str, str] = {}
-    for function, prefix in ((Qwen3Model.forward, ""), (Qwen3Model._decoder_layer, "model.layers.{i}.")):
+    for function, prefix in ((Qwen3Model.forward, ""), (Qwen3Model._decoder_layer, "model.layers.{i}."),
+                             (layers.attention, "model.layers.{i}.self_attn."),
+                             (layers.swiglu, "model.layers.{i}.mlp.")):
         body = inspect.getsource(function).split('"""')[-1].splitlines()[1:]   # skip the docstring
         pending: list[str] = []
         for line in body:
@@ -139,11 +142,11 @@ MODEL_CODE = model_code_by_step()
 
 
 def step_code(step: Step, shown: set[str]) -> str:
-    """The model.py lines of a step, then the source of each layers.* function they call, once."""
+    """The lines of a step, then the source of each layers.py function they call (once per page)."""
     lines = MODEL_CODE[step.name]
     parts = [code_block(lines)]
-    for function in dict.fromkeys(re.findall(r"layers\.(\w+)\(", lines)):
-        if function not in shown:
+    for function in dict.fromkeys(re.findall(r"(?<![\w.])(?:layers\.)?(\w+)\(", lines)):
+        if function not in shown and inspect.isfunction(getattr(layers, function, None)):
             shown.add(function)
             parts.append(f"`layers.{function}`, from `qwen_np/layers.py`:\n\n"
                          + code_block(inspect.getsource(getattr(layers, function))))
