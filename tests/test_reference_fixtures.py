@@ -25,13 +25,21 @@ FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 FIXTURE_NAMES = sorted(p.parent.name for p in FIXTURES_DIR.glob("*/reference.npz"))
 
 
+# Every way qwen_np can run a checkpoint: the fast path (the default) and the readable path, with
+# weights upcast at load (fp32) or kept as stored and upcast per use (bf16).
+RUN_MODES = {"fast-fp32": dict(fast=True, memory="fp32"), "fast-bf16": dict(fast=True, memory="bf16"),
+             "readable-fp32": dict(fast=False, memory="fp32"), "readable-bf16": dict(fast=False, memory="bf16")}
+CASES = [(name, mode) for name in FIXTURE_NAMES for mode in RUN_MODES]
+CASE_IDS = [f"{name}-{mode}" for name, mode in CASES]
+
+
 @functools.cache
-def load_fixture(name: str) -> tuple[qwen_np.Qwen3Model, dict[str, np.ndarray]]:
+def load_fixture(name: str, mode: str = "fast-fp32") -> tuple[qwen_np.Qwen3Model, dict[str, np.ndarray]]:
     """Load (once per session) the qwen_np model and the stored reference of one fixture."""
     directory = FIXTURES_DIR / name
     with np.load(directory / "reference.npz", allow_pickle=False) as stored:
         reference = {key: stored[key] for key in stored.files}
-    return qwen_np.load_model(directory), reference
+    return qwen_np.load_model(directory, **RUN_MODES[mode]), reference
 
 
 def test_fixture_set_is_present() -> None:
@@ -48,20 +56,20 @@ def test_config_fields_match_transformers_interpretation(name: str) -> None:
     assert actual == expected, name
 
 
-@pytest.mark.parametrize("name", FIXTURE_NAMES, ids=FIXTURE_NAMES)
-def test_full_forward_matches_transformers_logits_at_every_position(name: str) -> None:
+@pytest.mark.parametrize("name, mode", CASES, ids=CASE_IDS)
+def test_full_forward_matches_transformers_logits_at_every_position(name: str, mode: str) -> None:
     """One uncached forward over the whole input gives the reference logits everywhere."""
-    model, reference = load_fixture(name)
+    model, reference = load_fixture(name, mode)
     logits = model.forward(reference["input_ids"])
-    error = assert_logits_match(logits, reference["logits"], f"{name} full forward")
-    print(f"\n{name}: full forward, T={len(logits)}, max relative error {error:.2e}")
+    error = assert_logits_match(logits, reference["logits"], f"{name} {mode} full forward")
+    print(f"\n{name} [{mode}]: full forward, T={len(logits)}, max relative error {error:.2e}")
 
 
-@pytest.mark.parametrize("name", FIXTURE_NAMES, ids=FIXTURE_NAMES)
-def test_cached_prefill_then_decode_matches_transformers_logits(name: str) -> None:
+@pytest.mark.parametrize("name, mode", CASES, ids=CASE_IDS)
+def test_cached_prefill_then_decode_matches_transformers_logits(name: str, mode: str) -> None:
     """Prefilling half the input into a KV cache, then decoding one token at a time,
     gives the same logits as transformers' uncached forward at every position."""
-    model, reference = load_fixture(name)
+    model, reference = load_fixture(name, mode)
     input_ids, expected = reference["input_ids"], reference["logits"]
     prefill = len(input_ids) // 2
     cache = model.new_cache(len(input_ids))
@@ -71,5 +79,5 @@ def test_cached_prefill_then_decode_matches_transformers_logits(name: str) -> No
     for i in range(prefill, len(input_ids)):
         step = model.forward(input_ids[i:i + 1], cache=cache)
         errors.append(assert_logits_match(step, expected[i:i + 1], f"{name} decode step {i}"))
-    print(f"\n{name}: prefill {prefill} + {len(input_ids) - prefill} decode steps, "
+    print(f"\n{name} [{mode}]: prefill {prefill} + {len(input_ids) - prefill} decode steps, "
           f"max relative error {max(errors):.2e}")
