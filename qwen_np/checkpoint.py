@@ -217,10 +217,6 @@ class Checkpoint:
             dtype = STORAGE_DTYPES[info.dtype]
             return np.fromfile(f, dtype=dtype, count=info.nbytes // dtype.itemsize).reshape(info.shape)
 
-    def stored_bytes(self) -> int:
-        """Bytes the weights the config needs take on disk."""
-        return sum(self.tensors[name].nbytes for name in expected_tensors(self.config))
-
 
 def _index_tensors(folder: Path) -> dict[str, TensorInfo]:
     """name -> TensorInfo across the single file or every shard named by the index."""
@@ -246,6 +242,8 @@ def _sharded_tensors(index_path: Path) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     headers: dict[str, dict[str, TensorInfo]] = {}
     for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise QwenNPError(f"{index_path}: weight_map entry for {name!r} must be a file name, got {shard!r}")
         shard_path = index_path.parent / shard
         if shard not in headers:
             if not shard_path.is_file():
@@ -329,7 +327,7 @@ def download(repo_id: str) -> Path:
     """Fetch safetensors, json and tokenizer files of a hub repo (cached; honours HF_HUB_OFFLINE)."""
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+        from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError   # also in older releases
     except ImportError:  # pragma: no cover - huggingface_hub is a runtime dependency
         raise QwenNPError("--model: hub ids need the huggingface_hub package (pip install huggingface_hub)") from None
     try:

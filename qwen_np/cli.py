@@ -368,6 +368,10 @@ def run_chat(args: argparse.Namespace) -> int:
                 writer.write(event.text)
         except KeyboardInterrupt:
             stats.finish_reason = "interrupted"
+        except QwenNPError as problem:      # e.g. the conversation outgrew --ctx-size: say so, keep chatting
+            writer.end()
+            print(f"error: {problem}", file=sys.stderr)
+            continue
         writer.end()
         if args.verbose:
             print(f"cache: {session.cache.length} positions after this turn", file=sys.stderr)

@@ -46,8 +46,7 @@ class Qwen3Config:
     @property
     def eos_token_ids(self) -> list[int]:
         """eos_token_id as a list (config.json may hold one id or several)."""
-        eos = self.eos_token_id
-        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return id_list(self.eos_token_id)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,9 +62,9 @@ class Qwen3Config:
                 intermediate_size=int(raw["intermediate_size"]),
                 num_hidden_layers=int(raw["num_hidden_layers"]),
                 num_attention_heads=int(raw["num_attention_heads"]),
-                num_key_value_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+                num_key_value_heads=int(_given(raw, "num_key_value_heads", raw["num_attention_heads"])),
                 # transformers' Qwen3Config defaults head_dim to 128 (not hidden/heads) when absent.
-                head_dim=int(raw.get("head_dim") or 128),
+                head_dim=int(_given(raw, "head_dim", 128)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=_rope_theta(raw, source),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),   # transformers' default
@@ -97,6 +96,17 @@ class Qwen3Config:
             raise QwenNPError(f"{source}: rms_norm_eps and rope_theta must be positive")
 
 
+def id_list(ids: int | list[int] | None) -> list[int]:
+    """A token id field of a config file (absent, one id, or a list of ids) as a list."""
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+
+def _given(raw: dict[str, Any], key: str, default: Any) -> Any:
+    """raw[key], or the default when the key is absent or null (0 is a value, and validate() sees it)."""
+    value = raw.get(key)
+    return default if value is None else value
+
+
 def _check_supported(raw: dict[str, Any], source: str) -> None:
     """Refuse what this implementation does not compute, rather than compute it wrongly."""
     model_type = raw.get("model_type")
@@ -106,6 +116,8 @@ def _check_supported(raw: dict[str, Any], source: str) -> None:
     if raw.get("use_sliding_window"):
         raise QwenNPError(f"{source}: use_sliding_window=true is not supported (every released Qwen3 uses full attention)")
     layer_types = raw.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise QwenNPError(f"{source}: layer_types must be a list, got {layer_types!r}")
     if any(kind != "full_attention" for kind in layer_types):
         raise QwenNPError(f"{source}: layer_types other than 'full_attention' are not supported")
     if raw.get("attention_bias"):
@@ -120,6 +132,8 @@ TRANSFORMERS_DEFAULT_ROPE_THETA = 10000.0
 def _rope_theta(raw: dict[str, Any], source: str) -> float:
     """RoPE base from `rope_theta` (Qwen3 as released) or `rope_parameters` (transformers >= 5)."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise QwenNPError(f"{source}: rope_parameters / rope_scaling must be an object or null, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise QwenNPError(f"{source}: rope scaling {rope_type!r} is not supported (only default RoPE; "
@@ -129,18 +143,25 @@ def _rope_theta(raw: dict[str, Any], source: str) -> float:
     return float(TRANSFORMERS_DEFAULT_ROPE_THETA if theta is None else theta)
 
 
-def load_config(folder: str | Path) -> Qwen3Config:
-    """Read and validate `folder/config.json`."""
-    path = Path(folder) / "config.json"
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object (config.json, generation_config.json, tokenizer_config.json)."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise QwenNPError(f"{path}: config.json not found (is this a Hugging Face checkpoint folder?)") from None
+        raise QwenNPError(f"{path}: file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as bad:
         raise QwenNPError(f"{path}: not valid JSON ({bad})") from None
     if not isinstance(raw, dict):
         raise QwenNPError(f"{path}: expected a JSON object")
-    return Qwen3Config.from_dict(raw, source=str(path))
+    return raw
+
+
+def load_config(folder: str | Path) -> Qwen3Config:
+    """Read and validate `folder/config.json`."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise QwenNPError(f"{path}: config.json not found (is this a Hugging Face checkpoint folder?)")
+    return Qwen3Config.from_dict(read_json_object(path), source=str(path))
 
 
 # Published shapes of the dense Qwen3 family (spec §2), so shapes, parameter counts and memory can be

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import layers
+from .numerics import upcast
 
 try:  # optional: its C cast upcasts BF16 about 1.5x faster than NumPy's shift (see _upcast_rows)
     import ml_dtypes
@@ -162,17 +163,13 @@ def _upcast_rows(stored: np.ndarray, out: np.ndarray) -> None:
     """Exact BF16 (or F16) -> FP32 into `out`.
 
     Measured single-threaded on this machine, BF16 bytes read per second: ml_dtypes' cast 24 GB/s;
-    NumPy widening copy into uint32 then in-place shift 16 GB/s; np.left_shift(..., dtype=uint32)
-    (numerics.bf16_bits_to_f32) 8 GB/s, because it casts through a buffered loop.
+    NumPy's widening copy into uint32 then in-place shift (numerics.upcast) 16 GB/s;
+    np.left_shift(..., dtype=uint32) 8 GB/s, because it casts through a buffered loop.
     """
-    if stored.dtype != np.uint16:
-        out[...] = stored
-    elif ml_dtypes is not None:
+    if stored.dtype == np.uint16 and ml_dtypes is not None:
         np.copyto(out, stored.view(ml_dtypes.bfloat16), casting="unsafe")
     else:
-        bits = out.view(np.uint32)
-        bits[...] = stored
-        bits <<= 16
+        upcast(stored, out)
 
 
 # --- the forward pass --------------------------------------------------------------------------------
@@ -208,7 +205,8 @@ def fuse_projections(model: Qwen3Model) -> None:
     views into the fused arrays, so there is never a second copy and the readable path still works.
     Only FP32-resident weights are fused; memory-mapped BF16 weights stay where the file has them.
     """
-    if any(w.q_proj.dtype != np.float32 for w in model.layers):
+    kept_as_stored = model.plan is not None and model.plan.mode != "fp32"   # even F32 files: no copies
+    if kept_as_stored or any(w.q_proj.dtype != np.float32 for w in model.layers):
         return
     fused = []
     for w in model.layers:

@@ -2,7 +2,6 @@
 
     from qwen_np import load_model
     from qwen_np.checkpoint import resolve_model_path
-    from qwen_np.config import load_config
     from qwen_np.generate import generate, prompt_ids, read_generation_defaults, resolve_sampling
     from qwen_np.tokenizer import Tokenizer
 
@@ -19,19 +18,18 @@
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from .config import Qwen3Config
+from .config import Qwen3Config, id_list, read_json_object
 from .errors import QwenNPError
-from .model import KVCache, Qwen3Model, Trace
+from .model import DEFAULT_CONTEXT, KVCache, Qwen3Model, Trace
 from .sampling import SamplingParams, next_token
 from .tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
 
@@ -105,31 +103,17 @@ def read_generation_defaults(folder: str | Path, config: Qwen3Config) -> Generat
     means greedy, i.e. temperature 0. The EOS ids are the file's and config.json's together.
     """
     path = Path(folder) / GENERATION_CONFIG
-    raw = _read_json(path) if path.is_file() else {}
+    raw = read_json_object(path) if path.is_file() else {}
     value = {key: default if raw.get(key) is None else raw[key] for key, default in TRANSFORMERS_DEFAULTS.items()}
     try:
         sampling = SamplingParams(
             temperature=float(value["temperature"]) if value["do_sample"] else 0.0,
             top_k=int(value["top_k"]), top_p=float(value["top_p"]), min_p=float(value["min_p"]),
             repetition_penalty=float(value["repetition_penalty"]))
-        eos = _id_list(raw.get("eos_token_id")) + config.eos_token_ids
+        eos = tuple(dict.fromkeys(int(i) for i in id_list(raw.get("eos_token_id")) + config.eos_token_ids))
     except (TypeError, ValueError, QwenNPError) as bad:
-        raise QwenNPError(f"{path}: bad sampling setting ({bad})") from None
-    return GenerationDefaults(sampling, tuple(dict.fromkeys(int(i) for i in eos)))
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
-        raise QwenNPError(f"{path}: not valid JSON ({bad})") from None
-    if not isinstance(raw, dict):
-        raise QwenNPError(f"{path}: expected a JSON object")
-    return raw
-
-
-def _id_list(ids: int | list[int] | None) -> list[int]:
-    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        raise QwenNPError(f"{path}: bad sampling setting or eos_token_id ({bad})") from None
+    return GenerationDefaults(sampling, eos)
 
 
 def resolve_sampling(defaults: GenerationDefaults, enable_thinking: bool | None = None,
@@ -252,7 +236,10 @@ class ChatSession:
         self.enable_thinking = enable_thinking
         self.system = system
         self.messages: list[Message] = []
-        self.cache = model.new_cache(max_tokens or model.config.max_position_embeddings)
+        # Default: the context the memory plan reserved (not the model's full context, which for
+        # Qwen3 would be 40960 positions, ~11 GiB of FP32 cache at 8B).
+        default = model.plan.max_tokens if model.plan is not None else DEFAULT_CONTEXT
+        self.cache = model.new_cache(max_tokens or min(default, model.config.max_position_embeddings))
         self.rng = np.random.default_rng(params.seed)   # one stream across turns: a seed fixes the chat
         self.fed_ids: list[int] = []                     # the tokens whose keys/values the cache holds
 

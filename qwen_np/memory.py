@@ -75,7 +75,8 @@ class MemoryPlan:
 
 def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
                 stored_bytes_per_value: int = 2, available: int | None = None) -> MemoryPlan:
-    """Choose fp32 or bf16 residency; raise QwenNPError (before loading) when nothing fits."""
+    """Choose fp32 or bf16 residency. With "auto", raise QwenNPError (before loading) when not even the
+    stored weights fit; an explicit "fp32" or "bf16" is taken as asked."""
     if requested not in MODES:
         raise QwenNPError(f"--memory: expected one of {', '.join(MODES)}, got {requested!r}")
     params = parameter_count(config)

@@ -26,6 +26,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .config import read_json_object
 from .errors import QwenNPError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -59,7 +60,7 @@ class Tokenizer:
         config = _load_config(folder / CONFIG_FILE)
         template_path = folder / TEMPLATE_FILE
         if template_path.is_file():
-            source, template = template_path, template_path.read_text(encoding="utf-8")
+            source, template = template_path, _read_text(template_path)
         else:
             source, template = folder / CONFIG_FILE, config.get("chat_template")
         try:
@@ -154,16 +155,20 @@ def _load_backend(path: Path) -> tokenizers.Tokenizer:
         raise QwenNPError(f"{path}: not a valid {TOKENIZER_FILE}: {exc}") from exc
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as bad:
+        raise QwenNPError(f"{path}: not UTF-8 text ({bad})") from None
+
+
 def _load_config(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise QwenNPError(
             f"{path} not found: copy the checkpoint's {CONFIG_FILE} there "
             "(`python tools/build_tokenizer.py --config PATH` copies Qwen3's)"
         )
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise QwenNPError(f"{path}: not valid JSON: {exc}") from exc
+    return read_json_object(path)
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -196,3 +196,27 @@ def test_f32_and_f16_checkpoints_give_the_same_logits_as_bf16(make_checkpoint, m
         other = load_model(make_checkpoint(dtype, seed=3, dtype=dtype), memory=memory).forward(ids)
         assert other.dtype == np.float32
         assert np.abs(other - bf16).max() <= 0.05 * np.abs(bf16).max()   # a wrong decode is O(1) off
+
+
+def test_index_whose_weight_map_holds_a_non_file_name_is_reported(make_checkpoint):
+    folder = make_checkpoint(shards=2)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = 5
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(QwenNPError, match="weight_map entry for 'model.norm.weight' must be a file name"):
+        load_model(folder)
+
+
+def _backed_by_the_file(array: np.ndarray) -> bool:
+    while isinstance(array, np.ndarray):
+        array = array.base
+    return isinstance(array, memoryview)        # np.frombuffer over the checkpoint's mmap
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_bf16_memory_mode_keeps_even_f32_weights_mapped_from_the_file(make_checkpoint, fast):
+    folder = make_checkpoint(dtype="F32")
+    kept = load_model(folder, memory="bf16", fast=fast)
+    assert all(_backed_by_the_file(w.q_proj) and _backed_by_the_file(w.gate_proj) for w in kept.layers)
+    resident = load_model(folder, memory="fp32", fast=fast)
+    assert not any(_backed_by_the_file(w.q_proj) for w in resident.layers)

@@ -49,6 +49,10 @@ def test_head_dim_comes_from_config_not_hidden_over_heads():
     ({"hidden_size": 0}, "hidden_size must be positive"),
     ({"head_dim": 15}, "head_dim must be even"),
     ({"vocab_size": "lots"}, "bad value"),
+    ({"rope_scaling": "linear"}, "rope_parameters / rope_scaling must be an object"),
+    ({"layer_types": "full_attention"}, "layer_types must be a list"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be positive"),
+    ({"head_dim": 0}, "head_dim must be positive"),
 ])
 def test_invalid_configs_are_refused_with_the_field_named(change, message):
     with pytest.raises(QwenNPError) as error:
@@ -94,3 +98,11 @@ def test_fields_left_out_take_transformers_defaults():
     theirs = transformers.Qwen3Config(**{k: v for k, v in bare.items() if k != "architectures"})
     assert theirs.rope_parameters["rope_theta"] == config.rope_theta
     assert theirs.max_position_embeddings == config.max_position_embeddings
+
+
+@pytest.mark.parametrize("text, message", [("[1, 2]", "expected a JSON object"), (b"\xff\xfe{", "not valid JSON")])
+def test_config_json_that_is_not_an_object_or_not_utf8_is_reported(tmp_path, text, message):
+    path = tmp_path / "config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(QwenNPError, match=message):
+        load_config(tmp_path)
