@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from qwen_np.config import PRESETS, Qwen3Config, parameter_count
+from qwen_np.inspection import weight_bytes_read_per_token
 from qwen_np.memory import available_memory
 
 from .checkpoints import MODELS, ensure_checkpoint
@@ -50,13 +51,6 @@ class Job:
     @property
     def label(self) -> str:
         return f"{self.model} {self.engine} {self.mode} [{self.blas_env}]"
-
-
-def weights_read_per_token(config: Qwen3Config) -> int:
-    """Values read from memory per decoded token: every weight except the embedding table, of which
-    one row is gathered (a tied table is read whole, as the LM head)."""
-    embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
-    return parameter_count(config) - embedding
 
 
 def jobs_for(args: argparse.Namespace) -> list[Job]:
@@ -119,8 +113,12 @@ def run_job(job: Job, folder: Path, args: argparse.Namespace) -> dict[str, Any] 
                str(args.prefill), str(args.decode), str(args.threads)]
     wait_for_quiet(args.wait_quiet)
     busy, ours, start = busy_cpu_seconds(), children_cpu_seconds(), time.monotonic()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout,
-                          cwd=Path(__file__).resolve().parents[1])
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout,
+                              cwd=Path(__file__).resolve().parents[1])
+    except subprocess.TimeoutExpired:
+        print(f"  FAILED {job.label}: still running after --timeout {args.timeout} s")
+        return None
     others = (busy_cpu_seconds() - busy - (children_cpu_seconds() - ours)) / (time.monotonic() - start)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -138,7 +136,7 @@ def run_job(job: Job, folder: Path, args: argparse.Namespace) -> dict[str, Any] 
 
 def derived(job: Job, config: Qwen3Config, r: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
     """tok/s and the limits of the same process: bytes per token over bandwidth, FLOPs over GEMM rate."""
-    values = weights_read_per_token(config)
+    values = weight_bytes_read_per_token(config, 1)
     bytes_per_value = 4 if job.mode == "fp32" else 2
     bandwidth_limit = r["read_gbs"] * 1e9 / (values * bytes_per_value)
     # NumPy has no BF16 product: qwen_np must upcast BF16 weights as they stream by, so the fused

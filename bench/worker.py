@@ -16,12 +16,13 @@ Usage: python -m bench.worker ENGINE MODEL_DIR MODE PREFILL DECODE THREADS
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from typing import Any, Callable
 
 import numpy as np
+
+from qwen_np.generate import peak_rss_bytes
 
 GiB = 1024 ** 3
 
@@ -68,10 +69,6 @@ def read_into_page_cache(folder: str) -> None:
         with open(path, "rb", buffering=0) as f:
             while f.readinto(chunk):
                 pass
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # Linux reports KiB
 
 
 def run_qwen_np(folder: str, mode: str, prefill: int, decode: int, fast: bool) -> dict[str, Any]:

@@ -94,8 +94,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="the memory plan: fp32 upcasts every weight once at load (fastest), bf16 keeps them "
                              "as stored and upcasts them per use (half the RAM), auto picks fp32 when it fits "
                              "(default: auto)")
-    parser.add_argument("--threads", type=_at_least(1), default=_cores(), metavar="N",
-                        help=f"threads for the matrix products (default: all {_cores()} cores)")
+    parser.add_argument("--threads", type=_at_least(1), default=fast.usable_cores(), metavar="N",
+                        help=f"threads for the matrix products (default: all {fast.usable_cores()} cores)")
     parser.add_argument("--verbose", action="store_true",
                         help="print the memory plan and token-level details (prompt and generated ids, cache "
                              "use) on stderr")
@@ -164,11 +164,6 @@ def _at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
-
-
-def _cores() -> int:
-    """CPU cores this process may run on (the container's share, not the host's)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # --- Checking flags before anything is loaded ---------------------------------------------------

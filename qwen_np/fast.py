@@ -66,7 +66,12 @@ BLOCK_BYTES = 8 * 1024 ** 2
 # But OpenBLAS's threads spin-wait for each other, so when another process wants a core the FP32
 # path can slow down several-fold (seen: 3.3 tok/s) where the row split kept 15 tok/s.
 
-_threads = os.cpu_count() or 1
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. a container's share), not the host's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+_threads = usable_cores()
 _pool: ThreadPoolExecutor | None = None
 _blas: Any = None        # threadpoolctl controller for the BLAS libraries, created on first use
 
@@ -77,7 +82,7 @@ def set_threads(threads: int | None) -> None:
     Also sets the BLAS thread count, for matrix products made outside the fast path.
     """
     global _threads, _pool
-    _threads = threads or os.cpu_count() or 1
+    _threads = threads or usable_cores()
     _controller().limit(limits=_threads, user_api="blas")
     if _pool is not None:
         _pool.shutdown()

@@ -29,14 +29,12 @@ import numpy as np
 
 from .config import Qwen3Config, id_list, read_json_object
 from .errors import QwenNPError
+from .memory import PREFILL_CHUNK
 from .model import DEFAULT_CONTEXT, KVCache, Qwen3Model, Trace
 from .sampling import SamplingParams, next_token
 from .tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
 
 GENERATION_CONFIG = "generation_config.json"
-# Prompt tokens per forward pass during prefill: bounds the [T, V] logits and [H, T, S] attention
-# scores one pass allocates (the memory plan budgets its working buffers for this chunk size).
-PREFILL_CHUNK = 512
 # The model card's settings for non-thinking mode (spec §2.6), used with enable_thinking=False.
 NON_THINKING_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
 # What transformers' GenerationConfig falls back to for keys a generation_config.json leaves out.

@@ -7,7 +7,9 @@ upcast block by block as each matmul uses them (Qwen3-8B: 30.5 GiB FP32 vs 15.3 
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 from dataclasses import dataclass
 
 from .config import Qwen3Config, parameter_count
@@ -15,19 +17,32 @@ from .errors import QwenNPError
 
 GiB = 1024 ** 3
 MODES = ("auto", "fp32", "bf16")
-SAFETY_FRACTION = 0.85   # leave room for the OS, the page cache of the BF16 path and Python itself
+SAFETY_FRACTION = 0.85
+# Prompt tokens per forward pass during prefill (generate.py): bounds the [T, V] logits and [H, T, S]
+# attention scores one pass allocates, so the plan can budget working buffers for it.
+PREFILL_CHUNK = 512   # leave room for the OS, the page cache of the BF16 path and Python itself
 
 
 def available_memory() -> int:
-    """Bytes the kernel says a new process can still use (MemAvailable), or physical RAM as fallback."""
+    """Bytes this process can still use: the kernel's MemAvailable (or physical RAM), and no more
+    than a container's cgroup limit leaves (a container sees the host's MemAvailable)."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(available, _cgroup_room())
+
+
+def _cgroup_room() -> int | float:
+    """memory.max - memory.current of this process's cgroup (v2), or infinity when unlimited."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return math.inf
+    return math.inf if limit == "max" else max(int(limit) - used, 0)
 
 
 def kv_cache_bytes_per_token(config: Qwen3Config, bytes_per_value: int = 4) -> int:
@@ -35,7 +50,7 @@ def kv_cache_bytes_per_token(config: Qwen3Config, bytes_per_value: int = 4) -> i
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * bytes_per_value
 
 
-def working_bytes(config: Qwen3Config, max_tokens: int, chunk: int = 512) -> int:
+def working_bytes(config: Qwen3Config, max_tokens: int, chunk: int = PREFILL_CHUNK) -> int:
     """Rough peak of activations for a prefill chunk: logits, MLP activations, attention scores."""
     T = min(chunk, max_tokens)
     logits = T * config.vocab_size * 4
