@@ -26,7 +26,7 @@ import numpy as np
 from . import layers
 from .config import Qwen3Config, parameter_count
 from .errors import QwenNPError
-from .memory import GiB, SAFETY_FRACTION, available_memory, kv_cache_bytes_per_token, plan_memory
+from .memory import GiB, SAFETY_FRACTION, available_memory, candidate_plans, kv_cache_bytes_per_token
 from .model import DEFAULT_CONTEXT, Qwen3Model
 from .numerics import BYTES_PER_VALUE
 
@@ -254,11 +254,11 @@ def _machine_report(config: Qwen3Config, bandwidth: float) -> dict[str, Any]:
     context = min(config.max_position_embeddings, DEFAULT_CONTEXT)
     stored_format = STORED_FORMATS.get(config.torch_dtype, "BF16")
     stored_width = int(BYTES_PER_VALUE[stored_format])
+    candidates = candidate_plans(config, context, stored_width, available)
     plans = {}
     for mode, width in (("fp32", 4), ("bf16", stored_width)):
-        plan = plan_memory(config, context, mode, stored_bytes_per_value=stored_width, available=available)
         read = weight_bytes_read_per_token(config, width)
-        plans[mode] = {"needs_bytes": plan.total_bytes, "fits": plan.total_bytes <= available * SAFETY_FRACTION,
+        plans[mode] = {"needs_bytes": candidates[mode].total_bytes, "fits": candidates[mode].fits,
                        "weight_bytes_read_per_token": read, "max_decode_tokens_per_s": bandwidth / read}
     return {"available_bytes": available, "usable_fraction": SAFETY_FRACTION, "context_tokens": context,
             "stored_format": stored_format,

@@ -76,6 +76,11 @@ class MemoryPlan:
         weights = self.fp32_weight_bytes if self.mode == "fp32" else self.stored_weight_bytes
         return weights + self.kv_cache_bytes + self.working_bytes
 
+    @property
+    def fits(self) -> bool:
+        """Whether it fits in the available RAM with the safety margin."""
+        return self.total_bytes <= self.available_bytes * SAFETY_FRACTION
+
     def describe(self) -> str:
         rows = [
             ("weights FP32", self.fp32_weight_bytes), ("weights as stored", self.stored_weight_bytes),
@@ -88,26 +93,31 @@ class MemoryPlan:
         return "\n".join([f"memory plan: {self.mode} ({how}); needs {self.total_bytes / GiB:.2f} GiB", *lines])
 
 
-def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
-                stored_bytes_per_value: int = 2, available: int | None = None) -> MemoryPlan:
-    """Choose fp32 or bf16 residency. With "auto", raise QwenNPError (before loading) when not even the
-    stored weights fit; an explicit "fp32" or "bf16" is taken as asked."""
-    if requested not in MODES:
-        raise QwenNPError(f"--memory: expected one of {', '.join(MODES)}, got {requested!r}")
+def candidate_plans(config: Qwen3Config, max_tokens: int, stored_bytes_per_value: int = 2,
+                    available: int | None = None) -> dict[str, MemoryPlan]:
+    """Both ways to hold the model, "fp32" and "bf16", costed for this machine (nothing chosen yet)."""
     params = parameter_count(config)
-    available = available_memory() if available is None else available
-    budget = int(available * SAFETY_FRACTION)
     common = dict(fp32_weight_bytes=4 * params, stored_weight_bytes=stored_bytes_per_value * params,
                   kv_cache_bytes=max_tokens * kv_cache_bytes_per_token(config),
-                  working_bytes=working_bytes(config, max_tokens), available_bytes=available,
-                  max_tokens=max_tokens)
-    fp32, stored = MemoryPlan(mode="fp32", **common), MemoryPlan(mode="bf16", **common)
-    if requested == "fp32":
-        return fp32
-    if requested == "bf16" or fp32.total_bytes > budget:
-        if requested == "auto" and stored.total_bytes > budget:
-            raise QwenNPError(f"--memory: the model needs {stored.total_bytes / GiB:.1f} GiB even with weights kept "
-                              f"as stored, but only {available / GiB:.1f} GiB is available (try a smaller model "
-                              "or a shorter context)")
-        return stored
-    return fp32
+                  working_bytes=working_bytes(config, max_tokens),
+                  available_bytes=available_memory() if available is None else available, max_tokens=max_tokens)
+    return {mode: MemoryPlan(mode=mode, **common) for mode in ("fp32", "bf16")}
+
+
+def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
+                stored_bytes_per_value: int = 2, available: int | None = None) -> MemoryPlan:
+    """Choose fp32 or bf16 residency before anything is loaded. A plan that would not fit in RAM is a
+    QwenNPError now, not an out-of-memory kill later: "auto" falls back from fp32 to bf16 and fails
+    only when even the stored weights do not fit; an explicit "fp32" or "bf16" fails if it does not fit."""
+    if requested not in MODES:
+        raise QwenNPError(f"--memory: expected one of {', '.join(MODES)}, got {requested!r}")
+    plans = candidate_plans(config, max_tokens, stored_bytes_per_value, available)
+    fp32, stored = plans["fp32"], plans["bf16"]
+    plan = plans[requested] if requested != "auto" else fp32 if fp32.fits else stored
+    if not plan.fits:
+        advice = ("use --memory bf16 (weights kept as stored)" if plan is fp32 and stored.fits
+                  else "try a smaller model or a shorter context")
+        raise QwenNPError(f"--memory: the {plan.mode} plan needs {plan.total_bytes / GiB:.1f} GiB (weights, KV cache for "
+                          f"{max_tokens} tokens, buffers) but only {plan.available_bytes / GiB:.1f} GiB is available; "
+                          f"{advice}")
+    return plan
