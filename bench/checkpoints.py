@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qwen_np.checkpoint import INDEX_FILE, expected_tensors, safetensors_header
+from qwen_np.checkpoint import expected_tensors, safetensors_header, write_index
 from qwen_np.config import PRESETS, Qwen3Config
 from qwen_np.numerics import f32_to_bf16_bits
 
@@ -75,8 +75,7 @@ def write_random_checkpoint(folder: Path, config: Qwen3Config) -> None:
         _write_shard(folder / file_name, {n: shapes[n] for n in names}, table)
         weight_map.update({n: file_name for n in names})
     total = sum(2 * int(np.prod(s)) for s in shapes.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    write_index(folder, weight_map, total)
     (folder / "config.json").write_text(json.dumps(config_json(config), indent=2, sort_keys=True))
 
 

@@ -109,7 +109,7 @@ def weight_stream_seconds(model: Any) -> float:
         for w, out in zip(matrices, outputs):
             fast.linear(inputs[w.shape[1]], w, out)
 
-    with fast._blas_threads_for(model.lm_head):
+    with fast.blas_threads_for(model.lm_head):
         return best_seconds(run)
 
 

@@ -301,10 +301,15 @@ def save_checkpoint(folder: str | Path, config_json: Mapping[str, object],
         weight_map.update({tensor: name for tensor in tensors})
         total += sum(t.size for t in tensors.values()) * DTYPE_BYTES[dtype]
     if len(shard_list) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        write_index(folder, weight_map, total)
     (folder / "config.json").write_text(json.dumps(dict(config_json), indent=2, sort_keys=True))
     return folder
+
+
+def write_index(folder: Path, weight_map: Mapping[str, str], total_size: int) -> None:
+    """model.safetensors.index.json: tensor name -> shard file, and the total bytes of all tensors."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
 # --- Local folder or hub id ----------------------------------------------------------------------

@@ -111,7 +111,7 @@ def single_threaded_blas() -> Any:
     return _controller().limit(limits=1, user_api="blas")
 
 
-def _blas_threads_for(weight: np.ndarray) -> Any:
+def blas_threads_for(weight: np.ndarray) -> Any:
     """Single-threaded BLAS while BF16 weights are streamed by our threads; else BLAS's own threads."""
     return nullcontext() if weight.dtype == np.float32 else single_threaded_blas()
 
@@ -238,7 +238,7 @@ def forward(model: Qwen3Model, ids: np.ndarray, cache: KVCache | None) -> np.nda
         buffers = _Buffers(config, T)
     x = layers.embed(ids, model.embed_tokens)                                     # [T, D]
     fused = _fused.get(model) or [None] * len(model.layers)
-    with _blas_threads_for(model.lm_head):
+    with blas_threads_for(model.lm_head):
         for i, weights in enumerate(model.layers):
             _decoder_layer(model, i, weights, fused[i], x, positions, cos, sin, cache, buffers)
         _rms_norm(x, model.norm, config.rms_norm_eps, out=buffers.h)

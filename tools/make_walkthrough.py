@@ -6,7 +6,7 @@ so neither can drift from the library: tests/test_walkthrough.py regenerates the
 when the committed file differs. The output is deterministic: BLAS runs on one thread and numbers
 are printed to 4 significant digits.
 
-Usage: python tools/make_walkthrough.py [--model weights] [--out docs/walkthrough.md] [--wait SECONDS]
+Usage: python tools/make_walkthrough.py [--model weights] [--out docs/walkthrough.md]
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import io
 import re
 import sys
 import textwrap
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -641,22 +640,11 @@ def render(model_dir: Path = BUNDLED_MODEL) -> str:
     return "\n\n".join(sections) + "\n"
 
 
-def wait_for(path: Path, seconds: float) -> None:
-    """Poll until `path` exists (the bundled model may still be being written), or fail."""
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{path} did not appear within {seconds:g} s; run tools/make_bundled_model.py first")
-        time.sleep(10)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="checkpoint folder (default: weights)")
     parser.add_argument("--out", type=Path, default=WALKTHROUGH, help="output file (default: docs/walkthrough.md)")
-    parser.add_argument("--wait", type=float, default=1800, help="seconds to wait for model.safetensors (default 1800)")
     args = parser.parse_args(argv)
-    wait_for(args.model / "model.safetensors", args.wait)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(args.model), encoding="utf-8")
     print(f"wrote {args.out}")
