@@ -224,7 +224,7 @@ def fuse_projections(model: Qwen3Model) -> None:
     _fused[model] = fused
 
 
-def forward(model: Qwen3Model, ids: np.ndarray, cache: KVCache | None) -> np.ndarray:
+def forward(model: Qwen3Model, ids: np.ndarray, cache: KVCache | None, last_only: bool = False) -> np.ndarray:
     """Qwen3Model.forward without tracing: logits [T, V] for checked token ids (see model.py)."""
     config, T = model.config, len(ids)
     start = cache.length if cache is not None else 0
@@ -242,7 +242,8 @@ def forward(model: Qwen3Model, ids: np.ndarray, cache: KVCache | None) -> np.nda
         for i, weights in enumerate(model.layers):
             _decoder_layer(model, i, weights, fused[i], x, positions, cos, sin, cache, buffers)
         _rms_norm(x, model.norm, config.rms_norm_eps, out=buffers.h)
-        logits = linear(buffers.h, model.lm_head, np.empty((T, config.vocab_size), np.float32))
+        h = buffers.h[-1:] if last_only else buffers.h
+        logits = linear(h, model.lm_head, np.empty((len(h), config.vocab_size), np.float32))
     if cache is not None:
         cache.length += T
     return logits
@@ -332,6 +333,8 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarra
     T, H, Dh = q.shape
     S, KVH = k.shape[0], k.shape[1]
     group = H // KVH
+    if T == 1 and positions[0] + 1 == S:
+        return _decode_attention(q[0], k, v, out[0])
     queries = q.reshape(T, KVH, group, Dh).transpose(1, 2, 0, 3).reshape(KVH, group * T, Dh)
     scores = np.matmul(queries, k.transpose(1, 2, 0))                            # [KVH, group*T, S]
     scores *= np.float32(Dh ** -0.5)
@@ -343,6 +346,24 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarra
     scores /= scores.sum(axis=-1, keepdims=True)
     mixed = np.matmul(scores, v.transpose(1, 0, 2))                              # [KVH, group*T, Dh]
     out.reshape(T, KVH, group, Dh)[...] = mixed.reshape(KVH, group, T, Dh).transpose(2, 0, 1, 3)
+
+
+def _decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray) -> None:
+    """One new token at the end of the cache (it sees every key): q [H, Dh], k/v [S, KVH, Dh], out [H*Dh].
+
+    Per KV head this is a matrix-vector product per query of its group, so NumPy's matvec/vecmat
+    (one BLAS GEMV per query, no batching machinery) beat a batched matmul of [group, Dh] x [Dh, S]
+    matrices: measured over 28 layers at S = 160, keys/values not in cache, 2.2 vs 2.8 ms.
+    """
+    H, Dh = q.shape
+    KVH = k.shape[1]
+    queries = q.reshape(KVH, H // KVH, Dh)                                         # [KVH, group, Dh]
+    scores = np.matvec(k.transpose(1, 0, 2)[:, None], queries)                     # [KVH, group, S]
+    scores *= np.float32(Dh ** -0.5)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    np.vecmat(scores, v.transpose(1, 0, 2)[:, None], out=out.reshape(KVH, H // KVH, Dh))
 
 
 def _silu_times(gate: np.ndarray, up: np.ndarray, scratch: np.ndarray) -> None:

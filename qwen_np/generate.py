@@ -211,9 +211,13 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
 
 
 def _prefill(model: Qwen3Model, ids: list[int], cache: KVCache, trace: Trace | None) -> np.ndarray:
-    """Run the prompt through the model in chunks; return the last position's logits [V]."""
+    """Run the prompt through the model in chunks; return the last position's logits [V].
+
+    Only the last position's logits are needed, so the LM head runs on one row, except under a
+    trace, which shows every step for every prompt position ([T, V] logits, as `inspect` lists them).
+    """
     for start in range(0, len(ids), PREFILL_CHUNK):
-        logits = model.forward(ids[start:start + PREFILL_CHUNK], cache, trace)
+        logits = model.forward(ids[start:start + PREFILL_CHUNK], cache, trace, last_only=trace is None)
     return logits[-1]
 
 

@@ -95,18 +95,20 @@ class Qwen3Model:
         return KVCache(self.config, max_tokens)
 
     def forward(self, token_ids: Sequence[int] | np.ndarray, cache: KVCache | None = None,
-                trace: Trace | None = None) -> np.ndarray:
-        """Logits [T, V] (FP32) for every position of `token_ids`.
+                trace: Trace | None = None, last_only: bool = False) -> np.ndarray:
+        """Logits [T, V] (FP32) for every position of `token_ids`; [1, V] for the last one if `last_only`.
 
         Without a cache the tokens are a whole sequence starting at position 0. With a cache they
         continue after the cache's `length` positions, and their keys/values are appended to it.
+        last_only: generation needs only the next token's logits; the LM head ([V, D], a quarter of
+        Qwen3-0.6B's weights) then multiplies one row instead of T.
         """
         ids = self._check_ids(token_ids)
         start = cache.length if cache is not None else 0
         if cache is not None and start + len(ids) > cache.max_tokens:
             raise QwenNPError(f"cache: {start} cached + {len(ids)} new tokens exceed its {cache.max_tokens} positions")
         if self.fast and trace is None:
-            return fast_path.forward(self, ids, cache)
+            return fast_path.forward(self, ids, cache, last_only)
         note = trace or layers.ignore
         positions = np.arange(start, start + len(ids))                                 # [T]
         cos, sin = layers.rope_angles(self.inv_freq, positions)                        # [T, Dh] each
@@ -117,6 +119,8 @@ class Qwen3Model:
             x = self._decoder_layer(i, layer, x, positions, cos, sin, cache, note)     # [T, D]
         x = layers.rms_norm(x, self.norm, self.config.rms_norm_eps)                    # [T, D]
         note("model.norm", x)
+        if last_only:
+            x = x[-1:]                                                                 # [1, D]
         logits = layers.linear(x, self.lm_head)                                        # [T, V]
         note("lm_head", logits)
         if cache is not None:

@@ -226,9 +226,9 @@ class ScriptedModel:
         from qwen_np.model import KVCache
         return KVCache(self.config, max_tokens)
 
-    def forward(self, ids, cache, trace=None):
+    def forward(self, ids, cache, trace=None, last_only=False):
         cache.length += len(ids)
-        logits = np.zeros((len(ids), self.config.vocab_size), dtype=np.float32)
+        logits = np.zeros((1 if last_only else len(ids), self.config.vocab_size), dtype=np.float32)
         logits[-1, self.script[cache.length - self.prompt_length]] = 1.0
         return logits
 

@@ -40,6 +40,16 @@ def test_chunked_prefill_matches_full_forward(model):
     assert _close(np.concatenate(chunks), full)
 
 
+def test_last_only_gives_the_last_row_of_the_full_logits(model):
+    full = model.forward(IDS)
+    last = model.forward(IDS, last_only=True)
+    assert last.shape == (1, full.shape[1])
+    assert _close(last, full[-1:])
+    cache = model.new_cache(len(IDS))
+    model.forward(IDS[:9], cache=cache, last_only=True)          # the cache fills for every position
+    assert _close(model.forward(IDS[9:], cache=cache, last_only=True), full[-1:])
+
+
 @pytest.mark.parametrize("memory", ["fp32", "bf16"])
 def test_readable_decode_step_projects_only_the_new_token(make_checkpoint, monkeypatch, memory):
     model = load_model(make_checkpoint(seed=1), memory=memory, fast=False)
