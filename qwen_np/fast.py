@@ -187,7 +187,6 @@ class _Buffers:
                             config.num_key_value_heads, config.head_dim)
         self.h = np.empty((T, D), np.float32)                          # normed input of a block
         self.qkv = np.empty((T, (H + 2 * KVH) * Dh), np.float32)      # q | k | v, side by side
-        self.norm_scratch = np.empty((T, H * Dh), np.float32)
         self.rope_scratch = np.empty((2, T, H, Dh // 2), np.float32)
         self.mixed = np.empty((T, H * Dh), np.float32)                 # attention output, head-major
         self.block_out = np.empty((T, D), np.float32)                  # o_proj / down_proj output
@@ -267,8 +266,8 @@ def _decoder_layer(model: Qwen3Model, i: int, w: LayerWeights, fused: tuple[np.n
     q = b.qkv[:, :q_end].reshape(T, H, Dh)
     k = b.qkv[:, q_end:k_end].reshape(T, KVH, Dh)
     v = b.qkv[:, k_end:].reshape(T, KVH, Dh)
-    _rms_norm(q, w.q_norm, eps, out=q, scratch=b.norm_scratch.reshape(T, H, Dh))
-    _rms_norm(k, w.k_norm, eps, out=k, scratch=b.norm_scratch[:, :KVH * Dh].reshape(T, KVH, Dh))
+    _rms_norm(q, w.q_norm, eps, out=q)
+    _rms_norm(k, w.k_norm, eps, out=k)
     _rope(q, cos, sin, b.rope_scratch[:, :, :H])
     _rope(k, cos, sin, b.rope_scratch[:, :, :KVH])
     if cache is not None:
@@ -290,13 +289,13 @@ def _decoder_layer(model: Qwen3Model, i: int, w: LayerWeights, fused: tuple[np.n
     x += linear(gate, w.down_proj, b.block_out)
 
 
-def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray,
-              scratch: np.ndarray | None = None) -> np.ndarray:
-    """layers.rms_norm into `out` (which may be x itself when a separate `scratch` is given)."""
-    squares = out if scratch is None else scratch
-    np.multiply(x, x, out=squares)
-    # np.mean is this sum and division plus ~5 us of Python, paid twice per layer per token.
-    inverse = np.add.reduce(squares, axis=-1, keepdims=True)                    # [..., 1]
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
+    """layers.rms_norm into `out` (which may be x itself).
+
+    np.vecdot sums the squares without writing them out (np.mean(x * x) makes two passes and a
+    temporary, plus ~5 us of Python): Qwen3-0.6B's q of 128 tokens [128, 16, 128] 105 vs 162 us; of one token 5 vs 6 us.
+    """
+    inverse = np.vecdot(x, x)[..., None]                                        # [..., 1] sum of squares
     inverse /= np.float32(x.shape[-1])
     inverse += np.float32(eps)
     np.sqrt(inverse, out=inverse)
