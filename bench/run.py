@@ -127,7 +127,8 @@ def run_job(job: Job, folder: Path, args: argparse.Namespace) -> dict[str, Any] 
     result = json.loads(lines[-1])
     result["others_cores"] = max(others, 0.0)
     result.update(derived(job, config, result, args))
-    print(f"  {job.label}: prefill {result['prefill_tps']:.1f} tok/s (x{result['prefill_ratio']:.2f} of limit), "
+    print(f"  {job.label}: prefill {result['prefill_tps']:.1f} tok/s (x{result['prefill_ratio']:.2f} of limit, "
+          f"GEMM efficiency {result['gemm_efficiency']:.2f}), "
           f"decode {result['decode_tps']:.2f} tok/s (x{result['decode_ratio']:.2f}), "
           f"peak RSS {result['peak_rss_bytes'] / GiB:.2f} GiB, load {result['load_s']:.2f} s, "
           f"other processes {result['others_cores']:.2f} cores", flush=True)
@@ -145,11 +146,17 @@ def derived(job: Job, config: Qwen3Config, r: dict[str, Any], args: argparse.Nam
     decode_limit = min(bandwidth_limit, r["fused_gbs"] * 1e9 / (2 * values)) if upcast_bound else bandwidth_limit
     # Never below the rate the model's own weights stream at (placement in memory changes bandwidth).
     decode_limit = max(decode_limit, 1 / r["stream_s"]) if "stream_s" in r else decode_limit
+    # The issue's prefill limit: every weight does 2 FLOPs for every prompt token. A prefill for
+    # generation needs the LM head for the last token only, so the FLOPs actually done are fewer;
+    # gemm_efficiency is those FLOPs per second over the GEMM rate.
     prefill_limit = r["gemm_gflops"] * 1e9 / (2 * values)
+    head = config.vocab_size * config.hidden_size
+    flops_done = 2 * (args.prefill * (values - head) + head)
     prefill_tps, decode_tps = args.prefill / r["prefill_s"], args.decode / r["decode_s"]
     return {"prefill_tps": prefill_tps, "decode_tps": decode_tps, "decode_limit": decode_limit,
             "bandwidth_limit": bandwidth_limit, "prefill_limit": prefill_limit,
-            "decode_ratio": decode_tps / decode_limit, "prefill_ratio": prefill_tps / prefill_limit}
+            "decode_ratio": decode_tps / decode_limit, "prefill_ratio": prefill_tps / prefill_limit,
+            "gemm_efficiency": flops_done / r["prefill_s"] / (r["gemm_gflops"] * 1e9)}
 
 
 def summarize(results: dict[Job, list[dict[str, Any]]], args: argparse.Namespace) -> str:
@@ -157,7 +164,7 @@ def summarize(results: dict[Job, list[dict[str, Any]]], args: argparse.Namespace
     def med(rows: list[dict[str, Any]], key: str) -> float:
         return statistics.median(row[key] for row in rows)
 
-    header = ("| model | engine | weights | OpenBLAS env | BLAS kernel | prefill tok/s | x GEMM limit | "
+    header = ("| model | engine | weights | OpenBLAS env | BLAS kernel | prefill tok/s | x GEMM limit | GEMM efficiency | "
               "decode tok/s | x limit | x bandwidth | vs issue anchors | vs transformers, this run | "
               "load s | peak RSS GiB |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
@@ -179,7 +186,8 @@ def summarize(results: dict[Job, list[dict[str, Any]]], args: argparse.Namespace
                       f"decode {decode / med(reference, 'decode_tps'):.2f}x")
         lines.append(
             f"| {job.model} | {job.engine} | {job.mode} | {job.blas_env} | {kernel} | "
-            f"{med(rows, 'prefill_tps'):.1f} | {med(rows, 'prefill_ratio'):.2f} | {decode:.2f} | "
+            f"{med(rows, 'prefill_tps'):.1f} | {med(rows, 'prefill_ratio'):.2f} | {med(rows, 'gemm_efficiency'):.2f} | "
+            f"{decode:.2f} | "
             f"{med(rows, 'decode_ratio'):.2f} | {decode / med(rows, 'bandwidth_limit'):.2f} | {anchor_text} | "
             f"{versus} | {med(rows, 'load_s'):.2f} | {max(r['peak_rss_bytes'] for r in rows) / GiB:.2f} |")
     limits = []

@@ -78,10 +78,11 @@ def run_qwen_np(folder: str, mode: str, prefill: int, decode: int, fast: bool) -
     model = qwen_np.load_model(folder, memory=mode, max_tokens=prefill + decode, fast=fast)
     load_s = time.perf_counter() - start
     prompt = (np.arange(prefill) * 7919 + 1000) % model.config.vocab_size
-    model.forward(prompt, model.new_cache(prefill + decode))     # warm-up: page faults, buffers
+    # Prefill as generation runs it: logits of the last position only (transformers: logits_to_keep=1).
+    model.forward(prompt, model.new_cache(prefill + decode), last_only=True)   # warm-up: page faults, buffers
     cache = model.new_cache(prefill + decode)
     start = time.perf_counter()
-    logits = model.forward(prompt, cache)
+    logits = model.forward(prompt, cache, last_only=True)
     prefill_s = time.perf_counter() - start
     token = int(logits[-1].argmax())
     start = time.perf_counter()
@@ -124,9 +125,9 @@ def run_transformers(folder: str, mode: str, prefill: int, decode: int, threads:
     load_s = time.perf_counter() - start
     prompt = torch.tensor([(np.arange(prefill) * 7919 + 1000) % model.config.vocab_size])
     with torch.inference_mode():
-        model(prompt, use_cache=True)                                     # warm-up
+        model(prompt, use_cache=True, logits_to_keep=1)                   # warm-up
         start = time.perf_counter()
-        out = model(prompt, use_cache=True)
+        out = model(prompt, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
         past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         start = time.perf_counter()

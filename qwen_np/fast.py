@@ -187,7 +187,7 @@ class _Buffers:
                             config.num_key_value_heads, config.head_dim)
         self.h = np.empty((T, D), np.float32)                          # normed input of a block
         self.qkv = np.empty((T, (H + 2 * KVH) * Dh), np.float32)      # q | k | v, side by side
-        self.rope_scratch = np.empty((2, T, H, Dh // 2), np.float32)
+        self.rope_scratch = np.empty((2, T, H + KVH, Dh // 2), np.float32)
         self.mixed = np.empty((T, H * Dh), np.float32)                 # attention output, head-major
         self.block_out = np.empty((T, D), np.float32)                  # o_proj / down_proj output
         self.gate_up = np.empty((T, 2 * F), np.float32)                # gate | up, side by side
@@ -237,9 +237,12 @@ def forward(model: Qwen3Model, ids: np.ndarray, cache: KVCache | None, last_only
         buffers = _Buffers(config, T)
     x = layers.embed(ids, model.embed_tokens)                                     # [T, D]
     fused = _fused.get(model) or [None] * len(model.layers)
-    with blas_threads_for(model.lm_head):
+    if model not in _qk_norms:
+        _qk_norms[model] = [_stack_qk_norm(w, config) for w in model.layers]
+    # SiLU's exp(-x) overflows to inf for x < -88, where silu(x) = x / inf = -0 is right: no warning.
+    with blas_threads_for(model.lm_head), np.errstate(over="ignore"):
         for i, weights in enumerate(model.layers):
-            _decoder_layer(model, i, weights, fused[i], x, positions, cos, sin, cache, buffers)
+            _decoder_layer(model, i, weights, fused[i], _qk_norms[model][i], x, positions, cos, sin, cache, buffers)
         _rms_norm(x, model.norm, config.rms_norm_eps, out=buffers.h)
         h = buffers.h[-1:] if last_only else buffers.h
         logits = linear(h, model.lm_head, np.empty((len(h), config.vocab_size), np.float32))
@@ -248,8 +251,22 @@ def forward(model: Qwen3Model, ids: np.ndarray, cache: KVCache | None, last_only
     return logits
 
 
+_qk_norms: "weakref.WeakKeyDictionary[Qwen3Model, list[np.ndarray]]" = weakref.WeakKeyDictionary()
+
+
+def _stack_qk_norm(w: LayerWeights, config: Qwen3Config) -> np.ndarray:
+    """q_norm's weight for each of the H query heads, then k_norm's for each of the KVH key heads.
+
+    q and k lie side by side in the q|k|v buffer, so with this [H + KVH, Dh] weight one RMSNorm and
+    one RoPE call treat both (in a 0.6B decode step the per-call overhead is most of their cost).
+    """
+    H, KVH = config.num_attention_heads, config.num_key_value_heads
+    return np.concatenate([np.broadcast_to(w.q_norm, (H, config.head_dim)),
+                           np.broadcast_to(w.k_norm, (KVH, config.head_dim))])
+
+
 def _decoder_layer(model: Qwen3Model, i: int, w: LayerWeights, fused: tuple[np.ndarray, np.ndarray] | None,
-                   x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                   qk_norm: np.ndarray, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                    cache: KVCache | None, b: _Buffers) -> None:
     """x += attention(input_layernorm(x)); x += mlp(post_attention_layernorm(x)), in place.  x [T, D]."""
     c, T = model.config, x.shape[0]
@@ -263,13 +280,12 @@ def _decoder_layer(model: Qwen3Model, i: int, w: LayerWeights, fused: tuple[np.n
         linear(b.h, w.q_proj, b.qkv[:, :q_end])
         linear(b.h, w.k_proj, b.qkv[:, q_end:k_end])
         linear(b.h, w.v_proj, b.qkv[:, k_end:])
+    qk = b.qkv[:, :k_end].reshape(T, H + KVH, Dh)          # q heads, then k heads
+    _rms_norm(qk, qk_norm, eps, out=qk)                     # q_norm on q heads, k_norm on k heads
+    _rope(qk, cos, sin, b.rope_scratch)
     q = b.qkv[:, :q_end].reshape(T, H, Dh)
     k = b.qkv[:, q_end:k_end].reshape(T, KVH, Dh)
     v = b.qkv[:, k_end:].reshape(T, KVH, Dh)
-    _rms_norm(q, w.q_norm, eps, out=q)
-    _rms_norm(k, w.k_norm, eps, out=k)
-    _rope(q, cos, sin, b.rope_scratch[:, :, :H])
-    _rope(k, cos, sin, b.rope_scratch[:, :, :KVH])
     if cache is not None:
         start = positions[0]
         cache.keys[i, start:start + T] = k
@@ -368,8 +384,7 @@ def _decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarr
 def _silu_times(gate: np.ndarray, up: np.ndarray, scratch: np.ndarray) -> None:
     """gate <- silu(gate) * up, in place, rounding as layers.silu(gate) * up does."""
     np.negative(gate, out=scratch)
-    with np.errstate(over="ignore"):
-        np.exp(scratch, out=scratch)
+    np.exp(scratch, out=scratch)                 # overflows to inf for gate < -88 (forward ignores it)
     scratch += np.float32(1.0)
     np.divide(gate, scratch, out=gate)
     gate *= up
