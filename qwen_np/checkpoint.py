@@ -209,13 +209,23 @@ class Checkpoint:
         count = info.nbytes // dtype.itemsize
         return np.frombuffer(self._maps[info.path], dtype=dtype, count=count, offset=info.start).reshape(info.shape)
 
-    def read(self, name: str) -> np.ndarray:
-        """A private in-memory copy of a tensor's stored values, read with plain file I/O (not kept mapped)."""
+    def read(self, name: str, buffer: np.ndarray | None = None) -> np.ndarray:
+        """A private in-memory copy of a tensor's stored values, read with plain file I/O (not kept mapped).
+
+        buffer: bytes (uint8) to read into and return a view of, reused from tensor to tensor.
+        """
         info = self.tensors[name]
-        with open(info.path, "rb") as f:
+        dtype = STORAGE_DTYPES[info.dtype]
+        with open(info.path, "rb", buffering=0) as f:
             f.seek(info.start)
-            dtype = STORAGE_DTYPES[info.dtype]
-            return np.fromfile(f, dtype=dtype, count=info.nbytes // dtype.itemsize).reshape(info.shape)
+            if buffer is None:
+                return np.fromfile(f, dtype=dtype, count=info.nbytes // dtype.itemsize).reshape(info.shape)
+            view, done = memoryview(buffer)[:info.nbytes], 0
+            while done < info.nbytes and (got := f.readinto(view[done:])):
+                done += got
+        if done < info.nbytes:
+            raise QwenNPError(f"{info.path}: tensor {name!r} ends after {done} of its {info.nbytes} bytes")
+        return buffer[:info.nbytes].view(dtype).reshape(info.shape)
 
 
 def _index_tensors(folder: Path) -> dict[str, TensorInfo]:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import layers
+from .memory import allocate
 from .numerics import upcast
 
 try:  # optional: its C cast upcasts BF16 about 1.5x faster than NumPy's shift (see _upcast_rows)
@@ -215,12 +216,26 @@ def fuse_projections(model: Qwen3Model) -> None:
     fused = []
     for w in model.layers:
         q_rows, kv_rows, f_rows = w.q_proj.shape[0], w.k_proj.shape[0], w.gate_proj.shape[0]
-        qkv = np.concatenate([w.q_proj, w.k_proj, w.v_proj])
+        qkv = _joined([w.q_proj, w.k_proj, w.v_proj])
         w.q_proj, w.k_proj, w.v_proj = qkv[:q_rows], qkv[q_rows:q_rows + kv_rows], qkv[q_rows + kv_rows:]
-        gate_up = np.concatenate([w.gate_proj, w.up_proj])
+        gate_up = _joined([w.gate_proj, w.up_proj])
         w.gate_proj, w.up_proj = gate_up[:f_rows], gate_up[f_rows:]
         fused.append((qkv, gate_up))
     _fused[model] = fused
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """The matrices stacked as one [rows, in] array: a view when they lie back to back in one
+    allocation (load_model allocates a layer's matrices so), else a copy."""
+    first, rows = parts[0], sum(part.shape[0] for part in parts)
+    flat = first.base
+    if isinstance(flat, np.ndarray) and flat.ndim == 1 and flat.flags.c_contiguous:
+        start = (first.ctypes.data - flat.ctypes.data) // flat.itemsize
+        offsets = np.cumsum([start] + [part.size for part in parts[:-1]]).tolist()
+        if all(part.base is flat and part.flags.c_contiguous and part.ctypes.data == flat[offset:].ctypes.data
+               for part, offset in zip(parts, offsets)):
+            return flat[start:start + rows * first.shape[1]].reshape(rows, first.shape[1])
+    return np.concatenate(parts, out=allocate((rows, first.shape[1])))
 
 
 def forward(model: Qwen3Model, ids: np.ndarray, cache: KVCache | None, last_only: bool = False) -> np.ndarray:

@@ -13,6 +13,7 @@ only computes the new token's q/k/v and attends over the cache instead of re-run
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -25,7 +26,7 @@ from .checkpoint import (DTYPE_BYTES, EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAM
                          resolve_model_path)
 from .config import Qwen3Config, load_config
 from .errors import QwenNPError
-from .memory import MemoryPlan, plan_memory
+from .memory import MemoryPlan, allocate, plan_memory
 from .numerics import upcast
 
 # trace(name, value) is called with every intermediate of the forward pass when given (see inspection).
@@ -207,22 +208,34 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     stored_width = DTYPE_BYTES[checkpoint.tensors[EMBED_TOKENS].dtype]
     plan = plan_memory(config, context, memory, stored_bytes_per_value=stored_width)
 
-    def matrix(name: str) -> np.ndarray:
-        # fp32: read the stored bytes with plain file I/O and upcast, one tensor at a time, so the
-        # peak is the FP32 model plus one stored tensor. bf16: a zero-copy view of the mapped file.
-        return upcast(checkpoint.read(name)) if plan.mode == "fp32" else checkpoint.mapped(name)
+    # fp32: each stored tensor is read with plain file I/O into one reused buffer and upcast into
+    # memory the model keeps, so the peak is the FP32 model plus the largest stored tensor. A layer's
+    # matrices share one allocation in checkpoint order: the fast path then multiplies q|k|v and
+    # gate|up as one matrix each without copying them. bf16: zero-copy views of the mapped files.
+    largest = max(info.nbytes for info in checkpoint.tensors.values())
+    buffer = allocate((largest,), np.uint8) if plan.mode == "fp32" else None
+
+    def matrices(names: list[str]) -> list[np.ndarray]:
+        if plan.mode != "fp32":
+            return [checkpoint.mapped(name) for name in names]
+        shapes = [checkpoint.tensors[name].shape for name in names]
+        block = allocate((sum(math.prod(shape) for shape in shapes),))
+        ends = np.cumsum([math.prod(shape) for shape in shapes]).tolist()
+        return [upcast(checkpoint.read(name, buffer), out=block[end - math.prod(shape):end].reshape(shape))
+                for name, shape, end in zip(names, shapes, ends)]
 
     def vector(name: str) -> np.ndarray:
         return upcast(checkpoint.read(name))      # norms are tiny: always FP32
 
     decoder_layers = []
     for i in range(config.num_hidden_layers):
-        tensors = {key: LAYER_TENSOR_NAMES[key].format(i=i) for key in LAYER_TENSOR_NAMES}
-        decoder_layers.append(LayerWeights(**{
-            key: vector(name) if len(checkpoint.tensors[name].shape) == 1 else matrix(name)
-            for key, name in tensors.items()}))
-    embed_tokens = matrix(EMBED_TOKENS)
-    lm_head = embed_tokens if config.tie_word_embeddings else matrix(LM_HEAD)
+        names = {key: LAYER_TENSOR_NAMES[key].format(i=i) for key in LAYER_TENSOR_NAMES}
+        two_d = [key for key, name in names.items() if len(checkpoint.tensors[name].shape) == 2]
+        weights = {key: vector(name) for key, name in names.items() if key not in two_d}
+        weights.update(zip(two_d, matrices([names[key] for key in two_d])))
+        decoder_layers.append(LayerWeights(**weights))
+    embed_tokens, = matrices([EMBED_TOKENS])
+    lm_head = embed_tokens if config.tie_word_embeddings else matrices([LM_HEAD])[0]
     model = Qwen3Model(config, embed_tokens, decoder_layers, vector(FINAL_NORM), lm_head, plan, fast)
     if fast:
         fast_path.fuse_projections(model)     # q/k/v and gate/up as one array each (FP32 only)

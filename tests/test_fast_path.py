@@ -134,3 +134,22 @@ def test_bf16_decode_never_materialises_a_whole_fp32_weight(make_checkpoint: Cal
         tracemalloc.stop()
     assert model.lm_head.dtype == np.uint16
     assert peak < lm_head_fp32 / 8, f"decode step peaked at {peak} bytes; lm_head in FP32 is {lm_head_fp32}"
+
+
+def test_fp32_load_fuses_projections_without_copying(checkpoint: Path) -> None:
+    """load_model puts a layer's matrices back to back, so q|k|v and gate|up are views, not copies."""
+    model = qwen_np.load_model(checkpoint, memory="fp32", max_tokens=16, fast=True)
+    for w, (qkv, gate_up) in zip(model.layers, fast._fused[model]):
+        block = w.o_proj.base
+        assert qkv.base is block and gate_up.base is block
+        np.testing.assert_array_equal(qkv, np.concatenate([w.q_proj, w.k_proj, w.v_proj]))
+
+
+def test_joined_copies_matrices_that_are_not_adjacent() -> None:
+    parts = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((1, 3), np.float32)]
+    joined = fast._joined(parts)
+    np.testing.assert_array_equal(joined, np.concatenate(parts))
+    block = np.arange(12, dtype=np.float32)
+    gap = [block[:3].reshape(1, 3), block[6:9].reshape(1, 3)]        # same buffer, not back to back
+    np.testing.assert_array_equal(fast._joined(gap), np.concatenate(gap))
+    assert fast._joined([block[:6].reshape(2, 3), block[6:9].reshape(1, 3)]).base is block
