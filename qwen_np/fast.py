@@ -32,7 +32,7 @@ import threading
 import weakref
 from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -135,19 +135,25 @@ def linear(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> np.ndarray:
     """
     if weight.dtype == np.float32:
         return np.matmul(x, weight.T, out=out)
-    bounds = np.linspace(0, weight.shape[0], _threads + 1).astype(int).tolist()
-    pending = [_workers().submit(_rows, x, weight, out, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
-    _rows(x, weight, out, bounds[0], bounds[1])
-    for job in pending:
-        job.result()
+    _split(weight.shape[0], _threads, lambda rows: _rows(x, weight, out, rows))
     return out
 
 
-def _rows(x: np.ndarray, weight: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
-    """out[:, lo:hi] = x W[lo:hi]^T for a stored (BF16) W, upcast a cache-sized block of rows at a time."""
-    rows = max(1, BLOCK_BYTES // (4 * weight.shape[1]))
+def _split(n: int, parts: int, job: Callable[[slice], object]) -> None:
+    """job(part) for `parts` consecutive slices of range(n) at once: the first on this thread, the
+    others on the worker threads (NumPy releases the GIL inside its loops and BLAS calls)."""
+    bounds = np.linspace(0, n, parts + 1).astype(int).tolist()
+    pending = [_workers().submit(job, slice(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
+    job(slice(bounds[0], bounds[1]))
+    for done in pending:
+        done.result()
+
+
+def _rows(x: np.ndarray, weight: np.ndarray, out: np.ndarray, part: slice) -> None:
+    """out[:, part] = x W[part]^T for a stored (BF16) W, upcast a cache-sized block of rows at a time."""
+    rows, hi = max(1, BLOCK_BYTES // (4 * weight.shape[1])), part.stop
     buffer = _thread_buffer(rows * weight.shape[1])
-    for start in range(lo, hi, rows):
+    for start in range(part.start, hi, rows):
         stop = min(start + rows, hi)
         block = buffer[:(stop - start) * weight.shape[1]].reshape(stop - start, weight.shape[1])
         _upcast_rows(weight[start:stop], block)
@@ -254,10 +260,15 @@ def forward(model: Qwen3Model, ids: np.ndarray, cache: KVCache | None, last_only
     fused = _fused.get(model) or [None] * len(model.layers)
     if model not in _qk_norms:
         _qk_norms[model] = [_stack_qk_norm(w, config) for w in model.layers]
+    # The steps between products split a prompt's rows between our threads, but only while BLAS
+    # runs single-threaded on them (BF16 weights): OpenBLAS's own threads spin-wait between FP32
+    # products and take the second core (measured there: 0.6B prefill slower, 672 vs 630 ms).
+    parts = 1 if model.lm_head.dtype == np.float32 else min(_threads, T // MIN_ROWS_PER_THREAD)
     # SiLU's exp(-x) overflows to inf for x < -88, where silu(x) = x / inf = -0 is right: no warning.
     with blas_threads_for(model.lm_head), np.errstate(over="ignore"):
         for i, weights in enumerate(model.layers):
-            _decoder_layer(model, i, weights, fused[i], _qk_norms[model][i], x, positions, cos, sin, cache, buffers)
+            _decoder_layer(model, i, weights, fused[i], _qk_norms[model][i], x, positions, cos, sin, cache,
+                           buffers, parts)
         _rms_norm(x, model.norm, config.rms_norm_eps, out=buffers.h)
         h = buffers.h[-1:] if last_only else buffers.h
         logits = linear(h, model.lm_head, np.empty((len(h), config.vocab_size), np.float32))
@@ -282,13 +293,23 @@ def _stack_qk_norm(w: LayerWeights, config: Qwen3Config) -> np.ndarray:
 
 def _decoder_layer(model: Qwen3Model, i: int, w: LayerWeights, fused: tuple[np.ndarray, np.ndarray] | None,
                    qk_norm: np.ndarray, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                   cache: KVCache | None, b: _Buffers) -> None:
-    """x += attention(input_layernorm(x)); x += mlp(post_attention_layernorm(x)), in place.  x [T, D]."""
+                   cache: KVCache | None, b: _Buffers, parts: int) -> None:
+    """x += attention(input_layernorm(x)); x += mlp(post_attention_layernorm(x)), in place.  x [T, D].
+
+    Every step between the products treats token rows independently (attention too, once this call's
+    keys are in the cache), so each runs as `parts` slices of rows at once (see _split).
+    """
     c, T = model.config, x.shape[0]
     H, KVH, Dh, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
     q_end, k_end, F = H * Dh, (H + KVH) * Dh, c.intermediate_size
 
-    _rms_norm(x, w.input_layernorm, eps, out=b.h)
+    def by_rows(step: Callable[[slice], object]) -> None:
+        if parts > 1:
+            _split(T, parts, step)
+        else:
+            step(slice(0, T))
+
+    by_rows(lambda r: _rms_norm(x[r], w.input_layernorm, eps, out=b.h[r]))
     if fused is not None:
         linear(b.h, fused[0], b.qkv)
     else:
@@ -296,8 +317,8 @@ def _decoder_layer(model: Qwen3Model, i: int, w: LayerWeights, fused: tuple[np.n
         linear(b.h, w.k_proj, b.qkv[:, q_end:k_end])
         linear(b.h, w.v_proj, b.qkv[:, k_end:])
     qk = b.qkv[:, :k_end].reshape(T, H + KVH, Dh)          # q heads, then k heads
-    _rms_norm(qk, qk_norm, eps, out=qk)                     # q_norm on q heads, k_norm on k heads
-    _rope(qk, cos, sin, b.rope_scratch)
+    by_rows(lambda r: (_rms_norm(qk[r], qk_norm, eps, out=qk[r]),    # q_norm on q heads, k_norm on k heads
+                       _rope(qk[r], cos[r], sin[r], b.rope_scratch[:, r])))
     q = b.qkv[:, :q_end].reshape(T, H, Dh)
     k = b.qkv[:, q_end:k_end].reshape(T, KVH, Dh)
     v = b.qkv[:, k_end:].reshape(T, KVH, Dh)
@@ -306,18 +327,28 @@ def _decoder_layer(model: Qwen3Model, i: int, w: LayerWeights, fused: tuple[np.n
         cache.keys[i, start:start + T] = k
         cache.values[i, start:start + T] = v
         k, v = cache.keys[i, :start + T], cache.values[i, :start + T]           # [S, KVH, Dh]
-    _attention(q, k, v, positions, b.mixed)
-    x += linear(b.mixed, w.o_proj, b.block_out)
+    by_rows(lambda r: _attention(q[r], k, v, positions[r], b.mixed[r]))
+    linear(b.mixed, w.o_proj, b.block_out)
 
-    _rms_norm(x, w.post_attention_layernorm, eps, out=b.h)
+    def add_and_norm(r: slice) -> None:
+        x[r] += b.block_out[r]
+        _rms_norm(x[r], w.post_attention_layernorm, eps, out=b.h[r])
+
+    by_rows(add_and_norm)
     if fused is not None:
         linear(b.h, fused[1], b.gate_up)
     else:
         linear(b.h, w.gate_proj, b.gate_up[:, :F])
         linear(b.h, w.up_proj, b.gate_up[:, F:])
     gate, up = b.gate_up[:, :F], b.gate_up[:, F:]
-    _silu_times(gate, up, b.silu_scratch)
-    x += linear(gate, w.down_proj, b.block_out)
+    by_rows(lambda r: _silu_times(gate[r], up[r], b.silu_scratch[r]))
+    linear(gate, w.down_proj, b.block_out)
+    by_rows(lambda r: np.add(x[r], b.block_out[r], out=x[r]))
+
+
+# Rows per thread below which a step stays on one thread: handing a job to a worker thread costs
+# ~0.05-0.1 ms, more than the norms or RoPE of a few rows take.
+MIN_ROWS_PER_THREAD = 16
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:

@@ -153,3 +153,25 @@ def test_joined_copies_matrices_that_are_not_adjacent() -> None:
     gap = [block[:3].reshape(1, 3), block[6:9].reshape(1, 3)]        # same buffer, not back to back
     np.testing.assert_array_equal(fast._joined(gap), np.concatenate(gap))
     assert fast._joined([block[:6].reshape(2, 3), block[6:9].reshape(1, 3)]).base is block
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_prefill_steps_split_by_rows_give_the_same_logits(checkpoint: Path, threads: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """With BF16 weights a prompt's norms, RoPE, attention and SiLU run as row slices on our threads."""
+    fast_model, plain_model = load_pair(checkpoint, "bf16")
+    prompt = np.resize(PROMPT, 23)
+    splits: list[int] = []
+    original = fast._split
+    monkeypatch.setattr(fast, "_split", lambda n, parts, job: (splits.append(n), original(n, parts, job))[1])
+    monkeypatch.setattr(fast, "MIN_ROWS_PER_THREAD", 2)
+    before = fast._threads
+    try:
+        fast.set_threads(threads)
+        fast_cache, plain_cache = fast_model.new_cache(40), plain_model.new_cache(40)
+        assert_same_logits(fast_model.forward(prompt, fast_cache), plain_model.forward(prompt, plain_cache), "split")
+        assert_same_logits(fast_model.forward(prompt[:9], fast_cache), plain_model.forward(prompt[:9], plain_cache),
+                           "split, after a cached prefix")
+    finally:
+        fast.set_threads(before)
+    assert 23 in splits and 9 in splits          # row splits happened (the others split weight rows)
