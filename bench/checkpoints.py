@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -102,3 +104,42 @@ def _write_shard(path: Path, shapes: dict[str, tuple[int, ...]], table: np.ndarr
                 words = np.frombuffer(rng.bytes(2 * n), dtype="<u2")
                 np.take(table, words, out=buffer[:n])
                 f.write(buffer[:n].data)
+
+
+def gguf_path(folder: Path, mode: str) -> Path:
+    """Where the GGUF copy of a generated checkpoint lives: next to it, F32 or BF16 ("fp32" | "bf16")."""
+    return folder.with_name(f"{folder.name}.{'f32' if mode == 'fp32' else 'bf16'}.gguf")
+
+
+def ensure_gguf(folder: Path, mode: str, convert_script: Path | None, log=print) -> Path | None:
+    """The GGUF file llama.cpp runs for this checkpoint, converted with llama.cpp's own
+    convert_hf_to_gguf.py when missing (None when it is missing and no script was given).
+
+    The converter needs a tokenizer next to the weights: the real Qwen3 tokenizer in weights/ is
+    linked in (the weights are random, so any valid vocabulary of the right size would do).
+    """
+    target = gguf_path(folder, mode)
+    if target.exists():
+        return target
+    if convert_script is None:
+        return None
+    staging = target.with_name(target.name + ".source")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    tokenizer = Path(__file__).resolve().parents[1] / "weights"
+    for source in [*folder.iterdir(), tokenizer / "tokenizer.json", tokenizer / "tokenizer_config.json"]:
+        (staging / source.name).symlink_to(source)
+    partial = target.with_name(target.name + ".partial")
+    log(f"converting {folder.name} to {target.name} with {convert_script} ...")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(convert_script.parent / "gguf-py"),
+                                                                       os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(convert_script), str(staging), "--outtype",
+                           "f32" if mode == "fp32" else "bf16", "--outfile", str(partial)],
+                          env=env, capture_output=True, text=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        log(f"  conversion failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        return None
+    partial.rename(target)
+    return target

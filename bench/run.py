@@ -27,7 +27,7 @@ from qwen_np.config import PRESETS, Qwen3Config, parameter_count
 from qwen_np.inspection import weight_bytes_read_per_token
 from qwen_np.memory import available_memory
 
-from .checkpoints import MODELS, ensure_checkpoint
+from .checkpoints import MODELS, ensure_checkpoint, ensure_gguf
 
 GiB = 1024 ** 3
 OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
@@ -44,7 +44,7 @@ ANCHORS: dict[tuple[str, str, str], dict[str, float]] = {
 @dataclass(frozen=True)
 class Job:
     model: str        # "0.6b" | "8b"
-    engine: str       # "qwen_np" (fast path) | "qwen_np_plain" (readable path) | "transformers"
+    engine: str       # "qwen_np" (fast path) | "qwen_np_plain" (readable path) | "transformers" | "llama.cpp"
     mode: str         # "fp32" | "bf16": weights resident in FP32, or kept BF16 and upcast per use
     blas_env: str     # "as set" | "unset"
 
@@ -53,7 +53,7 @@ class Job:
         return f"{self.model} {self.engine} {self.mode} [{self.blas_env}]"
 
 
-def jobs_for(args: argparse.Namespace) -> list[Job]:
+def jobs_for(args: argparse.Namespace, folders: dict[str, Path]) -> list[Job]:
     envs = ["as set", "unset"] if args.openblas == "both" else [args.openblas]
     have_torch = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
     jobs = []
@@ -69,7 +69,21 @@ def jobs_for(args: argparse.Namespace) -> list[Job]:
             if have_torch and args.transformers:
                 engines.append(("transformers", "bf16"))
         jobs += [Job(model, engine, mode, env) for engine, mode in engines for env in envs]
+        # llama.cpp does not use OpenBLAS: one environment is enough.
+        jobs += [Job(model, "llama.cpp", mode, envs[0]) for mode in ("fp32", "bf16")
+                 if (model == "0.6b" or mode == "bf16") and llama_cpp_gguf(folders[model], mode, args)]
     return jobs
+
+
+def llama_cpp_gguf(folder: Path, mode: str, args: argparse.Namespace) -> Path | None:
+    """The GGUF llama.cpp runs for this checkpoint and precision, when llama-cpp-python is installed."""
+    if not args.llama_cpp or importlib.util.find_spec("llama_cpp") is None:
+        return None
+    gguf = ensure_gguf(folder, mode, args.llama_convert)
+    if gguf is None:
+        print(f"  llama.cpp skipped for {folder.name} {mode}: no GGUF; give --llama-convert "
+              "PATH/convert_hf_to_gguf.py (llama.cpp's converter) to make one")
+    return gguf
 
 
 def busy_cpu_seconds() -> float:
@@ -141,8 +155,8 @@ def derived(job: Job, config: Qwen3Config, r: dict[str, Any], args: argparse.Nam
     bytes_per_value = 4 if job.mode == "fp32" else 2
     bandwidth_limit = r["read_gbs"] * 1e9 / (values * bytes_per_value)
     # NumPy has no BF16 product: qwen_np must upcast BF16 weights as they stream by, so the fused
-    # upcast+GEMV rate is its ceiling. torch multiplies BF16 directly: its ceiling is bandwidth.
-    upcast_bound = job.mode == "bf16" and job.engine != "transformers"
+    # upcast+GEMV rate is its ceiling. torch and llama.cpp multiply BF16 directly: bandwidth is theirs.
+    upcast_bound = job.mode == "bf16" and job.engine.startswith("qwen_np")
     decode_limit = min(bandwidth_limit, r["fused_gbs"] * 1e9 / (2 * values)) if upcast_bound else bandwidth_limit
     # Never below the rate the model's own weights stream at (placement in memory changes bandwidth).
     decode_limit = max(decode_limit, 1 / r["stream_s"]) if "stream_s" in r else decode_limit
@@ -175,6 +189,8 @@ def summarize(results: dict[Job, list[dict[str, Any]]], args: argparse.Namespace
         kernel = f"{blas.get('internal_api')} {blas.get('architecture')} x{blas.get('num_threads')}"
         if job.engine == "transformers":
             kernel = f"torch ({kernel} loaded)"
+        elif job.engine == "llama.cpp":
+            kernel = f"ggml's own ({rows[0].get('gguf')})"
         decode = med(rows, "decode_tps")
         anchor_text = "; ".join(
             f"{phase} " + ", ".join(f"{med(rows, phase + '_tps') / v:.2f}x {k}" for k, v in anchors.items())
@@ -213,6 +229,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="skip the transformers comparison even when torch is installed")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 0.6B only, 1 repeat, 32+16 tokens, no readable-path run")
+    parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
+                        help="skip llama.cpp even when llama-cpp-python is installed")
+    parser.add_argument("--llama-convert", type=Path, default=os.environ.get("QWEN_NP_LLAMA_CONVERT") or None,
+                        metavar="PATH", help="llama.cpp's convert_hf_to_gguf.py, to make the GGUF copies llama.cpp "
+                        "runs (default $QWEN_NP_LLAMA_CONVERT; made once, cached next to the checkpoints)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     parser.add_argument("--wait-quiet", type=float, default=120, metavar="S",
                         help="before each process, wait up to S seconds for other processes to go idle")
@@ -229,9 +250,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     folders = {model: ensure_checkpoint(model) for model in args.models}
-    jobs = jobs_for(args)
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama-cpp-python is not installed: llama.cpp is compared through the issue's anchors only")
+    jobs = jobs_for(args, folders)
     print(f"{len(jobs)} configurations x {args.repeats} repeats, prefill {args.prefill}, decode {args.decode}, "
           f"{args.threads} threads; OpenBLAS env here: "
           + ", ".join(f"{name}={os.environ.get(name, '(unset)')}" for name in OPENBLAS_VARS))

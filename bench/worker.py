@@ -10,7 +10,8 @@ judged against are measured in the same process, just before the model is loaded
   weights, in BF16 bytes per second: the ceiling for decoding with weights kept as BF16.
 
 Usage: python -m bench.worker ENGINE MODEL_DIR MODE PREFILL DECODE THREADS
-(ENGINE qwen_np|qwen_np_plain|transformers; MODE fp32|bf16).
+(ENGINE qwen_np|qwen_np_plain|transformers|llama.cpp; MODE fp32|bf16; llama.cpp reads the GGUF made
+by bench.checkpoints.ensure_gguf next to MODEL_DIR).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -60,12 +62,10 @@ def machine_rates(hidden: int, intermediate: int, prefill: int) -> dict[str, flo
     return {"read_gbs": read_gbs, "gemm_gflops": gemm_gflops, "fused_gbs": fused_gbs}
 
 
-def read_into_page_cache(folder: str) -> None:
+def read_into_page_cache(paths: list[Path]) -> None:
     """Read every checkpoint file once, so the timed load measures loading from the page cache."""
-    from pathlib import Path
-
     chunk = bytearray(16 * 1024 ** 2)
-    for path in sorted(Path(folder).glob("*.safetensors")):
+    for path in paths:
         with open(path, "rb", buffering=0) as f:
             while f.readinto(chunk):
                 pass
@@ -138,19 +138,52 @@ def run_transformers(folder: str, mode: str, prefill: int, decode: int, threads:
     return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "mode": mode}
 
 
+def run_llama_cpp(gguf: Path, prefill: int, decode: int, threads: int) -> dict[str, Any]:
+    """llama.cpp through llama-cpp-python, the same prompt and greedy steps; logits of the last token only."""
+    from llama_cpp import Llama
+
+    start = time.perf_counter()
+    llm = Llama(model_path=str(gguf), n_ctx=prefill + decode, n_batch=prefill, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - start
+    vocab = llm.n_vocab()
+    prompt = ((np.arange(prefill) * 7919 + 1000) % vocab).tolist()
+
+    def next_token() -> int:      # argmax of the last evaluated token's logits, read where llama.cpp left them
+        return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).argmax())
+
+    llm.eval(prompt)                                                         # warm-up
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(prompt)
+    prefill_s = time.perf_counter() - start
+    token = next_token()
+    start = time.perf_counter()
+    for _ in range(decode):
+        llm.eval([token])
+        token = next_token()
+    decode_s = time.perf_counter() - start
+    return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "gguf": gguf.name}
+
+
 def main(argv: list[str]) -> None:
     engine, folder, mode, prefill, decode, threads = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5])
     from qwen_np import fast
     from qwen_np.config import load_config
 
+    from .checkpoints import gguf_path
+
     fast.set_threads(threads)
     config = load_config(folder)
     result: dict[str, Any] = machine_rates(config.hidden_size, config.intermediate_size, prefill)
-    read_into_page_cache(folder)
+    gguf = gguf_path(Path(folder), mode)
+    read_into_page_cache([gguf] if engine == "llama.cpp" else sorted(Path(folder).glob("*.safetensors")))
     result["blas"] = [{key: info.get(key) for key in ("internal_api", "architecture", "num_threads", "version")}
                       for info in fast.blas_info()]
     if engine == "transformers":
         result.update(run_transformers(folder, mode, prefill, decode, threads))
+    elif engine == "llama.cpp":
+        result.update(run_llama_cpp(gguf, prefill, decode, threads))
     else:
         result.update(run_qwen_np(folder, mode, prefill, decode, fast=engine == "qwen_np"))
     result["peak_rss_bytes"] = peak_rss_bytes()

@@ -21,7 +21,7 @@ from .config import Qwen3Config, load_config, preset
 from .errors import QwenNPError
 from .generate import (ChatSession, GenerationDefaults, GenerationStats, context_budget, generate, prompt_ids,
                        read_generation_defaults, resolve_sampling)
-from .memory import MODES
+from .memory import MODES, usable_cores
 from .model import DEFAULT_CONTEXT, Qwen3Model, Trace, load_model
 from .sampling import SamplingParams
 from .tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer
@@ -94,8 +94,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="the memory plan: fp32 upcasts every weight once at load (fastest), bf16 keeps them "
                              "as stored and upcasts them per use (half the RAM), auto picks fp32 when it fits "
                              "(default: auto)")
-    parser.add_argument("--threads", type=_at_least(1), default=fast.usable_cores(), metavar="N",
-                        help=f"threads for the matrix products (default: all {fast.usable_cores()} cores)")
+    parser.add_argument("--threads", type=_at_least(1), default=usable_cores(), metavar="N",
+                        help=f"threads for the matrix products (default: all {usable_cores()} cores)")
     parser.add_argument("--verbose", action="store_true",
                         help="print the memory plan and token-level details (prompt and generated ids, cache "
                              "use) on stderr")

@@ -33,7 +33,6 @@ different order); tests/test_fast_path.py holds the two paths to 1e-5 relative.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from contextlib import nullcontext
@@ -43,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from . import layers
-from .memory import allocate
+from .memory import allocate, usable_cores
 from .numerics import upcast
 
 try:  # optional: its C cast upcasts BF16 about 1.5x faster than NumPy's shift (see _upcast_rows)
@@ -72,11 +71,6 @@ BLOCK_BYTES = 8 * 1024 ** 2
 # on an idle machine, since each hand-off to a Python thread costs ~0.1 ms and a token makes 113.
 # But OpenBLAS's threads spin-wait for each other, so when another process wants a core the FP32
 # path can slow down several-fold (seen: 3.3 tok/s) where the row split kept 15 tok/s.
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, e.g. a container's share), not the host's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
 
 _threads = usable_cores()
 _pool: ThreadPoolExecutor | None = None

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from qwen_np import QwenNPError, preset
-from qwen_np.memory import GiB, kv_cache_bytes_per_token, plan_memory
+from qwen_np.memory import GiB, allocate, kv_cache_bytes_per_token, plan_memory
 
 QWEN3_8B = preset("qwen3-8b")
 
@@ -41,3 +42,11 @@ def test_plan_describes_every_part():
     text = plan_memory(QWEN3_8B, 4096, "auto", available=22 * GiB).describe()
     for part in ("weights FP32", "weights as stored", "KV cache (4096 tokens, FP32)", "working buffers", "available RAM"):
         assert part in text
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5), np.float32), ((70 * 1024 ** 2,), np.uint8), ((0, 4), np.float32)])
+def test_allocate_gives_a_writable_array_of_that_shape_and_dtype(shape, dtype):
+    array = allocate(shape, dtype)
+    assert array.shape == shape and array.dtype == dtype and array.flags.writeable and array.flags.c_contiguous
+    array[...] = 7
+    assert (array == 7).all()
