@@ -141,12 +141,19 @@ def run_job(job: Job, folder: Path, args: argparse.Namespace) -> dict[str, Any] 
     result = json.loads(lines[-1])
     result["others_cores"] = max(others, 0.0)
     result.update(derived(job, config, result, args))
+    streams = (f"own weights stream at {stream_gbs(job, config, result):.0f} GB/s, test matrix "
+               f"{result['read_gbs']:.0f} GB/s, " if "stream_s" in result else "")
     print(f"  {job.label}: prefill {result['prefill_tps']:.1f} tok/s (x{result['prefill_ratio']:.2f} of limit, "
           f"GEMM efficiency {result['gemm_efficiency']:.2f}), "
           f"decode {result['decode_tps']:.2f} tok/s (x{result['decode_ratio']:.2f}), "
-          f"peak RSS {result['peak_rss_bytes'] / GiB:.2f} GiB, load {result['load_s']:.2f} s, "
+          f"peak RSS {result['peak_rss_bytes'] / GiB:.2f} GiB, load {result['load_s']:.2f} s, {streams}"
           f"other processes {result['others_cores']:.2f} cores", flush=True)
     return result
+
+
+def stream_gbs(job: Job, config: Qwen3Config, r: dict[str, Any]) -> float:
+    """GB/s at which one token's matrix products read the model's own weights (worker.weight_stream_seconds)."""
+    return weight_bytes_read_per_token(config, 4 if job.mode == "fp32" else 2) / r["stream_s"] / 1e9
 
 
 def derived(job: Job, config: Qwen3Config, r: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
