@@ -180,13 +180,25 @@ def derived(job: Job, config: Qwen3Config, r: dict[str, Any], args: argparse.Nam
             "gemm_efficiency": flops_done / r["prefill_s"] / (r["gemm_gflops"] * 1e9)}
 
 
+def same_run_rows(results: dict[Job, list[dict[str, Any]]], job: Job, engine: str) -> list[dict[str, Any]] | None:
+    """This run's results of another `engine` for the same model and precision, to compare `job` with
+    (the same OpenBLAS environment; llama.cpp runs in one environment only)."""
+    if engine == job.engine:
+        return None
+    for other, rows in results.items():
+        same = (other.model, other.engine, other.mode) == (job.model, engine, job.mode)
+        if rows and same and (other.blas_env == job.blas_env or engine == "llama.cpp"):
+            return rows
+    return None
+
+
 def summarize(results: dict[Job, list[dict[str, Any]]], args: argparse.Namespace) -> str:
     """A markdown table: medians over repeats (each ratio taken within its own process first)."""
     def med(rows: list[dict[str, Any]], key: str) -> float:
         return statistics.median(row[key] for row in rows)
 
     header = ("| model | engine | weights | OpenBLAS env | BLAS kernel | prefill tok/s | x GEMM limit | GEMM efficiency | "
-              "decode tok/s | x limit | x bandwidth | vs issue anchors | vs transformers, this run | "
+              "decode tok/s | x limit | x bandwidth | vs issue anchors | vs the others, this run | "
               "load s | peak RSS GiB |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for job, rows in results.items():
@@ -202,11 +214,10 @@ def summarize(results: dict[Job, list[dict[str, Any]]], args: argparse.Namespace
         anchor_text = "; ".join(
             f"{phase} " + ", ".join(f"{med(rows, phase + '_tps') / v:.2f}x {k}" for k, v in anchors.items())
             for phase in ("prefill", "decode") if (anchors := ANCHORS.get((job.model, phase, job.mode)))) or "-"
-        reference = results.get(Job(job.model, "transformers", job.mode, job.blas_env))
-        versus = "-"
-        if reference and job.engine != "transformers":
-            versus = (f"prefill {med(rows, 'prefill_tps') / med(reference, 'prefill_tps'):.2f}x, "
-                      f"decode {decode / med(reference, 'decode_tps'):.2f}x")
+        versus = "; ".join(
+            f"prefill {med(rows, 'prefill_tps') / med(ref, 'prefill_tps'):.2f}x, "
+            f"decode {decode / med(ref, 'decode_tps'):.2f}x {engine}"
+            for engine in ("transformers", "llama.cpp") if (ref := same_run_rows(results, job, engine))) or "-"
         lines.append(
             f"| {job.model} | {job.engine} | {job.mode} | {job.blas_env} | {kernel} | "
             f"{med(rows, 'prefill_tps'):.1f} | {med(rows, 'prefill_ratio'):.2f} | {med(rows, 'gemm_efficiency'):.2f} | "

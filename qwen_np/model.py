@@ -219,10 +219,12 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
         if plan.mode != "fp32":
             return [checkpoint.mapped(name) for name in names]
         shapes = [checkpoint.tensors[name].shape for name in names]
-        block = allocate((sum(math.prod(shape) for shape in shapes),))
-        ends = np.cumsum([math.prod(shape) for shape in shapes]).tolist()
-        return [upcast(checkpoint.read(name, buffer), out=block[end - math.prod(shape):end].reshape(shape))
-                for name, shape, end in zip(names, shapes, ends)]
+        block, start, kept = allocate((sum(math.prod(shape) for shape in shapes),)), 0, []
+        for name, shape in zip(names, shapes):
+            end = start + math.prod(shape)
+            kept.append(upcast(checkpoint.read(name, buffer), out=block[start:end].reshape(shape)))
+            start = end
+        return kept
 
     def vector(name: str) -> np.ndarray:
         return upcast(checkpoint.read(name))      # norms are tiny: always FP32
