@@ -151,13 +151,23 @@ def _split(n: int, parts: int, job: Callable[[slice], object]) -> None:
 
 def _rows(x: np.ndarray, weight: np.ndarray, out: np.ndarray, part: slice) -> None:
     """out[:, part] = x W[part]^T for a stored (BF16) W, upcast a cache-sized block of rows at a time."""
-    rows, hi = max(1, BLOCK_BYTES // (4 * weight.shape[1])), part.stop
+    rows, hi = _block_rows(weight.shape[1]), part.stop
     buffer = _thread_buffer(rows * weight.shape[1])
     for start in range(part.start, hi, rows):
         stop = min(start + rows, hi)
         block = buffer[:(stop - start) * weight.shape[1]].reshape(stop - start, weight.shape[1])
         _upcast_rows(weight[start:stop], block)
         np.matmul(x, block.T, out=out[:, start:stop])
+
+
+def _block_rows(columns: int) -> int:
+    """Rows of a BF16 weight upcast per block: BLOCK_BYTES of FP32, rounded down to a multiple of 64.
+
+    Measured on Qwen3-8B's down_proj ([4096, 12288], 8 MiB = 170 rows): 128-row blocks run the
+    128-token GEMM at 222 GFLOP/s vs 214 and the decode GEMV at 29.7 GB/s vs 28.1.
+    """
+    rows = max(1, BLOCK_BYTES // (4 * columns))
+    return rows - rows % 64 if rows >= 64 else rows
 
 
 _local = threading.local()
@@ -434,3 +444,4 @@ def _silu_times(gate: np.ndarray, up: np.ndarray, scratch: np.ndarray) -> None:
     scratch += np.float32(1.0)
     np.divide(gate, scratch, out=gate)
     gate *= up
+
