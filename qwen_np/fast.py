@@ -211,10 +211,11 @@ class _Buffers:
         self.silu_scratch = np.empty((T, F), np.float32)
 
 
-# Per model, kept between calls (weak keys: a dropped model frees them): the decode buffers, and the
-# fused projection weights of each layer when fuse_projections made them.
+# Per model, kept between calls (weak keys: a dropped model frees them): the decode buffers, the
+# fused projection weights of each layer when fuse_projections made them, and the stacked q/k norms.
 _decode_buffers: "weakref.WeakKeyDictionary[Qwen3Model, _Buffers]" = weakref.WeakKeyDictionary()
 _fused: "weakref.WeakKeyDictionary[Qwen3Model, list[tuple[np.ndarray, np.ndarray]]]" = weakref.WeakKeyDictionary()
+_qk_norms: "weakref.WeakKeyDictionary[Qwen3Model, list[np.ndarray]]" = weakref.WeakKeyDictionary()
 
 
 def fuse_projections(model: Qwen3Model) -> None:
@@ -238,6 +239,17 @@ def fuse_projections(model: Qwen3Model) -> None:
         w.gate_proj, w.up_proj = gate_up[:f_rows], gate_up[f_rows:]
         fused.append((qkv, gate_up))
     _fused[model] = fused
+
+
+def _stack_qk_norm(w: LayerWeights, config: Qwen3Config) -> np.ndarray:
+    """q_norm's weight for each of the H query heads, then k_norm's for each of the KVH key heads.
+
+    q and k lie side by side in the q|k|v buffer, so with this [H + KVH, Dh] weight one RMSNorm and
+    one RoPE call treat both (in a 0.6B decode step the per-call overhead is most of their cost).
+    """
+    H, KVH = config.num_attention_heads, config.num_key_value_heads
+    return np.concatenate([np.broadcast_to(w.q_norm, (H, config.head_dim)),
+                           np.broadcast_to(w.k_norm, (KVH, config.head_dim))])
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
@@ -285,20 +297,6 @@ def forward(model: Qwen3Model, ids: np.ndarray, cache: KVCache | None, last_only
     if cache is not None:
         cache.length += T
     return logits
-
-
-_qk_norms: "weakref.WeakKeyDictionary[Qwen3Model, list[np.ndarray]]" = weakref.WeakKeyDictionary()
-
-
-def _stack_qk_norm(w: LayerWeights, config: Qwen3Config) -> np.ndarray:
-    """q_norm's weight for each of the H query heads, then k_norm's for each of the KVH key heads.
-
-    q and k lie side by side in the q|k|v buffer, so with this [H + KVH, Dh] weight one RMSNorm and
-    one RoPE call treat both (in a 0.6B decode step the per-call overhead is most of their cost).
-    """
-    H, KVH = config.num_attention_heads, config.num_key_value_heads
-    return np.concatenate([np.broadcast_to(w.q_norm, (H, config.head_dim)),
-                           np.broadcast_to(w.k_norm, (KVH, config.head_dim))])
 
 
 def _decoder_layer(model: Qwen3Model, i: int, w: LayerWeights, fused: tuple[np.ndarray, np.ndarray] | None,
