@@ -1,7 +1,8 @@
 """The math of one Qwen3 decoder, as small pure NumPy functions (FP32 in, FP32 out).
 
 Shapes use the vocabulary defined in config.py: T tokens, S cached positions, D width, H query heads,
-KVH key/value heads, Dh head_dim, F MLP width, V vocab. Each function mirrors one piece of
+KVH key/value heads, Dh head_dim, F MLP width, V vocab. Every function also takes a leading batch
+axis B (shapes written "[..., T, D]"): inference runs one sequence, training a batch [B, T]. Each function mirrors one piece of
 transformers' modeling_qwen3.py; comments record where the numerics could silently drift.
 """
 
@@ -26,22 +27,22 @@ UPCAST_BLOCK_ROWS = 512
 
 
 def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """y = x W^T, as nn.Linear without bias.  x [T, in], weight [out, in] -> [T, out].
+    """y = x W^T, as nn.Linear without bias.  x [..., in], weight [out, in] -> [..., out].
 
     An FP32 weight is used as is. A weight kept in BF16 (uint16 bits) or F16 is upcast a block of rows
     at a time, so the full FP32 copy never exists (an 8B model does not fit in RAM as FP32).
     """
     if weight.dtype == np.float32:
         return x @ weight.T
-    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+    out = np.empty((*x.shape[:-1], weight.shape[0]), dtype=np.float32)
     for start in range(0, weight.shape[0], UPCAST_BLOCK_ROWS):
         block = upcast(weight[start:start + UPCAST_BLOCK_ROWS])               # [rows, in] FP32
-        out[:, start:start + block.shape[0]] = x @ block.T
+        out[..., start:start + block.shape[0]] = x @ block.T
     return out
 
 
 def embed(token_ids: np.ndarray, embed_tokens: np.ndarray) -> np.ndarray:
-    """Look up rows of the embedding table: [T] -> [T, D]. A plain gather: no sqrt(D) scaling."""
+    """Look up rows of the embedding table: [..., T] -> [..., T, D]. A plain gather: no sqrt(D) scaling."""
     return upcast(embed_tokens[token_ids])      # upcast only the T rows used, never the whole table
 
 
@@ -82,7 +83,7 @@ def rope_angles(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotary position embedding, half-split ("rotate_half", NeoX) layout.  x [T, heads, Dh].
+    """Rotary position embedding, half-split ("rotate_half", NeoX) layout.  x [..., T, heads, Dh].
 
     Dimension i rotates with dimension i + Dh/2; NOT the interleaved (2i, 2i+1) layout of GPT-J/Meta.
     """
@@ -92,20 +93,25 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def attention_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Scaled dot products of queries with keys: q [T, H, Dh], k [S, KVH, Dh] -> [H, T, S].
+    """Scaled dot products of queries with keys: q [..., T, H, Dh], k [..., S, KVH, Dh] -> [..., H, T, S].
 
     GQA: query head h reads key head h // (H / KVH). np.repeat gives exactly that (it is
     repeat_interleave, like transformers' repeat_kv); np.tile would wrongly give h % KVH.
     The scale Dh^-0.5 is applied after the product, as transformers' eager attention does.
     """
-    group = q.shape[1] // k.shape[1]
-    k = np.repeat(k, group, axis=1)                                                  # [S, H, Dh]
-    scores = q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)                             # [H, T, S]
+    group = q.shape[-2] // k.shape[-2]
+    k = np.repeat(k, group, axis=-2)                                                 # [..., S, H, Dh]
+    scores = heads_first(q) @ np.swapaxes(heads_first(k), -1, -2)                    # [..., H, T, S]
     return scores * np.float32(q.shape[-1] ** -0.5)
 
 
+def heads_first(x: np.ndarray) -> np.ndarray:
+    """[..., T, H, Dh] -> [..., H, T, Dh]: a view, so each head's rows are one matrix for matmul."""
+    return np.swapaxes(x, -3, -2)
+
+
 def causal_mask(scores: np.ndarray, q_positions: np.ndarray) -> np.ndarray:
-    """Hide the future: query at position p sees keys at positions 0..p.  scores [H, T, S].
+    """Hide the future: query at position p sees keys at positions 0..p.  scores [..., H, T, S].
 
     -inf instead of transformers' finfo(float32).min: both make exp() exactly 0.
     """
@@ -121,27 +127,27 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def weighted_sum(probs: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Mix the values by the attention weights: probs [H, T, S], v [S, KVH, Dh] -> [T, H*Dh].
+    """Mix the values by the attention weights: probs [..., H, T, S], v [..., S, KVH, Dh] -> [..., T, H*Dh].
 
     Heads are concatenated head-major (feature f of o_proj's input is head f // Dh).
     """
-    H, T, _ = probs.shape
-    v = np.repeat(v, H // v.shape[1], axis=1)                                        # [S, H, Dh]
-    out = probs @ v.transpose(1, 0, 2)                                               # [H, T, Dh]
-    return out.transpose(1, 0, 2).reshape(T, -1)                                     # [T, H*Dh]
+    H, T = probs.shape[-3:-1]
+    v = np.repeat(v, H // v.shape[-2], axis=-2)                                      # [..., S, H, Dh]
+    out = probs @ heads_first(v)                                                     # [..., H, T, Dh]
+    return heads_first(out).reshape(*out.shape[:-3], T, -1)                          # [..., T, H*Dh]
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
               note: Note = ignore) -> np.ndarray:
-    """Causal grouped-query attention: q [T, H, Dh], k/v [S, KVH, Dh] (all keys so far) -> [T, H*Dh].
+    """Causal grouped-query attention: q [..., T, H, Dh], k/v [..., S, KVH, Dh] (all keys so far) -> [..., T, H*Dh].
 
     `note(step, value)` receives each intermediate (the trace and the walkthrough use it).
     """
-    scores = causal_mask(attention_scores(q, k), q_positions)                         # [H, T, S]
+    scores = causal_mask(attention_scores(q, k), q_positions)                         # [..., H, T, S]
     note("scores", scores)
-    probs = softmax(scores)                                                           # [H, T, S]
+    probs = softmax(scores)                                                           # [..., H, T, S]
     note("softmax", probs)
-    return weighted_sum(probs, v)                                                     # [T, H*Dh]
+    return weighted_sum(probs, v)                                                     # [..., T, H*Dh]
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -152,11 +158,11 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def swiglu(x: np.ndarray, gate_proj: np.ndarray, up_proj: np.ndarray, down_proj: np.ndarray,
            note: Note = ignore) -> np.ndarray:
-    """Qwen3MLP: down(silu(gate(x)) * up(x)).  x [T, D] -> [T, F] -> [T, D]."""
-    gate = linear(x, gate_proj)                                                       # [T, F]
+    """Qwen3MLP: down(silu(gate(x)) * up(x)).  x [..., T, D] -> [..., T, F] -> [..., T, D]."""
+    gate = linear(x, gate_proj)                                                       # [..., T, F]
     note("gate_proj", gate)
-    up = linear(x, up_proj)                                                           # [T, F]
+    up = linear(x, up_proj)                                                           # [..., T, F]
     note("up_proj", up)
-    act = silu(gate) * up                                                             # [T, F]
+    act = silu(gate) * up                                                             # [..., T, F]
     note("act_fn", act)
-    return linear(act, down_proj)                                                     # [T, D]
+    return linear(act, down_proj)                                                     # [..., T, D]
