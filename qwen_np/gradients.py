@@ -1,0 +1,288 @@
+"""The backward pass of Qwen3 by hand: the gradient of every op of layers.py, then of the whole network.
+
+Read it next to layers.py: each `<op>_backward` takes dOut (the loss's gradient with respect to the op's
+output, same shape) and what the forward saw, and returns the gradients of the op's inputs. "dX" always
+means dLoss/dX and has X's shape. Shapes as in layers.py, with the batch axis written out: a training
+batch is [B, T] token ids.
+
+The network's forward for training (`forward_with_tape`) is model.py's forward with a batch axis, no KV
+cache, and a tape: the activations each layer's backward needs. `backward` walks the tape in reverse
+and returns one FP32 gradient per checkpoint tensor name. Everything is FP32, like the reference
+(transformers + torch autograd in FP32), which tests/test_gradients.py checks tensor by tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import layers
+from .checkpoint import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD
+from .config import Qwen3Config
+
+if TYPE_CHECKING:
+    from .model import LayerWeights, Qwen3Model
+
+# --- One op at a time, in layers.py's order ----------------------------------------------------------
+
+
+def linear_backward(d_out: np.ndarray, x: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """y = x W^T.  d_out [..., out], x [..., in], W [out, in] -> dx [..., in], dW [out, in].
+
+    dx = dy W;  dW = dy^T x, summed over every row of the batch (one GEMM over the B*T rows).
+    """
+    dx = d_out @ weight                                                              # [..., in]
+    d_weight = d_out.reshape(-1, d_out.shape[-1]).T @ x.reshape(-1, x.shape[-1])     # [out, in]
+    return dx, d_weight
+
+
+def embed_backward(d_out: np.ndarray, token_ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Row lookup, reversed: scatter-add each position's gradient into its token's row.
+
+    d_out [B, T, D], token_ids [B, T] -> d_embed_tokens [V, D]. A token seen twice gets both
+    gradients: np.add.at accumulates repeated indices, where `d[ids] += rows` would keep only one.
+    """
+    d_table = np.zeros((vocab_size, d_out.shape[-1]), dtype=np.float32)             # [V, D]
+    np.add.at(d_table, token_ids.reshape(-1), d_out.reshape(-1, d_out.shape[-1]))
+    return d_table
+
+
+def rms_norm_backward(d_out: np.ndarray, x: np.ndarray, weight: np.ndarray,
+                      eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """y = w * x_hat, x_hat = x * r, r = 1 / sqrt(mean(x^2) + eps), over the last axis of size n.
+
+    dw = sum over all rows of dy * x_hat (the per-head q/k norms share one [Dh] weight across heads
+    and positions, so their sum runs over those too).  With g = dy * w:
+    dx = r * (g - x_hat * mean(g * x_hat)): the second term is r's own dependence on x.
+    """
+    r = np.float32(1.0) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))  # [..., 1]
+    x_hat = x * r                                                                    # [..., n]
+    d_weight = (d_out * x_hat).reshape(-1, x.shape[-1]).sum(axis=0)                  # [n]
+    g = d_out * weight                                                               # [..., n]
+    dx = r * (g - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True))                # [..., n]
+    return dx, d_weight
+
+
+def rope_backward(d_out: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """RoPE rotates each (i, i + Dh/2) pair by the angle theta; its transpose rotates by -theta.
+
+    So the backward is the forward with sin negated: dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin.
+    d_out [B, T, heads, Dh] -> dx [B, T, heads, Dh].
+    """
+    return layers.rope(d_out, cos, -sin)
+
+
+def softmax_backward(d_probs: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """p = softmax(s) over the last axis:  ds = p * (dp - sum_j dp_j p_j).
+
+    Masked (future) positions have p = 0 exactly, so their ds is 0: the causal mask needs no
+    backward of its own.
+    """
+    return probs * (d_probs - np.sum(d_probs * probs, axis=-1, keepdims=True))
+
+
+def sum_over_groups(d_repeated: np.ndarray, kv_heads: int) -> np.ndarray:
+    """Undo GQA's np.repeat: [B, H, S, Dh] (one per query head) -> [B, S, KVH, Dh] (one per KV head).
+
+    Query head h read KV head h // group, so heads kv*group .. kv*group + group-1 sum into head kv.
+    """
+    B, H, S, Dh = d_repeated.shape
+    summed = d_repeated.reshape(B, kv_heads, H // kv_heads, S, Dh).sum(axis=2)       # [B, KVH, S, Dh]
+    return layers.heads_first(summed)                                                # [B, S, KVH, Dh]
+
+
+def weighted_sum_backward(d_out: np.ndarray, probs: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """out = probs @ v per head.  d_out [B, T, H*Dh], probs [B, H, T, S], v [B, S, KVH, Dh].
+
+    dprobs = dout v^T;  dv = probs^T dout, summed over the query heads sharing each KV head.
+    """
+    B, H, T, _ = probs.shape
+    KVH, Dh = v.shape[-2:]
+    d_heads = layers.heads_first(d_out.reshape(B, T, H, Dh))                         # [B, H, T, Dh]
+    v_heads = layers.heads_first(np.repeat(v, H // KVH, axis=-2))                    # [B, H, S, Dh]
+    d_probs = d_heads @ np.swapaxes(v_heads, -1, -2)                                 # [B, H, T, S]
+    dv = sum_over_groups(np.swapaxes(probs, -1, -2) @ d_heads, KVH)                  # [B, S, KVH, Dh]
+    return d_probs, dv
+
+
+def attention_scores_backward(d_scores: np.ndarray, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """scores = q k^T * s, s = Dh^-0.5.  d_scores [B, H, T, S], q [B, T, H, Dh], k [B, S, KVH, Dh].
+
+    dq = ds k * s;  dk = ds^T q * s, summed over the query heads sharing each KV head.
+    """
+    H, KVH, Dh = q.shape[-2], k.shape[-2], q.shape[-1]
+    d_scores = d_scores * np.float32(Dh ** -0.5)                                     # [B, H, T, S]
+    k_heads = layers.heads_first(np.repeat(k, H // KVH, axis=-2))                    # [B, H, S, Dh]
+    dq = layers.heads_first(d_scores @ k_heads)                                      # [B, T, H, Dh]
+    dk = sum_over_groups(np.swapaxes(d_scores, -1, -2) @ layers.heads_first(q), KVH)  # [B, S, KVH, Dh]
+    return dq, dk
+
+
+def attention_backward(d_out: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                       probs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """layers.attention reversed: weighted sum, softmax (the mask passes nothing back), scores.
+
+    d_out [B, T, H*Dh] -> dq [B, T, H, Dh], dk and dv [B, S, KVH, Dh].
+    """
+    d_probs, dv = weighted_sum_backward(d_out, probs, v)                             # [B, H, T, S]
+    d_scores = softmax_backward(d_probs, probs)                                      # [B, H, T, S]
+    dq, dk = attention_scores_backward(d_scores, q, k)
+    return dq, dk, dv
+
+
+def silu_backward(d_out: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """d/dx [x * sigmoid(x)] = sigmoid(x) * (1 + x * (1 - sigmoid(x)))."""
+    with np.errstate(over="ignore"):                  # exp(-x) = inf for x << 0 gives sigmoid 0: right
+        sig = np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+    return d_out * sig * (np.float32(1.0) + x * (np.float32(1.0) - sig))
+
+
+def swiglu_backward(d_out: np.ndarray, x: np.ndarray, gate: np.ndarray, up: np.ndarray, gate_proj: np.ndarray,
+                    up_proj: np.ndarray, down_proj: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """down(silu(gate) * up) reversed.  d_out [B, T, D]; x [B, T, D]; gate, up [B, T, F] from the forward.
+
+    Returns dx [B, T, D] and the three weights' gradients. x feeds both gate_proj and up_proj, so
+    its gradient is the sum of the two paths.
+    """
+    d_act, d_down = linear_backward(d_out, layers.silu(gate) * up, down_proj)        # [B, T, F]
+    d_gate = silu_backward(d_act * up, gate)                                         # [B, T, F]
+    d_up = d_act * layers.silu(gate)                                                 # [B, T, F]
+    dx_gate, d_gate_proj = linear_backward(d_gate, x, gate_proj)                     # [B, T, D]
+    dx_up, d_up_proj = linear_backward(d_up, x, up_proj)                             # [B, T, D]
+    return dx_gate + dx_up, {"gate_proj": d_gate_proj, "up_proj": d_up_proj, "down_proj": d_down}
+
+
+def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.ndarray]:
+    """Mean next-token cross-entropy and its gradient, with the log-softmax fused in.
+
+    logits [B, T, V], targets [B, T] -> loss (mean over the B*T positions, as transformers' loss with
+    labels) and dlogits = (softmax(logits) - onehot(target)) / (B*T). Shifting by the row max keeps
+    exp() finite; the mean is accumulated in float64 so a long batch does not lose digits.
+    """
+    shifted = logits - logits.max(axis=-1, keepdims=True)                            # [B, T, V]
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))         # [B, T, V]
+    picked = np.take_along_axis(log_probs, targets[..., None], axis=-1)              # [B, T, 1]
+    n = targets.size
+    loss = -float(picked.sum(dtype=np.float64)) / n
+    d_logits = np.exp(log_probs)                                                     # softmax [B, T, V]
+    np.add.at(d_logits, (*np.indices(targets.shape), targets), np.float32(-1.0))     # - onehot
+    d_logits *= np.float32(1.0 / n)
+    return loss, d_logits
+
+
+# --- The whole network -------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerTape:
+    """What one decoder layer's backward needs from its forward (all [B, T, ...] FP32)."""
+
+    x: np.ndarray          # layer input (the residual stream)           [B, T, D]
+    h: np.ndarray          # input_layernorm(x)                           [B, T, D]
+    q: np.ndarray          # q_proj(h), before q_norm                     [B, T, H, Dh]
+    k: np.ndarray          # k_proj(h), before k_norm                     [B, T, KVH, Dh]
+    v: np.ndarray          # v_proj(h)                                    [B, T, KVH, Dh]
+    q_rot: np.ndarray      # rope(q_norm(q))                              [B, T, H, Dh]
+    k_rot: np.ndarray      # rope(k_norm(k))                              [B, T, KVH, Dh]
+    probs: np.ndarray      # softmax(masked scores)                       [B, H, T, T]
+    mixed: np.ndarray      # attention output, o_proj's input             [B, T, H*Dh]
+    x_mid: np.ndarray      # x + o_proj(mixed)                            [B, T, D]
+    h_mlp: np.ndarray      # post_attention_layernorm(x_mid)              [B, T, D]
+    gate: np.ndarray       # gate_proj(h_mlp)                             [B, T, F]
+    up: np.ndarray         # up_proj(h_mlp)                               [B, T, F]
+
+
+@dataclass
+class Tape:
+    """The whole forward's saved activations."""
+
+    token_ids: np.ndarray          # [B, T]
+    cos: np.ndarray                # [T, Dh]
+    sin: np.ndarray                # [T, Dh]
+    layers: list[LayerTape]
+    x_final: np.ndarray            # the residual stream before the final norm  [B, T, D]
+    h_final: np.ndarray            # norm(x_final), the LM head's input          [B, T, D]
+
+
+def decoder_layer_forward(w: LayerWeights, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                          config: Qwen3Config) -> tuple[np.ndarray, LayerTape]:
+    """model.py's decoder layer for a batch [B, T, D], keeping its tape."""
+    B, T, _ = x.shape
+    H, KVH, Dh, eps = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.rms_norm_eps
+    positions = np.arange(T)
+    h = layers.rms_norm(x, w.input_layernorm, eps)                                   # [B, T, D]
+    q = layers.linear(h, w.q_proj).reshape(B, T, H, Dh)                              # [B, T, H, Dh]
+    k = layers.linear(h, w.k_proj).reshape(B, T, KVH, Dh)                            # [B, T, KVH, Dh]
+    v = layers.linear(h, w.v_proj).reshape(B, T, KVH, Dh)                            # [B, T, KVH, Dh]
+    q_rot = layers.rope(layers.rms_norm(q, w.q_norm, eps), cos, sin)                 # [B, T, H, Dh]
+    k_rot = layers.rope(layers.rms_norm(k, w.k_norm, eps), cos, sin)                 # [B, T, KVH, Dh]
+    probs = layers.softmax(layers.causal_mask(layers.attention_scores(q_rot, k_rot), positions))  # [B, H, T, T]
+    mixed = layers.weighted_sum(probs, v)                                            # [B, T, H*Dh]
+    x_mid = x + layers.linear(mixed, w.o_proj)                                       # [B, T, D]
+    h_mlp = layers.rms_norm(x_mid, w.post_attention_layernorm, eps)                  # [B, T, D]
+    gate = layers.linear(h_mlp, w.gate_proj)                                         # [B, T, F]
+    up = layers.linear(h_mlp, w.up_proj)                                             # [B, T, F]
+    out = x_mid + layers.linear(layers.silu(gate) * up, w.down_proj)                 # [B, T, D]
+    return out, LayerTape(x, h, q, k, v, q_rot, k_rot, probs, mixed, x_mid, h_mlp, gate, up)
+
+
+def decoder_layer_backward(d_out: np.ndarray, w: LayerWeights, tape: LayerTape, cos: np.ndarray, sin: np.ndarray,
+                           config: Qwen3Config) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """decoder_layer_forward reversed.  d_out [B, T, D] -> dx [B, T, D] and the layer's 11 gradients.
+
+    Each residual connection passes its gradient straight through and adds the branch's.
+    """
+    B, T, _ = d_out.shape
+    eps = config.rms_norm_eps
+    # --- MLP block: out = x_mid + mlp(norm(x_mid)) ---
+    d_h_mlp, grads = swiglu_backward(d_out, tape.h_mlp, tape.gate, tape.up, w.gate_proj, w.up_proj, w.down_proj)
+    dx_mid, grads["post_attention_layernorm"] = rms_norm_backward(d_h_mlp, tape.x_mid, w.post_attention_layernorm, eps)
+    dx_mid += d_out                                                                  # [B, T, D]
+    # --- attention block: x_mid = x + o_proj(attention(...)) ---
+    d_mixed, grads["o_proj"] = linear_backward(dx_mid, tape.mixed, w.o_proj)         # [B, T, H*Dh]
+    dq_rot, dk_rot, dv = attention_backward(d_mixed, tape.q_rot, tape.k_rot, tape.v, tape.probs)
+    dq, grads["q_norm"] = rms_norm_backward(rope_backward(dq_rot, cos, sin), tape.q, w.q_norm, eps)  # [B, T, H, Dh]
+    dk, grads["k_norm"] = rms_norm_backward(rope_backward(dk_rot, cos, sin), tape.k, w.k_norm, eps)  # [B, T, KVH, Dh]
+    dh_q, grads["q_proj"] = linear_backward(dq.reshape(B, T, -1), tape.h, w.q_proj)  # [B, T, D]
+    dh_k, grads["k_proj"] = linear_backward(dk.reshape(B, T, -1), tape.h, w.k_proj)
+    dh_v, grads["v_proj"] = linear_backward(dv.reshape(B, T, -1), tape.h, w.v_proj)
+    dx, grads["input_layernorm"] = rms_norm_backward(dh_q + dh_k + dh_v, tape.x, w.input_layernorm, eps)
+    return dx + dx_mid, grads
+
+
+def forward_with_tape(model: Qwen3Model, token_ids: np.ndarray) -> tuple[np.ndarray, Tape]:
+    """Logits [B, T, V] for a batch of sequences that all start at position 0, and the tape."""
+    config = model.config
+    T = token_ids.shape[1]
+    cos, sin = layers.rope_angles(model.inv_freq, np.arange(T))                      # [T, Dh] each
+    x = layers.embed(token_ids, model.embed_tokens)                                  # [B, T, D]
+    tapes = []
+    for w in model.layers:
+        x, tape = decoder_layer_forward(w, x, cos, sin, config)                      # [B, T, D]
+        tapes.append(tape)
+    h = layers.rms_norm(x, model.norm, config.rms_norm_eps)                          # [B, T, D]
+    logits = layers.linear(h, model.lm_head)                                         # [B, T, V]
+    return logits, Tape(token_ids, cos, sin, tapes, x, h)
+
+
+def backward(model: Qwen3Model, tape: Tape, d_logits: np.ndarray) -> dict[str, np.ndarray]:
+    """Every parameter's gradient, keyed by checkpoint tensor name.  d_logits [B, T, V].
+
+    A tied LM head is the embedding table itself: its gradient adds into model.embed_tokens.weight
+    and there is no lm_head.weight.
+    """
+    config = model.config
+    grads: dict[str, np.ndarray] = {}
+    d_h, d_head = linear_backward(d_logits, tape.h_final, model.lm_head)             # [B, T, D], [V, D]
+    dx, grads[FINAL_NORM] = rms_norm_backward(d_h, tape.x_final, model.norm, config.rms_norm_eps)
+    for i in reversed(range(config.num_hidden_layers)):
+        dx, layer_grads = decoder_layer_backward(dx, model.layers[i], tape.layers[i], tape.cos, tape.sin, config)
+        grads.update({LAYER_TENSOR_NAMES[key].format(i=i): g for key, g in layer_grads.items()})
+    d_embed = embed_backward(dx, tape.token_ids, config.vocab_size)                  # [V, D]
+    if config.tie_word_embeddings:
+        grads[EMBED_TOKENS] = d_embed + d_head
+    else:
+        grads[EMBED_TOKENS], grads[LM_HEAD] = d_embed, d_head
+    return grads
