@@ -1,10 +1,28 @@
-"""Training a Qwen3 with the hand-written backward pass: loss and gradients, AdamW, the schedule."""
+"""Training a Qwen3 with the hand-written backward pass (gradients.py).
+
+One optimizer step, top to bottom:
+
+    batch [B, T+1] token ids, cut from the shuffled training text
+      -> loss_and_gradients        forward with a tape, cross-entropy, backward  (per micro-batch)
+      -> accumulate                micro-batches of B / grad_accum add up to the batch's mean gradient
+      -> clip_gradients            scale every gradient so their global L2 norm is at most 1
+      -> learning_rate(step)       linear warmup, then cosine decay
+      -> AdamW.update              decoupled weight decay, bias-corrected moments, in place
+
+The parameters are the model's own arrays (`named_parameters`), updated in place, so the model that is
+trained is the model that generates.
+"""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from . import gradients
+from .checkpoint import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD
 from .errors import QwenNPError
 from .model import Qwen3Model
 
@@ -30,3 +48,119 @@ def check_batch(batch: np.ndarray, vocab_size: int) -> np.ndarray:
     if batch.min() < 0 or batch.max() >= vocab_size:
         raise QwenNPError(f"batch: token ids must lie in [0, {vocab_size})")
     return batch.astype(np.int64)
+
+
+def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
+    """The model's trainable arrays by checkpoint tensor name (the arrays themselves, not copies).
+
+    A tied LM head is the embedding table, so it appears once, as model.embed_tokens.weight.
+    """
+    params = {EMBED_TOKENS: model.embed_tokens}
+    for i, layer in enumerate(model.layers):
+        params.update({template.format(i=i): getattr(layer, key) for key, template in LAYER_TENSOR_NAMES.items()})
+    params[FINAL_NORM] = model.norm
+    if not model.config.tie_word_embeddings:
+        params[LM_HEAD] = model.lm_head
+    for name, array in params.items():
+        if array.dtype != np.float32:
+            raise QwenNPError(f"{name}: training needs FP32 weights in memory; load the model with memory='fp32'")
+    return params
+
+
+def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray,
+                                   micro_batches: int) -> tuple[float, dict[str, np.ndarray]]:
+    """Gradient accumulation: the batch's loss and gradient from `micro_batches` equal slices of its rows.
+
+    Each slice's mean loss and gradient are averaged, which equals the whole batch's mean (equal-sized
+    slices); only one slice's activations are alive at a time, so memory drops by the same factor.
+    """
+    B = batch.shape[0]
+    if micro_batches < 1 or B % micro_batches:
+        raise QwenNPError(f"--grad-accum: {micro_batches} does not divide the batch size {B}")
+    rows = B // micro_batches
+    total_loss, total = 0.0, {}
+    for start in range(0, B, rows):
+        loss, grads = loss_and_gradients(model, batch[start:start + rows])
+        total_loss += loss / micro_batches
+        for name, g in grads.items():
+            g *= np.float32(1.0 / micro_batches)
+            if name in total:
+                total[name] += g
+            else:
+                total[name] = g
+    return total_loss, total
+
+
+def global_norm(grads: dict[str, np.ndarray]) -> float:
+    """The L2 norm of all gradients together, as if they were one vector (accumulated in float64)."""
+    return math.sqrt(sum(float(np.vdot(g, g)) for g in grads.values()))
+
+
+def clip_gradients(grads: dict[str, np.ndarray], max_norm: float) -> float:
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_. Returns the norm before."""
+    norm = global_norm(grads)
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1.0:
+        for g in grads.values():
+            g *= np.float32(scale)
+    return norm
+
+
+def learning_rate(step: int, peak: float, warmup: int, total: int, final_fraction: float = 0.1) -> float:
+    """Linear warmup to `peak` over `warmup` steps, then cosine decay to final_fraction * peak at `total`.
+
+    step counts from 0 (the first update). Warmup keeps the first updates small while AdamW's second
+    moments are still poor estimates.
+    """
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    floor = final_fraction * peak
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class AdamW:
+    """torch.optim.AdamW's update (its single-tensor CPU path), step for step.
+
+    Weight decay is decoupled (it shrinks the weight, not the gradient) and applies only to the names
+    in `decay`: here every matrix, embeddings included (as nanoGPT), never the RMSNorm weights, whose
+    natural value is 1, not 0.
+    """
+
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay: set[str] = field(default_factory=set)
+    m: dict[str, np.ndarray] = field(default_factory=dict)      # first moments, like the parameters
+    v: dict[str, np.ndarray] = field(default_factory=dict)      # second moments
+    step: int = 0                                               # updates done
+
+    @staticmethod
+    def decay_matrices(params: dict[str, np.ndarray]) -> set[str]:
+        """The names weight decay applies to: every 2-D parameter."""
+        return {name for name, p in params.items() if p.ndim == 2}
+
+    def update(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray], lr: float) -> None:
+        """One step: every parameter moves in place."""
+        self.step += 1
+        t = self.step
+        step_size = lr / (1 - self.beta1 ** t)
+        bias_correction2_sqrt = (1 - self.beta2 ** t) ** 0.5
+        for name, p in params.items():
+            g = grads[name]
+            m = self.m.setdefault(name, np.zeros_like(p))
+            v = self.v.setdefault(name, np.zeros_like(p))
+            if name in self.decay:
+                p *= 1 - lr * self.weight_decay                 # decoupled decay, applied first
+            m += (1 - self.beta1) * (g - m)                      # torch's lerp form of b1*m + (1-b1)*g
+            v *= self.beta2
+            v += (1 - self.beta2) * g * g
+            denom = np.sqrt(v) / bias_correction2_sqrt + self.eps
+            p -= step_size * m / denom
+
+
+def adamw_for(params: dict[str, np.ndarray], **settings: Any) -> AdamW:
+    """An AdamW whose weight decay covers the matrices of `params`."""
+    return AdamW(decay=AdamW.decay_matrices(params), **settings)
