@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
-from . import fast
+from . import fast, trainer
 from .checkpoint import download, resolve_model_path
 from .config import Qwen3Config, load_config, preset
 from .errors import QwenNPError
@@ -67,6 +67,13 @@ def build_parser(prog: str = "qwen-np") -> Parser:
                       help=f"KV cache positions for the whole conversation (default: {DEFAULT_CONTEXT}, "
                            "or the model's context if smaller)")
     chat.set_defaults(run=run_chat)
+
+    train = commands.add_parser("train", help="train a Qwen3 from scratch on text, in NumPy",
+                                description="Train a Qwen3 (a preset or a config.json) on Shakespeare or a text "
+                                            "file; checkpoints resume bit-exactly; the best model is exported "
+                                            "to DIR/model.")
+    trainer.add_arguments(train)
+    train.set_defaults(run=trainer.run)
 
     fetch = commands.add_parser("download", help="fetch a hub checkpoint into the Hugging Face cache",
                                 description="Download a checkpoint's safetensors, json and tokenizer files "

@@ -93,6 +93,12 @@ def sum_over_groups(d_repeated: np.ndarray, kv_heads: int) -> np.ndarray:
     return layers.heads_first(summed)                                                # [B, S, KVH, Dh]
 
 
+def contiguous_heads(x: np.ndarray) -> np.ndarray:
+    """[B, T, H, Dh] -> [B, H, T, Dh] copied contiguous. Trap: np.matmul of a transposed stack by a
+    strided one falls back to a loop without BLAS, ~40x slower here (see bench/README.md)."""
+    return np.ascontiguousarray(layers.heads_first(x))
+
+
 def weighted_sum_backward(d_out: np.ndarray, probs: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """out = probs @ v per head.  d_out [B, T, H*Dh], probs [B, H, T, S], v [B, S, KVH, Dh].
 
@@ -100,7 +106,7 @@ def weighted_sum_backward(d_out: np.ndarray, probs: np.ndarray, v: np.ndarray) -
     """
     B, H, T, _ = probs.shape
     KVH, Dh = v.shape[-2:]
-    d_heads = layers.heads_first(d_out.reshape(B, T, H, Dh))                         # [B, H, T, Dh]
+    d_heads = contiguous_heads(d_out.reshape(B, T, H, Dh))                          # [B, H, T, Dh]
     v_heads = layers.heads_first(np.repeat(v, H // KVH, axis=-2))                    # [B, H, S, Dh]
     d_probs = d_heads @ np.swapaxes(v_heads, -1, -2)                                 # [B, H, T, S]
     dv = sum_over_groups(np.swapaxes(probs, -1, -2) @ d_heads, KVH)                  # [B, S, KVH, Dh]
@@ -116,7 +122,7 @@ def attention_scores_backward(d_scores: np.ndarray, q: np.ndarray, k: np.ndarray
     d_scores = d_scores * np.float32(Dh ** -0.5)                                     # [B, H, T, S]
     k_heads = layers.heads_first(np.repeat(k, H // KVH, axis=-2))                    # [B, H, S, Dh]
     dq = layers.heads_first(d_scores @ k_heads)                                      # [B, T, H, Dh]
-    dk = sum_over_groups(np.swapaxes(d_scores, -1, -2) @ layers.heads_first(q), KVH)  # [B, S, KVH, Dh]
+    dk = sum_over_groups(np.swapaxes(d_scores, -1, -2) @ contiguous_heads(q), KVH)   # [B, S, KVH, Dh]
     return dq, dk
 
 

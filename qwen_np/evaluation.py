@@ -1,0 +1,88 @@
+"""How well a model predicts a text: loss per token, perplexity, and loss per character.
+
+The text is cut into documents at `<|endoftext|>` (the Shakespeare splits join plays with it). Each
+document is scored on its own, read in windows of `context` tokens, each window predicting its tokens
+from the ones before it in that window (stride = context, so every token is predicted exactly once).
+When the tokenizer has an end-of-text token, it starts each document, as it does in training, so the
+document's first token is predicted too.
+
+Per-token figures depend on the tokenizer; per-character figures (nats and bits per character of the
+text, separators excluded) compare models with different tokenizers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from .errors import QwenNPError
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+@dataclass
+class TextScore:
+    """Summed negative log-likelihood over a text, with the counts it is divided by."""
+
+    nats: float = 0.0          # sum over predicted tokens of -log p(token)
+    tokens: int = 0            # predicted tokens
+    characters: int = 0        # characters of the text (separators excluded)
+
+    def add(self, nats: float, tokens: int) -> None:
+        self.nats += nats
+        self.tokens += tokens
+
+    def summary(self) -> dict[str, Any]:
+        loss = self.nats / max(1, self.tokens)
+        per_char = self.nats / max(1, self.characters)
+        return {**asdict(self), "loss_per_token": loss, "perplexity": math.exp(loss),
+                "nats_per_character": per_char, "bits_per_character": per_char / math.log(2)}
+
+
+def documents(text: str) -> list[str]:
+    """The non-empty documents of a text joined by <|endoftext|>."""
+    return [doc for doc in text.split(END_OF_TEXT) if doc]
+
+
+def windows(ids: np.ndarray, context: int) -> Iterator[np.ndarray]:
+    """Overlapping-by-one windows of at most context + 1 tokens: window i reads tokens
+    [i*context, (i+1)*context) and predicts [i*context + 1, (i+1)*context + 1)."""
+    for start in range(0, len(ids) - 1, context):
+        yield ids[start:start + context + 1]
+
+
+def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """-log softmax(logits)[target] per row, in float64.  logits [N, V], targets [N] -> [N]."""
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)        # [N, V]
+    log_z = np.log(np.exp(shifted).sum(axis=-1))                                     # [N]
+    return log_z - shifted[np.arange(len(targets)), targets]
+
+
+def encoded_documents(tokenizer: Any, text: str) -> tuple[list[np.ndarray], int]:
+    """Each document's ids (preceded by <|endoftext|> when the tokenizer has it) and the characters."""
+    docs = documents(text)
+    if not docs:
+        raise QwenNPError("--text: the text is empty")
+    try:
+        start: int | None = tokenizer.token_to_id(END_OF_TEXT)
+    except QwenNPError:
+        start = None
+    ids = [np.asarray(([start] if start is not None else []) + tokenizer.encode(doc), dtype=np.int64) for doc in docs]
+    return ids, sum(len(doc) for doc in docs)
+
+
+def score_text(logits_of: Callable[[np.ndarray], np.ndarray], docs: list[np.ndarray], characters: int,
+               context: int, progress: Callable[[int], None] = lambda n: None) -> TextScore:
+    """Score documents window by window. logits_of maps ids [T] to logits [T, V] (e.g. model.forward)."""
+    score = TextScore(characters=characters)
+    for ids in docs:
+        for window in windows(ids, context):
+            nll = token_nll(logits_of(window[:-1]), window[1:])                      # [T]
+            score.add(float(nll.sum()), len(nll))
+            progress(len(nll))
+    if score.tokens == 0:
+        raise QwenNPError("--text: too short to score (needs at least two tokens)")
+    return score

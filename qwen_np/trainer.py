@@ -1,0 +1,435 @@
+"""`python -m qwen_np train`: a training run from text to an exported Hugging Face Qwen3 folder.
+
+    text -> BPE tokenizer (trained on the training split only) -> token ids
+    loop:  batch from shuffled windows -> training.loss_and_accumulated_gradients -> clip -> AdamW
+           every --eval-every steps: validation loss; keep the best; stop after --patience bad evals
+    end:   export the best weights (BF16 safetensors + config + tokenizer + generation_config), loss.png
+
+--out DIR holds everything: last.safetensors (resumable: weights, AdamW moments, step, data position,
+RNG state, history), best.safetensors (the same, at the best validation loss), tokenizer files,
+log.jsonl, loss.png, and model/ (the exported checkpoint that `generate --model DIR/model` runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from . import evaluation, training
+from .checkpoint import LAYER_TENSOR_NAMES, expected_tensors, save_checkpoint
+from .config import Qwen3Config
+from .errors import QwenNPError
+from .generate import peak_rss_bytes
+from .model import LayerWeights, Qwen3Model
+
+# The model configs a run can start from (`--preset`). "shakespeare" is the bundled default model;
+# "tiny" trains in seconds (CI, tests). Token id 0 is <|endoftext|> in the BPE that data.py trains.
+PRESET_CONFIGS: dict[str, dict[str, Any]] = {
+    "shakespeare": {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+                    "max_position_embeddings": 256, "tie_word_embeddings": True},
+    "tiny": {"vocab_size": 384, "hidden_size": 32, "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+             "max_position_embeddings": 64, "tie_word_embeddings": True},
+}
+# Flags a preset sets unless the command line does.
+PRESET_SETTINGS: dict[str, dict[str, Any]] = {
+    "shakespeare": {"steps": 4000, "batch_size": 16, "context": 256, "lr": 2e-3, "warmup": 200, "eval_every": 250},
+    "tiny": {"steps": 40, "batch_size": 8, "context": 32, "lr": 3e-3, "warmup": 5, "eval_every": 20},
+}
+END_OF_TEXT_ID = 0
+
+
+@dataclass
+class Settings:
+    """A run's hyper-parameters (saved in every checkpoint; a resumed run keeps them)."""
+
+    steps: int = 1000             # optimizer steps in total (resuming continues up to this)
+    decay_steps: int = 0          # the cosine schedule's length (0: = steps)
+    batch_size: int = 16          # sequences per optimizer step
+    context: int = 256            # tokens per sequence
+    grad_accum: int = 1           # micro-batches per step (same update, 1/grad_accum of the activations)
+    lr: float = 1e-3              # peak learning rate
+    warmup: int = 100             # linear warmup steps
+    weight_decay: float = 0.1
+    clip: float = 1.0             # global gradient norm limit
+    seed: int = 0
+    eval_every: int = 250
+    patience: int = 0             # stop after this many evaluations without improvement (0: never)
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.decay_steps or self.steps
+
+
+# --- Data order -------------------------------------------------------------------------------------
+
+
+@dataclass
+class WindowOrder:
+    """Epochs over the training tokens as shuffled windows of context + 1 tokens.
+
+    Each epoch draws, from a generator seeded by (seed, epoch), an offset in [0, context) where the
+    windows start and a permutation of them, so windows differ from epoch to epoch and the order is
+    reproducible from (seed, epoch, position) alone: that triple is the data's RNG state.
+    """
+
+    n_tokens: int
+    context: int
+    seed: int
+    epoch: int = 0
+    position: int = 0             # windows of this epoch already used
+
+    def _epoch(self) -> tuple[int, np.ndarray]:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        offset = int(rng.integers(self.context))
+        count = (self.n_tokens - 1 - offset) // self.context
+        if count < 1:
+            raise QwenNPError(f"--data: {self.n_tokens} tokens are too few for one window of --context {self.context}")
+        return offset, rng.permutation(count)
+
+    def next_batch(self, tokens: np.ndarray, batch_size: int) -> np.ndarray:
+        """The next batch_size windows [B, context + 1], continuing into the next epoch when one ends."""
+        rows = []
+        while len(rows) < batch_size:
+            offset, order = self._epoch()
+            if self.position >= len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+                continue
+            start = offset + int(order[self.position]) * self.context
+            rows.append(tokens[start:start + self.context + 1])
+            self.position += 1
+        return np.stack(rows).astype(np.int64)
+
+
+# --- Parameters ------------------------------------------------------------------------------------
+
+
+def init_parameters(config: Qwen3Config, seed: int) -> dict[str, np.ndarray]:
+    """Fresh weights as transformers initialises Qwen3: matrices N(0, 0.02), RMSNorm weights 1."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, shape in expected_tensors(config).items():
+        if len(shape) == 1:
+            params[name] = np.ones(shape, dtype=np.float32)
+        else:
+            params[name] = (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    return params
+
+
+def model_from_parameters(config: Qwen3Config, params: dict[str, np.ndarray]) -> Qwen3Model:
+    """A Qwen3Model whose weights ARE these arrays (no copies): updating them in place trains it."""
+    layers = [LayerWeights(**{key: params[template.format(i=i)] for key, template in LAYER_TENSOR_NAMES.items()})
+              for i in range(config.num_hidden_layers)]
+    embed = params["model.embed_tokens.weight"]
+    head = embed if config.tie_word_embeddings else params["lm_head.weight"]
+    return Qwen3Model(config, embed, layers, params["model.norm.weight"], head)
+
+
+def hf_config(model_config: dict[str, Any]) -> dict[str, Any]:
+    """A complete config.json that transformers and qwen_np both load."""
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+            "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+            "rope_theta": 1_000_000.0, "rope_scaling": None, "use_sliding_window": False, "sliding_window": None,
+            "bos_token_id": END_OF_TEXT_ID, "eos_token_id": END_OF_TEXT_ID, "torch_dtype": "bfloat16",
+            "use_cache": True, **model_config}
+
+
+# --- Checkpoints ------------------------------------------------------------------------------------
+
+
+def save_state(path: Path, params: dict[str, np.ndarray], optimizer: training.AdamW, meta: dict[str, Any]) -> None:
+    """Weights, AdamW moments and the run's state (JSON in the safetensors header) in one file.
+
+    Written to a temporary name and renamed: os.replace is atomic, so a crash leaves the previous
+    checkpoint or the new one, never half of one.
+    """
+    from safetensors.numpy import save_file
+
+    tensors = {f"param/{n}": p for n, p in params.items()}
+    tensors.update({f"adam_m/{n}": m for n, m in optimizer.m.items()})
+    tensors.update({f"adam_v/{n}": v for n, v in optimizer.v.items()})
+    meta = {**meta, "optimizer_step": optimizer.step}
+    tmp = path.with_name(path.name + ".partial")
+    save_file(tensors, str(tmp), metadata={"qwen_np_training": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def load_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
+    """(params, adam_m, adam_v, meta) from a file written by save_state."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise QwenNPError(f"--resume: {path} not found (no earlier run in this --out folder)")
+    groups: dict[str, dict[str, np.ndarray]] = {"param": {}, "adam_m": {}, "adam_v": {}}
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = json.loads((f.metadata() or {})["qwen_np_training"])
+            for key in f.keys():
+                group, name = key.split("/", 1)
+                groups[group][name] = f.get_tensor(key)
+    except (KeyError, ValueError, OSError) as bad:
+        raise QwenNPError(f"{path}: not a qwen_np training checkpoint ({bad})") from None
+    return groups["param"], groups["adam_m"], groups["adam_v"], meta
+
+
+def export_model(folder: Path, config_json: dict[str, Any], params: dict[str, np.ndarray], tokenizer_folder: Path) -> Path:
+    """A Hugging Face Qwen3 folder: config.json, BF16 model.safetensors, tokenizer, generation_config.json."""
+    save_checkpoint(folder, config_json, [params], dtype="BF16")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
+    generation = {"bos_token_id": END_OF_TEXT_ID, "eos_token_id": END_OF_TEXT_ID, "pad_token_id": END_OF_TEXT_ID,
+                  "do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.95}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return folder
+
+
+# --- Memory -----------------------------------------------------------------------------------------
+
+
+def memory_estimate(config: Qwen3Config, rows: int, context: int) -> dict[str, int]:
+    """Bytes a training step holds: weights, gradients, AdamW's two moments, and the tape.
+
+    Activations per token per layer are LayerTape's arrays: 4 D-wide (x, h, x_mid, h_mlp), q before and
+    after norm+RoPE and the mixed heads (3 H*Dh), k before and after, v (3 KVH*Dh), the attention
+    probabilities (H*T: they grow with the context) and gate, up (2 F); plus the final norm's
+    input and output (2 D) and three [V] rows (logits, log-probs, their gradient).
+    """
+    D, F, H, KVH, Dh, V = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                           config.num_key_value_heads, config.head_dim, config.vocab_size)
+    params = sum(math.prod(shape) for shape in expected_tensors(config).values())
+    per_layer = 4 * D + 3 * H * Dh + 3 * KVH * Dh + H * context + 2 * F
+    per_token = 4 * (config.num_hidden_layers * per_layer + 2 * D + 3 * V)
+    return {"weights": 4 * params, "gradients": 4 * params, "adamw": 8 * params,
+            "activations_per_token": per_token, "activations": per_token * rows * context}
+
+
+def memory_report(estimate: dict[str, int], baseline: int) -> str:
+    """The estimate as one table (MiB), with the process's measured peak next to the prediction."""
+    predicted = baseline + sum(v for k, v in estimate.items() if k != "activations_per_token")
+    lines = [f"  {key:<22} {value / 2**20:9.1f} MiB" for key, value in estimate.items() if key != "activations_per_token"]
+    lines.append(f"  {'activations per token':<22} {estimate['activations_per_token'] / 1024:9.1f} KiB")
+    lines.append(f"  predicted peak RSS {predicted / 2**20:.0f} MiB (process before training: {baseline / 2**20:.0f} MiB); "
+                 f"measured peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
+    return "\n".join(lines)
+
+
+# --- The run ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Corpus:
+    """What a run trains and validates on."""
+
+    train: np.ndarray                    # token ids of the training text
+    validation: list[np.ndarray]         # documents, each starting with <|endoftext|>
+    validation_characters: int
+
+
+def load_corpus(data: str, out: Path, vocab_size: int, resume: bool) -> Corpus:
+    """Train (or, resuming, reload) the tokenizer in `out`, and encode the training and validation text.
+
+    --data shakespeare uses data.py's fixed by-play splits. A text FILE is split at a line boundary:
+    the last 5% of its lines validate, the rest train.
+    """
+    from . import data as corpora
+    from .tokenizer import Tokenizer
+
+    if data == "shakespeare":
+        train_text, valid_text = corpora.shakespeare_split("train"), corpora.shakespeare_split("validation")
+    else:
+        lines = corpora.read_text(data).splitlines(keepends=True)
+        cut = len(lines) - max(1, len(lines) // 20)
+        train_text, valid_text = "".join(lines[:cut]), "".join(lines[cut:])
+        if not train_text.strip() or not valid_text.strip():
+            raise QwenNPError(f"--data: {data} is too short to split into training and validation text")
+    if not resume:
+        corpora.save_tokenizer(corpora.train_tokenizer(train_text, vocab_size), out)
+    tokenizer = Tokenizer.from_folder(out)
+    if tokenizer.vocab_size != vocab_size:
+        raise QwenNPError(f"{out}/tokenizer.json: {tokenizer.vocab_size} tokens, but the config's vocab_size is "
+                          f"{vocab_size} (the text is too small for that many BPE merges?)")
+    separator = np.array([END_OF_TEXT_ID], dtype=np.int32)
+    train_docs = [corpora.encode_corpus(tokenizer._backend, doc) for doc in evaluation.documents(train_text)]
+    train = np.concatenate([part for doc in train_docs for part in (separator, doc)])
+    valid, characters = evaluation.encoded_documents(tokenizer, valid_text)
+    return Corpus(train, valid, characters)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR",
+                        help="folder for checkpoints, the tokenizer, logs and the exported model (DIR/model)")
+    parser.add_argument("--data", default="shakespeare", metavar="shakespeare|FILE",
+                        help="Shakespeare's plays (fixed by-play splits) or a UTF-8 text file (last 5%% of lines validate)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESET_CONFIGS), help="model and run defaults (default: shakespeare)")
+    source.add_argument("--config", type=Path, metavar="JSON", help="a Qwen3 config.json to train from scratch")
+    for flag in fields(Settings):
+        name = "--" + flag.name.replace("_", "-")
+        parser.add_argument(name, type=float if flag.type == "float" else int, default=None, metavar="N",
+                            help=f"(default: the preset's, else {flag.default})")
+    parser.add_argument("--resume", action="store_true", help="continue from DIR/last.safetensors up to --steps")
+
+
+def resolve_settings(args: argparse.Namespace, preset: str | None, saved: dict[str, Any] | None) -> Settings:
+    """Command-line flags over the saved run's settings (resuming) or the preset's, over Settings' defaults."""
+    base = saved if saved is not None else PRESET_SETTINGS.get(preset or "", {})
+    values = {f.name: getattr(args, f.name) if getattr(args, f.name) is not None else base.get(f.name, f.default)
+              for f in fields(Settings)}
+    settings = Settings(**values)
+    for name in ("steps", "batch_size", "context", "grad_accum", "eval_every"):
+        if getattr(settings, name) < 1:
+            raise QwenNPError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(settings, name)}")
+    if settings.batch_size % settings.grad_accum:
+        raise QwenNPError(f"--grad-accum: {settings.grad_accum} does not divide --batch-size {settings.batch_size}")
+    if not settings.lr > 0:
+        raise QwenNPError(f"--lr: must be positive, got {settings.lr}")
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    """The train command."""
+    out: Path = args.out
+    last, best = out / "last.safetensors", out / "best.safetensors"
+    if args.resume:
+        params, adam_m, adam_v, meta = load_state(last)
+        config_json = meta["config"]
+        settings = resolve_settings(args, None, meta["settings"])
+        if args.decay_steps is None and not meta["settings"]["decay_steps"]:
+            settings.decay_steps = 0                     # the schedule stretches to the new --steps
+    else:
+        if last.exists():
+            raise QwenNPError(f"--out: {out} already holds a run (last.safetensors); pass --resume or another folder")
+        config_json = hf_config(_model_config(args))
+        settings = resolve_settings(args, args.preset or ("shakespeare" if args.config is None else None), None)
+        meta = {"history": [], "evals": [], "best_loss": None, "bad_evals": 0,
+                "order": {"epoch": 0, "position": 0}, "data": args.data}
+    config = Qwen3Config.from_dict(config_json, source="--config")
+    if settings.context > config.max_position_embeddings:
+        raise QwenNPError(f"--context {settings.context} exceeds the model's max_position_embeddings "
+                          f"({config.max_position_embeddings})")
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = load_corpus(meta["data"], out, config.vocab_size, args.resume)
+    if not args.resume:
+        params = init_parameters(config, settings.seed)
+        (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    model = model_from_parameters(config, params)
+    optimizer = training.adamw_for(params, weight_decay=settings.weight_decay)
+    if args.resume:
+        optimizer.m, optimizer.v, optimizer.step = adam_m, adam_v, meta["optimizer_step"]
+    order = WindowOrder(len(corpus.train), settings.context, settings.seed, **meta["order"])
+    baseline = peak_rss_bytes()
+    estimate = memory_estimate(config, settings.batch_size // settings.grad_accum, settings.context)
+
+    def checkpoint(path: Path) -> None:
+        meta.update(settings=asdict(settings), config=config_json, order={"epoch": order.epoch, "position": order.position})
+        save_state(path, params, optimizer, meta)
+
+    print(f"training {sum(p.size for p in params.values()):,} parameters on {len(corpus.train):,} tokens "
+          f"({settings.batch_size}x{settings.context} tokens a step) -> {out}", file=sys.stderr)
+    step = len(meta["history"])
+    stopped = ""
+    try:
+        step, stopped = _loop(model, params, optimizer, order, corpus, settings, meta, step,
+                              lambda kind: checkpoint(out / f"{kind}.safetensors"))
+    except KeyboardInterrupt:
+        checkpoint(last)
+        print(f"\ninterrupted at step {len(meta['history'])}: saved {last}; continue with --resume", file=sys.stderr)
+        return 130
+    checkpoint(last)
+    if not best.exists():
+        checkpoint(best)
+    best_params = load_state(best)[0]
+    exported = export_model(out / "model", config_json, best_params, out)
+    _plot(meta, out / "loss.png")
+    print(f"{stopped or 'done'} at step {step}; best validation loss {meta['best_loss']:.4f} per token "
+          f"({meta['evals'][-1]['nats_per_character'] if meta['evals'] else float('nan'):.4f} nats/char last); "
+          f"exported {exported}", file=sys.stderr)
+    print("memory:\n" + memory_report(estimate, baseline), file=sys.stderr)
+    return 0
+
+
+def _model_config(args: argparse.Namespace) -> dict[str, Any]:
+    if args.config is not None:
+        from .config import read_json_object
+        return read_json_object(args.config)
+    return dict(PRESET_CONFIGS[args.preset or "shakespeare"])
+
+
+def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW, order: WindowOrder,
+          corpus: Corpus, settings: Settings, meta: dict[str, Any], step: int,
+          save: Callable[[str], None]) -> tuple[int, str]:
+    """Optimizer steps from `step` to settings.steps, with evaluation, best-keeping and early stopping."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=settings.steps, initial=step, unit="step", file=sys.stderr, dynamic_ncols=True)
+    tokens_per_step = settings.batch_size * settings.context
+    with bar:
+        while step < settings.steps:
+            started = time.perf_counter()
+            lr = training.learning_rate(step, settings.lr, settings.warmup, settings.schedule_steps)
+            batch = order.next_batch(corpus.train, settings.batch_size)              # [B, T+1]
+            loss, grads = training.loss_and_accumulated_gradients(model, batch, settings.grad_accum)
+            norm = training.clip_gradients(grads, settings.clip)
+            optimizer.update(params, grads, lr)
+            step += 1
+            rate = tokens_per_step / (time.perf_counter() - started)
+            meta["history"].append({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": rate})
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}", epoch=order.epoch, refresh=False)
+            bar.update(1)
+            if step % settings.eval_every == 0 or step == settings.steps:
+                result = validate(model, corpus, settings.context)
+                meta["evals"].append({"step": step, **result})
+                improved = meta["best_loss"] is None or result["loss_per_token"] < meta["best_loss"]
+                meta["bad_evals"] = 0 if improved else meta["bad_evals"] + 1
+                if improved:
+                    meta["best_loss"] = result["loss_per_token"]
+                    save("best")
+                save("last")
+                bar.write(f"step {step}: train {loss:.4f}, validation {result['loss_per_token']:.4f} per token, "
+                          f"{result['nats_per_character']:.4f} nats/char{' (best)' if improved else ''}")
+                if settings.patience and meta["bad_evals"] >= settings.patience:
+                    return step, f"early stop ({settings.patience} evaluations without improvement)"
+    return step, ""
+
+
+def validate(model: Qwen3Model, corpus: Corpus, context: int) -> dict[str, Any]:
+    """Loss on the validation documents, with the inference forward pass (what generation runs)."""
+    return evaluation.score_text(model.forward, corpus.validation, corpus.validation_characters, context).summary()
+
+
+def _plot(meta: dict[str, Any], path: Path) -> None:
+    """loss.png: training loss per step (and its running mean) and validation loss per evaluation."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: no loss.png (pip install 'qwen_np[plot]' for matplotlib)", file=sys.stderr)
+        return
+    steps = [h["step"] for h in meta["history"]]
+    losses = np.array([h["loss"] for h in meta["history"]])
+    smooth = np.convolve(losses, np.ones(25) / 25, mode="valid") if len(losses) >= 25 else losses
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train (each step)")
+    ax.plot(steps[len(steps) - len(smooth):], smooth, color="tab:blue", label="train (mean of 25 steps)")
+    if meta["evals"]:
+        ax.plot([e["step"] for e in meta["evals"]], [e["loss_per_token"] for e in meta["evals"]], "o-",
+                color="tab:orange", label="validation")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats per token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
