@@ -44,7 +44,7 @@ def embed_backward(d_out: np.ndarray, token_ids: np.ndarray, vocab_size: int) ->
     d_out [B, T, D], token_ids [B, T] -> d_embed_tokens [V, D]. A token seen twice gets both
     gradients: np.add.at accumulates repeated indices, where `d[ids] += rows` would keep only one.
     """
-    d_table = np.zeros((vocab_size, d_out.shape[-1]), dtype=np.float32)             # [V, D]
+    d_table = np.zeros((vocab_size, d_out.shape[-1]), dtype=d_out.dtype)             # [V, D]
     np.add.at(d_table, token_ids.reshape(-1), d_out.reshape(-1, d_out.shape[-1]))
     return d_table
 

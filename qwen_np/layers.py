@@ -21,6 +21,9 @@ Note = Callable[[str, np.ndarray], None]
 def ignore(name: str, value: np.ndarray) -> None:
     """The note used when nobody is watching: does nothing."""
 
+# Weights used as they are. FP64 runs only in the float64 gradient check (tests/test_gradients.py).
+FULL_PRECISION = (np.dtype(np.float32), np.dtype(np.float64))
+
 # How many weight rows to upcast at a time when a weight is stored as BF16: small enough that the
 # FP32 block stays in the CPU's last-level cache between being written and being multiplied.
 UPCAST_BLOCK_ROWS = 512
@@ -32,7 +35,7 @@ def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     An FP32 weight is used as is. A weight kept in BF16 (uint16 bits) or F16 is upcast a block of rows
     at a time, so the full FP32 copy never exists (an 8B model does not fit in RAM as FP32).
     """
-    if weight.dtype == np.float32:
+    if weight.dtype in FULL_PRECISION:
         return x @ weight.T
     out = np.empty((*x.shape[:-1], weight.shape[0]), dtype=np.float32)
     for start in range(0, weight.shape[0], UPCAST_BLOCK_ROWS):
@@ -43,7 +46,8 @@ def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
 
 def embed(token_ids: np.ndarray, embed_tokens: np.ndarray) -> np.ndarray:
     """Look up rows of the embedding table: [..., T] -> [..., T, D]. A plain gather: no sqrt(D) scaling."""
-    return upcast(embed_tokens[token_ids])      # upcast only the T rows used, never the whole table
+    rows = embed_tokens[token_ids]
+    return rows if rows.dtype in FULL_PRECISION else upcast(rows)   # upcast only the rows used
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -117,7 +121,7 @@ def causal_mask(scores: np.ndarray, q_positions: np.ndarray) -> np.ndarray:
     """
     key_positions = np.arange(scores.shape[-1])
     future = key_positions[None, :] > q_positions[:, None]                           # [T, S]
-    return np.where(future, -np.inf, scores).astype(np.float32)
+    return np.where(future, -np.inf, scores).astype(scores.dtype, copy=False)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
