@@ -36,8 +36,8 @@ separator is one token whose loss still counts; with three plays that is two tok
 from __future__ import annotations
 
 import importlib.util
-import re
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,8 +210,8 @@ def new_tokenizer() -> tokenizers.Tokenizer:
 
 
 def train_tokenizer(text: str, vocab_size: int) -> tokenizers.Tokenizer:
-    """A byte-level BPE of ``vocab_size`` ids trained on ``text``: ``<|endoftext|>`` (id 0), the 256
-    bytes, then merges. Deterministic: the same text and size give the same tokenizer.json."""
+    """A byte-level BPE of exactly ``vocab_size`` ids trained on ``text``: ``<|endoftext|>`` (id 0),
+    the 256 bytes, then merges. Deterministic: the same text and size give the same tokenizer.json."""
     minimum = 1 + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size <= minimum:
         raise QwenNPError(f"--vocab-size {vocab_size}: must exceed {minimum} (the separator and the 256 bytes)")
@@ -227,7 +227,15 @@ def train_tokenizer(text: str, vocab_size: int) -> tokenizers.Tokenizer:
     tokenizer.train_from_iterator((chunk for doc in documents for chunk in _line_chunks(doc)), trainer)
     if tokenizer.token_to_id(END_OF_TEXT) != END_OF_TEXT_ID:
         raise AssertionError("the BPE trainer no longer puts special tokens first")
+    if tokenizer.get_vocab_size() < vocab_size:  # the trainer stops when no pair is left to merge
+        raise QwenNPError(f"--vocab-size {vocab_size}: the training text ({len(text):,} characters) yields only "
+                          f"{tokenizer.get_vocab_size()} tokens; choose a smaller vocabulary or more text")
     return tokenizer
+
+
+def shakespeare_tokenizer(vocab_size: int) -> tokenizers.Tokenizer:
+    """The BPE of the Shakespeare models: trained on the train split only, never on held-out plays."""
+    return train_tokenizer(shakespeare_split("train"), vocab_size)
 
 
 def save_tokenizer(tokenizer: tokenizers.Tokenizer, folder: Path | str) -> None:
