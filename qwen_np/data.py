@@ -17,10 +17,11 @@ Preprocessing (every per-character figure depends on it; ``shakespeare_plays`` a
   ``[Aside to GREGORY]``. No other line starts with ``[``.
 * Spoken lines stay lines (verse keeps its line breaks; prose keeps the edition's breaks). Left-over
   emphasis marks and editorial brackets inside a spoken line are removed, Markdown backslash
-  escapes (``\\[``, ``\\--``) undone.
+  escapes (``\\[``, ``\\--``) undone, runs of spaces made one.
 * Then ``normalize_text``: line ends are ``\\n``; trailing whitespace of every line is stripped;
   runs of blank lines become one blank line; no leading blank lines; the text ends with one ``\\n``.
-  A blank line separates a speech from the next speaker, heading or direction.
+  Blank lines are the edition's paragraph breaks: before every speaker and heading, around the
+  stage directions that stand between speeches.
 
 The text is otherwise the edition's, quirks included (``TITANIA 's``, a few spoken lines set as
 directions); the one repair is of speaker names the edition's conversion split in two
@@ -30,7 +31,7 @@ Splits are by play (``SPLITS``). ``shakespeare_split`` joins a split's plays, in
 with the end-of-text token string ``<|endoftext|>`` between them (not before the first or after
 the last), so a model learns where one play ends and the next begins. Per-character figures count
 ``characters(text)``: the characters of the cleaned play texts only, separators excluded (a
-separator is one token whose loss still counts; with three plays that is two tokens in ~370k chars).
+separator is one token whose loss still counts; with three plays that is two tokens in ~350k characters).
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def read_text(path: Path | str) -> str:
     """A UTF-8 text file (``--data FILE``, ``--text FILE``), normalised as the plays are."""
     path = Path(path)
     if not path.is_file():
-        raise QwenNPError(f"{path}: no such file")
+        raise QwenNPError(f"{path}: " + ("not a file" if path.exists() else "no such file"))
     return normalize_text(_read_utf8(path))
 
 
