@@ -173,6 +173,8 @@ def _quantize_fp8(x: np.ndarray, dtype: type, largest: np.float32, per_row: bool
         scale = np.asarray(amax / largest, dtype=np.float32)
         scale[scale == 0] = 1.0                                 # an all-zero group: any scale works
     scale = np.asarray(scale, dtype=np.float32)
+    if not np.all(scale > 0) or not np.all(np.isfinite(scale)):
+        raise QwenNPError(f"{fmt}: scales must be positive and finite, got {scale.ravel()[:4]}")
     scaled = x / scale[..., None]
     np.clip(scaled, -largest, largest, out=scaled)              # saturate (see module notes)
     return scaled.astype(dtype), scale
@@ -186,19 +188,23 @@ def dequantize_scaled(codes: np.ndarray, scale: np.ndarray, out: np.ndarray | No
     return out
 
 
-def quantize_fp8_e4m3(x: np.ndarray, scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8_e4m3(x: np.ndarray,
+                      scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
     return _quantize_fp8(x, ml_dtypes.float8_e4m3fn, E4M3_MAX, per_row=False, fmt="fp8_e4m3", scale=scale)
 
 
-def quantize_fp8_e5m2(x: np.ndarray, scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8_e5m2(x: np.ndarray,
+                      scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
     return _quantize_fp8(x, ml_dtypes.float8_e5m2, E5M2_MAX, per_row=False, fmt="fp8_e5m2", scale=scale)
 
 
-def quantize_fp8_e4m3_rows(x: np.ndarray, scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8_e4m3_rows(x: np.ndarray,
+                           scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
     return _quantize_fp8(x, ml_dtypes.float8_e4m3fn, E4M3_MAX, per_row=True, fmt="fp8_e4m3_rows", scale=scale)
 
 
-def quantize_fp8_e5m2_rows(x: np.ndarray, scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8_e5m2_rows(x: np.ndarray,
+                           scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
     return _quantize_fp8(x, ml_dtypes.float8_e5m2, E5M2_MAX, per_row=True, fmt="fp8_e5m2_rows", scale=scale)
 
 
@@ -207,7 +213,7 @@ def quantize_fp8_e5m2_rows(x: np.ndarray, scale: np.ndarray | float | None = Non
 def quantize_int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """w [out, in] -> (q int8 [out, in], scale FP32 [out]); w ~ q * scale[:, None].
 
-    scale = amax(row) / 127, q = rint(w / scale) (ties to even, as torch's quantize_per_channel).
+    scale = amax(row) / 127, q = rint(w * (1 / scale)) (ties to even, as torch's quantize_per_channel).
     """
     w = _finite(w, "int8")
     scale = np.max(np.abs(w), axis=-1) / INT8_MAX                         # [out]
@@ -311,7 +317,7 @@ class Format:
     """One storage format: quantize(x [..., in]) -> parts; dequantize(*parts, out=None) -> FP32 [..., in]."""
 
     name: str
-    bits_per_weight: float          # storage per weight, scales included (per-row scales: +32/in, not counted)
+    bits_per_weight: float          # per weight, block scales included; FP32 per-row/tensor scales not
     description: str
     quantize: Callable[[np.ndarray], tuple[np.ndarray, ...]]
     dequantize: Callable[..., np.ndarray]

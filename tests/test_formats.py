@@ -110,6 +110,8 @@ def test_fp8_e4m3_saturates_where_a_bare_ml_dtypes_cast_gives_nan():
     assert np.isnan(scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)[2:]).all()   # the trap
     codes, scale = quantize_fp8_e4m3(np.concatenate([scaled, -scaled]), scale=1.0)    # a given scale
     assert codes.astype(np.float32).tolist() == [448.0] * 4 + [-448.0] * 4 and scale == 1.0
+    with pytest.raises(QwenNPError, match="fp8_e4m3: scales must be positive and finite"):
+        quantize_fp8_e4m3(scaled, scale=0.0)
 
 
 @pytest.mark.parametrize("fmt", list(FP8))
