@@ -41,7 +41,7 @@ def best_seconds(run: Callable[[], object], repeats: int = 3) -> float:
 
 def machine_rates(hidden: int, intermediate: int, prefill: int) -> dict[str, float]:
     """This process's read bandwidth, FP32 GEMM rate and fused BF16 upcast+GEMV rate."""
-    from qwen_np import fast
+    from qwen_np import fast, runtime
 
     rng = np.random.default_rng(0)
     matrix = rng.standard_normal((GiB // (4 * 4096), 4096), dtype=np.float32)
@@ -57,7 +57,7 @@ def machine_rates(hidden: int, intermediate: int, prefill: int) -> dict[str, flo
     bits = rng.integers(0x3C00, 0x3D00, size=(GiB // (2 * hidden), hidden), dtype=np.uint16)  # |w| ~ 0.01
     x = np.ones((1, hidden), np.float32)
     y = np.empty((1, bits.shape[0]), np.float32)
-    with fast.single_threaded_blas():
+    with runtime.single_threaded_blas():
         fused_gbs = bits.nbytes / best_seconds(lambda: fast.linear(x, bits, y)) / 1e9
     return {"read_gbs": read_gbs, "gemm_gflops": gemm_gflops, "fused_gbs": fused_gbs}
 
@@ -100,7 +100,7 @@ def weight_stream_seconds(model: Any) -> float:
     allocation in this VM, 48-73 GB/s), so the 1 GiB test matrix can read slower or faster than the
     model's own weights; this measures the weights where they actually are.
     """
-    from qwen_np import fast
+    from qwen_np import fast, runtime
 
     matrices = [w for layer in model.layers for w in vars(layer).values() if w.ndim == 2] + [model.lm_head]
     inputs = {n: np.ones((1, n), np.float32) for n in {w.shape[1] for w in matrices}}
@@ -110,7 +110,7 @@ def weight_stream_seconds(model: Any) -> float:
         for w, out in zip(matrices, outputs):
             fast.linear(inputs[w.shape[1]], w, out)
 
-    with fast.blas_threads_for(model.lm_head):
+    with runtime.blas_threads_for(model.lm_head):
         return best_seconds(run)
 
 
@@ -168,18 +168,18 @@ def run_llama_cpp(gguf: Path, prefill: int, decode: int, threads: int) -> dict[s
 
 def main(argv: list[str]) -> None:
     engine, folder, mode, prefill, decode, threads = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5])
-    from qwen_np import fast
+    from qwen_np import runtime
     from qwen_np.config import load_config
 
     from .checkpoints import gguf_path
 
-    fast.set_threads(threads)
+    runtime.set_threads(threads)
     config = load_config(folder)
     result: dict[str, Any] = machine_rates(config.hidden_size, config.intermediate_size, prefill)
     gguf = gguf_path(Path(folder), mode)
     read_into_page_cache([gguf] if engine == "llama.cpp" else sorted(Path(folder).glob("*.safetensors")))
     result["blas"] = [{key: info.get(key) for key in ("internal_api", "architecture", "num_threads", "version")}
-                      for info in fast.blas_info()]
+                      for info in runtime.blas_info()]
     if engine == "transformers":
         result.update(run_transformers(folder, mode, prefill, decode, threads))
     elif engine == "llama.cpp":

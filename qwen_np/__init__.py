@@ -2,7 +2,8 @@
 
 from .config import PRESETS, Qwen3Config, load_config, parameter_count, preset
 from .errors import QwenNPError
-from .model import KVCache, Qwen3Model, load_model
+from .loading import load_model
+from .model import KVCache, Qwen3Model
 
 __all__ = ["KVCache", "PRESETS", "Qwen3Config", "Qwen3Model", "QwenNPError", "load_config", "load_model",
            "parameter_count", "preset"]

@@ -28,7 +28,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .config import Qwen3Config
+from .config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors
 from .errors import QwenNPError
 from .numerics import STORAGE_DTYPES, f32_to_bf16_bits
 
@@ -43,56 +43,13 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0
                "I64": 8, "U64": 8}
 
 
-# --- The one table of Hugging Face tensor names ------------------------------------------------
+# --- Tensor names: derived from config.LAYER_TENSORS / MODEL_TENSORS, the one table -------------
 
-# Per decoder layer: the attribute name we use (the checkpoint's own name) -> the full key template.
-LAYER_TENSOR_NAMES: dict[str, str] = {
-    "input_layernorm": "model.layers.{i}.input_layernorm.weight",
-    "q_proj": "model.layers.{i}.self_attn.q_proj.weight",
-    "k_proj": "model.layers.{i}.self_attn.k_proj.weight",
-    "v_proj": "model.layers.{i}.self_attn.v_proj.weight",
-    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
-    "o_proj": "model.layers.{i}.self_attn.o_proj.weight",
-    "post_attention_layernorm": "model.layers.{i}.post_attention_layernorm.weight",
-    "gate_proj": "model.layers.{i}.mlp.gate_proj.weight",
-    "up_proj": "model.layers.{i}.mlp.up_proj.weight",
-    "down_proj": "model.layers.{i}.mlp.down_proj.weight",
-}
-EMBED_TOKENS = "model.embed_tokens.weight"
-FINAL_NORM = "model.norm.weight"
-LM_HEAD = "lm_head.weight"
-
-
-def layer_tensor_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Shape of each per-layer tensor. Linear weights are [out, in], as nn.Linear stores them."""
-    D, F, H, KVH, Dh = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
-                        config.num_key_value_heads, config.head_dim)
-    return {
-        "input_layernorm": (D,),
-        "q_proj": (H * Dh, D),
-        "k_proj": (KVH * Dh, D),
-        "v_proj": (KVH * Dh, D),
-        "q_norm": (Dh,),          # one weight shared by every head
-        "k_norm": (Dh,),
-        "o_proj": (D, H * Dh),
-        "post_attention_layernorm": (D,),
-        "gate_proj": (F, D),
-        "up_proj": (F, D),
-        "down_proj": (D, F),
-    }
-
-
-def expected_tensors(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor name the config implies, with its shape (no lm_head when it is tied)."""
-    shapes = {EMBED_TOKENS: (config.vocab_size, config.hidden_size)}
-    per_layer = layer_tensor_shapes(config)
-    for i in range(config.num_hidden_layers):
-        shapes.update({LAYER_TENSOR_NAMES[key].format(i=i): shape for key, shape in per_layer.items()})
-    shapes[FINAL_NORM] = (config.hidden_size,)
-    if not config.tie_word_embeddings:
-        shapes[LM_HEAD] = (config.vocab_size, config.hidden_size)
-    return shapes
+# Per decoder layer: the attribute name (the checkpoint's own name) -> the full key template.
+LAYER_TENSOR_NAMES: dict[str, str] = {key: spec.name for key, spec in LAYER_TENSORS.items()}
+EMBED_TOKENS = MODEL_TENSORS["embed_tokens"].name
+FINAL_NORM = MODEL_TENSORS["norm"].name
+LM_HEAD = MODEL_TENSORS["lm_head"].name
 
 
 # --- Reading safetensors -------------------------------------------------------------------------

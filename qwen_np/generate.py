@@ -29,13 +29,13 @@ import numpy as np
 
 from .config import Qwen3Config, id_list, read_json_object
 from .errors import QwenNPError
-from .memory import PREFILL_CHUNK
-from .model import DEFAULT_CONTEXT, KVCache, Qwen3Model, Trace
+from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
+from .model import KVCache, Qwen3Model, Trace
 from .sampling import SamplingParams, next_token
 from .tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
 
 GENERATION_CONFIG = "generation_config.json"
-# The model card's settings for non-thinking mode (spec §2.6), used with enable_thinking=False.
+# The Qwen3 model card's settings for non-thinking mode, used with enable_thinking=False.
 NON_THINKING_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
 # What transformers' GenerationConfig falls back to for keys a generation_config.json leaves out.
 TRANSFORMERS_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0,
