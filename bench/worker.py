@@ -44,22 +44,30 @@ def machine_rates(hidden: int, intermediate: int, prefill: int) -> dict[str, flo
     from qwen_np import fast, runtime
 
     rng = np.random.default_rng(0)
-    matrix = rng.standard_normal((GiB // (4 * 4096), 4096), dtype=np.float32)
-    vector = np.ones(4096, np.float32)
-    out = np.empty(matrix.shape[0], np.float32)
-    read_gbs = matrix.nbytes / best_seconds(lambda: np.matmul(matrix, vector, out=out)) / 1e9
-    del matrix, out
-    a = rng.standard_normal((prefill, hidden), dtype=np.float32)
-    b = rng.standard_normal((intermediate, hidden), dtype=np.float32)
-    c = np.empty((prefill, intermediate), np.float32)
-    gemm_gflops = 2 * a.shape[0] * a.shape[1] * b.shape[0] / best_seconds(lambda: np.matmul(a, b.T, out=c)) / 1e9
-    del a, b, c
+    read_gbs = _read_rate(rng)
+    gemm_gflops = _gemm_rate(rng, hidden, intermediate, prefill)
     bits = rng.integers(0x3C00, 0x3D00, size=(GiB // (2 * hidden), hidden), dtype=np.uint16)  # |w| ~ 0.01
     x = np.ones((1, hidden), np.float32)
     y = np.empty((1, bits.shape[0]), np.float32)
     with runtime.single_threaded_blas():
         fused_gbs = bits.nbytes / best_seconds(lambda: fast.linear(x, bits, y)) / 1e9
     return {"read_gbs": read_gbs, "gemm_gflops": gemm_gflops, "fused_gbs": fused_gbs}
+
+
+def _read_rate(rng: np.random.Generator) -> float:
+    """FP32 GEMV over a 1 GiB matrix with all BLAS threads, in GB/s (the matrix is freed on return)."""
+    matrix = rng.standard_normal((GiB // (4 * 4096), 4096), dtype=np.float32)
+    vector = np.ones(4096, np.float32)
+    out = np.empty(matrix.shape[0], np.float32)
+    return matrix.nbytes / best_seconds(lambda: np.matmul(matrix, vector, out=out)) / 1e9
+
+
+def _gemm_rate(rng: np.random.Generator, hidden: int, intermediate: int, prefill: int) -> float:
+    """FP32 GEMM [prefill, D] x [D, F] in GFLOP/s."""
+    a = rng.standard_normal((prefill, hidden), dtype=np.float32)
+    b = rng.standard_normal((intermediate, hidden), dtype=np.float32)
+    c = np.empty((prefill, intermediate), np.float32)
+    return 2 * a.shape[0] * a.shape[1] * b.shape[0] / best_seconds(lambda: np.matmul(a, b.T, out=c)) / 1e9
 
 
 def read_into_page_cache(paths: list[Path]) -> None:

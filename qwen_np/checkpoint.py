@@ -177,7 +177,7 @@ class Checkpoint:
             f.seek(info.start)
             if buffer is None:
                 return np.fromfile(f, dtype=dtype, count=info.nbytes // dtype.itemsize).reshape(info.shape)
-            view, done = memoryview(buffer)[:info.nbytes], 0
+            view, done = buffer.data[:info.nbytes], 0
             while done < info.nbytes and (got := f.readinto(view[done:])):
                 done += got
         if done < info.nbytes:

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, NoReturn, TextIO
 
 from . import runtime
 from .checkpoint import download, resolve_model_path
@@ -39,7 +39,7 @@ SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one `error: ...` line (exit 2) like every other bad input."""
 
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_BAD_INPUT, f"error: {message} (see `{self.prog} --help`)\n")
 
 
@@ -237,7 +237,7 @@ def _load_weights(opened: Opened, args: argparse.Namespace, max_tokens: int) -> 
     if opened.bundled:
         print(BUNDLED_NOTICE, file=sys.stderr)
     model = load_model(opened.folder, memory=args.memory, max_tokens=max_tokens)
-    if args.verbose:
+    if args.verbose and model.plan is not None:
         print(model.plan.describe(), file=sys.stderr)
     return model
 

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -118,7 +118,7 @@ def resolve_sampling(defaults: GenerationDefaults, enable_thinking: bool | None 
                      **explicit: float | int | None) -> SamplingParams:
     """The sampling settings to use: explicit values (None = not given) win over the model card's
     non-thinking settings when enable_thinking is False, which win over the checkpoint's defaults."""
-    chosen = {**(NON_THINKING_SAMPLING if enable_thinking is False else {}),
+    chosen: dict[str, Any] = {**(NON_THINKING_SAMPLING if enable_thinking is False else {}),
               **{key: value for key, value in explicit.items() if value is not None}}
     return replace(defaults.sampling, **chosen)
 
@@ -191,7 +191,8 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
         stats.finish_reason = "length"
         return
 
-    eos, decoder, sequence, generated = set(eos_token_ids), StreamDecoder(tokenizer), list(prompt), []
+    eos, decoder, sequence = set(eos_token_ids), StreamDecoder(tokenizer), list(prompt)
+    generated: list[int] = []
     while True:
         started = time.perf_counter()
         token = next_token(logits, params, rng, sequence, generated)

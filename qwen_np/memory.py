@@ -33,7 +33,8 @@ def available_memory() -> int:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         pass
-    return min(available, _cgroup_room())
+    room = _cgroup_room()
+    return available if room >= available else int(room)
 
 
 def _cgroup_room() -> int | float:

@@ -14,8 +14,8 @@ def weight_tensors(config: Qwen3Config) -> list[tuple[Step, int]]:
     A tied lm_head reads the embedding table and so owns no parameters: it is left out.
     """
     dims = dimensions(config, 1)
-    return [(step, math.prod(resolve(step.weight, dims))) for step in STEPS
-            if step.weight is not None and not (step.name == "lm_head" and config.tie_word_embeddings)]
+    return [(step, math.prod(resolve(weight, dims))) for step in STEPS
+            if (weight := step.weight) is not None and not (step.name == "lm_head" and config.tie_word_embeddings)]
 
 
 def parameter_summary(config: Qwen3Config) -> dict[str, int]:

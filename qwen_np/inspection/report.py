@@ -14,7 +14,6 @@ from .bandwidth import measure_bandwidth
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
 from .steps import STEPS, STEPS_BY_NAME, Shape, Step, format_shape
 
-
 KV_FORMATS = (("BF16", 2), ("FP32", 4))   # how real runtimes store the KV cache, and how qwen_np does
 # config.json's torch_dtype -> the format name of numerics.BYTES_PER_VALUE
 STORED_FORMATS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}
@@ -34,7 +33,7 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
         "steps": [_step_record(step, dims) for step in STEPS],
         "parameters": {
             **params,
-            "per_module": [{"name": step.name, "weight": _shape_record(step.weight, dims), "parameters": n,
+            "per_module": [{"name": step.name, "weight": _shape_record(step.weight or (), dims), "parameters": n,
                             "instances": config.num_hidden_layers if step.in_layer else 1}
                            for step, n in weight_tensors(config)],
             "lm_head_tied_to_embeddings": config.tie_word_embeddings,
