@@ -218,6 +218,11 @@ class StreamDecoder:
     As transformers' TextStreamer and vLLM's detokeniser do, the pending tokens are decoded
     together with the already-emitted tokens before them (the prefix) and text is released only
     once it no longer ends in U+FFFD. The pushed strings plus ``flush()`` equal ``decode`` of all ids.
+
+    Hand-written rather than tokenizers.decoders.DecodeStream, which does the same windowing: it has
+    no flush, so the held-back bytes of a reply cut off mid-character (max tokens reached) would be
+    lost instead of showing as U+FFFD, breaking the equality above that generation relies on when it
+    stops; and it needs tokenizers >= 0.21 where qwen_np supports 0.19.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
