@@ -85,6 +85,8 @@ on a fresh machine, through exactly the same code that loads real checkpoints:
 * `generation_config.json`: Qwen3-8B's sampling defaults (temperature 0.6, top-p 0.95, top-k 20).
 * `tokenizer.json`, `tokenizer_config.json`: the real Qwen3 tokenizer and chat template, built
   offline by `tools/build_tokenizer.py`.
+  They are the Qwen team's (Alibaba Cloud), released with Qwen3 under the Apache License 2.0:
+  see `LICENSE-tokenizer` here and `NOTICE` at the top of the repository.
 
 `config.json`, `generation_config.json`, `model.safetensors` and this README are written by
 `python tools/make_bundled_model.py` (byte-identical on every run).
