@@ -4,7 +4,7 @@ A benchmark of a memory-bound decoder needs the real tensor shapes, not the real
 is drawn from its own generator seeded by its name, so the files are the same on every machine and
 every run. Values come from a fixed 65536-entry table of BF16 normals (std 0.02, like a trained
 model's projections) indexed by random 16-bit words: one cheap gather per value, so the 16.4 GB
-Qwen3-8B checkpoint is written in a few minutes, a chunk at a time, with almost no RAM.
+Qwen3-8B checkpoint is written in a few minutes, one 2 GB shard in memory at a time.
 Norm weights are 1.0, as at initialisation.
 """
 
@@ -18,16 +18,16 @@ import sys
 import zlib
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
-from qwen_np.checkpoint import expected_tensors, safetensors_header, write_index
+from qwen_np.checkpoint import expected_tensors, save_safetensors, write_index
 from qwen_np.config import PRESETS, Qwen3Config
-from qwen_np.numerics import f32_to_bf16_bits
 
 CACHE_ENV = "QWEN_NP_BENCH_CACHE"
 FORMAT_VERSION = 1             # bump to invalidate cached checkpoints when the generator changes
 SHARD_BYTES = 2 * 1024 ** 3    # like the hub's ~4 GB shards, smaller so one shard never dominates
-CHUNK_VALUES = 1 << 23         # 16 MB of BF16 generated and written at a time
+CHUNK_VALUES = 1 << 23         # values drawn per call (the generator's stream defines the checkpoint)
 WEIGHT_STD = 0.02
 MODELS = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b"}
 
@@ -82,28 +82,24 @@ def write_random_checkpoint(folder: Path, config: Qwen3Config) -> None:
 
 
 def _value_table() -> np.ndarray:
-    """65536 BF16 bit patterns of N(0, WEIGHT_STD): a random 16-bit word picks one."""
+    """65536 BF16 values of N(0, WEIGHT_STD): a random 16-bit word picks one."""
     normals = np.random.default_rng(FORMAT_VERSION).standard_normal(65536).astype(np.float32)
-    return f32_to_bf16_bits(WEIGHT_STD * normals)
+    return (WEIGHT_STD * normals).astype(ml_dtypes.bfloat16)
 
 
 def _write_shard(path: Path, shapes: dict[str, tuple[int, ...]], table: np.ndarray) -> None:
-    """One BF16 safetensors file, its tensors generated and written a chunk at a time."""
-    one = f32_to_bf16_bits(np.ones(1, dtype=np.float32))[0]
-    with open(path, "wb") as f:
-        f.write(safetensors_header(shapes, "BF16"))
-        for name, shape in shapes.items():
-            count = int(np.prod(shape))
-            if len(shape) == 1:
-                f.write(np.full(count, one, dtype="<u2").tobytes())
-                continue
+    """One BF16 safetensors file: its tensors generated a chunk at a time, then written together."""
+    tensors = {}
+    for name, shape in shapes.items():
+        count = int(np.prod(shape))
+        values = np.ones(count, table.dtype)           # norm weights: 1.0, as at initialisation
+        if len(shape) > 1:
             rng = np.random.default_rng(zlib.crc32(name.encode()))
-            buffer = np.empty(min(count, CHUNK_VALUES), dtype="<u2")
             for start in range(0, count, CHUNK_VALUES):
                 n = min(CHUNK_VALUES, count - start)
-                words = np.frombuffer(rng.bytes(2 * n), dtype="<u2")
-                np.take(table, words, out=buffer[:n])
-                f.write(buffer[:n].data)
+                np.take(table, np.frombuffer(rng.bytes(2 * n), dtype="<u2"), out=values[start:start + n])
+        tensors[name] = values.reshape(shape)
+    save_safetensors(path, tensors, "BF16")
 
 
 def gguf_path(folder: Path, mode: str) -> Path:

@@ -31,7 +31,7 @@ from .checkpoints import MODELS, ensure_checkpoint, ensure_gguf
 
 GiB = 1024 ** 3
 OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-# The table (2 threads, random weights, this machine): tok/s of the other engines.
+# tok/s of the other engines measured once on this machine (2 threads, random weights; bench/README.md).
 ANCHORS: dict[tuple[str, str, str], dict[str, float]] = {
     ("0.6b", "decode", "fp32"): {"transformers": 8.0, "llama.cpp": 24.3},
     ("0.6b", "decode", "bf16"): {"transformers": 15.0, "llama.cpp": 37.4},

@@ -41,25 +41,33 @@ def best_seconds(run: Callable[[], object], repeats: int = 3) -> float:
 
 def machine_rates(hidden: int, intermediate: int, prefill: int) -> dict[str, float]:
     """This process's read bandwidth, FP32 GEMM rate and fused BF16 upcast+GEMV rate."""
-    from qwen_np import fast
+    from qwen_np import fast, runtime
 
     rng = np.random.default_rng(0)
-    matrix = rng.standard_normal((GiB // (4 * 4096), 4096), dtype=np.float32)
-    vector = np.ones(4096, np.float32)
-    out = np.empty(matrix.shape[0], np.float32)
-    read_gbs = matrix.nbytes / best_seconds(lambda: np.matmul(matrix, vector, out=out)) / 1e9
-    del matrix, out
-    a = rng.standard_normal((prefill, hidden), dtype=np.float32)
-    b = rng.standard_normal((intermediate, hidden), dtype=np.float32)
-    c = np.empty((prefill, intermediate), np.float32)
-    gemm_gflops = 2 * a.shape[0] * a.shape[1] * b.shape[0] / best_seconds(lambda: np.matmul(a, b.T, out=c)) / 1e9
-    del a, b, c
+    read_gbs = _read_rate(rng)
+    gemm_gflops = _gemm_rate(rng, hidden, intermediate, prefill)
     bits = rng.integers(0x3C00, 0x3D00, size=(GiB // (2 * hidden), hidden), dtype=np.uint16)  # |w| ~ 0.01
     x = np.ones((1, hidden), np.float32)
     y = np.empty((1, bits.shape[0]), np.float32)
-    with fast.single_threaded_blas():
+    with runtime.single_threaded_blas():
         fused_gbs = bits.nbytes / best_seconds(lambda: fast.linear(x, bits, y)) / 1e9
     return {"read_gbs": read_gbs, "gemm_gflops": gemm_gflops, "fused_gbs": fused_gbs}
+
+
+def _read_rate(rng: np.random.Generator) -> float:
+    """FP32 GEMV over a 1 GiB matrix with all BLAS threads, in GB/s (the matrix is freed on return)."""
+    matrix = rng.standard_normal((GiB // (4 * 4096), 4096), dtype=np.float32)
+    vector = np.ones(4096, np.float32)
+    out = np.empty(matrix.shape[0], np.float32)
+    return matrix.nbytes / best_seconds(lambda: np.matmul(matrix, vector, out=out)) / 1e9
+
+
+def _gemm_rate(rng: np.random.Generator, hidden: int, intermediate: int, prefill: int) -> float:
+    """FP32 GEMM [prefill, D] x [D, F] in GFLOP/s."""
+    a = rng.standard_normal((prefill, hidden), dtype=np.float32)
+    b = rng.standard_normal((intermediate, hidden), dtype=np.float32)
+    c = np.empty((prefill, intermediate), np.float32)
+    return 2 * a.shape[0] * a.shape[1] * b.shape[0] / best_seconds(lambda: np.matmul(a, b.T, out=c)) / 1e9
 
 
 def read_into_page_cache(paths: list[Path]) -> None:
@@ -100,7 +108,7 @@ def weight_stream_seconds(model: Any) -> float:
     allocation in this VM, 48-73 GB/s), so the 1 GiB test matrix can read slower or faster than the
     model's own weights; this measures the weights where they actually are.
     """
-    from qwen_np import fast
+    from qwen_np import fast, runtime
 
     matrices = [w for layer in model.layers for w in vars(layer).values() if w.ndim == 2] + [model.lm_head]
     inputs = {n: np.ones((1, n), np.float32) for n in {w.shape[1] for w in matrices}}
@@ -110,7 +118,7 @@ def weight_stream_seconds(model: Any) -> float:
         for w, out in zip(matrices, outputs):
             fast.linear(inputs[w.shape[1]], w, out)
 
-    with fast.blas_threads_for(model.lm_head):
+    with runtime.blas_threads_for(model.lm_head):
         return best_seconds(run)
 
 
@@ -168,18 +176,18 @@ def run_llama_cpp(gguf: Path, prefill: int, decode: int, threads: int) -> dict[s
 
 def main(argv: list[str]) -> None:
     engine, folder, mode, prefill, decode, threads = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5])
-    from qwen_np import fast
+    from qwen_np import runtime
     from qwen_np.config import load_config
 
     from .checkpoints import gguf_path
 
-    fast.set_threads(threads)
+    runtime.set_threads(threads)
     config = load_config(folder)
     result: dict[str, Any] = machine_rates(config.hidden_size, config.intermediate_size, prefill)
     gguf = gguf_path(Path(folder), mode)
     read_into_page_cache([gguf] if engine == "llama.cpp" else sorted(Path(folder).glob("*.safetensors")))
     result["blas"] = [{key: info.get(key) for key in ("internal_api", "architecture", "num_threads", "version")}
-                      for info in fast.blas_info()]
+                      for info in runtime.blas_info()]
     if engine == "transformers":
         result.update(run_transformers(folder, mode, prefill, decode, threads))
     elif engine == "llama.cpp":

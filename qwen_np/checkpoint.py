@@ -12,6 +12,7 @@ BF16 bytes straight from the page cache on every token. Measured on this machine
 Qwen3-8B embedding (page cache warm): mmap view 0.000 s and +0.00 GB RSS; safetensors.numpy.load_file
 (with ml_dtypes) 1.3 s and +1.25 GB RSS.
 The validation below follows the Rust reference (safetensors/src/tensor.rs) rule for rule.
+Writing (test checkpoints, the bundled model, bench) goes through the safetensors package itself.
 Nothing here ever unpickles: `.bin`/`.pt` checkpoints are refused.
 """
 
@@ -26,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
+import ml_dtypes
 import numpy as np
 
-from .config import Qwen3Config
+from .config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors
 from .errors import QwenNPError
-from .numerics import STORAGE_DTYPES, f32_to_bf16_bits
+from .numerics import STORAGE_DTYPES
 
 MAX_HEADER_BYTES = 100_000_000        # the Rust reader's MAX_HEADER_SIZE
 SINGLE_FILE = "model.safetensors"
@@ -43,56 +45,13 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0
                "I64": 8, "U64": 8}
 
 
-# --- The one table of Hugging Face tensor names ------------------------------------------------
+# --- Tensor names: derived from config.LAYER_TENSORS / MODEL_TENSORS, the one table -------------
 
-# Per decoder layer: the attribute name we use (the checkpoint's own name) -> the full key template.
-LAYER_TENSOR_NAMES: dict[str, str] = {
-    "input_layernorm": "model.layers.{i}.input_layernorm.weight",
-    "q_proj": "model.layers.{i}.self_attn.q_proj.weight",
-    "k_proj": "model.layers.{i}.self_attn.k_proj.weight",
-    "v_proj": "model.layers.{i}.self_attn.v_proj.weight",
-    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
-    "o_proj": "model.layers.{i}.self_attn.o_proj.weight",
-    "post_attention_layernorm": "model.layers.{i}.post_attention_layernorm.weight",
-    "gate_proj": "model.layers.{i}.mlp.gate_proj.weight",
-    "up_proj": "model.layers.{i}.mlp.up_proj.weight",
-    "down_proj": "model.layers.{i}.mlp.down_proj.weight",
-}
-EMBED_TOKENS = "model.embed_tokens.weight"
-FINAL_NORM = "model.norm.weight"
-LM_HEAD = "lm_head.weight"
-
-
-def layer_tensor_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Shape of each per-layer tensor. Linear weights are [out, in], as nn.Linear stores them."""
-    D, F, H, KVH, Dh = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
-                        config.num_key_value_heads, config.head_dim)
-    return {
-        "input_layernorm": (D,),
-        "q_proj": (H * Dh, D),
-        "k_proj": (KVH * Dh, D),
-        "v_proj": (KVH * Dh, D),
-        "q_norm": (Dh,),          # one weight shared by every head
-        "k_norm": (Dh,),
-        "o_proj": (D, H * Dh),
-        "post_attention_layernorm": (D,),
-        "gate_proj": (F, D),
-        "up_proj": (F, D),
-        "down_proj": (D, F),
-    }
-
-
-def expected_tensors(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor name the config implies, with its shape (no lm_head when it is tied)."""
-    shapes = {EMBED_TOKENS: (config.vocab_size, config.hidden_size)}
-    per_layer = layer_tensor_shapes(config)
-    for i in range(config.num_hidden_layers):
-        shapes.update({LAYER_TENSOR_NAMES[key].format(i=i): shape for key, shape in per_layer.items()})
-    shapes[FINAL_NORM] = (config.hidden_size,)
-    if not config.tie_word_embeddings:
-        shapes[LM_HEAD] = (config.vocab_size, config.hidden_size)
-    return shapes
+# Per decoder layer: the attribute name (the checkpoint's own name) -> the full key template.
+LAYER_TENSOR_NAMES: dict[str, str] = {key: spec.name for key, spec in LAYER_TENSORS.items()}
+EMBED_TOKENS = MODEL_TENSORS["embed_tokens"].name
+FINAL_NORM = MODEL_TENSORS["norm"].name
+LM_HEAD = MODEL_TENSORS["lm_head"].name
 
 
 # --- Reading safetensors -------------------------------------------------------------------------
@@ -220,7 +179,7 @@ class Checkpoint:
             f.seek(info.start)
             if buffer is None:
                 return np.fromfile(f, dtype=dtype, count=info.nbytes // dtype.itemsize).reshape(info.shape)
-            view, done = memoryview(buffer)[:info.nbytes], 0
+            view, done = buffer.data[:info.nbytes], 0
             while done < info.nbytes and (got := f.readinto(view[done:])):
                 done += got
         if done < info.nbytes:
@@ -267,34 +226,22 @@ def _sharded_tensors(index_path: Path) -> dict[str, TensorInfo]:
 
 # --- Writing safetensors (test checkpoints, benchmarks, the bundled model) -----------------------
 
-_ENCODERS = {"BF16": f32_to_bf16_bits, "F16": lambda v: v.astype("<f2"), "F32": lambda v: v.astype("<f4")}
-
-
-def safetensors_header(shapes: Mapping[str, tuple[int, ...]], dtype: str = "BF16") -> bytes:
-    """The 8-byte length and JSON header of a file holding these tensors back to back, in this order.
-
-    Laid out the way the reference writer does: header padded with spaces to a multiple of 8,
-    `{"format": "pt"}` metadata.
-    """
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
+# dtype name -> the NumPy dtype FP32 values are rounded to on writing (BF16: round to nearest even).
+WRITE_DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype("<f2"), "F32": np.dtype("<f4")}
 
 
 def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype: str = "BF16") -> None:
-    """Write FP32 arrays as one safetensors file in `dtype` (BF16 rounded to nearest even, F16 or F32)."""
-    names = sorted(tensors)
+    """Write arrays as one safetensors file in `dtype`, through the safetensors package's own writer.
+
+    FP32 values are rounded to `dtype` (BF16: to nearest even); arrays already in it are written as they are.
+    """
+    from safetensors.numpy import save_file   # runtime dependency, imported where used
+
+    target = WRITE_DTYPES[dtype]
+    stored = {name: np.ascontiguousarray(value if value.dtype == target else value.astype(np.float32).astype(target))
+              for name, value in ((name, np.asarray(value)) for name, value in tensors.items())}
     tmp = Path(f"{path}.partial")
-    with open(tmp, "wb") as f:
-        f.write(safetensors_header({name: tensors[name].shape for name in names}, dtype))
-        for name in names:
-            f.write(_ENCODERS[dtype](np.asarray(tensors[name], dtype=np.float32)).tobytes())
+    save_file(stored, tmp, metadata={"format": "pt"})
     os.replace(tmp, path)   # never leave a half-written checkpoint under the real name
 
 

@@ -13,16 +13,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, NoReturn, TextIO
 
-from . import fast, trainer
+from . import runtime, trainer
 from .checkpoint import download, resolve_model_path
 from .config import Qwen3Config, load_config, preset
 from .errors import QwenNPError
 from .generate import (ChatSession, GenerationDefaults, GenerationStats, context_budget, generate, prompt_ids,
                        read_generation_defaults, resolve_sampling)
-from .memory import MODES, usable_cores
-from .model import DEFAULT_CONTEXT, Qwen3Model, Trace, load_model
+from .loading import load_model
+from .memory import DEFAULT_CONTEXT, MODES
+from .model import Qwen3Model, Trace
 from .sampling import SamplingParams
 from .tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer
 
@@ -38,7 +39,7 @@ SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one `error: ...` line (exit 2) like every other bad input."""
 
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_BAD_INPUT, f"error: {message} (see `{self.prog} --help`)\n")
 
 
@@ -101,8 +102,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="the memory plan: fp32 upcasts every weight once at load (fastest), bf16 keeps them "
                              "as stored and upcasts them per use (half the RAM), auto picks fp32 when it fits "
                              "(default: auto)")
-    parser.add_argument("--threads", type=_at_least(1), default=usable_cores(), metavar="N",
-                        help=f"threads for the matrix products (default: all {usable_cores()} cores)")
+    parser.add_argument("--threads", type=_at_least(1), default=runtime.usable_cores(), metavar="N",
+                        help=f"threads for the matrix products (default: all {runtime.usable_cores()} cores)")
     parser.add_argument("--verbose", action="store_true",
                         help="print the memory plan and token-level details (prompt and generated ids, cache "
                              "use) on stderr")
@@ -243,7 +244,7 @@ def _load_weights(opened: Opened, args: argparse.Namespace, max_tokens: int) -> 
     if opened.bundled:
         print(BUNDLED_NOTICE, file=sys.stderr)
     model = load_model(opened.folder, memory=args.memory, max_tokens=max_tokens)
-    if args.verbose:
+    if args.verbose and model.plan is not None:
         print(model.plan.describe(), file=sys.stderr)
     return model
 
@@ -400,7 +401,7 @@ def main(argv: list[str] | None = None, prog: str = "qwen-np") -> int:
     args = build_parser(prog).parse_args(argv)
     try:
         if hasattr(args, "threads"):
-            fast.set_threads(args.threads)
+            runtime.set_threads(args.threads)
         return args.run(args)
     except QwenNPError as exc:
         return _fail(str(exc))

@@ -1,22 +1,33 @@
-"""Qwen3 hyper-parameters: a dataclass read from a checkpoint's config.json, plus named presets.
+"""Qwen3 hyper-parameters: a dataclass read from a checkpoint's config.json, named presets, and the
+one table of the checkpoint's tensors (names and shapes).
 
-Dimension vocabulary used in shape comments throughout qwen_np (defined once, here):
-
-    T    tokens in this forward call           D    hidden_size (model width)
-    H    query heads (num_attention_heads)     KVH  key/value heads (num_key_value_heads)
-    Dh   head_dim (read from config, NOT D/H)  F    intermediate_size (SwiGLU width)
-    V    vocab_size                            L    num_hidden_layers
-    S    positions held by the KV cache (past + current)
+Shape comments throughout qwen_np use one dimension vocabulary, defined once here in DIMENSIONS:
+T tokens, S cached positions, D hidden size, H query heads, KVH key/value heads, Dh head_dim,
+F MLP width, V vocabulary, L layers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import QwenNPError
+
+DIMENSIONS = {
+    "T": "tokens in this forward call",
+    "S": "positions attended to (cached + new; = T without a cache)",
+    "D": "hidden_size: the width of the residual stream",
+    "H": "num_attention_heads: query heads",
+    "KVH": "num_key_value_heads: key/value heads",
+    "Dh": "head_dim: the width of one head (read from config, not D/H)",
+    "F": "intermediate_size: the MLP width",
+    "V": "vocab_size: one logit per token id",
+    "L": "num_hidden_layers: decoder layers",
+}
+Shape = tuple[str, ...]   # a shape in those symbols, e.g. ("H*Dh", "D"); a bare integer string is a constant
 
 
 @dataclass(frozen=True)
@@ -164,7 +175,7 @@ def load_config(folder: str | Path) -> Qwen3Config:
     return Qwen3Config.from_dict(read_json_object(path), source=str(path))
 
 
-# Published shapes of the dense Qwen3 family (spec §2), so shapes, parameter counts and memory can be
+# Published shapes of the dense Qwen3 family (the model cards' config.json files), so shapes, parameter counts and memory can be
 # computed with no weights at all.
 PRESETS: dict[str, Qwen3Config] = {
     "qwen3-0.6b": Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -189,12 +200,69 @@ def preset(name: str) -> Qwen3Config:
     return PRESETS[key]
 
 
+# --- The checkpoint's tensors ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor: its Hugging Face name ("{i}" stands for the layer index) and its shape."""
+
+    name: str
+    shape: Shape
+
+
+# Every tensor of one decoder layer, keyed by the attribute name model.LayerWeights gives it. Linear
+# weights are [out, in], as nn.Linear stores them. load_model lays a layer's matrices out in memory
+# in this order, so q|k|v and gate|up lie back to back (the fast path multiplies each as one matrix).
+LAYER_TENSORS: dict[str, TensorSpec] = {
+    "input_layernorm": TensorSpec("model.layers.{i}.input_layernorm.weight", ("D",)),
+    "q_proj": TensorSpec("model.layers.{i}.self_attn.q_proj.weight", ("H*Dh", "D")),
+    "k_proj": TensorSpec("model.layers.{i}.self_attn.k_proj.weight", ("KVH*Dh", "D")),
+    "v_proj": TensorSpec("model.layers.{i}.self_attn.v_proj.weight", ("KVH*Dh", "D")),
+    "q_norm": TensorSpec("model.layers.{i}.self_attn.q_norm.weight", ("Dh",)),   # one weight shared by every head
+    "k_norm": TensorSpec("model.layers.{i}.self_attn.k_norm.weight", ("Dh",)),
+    "o_proj": TensorSpec("model.layers.{i}.self_attn.o_proj.weight", ("D", "H*Dh")),
+    "post_attention_layernorm": TensorSpec("model.layers.{i}.post_attention_layernorm.weight", ("D",)),
+    "gate_proj": TensorSpec("model.layers.{i}.mlp.gate_proj.weight", ("F", "D")),
+    "up_proj": TensorSpec("model.layers.{i}.mlp.up_proj.weight", ("F", "D")),
+    "down_proj": TensorSpec("model.layers.{i}.mlp.down_proj.weight", ("D", "F")),
+}
+# The tensors outside the layers, keyed by the Qwen3Model attribute that holds them. A checkpoint
+# with tie_word_embeddings has no lm_head: the LM head is the embedding table itself.
+MODEL_TENSORS: dict[str, TensorSpec] = {
+    "embed_tokens": TensorSpec("model.embed_tokens.weight", ("V", "D")),
+    "norm": TensorSpec("model.norm.weight", ("D",)),
+    "lm_head": TensorSpec("lm_head.weight", ("V", "D")),
+}
+
+
+def dimensions(config: Qwen3Config, tokens: int = 1, positions: int | None = None) -> dict[str, int]:
+    """The value of every symbol for `tokens` new tokens attending to `positions` (default: tokens)."""
+    return {"T": tokens, "S": tokens if positions is None else positions, "D": config.hidden_size,
+            "H": config.num_attention_heads, "KVH": config.num_key_value_heads, "Dh": config.head_dim,
+            "F": config.intermediate_size, "V": config.vocab_size, "L": config.num_hidden_layers}
+
+
+def evaluate(expression: str, dims: dict[str, int]) -> int:
+    """The value of a product of symbols and integers, e.g. "2*T*H*Dh" -> 2 * T * H * Dh."""
+    return math.prod(int(f) if f.isdigit() else dims[f] for f in expression.split("*"))
+
+
+def resolve(shape: Shape, dims: dict[str, int]) -> list[int]:
+    """A symbolic shape in numbers: ("H*Dh", "D") -> [H * Dh, D]."""
+    return [evaluate(axis, dims) for axis in shape]
+
+
+def expected_tensors(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the config implies, with its shape, in model order: the embedding, layer by
+    layer, the final norm, then lm_head (absent when it is tied)."""
+    dims = dimensions(config)
+    specs = [MODEL_TENSORS["embed_tokens"]]
+    specs += [TensorSpec(spec.name.format(i=i), spec.shape)
+              for i in range(config.num_hidden_layers) for spec in LAYER_TENSORS.values()]
+    specs += [MODEL_TENSORS["norm"]] + ([] if config.tie_word_embeddings else [MODEL_TENSORS["lm_head"]])
+    return {spec.name: tuple(resolve(spec.shape, dims)) for spec in specs}
+
+
 def parameter_count(config: Qwen3Config) -> int:
     """Parameters in the checkpoint (the LM head counted only when it is not tied to the embedding)."""
-    D, F, H, KVH, Dh, V = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
-                           config.num_key_value_heads, config.head_dim, config.vocab_size)
-    attention = D * H * Dh + 2 * D * KVH * Dh + H * Dh * D + 2 * Dh   # q, k, v, o, q_norm, k_norm
-    mlp = 3 * D * F                                                     # gate, up, down
-    layer = attention + mlp + 2 * D                                     # + two RMSNorm weights
-    head = 0 if config.tie_word_embeddings else V * D
-    return V * D + config.num_hidden_layers * layer + D + head
+    return sum(math.prod(shape) for shape in expected_tensors(config).values())

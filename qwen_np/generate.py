@@ -23,19 +23,19 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from .config import Qwen3Config, id_list, read_json_object
 from .errors import QwenNPError
-from .memory import PREFILL_CHUNK
-from .model import DEFAULT_CONTEXT, KVCache, Qwen3Model, Trace
+from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
+from .model import KVCache, Qwen3Model, Trace
 from .sampling import SamplingParams, next_token
 from .tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
 
 GENERATION_CONFIG = "generation_config.json"
-# The model card's settings for non-thinking mode (spec §2.6), used with enable_thinking=False.
+# The Qwen3 model card's settings for non-thinking mode, used with enable_thinking=False.
 NON_THINKING_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
 # What transformers' GenerationConfig falls back to for keys a generation_config.json leaves out.
 TRANSFORMERS_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0,
@@ -118,7 +118,7 @@ def resolve_sampling(defaults: GenerationDefaults, enable_thinking: bool | None 
                      **explicit: float | int | None) -> SamplingParams:
     """The sampling settings to use: explicit values (None = not given) win over the model card's
     non-thinking settings when enable_thinking is False, which win over the checkpoint's defaults."""
-    chosen = {**(NON_THINKING_SAMPLING if enable_thinking is False else {}),
+    chosen: dict[str, Any] = {**(NON_THINKING_SAMPLING if enable_thinking is False else {}),
               **{key: value for key, value in explicit.items() if value is not None}}
     return replace(defaults.sampling, **chosen)
 
@@ -191,7 +191,8 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
         stats.finish_reason = "length"
         return
 
-    eos, decoder, sequence, generated = set(eos_token_ids), StreamDecoder(tokenizer), list(prompt), []
+    eos, decoder, sequence = set(eos_token_ids), StreamDecoder(tokenizer), list(prompt)
+    generated: list[int] = []
     while True:
         started = time.perf_counter()
         token = next_token(logits, params, rng, sequence, generated)

@@ -8,13 +8,9 @@ upcast block by block as each matmul uses them (Qwen3-8B: 30.5 GiB FP32 vs 15.3 
 from __future__ import annotations
 
 import math
-import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from dataclasses import dataclass
-
-import numpy as np
+from pathlib import Path
 
 from .config import Qwen3Config, parameter_count
 from .errors import QwenNPError
@@ -25,6 +21,7 @@ SAFETY_FRACTION = 0.85   # leave room for the OS, the page cache of the BF16 pat
 # Prompt tokens per forward pass during prefill (generate.py): bounds the [T, V] logits and [H, T, S]
 # attention scores one pass allocates, so the plan can budget working buffers for it.
 PREFILL_CHUNK = 512
+DEFAULT_CONTEXT = 4096   # KV cache positions the plan reserves when the caller does not say
 
 
 def available_memory() -> int:
@@ -36,7 +33,8 @@ def available_memory() -> int:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         pass
-    return min(available, _cgroup_room())
+    room = _cgroup_room()
+    return available if room >= available else int(room)
 
 
 def _cgroup_room() -> int | float:
@@ -125,33 +123,3 @@ def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
                           f"{max_tokens} tokens, buffers) but only {plan.available_bytes / GiB:.1f} GiB is available; "
                           f"{advice}")
     return plan
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, e.g. a container's share), not the host's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def allocate(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> np.ndarray:
-    """An uninitialised array in its own private anonymous mapping, its pages faulted in up front by
-    one thread per core. For the weights loading keeps, and its reused read buffer.
-
-    When the page cache fills RAM (as right after reading a checkpoint) the kernel must reclaim
-    memory for every new page. Measured for 2.4 GB (Qwen3-0.6B in FP32) in that state: NumPy's own
-    allocation (transparent huge pages, so the kernel compacts memory) 2.5-4.2 s; 4 KiB pages faulted
-    by one thread 1.7-4.1 s; MAP_POPULATE 0.7-1.1 s; faulted by two threads at once 0.5 s. Decode
-    streams 4 KiB pages as fast as huge ones (0.6B: 48-50 ms per token either way).
-    """
-    count = math.prod(shape)
-    if not hasattr(mmap, "MAP_ANONYMOUS"):        # not a POSIX system: NumPy's own allocation
-        return np.empty(shape, dtype)
-    buffer = mmap.mmap(-1, max(count * np.dtype(dtype).itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    first_bytes = np.frombuffer(buffer, np.uint8)[::mmap.PAGESIZE]     # one byte in every page
-    threads = usable_cores() if len(buffer) >= PARALLEL_FAULT_BYTES else 1
-    bounds = np.linspace(0, len(first_bytes), threads + 1).astype(int).tolist()
-    with ThreadPoolExecutor(threads) as pool:     # NumPy releases the GIL while it writes
-        list(pool.map(lambda lo, hi: first_bytes[lo:hi].fill(0), bounds[:-1], bounds[1:]))
-    return np.frombuffer(buffer, dtype, count=count).reshape(shape)    # unmapped when the array goes
-
-
-PARALLEL_FAULT_BYTES = 64 * 1024 ** 2   # below this, starting threads costs more than they save

@@ -13,45 +13,40 @@ only computes the new token's q/k/v and attends over the cache instead of re-run
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from . import fast as fast_path
 from . import layers
-from .checkpoint import (DTYPE_BYTES, EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, Checkpoint,
-                         resolve_model_path)
-from .config import Qwen3Config, load_config
+from .config import Qwen3Config
 from .errors import QwenNPError
-from .memory import MemoryPlan, allocate, plan_memory
-from .numerics import upcast
+from .memory import MemoryPlan
 
 # trace(name, value) is called with every intermediate of the forward pass when given (see inspection).
 Trace = layers.Note
-DEFAULT_CONTEXT = 4096   # KV cache size the memory plan assumes when the caller does not say
 
 
 @dataclass
 class LayerWeights:
     """One decoder layer's tensors, named as in the checkpoint (model.layers.{i}.<...>.weight).
 
-    Projections are [out, in]; in "bf16" memory mode they are memory-mapped BF16 bits (uint16).
+    config.LAYER_TENSORS gives each one's checkpoint name and shape ([out, in] for projections;
+    q_norm and k_norm are one [Dh] weight shared by every head). In "bf16" memory mode the
+    projections are the checkpoint's stored values, memory-mapped (BF16 as uint16 bits).
     """
 
-    input_layernorm: np.ndarray            # [D]
-    q_proj: np.ndarray                     # [H*Dh, D]
-    k_proj: np.ndarray                     # [KVH*Dh, D]
-    v_proj: np.ndarray                     # [KVH*Dh, D]
-    q_norm: np.ndarray                     # [Dh]  shared by all query heads
-    k_norm: np.ndarray                     # [Dh]  shared by all key heads
-    o_proj: np.ndarray                     # [D, H*Dh]
-    post_attention_layernorm: np.ndarray   # [D]
-    gate_proj: np.ndarray                  # [F, D]
-    up_proj: np.ndarray                    # [F, D]
-    down_proj: np.ndarray                  # [D, F]
+    input_layernorm: np.ndarray
+    q_proj: np.ndarray
+    k_proj: np.ndarray
+    v_proj: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    o_proj: np.ndarray
+    post_attention_layernorm: np.ndarray
+    gate_proj: np.ndarray
+    up_proj: np.ndarray
+    down_proj: np.ndarray
 
 
 class KVCache:
@@ -78,17 +73,22 @@ class KVCache:
 
 
 class Qwen3Model:
-    """A loaded Qwen3 checkpoint. `forward` maps token ids to logits, optionally through a KVCache."""
+    """A loaded Qwen3 checkpoint. `forward` maps token ids to logits, optionally through a KVCache.
+
+    This is the readable path: every step a plain call into layers.py. fast.FastQwen3Model is the
+    same network with a forward arranged for speed (load_model's default; `fast` tells them apart).
+    """
+
+    fast = False
 
     def __init__(self, config: Qwen3Config, embed_tokens: np.ndarray, decoder_layers: list[LayerWeights],
-                 norm: np.ndarray, lm_head: np.ndarray, plan: MemoryPlan | None = None, fast: bool = False) -> None:
+                 norm: np.ndarray, lm_head: np.ndarray, plan: MemoryPlan | None = None) -> None:
         self.config = config
         self.embed_tokens = embed_tokens      # [V, D]
         self.layers = decoder_layers          # L x LayerWeights
         self.norm = norm                      # [D]
         self.lm_head = lm_head                # [V, D]; the same array as embed_tokens when tied
-        self.plan = plan
-        self.fast = fast                      # forward() without a trace runs qwen_np/fast.py: same logits
+        self.plan = plan                      # how load_model holds the weights (None: built by hand)
         self.inv_freq = layers.rope_inverse_frequencies(config.head_dim, config.rope_theta)   # [Dh/2]
 
     def new_cache(self, max_tokens: int) -> KVCache:
@@ -104,14 +104,8 @@ class Qwen3Model:
         last_only: generation needs only the next token's logits; the LM head ([V, D], a quarter of
         Qwen3-0.6B's weights) then multiplies one row instead of T.
         """
-        ids = self._check_ids(token_ids)
-        start = cache.length if cache is not None else 0
-        if cache is not None and start + len(ids) > cache.max_tokens:
-            raise QwenNPError(f"cache: {start} cached + {len(ids)} new tokens exceed its {cache.max_tokens} positions")
-        if self.fast and trace is None:
-            return fast_path.forward(self, ids, cache, last_only)
+        ids, positions = self._ids_and_positions(token_ids, cache)                     # [T], [T]
         note = trace or layers.ignore
-        positions = np.arange(start, start + len(ids))                                 # [T]
         cos, sin = layers.rope_angles(self.inv_freq, positions)                        # [T, Dh] each
 
         x = layers.embed(ids, self.embed_tokens)                                       # [T, D]
@@ -173,6 +167,15 @@ class Qwen3Model:
         note(f"{name}.residual_mlp", x)
         return x
 
+    def _ids_and_positions(self, token_ids: Sequence[int] | np.ndarray,
+                           cache: KVCache | None) -> tuple[np.ndarray, np.ndarray]:
+        """The checked token ids [T] and their positions [T]: after the cache's `length` positions, or from 0."""
+        ids = self._check_ids(token_ids)
+        start = cache.length if cache is not None else 0
+        if cache is not None and start + len(ids) > cache.max_tokens:
+            raise QwenNPError(f"cache: {start} cached + {len(ids)} new tokens exceed its {cache.max_tokens} positions")
+        return ids, np.arange(start, start + len(ids))
+
     def _check_ids(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(token_ids)
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -189,57 +192,3 @@ def _scoped(note: Trace, prefix: str) -> Trace:
     if note is layers.ignore:
         return layers.ignore
     return lambda step, value: note(prefix + step, value)
-
-
-def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None,
-               fast: bool = True) -> Qwen3Model:
-    """Load a Qwen3 checkpoint folder (or hub id) for inference.
-
-    memory: "fp32" upcasts every weight once; "bf16" keeps the stored weights memory-mapped and
-    upcasts them block by block on use; "auto" picks fp32 when it fits in RAM with margin.
-    max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
-    fast: run forward() through qwen_np/fast.py (same logits, tuned for speed); False keeps every
-    call on the readable path below.
-    """
-    folder = resolve_model_path(path)
-    config = load_config(folder)
-    checkpoint = Checkpoint(folder, config)
-    context = max_tokens or min(config.max_position_embeddings, DEFAULT_CONTEXT)
-    stored_width = DTYPE_BYTES[checkpoint.tensors[EMBED_TOKENS].dtype]
-    plan = plan_memory(config, context, memory, stored_bytes_per_value=stored_width)
-
-    # fp32: each stored tensor is read with plain file I/O into one reused buffer and upcast into
-    # memory the model keeps, so the peak is the FP32 model plus the largest stored tensor. A layer's
-    # matrices share one allocation in checkpoint order: the fast path then multiplies q|k|v and
-    # gate|up as one matrix each without copying them. bf16: zero-copy views of the mapped files.
-    largest = max(info.nbytes for info in checkpoint.tensors.values())
-    buffer = allocate((largest,), np.uint8) if plan.mode == "fp32" else None
-
-    def matrices(names: list[str]) -> list[np.ndarray]:
-        if plan.mode != "fp32":
-            return [checkpoint.mapped(name) for name in names]
-        shapes = [checkpoint.tensors[name].shape for name in names]
-        block, start, kept = allocate((sum(math.prod(shape) for shape in shapes),)), 0, []
-        for name, shape in zip(names, shapes):
-            end = start + math.prod(shape)
-            kept.append(upcast(checkpoint.read(name, buffer), out=block[start:end].reshape(shape)))
-            start = end
-        return kept
-
-    def vector(name: str) -> np.ndarray:
-        return upcast(checkpoint.read(name))      # norms are tiny: always FP32
-
-    decoder_layers = []
-    for i in range(config.num_hidden_layers):
-        names = {key: LAYER_TENSOR_NAMES[key].format(i=i) for key in LAYER_TENSOR_NAMES}
-        two_d = [key for key, name in names.items() if len(checkpoint.tensors[name].shape) == 2]
-        weights = {key: vector(name) for key, name in names.items() if key not in two_d}
-        weights.update(zip(two_d, matrices([names[key] for key in two_d])))
-        decoder_layers.append(LayerWeights(**weights))
-    embed_tokens, = matrices([EMBED_TOKENS])
-    lm_head = embed_tokens if config.tie_word_embeddings else matrices([LM_HEAD])[0]
-    model = Qwen3Model(config, embed_tokens, decoder_layers, vector(FINAL_NORM), lm_head, plan, fast)
-    if fast:
-        fast_path.fuse_projections(model)     # q/k/v and gate/up as one array each (FP32 only)
-    return model
-

@@ -59,6 +59,7 @@ class Tokenizer:
         backend = _load_backend(folder / TOKENIZER_FILE)
         config = _load_config(folder / CONFIG_FILE)
         template_path = folder / TEMPLATE_FILE
+        template: str | None
         if template_path.is_file():
             source, template = template_path, _read_text(template_path)
         else:
@@ -119,7 +120,7 @@ class Tokenizer:
             raise QwenNPError(f"{CONFIG_FILE}: no chat_template (and no {TEMPLATE_FILE} next to it)")
         if not messages:
             raise QwenNPError("apply_chat_template: messages is empty")
-        variables = self._template_tokens()  # bos_token, eos_token, ... as transformers passes them
+        variables: dict[str, Any] = {**self._template_tokens()}  # bos_token, eos_token, ... as transformers passes them
         if enable_thinking is not None:
             variables["enable_thinking"] = enable_thinking
         try:
@@ -177,7 +178,7 @@ def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, 
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
                separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         # Unlike jinja's own tojson, this does not HTML-escape, and it keeps non-ASCII text as is.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -217,6 +218,11 @@ class StreamDecoder:
     As transformers' TextStreamer and vLLM's detokeniser do, the pending tokens are decoded
     together with the already-emitted tokens before them (the prefix) and text is released only
     once it no longer ends in U+FFFD. The pushed strings plus ``flush()`` equal ``decode`` of all ids.
+
+    Hand-written rather than tokenizers.decoders.DecodeStream, which does the same windowing: it has
+    no flush, so the held-back bytes of a reply cut off mid-character (max tokens reached) would be
+    lost instead of showing as U+FFFD, breaking the equality above that generation relies on when it
+    stops; and it needs tokenizers >= 0.21 where qwen_np supports 0.19.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:

@@ -1,5 +1,5 @@
-"""Chat template tests: Qwen3's template renders as transformers renders it (spec §4.4 examples
-A-E), and the multi-turn helpers reuse as much of the fed prompt as the template allows."""
+"""Chat template tests: Qwen3's template renders as transformers renders it (five example
+chats A-E), and the multi-turn helpers reuse as much of the fed prompt as the template allows."""
 
 from __future__ import annotations
 

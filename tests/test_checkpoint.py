@@ -90,7 +90,7 @@ def test_reference_safetensors_library_rejects_the_same_files(tmp_path, case):
     make, _ = BROKEN_FILES[case]
     path = tmp_path / "model.safetensors"
     make(path)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - any error will do: the reader's types vary by case
         with safetensors.safe_open(str(path), framework="numpy") as f:
             [f.get_slice(name) for name in f.keys()]
 

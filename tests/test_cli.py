@@ -18,7 +18,6 @@ WEIGHTS = ROOT / "weights"
 STATS = re.compile(r"^stats: model=.+ prompt_tokens=(\d+) cached_tokens=(\d+) new_tokens=(\d+) load=[\d.]+s "
                    r"prefill=\S+ decode=\S+ peak_rss=\d+MiB finish=(\w+)$")
 DIM, RESET = ReplyWriter.DIM, ReplyWriter.RESET
-HAS_INSPECTION = (ROOT / "qwen_np" / "inspection.py").exists()
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +172,6 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected: str) ->
     assert not (ROOT / "out.png").exists()
 
 
-@pytest.mark.skipif(not HAS_INSPECTION, reason="qwen_np/inspection.py is not written yet")
 def test_inspect_reads_only_the_config(env) -> None:
     result = qwen(env, "inspect", "--preset", "qwen3-8b", "--json")
     assert result.returncode == 0, result.stderr.decode()
@@ -181,7 +179,6 @@ def test_inspect_reads_only_the_config(env) -> None:
     assert qwen(env, "inspect", "--tokens", "3").returncode == 0
 
 
-@pytest.mark.skipif(not HAS_INSPECTION, reason="qwen_np/inspection.py is not written yet")
 def test_trace_lens_and_attention_print_on_stderr(env, tmp_path) -> None:
     png = tmp_path / "head.png"
     result = qwen(env, "generate", "Hi", "-n", "2", "--trace-layers", "1", "--lens", "--attention", "1:3",

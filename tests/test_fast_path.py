@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import qwen_np
-from qwen_np import fast
+from qwen_np import fast, runtime
 
 RTOL = 1e-5
 # (name, config overrides): GQA groups 1/2/4, head_dim above and below D/H, tied and untied heads.
@@ -108,13 +108,13 @@ def test_trace_takes_the_readable_path(checkpoint: Path) -> None:
 def test_streamed_bf16_rows_split_over_threads(checkpoint: Path, threads: int) -> None:
     """The row split between streaming threads covers every row once, for any thread count."""
     fast_model, plain_model = load_pair(checkpoint, "bf16")
-    before = fast._threads
+    before = runtime.threads()
     try:
-        fast.set_threads(threads)
+        runtime.set_threads(threads)
         assert_same_logits(fast_model.forward(PROMPT), plain_model.forward(PROMPT), f"{threads} threads")
-        assert all(info["num_threads"] == threads for info in fast.blas_info())
+        assert all(info["num_threads"] == threads for info in runtime.blas_info())
     finally:
-        fast.set_threads(before)
+        runtime.set_threads(before)
 
 
 def test_bf16_decode_never_materialises_a_whole_fp32_weight(make_checkpoint: Callable[..., Path]) -> None:
@@ -139,20 +139,36 @@ def test_bf16_decode_never_materialises_a_whole_fp32_weight(make_checkpoint: Cal
 def test_fp32_load_fuses_projections_without_copying(checkpoint: Path) -> None:
     """load_model puts a layer's matrices back to back, so q|k|v and gate|up are views, not copies."""
     model = qwen_np.load_model(checkpoint, memory="fp32", max_tokens=16, fast=True)
-    for w, (qkv, gate_up) in zip(model.layers, fast._fused[model]):
+    for i, w in enumerate(model.layers):
+        qkv, gate_up = model.fused_weights(i)
         block = w.o_proj.base
         assert qkv.base is block and gate_up.base is block
         np.testing.assert_array_equal(qkv, np.concatenate([w.q_proj, w.k_proj, w.v_proj]))
 
 
-def test_joined_copies_matrices_that_are_not_adjacent() -> None:
+def test_joined_is_a_view_of_adjacent_matrices_and_never_a_copy() -> None:
+    """A copy would go stale when training updates the layer's own arrays in place."""
     parts = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((1, 3), np.float32)]
-    joined = fast._joined(parts)
-    np.testing.assert_array_equal(joined, np.concatenate(parts))
+    assert fast._joined(parts) is None                                # separate allocations
     block = np.arange(12, dtype=np.float32)
     gap = [block[:3].reshape(1, 3), block[6:9].reshape(1, 3)]        # same buffer, not back to back
-    np.testing.assert_array_equal(fast._joined(gap), np.concatenate(gap))
-    assert fast._joined([block[:6].reshape(2, 3), block[6:9].reshape(1, 3)]).base is block
+    assert fast._joined(gap) is None
+    joined = fast._joined([block[:6].reshape(2, 3), block[6:9].reshape(1, 3)])
+    assert joined is not None and joined.base is block
+    np.testing.assert_array_equal(joined, block[:9].reshape(3, 3))
+
+
+def test_fast_path_sees_weights_updated_in_place_or_replaced(checkpoint: Path) -> None:
+    """Training updates the weights in place (or assigns new arrays): the next forward must use them."""
+    fast_model, plain_model = load_pair(checkpoint, "fp32")
+    fast_model.forward(PROMPT)                                        # fused views and buffers exist now
+    for model in (fast_model, plain_model):
+        w = model.layers[1]
+        w.q_proj *= 1.5
+        w.up_proj[:] = w.up_proj[::-1]
+        w.k_norm += 0.25
+        w.gate_proj = w.gate_proj * 0.5                               # a new array, not in place
+    assert_same_logits(fast_model.forward(PROMPT), plain_model.forward(PROMPT), "after updates")
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -162,16 +178,16 @@ def test_prefill_steps_split_by_rows_give_the_same_logits(checkpoint: Path, thre
     fast_model, plain_model = load_pair(checkpoint, "bf16")
     prompt = np.resize(PROMPT, 23)
     splits: list[int] = []
-    original = fast._split
-    monkeypatch.setattr(fast, "_split", lambda n, parts, job: (splits.append(n), original(n, parts, job))[1])
+    original = runtime.split
+    monkeypatch.setattr(runtime, "split", lambda n, parts, job: (splits.append(n), original(n, parts, job))[1])
     monkeypatch.setattr(fast, "MIN_ROWS_PER_THREAD", 2)
-    before = fast._threads
+    before = runtime.threads()
     try:
-        fast.set_threads(threads)
+        runtime.set_threads(threads)
         fast_cache, plain_cache = fast_model.new_cache(40), plain_model.new_cache(40)
         assert_same_logits(fast_model.forward(prompt, fast_cache), plain_model.forward(prompt, plain_cache), "split")
         assert_same_logits(fast_model.forward(prompt[:9], fast_cache), plain_model.forward(prompt[:9], plain_cache),
                            "split, after a cached prefix")
     finally:
-        fast.set_threads(before)
+        runtime.set_threads(before)
     assert 23 in splits and 9 in splits          # row splits happened (the others split weight rows)

@@ -48,7 +48,7 @@ SMALL_MODELS = [
                       tie_word_embeddings=True), 14, id="tied-mqa8-head_dim_gt_hidden_over_heads"),
 ]
 
-# Qwen3-8B layer and vocabulary shapes (spec §2.1), truncated to two decoder layers.
+# Qwen3-8B layer and vocabulary shapes (its config.json on the Hub), truncated to two decoder layers.
 QWEN3_8B_WIDTH = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                       num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6)

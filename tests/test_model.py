@@ -176,3 +176,13 @@ def test_silu_does_not_overflow_for_very_negative_inputs():
     with np.errstate(invalid="raise", divide="raise"):
         out = layers.silu(np.array([-1000.0, 0.0, 1000.0], np.float32))
     assert np.array_equal(out, np.array([-0.0, 0.0, 1000.0], np.float32))
+
+
+def test_layer_weights_hold_exactly_the_tensors_of_the_one_table() -> None:
+    """model.LayerWeights and config.LAYER_TENSORS name the same tensors, in the same order."""
+    from dataclasses import fields
+
+    from qwen_np.config import LAYER_TENSORS
+    from qwen_np.model import LayerWeights
+
+    assert [f.name for f in fields(LayerWeights)] == list(LAYER_TENSORS)

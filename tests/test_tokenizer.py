@@ -1,5 +1,5 @@
 """Tokenizer tests: the bundled tokenizer.json is Qwen3's official file and encodes, decodes and
-streams like it (vectors from ../shared/qwen3-spec.md §5.6)."""
+streams like it (vectors encoded with the official file by the tokenizers library)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ SHARED = ROOT.parent / "shared"
 TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 CONFIG_SHA256 = "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63"
 
-# Spec §5.6 table.
+# Encodings of the official tokenizer.json, by the tokenizers library.
 SPEC_VECTORS = [
     ("Hello world", [9707, 1879]),
     (" Hello world", [21927, 1879]),
@@ -161,7 +161,7 @@ LLAMA_CPP_QWEN2 = [
     ),
 ]
 
-# Spec §4.2: Qwen3's added tokens from id 151643; "S" marks special=True.
+# Qwen3's added tokens (tokenizer_config.json's added_tokens_decoder) from id 151643; "S" marks special=True.
 ADDED_TOKENS = [
     ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
     ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),

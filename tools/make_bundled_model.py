@@ -2,7 +2,7 @@
 
 It lets `python -m qwen_np generate "..."` run on a fresh machine with no download, through exactly
 the code that loads real checkpoints: an original-Qwen3-style config.json, BF16 model.safetensors,
-Qwen3's generation_config.json (spec §2.6), and the real Qwen3 tokenizer that
+Qwen3's generation_config.json (as released on the Hub), and the real Qwen3 tokenizer that
 tools/build_tokenizer.py already put there (left untouched). The vocabulary is the real 151,936 ids,
 so the tokenizer applies; the network is tiny (hidden 64, 2 layers) so the file stays ~20 MB.
 The weights are random: the text it produces is gibberish. Output is byte-identical on every run.
@@ -29,7 +29,7 @@ SEED = 20250429   # Qwen3's release date
 # Norm weights are 1 + spread * N(0, 1) rather than all ones, so every norm affects the output.
 NORM_WEIGHT_SPREAD = 0.1
 
-# The released Qwen3-8B config.json (spec §2.1) with tiny shapes; everything else is as released.
+# The released Qwen3-8B config.json (Qwen/Qwen3-8B on the Hub) with tiny shapes; everything else is as released.
 CONFIG_JSON = {
     "architectures": ["Qwen3ForCausalLM"],
     "attention_bias": False,
@@ -59,7 +59,7 @@ CONFIG_JSON = {
     "vocab_size": 151936,
 }
 
-# Qwen3-8B's generation_config.json (spec §2.6).
+# Qwen3-8B's generation_config.json, as released.
 GENERATION_CONFIG_JSON = {
     "bos_token_id": 151643,
     "do_sample": True,
@@ -85,6 +85,8 @@ on a fresh machine, through exactly the same code that loads real checkpoints:
 * `generation_config.json`: Qwen3-8B's sampling defaults (temperature 0.6, top-p 0.95, top-k 20).
 * `tokenizer.json`, `tokenizer_config.json`: the real Qwen3 tokenizer and chat template, built
   offline by `tools/build_tokenizer.py`.
+  They are the Qwen team's (Alibaba Cloud), released with Qwen3 under the Apache License 2.0:
+  see `LICENSE-tokenizer` here and `NOTICE` at the top of the repository.
 
 `config.json`, `generation_config.json`, `model.safetensors` and this README are written by
 `python tools/make_bundled_model.py` (byte-identical on every run).

@@ -211,18 +211,16 @@ token; from here on every token is a vector of D = {run.model.config.hidden_size
 sequence is a matrix {shape_of(run, step)}. This matrix is the **residual stream**: every layer reads
 it and adds its own contribution to it.
 
-The lines of `Qwen3Model.forward` up to this point check the ids, {FAST_PATH_NOTE if "fast_path" in
-MODEL_CODE[step.name] else ""}build the RoPE angle tables once for all layers (step 3.7 uses them), and
-look up the embeddings:
+The lines of `Qwen3Model.forward` up to this point check the ids and find their positions, build
+the RoPE angle tables once for all layers (step 3.7 uses them), and look up the embeddings. (This is
+the readable path, which every traced pass like this one runs; untraced calls go to
+`qwen_np/fast.py`'s `FastQwen3Model.forward`, the same math arranged for speed, unless the model
+was loaded with `fast=False`.)
 
 {step_code(step, shown)}
 
 Real values: the vector of `{token_text(run.tokenizer, run.ids[0])}` starts {values(x[0])}; the
 lengths (L2 norms) of the {len(run.ids)} vectors are {norms}."""
-
-
-FAST_PATH_NOTE = ("hand untraced calls to `qwen_np/fast.py` (the same math arranged for speed; a traced "
-                  "pass like this one, or a model loaded with `fast=False`, runs the readable code below), ")
 
 
 def layer_section(run: Run, shown: set[str]) -> str:

@@ -1,0 +1,50 @@
+"""The logit lens: what the final norm + lm_head would predict from the residual stream after each layer."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import layers
+from ..model import Qwen3Model
+from .text import pad, token_text
+
+
+def lens_probabilities(model: Qwen3Model, token_ids: Sequence[int]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(row labels, lens probabilities [L+1, V], the model's own probabilities [V]) at the last position.
+
+    Row 0 reads the embedding, row l+1 the residual stream after layer l: each goes through the
+    final norm and lm_head as if the model stopped there. The last row is the model's own output.
+    """
+    residuals: dict[str, np.ndarray] = {}
+
+    def capture(name: str, value: np.ndarray) -> None:
+        if name == "model.embed_tokens" or name.endswith(".residual_mlp"):
+            residuals[name] = value[-1].copy()                                   # [D]
+
+    logits = model.forward(token_ids, trace=capture)                             # [T, V]
+    stream = np.stack(list(residuals.values()))                                  # [L+1, D]
+    normed = layers.rms_norm(stream, model.norm, model.config.rms_norm_eps)      # [L+1, D]
+    lens_logits = layers.linear(normed, model.lm_head)                           # [L+1, V]
+    labels = ["embedding"] + [f"layer {i}" for i in range(model.config.num_hidden_layers)]
+    return labels, layers.softmax(lens_logits), layers.softmax(logits[-1])
+
+
+def logit_lens(model: Qwen3Model, token_ids: list[int], tokenizer: Any, top_k: int = 5) -> str:
+    """After each layer, the top-k next tokens the final norm + lm_head would predict at the last position."""
+    labels, probs, final = lens_probabilities(model, token_ids)
+    last = len(token_ids) - 1
+    lines = [f"Logit lens at the last position ({last}, {token_text(tokenizer, token_ids[-1])}): the final norm + "
+             "lm_head applied to the residual stream after each layer",
+             f"  {'after':<12}top {top_k} next tokens (probability)"]
+    lines += [f"  {label:<12}{_top_tokens(row, tokenizer, top_k)}" for label, row in zip(labels, probs)]
+    lines.append(f"  {'model':<12}{_top_tokens(final, tokenizer, top_k)}")
+    lines.append(f"  (the model's own output equals the row after layer {len(labels) - 2}: "
+                 "there the lens IS the model)")
+    return "\n".join(lines)
+
+
+def _top_tokens(probs: np.ndarray, tokenizer: Any, top_k: int) -> str:
+    top = np.argsort(-probs, kind="stable")[:top_k]
+    return "  ".join(f"{pad(token_text(tokenizer, int(i)), 15)}{probs[i]:<9.3g}" for i in top).rstrip()

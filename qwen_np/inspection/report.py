@@ -1,0 +1,213 @@
+"""`python -m qwen_np inspect`: every step's shapes, parameters, bytes, FLOPs and the memory plan, as
+plain data (the JSON output) and rendered as text."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..config import DIMENSIONS, Qwen3Config, dimensions, evaluate, resolve
+from ..errors import QwenNPError
+from ..memory import DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, kv_cache_bytes_per_token
+from ..numerics import BYTES_PER_VALUE
+from .bandwidth import measure_bandwidth
+from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
+from .steps import STEPS, STEPS_BY_NAME, Shape, Step, format_shape
+
+KV_FORMATS = (("BF16", 2), ("FP32", 4))   # how real runtimes store the KV cache, and how qwen_np does
+# config.json's torch_dtype -> the format name of numerics.BYTES_PER_VALUE
+STORED_FORMATS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}
+
+
+def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth: float) -> dict[str, Any]:
+    """Everything `inspect` shows, as plain data (the JSON output, and what the text is rendered from)."""
+    if tokens <= 0:
+        raise QwenNPError(f"--tokens: must be at least 1, got {tokens}")
+    dims = dimensions(config, tokens)
+    params = parameter_summary(config)
+    kv_values = kv_cache_bytes_per_token(config, bytes_per_value=1)
+    context = config.max_position_embeddings
+    return {
+        "model": model_name,
+        "dimensions": dims,
+        "steps": [_step_record(step, dims) for step in STEPS],
+        "parameters": {
+            **params,
+            "per_module": [{"name": step.name, "weight": _shape_record(step.weight or (), dims), "parameters": n,
+                            "instances": config.num_hidden_layers if step.in_layer else 1}
+                           for step, n in weight_tensors(config)],
+            "lm_head_tied_to_embeddings": config.tie_word_embeddings,
+        },
+        "weight_bytes": {fmt: int(params["total"] * width) for fmt, width in BYTES_PER_VALUE.items()},
+        "kv_cache": {"values_per_token": kv_values, "context_limit": context,
+                     "bytes_per_token": {fmt: width * kv_values for fmt, width in KV_FORMATS},
+                     "bytes_at_context_limit": {fmt: width * kv_values * context for fmt, width in KV_FORMATS}},
+        "flops_per_token": {
+            "prefill": {"tokens": tokens, "positions": tokens,
+                        "flops": forward_flops(config, tokens, tokens) // tokens},
+            "decode": {"tokens": 1, "positions": tokens + 1, "flops": forward_flops(config, 1, tokens + 1)},
+            "decode_at_context_limit": {"tokens": 1, "positions": context,
+                                        "flops": forward_flops(config, 1, context)},
+        },
+        "this_machine": _machine_report(config, bandwidth),
+    }
+
+
+def _shape_record(shape: Shape, dims: dict[str, int]) -> dict[str, Any]:
+    return {"symbols": list(shape), "numbers": resolve(shape, dims)}
+
+
+def _step_record(step: Step, dims: dict[str, int]) -> dict[str, Any]:
+    return {
+        "name": step.name, "what": step.what, "code": f"{step.code.__module__}.{step.code.__qualname__}",
+        "per_layer": step.in_layer,
+        "inputs": [{"what": what, **_shape_record(s, dims)} for what, s in step.inputs],
+        "output": _shape_record(step.output, dims),
+        "weight": _shape_record(step.weight, dims) if step.weight else None,
+        "flops": {"formula": step.flops, "value": evaluate(step.flops, dims)} if step.flops else None,
+    }
+
+
+def _machine_report(config: Qwen3Config, bandwidth: float) -> dict[str, Any]:
+    """Would the weights fit here in FP32, or kept as stored, and how fast could decode then go."""
+    available = available_memory()
+    context = min(config.max_position_embeddings, DEFAULT_CONTEXT)
+    stored_format = STORED_FORMATS.get(config.torch_dtype, "BF16")
+    stored_width = int(BYTES_PER_VALUE[stored_format])
+    candidates = candidate_plans(config, context, stored_width, available)
+    plans = {}
+    for mode, width in (("fp32", 4), ("bf16", stored_width)):
+        read = weight_bytes_read_per_token(config, width)
+        plans[mode] = {"needs_bytes": candidates[mode].total_bytes, "fits": candidates[mode].fits,
+                       "weight_bytes_read_per_token": read, "max_decode_tokens_per_s": bandwidth / read}
+    return {"available_bytes": available, "usable_fraction": SAFETY_FRACTION, "context_tokens": context,
+            "stored_format": stored_format,
+            "bandwidth_bytes_per_s": bandwidth, "bandwidth_note": "measured here: NumPy copy of a 256 MiB "
+            "array, read + write, one thread; approximate", "plans": plans}
+
+
+def inspect_command(config: Qwen3Config, tokens: int, as_json: bool, model_name: str) -> str:
+    """The output of `python -m qwen_np inspect`: text for people, or JSON when as_json."""
+    report = inspect_report(config, tokens, model_name, measure_bandwidth())
+    return json.dumps(report, indent=2) if as_json else render_report(report)
+
+
+def render_report(report: dict[str, Any]) -> str:
+    return "\n\n".join([_render_dimensions(report), _render_steps(report), _render_parameters(report),
+                        _render_bytes(report), _render_flops(report), _render_machine(report)]) + "\n"
+
+
+def _render_dimensions(report: dict[str, Any]) -> str:
+    dims = report["dimensions"]
+    group = dims["H"] // dims["KVH"]
+    notes = {"KVH": f" (each serves H/KVH = {group} query heads)",
+             "Dh": f" (D/H = {dims['D'] / dims['H']:g})" if dims["D"] != dims["H"] * dims["Dh"] else ""}
+    lines = [f"{report['model']}: one forward pass over T = {dims['T']} tokens, step by step",
+             "(no weights needed: every shape and count follows from config.json)", "", "Dimensions"]
+    lines += [f"  {sym:<4}{value:>8}  {DIMENSIONS[sym]}{notes.get(sym, '')}" for sym, value in dims.items()]
+    return "\n".join(lines)
+
+
+def _render_steps(report: dict[str, Any]) -> str:
+    def shape(record: dict[str, Any]) -> str:
+        return format_shape(record["symbols"], record["numbers"])
+
+    steps, L = report["steps"], report["dimensions"]["L"]
+    inputs = [[f"{x['what']} {shape(x)}" for x in step["inputs"]] for step in steps]
+    in_width = max(len(text) for texts in inputs for text in texts) + 2
+    name_width = max(len(STEPS_BY_NAME[step["name"]].short_name) for step in steps) + 2
+    lines = ["Forward pass (names as `generate --trace` prints them; S = T here: no KV cache yet)",
+             f"   #  {'step':<{name_width}}{'input':<{in_width}}output"]
+    for number, (step, texts) in enumerate(zip(steps, inputs), start=1):
+        previous = steps[number - 2]["per_layer"] if number > 1 else False
+        if step["per_layer"] and not previous:
+            lines.append(f"      model.layers.{{i}} for i = 0 .. {L - 1}: the same "
+                         f"{sum(s['per_layer'] for s in steps)} steps in each of the L = {L} layers")
+        elif previous and not step["per_layer"]:
+            lines.append("      after the last layer:")
+        indent = " " * (6 + name_width)
+        lines.append(f"{number:>4}  {STEPS_BY_NAME[step['name']].short_name:<{name_width}}"
+                     f"{texts[0]:<{in_width}}{shape(step['output'])}")
+        lines += [indent + text for text in texts[1:]]
+        lines.append(f"{indent}{step['what']}  [{step['code'].removeprefix('qwen_np.')}]")
+    return "\n".join(lines)
+
+
+def _render_parameters(report: dict[str, Any]) -> str:
+    params = report["parameters"]
+    lines = ["Parameters", f"  {'tensor (+ .weight)':<44}{'shape':<28}{'each':>14}{'x':>4}{'total':>16}"]
+    for m in params["per_module"]:
+        shape = format_shape(m["weight"]["symbols"], m["weight"]["numbers"])
+        lines.append(f"  {m['name']:<44}{shape:<28}{m['parameters']:>14,}{m['instances']:>4}"
+                     f"{m['parameters'] * m['instances']:>16,}")
+    if params["lm_head_tied_to_embeddings"]:
+        lines.append(f"  {'lm_head':<44}{'tied: reuses model.embed_tokens':<28}{0:>14,}{1:>4}{0:>16,}")
+    lines.append(f"  {'one decoder layer':<90}{params['per_layer']:>16,}")
+    lines.append(f"  {'total':<90}{params['total']:>16,}  ({_billions(params['total'])})")
+    lines.append(f"  {'without embeddings (embed_tokens and lm_head)':<90}{params['without_embeddings']:>16,}  "
+                 f"({_billions(params['without_embeddings'])})")
+    return "\n".join(lines)
+
+
+def _render_bytes(report: dict[str, Any]) -> str:
+    kv, L = report["kv_cache"], report["dimensions"]["L"]
+    dims = report["dimensions"]
+    lines = ["Weight bytes by number format (parameters x bytes per value)"]
+    for fmt, n in report["weight_bytes"].items():
+        note = {"BF16": "  <- as released", "FP32": "  <- what qwen_np computes in",
+                "INT4": "  (INT8/INT4 also store scales, a few % more)"}.get(fmt, "")
+        lines.append(f"  {fmt:<6}{BYTES_PER_VALUE[fmt]:>4g} B/value  {_gib(n):>12}{note}")
+    per_token, at_limit = kv["bytes_per_token"], kv["bytes_at_context_limit"]
+    lines += ["", "KV cache: the keys and values of every layer, kept for every position so far",
+              f"  per token: 2 (k and v) x L x KVH x Dh = 2 x {L} x {dims['KVH']} x {dims['Dh']} = "
+              f"{kv['values_per_token']:,} values",
+              f"    BF16 {_kib(per_token['BF16'])}/token, FP32 {_kib(per_token['FP32'])}/token "
+              "(qwen_np keeps its cache in FP32)",
+              f"  at the context limit ({kv['context_limit']:,} tokens): BF16 {_gib(at_limit['BF16'])}, "
+              f"FP32 {_gib(at_limit['FP32'])}"]
+    return "\n".join(lines)
+
+
+def _render_flops(report: dict[str, Any]) -> str:
+    flops = report["flops_per_token"]
+    decode_S, limit_S = flops["decode"]["positions"], flops["decode_at_context_limit"]["positions"]
+    labels = {"prefill": f"prefill, T = {flops['prefill']['tokens']} tokens in one pass",
+              "decode": f"decode, 1 token after {decode_S - 1} (S = {decode_S})",
+              "decode_at_context_limit": f"decode at the context limit (S = {limit_S:,})"}
+    lines = ["FLOPs per token (matmuls, 2 per multiply-add; norms, RoPE, softmax and SiLU add far less)"]
+    lines += [f"  {labels[key]:<48}{value['flops'] / 1e9:>10.2f} GFLOP" for key, value in flops.items()]
+    lines.append("  rule of thumb: about 2 x the parameters a token passes through, plus attention, which grows with S")
+    return "\n".join(lines)
+
+
+def _render_machine(report: dict[str, Any]) -> str:
+    machine = report["this_machine"]
+    bandwidth = machine["bandwidth_bytes_per_s"]
+    plans = machine["plans"].items()
+    labels = {"fp32": "FP32 weights (upcast once, at load)",
+              "bf16": f"weights kept as stored ({machine['stored_format']})"}
+    lines = ["This machine (measured here, approximate)",
+             f"  available memory  {_gib(machine['available_bytes'])} "
+             f"(a plan may use {machine['usable_fraction']:.0%} of it)",
+             f"  memory bandwidth  {bandwidth / 1e9:.1f} GB/s "
+             f"({machine['bandwidth_note'].removeprefix('measured here: ')})",
+             f"  memory plan, with a {machine['context_tokens']:,}-token KV cache:"]
+    lines += [f"    {labels[mode]:<40}needs {_gib(plan['needs_bytes']):>10}   "
+              f"{'fits' if plan['fits'] else 'does NOT fit'}" for mode, plan in plans]
+    lines.append("  decode speed the bandwidth allows (each new token streams every weight from memory once):")
+    lines += [f"    {labels[mode]:<40}{plan['weight_bytes_read_per_token'] / 1e9:.2f} GB/token / "
+              f"{bandwidth / 1e9:.1f} GB/s  ->  at most {plan['max_decode_tokens_per_s']:.2f} tokens/s"
+              for mode, plan in plans]
+    return "\n".join(lines)
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:g} KiB"

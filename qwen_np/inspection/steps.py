@@ -1,0 +1,101 @@
+"""STEPS: the steps of a forward pass in the order `Qwen3Model.forward` runs them, each with its trace
+name, the qwen_np function that does the math, and its input/output shapes in the dimension
+vocabulary of config.py. A step's weight shape comes from config's tensor table (LAYER_TENSORS,
+MODEL_TENSORS), so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .. import layers
+from ..config import LAYER_TENSORS, MODEL_TENSORS, Shape
+from ..model import Qwen3Model
+
+# Trace name of the step that reads a tensor -> that tensor's symbolic shape.
+_WEIGHT_SHAPES = {spec.name.removesuffix(".weight"): spec.shape
+                  for spec in (*LAYER_TENSORS.values(), *MODEL_TENSORS.values())}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the forward pass, as `Qwen3Model.forward` reports it to a trace."""
+
+    name: str                                  # trace name; "{i}" stands for the layer index
+    what: str                                  # what the step computes, in one line
+    code: Callable[..., Any]                   # the qwen_np function that does the math
+    inputs: tuple[tuple[str, Shape], ...]      # (what, shape) of each input
+    output: Shape
+    flops: str = ""                            # matmul FLOPs as a product of symbols; "" if elementwise
+
+    @property
+    def weight(self) -> Shape | None:
+        """Shape of the checkpoint tensor `name + ".weight"` this step reads, if any."""
+        return _WEIGHT_SHAPES.get(self.name)
+
+    @property
+    def in_layer(self) -> bool:
+        return "{i}" in self.name
+
+    @property
+    def short_name(self) -> str:
+        """The name inside a decoder layer ("self_attn.q_proj"), or the full name outside one."""
+        return self.name.replace("model.layers.{i}.", "")
+
+
+def _linear(name: str, what: str, x: tuple[str, Shape], out: Shape) -> Step:
+    """A projection y = x W^T: W is [out, in] as stored, and it costs 2 FLOPs per weight per token."""
+    return Step(name, what, layers.linear, (x,), out, flops="*".join(("2", "T", *_WEIGHT_SHAPES[name])))
+
+
+def _norm(name: str, what: str, x: tuple[str, Shape]) -> Step:
+    return Step(name, what, layers.rms_norm, (x,), x[1])
+
+
+_LAYER = "model.layers.{i}"
+_X, _H = ("x", ("T", "D")), ("h", ("T", "D"))
+STEPS: tuple[Step, ...] = (
+    Step("model.embed_tokens", "one row of the embedding table per token id (no scaling)",
+         layers.embed, (("token ids", ("T",)),), ("T", "D")),
+    _norm(f"{_LAYER}.input_layernorm", "RMSNorm over D, before attention", _X),
+    _linear(f"{_LAYER}.self_attn.q_proj", "queries, split into H heads of Dh", _H, ("T", "H", "Dh")),
+    _linear(f"{_LAYER}.self_attn.k_proj", "keys: only KVH heads (grouped-query attention)", _H, ("T", "KVH", "Dh")),
+    _linear(f"{_LAYER}.self_attn.v_proj", "values: KVH heads, never normed", _H, ("T", "KVH", "Dh")),
+    _norm(f"{_LAYER}.self_attn.q_norm", "RMSNorm of each query head over Dh (one weight shared by all heads)",
+          ("q", ("T", "H", "Dh"))),
+    _norm(f"{_LAYER}.self_attn.k_norm", "RMSNorm of each key head over Dh", ("k", ("T", "KVH", "Dh"))),
+    Step(f"{_LAYER}.self_attn.rope_q", "rotate query pairs (i, i+Dh/2) by position-dependent angles",
+         layers.rope, (("q", ("T", "H", "Dh")),), ("T", "H", "Dh")),
+    Step(f"{_LAYER}.self_attn.rope_k", "rotate keys the same way; these go into the KV cache",
+         layers.rope, (("k", ("T", "KVH", "Dh")),), ("T", "KVH", "Dh")),
+    Step(f"{_LAYER}.self_attn.scores", "q . k / sqrt(Dh) for every query/key pair, future masked to -inf",
+         layers.attention_scores, (("q", ("T", "H", "Dh")), ("k cached + new", ("S", "KVH", "Dh"))),
+         ("H", "T", "S"), flops="2*H*T*S*Dh"),
+    Step(f"{_LAYER}.self_attn.softmax", "each query's scores -> weights that sum to 1",
+         layers.softmax, (("scores", ("H", "T", "S")),), ("H", "T", "S")),
+    Step(f"{_LAYER}.self_attn.weighted_sum", "mix the values by the weights, heads concatenated",
+         layers.weighted_sum, (("weights", ("H", "T", "S")), ("v cached + new", ("S", "KVH", "Dh"))),
+         ("T", "H*Dh"), flops="2*H*T*S*Dh"),
+    _linear(f"{_LAYER}.self_attn.o_proj", "project the heads back to the model width",
+            ("heads", ("T", "H*Dh")), ("T", "D")),
+    Step(f"{_LAYER}.residual_attn", "x + attention output: the residual stream",
+         Qwen3Model._decoder_layer, (_X, ("attention", ("T", "D"))), ("T", "D")),
+    _norm(f"{_LAYER}.post_attention_layernorm", "RMSNorm over D, before the MLP", _X),
+    _linear(f"{_LAYER}.mlp.gate_proj", "gate: how much of each MLP feature to let through", _H, ("T", "F")),
+    _linear(f"{_LAYER}.mlp.up_proj", "up: the MLP features themselves", _H, ("T", "F")),
+    Step(f"{_LAYER}.mlp.act_fn", "SiLU(gate) x up (SwiGLU)", layers.silu,
+         (("gate", ("T", "F")), ("up", ("T", "F"))), ("T", "F")),
+    _linear(f"{_LAYER}.mlp.down_proj", "back down to the model width", ("act", ("T", "F")), ("T", "D")),
+    Step(f"{_LAYER}.residual_mlp", "x + MLP output: this layer's result", Qwen3Model._decoder_layer,
+         (_X, ("mlp", ("T", "D"))), ("T", "D")),
+    _norm("model.norm", "final RMSNorm over D", _X),
+    _linear("lm_head", "one score (logit) per vocabulary entry, at every position", _H, ("T", "V")),
+)
+STEPS_BY_NAME = {step.name: step for step in STEPS}
+
+
+def format_shape(shape: Shape, numbers: Sequence[int] | None = None) -> str:
+    """'[T, H, Dh] = [7, 32, 128]', or the symbols alone when no numbers are given."""
+    symbols = f"[{', '.join(shape)}]"
+    return symbols if numbers is None else f"{symbols} = [{', '.join(str(n) for n in numbers)}]"
