@@ -16,10 +16,9 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -100,7 +99,7 @@ class WindowOrder:
 
     def next_batch(self, tokens: np.ndarray, batch_size: int) -> np.ndarray:
         """The next batch_size windows [B, context + 1], continuing into the next epoch when one ends."""
-        rows = []
+        rows: list[np.ndarray] = []
         while len(rows) < batch_size:
             offset, order = self._epoch()
             if self.position >= len(order):

@@ -78,7 +78,7 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray,
     if micro_batches < 1 or B % micro_batches:
         raise QwenNPError(f"--grad-accum: {micro_batches} does not divide the batch size {B}")
     rows = B // micro_batches
-    total_loss, total = 0.0, {}
+    total_loss, total = 0.0, dict[str, np.ndarray]()
     for start in range(0, B, rows):
         loss, grads = loss_and_gradients(model, batch[start:start + rows])
         total_loss += loss / micro_batches
