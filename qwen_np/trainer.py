@@ -43,7 +43,7 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
 }
 # Flags a preset sets unless the command line does.
 PRESET_SETTINGS: dict[str, dict[str, Any]] = {
-    "shakespeare": {"steps": 1600, "batch_size": 16, "context": 256, "lr": 1.5e-3, "warmup": 100, "eval_every": 200},
+    "shakespeare": {"steps": 1600, "batch_size": 16, "context": 256, "lr": 2e-3, "warmup": 100, "eval_every": 200},
     "tiny": {"steps": 40, "batch_size": 8, "context": 32, "lr": 3e-3, "warmup": 5, "eval_every": 20},
 }
 END_OF_TEXT_ID = 0
