@@ -392,9 +392,14 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     rows = [r for r in report["rows"] if r["kld_mean"] > 0]
     figure, axes = plt.subplots(figsize=(7, 4.5))
     axes.scatter([r["bits_per_weight"] for r in rows], [r["kld_mean"] for r in rows])
-    for r in rows:
-        axes.annotate(r["format"], (r["bits_per_weight"], r["kld_mean"]), textcoords="offset points", xytext=(4, 4))
+    for i, r in enumerate(rows):             # labels alternate right and left: same-width formats share an x
+        axes.annotate(r["format"], (r["bits_per_weight"], r["kld_mean"]), textcoords="offset points",
+                      xytext=(6, 3) if i % 2 == 0 else (-6, 3), ha="left" if i % 2 == 0 else "right", fontsize=8)
+    exact = [r["format"] for r in report["rows"] if r["kld_mean"] == 0]
+    if exact:
+        axes.text(0.99, 0.02, f"KLD 0 (not drawn): {', '.join(exact)}", transform=axes.transAxes, ha="right", fontsize=8)
     axes.set_xscale("log", base=2)
+    axes.set_xlim(3, 40)
     axes.set_yscale("log")
     axes.set_xlabel("bits per weight")
     axes.set_ylabel("mean KL(FP32 || format), nats")
