@@ -30,6 +30,7 @@ from qwen_np.memory import available_memory
 from .checkpoints import MODELS, ensure_checkpoint, ensure_gguf
 
 GiB = 1024 ** 3
+BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "int8": 1}     # weights read per token (int8's row scales: < 0.4% more)
 OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 # tok/s of the other engines measured once on this machine (2 threads, random weights; bench/README.md).
 ANCHORS: dict[tuple[str, str, str], dict[str, float]] = {
@@ -45,7 +46,7 @@ ANCHORS: dict[tuple[str, str, str], dict[str, float]] = {
 class Job:
     model: str        # "0.6b" | "8b"
     engine: str       # "qwen_np" (fast path) | "qwen_np_plain" (readable path) | "transformers" | "llama.cpp"
-    mode: str         # "fp32" | "bf16": weights resident in FP32, or kept BF16 and upcast per use
+    mode: str         # "fp32" | "bf16" | "int8": weights resident in FP32, kept BF16 and upcast per use, or int8 rows
     blas_env: str     # "as set" | "unset"
 
     @property
@@ -59,13 +60,13 @@ def jobs_for(args: argparse.Namespace, folders: dict[str, Path]) -> list[Job]:
     jobs = []
     for model in args.models:
         if model == "0.6b":
-            engines = [("qwen_np", "fp32"), ("qwen_np", "bf16")]
+            engines = [("qwen_np", "fp32"), ("qwen_np", "bf16"), ("qwen_np", "int8")]
             if not args.quick:
                 engines.append(("qwen_np_plain", "fp32"))
             if have_torch and args.transformers:
                 engines += [("transformers", "fp32"), ("transformers", "bf16")]
-        else:  # 8B: 30.5 GiB in FP32 cannot be held in 24 GiB; only BF16 residency runs
-            engines = [("qwen_np", "bf16")]
+        else:  # 8B: 30.5 GiB in FP32 cannot be held in 24 GiB; BF16 and int8 residency run
+            engines = [("qwen_np", "bf16"), ("qwen_np", "int8")]
             if have_torch and args.transformers:
                 engines.append(("transformers", "bf16"))
         jobs += [Job(model, engine, mode, env) for engine, mode in engines for env in envs]
@@ -119,7 +120,7 @@ def run_job(job: Job, folder: Path, args: argparse.Namespace) -> dict[str, Any] 
         for name in OPENBLAS_VARS:
             env.pop(name, None)
     config = PRESETS[MODELS[job.model]]
-    need = 2 * parameter_count(config) + 2 * GiB
+    need = BYTES_PER_VALUE[job.mode] * parameter_count(config) + 2 * GiB
     if job.model == "8b" and available_memory() < need:
         print(f"  skip {job.label}: needs ~{need / GiB:.1f} GiB, {available_memory() / GiB:.1f} GiB available")
         return None
@@ -146,23 +147,31 @@ def run_job(job: Job, folder: Path, args: argparse.Namespace) -> dict[str, Any] 
     print(f"  {job.label}: prefill {result['prefill_tps']:.1f} tok/s (x{result['prefill_ratio']:.2f} of limit, "
           f"GEMM efficiency {result['gemm_efficiency']:.2f}), "
           f"decode {result['decode_tps']:.2f} tok/s (x{result['decode_ratio']:.2f}), "
-          f"peak RSS {result['peak_rss_bytes'] / GiB:.2f} GiB, load {result['load_s']:.2f} s, {streams}"
+          f"peak RSS {result['peak_rss_bytes'] / GiB:.2f} GiB, load {result['load_s']:.2f} s, {streams}{kld_text(result)}"
           f"other processes {result['others_cores']:.2f} cores", flush=True)
     return result
 
 
+def kld_text(r: dict[str, Any]) -> str:
+    """int8 runs: how far its logits are from the checkpoint's own weights (worker.kld_against_stored)."""
+    if "kld_mean" not in r:
+        return ""
+    return f"KLD vs stored weights {r['kld_mean']:.2e} (same top {r['same_top_percent']:.1f}%), "
+
+
 def stream_gbs(job: Job, config: Qwen3Config, r: dict[str, Any]) -> float:
     """GB/s at which one token's matrix products read the model's own weights (worker.weight_stream_seconds)."""
-    return weight_bytes_read_per_token(config, 4 if job.mode == "fp32" else 2) / r["stream_s"] / 1e9
+    return weight_bytes_read_per_token(config, BYTES_PER_VALUE[job.mode]) / r["stream_s"] / 1e9
 
 
 def derived(job: Job, config: Qwen3Config, r: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
     """tok/s and the limits of the same process: bytes per token over bandwidth, FLOPs over GEMM rate."""
     values = weight_bytes_read_per_token(config, 1)
-    bytes_per_value = 4 if job.mode == "fp32" else 2
+    bytes_per_value = BYTES_PER_VALUE[job.mode]
     bandwidth_limit = r["read_gbs"] * 1e9 / (values * bytes_per_value)
     # NumPy has no BF16 product: qwen_np must upcast BF16 weights as they stream by, so the fused
     # upcast+GEMV rate is its ceiling. torch and llama.cpp multiply BF16 directly: bandwidth is theirs.
+    # int8 casts its codes the same way; its limit here is bandwidth at one byte per weight.
     upcast_bound = job.mode == "bf16" and job.engine.startswith("qwen_np")
     decode_limit = min(bandwidth_limit, r["fused_gbs"] * 1e9 / (2 * values)) if upcast_bound else bandwidth_limit
     # Never below the rate the model's own weights stream at (placement in memory changes bandwidth).
@@ -199,7 +208,7 @@ def summarize(results: dict[Job, list[dict[str, Any]]], args: argparse.Namespace
 
     header = ("| model | engine | weights | OpenBLAS env | BLAS kernel | prefill tok/s | x GEMM limit | GEMM efficiency | "
               "decode tok/s | x limit | x bandwidth | vs issue anchors | vs the others, this run | "
-              "load s | peak RSS GiB |")
+              "load s | peak RSS GiB | KLD vs stored |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for job, rows in results.items():
         if not rows:
@@ -218,12 +227,18 @@ def summarize(results: dict[Job, list[dict[str, Any]]], args: argparse.Namespace
             f"prefill {med(rows, 'prefill_tps') / med(ref, 'prefill_tps'):.2f}x, "
             f"decode {decode / med(ref, 'decode_tps'):.2f}x {engine}"
             for engine in ("transformers", "llama.cpp") if (ref := same_run_rows(results, job, engine))) or "-"
+        if job.mode == "int8":   # the int8 goals: decode against qwen_np's own bf16 mode and transformers BF16
+            versus = "; ".join([f"decode {decode / med(ref, 'decode_tps'):.2f}x {other.engine} bf16"
+                                for other, ref in results.items() if ref and other.model == job.model
+                                and other.mode == "bf16" and other.engine in ("qwen_np", "transformers")
+                                and other.blas_env == job.blas_env])  or "-"
         lines.append(
             f"| {job.model} | {job.engine} | {job.mode} | {job.blas_env} | {kernel} | "
             f"{med(rows, 'prefill_tps'):.1f} | {med(rows, 'prefill_ratio'):.2f} | {med(rows, 'gemm_efficiency'):.2f} | "
             f"{decode:.2f} | "
             f"{med(rows, 'decode_ratio'):.2f} | {decode / med(rows, 'bandwidth_limit'):.2f} | {anchor_text} | "
-            f"{versus} | {med(rows, 'load_s'):.2f} | {max(r['peak_rss_bytes'] for r in rows) / GiB:.2f} |")
+            f"{versus} | {med(rows, 'load_s'):.2f} | {max(r['peak_rss_bytes'] for r in rows) / GiB:.2f} | "
+            f"{kld_text(rows[0]).rstrip(', ') or '-'} |")
     limits = []
     for job, rows in results.items():
         if rows and job.engine == "qwen_np":

@@ -9,8 +9,11 @@ judged against are measured in the same process, just before the model is loaded
 * fused_gbs: qwen_np's BF16 streaming product (upcast blocks of rows, then GEMV) over 1 GiB of BF16
   weights, in BF16 bytes per second: the ceiling for decoding with weights kept as BF16.
 
+An int8 run also reports how far its logits are from the checkpoint's own weights (kld_against_stored),
+after its peak RSS is taken.
+
 Usage: python -m bench.worker ENGINE MODEL_DIR MODE PREFILL DECODE THREADS
-(ENGINE qwen_np|qwen_np_plain|transformers|llama.cpp; MODE fp32|bf16; llama.cpp reads the GGUF made
+(ENGINE qwen_np|qwen_np_plain|transformers|llama.cpp; MODE fp32|bf16|int8; llama.cpp reads the GGUF made
 by bench.checkpoints.ensure_gguf next to MODEL_DIR).
 """
 
@@ -97,8 +100,30 @@ def run_qwen_np(folder: str, mode: str, prefill: int, decode: int, fast: bool) -
     for _ in range(decode):
         token = int(model.forward([token], cache)[-1].argmax())
     decode_s = time.perf_counter() - start
-    return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "mode": model.plan.mode,
-            "stream_s": weight_stream_seconds(model)}
+    result = {"load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "mode": model.plan.mode,
+              "stream_s": weight_stream_seconds(model)}
+    if mode == "int8":
+        logits = model.forward(prompt)                                        # [prefill, V]
+        result["peak_rss_bytes"] = peak_rss_bytes()                          # before the reference loads
+        del model, cache
+        result.update(kld_against_stored(folder, prompt, logits))
+    return result
+
+
+def kld_against_stored(folder: str, prompt: np.ndarray, logits: np.ndarray) -> dict[str, float]:
+    """KL(stored || int8) of the next token over the prompt's positions, and the same-top share.
+
+    The reference is the checkpoint's own weights kept as stored ("bf16" mode: upcast exactly, so
+    the FP32 model's logits) - an FP32 copy of Qwen3-8B would not fit in RAM.
+    """
+    import qwen_np
+    from qwen_np.divergence import Comparison
+
+    reference = qwen_np.load_model(folder, memory="bf16", max_tokens=len(prompt))
+    comparison = Comparison()
+    comparison.add(reference.forward(prompt)[:-1], logits[:-1], prompt[1:])
+    stats = comparison.summary()
+    return {key: stats[key] for key in ("kld_mean", "kld_p99", "same_top_percent", "delta_p_rms_percent")}
 
 
 def weight_stream_seconds(model: Any) -> float:
@@ -194,7 +219,7 @@ def main(argv: list[str]) -> None:
         result.update(run_llama_cpp(gguf, prefill, decode, threads))
     else:
         result.update(run_qwen_np(folder, mode, prefill, decode, fast=engine == "qwen_np"))
-    result["peak_rss_bytes"] = peak_rss_bytes()
+    result.setdefault("peak_rss_bytes", peak_rss_bytes())
     print(json.dumps(result))
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn, TextIO
 
-from . import runtime, trainer
+from . import precision, runtime, trainer
 from .checkpoint import download, resolve_model_path
 from .config import Qwen3Config, load_config, preset
 from .errors import QwenNPError
@@ -75,6 +75,13 @@ def build_parser(prog: str = "qwen-np") -> Parser:
                                             "to DIR/model.")
     trainer.add_arguments(train)
     train.set_defaults(run=trainer.run)
+
+    lab = commands.add_parser("precision", help="how far each number format moves the model's predictions from FP32",
+                              description="Score a text with the model in FP32 and with its weights in each number "
+                                          "format (FP16, BF16, FP8, INT8, Q8_0, Q4_0, ...): KL divergence, same top "
+                                          "token, perplexity, greedy text, weight bytes; one row per format.")
+    precision.add_arguments(lab)
+    lab.set_defaults(run=lambda args: precision.run(args, _model_folder))
 
     fetch = commands.add_parser("download", help="fetch a hub checkpoint into the Hugging Face cache",
                                 description="Download a checkpoint's safetensors, json and tokenizer files "

@@ -16,6 +16,8 @@ and Python time:
   uses one GEMV per query (np.matvec / np.vecmat) instead.
 * A weight kept as BF16 is streamed: each worker thread upcasts a block of rows into its own reused
   FP32 buffer that stays in cache, multiplies it from there with single-threaded BLAS, and moves on.
+  An int8 weight (numerics.Int8Rows) streams the same way: its codes are cast, and the block's
+  outputs are multiplied by the row scales afterwards.
   NumPy's BF16 upcast is single-threaded, so splitting rows between threads is what lets every core
   convert. The norms, RoPE, attention and SiLU of a prompt are then split by token rows between the
   same threads.
@@ -32,6 +34,7 @@ step's time goes, and the measurements behind each choice, are in bench/README.m
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import nullcontext
 from typing import Callable, Sequence
@@ -43,7 +46,7 @@ from . import layers, runtime
 from .config import Qwen3Config
 from .memory import MemoryPlan
 from .model import KVCache, LayerWeights, Qwen3Model, Trace
-from .numerics import upcast
+from .numerics import Int8Rows, Weight, upcast
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
 # cache between its upcast and its product (block sizes measured: bench/README.md).
@@ -52,32 +55,37 @@ BLOCK_BYTES = 8 * 1024 ** 2
 
 # --- matrix products -------------------------------------------------------------------------------
 
-def linear(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> np.ndarray:
+def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     """out = x W^T, as layers.linear, written into `out`.  x [T, in], weight [out, in], out [T, out].
 
-    FP32 weights go straight to BLAS. For a BF16 weight the rows of W (columns of out) are split
-    evenly between runtime.threads() threads; call it inside runtime.single_threaded_blas()
+    FP32 weights go straight to BLAS. For a BF16 or int8 weight the rows of W (columns of out) are
+    split evenly between runtime.threads() threads; call it inside runtime.single_threaded_blas()
     (forward does), or each thread's BLAS call would start threads of its own.
     """
-    if weight.dtype == np.float32:
+    if isinstance(weight, np.ndarray) and weight.dtype == np.float32:
         return np.matmul(x, weight.T, out=out)
     runtime.split(weight.shape[0], runtime.threads(), lambda rows: _rows(x, weight, out, rows))
     return out
 
 
-def _rows(x: np.ndarray, weight: np.ndarray, out: np.ndarray, part: slice) -> None:
-    """out[:, part] = x W[part]^T for a stored (BF16) W, upcast a cache-sized block of rows at a time."""
+def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
+    """out[:, part] = x W[part]^T for a stored (BF16 / int8) W, upcast a cache-sized block of rows at a time."""
     rows, hi = _block_rows(weight.shape[1]), part.stop
     buffer = _thread_buffer(rows * weight.shape[1])
     for start in range(part.start, hi, rows):
         stop = min(start + rows, hi)
         block = buffer[:(stop - start) * weight.shape[1]].reshape(stop - start, weight.shape[1])
-        _upcast_rows(weight[start:stop], block)
-        np.matmul(x, block.T, out=out[:, start:stop])
+        if isinstance(weight, Int8Rows):
+            np.copyto(block, weight.codes[start:stop], casting="unsafe")     # exact: int8 fits in FP32
+            np.matmul(x, block.T, out=out[:, start:stop])
+            out[:, start:stop] *= weight.scale[start:stop]                    # y[o] = scale[o] (x . codes[o])
+        else:
+            _upcast_rows(weight[start:stop], block)
+            np.matmul(x, block.T, out=out[:, start:stop])
 
 
 def _block_rows(columns: int) -> int:
-    """Rows of a BF16 weight upcast per block: BLOCK_BYTES of FP32, rounded down to a multiple of 64
+    """Rows of a BF16 (or int8) weight upcast per block: BLOCK_BYTES of FP32, rounded down to a multiple of 64
     (whole GEMM panels: measured faster for both the prefill GEMM and the decode GEMV)."""
     rows = max(1, BLOCK_BYTES // (4 * columns))
     return rows - rows % 64 if rows >= 64 else rows
@@ -134,18 +142,29 @@ class _Fused:
         return all(a is b for a, b in zip(self.parts, (w.q_proj, w.k_proj, w.v_proj, w.gate_proj, w.up_proj)))
 
 
-def _joined(parts: list[np.ndarray]) -> np.ndarray | None:
-    """The FP32 matrices as one [rows, in] view when they lie back to back in one allocation
-    (load_model allocates a layer's matrices so), else None: they are then multiplied one by one."""
+def _joined(parts: list[Weight]) -> Weight | None:
+    """The matrices as one [rows, in] matrix when they lie back to back in memory (load_model
+    allocates a layer's matrices so: FP32 ones in one allocation; int8 ones with their codes in one
+    and their scales in another), else None: they are then multiplied one by one."""
+    if all(isinstance(part, Int8Rows) for part in parts):
+        codes = _joined_arrays([part.codes for part in parts if isinstance(part, Int8Rows)])
+        scale = _joined_arrays([part.scale for part in parts if isinstance(part, Int8Rows)])
+        return None if codes is None or scale is None else Int8Rows(codes, scale)
+    arrays = [part for part in parts if isinstance(part, np.ndarray) and part.dtype == np.float32]
+    return _joined_arrays(arrays) if len(arrays) == len(parts) else None
+
+
+def _joined_arrays(parts: list[np.ndarray]) -> np.ndarray | None:
+    """The arrays as one view [rows, ...] when they are consecutive slices of one flat allocation, else None."""
     first, rows = parts[0], sum(part.shape[0] for part in parts)
     flat = first.base
-    if first.dtype != np.float32 or not (isinstance(flat, np.ndarray) and flat.ndim == 1 and flat.flags.c_contiguous):
+    if not (isinstance(flat, np.ndarray) and flat.ndim == 1 and flat.flags.c_contiguous and flat.dtype == first.dtype):
         return None
     start = (first.ctypes.data - flat.ctypes.data) // flat.itemsize
     offsets = np.cumsum([start] + [part.size for part in parts[:-1]]).tolist()
     if all(part.base is flat and part.flags.c_contiguous and part.ctypes.data == flat[offset:].ctypes.data
            for part, offset in zip(parts, offsets)):
-        return flat[start:start + rows * first.shape[1]].reshape(rows, first.shape[1])
+        return flat[start:start + rows * math.prod(first.shape[1:])].reshape(rows, *first.shape[1:])
     return None
 
 
@@ -157,13 +176,13 @@ class FastQwen3Model(Qwen3Model):
 
     fast = True
 
-    def __init__(self, config: Qwen3Config, embed_tokens: np.ndarray, decoder_layers: list[LayerWeights],
-                 norm: np.ndarray, lm_head: np.ndarray, plan: MemoryPlan | None = None) -> None:
+    def __init__(self, config: Qwen3Config, embed_tokens: Weight, decoder_layers: list[LayerWeights],
+                 norm: np.ndarray, lm_head: Weight, plan: MemoryPlan | None = None) -> None:
         super().__init__(config, embed_tokens, decoder_layers, norm, lm_head, plan)
         self._decode_buffers: _Buffers | None = None
         self._fused: list[_Fused | None] = [None] * len(self.layers)
 
-    def fused_weights(self, i: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def fused_weights(self, i: int) -> tuple[Weight | None, Weight | None]:
         """Layer i's q|k|v and gate|up as one matrix each (views of its weights), or None where the
         layer's matrices do not lie back to back."""
         w, fused = self.layers[i], self._fused[i]
@@ -205,7 +224,7 @@ class FastQwen3Model(Qwen3Model):
         return logits
 
     def _streams_weights(self) -> bool:
-        """Whether any matrix is kept as stored (BF16/F16) and so is upcast block by block on use."""
+        """Whether any matrix is kept as stored (BF16/F16) or int8, and so is upcast block by block on use."""
         matrices = [self.lm_head, *(getattr(w, name) for w in self.layers for name in PROJECTIONS)]
         return any(m.dtype != np.float32 for m in matrices)
 

@@ -28,6 +28,7 @@ Decisions (the numbers a reader needs to compare with other tools):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -318,28 +319,34 @@ class Format:
 
     name: str
     bits_per_weight: float          # per weight, block scales included; FP32 per-row/tensor scales not
+    layout: str                     # what one weight is: sign/exponent/mantissa bits, or codes and scales
+    scale: str                      # the FP32 scales kept besides: "" none, "tensor" one, "row" one per row
     description: str
     quantize: Callable[[np.ndarray], tuple[np.ndarray, ...]]
     dequantize: Callable[..., np.ndarray]
 
 
 FORMAT_TABLE: dict[str, Format] = {f.name: f for f in [
-    Format("fp32", 32, "IEEE single: the baseline", quantize_fp32, dequantize_fp32),
-    Format("fp16", 16, "IEEE half, nearest-even, overflow to inf", quantize_fp16, dequantize_fp16),
-    Format("bf16", 16, "bfloat16, nearest-even (what the checkpoints store)", quantize_bf16, dequantize_bf16),
-    Format("fp8_e4m3", 8, "FP8 E4M3FN, one scale per tensor (amax -> 448), saturating",
+    Format("fp32", 32, "1/8/23", "", "IEEE single: the baseline", quantize_fp32, dequantize_fp32),
+    Format("fp16", 16, "1/5/10", "", "IEEE half, nearest-even, overflow to inf", quantize_fp16, dequantize_fp16),
+    Format("bf16", 16, "1/8/7", "", "bfloat16, nearest-even (what the checkpoints store)",
+           quantize_bf16, dequantize_bf16),
+    Format("fp8_e4m3", 8, "1/4/3", "tensor", "FP8 E4M3FN, one scale per tensor (amax -> 448), saturating",
            quantize_fp8_e4m3, dequantize_scaled),
-    Format("fp8_e5m2", 8, "FP8 E5M2, one scale per tensor (amax -> 57344), saturating",
+    Format("fp8_e5m2", 8, "1/5/2", "tensor", "FP8 E5M2, one scale per tensor (amax -> 57344), saturating",
            quantize_fp8_e5m2, dequantize_scaled),
-    Format("fp8_e4m3_rows", 8, "FP8 E4M3FN, one FP32 scale per output row (amax -> 448), saturating",
+    Format("fp8_e4m3_rows", 8, "1/4/3", "row", "FP8 E4M3FN, one FP32 scale per output row (amax -> 448), saturating",
            quantize_fp8_e4m3_rows, dequantize_scaled),
-    Format("fp8_e5m2_rows", 8, "FP8 E5M2, one FP32 scale per output row (amax -> 57344), saturating",
+    Format("fp8_e5m2_rows", 8, "1/5/2", "row", "FP8 E5M2, one FP32 scale per output row (amax -> 57344), saturating",
            quantize_fp8_e5m2_rows, dequantize_scaled),
-    Format("int8", 8, "symmetric INT8, one FP32 scale per output row (amax -> 127)",
+    Format("int8", 8, "int8", "row", "symmetric INT8, one FP32 scale per output row (amax -> 127)",
            quantize_int8_rows, dequantize_int8_rows),
-    Format("q8_0", 8.5, "llama.cpp Q8_0: blocks of 32 int8, FP16 scale amax/127", quantize_q8_0, dequantize_q8_0),
-    Format("q4_0", 4.5, "llama.cpp Q4_0: blocks of 32 4-bit codes, FP16 scale max/-8", quantize_q4_0, dequantize_q4_0),
-    Format("mxfp4", 4.25, "OCP MXFP4: blocks of 32 E2M1, E8M0 power-of-two scale", quantize_mxfp4, dequantize_mxfp4),
+    Format("q8_0", 8.5, "32 x int8 + FP16", "", "llama.cpp Q8_0: blocks of 32 int8, FP16 scale amax/127",
+           quantize_q8_0, dequantize_q8_0),
+    Format("q4_0", 4.5, "32 x int4 + FP16", "", "llama.cpp Q4_0: blocks of 32 4-bit codes, FP16 scale max/-8",
+           quantize_q4_0, dequantize_q4_0),
+    Format("mxfp4", 4.25, "32 x E2M1 + E8M0", "", "OCP MXFP4: blocks of 32 E2M1, E8M0 power-of-two scale",
+           quantize_mxfp4, dequantize_mxfp4),
 ]}
 FORMATS: tuple[str, ...] = tuple(FORMAT_TABLE)
 
@@ -355,6 +362,15 @@ def get_format(fmt: str) -> Format:
 def bits_per_weight(fmt: str) -> float:
     """Storage bits per weight of a format, block scales included (fp16 16, q8_0 8.5, q4_0 4.5)."""
     return get_format(fmt).bits_per_weight
+
+
+def storage_bytes(shape: tuple[int, ...], fmt: str) -> int:
+    """Bytes a tensor of `shape` occupies in `fmt`: its codes and block scales, plus its FP32 scales
+    (one per tensor, or one per row: every axis but the last). Equals the nbytes of quantize's parts."""
+    entry = get_format(fmt)
+    values = math.prod(shape)
+    scales = {"": 0, "tensor": 1, "row": values // shape[-1]}[entry.scale]
+    return math.ceil(values * entry.bits_per_weight / 8) + 4 * scales
 
 
 def round_trip(x: np.ndarray, fmt: str) -> np.ndarray:

@@ -21,6 +21,8 @@ import numpy as np
 from . import layers
 from .checkpoint import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD
 from .config import Qwen3Config
+from .errors import QwenNPError
+from .numerics import Weight
 
 if TYPE_CHECKING:
     from .model import LayerWeights, Qwen3Model
@@ -28,11 +30,13 @@ if TYPE_CHECKING:
 # --- One op at a time, in layers.py's order ----------------------------------------------------------
 
 
-def linear_backward(d_out: np.ndarray, x: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def linear_backward(d_out: np.ndarray, x: np.ndarray, weight: Weight) -> tuple[np.ndarray, np.ndarray]:
     """y = x W^T.  d_out [..., out], x [..., in], W [out, in] -> dx [..., in], dW [out, in].
 
     dx = dy W;  dW = dy^T x, summed over every row of the batch (one GEMM over the B*T rows).
     """
+    if not isinstance(weight, np.ndarray):
+        raise QwenNPError("training needs FP32 weights in memory; load the model with memory='fp32'")
     dx = d_out @ weight                                                              # [..., in]
     d_weight = d_out.reshape(-1, d_out.shape[-1]).T @ x.reshape(-1, x.shape[-1])     # [out, in]
     return dx, d_weight
@@ -145,8 +149,8 @@ def silu_backward(d_out: np.ndarray, x: np.ndarray) -> np.ndarray:
     return d_out * sig * (np.float32(1.0) + x * (np.float32(1.0) - sig))
 
 
-def swiglu_backward(d_out: np.ndarray, x: np.ndarray, gate: np.ndarray, up: np.ndarray, gate_proj: np.ndarray,
-                    up_proj: np.ndarray, down_proj: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def swiglu_backward(d_out: np.ndarray, x: np.ndarray, gate: np.ndarray, up: np.ndarray, gate_proj: Weight,
+                    up_proj: Weight, down_proj: Weight) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """down(silu(gate) * up) reversed.  d_out [B, T, D]; x [B, T, D]; gate, up [B, T, F] from the forward.
 
     Returns dx [B, T, D] and the three weights' gradients. x feeds both gate_proj and up_proj, so

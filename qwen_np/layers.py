@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from .numerics import upcast
+from .numerics import Int8Rows, Weight, upcast
 
 # note(name, value) receives each intermediate when someone watches (a trace); by default nobody does.
 Note = Callable[[str, np.ndarray], None]
@@ -29,25 +29,31 @@ FULL_PRECISION = (np.dtype(np.float32), np.dtype(np.float64))
 UPCAST_BLOCK_ROWS = 512
 
 
-def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def linear(x: np.ndarray, weight: Weight) -> np.ndarray:
     """y = x W^T, as nn.Linear without bias.  x [..., in], weight [out, in] -> [..., out].
 
     An FP32 weight is used as is. A weight kept in BF16 (uint16 bits) or F16 is upcast a block of rows
-    at a time, so the full FP32 copy never exists (an 8B model does not fit in RAM as FP32).
+    at a time, so the full FP32 copy never exists (an 8B model does not fit in RAM as FP32). A weight
+    kept as Int8Rows has one scale per row, which factors out of each output: only the codes are
+    cast, and the block's outputs are scaled.
     """
-    if weight.dtype in FULL_PRECISION:
+    if isinstance(weight, np.ndarray) and weight.dtype in FULL_PRECISION:
         return x @ weight.T
     out = np.empty((*x.shape[:-1], weight.shape[0]), dtype=np.float32)
     for start in range(0, weight.shape[0], UPCAST_BLOCK_ROWS):
-        block = upcast(weight[start:start + UPCAST_BLOCK_ROWS])               # [rows, in] FP32
-        out[..., start:start + block.shape[0]] = x @ block.T
+        rows = slice(start, start + UPCAST_BLOCK_ROWS)
+        if isinstance(weight, Int8Rows):
+            codes = weight.codes[rows].astype(np.float32)                         # [rows, in], exact
+            out[..., rows] = (x @ codes.T) * weight.scale[rows]                   # y[o] = scale[o] (x . codes[o])
+        else:
+            out[..., rows] = x @ upcast(weight[rows]).T                           # [rows, in] FP32
     return out
 
 
-def embed(token_ids: np.ndarray, embed_tokens: np.ndarray) -> np.ndarray:
+def embed(token_ids: np.ndarray, embed_tokens: Weight) -> np.ndarray:
     """Look up rows of the embedding table: [..., T] -> [..., T, D]. A plain gather: no sqrt(D) scaling."""
     rows = embed_tokens[token_ids]
-    return rows if rows.dtype in FULL_PRECISION else upcast(rows)   # upcast only the rows used
+    return rows if isinstance(rows, np.ndarray) and rows.dtype in FULL_PRECISION else upcast(rows)   # only the rows used
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -160,7 +166,7 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (np.float32(1.0) + np.exp(-x))
 
 
-def swiglu(x: np.ndarray, gate_proj: np.ndarray, up_proj: np.ndarray, down_proj: np.ndarray,
+def swiglu(x: np.ndarray, gate_proj: Weight, up_proj: Weight, down_proj: Weight,
            note: Note = ignore) -> np.ndarray:
     """Qwen3MLP: down(silu(gate(x)) * up(x)).  x [..., T, D] -> [..., T, F] -> [..., T, D]."""
     gate = linear(x, gate_proj)                                                       # [..., T, F]

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .checkpoint import DTYPE_BYTES, Checkpoint, resolve_model_path
 from .config import LAYER_TENSORS, MODEL_TENSORS, load_config
 from .fast import FastQwen3Model
+from .formats import quantize_int8_rows
 from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
-from .numerics import upcast
+from .numerics import Int8Rows, Weight, upcast
 from .runtime import allocate
+
+# Rows quantized at a time in the int8 mode: the FP32 copy of a whole large tensor (Qwen3-8B's
+# embedding table: 2.5 GB) never exists, only this many of its rows.
+QUANTIZE_BLOCK_ROWS = 1024
 
 
 def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None,
@@ -21,7 +27,9 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     """Load a Qwen3 checkpoint folder (or hub id) for inference.
 
     memory: "fp32" upcasts every weight once; "bf16" keeps the stored weights memory-mapped and
-    upcasts them block by block on use; "auto" picks fp32 when it fits in RAM with margin.
+    upcasts them block by block on use; "int8" quantizes every matrix once to int8 codes with an
+    FP32 scale per row (formats.quantize_int8_rows; norm weights stay FP32), which changes the
+    logits slightly; "auto" picks fp32 when it fits in RAM with margin, else bf16.
     max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
     fast: a FastQwen3Model (qwen_np/fast.py: same logits, tuned for speed); False gives the readable
     Qwen3Model, every call on model.py's code.
@@ -33,24 +41,26 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     stored_width = DTYPE_BYTES[checkpoint.tensors[MODEL_TENSORS["embed_tokens"].name].dtype]
     plan = plan_memory(config, context, memory, stored_bytes_per_value=stored_width)
 
-    # fp32: each stored tensor is read with plain file I/O into one reused buffer and upcast into
-    # memory the model keeps, so the peak is the FP32 model plus the largest stored tensor. A layer's
-    # matrices share one allocation, back to back in config.LAYER_TENSORS order (q, k, v, o, gate, up,
-    # down): the fast path then multiplies q|k|v and gate|up as one matrix each without copying them.
+    # fp32 and int8: each stored tensor is read with plain file I/O into one reused buffer and upcast
+    # (or quantized) into memory the model keeps, so the peak is the model plus the largest stored
+    # tensor. A layer's matrices share one allocation, back to back in config.LAYER_TENSORS order (q,
+    # k, v, o, gate, up, down): the fast path then multiplies q|k|v and gate|up as one matrix each
+    # without copying them (int8: the codes share one allocation, the scales another).
     # bf16: zero-copy views of the mapped files.
     largest = max(info.nbytes for info in checkpoint.tensors.values())
-    buffer = allocate((largest,), np.uint8) if plan.mode == "fp32" else None
+    buffer = allocate((largest,), np.uint8) if plan.mode in ("fp32", "int8") else None
 
-    def matrices(names: list[str]) -> list[np.ndarray]:
+    def matrices(names: list[str]) -> list[Weight]:
+        shapes = [checkpoint.tensors[name].shape for name in names]
         if buffer is None:
             return [checkpoint.mapped(name) for name in names]
-        shapes = [checkpoint.tensors[name].shape for name in names]
-        block, start, kept = allocate((sum(math.prod(shape) for shape in shapes),)), 0, []
-        for name, shape in zip(names, shapes):
-            end = start + math.prod(shape)
-            kept.append(upcast(checkpoint.read(name, buffer), out=block[start:end].reshape(shape)))
-            start = end
-        return kept
+        if plan.mode == "fp32":
+            return [upcast(checkpoint.read(name, buffer), out=kept)
+                    for name, kept in zip(names, back_to_back(shapes, np.float32))]
+        codes, scales = back_to_back(shapes, np.int8), back_to_back([shape[:1] for shape in shapes], np.float32)
+        for name, q, scale in zip(names, codes, scales):
+            quantize_int8_into(checkpoint.read(name, buffer), q, scale)
+        return [Int8Rows(q, scale) for q, scale in zip(codes, scales)]
 
     def vector(name: str) -> np.ndarray:
         return upcast(checkpoint.read(name))      # norms are tiny: always FP32
@@ -59,10 +69,29 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     for i in range(config.num_hidden_layers):
         names = {key: spec.name.format(i=i) for key, spec in LAYER_TENSORS.items()}
         two_d = [key for key, spec in LAYER_TENSORS.items() if len(spec.shape) == 2]
-        weights = {key: vector(name) for key, name in names.items() if key not in two_d}
+        weights: dict[str, Any] = {key: vector(name) for key, name in names.items() if key not in two_d}
         weights.update(zip(two_d, matrices([names[key] for key in two_d])))
         decoder_layers.append(LayerWeights(**weights))
     embed_tokens, = matrices([MODEL_TENSORS["embed_tokens"].name])
     lm_head = embed_tokens if config.tie_word_embeddings else matrices([MODEL_TENSORS["lm_head"].name])[0]
     kind = FastQwen3Model if fast else Qwen3Model
     return kind(config, embed_tokens, decoder_layers, vector(MODEL_TENSORS["norm"].name), lm_head, plan)
+
+
+def back_to_back(shapes: list[tuple[int, ...]], dtype: type = np.float32) -> list[np.ndarray]:
+    """Arrays of these shapes carved one after another out of one new allocation (fast.py fuses
+    consecutive ones into one matrix)."""
+    block, start, arrays = allocate((sum(math.prod(shape) for shape in shapes),), dtype), 0, []
+    for shape in shapes:
+        arrays.append(block[start:start + math.prod(shape)].reshape(shape))
+        start += math.prod(shape)
+    return arrays
+
+
+def quantize_int8_into(stored: np.ndarray, codes: np.ndarray, scale: np.ndarray) -> None:
+    """formats.quantize_int8_rows of a stored matrix [out, in] (any dtype numerics.upcast reads) into
+    codes [out, in] and scale [out], a block of rows at a time: rows are independent, so the result
+    is the same as quantizing the whole matrix at once."""
+    for start in range(0, stored.shape[0], QUANTIZE_BLOCK_ROWS):
+        rows = slice(start, start + QUANTIZE_BLOCK_ROWS)
+        codes[rows], scale[rows] = quantize_int8_rows(upcast(stored[rows]))

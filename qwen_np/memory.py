@@ -3,6 +3,9 @@
 Weights stay resident in FP32 when they fit with margin (fastest: no conversion per token).
 Otherwise they stay in their stored 2-byte format, memory-mapped from the checkpoint, and are
 upcast block by block as each matmul uses them (Qwen3-8B: 30.5 GiB FP32 vs 15.3 GiB BF16).
+Asked for explicitly, "int8" quantizes every matrix once at load to int8 codes with one FP32 scale
+per row (7.6 GiB for Qwen3-8B); unlike the other two it changes the logits (a little: see
+`python -m qwen_np precision`), so "auto" never picks it.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Qwen3Config, parameter_count
+from .config import Qwen3Config, expected_tensors, parameter_count
 from .errors import QwenNPError
+from .formats import storage_bytes
 
 GiB = 1024 ** 3
-MODES = ("auto", "fp32", "bf16")
+MODES = ("auto", "fp32", "bf16", "int8")
 SAFETY_FRACTION = 0.85   # leave room for the OS, the page cache of the BF16 path and Python itself
 # Prompt tokens per forward pass during prefill (generate.py): bounds the [T, V] logits and [H, T, S]
 # attention scores one pass allocates, so the plan can budget working buffers for it.
@@ -65,9 +69,10 @@ def working_bytes(config: Qwen3Config, max_tokens: int, chunk: int = PREFILL_CHU
 class MemoryPlan:
     """How the weights will be held, and what every part costs in bytes."""
 
-    mode: str                  # "fp32" (upcast once at load) or "bf16" (stored format, upcast per use)
+    mode: str                  # "fp32" (upcast once at load), "bf16" (stored format, upcast per use) or "int8"
     fp32_weight_bytes: int
     stored_weight_bytes: int
+    int8_weight_bytes: int     # matrices as int8 codes + an FP32 scale per row; norm weights FP32
     kv_cache_bytes: int
     working_bytes: int
     available_bytes: int
@@ -75,7 +80,7 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        weights = self.fp32_weight_bytes if self.mode == "fp32" else self.stored_weight_bytes
+        weights = {"fp32": self.fp32_weight_bytes, "bf16": self.stored_weight_bytes}.get(self.mode, self.int8_weight_bytes)
         return weights + self.kv_cache_bytes + self.working_bytes
 
     @property
@@ -86,39 +91,49 @@ class MemoryPlan:
     def describe(self) -> str:
         rows = [
             ("weights FP32", self.fp32_weight_bytes), ("weights as stored", self.stored_weight_bytes),
+            ("weights int8 (+ FP32 row scales)", self.int8_weight_bytes),
             (f"KV cache ({self.max_tokens} tokens, FP32)", self.kv_cache_bytes),
             ("working buffers", self.working_bytes), ("available RAM", self.available_bytes),
         ]
         lines = [f"  {label:<34} {n / GiB:8.2f} GiB" for label, n in rows]
-        how = ("weights upcast to FP32 once, at load" if self.mode == "fp32"
-               else "weights memory-mapped as stored, upcast block by block on use")
+        how = {"fp32": "weights upcast to FP32 once, at load",
+               "bf16": "weights memory-mapped as stored, upcast block by block on use",
+               "int8": "weights quantized to int8 rows once, at load; codes cast block by block on use"}[self.mode]
         return "\n".join([f"memory plan: {self.mode} ({how}); needs {self.total_bytes / GiB:.2f} GiB", *lines])
 
 
 def candidate_plans(config: Qwen3Config, max_tokens: int, stored_bytes_per_value: int = 2,
                     available: int | None = None) -> dict[str, MemoryPlan]:
-    """Both ways to hold the model, "fp32" and "bf16", costed for this machine (nothing chosen yet)."""
+    """Every way to hold the model, "fp32", "bf16" and "int8", costed for this machine (nothing chosen yet)."""
     params = parameter_count(config)
     common = dict(fp32_weight_bytes=4 * params, stored_weight_bytes=stored_bytes_per_value * params,
+                  int8_weight_bytes=int8_weight_bytes(config),
                   kv_cache_bytes=max_tokens * kv_cache_bytes_per_token(config),
                   working_bytes=working_bytes(config, max_tokens),
                   available_bytes=available_memory() if available is None else available, max_tokens=max_tokens)
-    return {mode: MemoryPlan(mode=mode, **common) for mode in ("fp32", "bf16")}
+    return {mode: MemoryPlan(mode=mode, **common) for mode in ("fp32", "bf16", "int8")}
+
+
+def int8_weight_bytes(config: Qwen3Config) -> int:
+    """Bytes of the weights in the int8 mode: each matrix as int8 codes + one FP32 scale per row, norms FP32."""
+    return sum(storage_bytes(shape, "int8") if len(shape) == 2 else 4 * shape[0]
+               for shape in expected_tensors(config).values())
 
 
 def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
                 stored_bytes_per_value: int = 2, available: int | None = None) -> MemoryPlan:
-    """Choose fp32 or bf16 residency before anything is loaded. A plan that would not fit in RAM is a
+    """Choose fp32, bf16 or int8 residency before anything is loaded. A plan that would not fit in RAM is a
     QwenNPError now, not an out-of-memory kill later: "auto" falls back from fp32 to bf16 and fails
-    only when even the stored weights do not fit; an explicit "fp32" or "bf16" fails if it does not fit."""
+    only when even the stored weights do not fit; an explicit mode fails if it does not fit."""
     if requested not in MODES:
         raise QwenNPError(f"--memory: expected one of {', '.join(MODES)}, got {requested!r}")
     plans = candidate_plans(config, max_tokens, stored_bytes_per_value, available)
-    fp32, stored = plans["fp32"], plans["bf16"]
+    fp32, stored, int8 = plans["fp32"], plans["bf16"], plans["int8"]
     plan = plans[requested] if requested != "auto" else fp32 if fp32.fits else stored
     if not plan.fits:
         advice = ("use --memory bf16 (weights kept as stored)" if plan is fp32 and stored.fits
-                  else "try a smaller model or a shorter context")
+                  else "use --memory int8 (8-bit weights, about half of bf16; the logits change slightly)"
+                  if plan is not int8 and int8.fits else "try a smaller model or a shorter context")
         raise QwenNPError(f"--memory: the {plan.mode} plan needs {plan.total_bytes / GiB:.1f} GiB (weights, KV cache for "
                           f"{max_tokens} tokens, buffers) but only {plan.available_bytes / GiB:.1f} GiB is available; "
                           f"{advice}")

@@ -22,6 +22,7 @@ from . import layers
 from .config import Qwen3Config
 from .errors import QwenNPError
 from .memory import MemoryPlan
+from .numerics import Weight
 
 # trace(name, value) is called with every intermediate of the forward pass when given (see inspection).
 Trace = layers.Note
@@ -33,20 +34,21 @@ class LayerWeights:
 
     config.LAYER_TENSORS gives each one's checkpoint name and shape ([out, in] for projections;
     q_norm and k_norm are one [Dh] weight shared by every head). In "bf16" memory mode the
-    projections are the checkpoint's stored values, memory-mapped (BF16 as uint16 bits).
+    projections are the checkpoint's stored values, memory-mapped (BF16 as uint16 bits); in "int8"
+    mode they are numerics.Int8Rows. The norm weights are always FP32.
     """
 
     input_layernorm: np.ndarray
-    q_proj: np.ndarray
-    k_proj: np.ndarray
-    v_proj: np.ndarray
+    q_proj: Weight
+    k_proj: Weight
+    v_proj: Weight
     q_norm: np.ndarray
     k_norm: np.ndarray
-    o_proj: np.ndarray
+    o_proj: Weight
     post_attention_layernorm: np.ndarray
-    gate_proj: np.ndarray
-    up_proj: np.ndarray
-    down_proj: np.ndarray
+    gate_proj: Weight
+    up_proj: Weight
+    down_proj: Weight
 
 
 class KVCache:
@@ -81,8 +83,8 @@ class Qwen3Model:
 
     fast = False
 
-    def __init__(self, config: Qwen3Config, embed_tokens: np.ndarray, decoder_layers: list[LayerWeights],
-                 norm: np.ndarray, lm_head: np.ndarray, plan: MemoryPlan | None = None) -> None:
+    def __init__(self, config: Qwen3Config, embed_tokens: Weight, decoder_layers: list[LayerWeights],
+                 norm: np.ndarray, lm_head: Weight, plan: MemoryPlan | None = None) -> None:
         self.config = config
         self.embed_tokens = embed_tokens      # [V, D]
         self.layers = decoder_layers          # L x LayerWeights

@@ -25,6 +25,7 @@ from . import gradients
 from .checkpoint import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD
 from .errors import QwenNPError
 from .model import Qwen3Model
+from .numerics import Weight
 
 
 def loss_and_gradients(model: Qwen3Model, batch: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
@@ -55,16 +56,16 @@ def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
 
     A tied LM head is the embedding table, so it appears once, as model.embed_tokens.weight.
     """
-    params = {EMBED_TOKENS: model.embed_tokens}
+    params: dict[str, Weight] = {EMBED_TOKENS: model.embed_tokens}
     for i, layer in enumerate(model.layers):
         params.update({template.format(i=i): getattr(layer, key) for key, template in LAYER_TENSOR_NAMES.items()})
     params[FINAL_NORM] = model.norm
     if not model.config.tie_word_embeddings:
         params[LM_HEAD] = model.lm_head
     for name, array in params.items():
-        if array.dtype != np.float32:
+        if not isinstance(array, np.ndarray) or array.dtype != np.float32:
             raise QwenNPError(f"{name}: training needs FP32 weights in memory; load the model with memory='fp32'")
-    return params
+    return {name: array for name, array in params.items() if isinstance(array, np.ndarray)}
 
 
 def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray,

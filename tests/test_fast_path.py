@@ -23,7 +23,7 @@ SHAPES = {
     "gqa2_wide_tied": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
     "gqa4_untied": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=12),
 }
-MODES = ("fp32", "bf16")
+MODES = ("fp32", "bf16", "int8")
 PROMPT = np.array([5, 17, 3, 88, 42, 9, 61, 0, 95, 33, 7, 70])
 
 

