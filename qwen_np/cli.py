@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn, TextIO
 
-from . import precision, runtime, trainer
+from . import evaluation, precision, runtime, trainer
 from .checkpoint import download, resolve_model_path
 from .config import Qwen3Config, load_config, preset
 from .errors import QwenNPError
@@ -75,6 +75,13 @@ def build_parser(prog: str = "qwen-np") -> Parser:
                                             "to DIR/model.")
     trainer.add_arguments(train)
     train.set_defaults(run=trainer.run)
+
+    score = commands.add_parser("eval", help="loss per token, perplexity and loss per character of a model on a text",
+                                description="Score a model on a text (a file or a Shakespeare split) in windows of "
+                                            "--context tokens: mean loss per token, perplexity, nats and bits per "
+                                            "character; --compare also scores number formats against FP32.")
+    evaluation.add_arguments(score)
+    score.set_defaults(run=lambda args: evaluation.run(args, _model_folder))
 
     lab = commands.add_parser("precision", help="how far each number format moves the model's predictions from FP32",
                               description="Score a text with the model in FP32 and with its weights in each number "
