@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     settings = ["as set", "unset"] if args.openblas == "both" else [args.openblas]
     print(f"model {MODEL}, batch {args.batch}x{args.context}, {args.threads} threads, {args.steps} steps per engine")
-    for repeat in range(args.repeats):
+    for _ in range(args.repeats):
         for setting in settings:                                       # interleaved settings
             env = dict(os.environ)
             if setting == "unset":

