@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn, TextIO
 
-from . import runtime, trainer
+from . import runtime, serve, trainer
 from .checkpoint import download, resolve_model_path
 from .config import Qwen3Config, load_config, preset
 from .errors import QwenNPError
@@ -75,6 +75,14 @@ def build_parser(prog: str = "qwen-np") -> Parser:
                                             "to DIR/model.")
     trainer.add_arguments(train)
     train.set_defaults(run=trainer.run)
+
+    server = commands.add_parser("serve", help="an OpenAI-compatible HTTP API (chat, completions, streaming), "
+                                               "concurrent requests batched",
+                                  description="Serve the model over HTTP with OpenAI's API: /v1/models, "
+                                              "/v1/chat/completions, /v1/completions; concurrent requests share "
+                                              "decode steps (continuous batching).")
+    serve.add_arguments(server)
+    server.set_defaults(run=serve.run)
 
     fetch = commands.add_parser("download", help="fetch a hub checkpoint into the Hugging Face cache",
                                 description="Download a checkpoint's safetensors, json and tokenizer files "
