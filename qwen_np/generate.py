@@ -67,6 +67,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0   # sampling every new token and running all but the last through the model
     finish_reason: str | None = None
+    seed: int | None = None       # shown in the summary: the seed drawn for a run that was given none
 
     def summary(self, model_name: str) -> str:
         """The one-line report printed after every run."""
@@ -74,7 +75,8 @@ class GenerationStats:
                 f"new_tokens={self.new_tokens} load={self.load_seconds:.2f}s "
                 f"prefill={_rate(self.prompt_tokens, self.prefill_seconds)} "
                 f"decode={_rate(self.new_tokens, self.decode_seconds)} "
-                f"peak_rss={peak_rss_bytes() / 2**20:.0f}MiB finish={self.finish_reason or 'none'}")
+                f"peak_rss={peak_rss_bytes() / 2**20:.0f}MiB finish={self.finish_reason or 'none'}"
+                + (f" seed={self.seed}" if self.seed is not None else ""))
 
 
 def _rate(tokens: int, seconds: float) -> str:
@@ -303,12 +305,43 @@ class ChatSession:
         self.rng = np.random.default_rng(params.seed)   # one stream across turns: a seed fixes the chat
         self.fed_ids: list[int] = []                     # the tokens whose keys/values the cache holds
 
+    def set_system(self, text: str | None) -> None:
+        """Replace the system prompt (None: none); the conversation goes on under it from the next turn."""
+        self.system = text
+        turns = [message for message in self.messages if message["role"] != "system"]
+        self.messages = chat_messages("", text)[:-1] + turns if turns else []
+
+    def clear(self) -> None:
+        """Forget every turn (the system prompt stays); the cache is cut back on the next turn."""
+        self.messages = []
+
+    def make_room(self, text: str, max_new_tokens: int) -> int:
+        """Drop the oldest turns (a user message and its reply) until the conversation with `text`
+        leaves room for a reply of min(max_new_tokens, a quarter of the context) tokens; returns how
+        many turns went. The system prompt always stays. send() calls it too."""
+        reserve = max(1, min(max_new_tokens, self.cache.max_tokens // 4))
+        dropped = 0
+        while True:
+            rendered = self.tokenizer.apply_chat_template(self._with(text), add_generation_prompt=True,
+                                                          enable_thinking=self.enable_thinking)
+            users = [i for i, message in enumerate(self.messages) if message["role"] == "user"]
+            if len(self.tokenizer.encode(rendered)) + reserve <= self.cache.max_tokens or not users:
+                return dropped
+            end = users[1] if len(users) > 1 else len(self.messages)
+            del self.messages[users[0]:end]
+            dropped += 1
+
+    def _with(self, text: str) -> list[Message]:
+        return self.messages + chat_messages(text, self.system if not self.messages else None)
+
     def send(self, text: str, max_new_tokens: int, stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
         """Add a user message and yield the reply's tokens; the reply joins the history when it ends
-        (or is interrupted, e.g. by Ctrl-C: the part generated so far is kept)."""
+        (or is interrupted, e.g. by Ctrl-C: the part generated so far is kept). When the context is
+        too full, the oldest turns are dropped first (make_room)."""
         if not text.strip():
             raise QwenNPError("chat: empty message")
-        messages = self.messages + chat_messages(text, self.system if not self.messages else None)
+        self.make_room(text, max_new_tokens)
+        messages = self._with(text)
         delta = chat_delta(self.tokenizer, self.fed_ids, messages, enable_thinking=self.enable_thinking)
         self.cache.truncate(delta.keep)
         ids = self.fed_ids[:delta.keep] + delta.ids
