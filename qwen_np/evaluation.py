@@ -127,7 +127,8 @@ def run(args: argparse.Namespace, model_folder: Callable[[str | None], Path]) ->
     config = load_config(folder)
     context = args.context or min(config.max_position_embeddings, 1024)
     if not 1 <= context <= config.max_position_embeddings:
-        raise QwenNPError(f"--context: must be between 1 and the model's {config.max_position_embeddings} positions, got {context}")
+        raise QwenNPError(f"--context: must be between 1 and the model's {config.max_position_embeddings} "
+                          f"positions, got {context}")
     text_name, text = read_eval_text(args.text, args.split)
     docs, characters = encoded_documents(Tokenizer.from_folder(folder), text)
     model = load_model(folder, memory=args.memory, max_tokens=context)

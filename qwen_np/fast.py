@@ -1,13 +1,14 @@
 """The fast forward path: the same network as model.py, arranged so that a token costs little more
 than reading every weight once.
 
-FastQwen3Model overrides Qwen3Model.forward for untraced calls (a traced call runs the readable
-path, which reports every intermediate). Decoding is memory-bound: each new token reads every weight
+FastQwen3Model overrides Qwen3Model.forward_batch (which forward calls) for untraced calls (a traced
+call runs the readable path, which reports every intermediate). Decoding is memory-bound: each new token reads every weight
 and does one multiply-add with it. So this path adds no new math; it stops wasting memory traffic
 and Python time:
 
 * Activation buffers for a call are allocated once per token count and reused by every layer; a
-  decode step (T = 1) reuses the same ones token after token. Elementwise steps write in place.
+  decode step (T = 1, or one token per sequence of a batch) reuses the same ones step after step.
+  Elementwise steps write in place.
 * q/k/v and gate/up are multiplied as one matrix each when load_model put them back to back in
   memory (a view, never a copy); q and k get one RMSNorm and one RoPE call.
 * Attention reads the KV cache where it lies: the queries served by one KV head are stacked into a
@@ -179,7 +180,7 @@ class FastQwen3Model(Qwen3Model):
     def __init__(self, config: Qwen3Config, embed_tokens: Weight, decoder_layers: list[LayerWeights],
                  norm: np.ndarray, lm_head: Weight, plan: MemoryPlan | None = None) -> None:
         super().__init__(config, embed_tokens, decoder_layers, norm, lm_head, plan)
-        self._decode_buffers: _Buffers | None = None
+        self._decode_buffers: dict[int, _Buffers] = {}
         self._fused: list[_Fused | None] = [None] * len(self.layers)
 
     def fused_weights(self, i: int) -> tuple[Weight | None, Weight | None]:
@@ -190,61 +191,72 @@ class FastQwen3Model(Qwen3Model):
             fused = self._fused[i] = _Fused(w)
         return fused.qkv, fused.gate_up
 
-    def forward(self, token_ids: Sequence[int] | np.ndarray, cache: KVCache | None = None,
-                trace: Trace | None = None, last_only: bool = False) -> np.ndarray:
-        """Qwen3Model.forward: logits [T, V] ([1, V] if last_only). A traced call runs the readable path."""
+    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[KVCache | None],
+                      trace: Trace | None = None, last_only: bool = False) -> np.ndarray:
+        """Qwen3Model.forward_batch (and so forward): logits [T, V] ([B, V] if last_only). A traced call
+        runs the readable path."""
         if trace is not None:
-            return super().forward(token_ids, cache, trace, last_only)
-        ids, positions = self._ids_and_positions(token_ids, cache)                  # [T], [T]
+            return super().forward_batch(token_ids, caches, trace, last_only)
+        if len(token_ids) != len(caches) or not token_ids:
+            return super().forward_batch(token_ids, caches)       # which says what is wrong
+        ids, positions, rows = self._pack(token_ids, caches)                          # [T], [T], B slices
         config, T = self.config, len(ids)
         cos, sin = layers.rope_angles(self.inv_freq, positions)                       # [T, Dh] each
-        if T == 1:
-            if self._decode_buffers is None:
-                self._decode_buffers = _Buffers(config, 1)
-            buffers = self._decode_buffers
-        else:
-            buffers = _Buffers(config, T)
+        buffers = self._buffers(T)
         x = layers.embed(ids, self.embed_tokens)                                     # [T, D]
         # Stored (BF16) weights are streamed by our threads with single-threaded BLAS; the steps
         # between products then split a prompt's rows between the same threads. With FP32 weights
         # OpenBLAS's own threads run the products and spin-wait between them, so the steps between
         # stay on one thread (measured: bench/README.md).
         streamed = self._streams_weights()
-        parts = min(runtime.threads(), T // MIN_ROWS_PER_THREAD) if streamed else 1
+        parts = runtime.threads() if streamed else 1
         blas = runtime.single_threaded_blas() if streamed else nullcontext()
         # SiLU's exp(-x) overflows to inf for x < -88, where silu(x) = x / inf = -0 is right: no warning.
         with blas, np.errstate(over="ignore"):
             for i, weights in enumerate(self.layers):
-                self._layer(i, weights, x, positions, cos, sin, cache, buffers, parts)
+                self._layer(i, weights, x, positions, rows, cos, sin, caches, buffers, parts)
             _rms_norm(x, self.norm, config.rms_norm_eps, out=buffers.h)
-            h = buffers.h[-1:] if last_only else buffers.h
+            h = buffers.h[[row.stop - 1 for row in rows]] if last_only else buffers.h
             logits = linear(h, self.lm_head, np.empty((len(h), config.vocab_size), np.float32))
-        if cache is not None:
-            cache.length += T
+        for row, cache in zip(rows, caches):
+            if cache is not None:
+                cache.length += row.stop - row.start
         return logits
+
+    def _buffers(self, T: int) -> _Buffers:
+        """Activation buffers for T tokens: kept for decode-sized batches (reused step after step),
+        fresh for a prompt (whose size changes from call to call)."""
+        if T > MAX_KEPT_TOKENS:
+            return _Buffers(self.config, T)
+        if T not in self._decode_buffers:
+            self._decode_buffers[T] = _Buffers(self.config, T)
+        return self._decode_buffers[T]
 
     def _streams_weights(self) -> bool:
         """Whether any matrix is kept as stored (BF16/F16) or int8, and so is upcast block by block on use."""
         matrices = [self.lm_head, *(getattr(w, name) for w in self.layers for name in PROJECTIONS)]
         return any(m.dtype != np.float32 for m in matrices)
 
-    def _layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, cos: np.ndarray,
-               sin: np.ndarray, cache: KVCache | None, b: _Buffers, parts: int) -> None:
-        """x += attention(input_layernorm(x)); x += mlp(post_attention_layernorm(x)), in place.  x [T, D].
+    def _layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
+               cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], b: _Buffers, parts: int) -> None:
+        """x += attention(input_layernorm(x)); x += mlp(post_attention_layernorm(x)), in place.  x [T, D],
+        the tokens of every sequence of the batch (`rows` says which are whose).
 
         Every step between the products treats token rows independently (attention too, once this call's
-        keys are in the cache), so each runs as `parts` slices of rows at once (see runtime.split).
+        keys are in the cache), so each runs as up to `parts` slices of rows at once (see runtime.split).
         """
         c, T = self.config, x.shape[0]
         H, KVH, Dh, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         q_end, k_end, F = H * Dh, (H + KVH) * Dh, c.intermediate_size
         qkv_weight, gate_up_weight = self.fused_weights(i)
 
-        def by_rows(step: Callable[[slice], object]) -> None:
-            if parts > 1:
-                runtime.split(T, parts, step)
+        def by_rows(step: Callable[[slice], object], within: slice = slice(0, T)) -> None:
+            n = within.stop - within.start
+            split = min(parts, n // MIN_ROWS_PER_THREAD)
+            if split > 1:
+                runtime.split(n, split, lambda r: step(slice(within.start + r.start, within.start + r.stop)))
             else:
-                step(slice(0, T))
+                step(within)
 
         def qk_norm_and_rope(r: slice) -> None:
             qk = b.qkv[r, :k_end].reshape(-1, H + KVH, Dh)     # q heads, then k heads: one norm, one RoPE
@@ -264,12 +276,13 @@ class FastQwen3Model(Qwen3Model):
         q = b.qkv[:, :q_end].reshape(T, H, Dh)
         k = b.qkv[:, q_end:k_end].reshape(T, KVH, Dh)
         v = b.qkv[:, k_end:].reshape(T, KVH, Dh)
-        if cache is not None:
-            start = positions[0]
-            cache.keys[i, start:start + T] = k
-            cache.values[i, start:start + T] = v
-            k, v = cache.keys[i, :start + T], cache.values[i, :start + T]           # [S, KVH, Dh]
-        by_rows(lambda r: _attention(q[r], k, v, positions[r], b.mixed[r]))
+
+        def attend(row: slice, cache: KVCache | None) -> None:
+            keys, values = (k[row], v[row]) if cache is None else cache.append(i, k[row], v[row])  # [S, KVH, Dh]
+            by_rows(lambda r: _attention(q[r], keys, values, positions[r], b.mixed[r]), row)
+
+        for row, cache in zip(rows, caches):            # each sequence attends over its own keys only
+            attend(row, cache)
         linear(b.mixed, w.o_proj, b.block_out)
 
         def add_and_norm(r: slice) -> None:
@@ -291,6 +304,8 @@ class FastQwen3Model(Qwen3Model):
 # Rows per thread below which a step stays on one thread: handing a job to a worker thread costs
 # ~0.05-0.1 ms, more than the norms or RoPE of a few rows take.
 MIN_ROWS_PER_THREAD = 16
+# Batches of up to this many tokens (decode steps) keep their activation buffers between calls.
+MAX_KEPT_TOKENS = 64
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarray) -> np.ndarray:

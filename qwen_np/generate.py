@@ -47,7 +47,8 @@ class TokenEvent:
     """One generated token and the text it completes ("" while a multi-byte character is unfinished).
 
     The last event carries `finish_reason`: "eos" (its token is the end-of-sequence id, whose own
-    text is not included), "length" (max_new_tokens reached) or "context" (the context is full).
+    text is not included), "stop" (the text reached one of the stop strings, which is not included),
+    "length" (max_new_tokens reached) or "context" (the context is full).
     """
 
     token_id: int
@@ -66,6 +67,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0   # sampling every new token and running all but the last through the model
     finish_reason: str | None = None
+    seed: int | None = None       # shown in the summary: the seed drawn for a run that was given none
 
     def summary(self, model_name: str) -> str:
         """The one-line report printed after every run."""
@@ -73,7 +75,8 @@ class GenerationStats:
                 f"new_tokens={self.new_tokens} load={self.load_seconds:.2f}s "
                 f"prefill={_rate(self.prompt_tokens, self.prefill_seconds)} "
                 f"decode={_rate(self.new_tokens, self.decode_seconds)} "
-                f"peak_rss={peak_rss_bytes() / 2**20:.0f}MiB finish={self.finish_reason or 'none'}")
+                f"peak_rss={peak_rss_bytes() / 2**20:.0f}MiB finish={self.finish_reason or 'none'}"
+                + (f" seed={self.seed}" if self.seed is not None else ""))
 
 
 def _rate(tokens: int, seconds: float) -> str:
@@ -163,8 +166,9 @@ def _check_room(prompt_tokens: int, max_new_tokens: int, limit: int, where: str)
 def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
              max_new_tokens: int, *, eos_token_ids: Sequence[int] = (), cache: KVCache | None = None,
              rng: np.random.Generator | None = None, trace: Trace | None = None,
-             stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
-    """Yield one TokenEvent per generated token until an EOS id, max_new_tokens or the context limit.
+             stats: GenerationStats | None = None, stop: Sequence[str] = ()) -> Iterator[TokenEvent]:
+    """Yield one TokenEvent per generated token until an EOS id, a stop string, max_new_tokens or the
+    context limit.
 
     With a `cache`, its first `cache.length` positions must hold `prompt_ids[:cache.length]`; only
     the rest of the prompt is prefilled. `rng` defaults to one seeded with params.seed. `trace`
@@ -180,7 +184,6 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
         raise QwenNPError(f"cache: holds {cache.length} positions, the whole {len(prompt)}-token prompt; "
                           "at least one prompt token must be new")
     _check_room(len(prompt), max_new_tokens, limit, f"a {limit}-token context")
-    rng = rng if rng is not None else np.random.default_rng(params.seed)
     stats = stats if stats is not None else GenerationStats()
     stats.cached_tokens, stats.prompt_tokens = cache.length, len(prompt) - cache.length
 
@@ -191,24 +194,80 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
         stats.finish_reason = "length"
         return
 
-    eos, decoder, sequence = set(eos_token_ids), StreamDecoder(tokenizer), list(prompt)
-    generated: list[int] = []
+    sequence = Continuation(tokenizer, prompt, params, max_new_tokens, limit, eos_token_ids=eos_token_ids,
+                            stop=stop, rng=rng)
     while True:
         started = time.perf_counter()
-        token = next_token(logits, params, rng, sequence, generated)
-        sequence.append(token)
-        generated.append(token)
-        finish = ("eos" if token in eos else "length" if len(generated) == max_new_tokens
-                  else "context" if len(sequence) >= limit else None)
-        text = decoder.flush() if finish == "eos" else decoder.push(token) + (decoder.flush() if finish else "")
-        stats.new_tokens, stats.finish_reason = len(generated), finish
+        event = sequence.advance(logits)
+        stats.new_tokens, stats.finish_reason = len(sequence.generated), event.finish_reason
         stats.decode_seconds += time.perf_counter() - started
-        yield TokenEvent(token, text, finish)    # before the next forward pass: print as soon as known
-        if finish:
+        yield event                              # before the next forward pass: print as soon as known
+        if event.finish_reason:
             return
         started = time.perf_counter()
-        logits = model.forward([token], cache, trace if len(generated) == 1 else None)[-1]
+        logits = model.forward([event.token_id], cache, trace if len(sequence.generated) == 1 else None)[-1]
         stats.decode_seconds += time.perf_counter() - started
+
+
+class Continuation:
+    """One sequence's generation between forward passes: its tokens so far, its sampler's random
+    stream, its streaming detokeniser and its stop strings. `advance(logits)` picks the next token and
+    says what text it completes. generate() drives one; batching.BatchGenerator drives one per row.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], params: SamplingParams, max_new_tokens: int,
+                 limit: int, *, eos_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
+                 rng: np.random.Generator | None = None) -> None:
+        self.params, self.max_new_tokens, self.limit = params, max_new_tokens, limit
+        self.eos = set(eos_token_ids)
+        self.rng = rng if rng is not None else np.random.default_rng(params.seed)
+        self.sequence = [int(t) for t in prompt]        # prompt + generated: the repetition penalty's context
+        self.generated: list[int] = []
+        self.decoder = StreamDecoder(tokenizer)
+        self.stops = StopStrings(stop)
+
+    def advance(self, logits: np.ndarray) -> TokenEvent:
+        """Sample the next token from its logits [V]; the event's text is what may be shown now."""
+        token = next_token(logits, self.params, self.rng, self.sequence, self.generated)
+        self.sequence.append(token)
+        self.generated.append(token)
+        finish = ("eos" if token in self.eos else "length" if len(self.generated) == self.max_new_tokens
+                  else "context" if len(self.sequence) >= self.limit else None)
+        text = self.decoder.flush() if finish == "eos" else self.decoder.push(token) + (self.decoder.flush() if finish else "")
+        text, stopped = self.stops.push(text)
+        if stopped:
+            return TokenEvent(token, text, "stop")
+        return TokenEvent(token, text + self.stops.flush() if finish else text, finish)
+
+
+class StopStrings:
+    """Streamed text with stop strings: releases text as it comes, except a tail that could still grow
+    into a stop string (a stop string may straddle tokens, e.g. "\n\n" from two "\n" tokens), and
+    ends the text just before the first stop string found.
+
+    Hand-written: tokenizers and the sampling libraries have nothing for text-level stops.
+    """
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self.stops = [stop for stop in stops if stop]
+        self.held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text that can be shown now, whether a stop string was reached)."""
+        self.held += text
+        found = [index for index in (self.held.find(stop) for stop in self.stops) if index >= 0]
+        if found:
+            released, self.held = self.held[:min(found)], ""
+            return released, True
+        keep = max((size for stop in self.stops for size in range(1, min(len(stop), len(self.held) + 1))
+                    if self.held.endswith(stop[:size])), default=0)
+        released, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return released, False
+
+    def flush(self) -> str:
+        """The held-back tail, when the text ends without reaching a stop string."""
+        released, self.held = self.held, ""
+        return released
 
 
 def _prefill(model: Qwen3Model, ids: list[int], cache: KVCache, trace: Trace | None) -> np.ndarray:
@@ -246,12 +305,43 @@ class ChatSession:
         self.rng = np.random.default_rng(params.seed)   # one stream across turns: a seed fixes the chat
         self.fed_ids: list[int] = []                     # the tokens whose keys/values the cache holds
 
+    def set_system(self, text: str | None) -> None:
+        """Replace the system prompt (None: none); the conversation goes on under it from the next turn."""
+        self.system = text
+        turns = [message for message in self.messages if message["role"] != "system"]
+        self.messages = chat_messages("", text)[:-1] + turns if turns else []
+
+    def clear(self) -> None:
+        """Forget every turn (the system prompt stays); the cache is cut back on the next turn."""
+        self.messages = []
+
+    def make_room(self, text: str, max_new_tokens: int) -> int:
+        """Drop the oldest turns (a user message and its reply) until the conversation with `text`
+        leaves room for a reply of min(max_new_tokens, a quarter of the context) tokens; returns how
+        many turns went. The system prompt always stays. send() calls it too."""
+        reserve = max(1, min(max_new_tokens, self.cache.max_tokens // 4))
+        dropped = 0
+        while True:
+            rendered = self.tokenizer.apply_chat_template(self._with(text), add_generation_prompt=True,
+                                                          enable_thinking=self.enable_thinking)
+            users = [i for i, message in enumerate(self.messages) if message["role"] == "user"]
+            if len(self.tokenizer.encode(rendered)) + reserve <= self.cache.max_tokens or not users:
+                return dropped
+            end = users[1] if len(users) > 1 else len(self.messages)
+            del self.messages[users[0]:end]
+            dropped += 1
+
+    def _with(self, text: str) -> list[Message]:
+        return self.messages + chat_messages(text, self.system if not self.messages else None)
+
     def send(self, text: str, max_new_tokens: int, stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
         """Add a user message and yield the reply's tokens; the reply joins the history when it ends
-        (or is interrupted, e.g. by Ctrl-C: the part generated so far is kept)."""
+        (or is interrupted, e.g. by Ctrl-C: the part generated so far is kept). When the context is
+        too full, the oldest turns are dropped first (make_room)."""
         if not text.strip():
             raise QwenNPError("chat: empty message")
-        messages = self.messages + chat_messages(text, self.system if not self.messages else None)
+        self.make_room(text, max_new_tokens)
+        messages = self._with(text)
         delta = chat_delta(self.tokenizer, self.fed_ids, messages, enable_thinking=self.enable_thinking)
         self.cache.truncate(delta.keep)
         ids = self.fed_ids[:delta.keep] + delta.ids

@@ -9,6 +9,13 @@
 
 The KV cache keeps the post-RoPE keys and the values of every position seen so far, so a decode step
 only computes the new token's q/k/v and attends over the cache instead of re-running the prompt.
+
+Several sequences run as one batch (`forward_batch`), each with its own cache, length and positions.
+Every step but attention treats tokens one at a time, so the batch's tokens are packed one sequence
+after another into one [T, D] matrix: each weight is read once for all of them, which is why a
+memory-bound decode step for 8 sequences costs little more than one for a single sequence. Only
+attention looks across tokens, and it runs per sequence, over that sequence's own keys: there is no
+padding, so nothing can attend to another sequence's tokens or to padding.
 """
 
 from __future__ import annotations
@@ -67,6 +74,14 @@ class KVCache:
         self.length = 0
         self.max_tokens = max_tokens
 
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store a forward call's keys/values k, v [T, KVH, Dh] after the `length` cached positions of
+        `layer`; return every key and value so far, [S, KVH, Dh] each (views: nothing is copied)."""
+        end = self.length + len(k)
+        self.keys[layer, self.length:end] = k
+        self.values[layer, self.length:end] = v
+        return self.keys[layer, :end], self.values[layer, :end]
+
     def truncate(self, length: int) -> None:
         """Forget every position from `length` on (e.g. to re-render a chat's changed history)."""
         if not 0 <= length <= self.length:
@@ -106,26 +121,39 @@ class Qwen3Model:
         last_only: generation needs only the next token's logits; the LM head ([V, D], a quarter of
         Qwen3-0.6B's weights) then multiplies one row instead of T.
         """
-        ids, positions = self._ids_and_positions(token_ids, cache)                     # [T], [T]
+        return self.forward_batch([token_ids], [cache], trace, last_only)
+
+    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[KVCache | None],
+                      trace: Trace | None = None, last_only: bool = False) -> np.ndarray:
+        """`forward` for B sequences at once: sequence b's tokens continue caches[b] (or start at
+        position 0 when it is None). Logits [T, V] for the T tokens of all sequences, one sequence
+        after another; with `last_only`, [B, V]: each sequence's last position.
+
+        Each sequence gets the logits it would get alone (up to the rounding of BLAS sums).
+        """
+        if len(token_ids) != len(caches) or not token_ids:
+            raise QwenNPError(f"forward_batch: {len(token_ids)} sequences of token ids for {len(caches)} caches")
+        ids, positions, rows = self._pack(token_ids, caches)                             # [T], [T], B slices
         note = trace or layers.ignore
         cos, sin = layers.rope_angles(self.inv_freq, positions)                        # [T, Dh] each
 
         x = layers.embed(ids, self.embed_tokens)                                       # [T, D]
         note("model.embed_tokens", x)
         for i, layer in enumerate(self.layers):
-            x = self._decoder_layer(i, layer, x, positions, cos, sin, cache, note)     # [T, D]
+            x = self._decoder_layer(i, layer, x, positions, rows, cos, sin, caches, note)   # [T, D]
         x = layers.rms_norm(x, self.norm, self.config.rms_norm_eps)                    # [T, D]
         note("model.norm", x)
         if last_only:
-            x = x[-1:]                                                                 # [1, D]
+            x = x[[row.stop - 1 for row in rows]]                                      # [B, D]
         logits = layers.linear(x, self.lm_head)                                        # [T, V]
         note("lm_head", logits)
-        if cache is not None:
-            cache.length += len(ids)
+        for row, cache in zip(rows, caches):
+            if cache is not None:
+                cache.length += row.stop - row.start
         return logits
 
-    def _decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray,
-                       cos: np.ndarray, sin: np.ndarray, cache: KVCache | None, note: Trace) -> np.ndarray:
+    def _decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
+                       cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], note: Trace) -> np.ndarray:
         """x + attention(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).  [T, D] -> [T, D]."""
         c, T, name = self.config, x.shape[0], f"model.layers.{i}"
         eps = c.rms_norm_eps
@@ -147,13 +175,11 @@ class Qwen3Model:
         note(f"{name}.self_attn.rope_q", q)
         k = layers.rope(k, cos, sin)                                                     # [T, KVH, Dh]
         note(f"{name}.self_attn.rope_k", k)
-        if cache is not None:                          # append this call's keys/values, attend over all
-            start = positions[0]
-            cache.keys[i, start:start + T] = k
-            cache.values[i, start:start + T] = v
-            k = cache.keys[i, :start + T]                                                # [S, KVH, Dh]
-            v = cache.values[i, :start + T]                                              # [S, KVH, Dh]
-        mixed = layers.attention(q, k, v, positions, _scoped(note, f"{name}.self_attn."))  # [T, H*Dh]
+        heads = []                                     # each sequence attends over its own keys only
+        for row, cache in zip(rows, caches):
+            keys, values = (k[row], v[row]) if cache is None else cache.append(i, k[row], v[row])  # [S, KVH, Dh]
+            heads.append(layers.attention(q[row], keys, values, positions[row], _scoped(note, f"{name}.self_attn.")))
+        mixed = np.concatenate(heads)                                                    # [T, H*Dh]
         note(f"{name}.self_attn.weighted_sum", mixed)
         attn_out = layers.linear(mixed, w.o_proj)                                        # [T, D]
         note(f"{name}.self_attn.o_proj", attn_out)
@@ -168,6 +194,19 @@ class Qwen3Model:
         x = x + mlp_out
         note(f"{name}.residual_mlp", x)
         return x
+
+    def _pack(self, token_ids: Sequence[Sequence[int] | np.ndarray],
+              caches: Sequence[KVCache | None]) -> tuple[np.ndarray, np.ndarray, list[slice]]:
+        """The sequences' checked ids [T] and positions [T], one sequence after another, and the
+        slice of those T rows that belongs to each sequence."""
+        held = [id(cache) for cache in caches if cache is not None]
+        if len(set(held)) < len(held):
+            raise QwenNPError("forward_batch: the same KV cache is given for two sequences")
+        checked = [self._ids_and_positions(ids, cache) for ids, cache in zip(token_ids, caches)]
+        ends = np.cumsum([len(ids) for ids, _ in checked]).tolist()
+        rows = [slice(end - len(ids), end) for end, (ids, _) in zip(ends, checked)]
+        return (np.concatenate([ids for ids, _ in checked]), np.concatenate([positions for _, positions in checked]),
+                rows)
 
     def _ids_and_positions(self, token_ids: Sequence[int] | np.ndarray,
                            cache: KVCache | None) -> tuple[np.ndarray, np.ndarray]:

@@ -149,10 +149,10 @@ class RoundedResidual(Qwen3Model):
         self.nonfinite += int(rounded.size - np.count_nonzero(np.isfinite(rounded)))
         return rounded
 
-    def _decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, cos: np.ndarray,
-                       sin: np.ndarray, cache: KVCache | None, note: Trace) -> np.ndarray:
+    def _decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
+                       cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], note: Trace) -> np.ndarray:
         with np.errstate(over="ignore", invalid="ignore"):       # an overflowed stream is what is measured
-            x = super()._decoder_layer(i, w, self._round(x), positions, cos, sin, cache, note)
+            x = super()._decoder_layer(i, w, self._round(x), positions, rows, cos, sin, caches, note)
             return self._round(x) if i == len(self.layers) - 1 else x
 
 

@@ -45,17 +45,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            ("--temperature", self.temperature, self.temperature >= 0, "must be >= 0 (0 = greedy)"),
-            ("--top-k", self.top_k, self.top_k >= 0, "must be >= 0 (0 = off)"),
-            ("--top-p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("--min-p", self.min_p, 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("--repetition-penalty", self.repetition_penalty, self.repetition_penalty > 0, "must be > 0 (1 = off)"),
-            ("--presence-penalty", self.presence_penalty, True, "must be a finite number"),
+            ("--temperature", self.temperature, self.temperature >= 0,
+             "a number >= 0 (0 = greedy; Qwen3: 0.6, 0.7 without thinking)"),
+            ("--top-k", self.top_k, self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("--top-p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1] (1 = off)"),
+            ("--min-p", self.min_p, 0 <= self.min_p <= 1, "a number in [0, 1] (0 = off)"),
+            ("--repetition-penalty", self.repetition_penalty, self.repetition_penalty > 0, "a number > 0 (1 = off)"),
+            ("--presence-penalty", self.presence_penalty, True, "a finite number (0 = off)"),
         ]
         for flag, value, ok, rule in checks:
-            # `not ok` alone would let NaN through every comparison above.
+            # `not ok` alone would let NaN through every comparison above; inf is no setting either.
             if not ok or not math.isfinite(value):
-                raise QwenNPError(f"{flag}: {rule}, got {value}")
+                raise QwenNPError(f"{flag}: must be {rule}, got {value}")
         if self.seed is not None and self.seed < 0:
             raise QwenNPError(f"--seed: must be >= 0, got {self.seed}")
 

@@ -32,7 +32,7 @@ def test_invalid_settings_name_the_flag(field: str, value: float, flag: str) -> 
 def test_top_p_error_message_reads_as_documented() -> None:
     with pytest.raises(QwenNPError) as error:
         SamplingParams(top_p=1.5)
-    assert str(error.value) == "--top-p: must be in (0, 1], got 1.5"
+    assert str(error.value) == "--top-p: must be a number in (0, 1] (1 = off), got 1.5"
 
 
 @pytest.mark.parametrize("seed", range(5))

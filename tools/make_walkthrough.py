@@ -120,7 +120,7 @@ def model_code_by_step() -> dict[str, str]:
     the code of the step noted second.
     """
     code: dict[str, str] = {}
-    for function, prefix in ((Qwen3Model.forward, ""), (Qwen3Model._decoder_layer, "model.layers.{i}."),
+    for function, prefix in ((Qwen3Model.forward_batch, ""), (Qwen3Model._decoder_layer, "model.layers.{i}."),
                              (layers.attention, "model.layers.{i}.self_attn."),
                              (layers.swiglu, "model.layers.{i}.mlp.")):
         body = inspect.getsource(function).split('"""')[-1].splitlines()[1:]   # skip the docstring
@@ -211,11 +211,12 @@ token; from here on every token is a vector of D = {run.model.config.hidden_size
 sequence is a matrix {shape_of(run, step)}. This matrix is the **residual stream**: every layer reads
 it and adds its own contribution to it.
 
-The lines of `Qwen3Model.forward` up to this point check the ids and find their positions, build
-the RoPE angle tables once for all layers (step 3.7 uses them), and look up the embeddings. (This is
-the readable path, which every traced pass like this one runs; untraced calls go to
-`qwen_np/fast.py`'s `FastQwen3Model.forward`, the same math arranged for speed, unless the model
-was loaded with `fast=False`.)
+The lines of `Qwen3Model.forward_batch` (which `forward` calls with one sequence; a batch packs
+several sequences' tokens one after another) up to this point check the ids and find their
+positions, build the RoPE angle tables once for all layers (step 3.7 uses them), and look up the
+embeddings. (This is the readable path, which every traced pass like this one runs; untraced calls
+go to `qwen_np/fast.py`'s `FastQwen3Model.forward_batch`, the same math arranged for speed, unless
+the model was loaded with `fast=False`.)
 
 {step_code(step, shown)}
 

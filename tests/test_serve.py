@@ -1,0 +1,234 @@
+"""`python -m qwen_np serve` driven by the official `openai` client, on the bundled model over loopback.
+
+The server runs as a subprocess on an ephemeral port (started once for the module, always stopped).
+What clients rely on: greedy text equals `generate --temperature 0`, streamed equals non-streamed,
+one id per stream and [DONE] at its end, the same seed gives the same text, concurrent requests share
+the batch and each gets what it gets alone, stop strings straddling tokens, 4xx errors as OpenAI's JSON
+after which the server keeps serving, and a client that disconnects frees its row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "weights"
+STARTUP_SECONDS = 60
+PROMPTS = ["The quick brown fox", "Hello", "Once upon a time, in a land far away,", "1 2 3 4", "猫日本",
+           "Why is the sky blue?", "def main():", "Bonjour"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
+            "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def server(env: dict[str, str]):
+    """The base URL of a server on 127.0.0.1 and an ephemeral port; stopped when the module ends."""
+    process = subprocess.Popen([sys.executable, "-m", "qwen_np", "serve", "--model", MODEL, "--port", "0"],
+                               cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    assert process.stderr is not None
+    try:
+        deadline, line = time.monotonic() + STARTUP_SECONDS, b""
+        while b"serving" not in line:
+            ready, _, _ = select.select([process.stderr], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready and process.poll() is None, f"server did not start: {line!r}"
+            line = process.stderr.readline()
+        url = line.decode().split(" on ")[1].split()[0]
+        assert url.startswith("http://127.0.0.1:")                   # loopback by default
+        threading.Thread(target=process.stderr.read, daemon=True).start()    # keep the pipe drained
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server: str):
+    return openai.OpenAI(base_url=server, api_key="none", max_retries=0, timeout=120)
+
+
+def chat(client, prompt: str, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], **kwargs)
+
+
+def generate_cli(env: dict[str, str], prompt: str, *flags: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "qwen_np", "generate", "--model", MODEL, "--temperature", "0",
+                             *flags, prompt], cwd=ROOT, env=env, capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+    return result.stdout.decode().removesuffix("\n")
+
+
+def post(url: str, body: bytes | dict) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def health(server: str) -> dict:
+    with urllib.request.urlopen(server.removesuffix("/v1") + "/health", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_models_lists_the_served_model(client) -> None:
+    assert [model.id for model in client.models.list().data] == [MODEL]
+
+
+def test_greedy_chat_and_completion_equal_the_generate_command(client, env) -> None:
+    reply = chat(client, "Why is the sky blue?", max_tokens=12, temperature=0)
+    assert reply.choices[0].message.content == generate_cli(env, "Why is the sky blue?", "-n", "12")
+    assert reply.choices[0].finish_reason == "length" and reply.id.startswith("chatcmpl-")
+    completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert completion.choices[0].text == generate_cli(env, "Once upon a time", "-n", "12", "--no-chat")
+    assert completion.usage.prompt_tokens == 4 and completion.usage.completion_tokens == 12
+    assert completion.usage.total_tokens == 16
+
+
+def test_streamed_text_equals_the_whole_response_with_one_id_and_usage_last(client) -> None:
+    whole = chat(client, "Hello", max_tokens=10, temperature=0)
+    chunks = list(chat(client, "Hello", max_tokens=10, temperature=0, stream=True,
+                       stream_options={"include_usage": True}))
+    assert len({chunk.id for chunk in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    text = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="Hello", max_tokens=10,
+                                                                          temperature=0, stream=True))
+    assert text == client.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0).choices[0].text
+
+
+def test_a_raw_stream_is_server_sent_events_ending_with_done(server) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    request = urllib.request.Request(server + "/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        events = [e for e in response.read().decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert len({json.loads(e[6:])["id"] for e in events[:-1]}) == 1
+
+
+def test_the_same_seed_gives_the_same_text(client) -> None:
+    texts = [chat(client, "Tell me a story", max_tokens=16, temperature=1.0, seed=1234).choices[0].message.content
+             for _ in range(2)]
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_thinking_switch_as_vllm_takes_it(client, env) -> None:
+    reply = chat(client, "Hello", max_tokens=8, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.choices[0].message.content == generate_cli(env, "Hello", "-n", "8", "--no-think")
+    assert reply.usage.prompt_tokens == 13           # the template adds an empty think block
+
+
+def test_eight_concurrent_clients_share_the_batch_and_each_get_what_they_get_alone(client, server) -> None:
+    alone = [chat(client, p, max_tokens=24, temperature=0).choices[0] for p in PROMPTS]
+    assert all(choice.finish_reason == "length" for choice in alone)      # none ends early: all 8 stay in
+    started = threading.Barrier(len(PROMPTS) + 1, timeout=120)
+
+    def stream(prompt: str) -> str:
+        pieces, waited = [], False
+        for chunk in chat(client, prompt, max_tokens=24, temperature=0, stream=True):
+            pieces.append(chunk.choices[0].delta.content or "")
+            if not waited and any(pieces):
+                started.wait()                   # every client has its first token: all 8 rows are in
+                waited = True
+                started.wait()                   # hold until the batch has been looked at
+        return "".join(pieces)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        replies = [pool.submit(stream, p) for p in PROMPTS]
+        started.wait()
+        running = health(server)["running"]
+        started.wait()
+        texts = [reply.result(timeout=120) for reply in replies]
+    assert running == len(PROMPTS)
+    assert texts == [choice.message.content for choice in alone]
+
+
+def test_stop_strings_split_across_tokens(client) -> None:
+    pieces = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24,
+                                                                     temperature=0, stream=True)]
+    cut = next(i for i in range(1, len(pieces)) if len(pieces[i - 1]) >= 2 and len(pieces[i]) >= 2)
+    stop = pieces[cut - 1][-2:] + pieces[cut][:2]
+    full = "".join(pieces)
+    for stream in (False, True):
+        response = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                             stop=["never in it", stop], stream=stream)
+        choices = [c.choices[0] for c in response] if stream else response.choices
+        assert "".join(c.text for c in choices) == full[:full.index(stop)]
+        assert choices[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    ({"model": "no-such-model", "prompt": "Hi"}, 404, "model"),
+    ({"model": MODEL, "prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "Hi", "max_tokens": 5000}, 400, "prompt"),            # over the 4096 context
+    ({"model": MODEL, "prompt": "Hi " * 5000}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "Hi", "temperature": float("inf")}, 400, None),
+    ({"model": MODEL, "prompt": "Hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "Hi", "stop": 3}, 400, "stop"),
+], ids=["malformed-json", "unknown-model", "negative-max-tokens", "max-tokens-past-context", "prompt-past-context",
+        "infinite-temperature", "n-2", "empty-prompt", "bad-stop"])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status, param) -> None:
+    code, answer = post(server + "/completions", body)
+    assert code == status
+    assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
+    assert "Traceback" not in answer["error"]["message"]
+    if param is not None:
+        assert answer["error"]["param"] == param
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_bad_chat_requests_and_routes_are_4xx_through_the_client(client, server) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        chat(client, "Hi", max_tokens=-3)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        chat(client, "Hi", max_tokens=4096)
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "Hi"}])
+    code, answer = post(server + "/embeddings", {"model": MODEL, "input": "Hi"})
+    assert code == 404 and "error" in answer
+
+
+def test_a_client_that_disconnects_frees_its_row(client, server) -> None:
+    stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4000, temperature=0, stream=True)
+    for _, _chunk in zip(range(3), stream):
+        pass
+    assert health(server)["running"] == 1
+    stream.close()
+    deadline = time.monotonic() + 3            # 4000 tokens would take far longer than this
+    while health(server)["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health(server) == {"status": "ok", "running": 0, "waiting": 0}
