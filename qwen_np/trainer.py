@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -338,6 +339,9 @@ def run(args: argparse.Namespace) -> int:
           f"({settings.batch_size}x{settings.context} tokens a step) -> {out}", file=sys.stderr)
     step = len(meta["history"])
     stopped = ""
+    # `kill` (SIGTERM) stops a run like Ctrl-C: checkpoint first. (A background job started by a
+    # script never sees SIGINT: the shell ignores it there.)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         step, stopped = _loop(model, params, optimizer, order, corpus, settings, meta, step,
                               lambda kind: checkpoint(out / f"{kind}.safetensors"))
@@ -356,6 +360,10 @@ def run(args: argparse.Namespace) -> int:
           f"exported {exported}", file=sys.stderr)
     print("memory:\n" + memory_report(estimate, baseline), file=sys.stderr)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _model_config(args: argparse.Namespace) -> dict[str, Any]:
