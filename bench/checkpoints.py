@@ -111,8 +111,9 @@ def ensure_gguf(folder: Path, mode: str, convert_script: Path | None, log=print)
     """The GGUF file llama.cpp runs for this checkpoint, converted with llama.cpp's own
     convert_hf_to_gguf.py when missing (None when it is missing and no script was given).
 
-    The converter needs a tokenizer next to the weights: the real Qwen3 tokenizer in weights/ is
-    linked in (the weights are random, so any valid vocabulary of the right size would do).
+    The converter needs a tokenizer next to the weights: the real Qwen3 tokenizer of the test fixture
+    tests/fixtures/qwen3_tokenizer_random is linked in (the weights are random, so any valid vocabulary of
+    the right size would do).
     """
     target = gguf_path(folder, mode)
     if target.exists():
@@ -122,7 +123,7 @@ def ensure_gguf(folder: Path, mode: str, convert_script: Path | None, log=print)
     staging = target.with_name(target.name + ".source")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    tokenizer = Path(__file__).resolve().parents[1] / "weights"
+    tokenizer = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3_tokenizer_random"
     for source in [*folder.iterdir(), tokenizer / "tokenizer.json", tokenizer / "tokenizer_config.json"]:
         (staging / source.name).symlink_to(source)
     partial = target.with_name(target.name + ".partial")

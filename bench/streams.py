@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     folder = ensure_checkpoint(args.model) if args.model in MODELS else Path(args.model)
     runtime.set_threads(args.threads)
     model = load_model(folder, memory=args.memory)
-    tokenizer = Tokenizer.from_folder(ROOT / "weights")     # the real Qwen3 tokenizer; the weights are random
+    tokenizer = Tokenizer.from_folder(ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random")   # the real Qwen3 tokenizer
     names = ["single (generate loop)"] + ([f"single, baseline {args.baseline}"] if args.baseline else [])
     names += [f"{n} stream{'s' if n > 1 else ''} (batched)" for n in args.streams]
     results: dict[str, list[float]] = {name: [] for name in names}

@@ -285,6 +285,19 @@ def resolve_model_path(model: str | Path) -> Path:
     return download(text)
 
 
+def bundled_model_path() -> Path:
+    """The folder of the bundled model: inside the package where a wheel installed it (qwen_np/weights,
+    pyproject.toml maps the top-level weights/ there), else the top-level weights/ of the source
+    checkout this package runs from (an editable install, or `python -m qwen_np` in the repository).
+
+    A plain path, not an importlib.resources Traversable: the weights are memory-mapped, which needs a
+    real file, and pip always unpacks a wheel to files.
+    """
+    package = Path(__file__).resolve().parent
+    installed = package / "weights"
+    return installed if (installed / "config.json").is_file() else package.parent / "weights"
+
+
 def download(repo_id: str) -> Path:
     """Fetch safetensors, json and tokenizer files of a hub repo (cached; honours HF_HUB_OFFLINE)."""
     try:

@@ -19,7 +19,7 @@ from typing import Callable, NoReturn, TextIO
 
 from . import __version__, evaluation, precision, runtime, serve, trainer
 from .batching import BatchGenerator, Request
-from .checkpoint import download, resolve_model_path
+from .checkpoint import bundled_model_path, download, resolve_model_path
 from .config import Qwen3Config, load_config, preset
 from .errors import QwenNPError
 from .generate import (ChatSession, GenerationDefaults, GenerationStats, TokenEvent, context_budget, generate,
@@ -30,10 +30,12 @@ from .model import Qwen3Model, Trace
 from .sampling import SamplingParams
 from .tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer, split_thinking
 
-BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "weights"
-BUNDLED_NAME = "weights (bundled, random weights)"
-BUNDLED_NOTICE = ("note: using the bundled model in weights/, whose weights are RANDOM, so its text is gibberish; "
-                  "for real output pass --model with a hub id (e.g. Qwen/Qwen3-0.6B) or a checkpoint folder")
+BUNDLED_MODEL = bundled_model_path()
+BUNDLED_NAME = "weights (bundled Shakespeare model)"
+BUNDLED_NOTICE = ("note: using the bundled model, a tiny Qwen3 that qwen_np trained on Shakespeare's plays: it continues "
+                  "text in their style and knows nothing else; for real answers pass --model with a hub id "
+                  "(e.g. Qwen/Qwen3-0.6B) or a checkpoint folder")
+NO_CHAT_TEMPLATE_NOTICE = "note: this model has no chat template, so the prompt is continued as plain text (as --no-chat)"
 DEFAULT_MAX_NEW_TOKENS = 1024
 # With thinking on, Qwen3 reasons before it answers: most replies to everyday questions, thinking
 # included, fit in 4096 tokens (the model card suggests up to 32768 for hard problems: pass -n).
@@ -61,7 +63,8 @@ def build_parser(prog: str = "qwen-np") -> Parser:
 
     gen = commands.add_parser("generate", help="continue one prompt and stream the reply",
                               description="Generate a reply to PROMPT (a user message rendered with the "
-                                          "checkpoint's chat template, or plain text with --no-chat). Several "
+                                          "checkpoint's chat template; plain text to continue with --no-chat or "
+                                          "when the checkpoint has no template). Several "
                                           "prompts run together as one batch; their replies print in order.")
     gen.add_argument("prompt", nargs="*", help="the user message (with --no-chat: the text to continue); - reads it "
                                                "from stdin")
@@ -143,7 +146,7 @@ def build_parser(prog: str = "qwen-np") -> Parser:
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--model", help="checkpoint folder or Hugging Face hub id, e.g. Qwen/Qwen3-0.6B "
-                                        "(default: the bundled random-weight model in weights/)")
+                                        "(default: the bundled model, a tiny Qwen3 trained on Shakespeare)")
     parser.add_argument("--memory", choices=MODES, default="auto",
                         help="the memory plan: fp32 upcasts every weight once at load (fastest), bf16 keeps them "
                              "as stored and upcasts them per use (half the RAM), auto picks fp32 when it fits "
@@ -300,7 +303,7 @@ class Opened:
     config: Qwen3Config
     defaults: GenerationDefaults
     tokenizer: Tokenizer
-    bundled: bool          # the random-weight model in weights/, which the user must be told about
+    bundled: bool          # the bundled Shakespeare model, which the user must be told about
 
 
 def _model_folder(model: str | None) -> Path:
@@ -308,8 +311,8 @@ def _model_folder(model: str | None) -> Path:
     if model is not None:
         return resolve_model_path(model)
     if not (BUNDLED_MODEL / "config.json").is_file():
-        raise QwenNPError(f"--model: not given, and the bundled model is not at {BUNDLED_MODEL} (run from a "
-                          "checkout of the repository, or pass a hub id like Qwen/Qwen3-0.6B or a checkpoint folder)")
+        raise QwenNPError(f"--model: not given, and the bundled model is not at {BUNDLED_MODEL} (reinstall qwen_np, "
+                          "or pass a hub id like Qwen/Qwen3-0.6B or a checkpoint folder)")
     return BUNDLED_MODEL
 
 
@@ -394,19 +397,22 @@ def run_generate(args: argparse.Namespace) -> int:
     stats, name = GenerationStats(), args.model or BUNDLED_NAME
     if explicit["seed"] is None:              # drawn here, so that the stats line can say which it was
         explicit["seed"] = stats.seed = secrets.randbelow(2 ** 31)
-    max_new_tokens = _max_new_tokens(args, chat=not args.no_chat)
     writer = ReplyWriter(sys.stdout, hide_think=args.hide_think)
     replies: list[Reply] = []
     try:
         started = time.perf_counter()
         opened = _open_checkpoint(args.model)
         name = opened.name
+        chat = _renders_chat(args, opened)
+        max_new_tokens = _max_new_tokens(args, chat=chat)
         params = resolve_sampling(opened.defaults, args.think, **explicit)
-        ids = [prompt_ids(opened.tokenizer, text, chat=not args.no_chat, enable_thinking=args.think,
+        ids = [prompt_ids(opened.tokenizer, text, chat=chat, enable_thinking=args.think,
                           system=args.system) for text in prompts]
         budget = max(context_budget(opened.config, len(one), max_new_tokens) for one in ids)
         trace = _tracer(args, opened.config)
         attention = _parse_attention(args.attention, opened.config) if args.attention else None
+        if not (chat or args.no_chat):      # no template: said only now that every input has been checked
+            print(NO_CHAT_TEMPLATE_NOTICE, file=sys.stderr)
         model = _load_weights(opened, args, budget)
         stats.load_seconds = time.perf_counter() - started
         if args.verbose:
@@ -432,6 +438,18 @@ def run_generate(args: argparse.Namespace) -> int:
             print(json.dumps(reply.as_json(text, stats.load_seconds, args.hide_think), ensure_ascii=False))
     print(stats.summary(name), file=sys.stderr)
     return EXIT_INTERRUPTED if stats.finish_reason == "interrupted" else 0
+
+
+def _renders_chat(args: argparse.Namespace, opened: Opened) -> bool:
+    """Whether generate renders the prompt with the chat template: unless --no-chat, or the model has none
+    (a model trained only to continue text, like the bundled one: its prompt is the text to continue)."""
+    if args.no_chat:
+        return False
+    if opened.tokenizer.has_chat_template:
+        return True
+    if args.system is not None:
+        raise QwenNPError("--system: this model has no chat template, so it takes no system prompt")
+    return False
 
 
 @dataclass
@@ -530,6 +548,8 @@ def run_chat(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         opened = _open_checkpoint(args.model)
+        if not opened.tokenizer.has_chat_template:
+            raise QwenNPError("chat: this model has no chat template: use generate, which continues text")
         context = min(args.ctx_size or DEFAULT_CONTEXT, opened.config.max_position_embeddings)
         session = ChatSession(_load_weights(opened, args, context), opened.tokenizer,
                               resolve_sampling(opened.defaults, args.think, **explicit),

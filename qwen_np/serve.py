@@ -12,6 +12,8 @@ and the response shapes are OpenAI's (see /work/shared/training-formats-serving.
 thinking switch comes as vLLM takes it, `chat_template_kwargs: {"enable_thinking": false}`, and the
 sampling fields vLLM adds (top_k, min_p, repetition_penalty) are accepted too. Defaults come from the
 checkpoint's generation_config.json, as in vLLM; max_tokens defaults to what the context has left.
+A model whose tokenizer has no chat template (the bundled Shakespeare model) serves completions, and
+answers chat requests with a 400 that says so.
 
 Every request becomes a row of one batching.BatchGenerator, run by a BatchRunner on its own thread:
 concurrent requests share decode steps, a new one starts its prefill at the next step, and a client
@@ -173,6 +175,9 @@ class Service:
 
     def chat_prompt(self, body: dict[str, Any]) -> tuple[list[int], bool | None]:
         """The chat's token ids (rendered with the checkpoint's template) and the thinking switch."""
+        if not self.tokenizer.has_chat_template:
+            raise APIError(400, "this model has no chat template, so it cannot chat: use /v1/completions, which "
+                                "continues text", "messages", "no_chat_template")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "messages: must be a non-empty list of messages", "messages")

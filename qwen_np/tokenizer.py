@@ -104,6 +104,11 @@ class Tokenizer:
         token = self._special_token("pad_token")
         return None if token is None else self.token_to_id(token)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """False for a model that only continues text (e.g. the bundled Shakespeare model): no messages, no turns."""
+        return self._template is not None
+
     def apply_chat_template(
         self,
         messages: list[Message],

@@ -12,6 +12,11 @@ from qwen_np.checkpoint import expected_tensors, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+# The bundled default model: a tiny Qwen3 trained on Shakespeare, its own 2,048-token BPE, no chat template.
+BUNDLED = ROOT / "weights"
+# A tiny random-weight Qwen3 with the real Qwen3 tokenizer and chat template (tools/make_bundled_model.py):
+# what the tests of the tokenizer, the chat template, thinking, chat and serving chat run on.
+QWEN3_RANDOM = ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random"
 
 TINY_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96, "hidden_size": 32,

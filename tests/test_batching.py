@@ -1,10 +1,10 @@
-"""Continuous batching (qwen_np/batching.py) and stop strings, on the bundled model: each request in a
-shared batch gets what it gets alone, rows join and leave between steps, cancelled rows leave."""
+"""Continuous batching (qwen_np/batching.py) and stop strings, on the random-weight Qwen3 fixture (real
+Qwen3 tokenizer): each request in a shared batch gets what it gets alone, rows join and leave between
+steps, cancelled rows leave."""
 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +14,8 @@ from qwen_np.errors import QwenNPError
 from qwen_np.generate import StopStrings, TokenEvent, generate
 from qwen_np.sampling import SamplingParams
 from qwen_np.tokenizer import Tokenizer
+from conftest import QWEN3_RANDOM
 
-WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = ["The quick brown fox", "Hello", "Once upon a time, in a land far away,", "1 2 3 4", "猫日本",
            "Why is the sky blue?", "def main():", "Bonjour"]
@@ -23,12 +23,12 @@ PROMPTS = ["The quick brown fox", "Hello", "Once upon a time, in a land far away
 
 @pytest.fixture(scope="module", params=["fast", "readable"])
 def model(request: pytest.FixtureRequest):
-    return load_model(WEIGHTS, fast=request.param == "fast")
+    return load_model(QWEN3_RANDOM, fast=request.param == "fast")
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_folder(WEIGHTS)
+    return Tokenizer.from_folder(QWEN3_RANDOM)
 
 
 def alone(model, tok, ids, params, n, stop=()) -> list[TokenEvent]:

@@ -10,9 +10,9 @@ import pytest
 
 from qwen_np.errors import QwenNPError
 from qwen_np.tokenizer import ChatDelta, Tokenizer, chat_delta, split_thinking
+from conftest import QWEN3_RANDOM
 
 ROOT = Path(__file__).resolve().parents[1]
-WEIGHTS = ROOT / "weights"
 SHARED = ROOT.parent / "shared"
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -62,7 +62,7 @@ TOOL_CHAT = [
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_folder(WEIGHTS)
+    return Tokenizer.from_folder(QWEN3_RANDOM)
 
 
 def render_ids(tok: Tokenizer, messages: list[dict], **kwargs) -> list[int]:
@@ -130,7 +130,7 @@ def test_empty_chat_raises(tok: Tokenizer) -> None:
 def folder_with_template(folder: Path, template: str) -> Path:
     """A checkpoint folder whose chat_template.jinja overrides the one in tokenizer_config.json."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).symlink_to(WEIGHTS / name)
+        (folder / name).symlink_to(QWEN3_RANDOM / name)
     (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
     return folder
 
@@ -154,7 +154,7 @@ def test_broken_template_names_its_file(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared")
 def test_template_is_the_shared_reference() -> None:
-    config = json.loads((WEIGHTS / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config = json.loads((QWEN3_RANDOM / "tokenizer_config.json").read_text(encoding="utf-8"))
     assert config["chat_template"] == (SHARED / "qwen3" / "chat_template.jinja").read_text(encoding="utf-8")
 
 
@@ -173,7 +173,7 @@ PARITY_CASES = [
 def hf_tok():
     """transformers' own tokenizer on the same folder, when transformers is installed."""
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(WEIGHTS))
+    return transformers.AutoTokenizer.from_pretrained(str(QWEN3_RANDOM))
 
 
 @pytest.mark.parametrize(("messages", "kwargs"), PARITY_CASES)

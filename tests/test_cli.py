@@ -1,4 +1,5 @@
-"""`python -m qwen_np` end to end, as a subprocess, on the bundled model (offline, empty HF cache)."""
+"""`python -m qwen_np` end to end, as a subprocess (offline, empty HF cache): on the bundled Shakespeare model
+(no chat template) when nothing needs Qwen3's chat template, else on the random-weight Qwen3 fixture."""
 
 import io
 import os
@@ -12,9 +13,9 @@ import pytest
 
 from qwen_np.cli import ReplyWriter
 from qwen_np.tokenizer import Tokenizer
+from conftest import BUNDLED, QWEN3_RANDOM
 
 ROOT = Path(__file__).resolve().parents[1]
-WEIGHTS = ROOT / "weights"
 STATS = re.compile(r"^stats: model=.+ prompt_tokens=(\d+) cached_tokens=(\d+) new_tokens=(\d+) load=[\d.]+s "
                    r"prefill=\S+ decode=\S+ peak_rss=\d+MiB finish=(\w+)$")
 DIM, RESET = ReplyWriter.DIM, ReplyWriter.RESET
@@ -41,13 +42,16 @@ def ids_line(lines: list[str], label: str) -> list[int]:
     return [int(n) for n in re.findall(r"\d+", line[len(label):])]
 
 
+QWEN3 = ("-m", str(QWEN3_RANDOM))      # the flags that run a command on the Qwen3 fixture
+
+
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_folder(WEIGHTS)
+    return Tokenizer.from_folder(QWEN3_RANDOM)
 
 
 def test_greedy_completion_streams_valid_utf8_equal_to_the_decoded_ids(env, tok) -> None:
-    result = qwen(env, "generate", "--no-chat", "--temperature", "0", "-n", "24", "--verbose", "猫日本")
+    result = qwen(env, "generate", *QWEN3, "--no-chat", "--temperature", "0", "-n", "24", "--verbose", "猫日本")
     assert result.returncode == 0, result.stderr.decode()
     text = result.stdout.decode("utf-8")                      # strict: raises on half a character
     lines = stderr_lines(result)
@@ -59,15 +63,26 @@ def test_greedy_completion_streams_valid_utf8_equal_to_the_decoded_ids(env, tok)
     assert "memory plan:" in result.stderr.decode()
 
 
-def test_default_run_says_the_model_is_random_and_ends_with_one_stats_line(env) -> None:
-    result = qwen(env, "generate", "Hello!", "-n", "5", "--seed", "3")
+def test_default_run_continues_the_text_with_the_bundled_model_says_so_and_ends_with_one_stats_line(env) -> None:
+    result = qwen(env, "generate", "ROMEO:", "-n", "5", "--seed", "3")
     assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode().strip()
     lines = stderr_lines(result)
-    assert len(lines) == 2
-    assert "RANDOM" in lines[0] and "--model" in lines[0]
+    assert len(lines) == 3, lines
+    assert "no chat template" in lines[0] and "plain text" in lines[0]
+    assert "trained on Shakespeare" in lines[1] and "--model" in lines[1] and "RANDOM" not in lines[1]
     match = STATS.match(lines[-1])
     assert match, lines[-1]
-    assert match.groups() == ("10", "0", "5", "length")     # "Hello!" as a chat turn is 10 tokens
+    prompt_tokens = len(Tokenizer.from_folder(BUNDLED).encode("ROMEO:"))      # the text as is, no template
+    assert (int(match[1]), int(match[2])) == (prompt_tokens, 0) and 1 <= int(match[3]) <= 5
+
+
+def test_a_model_without_a_chat_template_generates_as_with_no_chat(env) -> None:
+    plain = qwen(env, "generate", "ROMEO:", "-n", "8", "--seed", "4")
+    no_chat = qwen(env, "generate", "--no-chat", "ROMEO:", "-n", "8", "--seed", "4")
+    assert plain.returncode == no_chat.returncode == 0
+    assert plain.stdout == no_chat.stdout and plain.stdout.strip()
+    assert "no chat template" not in no_chat.stderr.decode()          # --no-chat asked for it: no note
 
 
 def test_same_seed_same_text_across_runs(env) -> None:
@@ -78,7 +93,7 @@ def test_same_seed_same_text_across_runs(env) -> None:
 
 
 def test_chat_keeps_the_cache_across_turns(env) -> None:
-    result = qwen(env, "chat", "--temperature", "0", "-n", "4", stdin="Hello!\nAnd a second question?\n")
+    result = qwen(env, "chat", *QWEN3, "--temperature", "0", "-n", "4", stdin="Hello!\nAnd a second question?\n")
     assert result.returncode == 0, result.stderr.decode()
     stats = [STATS.match(line) for line in stderr_lines(result) if line.startswith("stats:")]
     assert len(stats) == 2 and all(stats)
@@ -88,7 +103,7 @@ def test_chat_keeps_the_cache_across_turns(env) -> None:
 
 
 def test_ctrl_c_stops_cleanly_and_prints_stats(env) -> None:
-    command = [sys.executable, "-m", "qwen_np", "generate", "--no-chat", "-n", "30000", "--seed", "0", "Hello"]
+    command = [sys.executable, "-m", "qwen_np", "generate", *QWEN3, "--no-chat", "-n", "30000", "--seed", "0", "Hello"]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert process.stdout.read(1)                        # it is generating
@@ -124,7 +139,7 @@ def broken_checkpoints(tmp_path_factory) -> dict[str, Path]:
                           (garbage, ["config.json", "generation_config.json", *tokenizer_files])):
         folder.mkdir()
         for name in names:
-            (folder / name).symlink_to(WEIGHTS / name)
+            (folder / name).symlink_to(QWEN3_RANDOM / name)
     (garbage / "model.safetensors").write_bytes(b"this is not a safetensors file")
     return {"no_tokenizer": no_tokenizer, "garbage": garbage}
 
@@ -140,14 +155,17 @@ BAD_INPUTS = {
     "non-numeric top-k": (["generate", "hi", "--top-k", "many"], "--top-k"),
     "zero threads": (["generate", "hi", "--threads", "0"], "--threads"),
     "empty prompt": (["generate", ""], "prompt: empty"),
-    "prompt longer than the context": (["generate", "--no-chat", "a " * 42000], "40960-token context"),
+    "prompt longer than the context": (["generate", *QWEN3, "--no-chat", "a " * 42000], "40960-token context"),
     "unknown hub id offline": (["generate", "--model", "nobody/no-such-model", "hi"], "python -m qwen_np download"),
     "download offline": (["download", "nobody/no-such-model"], "nobody/no-such-model"),
     "not a model": (["generate", "--model", "/no/such/folder", "hi"], "--model"),
     "system without chat": (["generate", "--no-chat", "--system", "x", "hi"], "--system"),
-    "attention out of range": (["generate", "hi", "--attention", "7:0"], "--attention"),
+    "attention out of range": (["generate", "hi", "--attention", "99:0"], "--attention"),
     "attention png alone": (["generate", "hi", "--attention-png", "out.png"], "--attention-png"),
     "chat with a tiny context": (["chat", "--ctx-size", "1"], "--ctx-size"),
+    "chat without a chat template": (["chat"], "this model has no chat template: use generate, which continues text"),
+    "system without a chat template": (["generate", "--system", "x", "ROMEO:"], "--system: this model has no chat "
+                                                                                "template"),
 }
 
 

@@ -1,5 +1,6 @@
 """The command line's Unix habits: prompts from stdin and files (several run as one batch), --stop, --json,
---version, the drawn seed, llama.cpp-style aliases, chat commands and a context that drops old turns."""
+--version, the drawn seed, llama.cpp-style aliases (on the bundled model), chat commands and a context that
+drops old turns (on the Qwen3 fixture, which has a chat template)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import re
 import pytest
 
 from qwen_np.cli import ReplyWriter
-from test_cli import ROOT, assert_one_error_line, qwen
+from test_cli import QWEN3, ROOT, assert_one_error_line, qwen
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_bad_values_say_what_is_allowed(env, args, expected) -> None:
 
 def test_chat_commands(env) -> None:
     script = "Hello\n/help\n/system Be brief.\n/think off\nSecond\n/clear\n/nonsense\nThird\n/exit\nnever sent\n"
-    result = qwen(env, "chat", "-n", "3", "--temp", "0", stdin=script)
+    result = qwen(env, "chat", *QWEN3, "-n", "3", "--temp", "0", stdin=script)
     assert result.returncode == 0, result.stderr.decode()
     err = result.stderr.decode()
     for line in ("/clear", "/system TEXT", "/think on|off", "/exit", "/help", "chat: system prompt set",
@@ -105,7 +106,7 @@ def test_chat_commands(env) -> None:
 
 def test_chat_drops_the_oldest_turns_when_the_context_fills(env) -> None:
     script = "one two three four five six seven\nagain a long message here\nand a third long message\n"
-    result = qwen(env, "chat", "-n", "8", "-c", "64", "--temp", "0", "--no-think", stdin=script)
+    result = qwen(env, "chat", *QWEN3, "-n", "8", "-c", "64", "--temp", "0", "--no-think", stdin=script)
     assert result.returncode == 0, result.stderr.decode()
     err = result.stderr.decode()
     assert "is full: dropped the oldest" in err and "error" not in err

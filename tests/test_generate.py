@@ -1,9 +1,9 @@
-"""The generation API on the bundled model: decoding through the cache, stop conditions, stats, chat turns."""
+"""The generation API on the random-weight Qwen3 fixture (the real Qwen3 tokenizer and chat template):
+decoding through the cache, stop conditions, stats, chat turns."""
 
 import copy
 import dataclasses
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,20 +15,20 @@ from qwen_np.generate import (ChatSession, GenerationStats, context_budget, gene
                               read_generation_defaults, resolve_sampling)
 from qwen_np.sampling import SamplingParams
 from qwen_np.tokenizer import Tokenizer, chat_delta
+from conftest import QWEN3_RANDOM
 
-WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=11)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model(WEIGHTS)
+    return load_model(QWEN3_RANDOM)
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer.from_folder(WEIGHTS)
+    return Tokenizer.from_folder(QWEN3_RANDOM)
 
 
 def run(model, tok, ids, params=GREEDY, n=8, **kwargs):
@@ -127,7 +127,7 @@ def test_stats_are_filled_in(model, tok) -> None:
 
 
 def test_generation_defaults_come_from_generation_config(model, tmp_path) -> None:
-    defaults = read_generation_defaults(WEIGHTS, model.config)
+    defaults = read_generation_defaults(QWEN3_RANDOM, model.config)
     assert defaults.sampling == SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
     assert defaults.eos_token_ids == (151645, 151643)
     assert resolve_sampling(defaults, enable_thinking=False) == SamplingParams(temperature=0.7, top_k=20, top_p=0.8)

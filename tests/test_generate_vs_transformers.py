@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `reference`, in any import mode
 
+from conftest import BUNDLED, QWEN3_RANDOM  # noqa: E402
 from reference.hf_reference import build_reference_model, make_config  # noqa: E402
 from transformers import AutoTokenizer, Qwen3ForCausalLM  # noqa: E402
 
@@ -35,7 +36,7 @@ def checkpoint(tmp_path_factory) -> Path:
     config.bos_token_id, config.eos_token_id = 151643, 151645    # the real ids, so the tokenizer agrees
     build_reference_model(config, seed=7).to(torch.bfloat16).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ROOT / "weights" / name, folder / name)
+        shutil.copy(QWEN3_RANDOM / name, folder / name)
     return folder
 
 
@@ -49,11 +50,11 @@ def tokenizer(checkpoint):
     return AutoTokenizer.from_pretrained(checkpoint)
 
 
-def hf_greedy(hf_model, prompt_ids: list[int]) -> list[int]:
+def hf_greedy(hf_model, prompt_ids: list[int], pad_token_id: int = 151643) -> list[int]:
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=NEW_TOKENS, pad_token_id=151643)
+                                max_new_tokens=NEW_TOKENS, pad_token_id=pad_token_id)
     return out[0, len(prompt_ids):].tolist()
 
 
@@ -95,9 +96,11 @@ def test_cli_greedy_equals_transformers_generate(checkpoint, hf_model, tokenizer
     assert text == tokenizer.decode(shown) + "\n"
 
 
-def test_bundled_model_greedy_equals_transformers_generate() -> None:
-    """The bundled weights/ checkpoint is a valid transformers checkpoint, decoded identically."""
-    bundled = ROOT / "weights"
-    hf_model = Qwen3ForCausalLM.from_pretrained(bundled, dtype=torch.float32, attn_implementation="eager").eval()
-    prompt_ids, generated, _ = cli_greedy(bundled, "Hello!")
-    assert generated == hf_greedy(hf_model, prompt_ids)
+@pytest.mark.parametrize("folder, prompt", [(BUNDLED, "ROMEO:"), (QWEN3_RANDOM, "Hello!")],
+                         ids=["bundled-shakespeare", "qwen3-tokenizer-fixture"])
+def test_shipped_models_greedy_equal_transformers_generate(folder: Path, prompt: str) -> None:
+    """The bundled weights/ checkpoint (no chat template: the prompt is continued as text) and the Qwen3
+    fixture (a chat turn) are valid transformers checkpoints, decoded identically."""
+    hf_model = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    prompt_ids, generated, _ = cli_greedy(folder, prompt)
+    assert generated == hf_greedy(hf_model, prompt_ids, hf_model.generation_config.pad_token_id)

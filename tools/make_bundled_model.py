@@ -1,13 +1,16 @@
-"""Write the bundled model in weights/: a tiny Qwen3-architecture checkpoint with RANDOM weights.
+"""Write the test fixture tests/fixtures/qwen3_tokenizer_random: a tiny Qwen3 with RANDOM weights and
+the real Qwen3 tokenizer and chat template.
 
-It lets `python -m qwen_np generate "..."` run on a fresh machine with no download, through exactly
-the code that loads real checkpoints: an original-Qwen3-style config.json, BF16 model.safetensors,
-Qwen3's generation_config.json (as released on the Hub), and the real Qwen3 tokenizer that
-tools/build_tokenizer.py already put there (left untouched). The vocabulary is the real 151,936 ids,
-so the tokenizer applies; the network is tiny (hidden 64, 2 layers) so the file stays ~20 MB.
-The weights are random: the text it produces is gibberish. Output is byte-identical on every run.
+It was the bundled model until weights/ became a model trained on Shakespeare (which has its own small
+tokenizer and no chat template); the tests of the tokenizer, the chat template, thinking, chat and
+serving chat run on it. It is a checkpoint read by exactly the code that loads real ones: an
+original-Qwen3-style config.json, BF16 model.safetensors, Qwen3's generation_config.json (as released
+on the Hub), and the real Qwen3 tokenizer that tools/build_tokenizer.py already put there (left
+untouched). The vocabulary is the real 151,936 ids, so the tokenizer applies; the network is tiny
+(hidden 64, 2 layers) so the file stays ~20 MB. The weights are random: the text it produces is
+gibberish. Output is byte-identical on every run.
 
-Usage: python tools/make_bundled_model.py [--out weights]
+Usage: python tools/make_bundled_model.py [--out tests/fixtures/qwen3_tokenizer_random]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = REPO_ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random"
 sys.path.insert(0, str(REPO_ROOT))   # run from a checkout without installing the package
 
 from qwen_np.checkpoint import expected_tensors, save_checkpoint  # noqa: E402
@@ -72,16 +76,17 @@ GENERATION_CONFIG_JSON = {
 }
 
 README = """\
-# weights/: the bundled model (RANDOM weights)
+# tests/fixtures/qwen3_tokenizer_random: the real Qwen3 tokenizer on a tiny RANDOM-weight Qwen3
 
-This folder is a complete Qwen3 checkpoint, so `python -m qwen_np generate "Hello"` works offline
-on a fresh machine, through exactly the same code that loads real checkpoints:
+The tests of the tokenizer, the chat template, thinking, `chat` and `serve`'s chat endpoint run on
+this folder (the bundled model in `weights/` has its own small tokenizer and no chat template). It is
+a complete Qwen3 checkpoint, loaded through exactly the same code as real checkpoints:
 
 * `config.json`: Qwen3's architecture and format (original Qwen3 style) at a tiny size:
   hidden 64, 2 layers, 4 query / 2 key-value heads, head_dim 32, MLP 192, tied embeddings,
   the real 151,936-token vocabulary and 40,960-token context.
 * `model.safetensors`: BF16 weights. **They are random** (seeded NumPy draws), not trained:
-  the text this model writes is gibberish. It exists to show the pipeline works, not to answer.
+  the text this model writes is gibberish.
 * `generation_config.json`: Qwen3-8B's sampling defaults (temperature 0.6, top-p 0.95, top-k 20).
 * `tokenizer.json`, `tokenizer_config.json`: the real Qwen3 tokenizer and chat template, built
   offline by `tools/build_tokenizer.py`.
@@ -90,16 +95,6 @@ on a fresh machine, through exactly the same code that loads real checkpoints:
 
 `config.json`, `generation_config.json`, `model.safetensors` and this README are written by
 `python tools/make_bundled_model.py` (byte-identical on every run).
-
-## Running a real checkpoint
-
-Pass a hub id or a local folder with `--model`:
-
-    python -m qwen_np download Qwen/Qwen3-0.6B            # once, with network access
-    python -m qwen_np generate --model Qwen/Qwen3-0.6B "Why is the sky blue?"
-    python -m qwen_np chat --model /path/to/Qwen3-8B
-
-Hub downloads go to the Hugging Face cache (`HF_HOME`); with `HF_HUB_OFFLINE=1` only the cache is used.
 """
 
 
@@ -119,13 +114,14 @@ def random_weights(config: Qwen3Config, seed: int) -> dict[str, np.ndarray]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "weights", help="output folder (default: weights)")
+    parser.add_argument("--out", type=Path, default=FIXTURE,
+                        help="output folder (default: tests/fixtures/qwen3_tokenizer_random)")
     out = parser.parse_args(argv).out
     config = Qwen3Config.from_dict(CONFIG_JSON)
     save_checkpoint(out, CONFIG_JSON, [random_weights(config, SEED)], dtype="BF16")
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG_JSON, indent=2) + "\n")
     (out / "README.md").write_text(README)
-    print(f"wrote the bundled random-weight model to {out}")
+    print(f"wrote the random-weight Qwen3 test model to {out}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from qwen_np.model import Qwen3Model  # noqa: E402
 from qwen_np.numerics import BYTES_PER_VALUE, bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
 from qwen_np.tokenizer import Tokenizer  # noqa: E402
 
-BUNDLED_MODEL = REPO_ROOT / "weights"
+BUNDLED_MODEL = REPO_ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random"   # the Qwen3 tokenizer, random weights
 WALKTHROUGH = REPO_ROOT / "docs" / "walkthrough.md"
 PROMPT = "The capital of France is"
 REAL = "qwen3-8b"                 # the real model the concept sections put numbers on
