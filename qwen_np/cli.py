@@ -139,6 +139,11 @@ def build_parser(prog: str = "qwen-np") -> Parser:
     source.add_argument("--preset", help="a published Qwen3 size, e.g. qwen3-8b")
     show.add_argument("--tokens", type=_at_least(1), default=7, metavar="T",
                       help="tokens in the example forward pass (default: 7)")
+    show.add_argument("--context", type=_at_least(1), metavar="N",
+                      help="sequence length of the memory breakdown: KV cache positions to run, tokens per training "
+                           "sequence (default: the model's context, at most 4096)")
+    show.add_argument("--batch-size", type=_at_least(1), default=16, metavar="B",
+                      help="sequences per training step in the memory breakdown (default: 16)")
     show.add_argument("--json", action="store_true", help="print JSON instead of text")
     show.set_defaults(run=run_inspect)
     return parser
@@ -636,7 +641,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         config, name = preset(args.preset), args.preset
     else:
         config, name = load_config(_model_folder(args.model)), args.model or BUNDLED_NAME
-    print(inspect_command(config, args.tokens, args.json, name))
+    print(inspect_command(config, args.tokens, args.json, name, args.context, args.batch_size))
     return 0
 
 

@@ -1,49 +1,69 @@
-"""Write docs/walkthrough.md by running qwen_np on the bundled model: every number in it is real.
+"""Write docs/walkthrough.md (and its figures and notebook) by running qwen_np on the bundled model.
 
-The code shown is pulled from qwen_np's source with inspect.getsource, and every shape and number
-comes from running that code on weights/ (a tiny Qwen3 with random weights and the real tokenizer),
-so neither can drift from the library: tests/test_walkthrough.py regenerates the text and fails
-when the committed file differs. The output is deterministic: BLAS runs on one thread and numbers
-are printed to 4 significant digits.
+The code shown is pulled from qwen_np's source with inspect.getsource, every shape and number comes
+from running that code on weights/ (or --model), and every command's output on the page is what
+that command prints (the generator runs it in-process), so none of them can drift from the library:
+tests/test_walkthrough.py regenerates everything and fails when the committed files differ. The
+output is deterministic: BLAS runs on one thread and numbers are printed to 4 significant digits.
 
-Usage: python tools/make_walkthrough.py [--model weights] [--out docs/walkthrough.md]
+Usage: python tools/make_walkthrough.py [--model weights]     (writes the page, figures and notebook)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import inspect
 import io
 import re
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))   # run from a checkout without installing the package
+sys.path.insert(0, str(REPO_ROOT / "tools"))
 
-from qwen_np import layers, load_model, preset  # noqa: E402
+from qwen_np import layers, load_model, preset, sampling  # noqa: E402
 from qwen_np.config import Qwen3Config, parameter_count  # noqa: E402
-from qwen_np.inspection import (STEPS, STEPS_BY_NAME, SYMBOL_MEANINGS, Step, Tracer, attention_view,  # noqa: E402
-                                dimensions, format_shape, forward_flops, logit_lens,
+from qwen_np.errors import QwenNPError  # noqa: E402
+from qwen_np.generate import read_generation_defaults  # noqa: E402
+from qwen_np.inspection import (STEPS, STEPS_BY_NAME, SYMBOL_MEANINGS, Step, attention_weights,  # noqa: E402
+                                dimensions, format_shape, forward_flops, lens_probabilities,
                                 resolve, token_text, weight_bytes_read_per_token)
 from qwen_np.memory import kv_cache_bytes_per_token  # noqa: E402
 from qwen_np.model import Qwen3Model  # noqa: E402
 from qwen_np.numerics import BYTES_PER_VALUE, bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
 from qwen_np.tokenizer import Tokenizer  # noqa: E402
 
-BUNDLED_MODEL = REPO_ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random"   # the Qwen3 tokenizer, random weights
-WALKTHROUGH = REPO_ROOT / "docs" / "walkthrough.md"
-PROMPT = "The capital of France is"
+BUNDLED_MODEL = REPO_ROOT / "weights"
+DOCS = REPO_ROOT / "docs"
+WALKTHROUGH = DOCS / "walkthrough.md"
+# Famous lines in the training text's layout (speaker, newline, verse). The page follows the first
+# prompt cut from them whose next token the model predicts right (see choose_prompt).
+PASSAGES = (
+    "HAMLET:\nTo be, or not to be, that is the question",
+    "KING RICHARD III:\nNow is the winter of our discontent",
+    "ROMEO:\nBut soft, what light through yonder window breaks?",
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+    "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?",
+)
+MIN_PROMPT_TOKENS = 6             # shorter prompts make a dull attention pattern
+# A real Qwen3 tokenizer (with its chat template) for section 1's chat-template example: the first of
+# these folders that has one. The bundled Shakespeare model has no chat template.
+QWEN3_TOKENIZER_FOLDERS = (REPO_ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random", BUNDLED_MODEL)
 REAL = "qwen3-8b"                 # the real model the concept sections put numbers on
+SMALL_REAL = "qwen3-0.6b"         # the smallest real Qwen3 (tied embeddings)
 EXAMPLE_BANDWIDTH = 50e9          # bytes/s: a round figure for a desktop's DRAM (the doc says so)
 EXAMPLE_FLOPS = 1e12              # FLOP/s: a round figure for a desktop CPU's FP32 matmul peak
 LAYER = 0                         # the layer shown in full detail
+ATTENTION_LAYER = 1               # the layer whose heads the attention figure shows
 CACHE_TOLERANCE = 1e-4            # decode-with-cache vs full re-run logits: FP32 rounding stays far below
 
 
@@ -51,23 +71,55 @@ CACHE_TOLERANCE = 1e-4            # decode-with-cache vs full re-run logits: FP3
 class Run:
     """One real forward pass over the prompt, with every intermediate array it traced."""
 
+    model_dir: Path
     model: Qwen3Model
     tokenizer: Tokenizer
+    prompt: str
     ids: list[int]
+    answer: int                       # the true next token of the passage, which the model predicts
     arrays: dict[str, np.ndarray]     # trace name -> array, e.g. "model.layers.0.self_attn.q_proj"
     logits: np.ndarray                # [T, V]
+    figures: dict[str, Any] = field(default_factory=dict)   # figure name -> the numbers it is drawn from
 
     def at(self, step: Step) -> np.ndarray:
         return self.arrays[step.name.format(i=LAYER)]
 
 
+def choose_prompt(model: Qwen3Model, tokenizer: Tokenizer) -> tuple[str, list[int], int]:
+    """The first passage prefix of at least MIN_PROMPT_TOKENS tokens, ending before a word, whose next
+    token is the model's top-1 prediction: (prompt, its ids, the true next token).
+
+    Cut at token boundaries, so the prompt's tokens are exactly the passage's first tokens.
+    """
+    for passage in PASSAGES:
+        ids = tokenizer.encode(passage)
+        predicted = np.argmax(model.forward(ids), axis=-1)                       # [T]
+        for cut in range(MIN_PROMPT_TOKENS, len(ids)):
+            following = tokenizer.decode([ids[cut]])
+            if predicted[cut - 1] == ids[cut] and following.startswith(" ") and following[1:].isalpha():
+                return tokenizer.decode(ids[:cut]), ids[:cut], ids[cut]
+    raise QwenNPError("make_walkthrough: the model predicts no word of PASSAGES right (is it trained?)")
+
+
 def run_prompt(model_dir: Path) -> Run:
     model = load_model(model_dir, memory="fp32", fast=False)   # every call on the readable code shown here
     tokenizer = Tokenizer.from_folder(model_dir)
-    ids = tokenizer.encode(PROMPT)
+    prompt, ids, answer = choose_prompt(model, tokenizer)
+    if tokenizer.encode(prompt) != ids:
+        raise QwenNPError(f"make_walkthrough: {prompt!r} does not encode back to the passage's tokens")
     arrays: dict[str, np.ndarray] = {}
     logits = model.forward(ids, trace=lambda name, value: arrays.__setitem__(name, value.copy()))
-    return Run(model, tokenizer, ids, arrays, logits)
+    if int(np.argmax(logits[-1])) != answer:
+        raise QwenNPError("make_walkthrough: the prompt's top-1 prediction is not the true next token")
+    return Run(model_dir, model, tokenizer, prompt, ids, answer, arrays, logits)
+
+
+def model_digest(model_dir: Path) -> str:
+    """The first 12 hex digits of the SHA-256 of the *.safetensors files: names the weights a page was made from."""
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 # --- Formatting ----------------------------------------------------------------------------------
@@ -105,6 +157,34 @@ def matrix(run: Run, rows: np.ndarray) -> str:
     body = [f"| `{label}` | " + " | ".join("−∞" if np.isneginf(x) else num(x) for x in row) + " |"
             for label, row in zip(labels, rows)]
     return "\n".join([head, rule, *body])
+
+
+def shell_quote(text: str) -> str:
+    """text as one bash word: '...' when it can be, else bash's $'...' (which spells a newline \\n)."""
+    if re.fullmatch(r"[^'\\\n]*", text):
+        return f"'{text}'"
+    return "$'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
+def generate_command(run: Run, *flags: str) -> str:
+    """The documented `generate` command on the prompt: plain text (--no-chat), one new token."""
+    return " ".join(["python -m qwen_np generate --no-chat -n 1", *flags, shell_quote(run.prompt)])
+
+
+def command_stderr(run: Run, *flags: str) -> str:
+    """What generate_command(run, *flags) prints on stderr, minus the stats line (it has timings).
+
+    Run in this process on run.model_dir with one thread, as the page's other numbers are."""
+    from qwen_np import cli
+
+    err = io.StringIO()
+    argv = ["generate", "--no-chat", "-n", "1", "--temperature", "0", "-t", "1", "-m", str(run.model_dir), *flags,
+            run.prompt]
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = cli.main(argv)
+    if code != 0:
+        raise QwenNPError(f"make_walkthrough: `{' '.join(argv)}` failed: {err.getvalue()}")
+    return "\n".join(line for line in err.getvalue().strip("\n").splitlines() if not line.startswith("stats:"))
 
 
 # --- The code that does each step ----------------------------------------------------------------
@@ -158,27 +238,31 @@ def intro(run: Run) -> str:
     c, real = run.model.config, preset(REAL)
     ours, theirs = dimensions(c, len(run.ids)), dimensions(real, len(run.ids))
     table = "\n".join(f"| `{sym}` | {SYMBOL_MEANINGS[sym]} | {ours[sym]:,} | {theirs[sym]:,} |" for sym in ours)
-    return f"""# Walkthrough: from a prompt to the next token
+    return f"""# Walkthrough: from a prompt to the next token, and one training step
 
-This page follows one prompt, `{PROMPT!r}`, through every step of a Qwen3 forward pass, with the
-code that does each step and the real shapes and numbers it produces. It is **generated**:
-`python tools/make_walkthrough.py` runs qwen_np on the bundled model in `weights/` and writes this
-file, and `tests/test_walkthrough.py` fails if the committed text differs from a fresh run, so the
-code and numbers here are always the ones the library has now.
+This page follows one prompt, `{run.prompt!r}`, through every step of a Qwen3 forward pass, with the
+code that does each step, the real shapes and numbers it produces, and a short reason for each design
+choice; then it follows one training step from a batch of text to updated weights. It is
+**generated**: `python tools/make_walkthrough.py` runs qwen_np on the bundled model in `weights/`
+(weights digest `{model_digest(run.model_dir)}`) and writes this file, its figures in `docs/figures/`
+and the notebook `docs/walkthrough.ipynb` (the same steps as code cells), and
+`tests/test_walkthrough.py` fails if a committed file differs from a fresh run, so the code, numbers
+and command outputs here are always the ones the library has now.
 
-**The bundled model has random weights.** It is Qwen3's exact architecture with the real Qwen3
-tokenizer and vocabulary, at a tiny size, with weights drawn from a random generator rather than
-trained. Every step below is exactly what Qwen3-8B computes; the numbers are what a random network
-computes, so the "prediction" at the end is meaningless. The dimensions (symbols used everywhere in
-qwen_np's shape comments):
+**The bundled model** is Qwen3's exact architecture at a small size, trained from scratch on
+Shakespeare's plays by qwen_np's own NumPy trainer (`python -m qwen_np train`; section 9 shows one of
+its steps), with a {c.vocab_size:,}-token byte-level BPE vocabulary learned from the same text. The
+prompt was chosen because the model gets its next token right: `{run.prompt!r}` is followed by
+`{token_text(run.tokenizer, run.answer)}` in the play, and that is the model's top prediction (section 5).
+The dimensions (symbols used everywhere in qwen_np's shape comments):
 
 | symbol | meaning | bundled model | Qwen3-8B |
 |---|---|---:|---:|
 {table}
 
 The bundled model has {parameter_count(c):,} parameters, {c.vocab_size * c.hidden_size:,} of them
-in the embedding table (the real vocabulary is big even when the network is tiny); Qwen3-8B has
-{parameter_count(real):,}. To see every shape below at Qwen3-8B's size, run
+in the embedding table; Qwen3-8B has {parameter_count(real):,}. Every step below is exactly what
+Qwen3-8B computes, only wider and deeper. To see every shape at Qwen3-8B's size, run
 `python -m qwen_np inspect --preset qwen3-8b`."""
 
 
@@ -190,13 +274,51 @@ The tokenizer (byte-level BPE, `qwen_np/tokenizer.py`) cuts the text into pieces
 vocabulary of {run.model.config.vocab_size:,} entries and replaces each piece by its id. A leading
 space belongs to the word after it. No start-of-text token is added: Qwen3 never adds one.
 
-{code_block(f"ids = tokenizer.encode({PROMPT!r})   # -> {run.ids}")}
+{code_block(f"ids = tokenizer.encode({run.prompt!r})   # -> {run.ids}")}
 
 | position | id | piece |
 |---:|---:|---|
 {rows}
 
-From here on the model sees only these T = {len(run.ids)} integers."""
+From here on the model sees only these T = {len(run.ids)} integers.
+
+{chat_template_note()}"""
+
+
+CHAT_QUESTION = "Who wrote Hamlet?"
+
+
+def qwen3_tokenizer() -> Tokenizer:
+    """The real Qwen3 tokenizer of QWEN3_TOKENIZER_FOLDERS (one with a <think> chat template)."""
+    for folder in QWEN3_TOKENIZER_FOLDERS:
+        config = folder / "tokenizer_config.json"
+        if config.is_file() and "<think>" in config.read_text(encoding="utf-8"):
+            return Tokenizer.from_folder(folder)
+    raise QwenNPError(f"make_walkthrough: no Qwen3 tokenizer with a chat template in {QWEN3_TOKENIZER_FOLDERS}")
+
+
+def chat_template_note() -> str:
+    tokenizer = qwen3_tokenizer()
+    messages = [{"role": "user", "content": CHAT_QUESTION}]
+    thinking = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    direct = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+    plain = len(tokenizer.encode(CHAT_QUESTION))
+    return f"""**What a chat model adds to the prompt.** The bundled model continues raw text, so every command
+on this page passes `--no-chat`. A chat model such as Qwen3-8B was fine-tuned on conversations
+written in a fixed layout, its **chat template** (a Jinja program in `tokenizer_config.json`), and
+answers well only when the prompt is written the same way. `generate` applies it unless `--no-chat`
+is given. With the real Qwen3 tokenizer, the question `{CHAT_QUESTION!r}` ({plain} tokens as plain text)
+becomes:
+
+{code_block(thinking, "text")}
+
+{len(tokenizer.encode(thinking))} tokens: `<|im_start|>` and `<|im_end|>` are single special tokens that
+frame each turn, and the prompt ends where the assistant's turn begins. Qwen3 then *thinks* first:
+it writes its reasoning between `<think>` and `</think>`, then the answer. With `--no-think`
+(`enable_thinking=False`) the template writes an empty thinking block itself, so the model answers
+at once ({len(tokenizer.encode(direct))} tokens):
+
+{code_block(direct, "text")}"""
 
 
 def embedding_section(run: Run, shown: set[str]) -> str:
@@ -225,8 +347,7 @@ lengths (L2 norms) of the {len(run.ids)} vectors are {norms}."""
 
 
 def layer_section(run: Run, shown: set[str]) -> str:
-    trace = io.StringIO()
-    run.model.forward(run.ids, trace=Tracer(stream=trace, layers={LAYER}))
+    trace = command_stderr(run, "--trace-layers", str(LAYER))
     parts = [f"""## 3. Inside layer {LAYER}, step by step
 
 A decoder layer is two blocks, each of which reads a normalised copy of the residual stream and adds
@@ -238,11 +359,17 @@ x = x + mlp(post_attention_layernorm(x))         # each token is processed on it
 ```
 
 All L = {run.model.config.num_hidden_layers} layers do exactly this, each with its own weights.
-This is what `python -m qwen_np generate --trace --trace-layers {LAYER}` prints for the prompt: every
+This is what
+
+{code_block(generate_command(run, "--trace-layers", str(LAYER)), "bash")}
+
+prints on stderr (`--no-chat`: the prompt is fed as plain text; `-n 1`: one new token): every
 step's shape (symbols = numbers), then the mean, standard deviation and largest absolute value of
 its output:
 
-{code_block(trace.getvalue(), "text")}
+{code_block(trace, "text")}
+
+![One decoder layer: every step and its output shape at this prompt](figures/decoder_layer.png)
 
 Now each step in turn: the lines of `Qwen3Model._decoder_layer` that compute it (with the
 `layers.py` function they call, the first time it appears) and what its real output looks like."""]
@@ -278,7 +405,18 @@ def _rms_note(run: Run, step: Step) -> str:
     return (f"The RMS of each position's vector before the norm: {values(np.sqrt(np.mean(source ** 2, -1)), 8)}; "
             f"after it, divided by the learned weight: {values(np.sqrt(np.mean((out / weight) ** 2, -1)), 8)}. "
             "Every token enters the block at the same scale, however large the residual stream has grown; "
-            "the weight then scales each of the D features.")
+            "the weight then scales each of the D features." + (rms_why(run) if step.short_name == "input_layernorm" else ""))
+
+
+def rms_why(run: Run) -> str:
+    grown = [rms(run.arrays[f"model.layers.{i}.residual_mlp"][-1]) for i in range(run.model.config.num_hidden_layers)]
+    return ("\n\n*Why RMSNorm, and why before the block (pre-norm).* LayerNorm subtracts the mean and divides by the "
+            "standard deviation, then adds a bias; RMSNorm only divides by the root mean square: one reduction "
+            "instead of two and no bias, and it trains as well. The norm sits *before* each block, on a copy: the "
+            "residual stream itself is never normalised, so the sum x + block(x) passes gradients from the loss "
+            "straight down to the embedding (post-norm, the original Transformer's, normalised the sum itself "
+            "and needed careful warmup to train deep). The stream is free to grow: the RMS of the last position "
+            f"after each layer is {values(np.array(grown), len(grown))}, yet every block reads it at RMS 1.")
 
 
 def _heads_note(run: Run, step: Step) -> str:
@@ -302,10 +440,19 @@ def _qk_norm_note(run: Run, step: Step) -> str:
     if step.short_name == "self_attn.k_norm":
         return (f"The same for each of the KVH = {run.model.config.num_key_value_heads} key heads, with its own "
                 f"weight (RMS divided by the weight at the last position: {per_head}).")
-    return (f"Qwen3 normalises each head's vector over its Dh = {run.model.config.head_dim} numbers, before "
-            f"RoPE (Qwen2 had no such norm). At the last position the heads' RMS divided by the weight is "
-            f"{per_head}: every head now has the same scale, which keeps the attention scores from growing "
-            "without bound.")
+    w = run.model.layers[LAYER]
+    Dh = run.model.config.head_dim
+    bound = float(np.abs(w.q_norm).max() * np.abs(w.k_norm).max()) * Dh ** 0.5
+    scores = run.arrays[f"model.layers.{LAYER}.self_attn.scores"]
+    largest = float(np.abs(scores[np.isfinite(scores)]).max())
+    return (f"Qwen3 normalises each head's vector over its Dh = {Dh} numbers, before RoPE. At the last position "
+            f"the heads' RMS divided by the weight is {per_head}: every head now has the same scale.\n\n"
+            "*Why per-head QK-norm.* Qwen2 added a learned bias to q, k and v; Qwen3 dropped the biases and "
+            "normalises q and k instead. The attention score q · k / sqrt(Dh) can then no longer grow without "
+            "bound as training scales the weights up (large scores saturate the softmax, and training stalls "
+            "or diverges): after the norm, |q| <= max|q_norm weight| · sqrt(Dh) and likewise for k, so in this "
+            f"layer no score can exceed {num(bound)} whatever the input (Cauchy-Schwarz). The largest here is "
+            f"{num(largest)}.")
 
 
 def _rope_note(run: Run, step: Step) -> str:
@@ -318,13 +465,72 @@ def _rope_note(run: Run, step: Step) -> str:
     return (f"Position 0 has angle 0, so it is unchanged (largest change {num(np.abs(after[0] - before[0]).max())}). "
             f"Later positions are rotated, which changes the numbers but not the length: the last position's "
             f"head 0 has length {lengths}. Because q and k are each rotated by their own position, q · k "
-            "depends on how far apart the two tokens are, not on where they are.")
+            "depends on how far apart the two tokens are, not on where they are." + rope_why(run))
+
+
+def interleaved_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """RoPE in the interleaved layout (GPT-J, Meta's Llama code): dimension 2i rotates with 2i+1."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]                                  # [T, 1, Dh/2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = even * c - odd * s, odd * c + even * s
+    return out
+
+
+def rope_why(run: Run) -> str:
+    c = run.model.config
+    inv_freq = layers.rope_inverse_frequencies(c.head_dim, c.rope_theta)            # [Dh/2]
+    periods = 2 * np.pi / inv_freq
+    slow = int(np.sum(periods > c.max_position_embeddings))
+    llama = 2 * np.pi / layers.rope_inverse_frequencies(c.head_dim, 10_000.0)
+    real = preset(REAL)
+    real_slow = [int(np.sum(2 * np.pi / layers.rope_inverse_frequencies(real.head_dim, theta)
+                            > real.max_position_embeddings)) for theta in (real.rope_theta, 10_000.0)]
+    # Half-split vs interleaved: reorder each head's q and k features (i, i + Dh/2) -> (2i, 2i+1), which is
+    # what reordering the rows of q_proj/k_proj (and the q/k norm weights) does, and rotate interleaved.
+    q, k = (run.arrays[f"model.layers.{LAYER}.self_attn.{n}_norm"] for n in ("q", "k"))
+    order = np.stack([np.arange(c.head_dim // 2), np.arange(c.head_dim // 2) + c.head_dim // 2], -1).reshape(-1)
+    cos, sin = layers.rope_angles(inv_freq, np.arange(len(run.ids)))
+    half_split = layers.attention_scores(layers.rope(q, cos, sin), layers.rope(k, cos, sin))
+    interleaved = layers.attention_scores(interleaved_rope(q[..., order], cos, sin),
+                                          interleaved_rope(k[..., order], cos, sin))
+    return ("\n\n*Why rope_theta, and the frequency ladder.* Pair i turns by position × inv_freq[i], "
+            "inv_freq[i] = theta^(-2i/Dh) (`layers.rope_inverse_frequencies`): a ladder from fast to slow. "
+            f"With theta = {c.rope_theta:,.0f} and Dh = {c.head_dim}, the periods (2π / inv_freq, in tokens) run "
+            f"{values(periods, 3)} up to {num(periods[-1])}: the fast pairs tell neighbours apart, the slow ones "
+            f"change little over the whole text and carry meaning that position should not disturb. "
+            f"{slow} of the {len(periods)} pairs never complete a turn within the {c.max_position_embeddings}-token "
+            f"context. The original RoPE used theta = 10,000 (slowest period {num(llama[-1])} tokens). A larger theta "
+            "slows the whole ladder down, so that the slow pairs have not wrapped around (which would make far "
+            f"positions look near) even at long range: for Qwen3-8B (Dh = {real.head_dim}), {real_slow[0]} of "
+            f"{real.head_dim // 2} pairs never complete a turn in its {real.max_position_embeddings:,}-token context "
+            f"with theta = 1,000,000, against {real_slow[1]} with 10,000 (`docs/figures/rope.png`).\n\n"
+            "*Half-split vs interleaved.* qwen_np (like transformers' Qwen3) rotates dimension i with i + Dh/2; "
+            "Meta's original Llama code rotates 2i with 2i+1. The rotation is the same; only which features form a "
+            "pair differs, so reordering the rows of q_proj and k_proj turns one layout into the other. On this "
+            "prompt's normed q and k, reordered and rotated the interleaved way, the scores differ from the "
+            f"half-split ones by at most {num(np.abs(half_split - interleaved).max())} (FP32 rounding). A "
+            "checkpoint converted between the two without that reordering runs but produces garbage.\n\n"
+            f"![RoPE: the frequency ladder and one pair's rotation](figures/rope.png)")
 
 
 def _scores_note(run: Run, step: Step) -> str:
+    Dh = run.model.config.head_dim
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 10_000, Dh))
+    raw_std = float(np.std(np.sum(a * b, -1)))
+    scores = run.at(step)                                                            # [H, T, S]
+    sharp = layers.softmax(scores * np.float32(Dh ** 0.5))                           # without the scale
     return ("Head 0's scores: one row per query position, one column per key position. Above the "
             "diagonal a token would look at a later token; the causal mask sets those to −∞.\n\n"
-            + matrix(run, run.at(step)[0]))
+            + matrix(run, scores[0]) + "\n\n"
+            f"*Why divide by sqrt(Dh).* A dot product of two vectors of Dh = {Dh} independent unit-variance "
+            f"numbers has standard deviation sqrt(Dh) = {num(Dh ** 0.5)} (10,000 random pairs: {num(raw_std)}). "
+            "Scores that large make the softmax put almost all the weight on one key, and its gradient "
+            "vanishes; dividing by sqrt(Dh) brings them back to about 1. Here the largest weight in each row, "
+            f"averaged over heads and positions, is {num(np.max(layers.softmax(scores), -1).mean())}; without the "
+            f"scale it would be {num(np.max(sharp, -1).mean())}.")
 
 
 def _softmax_note(run: Run, step: Step) -> str:
@@ -359,7 +565,21 @@ def _act_note(run: Run, step: Step) -> str:
     return (f"SiLU(g) = g · sigmoid(g) is close to 0 for negative g and close to g for positive g: "
             f"SiLU({values(probe, 5)}) = {values(layers.silu(probe), 5)}. "
             f"{np.mean(gate < 0):.0%} of the gate values here are negative, so those features are mostly "
-            "switched off; the rest pass the matching `up` feature through, scaled.")
+            "switched off; the rest pass the matching `up` feature through, scaled.\n\n"
+            + swiglu_why(run))
+
+
+def swiglu_why(run: Run) -> str:
+    c = run.model.config
+    D, F = c.hidden_size, c.intermediate_size
+    return ("*Why SwiGLU.* A classic MLP is down(GELU(up(x))): one nonlinearity of one projection. SwiGLU "
+            "multiplies two projections, one passed through SiLU: each feature is a product whose gate "
+            "depends on the token, so the MLP can switch features on and off per token. At the same number "
+            "of parameters it reached a lower loss in Shazeer's comparison (*GLU Variants Improve Transformer*, "
+            "2020), and LLaMA, Qwen and most open models since use it. The third matrix costs parameters: a "
+            f"4 × D GELU MLP has 2 · D · 4D = 8 · D² = {8 * D * D:,} weights, and SwiGLU matches it at F = 8/3 × D "
+            f"= {8 * D // 3} (LLaMA's choice). Qwen3 takes F = 3 × D (Qwen3-8B: 12,288 = 3 × 4,096; here {F} = "
+            f"{num(F / D)} × D): 3 · D · F = {3 * D * F:,} weights per layer.")
 
 
 NOTES: dict[str, Callable[[Run, Step], str]] = {
@@ -374,8 +594,18 @@ NOTES: dict[str, Callable[[Run, Step], str]] = {
 }
 
 
-TIED_LENS_NOTE = (" The embedding row predicts the current token itself: with tied embeddings the LM head is "
-                  "the embedding table, and a vector scores highest against itself.")
+def lens_note(run: Run, probs: np.ndarray) -> str:
+    """What the embedding row of the lens predicts, said as it is (a tied model often, not always, predicts
+    the current token there: its logit is the token's embedding row dotted with the normed row itself)."""
+    top = int(np.argmax(probs[0]))
+    if not run.model.config.tie_word_embeddings:
+        return ""
+    which = ("the current token itself" if top == run.ids[-1] else
+             f"{token_text(run.tokenizer, top)}, not the current token")
+    return (f" The embedding row predicts {which}: with tied embeddings the LM head is the embedding table, so "
+            "that row scores each token by its embedding's dot product with the current token's (normed) one. "
+            "A vector's dot product with itself is often the largest, but not always: another row that is longer, "
+            "or points the same way, can score higher.")
 
 
 def remaining_layers_section(run: Run) -> str:
@@ -383,7 +613,12 @@ def remaining_layers_section(run: Run) -> str:
     rows = "\n".join(
         f"| {i} | {num(rms(run.arrays[f'model.layers.{i}.residual_attn'][-1]))} | "
         f"{num(rms(run.arrays[f'model.layers.{i}.residual_mlp'][-1]))} |" for i in range(c.num_hidden_layers))
-    attention = attention_view(run.model, run.ids, run.tokenizer, layer=LAYER, head=0)
+    head = f"{ATTENTION_LAYER}:0"
+    weights = attention_weights(run.model, run.ids, ATTENTION_LAYER)                   # [H, T, T]
+    labels = [token_text(run.tokenizer, i) for i in run.ids]
+    run.figures["attention"] = {"layer": ATTENTION_LAYER, "labels": labels, "weights": weights.tolist()}
+    lens_labels, lens, _ = lens_probabilities(run.model, run.ids)
+    run.figures["logit_lens"] = logit_lens_grid(run)
     return f"""## 4. The other layers, and what each one "thinks"
 
 Every layer repeats section 3 with its own weights. The RMS of the residual stream at the last
@@ -393,20 +628,49 @@ position after each block:
 |---:|---:|---:|
 {rows}
 
-**Attention view.** `python -m qwen_np generate --attention {LAYER}:0 ...` draws one head's weights as a
-heatmap: the last token's weights over the prompt, then the whole causal grid (add `--attention-png
-FILE` for an image):
+**Attention view.**
 
-{code_block(attention, "text")}
+{code_block(generate_command(run, "--attention", head, "--attention-png", "attention.png"), "bash")}
+
+draws one head's weights: the last token's weights over the prompt, then the whole causal grid, and
+(with `--attention-png`) a labelled heatmap. It prints:
+
+{code_block(command_stderr(run, "--attention", head), "text")}
+
+All {c.num_attention_heads} heads of layer {ATTENTION_LAYER} side by side (`docs/figures/attention.png`): each head
+learns its own pattern; heads h and h + 1 share a KV head ({c.num_attention_heads} query heads read
+{c.num_key_value_heads} key/value heads).
+
+![Attention weights of every head of layer {ATTENTION_LAYER}](figures/attention.png)
 
 **Logit lens.** Section 5 turns the final residual stream into a prediction. Nothing stops us from
 applying the same final norm and LM head to the stream after *any* layer, which shows what the model
-would predict if it stopped there. In a trained model the prediction sharpens layer by layer; here
-the weights are random, so the rows are noise, but the last row is by construction exactly the
-model's own prediction.{TIED_LENS_NOTE if run.model.config.tie_word_embeddings else ""}
-`python -m qwen_np generate --lens ...` prints:
+would predict if it stopped there; the last row is by construction exactly the model's own
+prediction.{lens_note(run, lens)}
 
-{code_block(logit_lens(run.model, run.ids, run.tokenizer, top_k=3), "text")}"""
+{code_block(generate_command(run, "--lens"), "bash")}
+
+prints:
+
+{code_block(command_stderr(run, "--lens"), "text")}
+
+The same lens at every position, top token and its probability (`docs/figures/logit_lens.png`): row
+"layer l" is what the stream after layer l predicts as the token following each prompt token.
+
+![Logit lens: the top next token after each layer, at every position](figures/logit_lens.png)"""
+
+
+def logit_lens_grid(run: Run) -> dict[str, Any]:
+    """The lens at every position: top-1 token text and probability for [L+1 rows, T positions]."""
+    residuals = [run.arrays["model.embed_tokens"]] + [run.arrays[f"model.layers.{i}.residual_mlp"]
+                                                       for i in range(run.model.config.num_hidden_layers)]
+    normed = layers.rms_norm(np.stack(residuals), run.model.norm, run.model.config.rms_norm_eps)   # [L+1, T, D]
+    probs = layers.softmax(layers.linear(normed, run.model.lm_head))                  # [L+1, T, V]
+    top = np.argmax(probs, -1)                                                         # [L+1, T]
+    return {"rows": ["embedding"] + [f"layer {i}" for i in range(len(residuals) - 1)],
+            "positions": [token_text(run.tokenizer, i) for i in run.ids],
+            "tokens": [[token_text(run.tokenizer, int(t)) for t in row] for row in top],
+            "probabilities": np.take_along_axis(probs, top[..., None], -1)[..., 0].tolist()}
 
 
 def prediction_section(run: Run, shown: set[str]) -> str:
@@ -415,13 +679,11 @@ def prediction_section(run: Run, shown: set[str]) -> str:
     rows = "\n".join(f"| {rank} | {i} | `{token_text(run.tokenizer, int(i), width=40)}` | {num(run.logits[-1, i])} | "
                      f"{num(probs[i])} |" for rank, i in enumerate(top, start=1))
     final_norm, head = STEPS_BY_NAME["model.norm"], STEPS_BY_NAME["lm_head"]
-    tied = ("The bundled model, like Qwen3-0.6B/1.7B/4B, ties the LM head to the embedding table (the same "
-            "matrix turns ids into vectors and vectors into scores); Qwen3-8B/14B/32B have a separate "
-            "`lm_head.weight`." if run.model.config.tie_word_embeddings else "")
+    c = run.model.config
     return f"""## 5. Final norm → logits → the next token
 
 After the last layer, one more RMSNorm, then the LM head: a matrix product of the normed stream
-with a [V, D] matrix, giving one score (**logit**) per vocabulary entry at every position. {tied}
+with a [V, D] matrix, giving one score (**logit**) per vocabulary entry at every position.
 
 {step_code(final_norm, shown)}
 
@@ -434,10 +696,80 @@ the prompt only the last row matters. Softmax turns that row into probabilities;
 |---:|---:|---|---:|---:|
 {rows}
 
-Greedy decoding would append `{token_text(run.tokenizer, int(top[0]), width=40)}`; sampling (what
-`generate` does by default, with Qwen3's temperature 0.6, top-k 20, top-p 0.95) draws from these
-probabilities. With random weights they are nearly uniform over {run.model.config.vocab_size:,}
-tokens (uniform would be {num(1 / run.model.config.vocab_size)} each), and the winner is arbitrary."""
+The top token, `{token_text(run.tokenizer, int(top[0]), width=40)}`, is the one that follows the prompt in the
+play; greedy decoding (`--temperature 0`) would append it. A uniform guess would give each of the
+{c.vocab_size:,} tokens {num(1 / c.vocab_size)}.
+
+{tied_why(run)}
+
+{sampling_section(run)}"""
+
+
+def tied_why(run: Run) -> str:
+    rows = []
+    for name, config in (("this model", run.model.config), (SMALL_REAL, preset(SMALL_REAL)), (REAL, preset(REAL))):
+        table = config.vocab_size * config.hidden_size
+        total = parameter_count(config)
+        rows.append(f"| {name} | {'tied' if config.tie_word_embeddings else 'separate'} | {table:,} | "
+                    f"{table / total:.0%} |")
+    return f"""*Why tied embeddings, and only in the small sizes.* This model, like Qwen3-0.6B, 1.7B and 4B, ties
+the LM head to the embedding table: the same [V, D] matrix turns ids into vectors and vectors into
+scores, and is stored once. Qwen3-8B, 14B and 32B have a separate `lm_head.weight`. The table's share
+of the parameters decides: in a small model it is a large part of the whole, and sharing it saves
+that much; in a big one it is a few percent, and a separate head, free to differ from the input
+embedding, is worth its cost.
+
+| model | LM head | parameters in one [V, D] table | share of all parameters |
+|---|---|---:|---:|
+{chr(10).join(rows)}"""
+
+
+SAMPLING_SETTINGS = (   # (label, SamplingParams fields) for the table of section 5
+    ("temperature 1, no filter", {}),
+    ("temperature 0.5", {"temperature": 0.5}),
+    ("temperature 1.5", {"temperature": 1.5}),
+    ("top-k 10", {"top_k": 10}),
+    ("top-p 0.5", {"top_p": 0.5}),
+    ("min-p 0.2", {"min_p": 0.2}),
+)
+
+
+def sampling_section(run: Run) -> str:
+    logits = run.logits[-1]
+    defaults = read_generation_defaults(run.model_dir, run.model.config).sampling
+    default_fields = {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p,
+                      "min_p": defaults.min_p}
+    settings = [*SAMPLING_SETTINGS, ("the model's defaults: " + ", ".join(
+        f"{k.replace('_', '-')} {v:g}" for k, v in default_fields.items()), default_fields)]
+    rows, kept = [], {}
+    for label, fields in settings:
+        probs = sampling.softmax(sampling.warp(logits, sampling.SamplingParams(**fields)))
+        alive = np.flatnonzero(probs > 0)
+        kept[label] = alive.tolist()
+        top = np.argsort(-probs, kind="stable")[:3]
+        shown = ", ".join(f"`{token_text(run.tokenizer, int(i))}` {num(probs[i], 3)}" for i in top)
+        rows.append(f"| {label} | {len(alive):,} | {shown} |")
+    base = sampling.softmax(logits)
+    order = np.argsort(-base, kind="stable")[:20]
+    run.figures["sampling"] = {"tokens": [token_text(run.tokenizer, int(i)) for i in order],
+                               "probabilities": base[order].tolist(),
+                               "kept": {label: [bool(i in kept[label]) for i in order] for label, _ in settings[3:]}}
+    return f"""**Sampling: temperature, top-k, top-p, min-p.** `generate` samples by default, from the
+probabilities above reshaped by `qwen_np/sampling.py` in transformers' order: the **temperature**
+divides the logits (below 1 sharpens the distribution, above 1 flattens it, 0 means greedy), **top-k**
+keeps the k most likely tokens, **top-p** the fewest most likely whose probabilities reach p, and
+**min-p** drops every token less likely than min-p × the top token's probability. Each is there to
+cut the long tail of unlikely tokens, where one unlucky draw derails a text, while keeping variety.
+On this prompt's real distribution (`sampling.warp`, then `sampling.softmax`):
+
+| setting | tokens that can be drawn | top 3 after the setting |
+|---|---:|---|
+{chr(10).join(rows)}
+
+Top-k keeps a fixed number however the probability is spread; top-p and min-p adapt: few tokens when
+the model is sure, many when it is not. (The model's defaults come from its `generation_config.json`.)
+
+![The 20 most likely next tokens, and which of them each filter keeps](figures/sampling.png)"""
 
 
 def kv_cache_section(run: Run) -> str:
@@ -509,8 +841,12 @@ mantissa (the precision).
   bits: about 3 significant digits. π becomes {float(pi_bf16)}. Qwen3 is released in BF16.
 * **FP16** has more precision (10 mantissa bits) but a tiny range: 70,000 becomes {big_fp16} in FP16,
   {float(big_bf16):,.0f} in BF16. Activations of large models do exceed 65,504, which is why training moved to BF16.
-* **FP8** (E4M3, E5M2) and **INT8/INT4** are for inference on hardware that supports them, with
-  per-block scale factors to recover the range (a few % extra bytes, not counted above).
+* **FP8** (E4M3, E5M2) is used for inference and, on hardware with FP8 matrix units (NVIDIA H100 and
+  later), for training too: matrix products in FP8 with per-tensor or per-block scale factors,
+  master weights and optimizer state kept in higher precision (DeepSeek-V3 was trained this way).
+  **INT8/INT4** are inference formats: weights quantized after training, with a scale per block
+  (a few % extra bytes, not counted above). `python -m qwen_np precision` measures what each format
+  does to this model's predictions.
 
 **Upcasting BF16 → FP32 is exact**: a BF16 number is the top 16 bits of an FP32 number, so qwen_np
 shifts the stored bits left by 16 and reinterprets them. No information is added or lost:
@@ -549,15 +885,20 @@ def bandwidth_section(run: Run) -> str:
     memory_time, compute_time = read / EXAMPLE_BANDWIDTH, decode / EXAMPLE_FLOPS
     block_bytes = layers.UPCAST_BLOCK_ROWS * real.hidden_size * 4
     ours = weight_bytes_read_per_token(run.model.config, 4)
+    weight_flops = 2 * (read // 2)                     # 2 FLOPs (multiply + add) per weight read
     return f"""## 8. Why decode speed is set by memory bandwidth, and what the CPU caches do
 
 A decode step multiplies one token's vector by every weight matrix: each weight is read once and
-used for one multiply-add (2 FLOPs). For Qwen3-8B in BF16 that is {num(read / 1e9)} GB read for
-{num(decode / 1e9)} GFLOP: about one FLOP per byte.
+used for one multiply-add (2 FLOPs). For Qwen3-8B in BF16 that is {num(read / 1e9)} GB of weights read
+(every weight but the embedding table, of which only the token's row is needed) for
+{num(weight_flops / 1e9)} GFLOP of matrix-vector products: 2 FLOPs per 2 bytes, one FLOP per byte.
+Attention over a 1,000-token cache adds {num((decode - weight_flops) / 1e9, 2)} GFLOP (and reads the cache),
+so the whole step is {num(decode / 1e9)} GFLOP.
 
 Take a desktop with, say, {EXAMPLE_BANDWIDTH / 1e9:g} GB/s of memory bandwidth and {EXAMPLE_FLOPS / 1e12:g}
 TFLOP/s of FP32 matmul (round example figures; `python -m qwen_np inspect` measures this machine's
-bandwidth). Reading the weights takes {num(memory_time, 2)} s, the arithmetic {num(compute_time, 2)} s. The
+bandwidth). Reading the weights takes {num(memory_time, 2)} s, the step's {num(decode / 1e9)} GFLOP of arithmetic
+{num(compute_time, 2)} s. The
 processor spends most of each token waiting for memory, so **decode speed ≈ bandwidth ÷ bytes of
 weights**: at most {num(1 / memory_time, 2)} tokens/s here, whatever the core count. Fewer bytes per
 weight (BF16 instead of FP32, or INT4) is faster for exactly this reason.
@@ -580,73 +921,96 @@ The bundled model reads {ours / 2 ** 20:.1f} MiB of FP32 weights per token, almo
 [V, D] LM head matrix: even a tiny network pays for a real vocabulary."""
 
 
-def training_section() -> str:
-    real = preset(REAL)
-    params = parameter_count(real)
-    rows = [("BF16 weights (what inference loads)", 2), ("FP32 master weights", 4), ("gradients (BF16)", 2),
-            ("Adam first moment m (FP32)", 4), ("Adam second moment v (FP32)", 4)]
-    table = "\n".join(f"| {what} | {width} | {num(params * width / 1e9)} GB |" for what, width in rows)
-    total = sum(width for _, width in rows)
-    return f"""## 9. What a training checkpoint holds beyond the inference weights
+def next_steps_section(run: Run) -> str:
+    prompt = shell_quote(run.prompt)
+    return f"""## 11. Try it yourself
 
-A released model (`model.safetensors`) holds only what the forward pass needs: one number per
-parameter, {num(params * 2 / 1e9)} GB for Qwen3-8B in BF16. Training with AdamW in mixed precision keeps
-much more per parameter, and a checkpoint to *resume* training has to save it:
-
-| state per parameter | bytes | Qwen3-8B |
-|---|---:|---:|
-{table}
-| **total** | **{total}** | **{num(params * total / 1e9)} GB** |
-
-* **Master weights**: the optimizer updates an FP32 copy, because many updates are smaller than a
-  BF16 step (section 7) and would round away; the BF16 weights are re-derived from it.
-* **Adam moments**: running averages of each parameter's gradient (m) and squared gradient (v); they
-  set each parameter's step size. Gradients themselves are usually not saved: they are recomputed.
-* Also saved, and small: the step count, the learning-rate schedule's position, the random number
-  generator states and the data order (so a resumed run sees the data it would have seen).
-
-None of that is needed to run the model, so releases drop it: {total // 2}× smaller."""
-
-
-def next_steps_section() -> str:
-    return """## 10. Try it yourself
-
-```text
-python -m qwen_np inspect --preset qwen3-8b             # every shape and count above at full size
-python -m qwen_np generate --trace --trace-layers 0 "The capital of France is"
-python -m qwen_np generate --lens "The capital of France is"
-python -m qwen_np generate --model Qwen/Qwen3-0.6B "The capital of France is"   # a trained model
+```bash
+python -m qwen_np inspect --preset qwen3-8b          # every shape and count above at full size, and its memory
+{generate_command(run, "--trace-layers", str(LAYER))}
+{generate_command(run, "--lens")}
+python -m qwen_np generate --no-chat -n 40 {prompt}   # let it go on
+python -m qwen_np train --preset tiny --out /tmp/tiny  # a whole training run, in seconds
 ```
 
-In Python, any forward pass can be traced:
+The same steps as runnable code: [`docs/walkthrough.ipynb`](walkthrough.ipynb). In Python, any
+forward pass can be traced:
 
 ```python
 from qwen_np import load_model
 from qwen_np.inspection import Tracer
-model = load_model("weights")
-model.forward([785, 6722, 315, 9625, 374], trace=Tracer())
-```"""
+from qwen_np.tokenizer import Tokenizer
+model, tokenizer = load_model("weights"), Tokenizer.from_folder("weights")
+model.forward(tokenizer.encode({run.prompt!r}), trace=Tracer())
+```
+
+The words this page uses, with the function, flag and section for each: [`docs/glossary.md`](glossary.md)."""
 
 
-def render(model_dir: Path = BUNDLED_MODEL) -> str:
-    """The whole walkthrough as markdown, from a real run on the model in `model_dir`."""
+@dataclass
+class Page:
+    """The generated files' contents: the walkthrough, its figures' data, and the notebook's sections."""
+
+    markdown: str
+    sections: list[str]                  # the markdown split into the page's sections, in order
+    figures: dict[str, Any]              # figure name -> the numbers it is drawn from
+    model_dir: Path
+    run: Run
+    facts: dict[str, Any]                # numbers on the page that the notebook's code must reproduce
+
+
+def render_page(model_dir: Path | None = None) -> Page:
+    """The whole walkthrough, from a real run on the model in `model_dir` (default: BUNDLED_MODEL)."""
+    model_dir = model_dir or BUNDLED_MODEL
+    from walkthrough_training import memory_section, training_step_section
+
     with threadpool_limits(limits=1):        # one BLAS thread: the same sums in the same order every run
         run = run_prompt(model_dir)
+        run.figures["rope"] = rope_figure_data(run.model.config)
+        run.figures["decoder_layer"] = decoder_layer_data(run)
         shown: set[str] = set()              # layers.* functions whose source is already on the page
+        facts: dict[str, Any] = {}
         sections = [intro(run), tokens_section(run), embedding_section(run, shown), layer_section(run, shown),
                     remaining_layers_section(run), prediction_section(run, shown), kv_cache_section(run),
-                    formats_section(run), bandwidth_section(run), training_section(), next_steps_section()]
-    return "\n\n".join(sections) + "\n"
+                    formats_section(run), bandwidth_section(run), training_step_section(model_dir, num, code_block, facts),
+                    memory_section(model_dir, num), next_steps_section(run)]
+    return Page("\n\n".join(sections) + "\n", sections, run.figures, model_dir, run, facts)
+
+
+def render(model_dir: Path | None = None) -> str:
+    """The walkthrough's markdown."""
+    return render_page(model_dir).markdown
+
+
+def rope_figure_data(config: Qwen3Config) -> dict[str, Any]:
+    """The frequency ladder (period of each pair) at this theta and at 10,000, and pair 0's and a slow pair's
+    angle over the first positions."""
+    inv_freq = layers.rope_inverse_frequencies(config.head_dim, config.rope_theta)
+    positions = np.arange(16)
+    pairs = [0, config.head_dim // 8, config.head_dim // 4]
+    return {"head_dim": config.head_dim, "rope_theta": config.rope_theta,
+            "periods": (2 * np.pi / inv_freq).tolist(),
+            "periods_theta_1e4": (2 * np.pi / layers.rope_inverse_frequencies(config.head_dim, 10_000.0)).tolist(),
+            "context": config.max_position_embeddings, "pairs": pairs, "positions": positions.tolist(),
+            "angles": [(positions * float(inv_freq[i])).tolist() for i in pairs]}
+
+
+def decoder_layer_data(run: Run) -> dict[str, Any]:
+    """The boxes of the decoder-layer diagram: each step inside a layer, with its shape at this prompt."""
+    return {"steps": [{"name": step.short_name, "shape": shape_of(run, step)} for step in STEPS if step.in_layer],
+            "layers": run.model.config.num_hidden_layers}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="checkpoint folder (default: weights)")
-    parser.add_argument("--out", type=Path, default=WALKTHROUGH, help="output file (default: docs/walkthrough.md)")
+    parser.add_argument("--docs", type=Path, default=DOCS,
+                        help="folder for walkthrough.md, walkthrough.ipynb and figures/ (default: docs)")
     args = parser.parse_args(argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(args.model), encoding="utf-8")
-    print(f"wrote {args.out}")
+    from walkthrough_files import write_all
+
+    for path in write_all(render_page(args.model), args.docs):
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

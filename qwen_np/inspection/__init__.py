@@ -11,12 +11,14 @@ from them, so the three can never disagree about what the model does.
     report.py     `inspect`, text and JSON   bandwidth.py  the rough bandwidth probe it uses
     trace.py      Tracer                     lens.py       the logit lens
     attention.py  the attention view         png.py, text.py   a PNG writer, token text
+    figures.py    labelled heatmaps (matplotlib)
 """
 
 from ..config import DIMENSIONS as SYMBOL_MEANINGS
 from ..config import dimensions, evaluate, resolve
 from .attention import attention_view, attention_weights, heatmap_pixels
 from .bandwidth import measure_bandwidth
+from .figures import attention_figure, save_attention_png
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
 from .lens import lens_probabilities, logit_lens
 from .png import write_png
@@ -26,7 +28,7 @@ from .text import pad, token_text
 from .trace import Tracer, trace_row
 
 __all__ = ["STEPS", "STEPS_BY_NAME", "SYMBOL_MEANINGS", "Shape", "Step", "Tracer", "attention_view",
-           "attention_weights", "dimensions", "evaluate", "forward_flops", "format_shape", "heatmap_pixels",
+           "attention_figure", "attention_weights", "dimensions", "evaluate", "forward_flops", "format_shape", "heatmap_pixels",
            "inspect_command", "inspect_report", "lens_probabilities", "logit_lens", "measure_bandwidth", "pad",
-           "parameter_summary", "render_report", "resolve", "token_text", "trace_row", "weight_bytes_read_per_token",
-           "weight_tensors", "write_png"]
+           "parameter_summary", "render_report", "resolve", "save_attention_png", "token_text", "trace_row",
+           "weight_bytes_read_per_token", "weight_tensors", "write_png"]

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..errors import QwenNPError
 from ..model import Qwen3Model
-from .png import write_png
+from .figures import save_attention_png
 from .text import pad, token_text
 
 
@@ -48,8 +48,8 @@ def attention_view(model: Qwen3Model, token_ids: list[int], tokenizer: Any, laye
         lines += [f"  {pad(text, 15)}{_shade_row(row, position)}".rstrip()
                   for position, (text, row) in enumerate(zip(texts, weights))]
     if png_path is not None:
-        write_png(png_path, heatmap_pixels(weights))
-        lines.append(f"\n  wrote {png_path}: the full {len(texts)} x {len(texts)} grid, darker = more weight")
+        what = save_attention_png(png_path, weights, texts, f"layer {layer}, head {head}")
+        lines.append(f"\n  wrote {png_path}: {what}")
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from ..config import DIMENSIONS, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
-from ..memory import DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, kv_cache_bytes_per_token
+from ..memory import (DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
+                      kv_cache_bytes_per_token, working_bytes)
 from ..numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
@@ -19,10 +20,18 @@ KV_FORMATS = (("BF16", 2), ("FP32", 4))   # how real runtimes store the KV cache
 STORED_FORMATS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}
 
 
-def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth: float) -> dict[str, Any]:
-    """Everything `inspect` shows, as plain data (the JSON output, and what the text is rendered from)."""
+def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth: float,
+                   context: int | None = None, batch_size: int = 16) -> dict[str, Any]:
+    """Everything `inspect` shows, as plain data (the JSON output, and what the text is rendered from).
+
+    context: the KV cache / training sequence length of the memory breakdown (default: the model's
+    context, at most memory.DEFAULT_CONTEXT); batch_size: the training batch of that breakdown.
+    """
     if tokens <= 0:
         raise QwenNPError(f"--tokens: must be at least 1, got {tokens}")
+    memory_context = context or min(config.max_position_embeddings, DEFAULT_CONTEXT)
+    if memory_context < 1 or batch_size < 1:
+        raise QwenNPError(f"--context / --batch-size: must be at least 1, got {memory_context} / {batch_size}")
     dims = dimensions(config, tokens)
     params = parameter_summary(config)
     kv_values = kv_cache_bytes_per_token(config, bytes_per_value=1)
@@ -49,7 +58,24 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
             "decode_at_context_limit": {"tokens": 1, "positions": context,
                                         "flops": forward_flops(config, 1, context)},
         },
+        "memory": memory_breakdown(config, memory_context, batch_size),
         "this_machine": _machine_report(config, bandwidth),
+    }
+
+
+def memory_breakdown(config: Qwen3Config, context: int, batch_size: int) -> dict[str, Any]:
+    """Bytes to run the model (weights, KV cache, working buffers) and to train it (trainer.memory_estimate)."""
+    from ..trainer import memory_estimate   # the training side's own account of what a step holds
+
+    params = parameter_summary(config)["total"]
+    stored = {"fp32": 4 * params, "bf16": 2 * params, "int8": int8_weight_bytes(config)}
+    training = memory_estimate(config, batch_size, context)
+    return {
+        "context": context,
+        "inference": {"weights": stored, "kv_cache_fp32": context * kv_cache_bytes_per_token(config, 4),
+                      "working_buffers": working_bytes(config, context)},
+        "training": {"batch_size": batch_size, **training,
+                     "total": sum(v for k, v in training.items() if k != "activations_per_token")},
     }
 
 
@@ -87,15 +113,34 @@ def _machine_report(config: Qwen3Config, bandwidth: float) -> dict[str, Any]:
             "array, read + write, one thread; approximate", "plans": plans}
 
 
-def inspect_command(config: Qwen3Config, tokens: int, as_json: bool, model_name: str) -> str:
+def inspect_command(config: Qwen3Config, tokens: int, as_json: bool, model_name: str,
+                    context: int | None = None, batch_size: int = 16) -> str:
     """The output of `python -m qwen_np inspect`: text for people, or JSON when as_json."""
-    report = inspect_report(config, tokens, model_name, measure_bandwidth())
+    report = inspect_report(config, tokens, model_name, measure_bandwidth(), context, batch_size)
     return json.dumps(report, indent=2) if as_json else render_report(report)
 
 
 def render_report(report: dict[str, Any]) -> str:
     return "\n\n".join([_render_dimensions(report), _render_steps(report), _render_parameters(report),
-                        _render_bytes(report), _render_flops(report), _render_machine(report)]) + "\n"
+                        _render_bytes(report), _render_flops(report), _render_memory(report),
+                        _render_machine(report)]) + "\n"
+
+
+def _render_memory(report: dict[str, Any]) -> str:
+    memory = report["memory"]
+    inference, training = memory["inference"], memory["training"]
+    context, batch = memory["context"], training["batch_size"]
+    lines = [f"Memory to run it, with a {context:,}-token KV cache (--context)"]
+    lines += [f"  weights {fmt.upper():<5}{' (+ FP32 row scales)' if fmt == 'int8' else '':<25}{_size(n):>12}"
+              for fmt, n in inference["weights"].items()]
+    lines += [f"  {'KV cache (FP32, as qwen_np keeps it)':<38}{_size(inference['kv_cache_fp32']):>12}",
+              f"  {'working buffers (a prefill chunk)':<38}{_size(inference['working_buffers']):>12}",
+              "", f"Memory to train it (qwen_np train: all FP32), a batch of {batch} x {context:,} tokens (--batch-size)"]
+    rows = (("weights", "weights"), ("gradients", "gradients"), ("adamw", "AdamW moments m and v"),
+            ("activations", f"activations ({training['activations_per_token'] / 1024:,.1f} KiB/token x {batch} x {context:,})"),
+            ("total", "total (--grad-accum N divides the activations by N)"))
+    lines += [f"  {label:<52}{_size(training[key]):>12}" for key, label in rows]
+    return "\n".join(lines)
 
 
 def _render_dimensions(report: dict[str, Any]) -> str:
@@ -205,6 +250,11 @@ def _render_machine(report: dict[str, Any]) -> str:
 
 def _billions(n: int) -> str:
     return f"{n / 1e9:.2f}B"
+
+
+def _size(n: float) -> str:
+    """GiB, or MiB below one GiB (a small model's figures would all read 0.00 GiB)."""
+    return _gib(n) if n >= GiB else f"{n / 2 ** 20:.2f} MiB"
 
 
 def _gib(n: float) -> str:

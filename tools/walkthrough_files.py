@@ -1,0 +1,371 @@
+"""The walkthrough's other files: figures (PNG + the numbers each is drawn from, as JSON), the notebook
+(the page's sections as markdown cells, each followed by the code that computes it), and the glossary.
+
+PNG bytes change with the matplotlib version, so tests compare the JSON next to each figure (with a
+tolerance), not the picture. The notebook's code is run here too, and must reproduce the page's
+numbers (NOTEBOOK_CHECKS), so the notebook cannot drift from the page either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FIGURES = ("decoder_layer", "rope", "attention", "logit_lens", "sampling")
+
+
+def rounded(value: Any) -> Any:
+    """Floats to 4 significant digits, recursively: the JSON stays small and machine-independent."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v) for v in value]
+    return value
+
+
+def figure_data(page: Any) -> dict[str, Any]:
+    return {name: rounded(page.figures[name]) for name in FIGURES}
+
+
+# --- Figures ----------------------------------------------------------------------------------------
+
+def draw(name: str, data: dict[str, Any]) -> Any:
+    """The matplotlib Figure `name`, drawn from its data only."""
+    import matplotlib
+    matplotlib.use("Agg")
+    return {"decoder_layer": _decoder_layer, "rope": _rope, "attention": _attention, "logit_lens": _logit_lens,
+            "sampling": _sampling}[name](data)
+
+
+def _decoder_layer(data: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+
+    steps = data["steps"]
+    fig, ax = plt.subplots(figsize=(7.5, 0.42 * len(steps) + 1.2), dpi=100)
+    colours = {"self_attn": "#dbe9f6", "mlp": "#e2f0d9", "residual": "#eeeeee"}
+    for row, step in enumerate(steps):
+        y = len(steps) - row
+        kind = step["name"].split(".")[0] if "." in step["name"] else (
+            "residual" if step["name"].startswith("residual") else "self_attn" if row < 13 else "mlp")
+        ax.add_patch(FancyBboxPatch((0.05, y - 0.35), 0.9, 0.7, boxstyle="round,pad=0.02",
+                                    facecolor=colours.get(kind, "#eeeeee"), edgecolor="#555555"))
+        ax.text(0.08, y, step["name"], va="center", fontsize=8, family="monospace")
+        ax.text(0.92, y, step["shape"], va="center", ha="right", fontsize=8, family="monospace")
+        if row:
+            ax.annotate("", (0.5, y + 0.37), (0.5, y + 0.63), arrowprops={"arrowstyle": "->", "color": "#555555"})
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0.3, len(steps) + 0.8)
+    ax.axis("off")
+    ax.set_title(f"One decoder layer (x {data['layers']}): every step and its output shape\n"
+                 "blue: attention block, green: MLP block, grey: residual adds", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _rope(data: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    fig, (ladder, circle) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=100)
+    pairs = np.arange(len(data["periods"]))
+    ladder.semilogy(pairs, data["periods"], "o-", label=f"theta = {data['rope_theta']:,.0f}")
+    ladder.semilogy(pairs, data["periods_theta_1e4"], "s--", alpha=0.7, label="theta = 10,000")
+    ladder.axhline(data["context"], color="tab:red", linewidth=1, label=f"context ({data['context']} tokens)")
+    ladder.set_xlabel("pair i (dimensions i and i + Dh/2)")
+    ladder.set_ylabel("period: tokens per full turn")
+    ladder.set_title("The frequency ladder")
+    ladder.legend(fontsize=8)
+    ladder.grid(alpha=0.3)
+    t = np.linspace(0, 2 * np.pi, 200)
+    circle.plot(np.cos(t), np.sin(t), color="#cccccc")
+    for radius, pair, angles in zip((1.0, 0.75, 0.5), data["pairs"], data["angles"]):
+        a = np.array(angles)
+        circle.plot(radius * np.cos(a), radius * np.sin(a), "o-", markersize=4, label=f"pair {pair}")
+        circle.annotate("0", (radius, 0), fontsize=7)
+    circle.set_aspect("equal")
+    circle.set_title(f"One (x, y) pair rotated at positions 0..{len(data['positions']) - 1}")
+    circle.legend(fontsize=8, loc="lower left")
+    circle.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def _attention(data: dict[str, Any]) -> Any:
+    from qwen_np.inspection import attention_figure
+
+    weights = np.array(data["weights"])
+    heads = weights.shape[0]
+    return attention_figure(weights, data["labels"], [f"head {h}" for h in range(heads)],
+                            f"Layer {data['layer']}: attention weights of every head (query rows, key columns)")
+
+
+def _logit_lens(data: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    probs = np.array(data["probabilities"])                                         # [L+1, T]
+    fig, ax = plt.subplots(figsize=(1.1 * probs.shape[1] + 2.5, 0.55 * probs.shape[0] + 1.8), dpi=100)
+    image = ax.imshow(probs, cmap="Greens", vmin=0, vmax=1, aspect="auto")
+    for (row, col), token in np.ndenumerate(np.array(data["tokens"], dtype=object)):
+        ax.text(col, row, token, ha="center", va="center", fontsize=7,
+                color="white" if probs[row, col] > 0.6 else "black")
+    ax.set_xticks(range(len(data["positions"])), data["positions"], rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(len(data["rows"])), data["rows"], fontsize=8)
+    ax.set_xlabel("prompt token (the lens predicts the token after it)")
+    fig.colorbar(image, ax=ax, label="probability of the top token")
+    ax.set_title("Logit lens: the top next token after each layer, at every position", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _sampling(data: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    labels, kept = data["tokens"], data["kept"]
+    fig, (bars, table) = plt.subplots(2, 1, figsize=(9, 5.2), dpi=100, sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 1.3]})
+    bars.bar(range(len(labels)), data["probabilities"], color="tab:blue")
+    bars.set_ylabel("probability (temperature 1)")
+    bars.set_title("The 20 most likely next tokens, and which ones each filter keeps", fontsize=10)
+    bars.grid(axis="y", alpha=0.3)
+    matrix = np.array([kept[name] for name in kept], dtype=float)
+    table.imshow(matrix, cmap="Blues", vmin=0, vmax=1.4, aspect="auto")
+    table.set_yticks(range(len(kept)), list(kept), fontsize=7)
+    table.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+# --- Notebook ---------------------------------------------------------------------------------------
+
+SETUP = '''import sys
+from pathlib import Path
+
+import numpy as np
+
+from qwen_np import layers, load_model, sampling, trainer, training
+from qwen_np.inspection import Tracer, attention_weights, lens_probabilities
+from qwen_np.tokenizer import Tokenizer
+
+MODEL = Path("..") / "weights"          # the bundled model, seen from docs/
+model = load_model(MODEL, memory="fp32", fast=False)     # the readable path, weights in FP32
+tokenizer = Tokenizer.from_folder(MODEL)
+PROMPT = {prompt!r}'''
+
+# Code cells, by section number (0 = the introduction): what each section computes, as a reader runs it.
+NOTEBOOK_CODE = {
+    1: '''ids = tokenizer.encode(PROMPT)
+print(ids)
+print([tokenizer.decode([i]) for i in ids])''',
+    2: '''x = layers.embed(np.array(ids), model.embed_tokens)          # [T, D]
+print(x.shape, np.linalg.norm(x, axis=-1).round(4))''',
+    3: '''arrays = {}                                                   # every step's output, by trace name
+logits = model.forward(ids, trace=lambda name, value: arrays.__setitem__(name, value.copy()))
+model.forward(ids, trace=Tracer(stream=sys.stdout, layers={0}))     # what --trace-layers 0 prints
+print(arrays["model.layers.0.self_attn.softmax"][0].round(3))       # head 0's attention weights''',
+    4: '''labels, lens, final = lens_probabilities(model, ids)        # the logit lens at the last position
+for label, row in zip(labels, lens):
+    top = int(np.argmax(row))
+    print(f"{label:<10} {tokenizer.decode([top])!r:<14} {row[top]:.3f}")
+weights = attention_weights(model, ids, layer=1)               # [H, T, T]
+print(weights.shape, weights[0, -1].round(3))''',
+    5: '''probs = layers.softmax(logits[-1])
+top = [int(i) for i in np.argsort(-probs, kind="stable")[:5]]
+print([(tokenizer.decode([i]), round(float(probs[i]), 4)) for i in top])
+for params in (sampling.SamplingParams(temperature=0.5), sampling.SamplingParams(top_k=10),
+               sampling.SamplingParams(top_p=0.5), sampling.SamplingParams(min_p=0.2)):
+    kept = sampling.softmax(sampling.warp(logits[-1], params)) > 0
+    print(params, int(kept.sum()), "tokens can be drawn")''',
+    6: '''cache = model.new_cache(len(ids) + 1)
+model.forward(ids, cache=cache)                                # prefill fills the cache
+step = model.forward([top[0]], cache=cache)                    # one decode step: T = 1
+full = model.forward(ids + [top[0]])                           # re-running everything
+print(cache.keys.shape, float(np.abs(step[-1] - full[-1]).max()))''',
+    7: '''from qwen_np.numerics import bf16_bits_to_f32, f32_to_bf16_bits
+stored = model.layers[0].q_proj[0, :3]
+bits = f32_to_bf16_bits(stored)
+print([hex(b) for b in bits], bf16_bits_to_f32(bits))''',
+    8: '''from qwen_np import preset
+from qwen_np.inspection import forward_flops, weight_bytes_read_per_token
+real = preset("qwen3-8b")
+print(weight_bytes_read_per_token(real, 2) / 1e9, "GB read,", forward_flops(real, 1, 1001) / 1e9, "GFLOP per token")''',
+    9: '''TEXT = """{train_text}"""
+tokens = np.array(tokenizer.encode(TEXT), dtype=np.int64)
+batch = trainer.WindowOrder(len(tokens), {context}, seed=0).next_batch(tokens, {batch})    # [B, T+1]
+loss, grads = training.loss_and_gradients(model, batch)
+norm = training.clip_gradients(grads, 1.0)
+params = training.named_parameters(model)
+optimizer = training.adamw_for(params, weight_decay=0.1)
+lr = training.learning_rate({warmup} - 1, {peak}, {warmup}, {steps})
+optimizer.update(params, grads, lr)                            # the model's weights change in place
+print(batch.shape, round(loss, 4), round(norm, 4), lr, round(training.loss_and_gradients(model, batch)[0], 4))''',
+    10: '''estimate = trainer.memory_estimate(model.config, rows=16, context=256)
+for key, value in estimate.items():
+    print(f"{key:<22} {value / 2**20:10.2f} MiB")''',
+}
+
+
+def notebook_checks(page: Any) -> dict[str, Any]:
+    """Expressions over the notebook's variables, and the values the page shows for them."""
+    return {"ids": page.run.ids, "top[0]": page.run.answer, "round(loss, 4)": round(page.facts["training loss"], 4)}
+
+
+def notebook_cells(page: Any) -> list[tuple[str, str]]:
+    """(kind, source) of every cell: the setup, then each section's markdown and its code."""
+    from walkthrough_training import BATCH, CONTEXT, PRESET, TRAIN_TEXT
+
+    from qwen_np import trainer
+
+    settings = trainer.PRESET_SETTINGS[PRESET]
+    fill = {"train_text": TRAIN_TEXT, "context": CONTEXT, "batch": BATCH, "warmup": settings["warmup"],
+            "peak": settings["lr"], "steps": settings["steps"]}
+    cells = [("markdown", page.sections[0]), ("code", SETUP.format(prompt=page.run.prompt))]
+    for number, section in enumerate(page.sections[1:], start=1):
+        cells.append(("markdown", section))
+        if number in NOTEBOOK_CODE:
+            code = NOTEBOOK_CODE[number]
+            cells.append(("code", code.format(**fill) if number == 9 else code))
+    return cells
+
+
+def run_notebook_code(page: Any) -> dict[str, Any]:
+    """Execute the notebook's code cells here, in order, on page.model_dir; returns their variables."""
+    namespace: dict[str, Any] = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        for kind, source in notebook_cells(page):
+            if kind == "code":
+                source = source.replace('Path("..") / "weights"', repr(str(page.model_dir)))
+                exec(compile(source, "<walkthrough notebook>", "exec"), namespace)   # noqa: S102
+    return namespace
+
+
+def check_notebook(page: Any) -> None:
+    """The notebook's code computes what the page shows (else the generator stops)."""
+    namespace = run_notebook_code(page)
+    for expression, expected in notebook_checks(page).items():
+        got = eval(expression, namespace)                                           # noqa: S307
+        if got != expected:
+            raise AssertionError(f"walkthrough notebook: {expression} = {got!r}, the page shows {expected!r}")
+
+
+def notebook_json(page: Any) -> str:
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+                         "language_info": {"name": "python"}}
+    for index, (kind, source) in enumerate(notebook_cells(page)):
+        cell = nbformat.v4.new_markdown_cell(source) if kind == "markdown" else nbformat.v4.new_code_cell(source)
+        cell["id"] = f"cell-{index:02d}"                  # fixed ids: the file is the same on every run
+        notebook.cells.append(cell)
+    nbformat.validate(notebook)
+    return nbformat.writes(notebook) + "\n"
+
+
+# --- Glossary ---------------------------------------------------------------------------------------
+
+# term (English / 中文), what it is, the function, the flag, the walkthrough section (its number).
+GLOSSARY = (
+    ("batch size / 批大小", "sequences whose gradients one optimizer step averages: the B of a [B, T+1] batch",
+     "qwen_np.trainer.WindowOrder.next_batch", "--batch-size", 9),
+    ("step / 步", "one optimizer update: batch -> loss -> gradients -> clip -> AdamW",
+     "qwen_np.training.AdamW.update", "--steps", 9),
+    ("epoch / 轮", "one pass over every training window, in a shuffled order that changes each epoch",
+     "qwen_np.trainer.WindowOrder", "--steps", 9),
+    ("train / validation / test split / 训练集·验证集·测试集",
+     "fixed parts of the text: train on one, pick the best checkpoint on the second, report on the third",
+     "qwen_np.data.shakespeare_split", "--data", 9),
+    ("checkpoint / 检查点", "a saved state: the weights to run (2 B/parameter, BF16) or everything to resume "
+     "training (12 B/parameter)", "qwen_np.trainer.save_state", "--resume", 10),
+    ("mixed precision / 混合精度", "computing in a narrow format (BF16, FP8) while keeping master weights and "
+     "optimizer state in FP32", "qwen_np.numerics.bf16_bits_to_f32", "--memory", 10),
+    ("quantization / 量化", "storing weights in fewer bits (INT8, Q4_0, FP8) with scale factors",
+     "qwen_np.numerics.Int8Rows", "--memory", 7),
+    ("KV cache", "every layer's keys and values of the tokens so far, so a new token computes only its own",
+     "qwen_np.model.KVCache", "--ctx-size", 6),
+    ("activations / 激活", "the intermediate arrays of a forward pass; training keeps them for the backward pass",
+     "qwen_np.trainer.memory_estimate", "--grad-accum", 10),
+    ("logits", "one score per vocabulary entry; softmax turns them into probabilities",
+     "qwen_np.layers.softmax", "--temperature", 5),
+    ("sampling / 采样", "drawing the next token from the (filtered) probabilities",
+     "qwen_np.sampling.warp", "--top-p", 5),
+    ("chat template / 对话模板", "the layout a chat model's prompt must follow; `--no-chat` skips it",
+     "qwen_np.tokenizer.Tokenizer.apply_chat_template", "--no-chat", 1),
+)
+
+
+def resolve_name(dotted: str) -> Any:
+    """The object a dotted name points at (module, then attributes), or an error naming it."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            target = getattr(target, attribute)
+        return target
+    raise ImportError(dotted)
+
+
+def cli_flags() -> set[str]:
+    from qwen_np.cli import build_parser
+
+    flags: set[str] = set()
+    parsers = [build_parser()]
+    while parsers:
+        parser = parsers.pop()
+        for action in parser._actions:
+            flags.update(action.option_strings)
+            if hasattr(action, "choices") and isinstance(action.choices, dict):
+                parsers.extend(action.choices.values())
+    return flags
+
+
+def glossary_markdown(page: Any) -> str:
+    """docs/glossary.md; every function, flag and section it names is checked to exist."""
+    flags = cli_flags()
+    headings = {int(m) for m in re.findall(r"^## (\d+)\. ", page.markdown, flags=re.MULTILINE)}
+    rows = []
+    for term, what, function, flag, section in GLOSSARY:
+        resolve_name(function)
+        if flag not in flags or section not in headings:
+            raise AssertionError(f"glossary: {term}: flag {flag} or section {section} does not exist")
+        title = re.search(rf"^## {section}\. (.+)$", page.markdown, flags=re.MULTILINE).group(1)   # type: ignore[union-attr]
+        anchor = re.sub(r"[^\w\- ]", "", f"{section}. {title}".lower()).replace(" ", "-")
+        rows.append(f"| {term} | {what} | `{function.removeprefix('qwen_np.')}` | `{flag}` | "
+                    f"[§{section}](walkthrough.md#{anchor}) |")
+    return ("# Glossary\n\nThe words of training and running a language model, each with the qwen_np function "
+            "that does it, a command-line flag that sets it, and the walkthrough section that shows it. Generated "
+            "by `tools/make_walkthrough.py`, which checks that every function, flag and section exists.\n\n"
+            "| term | what it is | function | flag | section |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
+# --- Writing -----------------------------------------------------------------------------------------
+
+def write_all(page: Any, docs: Path) -> list[Path]:
+    """Write the page, the figures and their data, the notebook and the glossary under `docs`."""
+    check_notebook(page)
+    figures = docs / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    written = [docs / "walkthrough.md", docs / "walkthrough.ipynb", docs / "glossary.md"]
+    written[0].write_text(page.markdown, encoding="utf-8")
+    written[1].write_text(notebook_json(page), encoding="utf-8")
+    written[2].write_text(glossary_markdown(page), encoding="utf-8")
+    import matplotlib.pyplot as plt
+
+    for name, data in figure_data(page).items():
+        (figures / f"{name}.json").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        fig = draw(name, data)
+        fig.savefig(figures / f"{name}.png", metadata={"Software": None})
+        plt.close(fig)
+        written += [figures / f"{name}.json", figures / f"{name}.png"]
+    return written

@@ -1,0 +1,208 @@
+"""The walkthrough's training chapters: one optimizer step on the bundled model, and what training holds
+in memory and in a checkpoint. Every number comes from running qwen_np.training / qwen_np.trainer."""
+
+from __future__ import annotations
+
+import inspect
+import tempfile
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qwen_np import load_model, preset, trainer, training
+from qwen_np.config import Qwen3Config, parameter_count
+from qwen_np.tokenizer import Tokenizer
+
+# The text the training step reads: the start of Hamlet's soliloquy, in the training text's layout.
+TRAIN_TEXT = """HAMLET:
+To be, or not to be, that is the question:
+Whether 'tis nobler in the mind to suffer
+The slings and arrows of outrageous fortune,
+Or to take arms against a sea of troubles
+And by opposing end them. To die: to sleep;
+No more; and by a sleep to say we end
+The heart-ache and the thousand natural shocks
+That flesh is heir to, 'tis a consummation
+Devoutly to be wish'd. To die, to sleep;
+To sleep: perchance to dream: ay, there's the rub;
+"""
+BATCH, CONTEXT = 4, 16                 # the step shown: B sequences of T tokens (+1 for the targets)
+MEASURED_BATCH, MEASURED_CONTEXT = 4, 128  # the step whose memory is measured
+WATCHED = "model.layers.0.self_attn.q_proj.weight"
+PRESET = "shakespeare"                 # the run that trained the bundled model (trainer.PRESET_SETTINGS)
+
+
+def mib(n: float) -> str:
+    return f"{n / 2 ** 20:.3g} MiB"
+
+
+def training_step_section(model_dir: Path, num: Any, code_block: Any, facts: dict[str, Any]) -> str:
+    """Section 9: a batch, the loss, gradients, clipping, the learning rate, one AdamW update."""
+    settings = trainer.PRESET_SETTINGS[PRESET]
+    model = load_model(model_dir, memory="fp32", fast=False)       # a private copy: the step changes it
+    tokenizer = Tokenizer.from_folder(model_dir)
+    tokens = np.array(tokenizer.encode(TRAIN_TEXT), dtype=np.int64)
+    order = trainer.WindowOrder(len(tokens), CONTEXT, seed=0)
+    batch = order.next_batch(tokens, BATCH)                                     # [B, T+1]
+    params = training.named_parameters(model)
+    optimizer = training.adamw_for(params, weight_decay=settings.get("weight_decay", 0.1))
+
+    loss, grads = training.loss_and_gradients(model, batch)
+    facts["training loss"] = loss
+    _, halves = training.loss_and_accumulated_gradients(model, batch, 2)
+    accumulation_error = max(float(np.abs(halves[n] - g).max()) for n, g in grads.items())
+    shown = ["model.embed_tokens.weight", WATCHED, f"model.layers.{model.config.num_hidden_layers - 1}.mlp.down_proj.weight",
+             "model.norm.weight"]
+    norms = "\n".join(f"| `{name}` | {list(grads[name].shape)} | {num(np.linalg.norm(grads[name]))} |" for name in shown)
+    clip = 1.0
+    norm_before = training.clip_gradients(grads, clip)
+    norm_after = training.global_norm(grads)
+    warmup, total, peak = settings["warmup"], settings["steps"], settings["lr"]
+    schedule = {step: training.learning_rate(step, peak, warmup, total) for step in (0, warmup // 2, warmup - 1,
+                                                                                   total // 2, total - 1)}
+    lr = schedule[warmup - 1]
+    index = np.unravel_index(int(np.argmax(np.abs(grads[WATCHED]))), grads[WATCHED].shape)
+    before, g = float(params[WATCHED][index]), float(grads[WATCHED][index])
+    optimizer.update(params, grads, lr)
+    after = float(params[WATCHED][index])
+    m, v = float(optimizer.m[WATCHED][index]), float(optimizer.v[WATCHED][index])
+    loss_after, _ = training.loss_and_gradients(model, batch)
+    first_row = tokenizer.decode(batch[0].tolist())
+    clipped = (f"scaled by {num(clip / (norm_before + 1e-6))}, the norm is now {num(norm_after)}" if norm_before > clip
+               else f"below the limit, so nothing changes (norm {num(norm_after)})")
+    lr_rows = "\n".join(f"| {step} | {num(value)} |" for step, value in schedule.items())
+    return f"""## 9. Training: one step from a batch of text to updated weights
+
+`python -m qwen_np train` made the bundled model by repeating one step {total:,} times (its
+`{PRESET}` preset: batches of {settings['batch_size']} × {settings['context']} tokens, peak learning rate
+{peak:g}). Here is one such step, run with the same functions (`qwen_np/training.py`) on the trained
+weights and a short fixed text (the start of Hamlet's soliloquy) instead of the whole corpus, with
+B = {BATCH} and T = {CONTEXT}.
+
+**The batch.** `trainer.WindowOrder` cuts the token ids into windows of T + 1 tokens at a random
+offset and shuffles them (an **epoch** is one pass over all windows); `next_batch` stacks B of them
+into a [B, T+1] = {list(batch.shape)} integer array. Row 0 is `{first_row!r}`:
+
+{code_block(repr(batch), "text")}
+
+The model reads `batch[:, :-1]` ([B, T]) and is scored on predicting `batch[:, 1:]`: every position
+predicts the token after it, so one row gives T training examples.
+
+**The loss.** `training.loss_and_gradients` runs the forward pass with a tape (the activations the
+backward pass needs, `gradients.forward_with_tape`), the cross-entropy of the [B, T, V] logits
+against the targets, then the hand-written backward pass (`qwen_np/gradients.py`):
+
+{code_block(inspect.getsource(training.loss_and_gradients))}
+
+Mean cross-entropy here: **{num(loss)} nats per token** (perplexity e^loss = {num(np.exp(loss))}; a model that
+knew nothing would score ln V = {num(np.log(model.config.vocab_size))}). The gradients: one FP32 array per
+parameter tensor, of that tensor's shape; their L2 norms:
+
+| tensor | shape | gradient norm |
+|---|---|---:|
+{norms}
+
+**Accumulation.** With `--grad-accum 2` the batch is processed as two halves of B/2 rows and their
+gradients averaged (`training.loss_and_accumulated_gradients`): the same gradient (largest difference
+here {num(accumulation_error)}, FP32 rounding) with half the activations alive at a time.
+
+**Clipping.** All gradients together, as one vector, have norm {num(norm_before)}.
+`training.clip_gradients` scales them down to norm at most {clip:g}, so one unusual batch cannot
+throw the weights far: {clipped}.
+
+**The learning rate** follows `training.learning_rate`: a linear warmup over the first {warmup} steps
+(AdamW's moment estimates are poor at first), then a cosine decay to a tenth of the peak:
+
+| step | learning rate |
+|---:|---:|
+{lr_rows}
+
+**The update.** `training.AdamW.update` moves every parameter in place. This optimizer is fresh (an
+exported model keeps no optimizer state), so its moments start at 0, and we use the rate of step
+{warmup - 1}, the peak. Take the element of `{WATCHED}` with the largest gradient, at index
+{tuple(int(i) for i in index)}:
+
+* weight before: {num(before, 6)}; its clipped gradient g = {num(g)}
+* first moment m = (1 − β1) g = {num(m)}, second moment v = (1 − β2) g² = {num(v)}; bias-corrected,
+  m̂ = g and v̂ = g², so the step is lr · m̂ / (sqrt(v̂) + ε) ≈ lr · sign(g) = {num(lr)}: on its first
+  step Adam moves every weight by about the learning rate, whatever its gradient's size
+* decoupled weight decay first shrinks the weight by the factor 1 − lr · {optimizer.weight_decay:g}
+* weight after: {num(after, 6)} (change {num(after - before)})
+
+The loss of the same batch after this one step: {num(loss_after)} (before: {num(loss)}); on the very batch
+the gradient came from, so it says little about other text.
+
+{code_block(inspect.getsource(training.AdamW.update))}"""
+
+
+def memory_section(model_dir: Path, num: Any) -> str:
+    """Section 10: training memory (estimated and measured) and the bytes of a resumable checkpoint."""
+    settings = trainer.PRESET_SETTINGS[PRESET]
+    model = load_model(model_dir, memory="fp32", fast=False)
+    config = model.config
+    rows, context = settings["batch_size"], settings["context"]
+    estimate = trainer.memory_estimate(config, rows, context)
+    table = "\n".join(f"| {what} | {mib(estimate[key])} |" for key, what in (
+        ("weights", "weights (FP32)"), ("gradients", "gradients (FP32)"), ("adamw", "AdamW moments m and v (FP32)"),
+        ("activations", f"activations: {estimate['activations_per_token'] / 1024:.4g} KiB per token × {rows} × {context}")))
+    total = sum(v for k, v in estimate.items() if k != "activations_per_token")
+
+    measured_rows, measured_context = MEASURED_BATCH, MEASURED_CONTEXT
+    small = trainer.memory_estimate(config, measured_rows, measured_context)
+    tokens = np.resize(np.array(Tokenizer.from_folder(model_dir).encode(TRAIN_TEXT), dtype=np.int64),
+                       (measured_rows, measured_context + 1))
+    tracemalloc.start()
+    training.loss_and_gradients(model, tokens)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    predicted = small["gradients"] + small["activations"]
+
+    params = training.named_parameters(model)
+    optimizer = training.adamw_for(params)
+    optimizer.m = {n: np.zeros_like(p) for n, p in params.items()}
+    optimizer.v = {n: np.zeros_like(p) for n, p in params.items()}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "last.safetensors"
+        trainer.save_state(path, params, optimizer, {"history": []})
+        checkpoint_bytes = path.stat().st_size
+    n = parameter_count(config)
+    return f"""## 10. What training holds in memory, and what a checkpoint saves
+
+While it trains, qwen_np holds four numbers per parameter, all FP32 (`trainer.memory_estimate`): the
+weight, its gradient, and AdamW's two moments; plus the **activations** the backward pass needs, which
+grow with batch size × context. For the `{PRESET}` preset ({n:,} parameters, batches of
+{rows} × {context} tokens):
+
+| what | bytes |
+|---|---:|
+{table}
+| **total** | **{mib(total)}** |
+
+The activations dominate; `--grad-accum N` divides them by N (N micro-batches, one alive at a time).
+Measured: one `loss_and_gradients` call on a batch of {measured_rows} × {measured_context} tokens allocates at
+most {mib(peak)} of NumPy arrays at once (`tracemalloc`), against {mib(predicted)} predicted for its gradients
+and activations.
+
+**A checkpoint to resume training** (`last.safetensors`, `trainer.save_state`) must hold what the
+next step needs: the FP32 weights and both AdamW moments, **12 bytes per parameter**, plus the step,
+the data position and the random number generator's state (small). Measured: {checkpoint_bytes:,} bytes for
+{n:,} parameters ({num(checkpoint_bytes / n, 3)} bytes each). Gradients are not saved: the next step
+computes new ones. A **released model** keeps only the weights, in BF16: 2 bytes per parameter, 6×
+smaller. For Qwen3-8B:
+
+{model_bytes_table(preset("qwen3-8b"), num)}
+
+Large runs train in **mixed precision**: matrix products in BF16 from a BF16 copy of the weights,
+with FP32 master weights for the update (many updates are smaller than a BF16 step, section 7, and
+would round away): 2 + 4 bytes of weights, BF16 gradients (2) and FP32 moments (4 + 4), 16 bytes per
+parameter in memory; the checkpoint still needs the 12 of master weights and moments."""
+
+
+def model_bytes_table(config: Qwen3Config, num: Any) -> str:
+    n = parameter_count(config)
+    rows = (("released weights (BF16)", 2), ("resumable checkpoint: FP32 weights + m + v", 12),
+            ("training in memory, qwen_np (FP32 weights, gradients, m, v), before activations", 16))
+    return "| what | bytes per parameter | Qwen3-8B |\n|---|---:|---:|\n" + "\n".join(
+        f"| {what} | {width} | {num(n * width / 1e9)} GB |" for what, width in rows)
