@@ -14,6 +14,7 @@ from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
 from .numerics import upcast
 from .runtime import allocate
+from .weight_cache import load_fp32
 
 
 def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None,
@@ -37,11 +38,15 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     # memory the model keeps, so the peak is the FP32 model plus the largest stored tensor. A layer's
     # matrices share one allocation, back to back in config.LAYER_TENSORS order (q, k, v, o, gate, up,
     # down): the fast path then multiplies q|k|v and gate|up as one matrix each without copying them.
+    # fp32 with the weight cache (weight_cache.py): views of the FP32 file it maps, in that same layout.
     # bf16: zero-copy views of the mapped files.
+    cached = load_fp32(checkpoint) if plan.mode == "fp32" else None
     largest = max(info.nbytes for info in checkpoint.tensors.values())
-    buffer = allocate((largest,), np.uint8) if plan.mode == "fp32" else None
+    buffer = allocate((largest,), np.uint8) if plan.mode == "fp32" and cached is None else None
 
     def matrices(names: list[str]) -> list[np.ndarray]:
+        if cached is not None:
+            return [cached[name] for name in names]
         if buffer is None:
             return [checkpoint.mapped(name) for name in names]
         shapes = [checkpoint.tensors[name].shape for name in names]
@@ -53,7 +58,7 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
         return kept
 
     def vector(name: str) -> np.ndarray:
-        return upcast(checkpoint.read(name))      # norms are tiny: always FP32
+        return cached[name] if cached is not None else upcast(checkpoint.read(name))   # norms: always FP32
 
     decoder_layers = []
     for i in range(config.num_hidden_layers):
