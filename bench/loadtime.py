@@ -6,7 +6,8 @@ Load times: each configuration loads in its own process, after the files it read
 * cold: the checkpoint's files and its FP32 cache evicted from the page cache (posix_fadvise
   DONTNEED on those files only: the same as `echo 3 > /proc/sys/vm/drop_caches` for them, without
   emptying the cache of every other process on a shared machine);
-* warm: those files read just before, with the rest of RAM as other processes left it;
+* warm: those files read just before, with the rest of RAM as other processes left it (the
+  pressure state's filler evicted again);
 * pressure: a sparse filler file read until less than PRESSURE_FREE bytes of RAM are free, then the
   model's files read: they are in the page cache, but every fresh page must be reclaimed from it
   first (a user who has just downloaded or converted models).
@@ -91,11 +92,15 @@ def filler_file() -> Path:
 
 
 def prepare(state: str, files: list[Path]) -> None:
+    """Put the model's files in `state`; outside "pressure" the filler's pages are let go first, so the
+    RAM the previous pressure trial filled is free again."""
+    if state == "pressure":
+        read(filler_file(), stop_below_free=PRESSURE_FREE)
+    else:
+        evict([filler_file()])
     if state == "cold":
         evict(files)
     else:
-        if state == "pressure":
-            read(filler_file(), stop_below_free=PRESSURE_FREE)
         for path in files:
             read(path)
 
@@ -154,8 +159,7 @@ def decode_side_by_side(folder: Path, cache: Path, rounds: int, tokens: int) -> 
             streams[name].append(weight_stream_seconds(model))
     ratios = [m / a for m, a in zip(rates["mapped"], rates["in memory"])]
     stream_ratios = [a / m for m, a in zip(streams["mapped"], streams["in memory"])]
-    return {"rates": rates, "streams": streams, "decode_ratio": statistics.median(ratios),
-            "stream_ratio": statistics.median(stream_ratios)}
+    return {"rates": rates, "streams": streams, "decode_ratios": ratios, "stream_ratios": stream_ratios}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,8 +199,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"decode fp32 {name}: {statistics.median(result['rates'][name]):.2f} tok/s "
                   f"({', '.join(f'{r:.1f}' for r in result['rates'][name])}); one token's products "
                   f"{1e3 * statistics.median(result['streams'][name]):.1f} ms")
-        print(f"mapped / in memory, median of per-round ratios: decode {result['decode_ratio']:.3f}, "
-              f"weight products {result['stream_ratio']:.3f}", flush=True)
+        for what in ("decode", "stream"):
+            q1, median, q3 = statistics.quantiles(result[what + "_ratios"], n=4)
+            print(f"mapped / in memory, per-round {'decode tok/s' if what == 'decode' else 'weight product speed'}: "
+                  f"median {median:.3f} (quartiles {q1:.3f}-{q3:.3f})", flush=True)
 
     states = [s.strip() for s in args.states.split(",") if s.strip()]
     if not (states and args.repeats):

@@ -25,7 +25,9 @@ The file is a valid safetensors file (read back with checkpoint.read_header, whi
 span), its data starting on a page boundary. Tensors keep the table's order, so a layer's q, k, v
 and its gate, up lie back to back and the fast path multiplies them as one matrix each (fast._joined).
 The mapping is copy-on-write (MAP_PRIVATE): writing to a loaded weight changes this process's copy
-of that page, never the file.
+of that page, never the file. The weights are page-cache pages, clean ones: when RAM runs short the
+kernel may drop them and read them back from the file when next used (anonymous weights, with no
+swap, cannot be dropped), so a starved machine decodes at disk speed rather than killing the process.
 """
 
 from __future__ import annotations
