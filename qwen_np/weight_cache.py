@@ -18,8 +18,10 @@ One folder per checkpoint folder (named after it and a hash of its resolved path
 The identity hashes what the values derive from: the resolved folder, each source file's name, size
 and modification time, and this module's FORMAT_VERSION. A changed checkpoint therefore has a new
 identity (the old cache file is stale: never opened, deleted on the next build). A cache file that
-does not open as exactly the expected F32 tensors, or whose spot-checked values differ from the
-source's, is damaged: rebuilt, never used.
+does not open as exactly the expected F32 tensors, or whose spot-checked values (both ends of every
+tensor) differ from the source's, is damaged: rebuilt, never used. Values in between are not
+checked (hashing 2.4 GB would cost the load it saves); the file is fsynced before it gets its name,
+so only the disk itself could change them.
 
 The file is a valid safetensors file (read back with checkpoint.read_header, which validates every
 span), its data starting on a page boundary. Tensors keep the table's order, so a layer's q, k, v
