@@ -211,6 +211,11 @@ def main(argv: list[str]) -> None:
     result: dict[str, Any] = machine_rates(config.hidden_size, config.intermediate_size, prefill)
     gguf = gguf_path(Path(folder), mode)
     read_into_page_cache([gguf] if engine == "llama.cpp" else sorted(Path(folder).glob("*.safetensors")))
+    if engine.startswith("qwen_np") and mode == "fp32":
+        from qwen_np.checkpoint import Checkpoint
+        from qwen_np.weight_cache import load_fp32
+
+        load_fp32(Checkpoint(folder, config))      # builds the FP32 weight cache if missing, and leaves it in the page cache
     result["blas"] = [{key: info.get(key) for key in ("internal_api", "architecture", "num_threads", "version")}
                       for info in runtime.blas_info()]
     if engine == "transformers":

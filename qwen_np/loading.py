@@ -16,6 +16,7 @@ from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
 from .numerics import Int8Rows, Weight, upcast
 from .runtime import allocate
+from .weight_cache import load_fp32
 
 # Rows quantized at a time in the int8 mode: the FP32 copy of a whole large tensor (Qwen3-8B's
 # embedding table: 2.5 GB) never exists, only this many of its rows.
@@ -46,11 +47,15 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     # tensor. A layer's matrices share one allocation, back to back in config.LAYER_TENSORS order (q,
     # k, v, o, gate, up, down): the fast path then multiplies q|k|v and gate|up as one matrix each
     # without copying them (int8: the codes share one allocation, the scales another).
+    # fp32 with the weight cache (weight_cache.py): views of the FP32 file it maps, in that same layout.
     # bf16: zero-copy views of the mapped files.
+    cached = load_fp32(checkpoint) if plan.mode == "fp32" else None
     largest = max(info.nbytes for info in checkpoint.tensors.values())
-    buffer = allocate((largest,), np.uint8) if plan.mode in ("fp32", "int8") else None
+    buffer = allocate((largest,), np.uint8) if plan.mode == "int8" or (plan.mode == "fp32" and cached is None) else None
 
     def matrices(names: list[str]) -> list[Weight]:
+        if cached is not None:
+            return [cached[name] for name in names]
         shapes = [checkpoint.tensors[name].shape for name in names]
         if buffer is None:
             return [checkpoint.mapped(name) for name in names]
@@ -63,7 +68,7 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
         return [Int8Rows(q, scale) for q, scale in zip(codes, scales)]
 
     def vector(name: str) -> np.ndarray:
-        return upcast(checkpoint.read(name))      # norms are tiny: always FP32
+        return cached[name] if cached is not None else upcast(checkpoint.read(name))   # norms: always FP32
 
     decoder_layers = []
     for i in range(config.num_hidden_layers):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -51,3 +51,15 @@ def make_checkpoint(tmp_path: Path) -> Callable[..., Path]:
     def make(name: str = "ckpt", **kwargs: object) -> Path:
         return write_random_checkpoint(tmp_path / name, **kwargs)
     return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_weight_cache_in_home() -> Iterator[None]:
+    """No test writes an FP32 weight cache into the user's cache folder (a full-width test model is
+    2.5 GB in FP32): the cache is off unless a test turns it on in a folder of its own."""
+    from qwen_np.weight_cache import CACHE_ENV
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv(CACHE_ENV, "off")
+    yield
+    patch.undo()
