@@ -242,6 +242,8 @@ def load_corpus(data: str, out: Path, vocab_size: int, resume: bool) -> Corpus:
     --data shakespeare uses data.py's fixed by-play splits. A text FILE is split at a line boundary:
     the last 5% of its lines validate, the rest train.
     """
+    import tokenizers
+
     from . import data as corpora
     from .tokenizer import Tokenizer
 
@@ -256,11 +258,12 @@ def load_corpus(data: str, out: Path, vocab_size: int, resume: bool) -> Corpus:
     if not resume:
         corpora.save_tokenizer(corpora.train_tokenizer(train_text, vocab_size), out)
     tokenizer = Tokenizer.from_folder(out)
+    bpe = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))       # encode_corpus's fast batch encoder
     if tokenizer.vocab_size != vocab_size:
         raise QwenNPError(f"{out}/tokenizer.json: {tokenizer.vocab_size} tokens, but the config's vocab_size is "
                           f"{vocab_size} (the text is too small for that many BPE merges?)")
     separator = np.array([END_OF_TEXT_ID], dtype=np.int32)
-    train_docs = [corpora.encode_corpus(tokenizer._backend, doc) for doc in evaluation.documents(train_text)]
+    train_docs = [corpora.encode_corpus(bpe, doc) for doc in evaluation.documents(train_text)]
     train = np.concatenate([part for doc in train_docs for part in (separator, doc)])
     valid, characters = evaluation.encoded_documents(tokenizer, valid_text)
     return Corpus(train, valid, characters)
