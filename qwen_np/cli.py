@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None, prog: str = "qwen-np") -> int:
     """Run one command; returns the exit code (0 ok, 2 bad input, 130 interrupted, 1 stdout closed)."""
     args = build_parser(prog).parse_args(argv)
     try:
-        if hasattr(args, "threads"):
+        if getattr(args, "threads", None) is not None:
             if args.threads > runtime.usable_cores():
                 print(f"warning: --threads {args.threads} is more than the {runtime.usable_cores()} cores this "
                       "process may use; extra threads only wait for a core (and slow the others down)", file=sys.stderr)

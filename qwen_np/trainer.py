@@ -31,6 +31,7 @@ from .config import Qwen3Config
 from .errors import QwenNPError
 from .generate import peak_rss_bytes
 from .model import LayerWeights, Qwen3Model
+from .runtime import usable_cores
 
 # The model configs a run can start from (`--preset`). "shakespeare" is the bundled default model;
 # "tiny" trains in seconds (CI, tests). Token id 0 is <|endoftext|> in the BPE that data.py trains.
@@ -66,6 +67,7 @@ class Settings:
     seed: int = 0
     eval_every: int = 250
     patience: int = 0             # stop after this many evaluations without improvement (0: never)
+    threads: int = 0              # a step's rows split over this many threads at once (0: one per core)
 
     @property
     def schedule_steps(self) -> int:
@@ -389,7 +391,8 @@ def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.
             started = time.perf_counter()
             lr = training.learning_rate(step, settings.lr, settings.warmup, settings.schedule_steps)
             batch = order.next_batch(corpus.train, settings.batch_size)              # [B, T+1]
-            loss, grads = training.loss_and_accumulated_gradients(model, batch, settings.grad_accum)
+            loss, grads = training.loss_and_accumulated_gradients(model, batch, settings.grad_accum,
+                                                                  settings.threads or usable_cores())
             norm = training.clip_gradients(grads, settings.clip)
             optimizer.update(params, grads, lr)
             step += 1

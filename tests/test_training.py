@@ -74,6 +74,19 @@ def test_four_micro_batches_give_the_update_of_one_batch() -> None:
         assert np.abs(one[name] - four[name])[stable].max() <= 1e-6, name
 
 
+def test_rows_split_over_threads_give_the_gradient_of_the_readable_step() -> None:
+    """The fast path (rows computed in threads at once) against loss_and_gradients on the whole batch."""
+    config = Qwen3Config(**SMALL)
+    model = model_from_parameters(config, init_parameters(config, seed=2))
+    batch = np.random.default_rng(4).integers(0, config.vocab_size, size=(6, 11))
+    loss, grads = training.loss_and_gradients(model, batch)
+    for threads, micro in ((2, 1), (3, 1), (2, 3), (4, 1)):          # (4, 1): 2 pieces, the gcd of 6 and 4
+        fast_loss, fast = training.loss_and_accumulated_gradients(model, batch, micro, threads=threads)
+        assert abs(fast_loss - loss) <= 1e-6 * loss
+        for name, g in grads.items():
+            assert np.abs(fast[name] - g).max() <= 1e-5 * max(1e-3, np.abs(g).max()), name
+
+
 def test_clipping_scales_to_the_max_norm_and_leaves_small_gradients() -> None:
     grads = {"a": np.full(4, 3.0, dtype=np.float32), "b": np.full(9, 4.0, dtype=np.float32)}   # norm sqrt(36+144)
     norm = training.clip_gradients(grads, 1.0)
