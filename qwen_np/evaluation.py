@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from .data import END_OF_TEXT
 from .errors import QwenNPError
 
-END_OF_TEXT = "<|endoftext|>"
 
 
 @dataclass

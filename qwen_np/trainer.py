@@ -28,13 +28,14 @@ import numpy as np
 from . import evaluation, training
 from .checkpoint import LAYER_TENSOR_NAMES, expected_tensors, save_checkpoint
 from .config import Qwen3Config
+from .data import END_OF_TEXT_ID
 from .errors import QwenNPError
 from .generate import peak_rss_bytes
 from .model import LayerWeights, Qwen3Model
 from .runtime import usable_cores
 
 # The model configs a run can start from (`--preset`). "shakespeare" is the bundled default model;
-# "tiny" trains in seconds (CI, tests). Token id 0 is <|endoftext|> in the BPE that data.py trains.
+# "tiny" trains in seconds (CI, tests). data.END_OF_TEXT_ID is <|endoftext|> in the BPE that data.py trains.
 PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "shakespeare": {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
@@ -48,7 +49,6 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
     "shakespeare": {"steps": 1600, "batch_size": 16, "context": 256, "lr": 2e-3, "warmup": 100, "eval_every": 200},
     "tiny": {"steps": 40, "batch_size": 8, "context": 32, "lr": 3e-3, "warmup": 5, "eval_every": 20},
 }
-END_OF_TEXT_ID = 0
 
 
 @dataclass
