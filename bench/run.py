@@ -11,6 +11,7 @@ OPENBLAS_L2_SIZE removed (this machine sets CORETYPE=Haswell, which slows GEMM a
 from __future__ import annotations
 
 import argparse
+import math
 import importlib.util
 import json
 import os
@@ -169,11 +170,13 @@ def derived(job: Job, config: Qwen3Config, r: dict[str, Any], args: argparse.Nam
     values = weight_bytes_read_per_token(config, 1)
     bytes_per_value = BYTES_PER_VALUE[job.mode]
     bandwidth_limit = r["read_gbs"] * 1e9 / (values * bytes_per_value)
-    # NumPy has no BF16 product: qwen_np must upcast BF16 weights as they stream by, so the fused
-    # upcast+GEMV rate is its ceiling. torch and llama.cpp multiply BF16 directly: bandwidth is theirs.
-    # int8 casts its codes the same way; its limit here is bandwidth at one byte per weight.
-    upcast_bound = job.mode == "bf16" and job.engine.startswith("qwen_np")
-    decode_limit = min(bandwidth_limit, r["fused_gbs"] * 1e9 / (2 * values)) if upcast_bound else bandwidth_limit
+    # NumPy has no BF16 or int8 product: qwen_np must cast those weights to FP32 as they stream by, so
+    # the fused cast+GEMV rate is its ceiling. torch and llama.cpp multiply BF16 directly: bandwidth is theirs.
+    cast_rate = {"bf16": r["fused_gbs"] / 2, "int8": r.get("int8_fused_gbs", math.inf)}.get(job.mode, math.inf)
+    if job.engine.startswith("qwen_np"):
+        decode_limit = min(bandwidth_limit, cast_rate * 1e9 / values)     # weights per second / weights per token
+    else:
+        decode_limit = bandwidth_limit
     # Never below the rate the model's own weights stream at (placement in memory changes bandwidth).
     decode_limit = max(decode_limit, 1 / r["stream_s"]) if "stream_s" in r else decode_limit
     # The prefill limit: every weight does 2 FLOPs for every prompt token. A prefill for
@@ -242,8 +245,9 @@ def summarize(results: dict[Job, list[dict[str, Any]]], args: argparse.Namespace
     limits = []
     for job, rows in results.items():
         if rows and job.engine == "qwen_np":
+            int8 = f", int8 cast+GEMV {med(rows, 'int8_fused_gbs'):.1f} GB/s" if "int8_fused_gbs" in rows[0] else ""
             limits.append(f"{job.label}: read {med(rows, 'read_gbs'):.1f} GB/s, GEMM {med(rows, 'gemm_gflops'):.0f} "
-                          f"GFLOP/s, BF16 upcast+GEMV {med(rows, 'fused_gbs'):.1f} GB/s -> decode limit "
+                          f"GFLOP/s, BF16 upcast+GEMV {med(rows, 'fused_gbs'):.1f} GB/s{int8} -> decode limit "
                           f"{med(rows, 'decode_limit'):.2f} tok/s, prefill limit {med(rows, 'prefill_limit'):.0f} tok/s "
                           f"(other processes used {max(r['others_cores'] for r in rows):.2f} cores at most)")
     return "\n".join(lines + ["", "Limits measured in the same processes (medians):", *limits])

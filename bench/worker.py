@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from qwen_np.generate import peak_rss_bytes
+from qwen_np.numerics import Int8Rows
 
 GiB = 1024 ** 3
 
@@ -43,18 +44,27 @@ def best_seconds(run: Callable[[], object], repeats: int = 3) -> float:
 
 
 def machine_rates(hidden: int, intermediate: int, prefill: int) -> dict[str, float]:
-    """This process's read bandwidth, FP32 GEMM rate and fused BF16 upcast+GEMV rate."""
+    """This process's read bandwidth, FP32 GEMM rate, and the fused BF16 upcast+GEMV and int8 cast+GEMV rates
+    (qwen_np.fast.linear over 1 GiB of stored weights, in stored bytes per second). Each test array is
+    freed before the next is made, so none of them adds to the peak RSS the worker reports."""
+    rng = np.random.default_rng(0)
+    return {"read_gbs": _read_rate(rng),
+            "gemm_gflops": _gemm_rate(rng, hidden, intermediate, prefill),
+            "fused_gbs": _stream_rate(rng.integers(0x3C00, 0x3D00, size=(GiB // (2 * hidden), hidden),
+                                                   dtype=np.uint16)),                   # BF16 bits, |w| ~ 0.01
+            "int8_fused_gbs": _stream_rate(Int8Rows(rng.integers(-127, 128, size=(GiB // hidden, hidden), dtype=np.int8),
+                                                    np.full(GiB // hidden, 0.01, np.float32)))}
+
+
+def _stream_rate(weight: np.ndarray | Int8Rows) -> float:
+    """GB/s (stored bytes) of qwen_np.fast.linear's streaming GEMV over `weight`, on runtime.threads() threads."""
     from qwen_np import fast, runtime
 
-    rng = np.random.default_rng(0)
-    read_gbs = _read_rate(rng)
-    gemm_gflops = _gemm_rate(rng, hidden, intermediate, prefill)
-    bits = rng.integers(0x3C00, 0x3D00, size=(GiB // (2 * hidden), hidden), dtype=np.uint16)  # |w| ~ 0.01
-    x = np.ones((1, hidden), np.float32)
-    y = np.empty((1, bits.shape[0]), np.float32)
+    x = np.ones((1, weight.shape[1]), np.float32)
+    y = np.empty((1, weight.shape[0]), np.float32)
+    stored_bytes = weight.codes.nbytes if isinstance(weight, Int8Rows) else weight.nbytes
     with runtime.single_threaded_blas():
-        fused_gbs = bits.nbytes / best_seconds(lambda: fast.linear(x, bits, y)) / 1e9
-    return {"read_gbs": read_gbs, "gemm_gflops": gemm_gflops, "fused_gbs": fused_gbs}
+        return stored_bytes / best_seconds(lambda: fast.linear(x, weight, y)) / 1e9
 
 
 def _read_rate(rng: np.random.Generator) -> float:

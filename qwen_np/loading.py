@@ -15,7 +15,7 @@ from .formats import quantize_int8_rows
 from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
 from .numerics import Int8Rows, Weight, upcast
-from .runtime import allocate
+from .runtime import allocate, split, threads
 from .weight_cache import load_fp32
 
 # Rows quantized at a time in the int8 mode: the FP32 copy of a whole large tensor (Qwen3-8B's
@@ -96,7 +96,11 @@ def back_to_back(shapes: list[tuple[int, ...]], dtype: type = np.float32) -> lis
 def quantize_int8_into(stored: np.ndarray, codes: np.ndarray, scale: np.ndarray) -> None:
     """formats.quantize_int8_rows of a stored matrix [out, in] (any dtype numerics.upcast reads) into
     codes [out, in] and scale [out], a block of rows at a time: rows are independent, so the result
-    is the same as quantizing the whole matrix at once."""
-    for start in range(0, stored.shape[0], QUANTIZE_BLOCK_ROWS):
-        rows = slice(start, start + QUANTIZE_BLOCK_ROWS)
-        codes[rows], scale[rows] = quantize_int8_rows(upcast(stored[rows]))
+    is the same as quantizing the whole matrix at once. The rows are split between runtime.threads()
+    threads (NumPy's loops are single-threaded and release the GIL), each taking blocks of its part."""
+    def quantize(part: slice) -> None:
+        for start in range(part.start, part.stop, QUANTIZE_BLOCK_ROWS):
+            rows = slice(start, min(start + QUANTIZE_BLOCK_ROWS, part.stop))
+            codes[rows], scale[rows] = quantize_int8_rows(upcast(stored[rows]))
+
+    split(stored.shape[0], threads(), quantize)

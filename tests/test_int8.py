@@ -90,11 +90,16 @@ def test_int8_load_fuses_projections_without_copying(checkpoint: Path) -> None:
         np.testing.assert_array_equal(gate_up.scale, np.concatenate([w.gate_proj.scale, w.up_proj.scale]))
 
 
-def test_quantizing_a_block_of_rows_at_a_time_equals_the_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loading, "QUANTIZE_BLOCK_ROWS", 7)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_quantizing_blocks_of_rows_on_threads_equals_the_whole(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loading, "QUANTIZE_BLOCK_ROWS", 7)        # 40 rows over 3 threads: parts of 13-14 rows
     w = np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32)
     codes, scale = np.empty((40, 64), np.int8), np.empty(40, np.float32)
-    loading.quantize_int8_into(w, codes, scale)
+    qwen_np.runtime.set_threads(threads)
+    try:
+        loading.quantize_int8_into(w, codes, scale)
+    finally:
+        qwen_np.runtime.set_threads(None)
     want_codes, want_scale = quantize_int8_rows(w)
     np.testing.assert_array_equal(codes, want_codes)
     np.testing.assert_array_equal(scale, want_scale)
