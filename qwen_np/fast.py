@@ -52,6 +52,16 @@ from .numerics import Int8Rows, Weight, upcast
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
 # cache between its upcast and its product (block sizes measured: bench/README.md).
 BLOCK_BYTES = 8 * 1024 ** 2
+# A product of a few rows (a batched decode step: one token per sequence) costs OpenBLAS far more than
+# its FLOPs: past M*N*K = 100^3 its GEMM packs the whole weight first, which a GEMV never does, and
+# below that its small-matrix kernel reads the weight where it lies. So x [M, in] with
+# 2 <= M <= SMALL_M_MAX is multiplied by slices of W small enough for that kernel (at least
+# SMALL_ROWS_MIN rows, so a very wide W does not become thousands of calls). Qwen3-0.6B's gate|up at
+# M = 8, one thread: 5.9 ms in one call, 2.0 ms in 64-96-row slices, a GEMV 1.1 ms; at M = 32 slices
+# no longer help (bench/README.md, concurrent streams).
+SMALL_PRODUCT = 100 ** 3
+SMALL_M_MAX = 16
+SMALL_ROWS_MIN = 16
 
 
 # --- matrix products -------------------------------------------------------------------------------
@@ -59,18 +69,34 @@ BLOCK_BYTES = 8 * 1024 ** 2
 def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     """out = x W^T, as layers.linear, written into `out`.  x [T, in], weight [out, in], out [T, out].
 
-    FP32 weights go straight to BLAS. For a BF16 or int8 weight the rows of W (columns of out) are
-    split evenly between runtime.threads() threads; call it inside runtime.single_threaded_blas()
-    (forward does), or each thread's BLAS call would start threads of its own.
+    FP32 weights go straight to BLAS, unless x has few rows (small_product_rows). For those, and for
+    a BF16 or int8 weight, the rows of W (columns of out) are split evenly between runtime.threads()
+    threads; call it inside runtime.single_threaded_blas() (forward does), or each thread's BLAS call
+    would start threads of its own.
     """
-    if isinstance(weight, np.ndarray) and weight.dtype == np.float32:
+    if isinstance(weight, np.ndarray) and weight.dtype == np.float32 and not few_rows(x.shape[0]):
         return np.matmul(x, weight.T, out=out)
     runtime.split(weight.shape[0], runtime.threads(), lambda rows: _rows(x, weight, out, rows))
     return out
 
 
+def few_rows(M: int) -> bool:
+    """Whether a product with M rows of x is multiplied in slices of W (see SMALL_PRODUCT)."""
+    return 1 < M <= SMALL_M_MAX
+
+
+def small_product_rows(M: int, columns: int) -> int | None:
+    """Rows of W per BLAS call for x [M, columns]: a slice for few rows, else None (one call)."""
+    return max(SMALL_ROWS_MIN, SMALL_PRODUCT // (M * columns)) if few_rows(M) else None
+
+
 def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
-    """out[:, part] = x W[part]^T for a stored (BF16 / int8) W, upcast a cache-sized block of rows at a time."""
+    """out[:, part] = x W[part]^T: FP32 W in slices of small_product_rows; a stored (BF16 / int8) W
+    upcast a cache-sized block of rows at a time, each block multiplied in those slices too."""
+    step = small_product_rows(*x.shape)
+    if isinstance(weight, np.ndarray) and weight.dtype == np.float32:
+        _products(x, weight[part], out[:, part], step)
+        return
     rows, hi = _block_rows(weight.shape[1]), part.stop
     buffer = _thread_buffer(rows * weight.shape[1])
     for start in range(part.start, hi, rows):
@@ -78,11 +104,20 @@ def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
         block = buffer[:(stop - start) * weight.shape[1]].reshape(stop - start, weight.shape[1])
         if isinstance(weight, Int8Rows):
             np.copyto(block, weight.codes[start:stop], casting="unsafe")     # exact: int8 fits in FP32
-            np.matmul(x, block.T, out=out[:, start:stop])
+            _products(x, block, out[:, start:stop], step)
             out[:, start:stop] *= weight.scale[start:stop]                    # y[o] = scale[o] (x . codes[o])
         else:
             _upcast_rows(weight[start:stop], block)
-            np.matmul(x, block.T, out=out[:, start:stop])
+            _products(x, block, out[:, start:stop], step)
+
+
+def _products(x: np.ndarray, weight: np.ndarray, out: np.ndarray, step: int | None) -> None:
+    """out = x weight^T (FP32), in one BLAS call or in slices of `step` rows of weight."""
+    if step is None:
+        np.matmul(x, weight.T, out=out)
+        return
+    for start in range(0, weight.shape[0], step):
+        np.matmul(x, weight[start:start + step].T, out=out[:, start:start + step])
 
 
 def _block_rows(columns: int) -> int:
@@ -208,7 +243,8 @@ class FastQwen3Model(Qwen3Model):
         # between products then split a prompt's rows between the same threads. With FP32 weights
         # OpenBLAS's own threads run the products and spin-wait between them, so the steps between
         # stay on one thread (measured: bench/README.md).
-        streamed = self._streams_weights()
+        # A batched decode step (a few tokens) multiplies FP32 weights the same way (linear).
+        streamed = self._streams_weights() or few_rows(T)
         parts = runtime.threads() if streamed else 1
         blas = runtime.single_threaded_blas() if streamed else nullcontext()
         # SiLU's exp(-x) overflows to inf for x < -88, where silu(x) = x / inf = -0 is right: no warning.
@@ -217,7 +253,10 @@ class FastQwen3Model(Qwen3Model):
                 self._layer(i, weights, x, positions, rows, cos, sin, caches, buffers, parts)
             _rms_norm(x, self.norm, config.rms_norm_eps, out=buffers.h)
             h = buffers.h[[row.stop - 1 for row in rows]] if last_only else buffers.h
-            logits = linear(h, self.lm_head, np.empty((len(h), config.vocab_size), np.float32))
+            # A prefill's last rows of a few sequences: a small product, split like a decode step's.
+            head_blas = runtime.single_threaded_blas() if few_rows(len(h)) and not streamed else nullcontext()
+            with head_blas:
+                logits = linear(h, self.lm_head, np.empty((len(h), config.vocab_size), np.float32))
         for row, cache in zip(rows, caches):
             if cache is not None:
                 cache.length += row.stop - row.start

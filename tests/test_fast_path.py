@@ -191,3 +191,34 @@ def test_prefill_steps_split_by_rows_give_the_same_logits(checkpoint: Path, thre
     finally:
         runtime.set_threads(before)
     assert 23 in splits and 9 in splits          # row splits happened (the others split weight rows)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("memory", MODES)
+def test_few_row_products_in_weight_slices_give_the_same_logits(checkpoint: Path, memory: str, threads: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batched decode step (2..SMALL_M_MAX tokens) multiplies W a few rows at a time, on every thread."""
+    monkeypatch.setattr(fast, "SMALL_PRODUCT", 1)                 # slices of SMALL_ROWS_MIN rows
+    monkeypatch.setattr(fast, "SMALL_ROWS_MIN", 5)                # several per thread, a short last one
+    calls: list[int] = []
+    original = np.matmul
+    monkeypatch.setattr(fast.np, "matmul", lambda a, b, **kw: (calls.append(b.shape[-1]), original(a, b, **kw))[1])
+    fast_model, plain_model = load_pair(checkpoint, memory)
+    before = runtime.threads()
+    try:
+        runtime.set_threads(threads)
+        fast_cache, plain_cache = fast_model.new_cache(32), plain_model.new_cache(32)
+        for a, b in ((0, 3), (3, 4), (4, 20)):                  # 3 rows, 1 row (a GEMV), 8 rows
+            chunk = np.resize(PROMPT, 20)[a:b]
+            assert_same_logits(fast_model.forward(chunk, fast_cache), plain_model.forward(chunk, plain_cache),
+                               f"{memory}, {threads} threads, tokens {a}-{b}")
+    finally:
+        runtime.set_threads(before)
+    assert 5 in calls                                             # weight slices of 5 rows were multiplied
+
+
+def test_small_product_rows_slices_only_few_rows() -> None:
+    assert fast.small_product_rows(1, 1024) is None               # a GEMV: one call
+    assert fast.small_product_rows(fast.SMALL_M_MAX + 1, 1024) is None
+    assert fast.small_product_rows(8, 1024) == fast.SMALL_PRODUCT // (8 * 1024)
+    assert fast.small_product_rows(16, 10 ** 6) == fast.SMALL_ROWS_MIN
