@@ -57,8 +57,8 @@ BLOCK_BYTES = 8 * 1024 ** 2
 # below that its small-matrix kernel reads the weight where it lies. So x [M, in] with
 # 2 <= M <= SMALL_M_MAX is multiplied by slices of W small enough for that kernel (at least
 # SMALL_ROWS_MIN rows, so a very wide W does not become thousands of calls). Qwen3-0.6B's gate|up at
-# M = 8, one thread: 5.9 ms in one call, 2.0 ms in 64-96-row slices, a GEMV 1.1 ms; at M = 32 slices
-# no longer help (bench/README.md, concurrent streams).
+# M = 8, one thread, SkylakeX kernel: 5.9 ms in one call, 2.0 ms in 64-96-row slices, a GEMV 1.1 ms;
+# at M = 32 slices no longer help (bench/README.md, concurrent streams).
 SMALL_PRODUCT = 100 ** 3
 SMALL_M_MAX = 16
 SMALL_ROWS_MIN = 16
@@ -81,8 +81,9 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
 
 
 def few_rows(M: int) -> bool:
-    """Whether a product with M rows of x is multiplied in slices of W (see SMALL_PRODUCT)."""
-    return 1 < M <= SMALL_M_MAX
+    """Whether a product with M rows of x is multiplied in slices of W (see SMALL_PRODUCT): only where
+    BLAS has the small-matrix kernel; elsewhere slices only repeat the packing (bench/README.md)."""
+    return 1 < M <= SMALL_M_MAX and runtime.blas_has_small_matrix_kernel()
 
 
 def small_product_rows(M: int, columns: int) -> int | None:

@@ -9,6 +9,7 @@ products are not split the same way (Python hand-offs cost more than they save o
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -50,6 +51,18 @@ def set_threads(count: int | None) -> None:
 def blas_info() -> list[dict[str, Any]]:
     """The BLAS NumPy runs: internal_api, architecture (the kernel chosen), num_threads, version."""
     return [info for info in _controller().info() if info.get("user_api") == "blas"]
+
+
+# OpenBLAS kernels that have a small-matrix GEMM path (for M*N*K <= 100^3 it multiplies without
+# packing the operands first): the AVX-512 x86_64 ones. Haswell's (also Zen's) has none; there a
+# product of a few rows goes to BLAS whole (fast.few_rows; measured: bench/README.md).
+SMALL_MATRIX_KERNELS = ("skylakex", "cooperlake", "sapphirerapids")
+
+
+@functools.cache
+def blas_has_small_matrix_kernel() -> bool:
+    """Whether the BLAS NumPy runs is an OpenBLAS kernel with a small-matrix GEMM path."""
+    return any(str(info.get("architecture", "")).lower() in SMALL_MATRIX_KERNELS for info in blas_info())
 
 
 def _controller() -> Any:

@@ -198,6 +198,7 @@ def test_prefill_steps_split_by_rows_give_the_same_logits(checkpoint: Path, thre
 def test_few_row_products_in_weight_slices_give_the_same_logits(checkpoint: Path, memory: str, threads: int,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A batched decode step (2..SMALL_M_MAX tokens) multiplies W a few rows at a time, on every thread."""
+    monkeypatch.setattr(runtime, "blas_has_small_matrix_kernel", lambda: True)   # whatever kernel runs here
     monkeypatch.setattr(fast, "SMALL_PRODUCT", 1)                 # slices of SMALL_ROWS_MIN rows
     monkeypatch.setattr(fast, "SMALL_ROWS_MIN", 5)                # several per thread, a short last one
     calls: list[int] = []
@@ -217,8 +218,22 @@ def test_few_row_products_in_weight_slices_give_the_same_logits(checkpoint: Path
     assert 5 in calls                                             # weight slices of 5 rows were multiplied
 
 
-def test_small_product_rows_slices_only_few_rows() -> None:
+def test_small_product_rows_slices_only_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "blas_has_small_matrix_kernel", lambda: True)
     assert fast.small_product_rows(1, 1024) is None               # a GEMV: one call
     assert fast.small_product_rows(fast.SMALL_M_MAX + 1, 1024) is None
     assert fast.small_product_rows(8, 1024) == fast.SMALL_PRODUCT // (8 * 1024)
     assert fast.small_product_rows(16, 10 ** 6) == fast.SMALL_ROWS_MIN
+
+
+def test_few_rows_go_to_blas_whole_without_a_small_matrix_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "blas_has_small_matrix_kernel", lambda: False)
+    assert not fast.few_rows(8) and fast.small_product_rows(8, 1024) is None
+
+
+def test_small_matrix_kernel_is_read_from_the_blas_architecture(monkeypatch: pytest.MonkeyPatch) -> None:
+    for architecture, has in (("SkylakeX", True), ("Haswell", False), ("Zen", False)):
+        monkeypatch.setattr(runtime, "blas_info", lambda a=architecture: [{"architecture": a}])
+        runtime.blas_has_small_matrix_kernel.cache_clear()
+        assert runtime.blas_has_small_matrix_kernel() is has
+    runtime.blas_has_small_matrix_kernel.cache_clear()
