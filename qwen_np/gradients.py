@@ -84,7 +84,9 @@ def softmax_backward(d_probs: np.ndarray, probs: np.ndarray) -> np.ndarray:
     Masked (future) positions have p = 0 exactly, so their ds is 0: the causal mask needs no
     backward of its own.
     """
-    return probs * (d_probs - np.sum(d_probs * probs, axis=-1, keepdims=True))
+    d_scores = d_probs * probs                                                      # [..., S]
+    d_scores -= probs * np.sum(d_scores, axis=-1, keepdims=True)                     # p*dp - p*sum(dp*p)
+    return d_scores
 
 
 def sum_over_groups(d_repeated: np.ndarray, kv_heads: int) -> np.ndarray:
@@ -123,10 +125,10 @@ def attention_scores_backward(d_scores: np.ndarray, q: np.ndarray, k: np.ndarray
     dq = ds k * s;  dk = ds^T q * s, summed over the query heads sharing each KV head.
     """
     H, KVH, Dh = q.shape[-2], k.shape[-2], q.shape[-1]
-    d_scores = d_scores * np.float32(Dh ** -0.5)                                     # [B, H, T, S]
+    scale = np.float32(Dh ** -0.5)                  # applied to the [.., Dh] products, not the [.., T, S] scores
     k_heads = layers.heads_first(np.repeat(k, H // KVH, axis=-2))                    # [B, H, S, Dh]
-    dq = layers.heads_first(d_scores @ k_heads)                                      # [B, T, H, Dh]
-    dk = sum_over_groups(np.swapaxes(d_scores, -1, -2) @ contiguous_heads(q), KVH)   # [B, S, KVH, Dh]
+    dq = layers.heads_first(d_scores @ k_heads) * scale                              # [B, T, H, Dh]
+    dk = sum_over_groups(np.swapaxes(d_scores, -1, -2) @ contiguous_heads(q), KVH) * scale   # [B, S, KVH, Dh]
     return dq, dk
 
 
@@ -156,9 +158,10 @@ def swiglu_backward(d_out: np.ndarray, x: np.ndarray, gate: np.ndarray, up: np.n
     Returns dx [B, T, D] and the three weights' gradients. x feeds both gate_proj and up_proj, so
     its gradient is the sum of the two paths.
     """
-    d_act, d_down = linear_backward(d_out, layers.silu(gate) * up, down_proj)        # [B, T, F]
+    silu_gate = layers.silu(gate)                                                    # [B, T, F]
+    d_act, d_down = linear_backward(d_out, silu_gate * up, down_proj)                # [B, T, F]
     d_gate = silu_backward(d_act * up, gate)                                         # [B, T, F]
-    d_up = d_act * layers.silu(gate)                                                 # [B, T, F]
+    d_up = d_act * silu_gate                                                         # [B, T, F]
     dx_gate, d_gate_proj = linear_backward(d_gate, x, gate_proj)                     # [B, T, D]
     dx_up, d_up_proj = linear_backward(d_up, x, up_proj)                             # [B, T, D]
     return dx_gate + dx_up, {"gate_proj": d_gate_proj, "up_proj": d_up_proj, "down_proj": d_down}
@@ -172,11 +175,12 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.nd
     exp() finite; the mean is accumulated in float64 so a long batch does not lose digits.
     """
     shifted = logits - logits.max(axis=-1, keepdims=True)                            # [B, T, V]
-    log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))         # [B, T, V]
-    picked = np.take_along_axis(log_probs, targets[..., None], axis=-1)              # [B, T, 1]
+    exp = np.exp(shifted)                                                            # [B, T, V]
+    total = exp.sum(axis=-1, keepdims=True)                                          # [B, T, 1]
+    picked = np.take_along_axis(shifted, targets[..., None], axis=-1) - np.log(total)   # log p(target) [B, T, 1]
     n = targets.size
     loss = -float(picked.sum(dtype=np.float64)) / n
-    d_logits = np.exp(log_probs)                                                     # softmax [B, T, V]
+    d_logits = exp / total                                                           # softmax [B, T, V]
     np.add.at(d_logits, (*np.indices(targets.shape), targets), np.float32(-1.0))     # - onehot
     d_logits *= np.float32(1.0 / n)
     return loss, d_logits
