@@ -133,8 +133,7 @@ def causal_mask(scores: np.ndarray, q_positions: np.ndarray) -> np.ndarray:
 def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis, shifted by the max so exp() cannot overflow."""
     e = np.exp(x - x.max(axis=-1, keepdims=True))
-    e /= e.sum(axis=-1, keepdims=True)
-    return e
+    return e / e.sum(axis=-1, keepdims=True)
 
 
 def weighted_sum(probs: np.ndarray, v: np.ndarray) -> np.ndarray:
