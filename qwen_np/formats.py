@@ -90,9 +90,8 @@ def _reciprocal(scale: np.ndarray) -> np.ndarray:
     has no integer code. Those blocks store an FP16 scale of 0, so any code dequantizes to 0: use 0.
     """
     with np.errstate(divide="ignore", over="ignore"):
-        inverse = np.float32(1.0) / scale
-    inverse[~np.isfinite(inverse)] = 0.0
-    return inverse
+        inverse = np.float32(1.0) / np.asarray(scale, dtype=np.float32)   # 0-d for a 1-D x's one row
+    return np.where(np.isfinite(inverse), inverse, np.float32(0.0))
 
 
 def _round_half_away(v: np.ndarray) -> np.ndarray:

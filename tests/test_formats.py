@@ -308,3 +308,14 @@ def test_dequantize_refuses_a_buffer_of_the_wrong_shape():
     q, scale = quantize_int8_rows(np.ones((4, 32), dtype=np.float32))
     with pytest.raises(QwenNPError, match=r"out must be a C-contiguous float32 array of shape \(4, 32\)"):
         dequantize_int8_rows(q, scale, out=np.empty((4, 64), dtype=np.float32)[:, :32])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_vector_round_trips_as_one_row_of_a_matrix(fmt: str) -> None:
+    """x [in] is one row: the same values as round_trip of x [1, in] (int8 and the row formats once
+    failed on the 0-d scale of a vector)."""
+    x = np.random.default_rng(5).standard_normal(96).astype(np.float32)
+    got = round_trip(x, fmt)
+    assert got.shape == x.shape and got.dtype == np.float32
+    np.testing.assert_array_equal(got, round_trip(x[None, :], fmt)[0])
+    np.testing.assert_array_equal(round_trip(np.zeros(64, np.float32), fmt), np.zeros(64, np.float32))
