@@ -235,3 +235,11 @@ def test_eval_reports_loss_per_token_and_per_character(tmp_path: Path, run_input
     assert result["perplexity"] == pytest.approx(np.exp(result["loss_per_token"]))
     assert result["bits_per_character"] == pytest.approx(result["nats_per_character"] / np.log(2))
     assert result["nats_per_character"] == pytest.approx(result["nats"] / result["characters"])
+
+
+@pytest.mark.parametrize("memory", ["bf16", "int8"])
+def test_training_a_model_not_held_in_fp32_is_refused_by_name(memory: str) -> None:
+    """BF16 weights are kept as uint16 bits: multiplied as they are they would give garbage gradients."""
+    model = load_model(FIXTURES / "tied_mha", memory=memory)
+    with pytest.raises(training.QwenNPError, match="model.embed_tokens.weight: training needs FP32 weights"):
+        training.loss_and_gradients(model, [[1, 2, 3]])
