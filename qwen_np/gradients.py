@@ -35,7 +35,7 @@ def linear_backward(d_out: np.ndarray, x: np.ndarray, weight: Weight) -> tuple[n
 
     dx = dy W;  dW = dy^T x, summed over every row of the batch (one GEMM over the B*T rows).
     """
-    if not isinstance(weight, np.ndarray) or weight.dtype != np.float32:     # BF16 bits would multiply as integers
+    if not isinstance(weight, np.ndarray) or weight.dtype.kind != "f":     # BF16 bits would multiply as integers
         raise QwenNPError("training needs FP32 weights in memory; load the model with memory='fp32'")
     dx = d_out @ weight                                                              # [..., in]
     d_weight = d_out.reshape(-1, d_out.shape[-1]).T @ x.reshape(-1, x.shape[-1])     # [out, in]
