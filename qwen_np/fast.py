@@ -55,8 +55,8 @@ BLOCK_BYTES = 8 * 1024 ** 2
 # A product of a few rows (a batched decode step: one token per sequence) costs OpenBLAS far more than
 # its FLOPs: past M*N*K = 100^3 its GEMM packs the whole weight first, which a GEMV never does, and
 # below that its small-matrix kernel reads the weight where it lies. So x [M, in] with
-# 2 <= M <= SMALL_M_MAX is multiplied by slices of W small enough for that kernel (at least
-# SMALL_ROWS_MIN rows, so a very wide W does not become thousands of calls). Qwen3-0.6B's gate|up at
+# 2 <= M <= SMALL_M_MAX is multiplied by slices of W small enough for that kernel (when those are
+# at least SMALL_ROWS_MIN rows: a very wide W does not become thousands of calls). Qwen3-0.6B's gate|up at
 # M = 8, one thread, SkylakeX kernel: 5.9 ms in one call, 2.0 ms in 64-96-row slices, a GEMV 1.1 ms;
 # at M = 32 slices no longer help (bench/README.md, concurrent streams).
 SMALL_PRODUCT = 100 ** 3
@@ -87,8 +87,10 @@ def few_rows(M: int) -> bool:
 
 
 def small_product_rows(M: int, columns: int) -> int | None:
-    """Rows of W per BLAS call for x [M, columns]: a slice for few rows, else None (one call)."""
-    return max(SMALL_ROWS_MIN, SMALL_PRODUCT // (M * columns)) if few_rows(M) else None
+    """Rows of W per BLAS call for x [M, columns]: a slice the small-matrix kernel takes, or None (one
+    call per thread's rows) for many rows of x, or when such a slice would be under SMALL_ROWS_MIN rows."""
+    rows = SMALL_PRODUCT // (M * columns)
+    return rows if few_rows(M) and rows >= SMALL_ROWS_MIN else None
 
 
 def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
