@@ -36,7 +36,7 @@ def loss_and_gradients(model: Qwen3Model, batch: np.ndarray) -> tuple[float, dic
     name to an array of that tensor's shape.
     """
     batch = check_batch(batch, model.config.vocab_size)
-    named_parameters(model)             # a QwenNPError naming the tensor unless every weight is FP32
+    named_parameters(model)             # raises, naming the tensor, unless every weight is a float array
     logits, tape = gradients.forward_with_tape(model, batch[:, :-1])                 # [B, T, V]
     loss, d_logits = gradients.cross_entropy(logits, batch[:, 1:])
     return loss, gradients.backward(model, tape, d_logits)
