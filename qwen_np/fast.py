@@ -69,7 +69,7 @@ SMALL_ROWS_MIN = 16
 def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     """out = x W^T, as layers.linear, written into `out`.  x [T, in], weight [out, in], out [T, out].
 
-    FP32 weights go straight to BLAS, unless x has few rows (small_product_rows). For those, and for
+    FP32 weights go straight to BLAS, unless x has few rows (few_rows). For those, and for
     a BF16 or int8 weight, the rows of W (columns of out) are split evenly between runtime.threads()
     threads; call it inside runtime.single_threaded_blas() (forward does), or each thread's BLAS call
     would start threads of its own.
