@@ -52,11 +52,6 @@ def check_batch(batch: np.ndarray, vocab_size: int) -> np.ndarray:
     return batch.astype(np.int64)
 
 
-# FP32, or float64 for the gradient checks (layers.FULL_PRECISION). Not BF16: a loaded bf16 model keeps
-# its weights as uint16 bits, which a product would take for integers.
-TRAINABLE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
 def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
     """The model's trainable arrays by checkpoint tensor name (the arrays themselves, not copies).
 
@@ -69,7 +64,7 @@ def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
     if not model.config.tie_word_embeddings:
         params[LM_HEAD] = model.lm_head
     for name, array in params.items():
-        if not isinstance(array, np.ndarray) or array.dtype not in TRAINABLE_DTYPES:
+        if not isinstance(array, np.ndarray) or array.dtype not in gradients.TRAINABLE_DTYPES:
             raise QwenNPError(f"{name}: training needs FP32 weights in memory; load the model with memory='fp32'")
     return {name: array for name, array in params.items() if isinstance(array, np.ndarray)}
 
