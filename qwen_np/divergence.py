@@ -50,6 +50,10 @@ def _check(base_logits: np.ndarray, other_logits: np.ndarray, targets: np.ndarra
         raise QwenNPError(f"compare: targets must be token ids in 0..{base_logits.shape[1] - 1}")
 
 
+# How far below zero a KL divergence of equal distributions can round (float64 sums over up to ~152k terms).
+KLD_ROUNDING = 1e-12
+
+
 def compare_positions(base_logits: np.ndarray, other_logits: np.ndarray,
                       targets: np.ndarray) -> dict[str, np.ndarray]:
     """Per-position statistics of one chunk: [N, V], [N, V], [N] -> dict of [N] arrays.
@@ -65,7 +69,9 @@ def compare_positions(base_logits: np.ndarray, other_logits: np.ndarray,
     nonfinite = ~np.isfinite(other).all(axis=-1)                         # [N]
     top = np.argmax(base, axis=-1)                                       # [N] base's favourite
     p_base = np.exp(base)                                                # [N, V]
-    kld = np.sum(p_base * (base - other), axis=-1)                       # [N] nats, >= 0 up to rounding
+    # KL >= 0 in exact arithmetic; summed in float64 over V terms it can land a few ulps below zero when the
+    # two distributions are equal (|error| ~ V * 1e-16 nats, KLD_ROUNDING): callers compare with that slack.
+    kld = np.sum(p_base * (base - other), axis=-1)                       # [N] nats
     return {
         "nll_base": -base[rows, targets],
         "nll_other": -other[rows, targets],

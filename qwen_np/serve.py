@@ -8,7 +8,7 @@
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (streamed as Server-Sent
 Events or not), GET /health (with the number of running and waiting requests). The request fields
-and the response shapes are OpenAI's (see /work/shared/training-formats-serving.md §5); Qwen3's
+and the response shapes are OpenAI's (OpenAI's API reference for chat completions and completions); Qwen3's
 thinking switch comes as vLLM takes it, `chat_template_kwargs: {"enable_thinking": false}`, and the
 sampling fields vLLM adds (top_k, min_p, repetition_penalty) are accepted too. Defaults come from the
 checkpoint's generation_config.json, as in vLLM; max_tokens defaults to what the context has left.

@@ -11,7 +11,6 @@ import pytest
 from qwen_np.checkpoint import expected_tensors, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
 # The bundled default model: a tiny Qwen3 trained on Shakespeare, its own 2,048-token BPE, no chat template.
 BUNDLED = ROOT / "weights"
 # A tiny random-weight Qwen3 with the real Qwen3 tokenizer and chat template (tools/make_bundled_model.py):

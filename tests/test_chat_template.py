@@ -3,6 +3,7 @@ chats A-E), and the multi-turn helpers reuse as much of the fed prompt as the te
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -12,8 +13,6 @@ from qwen_np.errors import QwenNPError
 from qwen_np.tokenizer import ChatDelta, Tokenizer, chat_delta, split_thinking
 from conftest import QWEN3_RANDOM
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 EMPTY_THINK_IDS = [151667, 271, 151668, 271]
@@ -152,10 +151,13 @@ def test_broken_template_names_its_file(tmp_path: Path) -> None:
         Tokenizer.from_folder(folder_with_template(tmp_path, "{% if %}"))
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared")
-def test_template_is_the_shared_reference() -> None:
+# SHA-256 of the chat template in Qwen3's official tokenizer_config.json (the Qwen/Qwen3-8B hub files).
+OFFICIAL_TEMPLATE_SHA256 = "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5"
+
+
+def test_fixture_template_is_qwen3s_official_template_byte_for_byte() -> None:
     config = json.loads((QWEN3_RANDOM / "tokenizer_config.json").read_text(encoding="utf-8"))
-    assert config["chat_template"] == (SHARED / "qwen3" / "chat_template.jinja").read_text(encoding="utf-8")
+    assert hashlib.sha256(config["chat_template"].encode("utf-8")).hexdigest() == OFFICIAL_TEMPLATE_SHA256
 
 
 PARITY_CASES = [

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import SHARED, TINY_CONFIG
+from conftest import QWEN3_RANDOM, TINY_CONFIG
 from qwen_np import PRESETS, Qwen3Config, QwenNPError, load_config, parameter_count, preset
 
 QWEN3_8B_CONFIG = {
@@ -82,10 +82,8 @@ def test_unknown_preset_lists_the_known_ones():
         preset("qwen3-7b")
 
 
-def test_shared_tokenizer_config_agrees_with_config_eos():
-    path = SHARED / "qwen3" / "tokenizer_config.json"
-    if not path.exists():
-        pytest.skip("../shared is not beside this checkout")
+def test_qwen3s_tokenizer_config_agrees_with_the_presets_eos():
+    path = QWEN3_RANDOM / "tokenizer_config.json"           # Qwen3's official file (tests/test_tokenizer.py)
     tokenizer_config = json.loads(path.read_text())
     assert tokenizer_config["added_tokens_decoder"][str(PRESETS["qwen3-8b"].eos_token_id)]["content"] == "<|im_end|>"
 

@@ -3,14 +3,16 @@ fresh virtual environment, runs `python -m qwen_np generate "ROMEO:"` offline fr
 
 No network anywhere: the wheel is built without build isolation (by the setuptools already installed),
 from a copy of the files it is made of (so no build/ or egg-info lands in the checkout); the venv sees
-the system's site-packages for numpy and the other dependencies, and gets the wheel with --no-deps
---no-index. ~10 s, most of it pip.
+the site-packages of the interpreter running the tests (numpy and the other dependencies: a .pth file
+names them, because `venv --system-site-packages` made from inside a venv would see only the base
+interpreter's), and gets the wheel with --no-deps --no-index. ~10 s, most of it pip.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -59,10 +61,14 @@ def test_an_installed_wheel_generates_offline_from_any_folder(wheel: Path, tmp_p
     elsewhere.mkdir()
     env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PIP_DISABLE_PIP_VERSION_CHECK="1")
-    run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv, cwd=elsewhere, env=env)
+    run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=elsewhere, env=env)
     python = venv / "bin" / "python"
-    # pip from the system site-packages installs into the venv (its sys.prefix); --force-reinstall because the
-    # system may hold qwen_np too (an editable install of some checkout), which the venv must not use.
+    purelib = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=elsewhere, env=env)
+    # A path line in a .pth file is appended to sys.path without running that folder's own .pth files, so an
+    # editable install of qwen_np there (its import hook) stays out of the venv.
+    Path(purelib.stdout.decode().strip(), "tests_environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    # pip from those site-packages installs into the venv (its sys.prefix); --force-reinstall because they
+    # may hold qwen_np too (an installed copy of some checkout), which the venv must not use.
     run(python, "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall", "--quiet", wheel,
         cwd=elsewhere, env=env)
 

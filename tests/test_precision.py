@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import qwen_np
-from qwen_np import QwenNPError, precision, preset
+from qwen_np import QwenNPError, divergence, precision, preset
 from qwen_np.cli import main
 from qwen_np.config import expected_tensors, load_config, parameter_count
 from qwen_np.divergence import Comparison
@@ -52,7 +52,8 @@ def test_fp32_and_a_bf16_checkpoint_in_bf16_lose_nothing(base) -> None:
 def test_coarser_formats_move_the_predictions_further(base) -> None:
     results = precision.compare_formats(base, DOCS, ["fp16", "int8", "q4_0"], context=8)
     klds = [results[fmt]["kld_mean"] for fmt in ("fp16", "int8", "q4_0")]
-    assert 0 <= klds[0] < klds[1] < klds[2] and results["q4_0"]["delta_p_rms_percent"] > 0
+    # FP16 holds these BF16 weights almost exactly, so its KLD is zero up to float64 rounding, of either sign.
+    assert -divergence.KLD_ROUNDING <= klds[0] < klds[1] < klds[2] and results["q4_0"]["delta_p_rms_percent"] > 0
 
 
 def test_the_lab_int8_model_is_the_int8_memory_mode(base, tmp_path) -> None:

@@ -15,7 +15,6 @@ from qwen_np.tokenizer import StreamDecoder, Tokenizer
 from conftest import QWEN3_RANDOM
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
 
 TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 CONFIG_SHA256 = "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63"
@@ -202,10 +201,13 @@ def test_fixture_tokenizer_config_is_official() -> None:
     assert sha256_of(QWEN3_RANDOM / "tokenizer_config.json") == CONFIG_SHA256
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared")
-def test_fixture_tokenizer_config_equals_shared_copy() -> None:
-    shared = SHARED / "qwen3" / "tokenizer_config.json"
-    assert (QWEN3_RANDOM / "tokenizer_config.json").read_bytes() == shared.read_bytes()
+# SHA-256 of Qwen3's official tokenizer_config.json (the Qwen/Qwen3-8B hub file), which the fixture copies.
+OFFICIAL_TOKENIZER_CONFIG_SHA256 = "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63"
+
+
+def test_fixture_tokenizer_config_is_qwen3s_official_file_byte_for_byte() -> None:
+    data = (QWEN3_RANDOM / "tokenizer_config.json").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == OFFICIAL_TOKENIZER_CONFIG_SHA256
 
 
 @pytest.mark.parametrize(
@@ -290,9 +292,7 @@ def test_build_script_reproduces_the_fixture_tokenizer(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    config = SHARED / "qwen3" / "tokenizer_config.json"
-    if not config.exists():
-        config = QWEN3_RANDOM / "tokenizer_config.json"   # hash-checked either way
+    config = QWEN3_RANDOM / "tokenizer_config.json"   # Qwen3's official file, hash-checked above
     subprocess.run([sys.executable, str(ROOT / "tools" / "build_tokenizer.py"), "--out", str(tmp_path),
                     "--config", str(config)], check=True, capture_output=True)
     assert (tmp_path / "tokenizer.json").read_bytes() == (QWEN3_RANDOM / "tokenizer.json").read_bytes()

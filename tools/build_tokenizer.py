@@ -176,12 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random",
                         help="output folder (default: tests/fixtures/qwen3_tokenizer_random)")
-    parser.add_argument(
-        "--config",
-        type=Path,
-        default=REPO_ROOT.parent / "shared" / "qwen3" / "tokenizer_config.json",
-        help="Qwen3 tokenizer_config.json to copy (default: ../shared/qwen3/tokenizer_config.json)",
-    )
+    parser.add_argument("--config", type=Path, required=True,
+                        help="Qwen3's official tokenizer_config.json to copy (checked by its sha256)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -41,6 +41,7 @@ from qwen_np.memory import kv_cache_bytes_per_token  # noqa: E402
 from qwen_np.model import Qwen3Model  # noqa: E402
 from qwen_np.numerics import BYTES_PER_VALUE, bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
 from qwen_np.tokenizer import Tokenizer  # noqa: E402
+from walkthrough_training import below  # noqa: E402
 
 BUNDLED_MODEL = REPO_ROOT / "weights"
 DOCS = REPO_ROOT / "docs"
@@ -510,7 +511,7 @@ def rope_why(run: Run) -> str:
             "Meta's original Llama code rotates 2i with 2i+1. The rotation is the same; only which features form a "
             "pair differs, so reordering the rows of q_proj and k_proj turns one layout into the other. On this "
             "prompt's normed q and k, reordered and rotated the interleaved way, the scores differ from the "
-            f"half-split ones by at most {num(np.abs(half_split - interleaved).max())} (FP32 rounding). A "
+            f"half-split ones by less than {below(np.abs(half_split - interleaved).max(), 1e-5)} (FP32 rounding). A "
             "checkpoint converted between the two without that reordering runs but produces garbage.\n\n"
             f"![RoPE: the frequency ladder and one pair's rotation](figures/rope.png)")
 

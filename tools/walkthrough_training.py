@@ -25,6 +25,14 @@ WATCHED = "model.layers.0.self_attn.q_proj.weight"
 PRESET = "shakespeare"                 # the run that trained the bundled model (trainer.PRESET_SETTINGS)
 
 
+def below(x: float, bound: float) -> str:
+    """A rounding-noise figure as the bound it stays under: its digits are the BLAS kernel's choice (OpenBLAS's
+    Haswell and SkylakeX kernels sum in different orders), the bound is not. Fails loudly if the bound breaks."""
+    if not float(x) < bound:
+        raise AssertionError(f"{float(x):g} is not below {bound:g}: the page's claim no longer holds")
+    return f"{bound:g}"
+
+
 def mib(n: float) -> str:
     return f"{n / 2 ** 20:.3g} MiB"
 
@@ -97,7 +105,7 @@ parameter tensor, of that tensor's shape; their L2 norms:
 
 **Accumulation.** With `--grad-accum 2` the batch is processed as two halves of B/2 rows and their
 gradients averaged (`training.loss_and_accumulated_gradients`): the same gradient (largest difference
-here {num(accumulation_error)}, FP32 rounding) with half the activations alive at a time.
+here less than {below(accumulation_error, 1e-6)}, FP32 rounding) with half the activations alive at a time.
 
 **Clipping.** All gradients together, as one vector, have norm {num(norm_before)}.
 `training.clip_gradients` scales them down to norm at most {clip:g}, so one unusual batch cannot
