@@ -238,6 +238,7 @@ class FastQwen3Model(Qwen3Model):
         if len(token_ids) != len(caches) or not token_ids:
             return super().forward_batch(token_ids, caches)       # which says what is wrong
         ids, positions, rows = self._pack(token_ids, caches)                          # [T], [T], B slices
+        runtime.adapt_to_load()                  # fewer threads while other processes want the cores
         config, T = self.config, len(ids)
         cos, sin = layers.rope_angles(self.inv_freq, positions)                       # [T, Dh] each
         buffers = self._buffers(T)

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import layers
+from . import layers, runtime
 from .config import Qwen3Config
 from .errors import QwenNPError
 from .memory import MemoryPlan
@@ -134,6 +134,7 @@ class Qwen3Model:
         if len(token_ids) != len(caches) or not token_ids:
             raise QwenNPError(f"forward_batch: {len(token_ids)} sequences of token ids for {len(caches)} caches")
         ids, positions, rows = self._pack(token_ids, caches)                             # [T], [T], B slices
+        runtime.adapt_to_load()                  # fewer BLAS threads while other processes want the cores
         note = trace or layers.ignore
         cos, sin = layers.rope_angles(self.inv_freq, positions)                        # [T, Dh] each
 

@@ -9,13 +9,15 @@ products are not split the same way (Python hand-offs cost more than they save o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import mmap
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -25,27 +27,107 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-_threads = usable_cores()
+_threads = usable_cores()          # the most threads we may use (set_threads, the CLI's --threads)
+_active = _threads                 # the threads we use now: fewer while other processes want the cores
 _pool: ThreadPoolExecutor | None = None
 _blas: Any = None        # threadpoolctl controller for the BLAS libraries, created on first use
 
 
 def threads() -> int:
-    """Threads the fast path splits work between (set_threads; default one per usable core)."""
-    return _threads
+    """Threads the fast path splits work between now (at most set_threads'; see adapt_to_load)."""
+    return _active
 
 
 def set_threads(count: int | None) -> None:
-    """Use `count` threads for the matrix products (None: one per core); the CLI's --threads.
+    """Use at most `count` threads for the matrix products (None: one per core); the CLI's --threads.
 
     Also sets the BLAS thread count, for every matrix product BLAS threads itself.
     """
     global _threads, _pool
     _threads = count or usable_cores()
-    _controller().limit(limits=_threads, user_api="blas")
+    _use(_threads)
     if _pool is not None:
         _pool.shutdown()
         _pool = None
+
+
+def _use(count: int) -> None:
+    global _active
+    _active = count
+    _controller().limit(limits=count, user_api="blas")
+
+
+# --- sharing a busy machine --------------------------------------------------------------------------
+# Our threads work in lockstep: a product's slices (ours, or OpenBLAS's own) must all finish before the
+# next step starts, and OpenBLAS's idle threads spin rather than sleep. When other processes want the
+# cores too, the scheduler takes a core away from one of our threads at a time, and every step then
+# waits for that thread while the others spin: on 2 cores with one busy neighbour, 2 threads decoded at
+# 0.41x their idle speed, with three neighbours at 0.12-0.15x, where one thread kept 0.49x. So before
+# each forward pass we count the runnable tasks that are not ours and use only the cores they leave.
+LOAD_CHECK_SECONDS = 0.05        # how often the load is read (~50 us with a few threads)
+LOAD_SAMPLES = 4                 # threads drop after this many busy readings in a row, not after one spike
+_load_checked = 0.0
+_busy_readings: list[int] = []
+_adaptive = True                 # False inside steady_threads()
+
+
+def threads_for_load(most: int, cores: int, others_running: list[int]) -> int:
+    """Threads to use when other processes had `others_running` runnable tasks at the latest readings.
+
+    All `most` on a quiet machine; else the cores left over by the least busy of those readings, at
+    least 1: a short spike of activity does not cost us our threads, a steady neighbour does."""
+    others = min(others_running) if others_running else 0
+    return most if others == 0 else max(1, min(most, cores - others))
+
+
+def _others_running() -> int | None:
+    """Runnable tasks on the machine that are not this process's threads; None where unknown (not Linux)."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])       # "0.52 0.31 0.20 3/412 5051"
+        ours = 0
+        for task in os.listdir("/proc/self/task"):                   # our threads, spinning BLAS ones too
+            with contextlib.suppress(OSError):                       # a thread may end while we look
+                with open(f"/proc/self/task/{task}/stat", "rb") as f:
+                    stat = f.read()
+                ours += stat[stat.rindex(b")") + 2:][:1] == b"R"     # "pid (name) R ...": the state
+    except (OSError, IndexError, ValueError):
+        return None
+    return max(0, running - ours)
+
+
+def adapt_to_load() -> None:
+    """Use fewer threads while other processes keep cores busy, all of them again when they stop.
+
+    Called at the start of every forward pass and training step; reads the load at most every
+    LOAD_CHECK_SECONDS. Logits agree with any other thread count's up to the rounding of BLAS sums (as
+    tests/test_fast_path.py checks); work that must repeat bit for bit runs inside steady_threads()."""
+    global _load_checked
+    now = time.monotonic()
+    if not _adaptive or _threads == 1 or now - _load_checked < LOAD_CHECK_SECONDS:
+        return
+    _load_checked = now
+    others = _others_running()
+    if others is None:
+        return
+    _busy_readings.append(others)
+    del _busy_readings[:-LOAD_SAMPLES]
+    wanted = threads_for_load(_threads, usable_cores(), _busy_readings if len(_busy_readings) == LOAD_SAMPLES else [0])
+    if wanted != _active:
+        _use(wanted)
+
+
+@contextlib.contextmanager
+def steady_threads() -> Iterator[None]:
+    """All set_threads' threads, whatever the load, inside: for work that must repeat bit for bit on
+    a rerun (training, whose resumed run must equal the run never stopped)."""
+    global _adaptive
+    before, _adaptive = _adaptive, False
+    _use(_threads)
+    try:
+        yield
+    finally:
+        _adaptive = before
 
 
 def blas_info() -> list[dict[str, Any]]:
@@ -90,7 +172,7 @@ def blas_threads_for(weight: np.ndarray) -> Any:
 def _workers() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(_threads - 1, thread_name_prefix="qwen_np")
+        _pool = ThreadPoolExecutor(max(1, _threads - 1), thread_name_prefix="qwen_np")
     return _pool
 
 

@@ -32,7 +32,7 @@ from .data import END_OF_TEXT_ID
 from .errors import QwenNPError
 from .generate import peak_rss_bytes
 from .model import LayerWeights, Qwen3Model
-from .runtime import usable_cores
+from .runtime import steady_threads, usable_cores
 
 # The model configs a run can start from (`--preset`). "shakespeare" is the bundled default model;
 # "tiny" trains in seconds (CI, tests). data.END_OF_TEXT_ID is <|endoftext|> in the BPE that data.py trains.
@@ -386,7 +386,7 @@ def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.
 
     bar = tqdm(total=settings.steps, initial=step, unit="step", file=sys.stderr, dynamic_ncols=True)
     tokens_per_step = settings.batch_size * settings.context
-    with bar:
+    with bar, steady_threads():      # every step and evaluation repeats bit for bit on a resumed run
         while step < settings.steps:
             started = time.perf_counter()
             lr = training.learning_rate(step, settings.lr, settings.warmup, settings.schedule_steps)

@@ -62,3 +62,13 @@ def no_weight_cache_in_home() -> Iterator[None]:
     patch.setenv(CACHE_ENV, "off")
     yield
     patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def steady_threads() -> Iterator[None]:
+    """Every test runs with the thread count it sets, however busy the machine is (runtime.adapt_to_load
+    would use fewer while other processes run: tests/test_runtime.py tests that)."""
+    from qwen_np import runtime
+
+    with runtime.steady_threads():
+        yield

@@ -1,0 +1,67 @@
+"""runtime: on a busy machine the fast path uses the cores other processes leave it, and all of them again
+when they stop; steady_threads() holds the count for work that must repeat bit for bit."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from qwen_np import runtime
+
+
+@pytest.fixture
+def adaptive(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Adaptation on (conftest holds it off), 2 cores, and a load the test sets: runnable tasks not ours."""
+    load = [0]
+    monkeypatch.setattr(runtime, "_adaptive", True)
+    monkeypatch.setattr(runtime, "usable_cores", lambda: 2)
+    monkeypatch.setattr(runtime, "_others_running", lambda: load[0])
+    monkeypatch.setattr(runtime, "LOAD_CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(runtime, "_busy_readings", [])
+    before = runtime.threads()
+    runtime.set_threads(2)
+    yield load
+    runtime.set_threads(before)
+
+
+def blas_threads() -> set[int]:
+    return {info["num_threads"] for info in runtime.blas_info()}
+
+
+def test_a_steady_neighbour_takes_a_thread_and_gives_it_back_when_it_stops(adaptive: list[int]) -> None:
+    adaptive[0] = 1
+    for _ in range(runtime.LOAD_SAMPLES):
+        runtime.adapt_to_load()
+    assert runtime.threads() == 1 and blas_threads() == {1}
+    adaptive[0] = 0
+    runtime.adapt_to_load()
+    assert runtime.threads() == 2 and blas_threads() == {2}
+
+
+def test_a_moment_of_load_does_not_cost_a_thread(adaptive: list[int]) -> None:
+    for load in [1] * (runtime.LOAD_SAMPLES - 1) + [0] + [1] * (runtime.LOAD_SAMPLES - 1):
+        adaptive[0] = load
+        runtime.adapt_to_load()
+        assert runtime.threads() == 2
+
+
+def test_steady_threads_keep_every_thread_under_load(adaptive: list[int]) -> None:
+    adaptive[0] = 3
+    with runtime.steady_threads():
+        for _ in range(2 * runtime.LOAD_SAMPLES):
+            runtime.adapt_to_load()
+        assert runtime.threads() == 2 and blas_threads() == {2}
+
+
+@pytest.mark.parametrize(("most", "cores", "readings", "expected"), [
+    (2, 2, [0, 0, 0, 0], 2),        # quiet: every thread
+    (3, 2, [0, 0, 0, 0], 3),        # quiet: what was asked, even beyond the cores
+    (2, 2, [1, 1, 1, 1], 1),        # one busy neighbour on 2 cores: one thread
+    (2, 2, [3, 4, 3, 3], 1),        # never fewer than one
+    (8, 16, [1, 2, 5, 3], 8),       # enough cores left for all
+    (16, 16, [1, 2, 5, 3], 15),     # the least busy reading decides
+])
+def test_threads_for_load_uses_the_cores_others_leave(most: int, cores: int, readings: list[int], expected: int) -> None:
+    assert runtime.threads_for_load(most, cores, readings) == expected
+
