@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "weights"
@@ -93,12 +94,12 @@ def measure(workload: str, checkout: Path, folder_06b: Path, text: Path, args: a
     return float(json.loads(result.stdout.decode().strip().splitlines()[-1])["rate"])
 
 
-def with_competitors(count: int, job):
-    """job() while `count` processes spin, one core each."""
+def with_competitors(count: int, job: Callable[..., float], *args: object) -> float:
+    """job(*args) while `count` processes spin, one core each."""
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(count)]
     try:
         time.sleep(0.3 if count else 0.0)                           # let them reach the scheduler
-        return job()
+        return job(*args)
     finally:
         for spinner in spinners:
             spinner.kill()
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             for workload in args.workloads:
                 for name, checkout in checkouts.items():
                     for load in loads:
-                        rate = with_competitors(load, lambda: measure(workload, checkout, folder_06b, text, args))
+                        rate = with_competitors(load, measure, workload, checkout, folder_06b, text, args)
                         rates.setdefault((workload, name, load), []).append(rate)
                     shown = ", ".join(f"{n} beside: {rates[workload, name, n][-1]:.3g}" for n in loads)
                     print(f"round {repeat + 1} {workload} ({name}) {shown}", file=sys.stderr)
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     openblas = " ".join(f"{v}={os.environ[v]}" for v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if v in os.environ)
     goals = ", ".join(f"{n} competitor(s): >= {GOALS[n]}x" for n in args.competitors if n in GOALS)
     print(f"{cores} cores, OpenBLAS {openblas or 'as it picks'}, {args.repeats} interleaved rounds, medians; goals: {goals}")
-    print("| workload | checkout | idle speed | " + " | ".join(f"{n} competitor{'s' * (n > 1)}: x idle" for n in args.competitors) + " |")
+    columns = " | ".join(f"{n} competitor{'s' * (n > 1)}: x idle" for n in args.competitors)
+    print(f"| workload | checkout | idle speed | {columns} |")
     print("|---|---|---|" + "---|" * len(args.competitors))
     unit = {"eval": "commands/s", "precision": "commands/s", "train-step": "tok/s"}
     for workload in args.workloads:
