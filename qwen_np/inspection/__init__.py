@@ -16,9 +16,9 @@ from them, so the three can never disagree about what the model does.
 
 from ..config import DIMENSIONS as SYMBOL_MEANINGS
 from ..config import dimensions, evaluate, resolve
-from .attention import attention_view, attention_weights, heatmap_pixels
+from .attention import attention_view, attention_weights
 from .bandwidth import measure_bandwidth
-from .figures import attention_figure, save_attention_png
+from .figures import attention_figure, heatmap_pixels, save_attention_png
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
 from .lens import lens_probabilities, logit_lens
 from .png import write_png

@@ -69,12 +69,3 @@ def _shade_row(weights: np.ndarray, position: int) -> str:
     cells = [SHADES[min(int(np.searchsorted(SHADE_LIMITS, w)), len(SHADES) - 1)] * 2 for w in weights[:position + 1]]
     return "".join(cells) + "· " * (len(weights) - position - 1)
 
-
-def heatmap_pixels(weights: np.ndarray, cell: int | None = None) -> np.ndarray:
-    """RGB image [T*cell, T*cell, 3] of a [T, T] attention grid: white 0 -> dark blue 1, masked cells grey."""
-    T = weights.shape[0]
-    cell = cell or max(4, min(32, 512 // T))
-    white, blue, grey = np.array([255, 255, 255.0]), np.array([8, 48, 107.0]), np.array([225, 225, 225.0])
-    colors = white + weights[..., None].astype(np.float64) * (blue - white)       # [T, T, 3]
-    colors[np.triu(np.ones((T, T), dtype=bool), 1)] = grey
-    return np.repeat(np.repeat(colors.round().astype(np.uint8), cell, axis=0), cell, axis=1)

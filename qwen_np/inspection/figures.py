@@ -58,6 +58,16 @@ def attention_figure(weights: np.ndarray, labels: Sequence[str], titles: Sequenc
     return fig
 
 
+def heatmap_pixels(weights: np.ndarray, cell: int | None = None) -> np.ndarray:
+    """RGB image [T*cell, T*cell, 3] of a [T, T] attention grid: white 0 -> dark blue 1, masked cells grey."""
+    T = weights.shape[0]
+    cell = cell or max(4, min(32, 512 // T))
+    white, blue, grey = np.array([255, 255, 255.0]), np.array([8, 48, 107.0]), np.array([225, 225, 225.0])
+    colors = white + weights[..., None].astype(np.float64) * (blue - white)       # [T, T, 3]
+    colors[np.triu(np.ones((T, T), dtype=bool), 1)] = grey
+    return np.repeat(np.repeat(colors.round().astype(np.uint8), cell, axis=0), cell, axis=1)
+
+
 def save_attention_png(path: str, weights: np.ndarray, labels: Sequence[str], title: str) -> str:
     """Save one head's [T, T] weights as a PNG; returns what was written, in words.
 
@@ -66,7 +76,6 @@ def save_attention_png(path: str, weights: np.ndarray, labels: Sequence[str], ti
     """
     T = weights.shape[0]
     if not have_matplotlib():
-        from .attention import heatmap_pixels
         write_png(path, heatmap_pixels(weights))
         return f"the full {T} x {T} grid, darker = more weight (pip install 'qwen_np[plot]' for token labels)"
     import matplotlib.pyplot as plt
