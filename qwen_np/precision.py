@@ -50,7 +50,7 @@ from .tokenizer import Tokenizer
 ACTIVATION_FORMATS = ("bf16", "fp16")      # plain casts: the scaled formats refuse the inf an overflow makes
 FP16_MAX = 65504.0
 CHUNK_VALUES = 2 ** 22                     # logits per Comparison.add: ~4 float64 copies of 32 MiB each
-DEFAULT_CONTEXT = 256                      # tokens per window (or the model's limit, if smaller)
+SCORING_WINDOW = 256                      # tokens per window (or the model's limit, if smaller)
 DEFAULT_MAX_TOKENS = 2048                  # predicted tokens scored per format
 PROMPT_TOKENS, CONTINUATION_TOKENS = 12, 24
 MATRICES = [key for key, spec in LAYER_TENSORS.items() if len(spec.shape) == 2]
@@ -427,8 +427,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activations", choices=ACTIVATION_FORMATS,
                         help="also round the residual stream between layers to this format, and report the "
                              "largest |activation| per layer against FP16's 65504")
-    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="T",
-                        help=f"tokens per window (default: {DEFAULT_CONTEXT}, or the model's limit if smaller)")
+    parser.add_argument("--context", type=int, default=SCORING_WINDOW, metavar="T",
+                        help=f"tokens per window (default: {SCORING_WINDOW}, or the model's limit if smaller)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                         help=f"score the first N predicted tokens of the text (default: {DEFAULT_MAX_TOKENS})")
     parser.add_argument("--png", metavar="FILE", help="also draw KLD against bits per weight (needs matplotlib: "
