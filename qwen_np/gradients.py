@@ -5,8 +5,8 @@ output, same shape) and what the forward saw, and returns the gradients of the o
 means dLoss/dX and has X's shape. Shapes as in layers.py, with the batch axis written out: a training
 batch is [B, T] token ids.
 
-The network's forward for training (`forward_with_tape`) is model.py's forward with a batch axis, no KV
-cache, and a tape: the activations each layer's backward needs. `backward` walks the tape in reverse
+The network's forward for training (`forward_with_tape`) is model.py's forward, with no KV cache and a
+trace that records the activations each layer's backward needs (the tape). `backward` walks the tape in reverse
 and returns one FP32 gradient per checkpoint tensor name. Everything is FP32, like the reference
 (transformers + torch autograd in FP32), which tests/test_gradients.py checks tensor by tensor.
 """
@@ -225,31 +225,9 @@ class Tape:
     h_final: np.ndarray            # norm(x_final), the LM head's input          [B, T, D]
 
 
-def decoder_layer_forward(w: LayerWeights, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                          config: Qwen3Config) -> tuple[np.ndarray, LayerTape]:
-    """model.py's decoder layer for a batch [B, T, D], keeping its tape."""
-    B, T, _ = x.shape
-    H, KVH, Dh, eps = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.rms_norm_eps
-    positions = np.arange(T)
-    h = layers.rms_norm(x, w.input_layernorm, eps)                                   # [B, T, D]
-    q = layers.linear(h, w.q_proj).reshape(B, T, H, Dh)                              # [B, T, H, Dh]
-    k = layers.linear(h, w.k_proj).reshape(B, T, KVH, Dh)                            # [B, T, KVH, Dh]
-    v = layers.linear(h, w.v_proj).reshape(B, T, KVH, Dh)                            # [B, T, KVH, Dh]
-    q_rot = layers.rope(layers.rms_norm(q, w.q_norm, eps), cos, sin)                 # [B, T, H, Dh]
-    k_rot = layers.rope(layers.rms_norm(k, w.k_norm, eps), cos, sin)                 # [B, T, KVH, Dh]
-    probs = layers.softmax(layers.causal_mask(layers.attention_scores(q_rot, k_rot), positions))  # [B, H, T, T]
-    mixed = layers.weighted_sum(probs, v)                                            # [B, T, H*Dh]
-    x_mid = x + layers.linear(mixed, w.o_proj)                                       # [B, T, D]
-    h_mlp = layers.rms_norm(x_mid, w.post_attention_layernorm, eps)                  # [B, T, D]
-    gate = layers.linear(h_mlp, w.gate_proj)                                         # [B, T, F]
-    up = layers.linear(h_mlp, w.up_proj)                                             # [B, T, F]
-    out = x_mid + layers.linear(layers.silu(gate) * up, w.down_proj)                 # [B, T, D]
-    return out, LayerTape(x, h, q, k, v, q_rot, k_rot, probs, mixed, x_mid, h_mlp, gate, up)
-
-
 def decoder_layer_backward(d_out: np.ndarray, w: LayerWeights, tape: LayerTape, cos: np.ndarray, sin: np.ndarray,
                            config: Qwen3Config) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """decoder_layer_forward reversed.  d_out [B, T, D] -> dx [B, T, D] and the layer's 11 gradients.
+    """model.py's decoder layer (as Recorder notes it) reversed.  d_out [B, T, D] -> dx [B, T, D] and the layer's 11 gradients.
 
     Each residual connection passes its gradient straight through and adds the branch's.
     """
@@ -271,19 +249,56 @@ def decoder_layer_backward(d_out: np.ndarray, w: LayerWeights, tape: LayerTape, 
     return dx + dx_mid, grads
 
 
+# The trace notes of model.py's decoder layer that its backward reads: LayerTape's field -> step name.
+# Every other note of the forward (scores, act_fn, ...) is dropped as it is made.
+TAPE_STEPS = {"h": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+              "q_rot": "self_attn.rope_q", "k_rot": "self_attn.rope_k", "probs": "self_attn.softmax",
+              "mixed": "self_attn.weighted_sum", "x_mid": "residual_attn", "h_mlp": "post_attention_layernorm",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
+
+
+class Recorder:
+    """A trace for model.py's forward that keeps what the backward needs: the tape is the trace.
+
+    The forward packs the B sequences one after another as rows [B*T, ...]; attention runs one sequence
+    at a time, so its softmax is noted B times, [H, T, T] each."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        self.wanted = {f"model.layers.{i}.{step}": (i, field) for i in range(config.num_hidden_layers)
+                       for field, step in TAPE_STEPS.items()}
+        self.layers: list[dict[str, list[np.ndarray]]] = [{} for _ in range(config.num_hidden_layers)]
+        self.outputs: dict[str, np.ndarray] = {}            # the embedding, each layer's output, the final norm
+
+    def __call__(self, name: str, value: np.ndarray) -> None:
+        if name in self.wanted:
+            i, field = self.wanted[name]
+            self.layers[i].setdefault(field, []).append(value)
+        elif name == "model.embed_tokens" or name == "model.norm" or name.endswith(".residual_mlp"):
+            self.outputs[name] = value
+
+    def tape(self, token_ids: np.ndarray, config: Qwen3Config, inv_freq: np.ndarray) -> Tape:
+        """The record as the backward reads it: rows [B*T, ...] as [B, T, ...], the softmaxes stacked."""
+        B, T = token_ids.shape
+        cos, sin = layers.rope_angles(inv_freq, np.arange(T))                        # [T, Dh] each
+        batched = lambda x: x.reshape(B, T, *x.shape[1:])                            # noqa: E731
+        tapes, x = [], self.outputs["model.embed_tokens"]
+        for i, record in enumerate(self.layers):
+            fields = {field: np.stack(values) if field == "probs" else batched(values[0])
+                      for field, values in record.items()}                           # probs [B, H, T, T]
+            tapes.append(LayerTape(x=batched(x), **fields))
+            x = self.outputs[f"model.layers.{i}.residual_mlp"]
+        return Tape(token_ids, cos, sin, tapes, batched(x), batched(self.outputs["model.norm"]))
+
+
 def forward_with_tape(model: Qwen3Model, token_ids: np.ndarray) -> tuple[np.ndarray, Tape]:
-    """Logits [B, T, V] for a batch of sequences that all start at position 0, and the tape."""
-    config = model.config
-    T = token_ids.shape[1]
-    cos, sin = layers.rope_angles(model.inv_freq, np.arange(T))                      # [T, Dh] each
-    x = layers.embed(token_ids, model.embed_tokens)                                  # [B, T, D]
-    tapes = []
-    for w in model.layers:
-        x, tape = decoder_layer_forward(w, x, cos, sin, config)                      # [B, T, D]
-        tapes.append(tape)
-    h = layers.rms_norm(x, model.norm, config.rms_norm_eps)                          # [B, T, D]
-    logits = layers.linear(h, model.lm_head)                                         # [B, T, V]
-    return logits, Tape(token_ids, cos, sin, tapes, x, h)
+    """Logits [B, T, V] for a batch of sequences that all start at position 0, and the tape.
+
+    This is model.py's forward itself (the readable path, which every traced call runs), with a
+    Recorder as its trace: there is one copy of the network, and the backward reads what it noted."""
+    B, T = token_ids.shape
+    record = Recorder(model.config)
+    logits = model.forward_batch(list(token_ids), [None] * B, trace=record)          # [B*T, V]
+    return logits.reshape(B, T, -1), record.tape(token_ids, model.config, model.inv_freq)
 
 
 def backward(model: Qwen3Model, tape: Tape, d_logits: np.ndarray) -> dict[str, np.ndarray]:
