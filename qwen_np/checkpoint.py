@@ -159,7 +159,7 @@ class Checkpoint:
                 raise QwenNPError(f"{info.path}: tensor {name!r} has dtype {info.dtype}; qwen_np reads BF16, F16 and F32")
 
     def mapped(self, name: str) -> np.ndarray:
-        """A zero-copy, read-only view of a tensor's stored values (BF16 as uint16 bits)."""
+        """A zero-copy, read-only view of a tensor's stored values (BF16 as ml_dtypes.bfloat16)."""
         info = self.tensors[name]
         if info.path not in self._maps:
             with open(info.path, "rb") as f:

@@ -15,10 +15,10 @@ and Python time:
   [group*T, Dh] matrix and multiplied with that head's cached keys as a strided view, which BLAS
   accepts, instead of np.repeat-copying the whole cache for every layer and token. A decode step
   uses one GEMV per query (np.matvec / np.vecmat) instead.
-* A weight kept as BF16 is streamed: each worker thread upcasts a block of rows into its own reused
-  FP32 buffer that stays in cache, multiplies it from there with single-threaded BLAS, and moves on.
-  An int8 weight (numerics.Int8Rows) streams the same way: its codes are cast, and the block's
-  outputs are multiplied by the row scales afterwards.
+* A weight not held in FP32 (numerics' kinds: the stored BF16/F16 values, int8 rows) is streamed:
+  each worker thread widens a block of rows into its own reused FP32 buffer that stays in cache
+  (the kind's widen()), multiplies it from there with single-threaded BLAS, applies the scale the
+  kind leaves for after the product (int8's row scales), and moves on.
   NumPy's BF16 upcast is single-threaded, so splitting rows between threads is what lets every core
   convert. The norms, RoPE, attention and SiLU of a prompt are then split by token rows between the
   same threads.
@@ -40,14 +40,13 @@ import threading
 from contextlib import nullcontext
 from typing import Callable, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from . import layers, runtime
 from .config import Qwen3Config
 from .memory import MemoryPlan
 from .model import KVCache, LayerWeights, Qwen3Model, Trace
-from .numerics import Int8Rows, Weight, upcast
+from .numerics import Int8Rows, Weight
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
 # cache between its upcast and its product (block sizes measured: bench/README.md).
@@ -74,7 +73,7 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     threads; call it inside runtime.single_threaded_blas() (forward does), or each thread's BLAS call
     would start threads of its own.
     """
-    if isinstance(weight, np.ndarray) and weight.dtype == np.float32 and not few_rows(x.shape[0]):
+    if isinstance(weight, np.ndarray) and not few_rows(x.shape[0]):
         return np.matmul(x, weight.T, out=out)
     runtime.split(weight.shape[0], runtime.threads(), lambda rows: _rows(x, weight, out, rows))
     return out
@@ -97,7 +96,7 @@ def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
     """out[:, part] = x W[part]^T: FP32 W in slices of small_product_rows; a stored (BF16 / int8) W
     upcast a cache-sized block of rows at a time, each block multiplied in those slices too."""
     step = small_product_rows(*x.shape)
-    if isinstance(weight, np.ndarray) and weight.dtype == np.float32:
+    if isinstance(weight, np.ndarray):                                  # FP32: as it is
         _products(x, weight[part], out[:, part], step)
         return
     rows, hi = _block_rows(weight.shape[1]), part.stop
@@ -105,13 +104,10 @@ def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
     for start in range(part.start, hi, rows):
         stop = min(start + rows, hi)
         block = buffer[:(stop - start) * weight.shape[1]].reshape(stop - start, weight.shape[1])
-        if isinstance(weight, Int8Rows):
-            np.copyto(block, weight.codes[start:stop], casting="unsafe")     # exact: int8 fits in FP32
-            _products(x, block, out[:, start:stop], step)
-            out[:, start:stop] *= weight.scale[start:stop]                    # y[o] = scale[o] (x . codes[o])
-        else:
-            _upcast_rows(weight[start:stop], block)
-            _products(x, block, out[:, start:stop], step)
+        scale = weight[start:stop].widen(block)                       # numerics: exact FP32 values, or int8 codes
+        _products(x, block, out[:, start:stop], step)
+        if scale is not None:
+            out[:, start:stop] *= scale                                 # y[o] = scale[o] (x . codes[o])
 
 
 def _products(x: np.ndarray, weight: np.ndarray, out: np.ndarray, step: int | None) -> None:
@@ -139,15 +135,6 @@ def _thread_buffer(size: int) -> np.ndarray:
     if buffer is None or buffer.size < size:
         buffer = _local.buffer = np.empty(size, dtype=np.float32)
     return buffer
-
-
-def _upcast_rows(stored: np.ndarray, out: np.ndarray) -> None:
-    """Exact BF16 (or F16) -> FP32 into `out`. For BF16, ml_dtypes' C cast: faster than numerics.upcast's
-    widening copy and shift (bench/README.md), which stays the readable path's plain-NumPy version."""
-    if stored.dtype == np.uint16:
-        np.copyto(out, stored.view(ml_dtypes.bfloat16), casting="unsafe")
-    else:
-        upcast(stored, out)
 
 
 # --- the forward pass --------------------------------------------------------------------------------
@@ -189,7 +176,7 @@ def _joined(parts: list[Weight]) -> Weight | None:
         codes = _joined_arrays([part.codes for part in parts if isinstance(part, Int8Rows)])
         scale = _joined_arrays([part.scale for part in parts if isinstance(part, Int8Rows)])
         return None if codes is None or scale is None else Int8Rows(codes, scale)
-    arrays = [part for part in parts if isinstance(part, np.ndarray) and part.dtype == np.float32]
+    arrays = [part for part in parts if isinstance(part, np.ndarray)]
     return _joined_arrays(arrays) if len(arrays) == len(parts) else None
 
 
@@ -278,7 +265,7 @@ class FastQwen3Model(Qwen3Model):
     def _streams_weights(self) -> bool:
         """Whether any matrix is kept as stored (BF16/F16) or int8, and so is upcast block by block on use."""
         matrices = [self.lm_head, *(getattr(w, name) for w in self.layers for name in PROJECTIONS)]
-        return any(m.dtype != np.float32 for m in matrices)
+        return not all(isinstance(m, np.ndarray) for m in matrices)
 
     def _layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
                cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], b: _Buffers, parts: int) -> None:

@@ -22,14 +22,15 @@ from . import layers
 from .checkpoint import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD
 from .config import Qwen3Config
 from .errors import QwenNPError
-from .numerics import Weight
+from .numerics import FULL_PRECISION, Weight
 
 if TYPE_CHECKING:
     from .model import LayerWeights, Qwen3Model
 
-# FP32, or float64 for the gradient checks (layers.FULL_PRECISION). Not BF16: a loaded bf16 model keeps
-# its weights as uint16 bits, which a product would take for integers.
-TRAINABLE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+def trainable(weight: Weight) -> bool:
+    """Whether training can update a weight in place: FULL_PRECISION arrays (FP32; float64 for the gradient
+    checks). Not a bf16- or int8-loaded model's weights, which a product would not even read as numbers."""
+    return isinstance(weight, np.ndarray) and weight.dtype in FULL_PRECISION
 
 
 # --- One op at a time, in layers.py's order ----------------------------------------------------------
@@ -40,7 +41,7 @@ def linear_backward(d_out: np.ndarray, x: np.ndarray, weight: Weight) -> tuple[n
 
     dx = dy W;  dW = dy^T x, summed over every row of the batch (one GEMM over the B*T rows).
     """
-    if not isinstance(weight, np.ndarray) or weight.dtype not in TRAINABLE_DTYPES:
+    if not trainable(weight):
         raise QwenNPError("training needs FP32 weights in memory; load the model with memory='fp32'")
     dx = d_out @ weight                                                              # [..., in]
     d_weight = d_out.reshape(-1, d_out.shape[-1]).T @ x.reshape(-1, x.shape[-1])     # [out, in]

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from .numerics import Int8Rows, Weight, upcast
+from .numerics import Weight, upcast
 
 # note(name, value) receives each intermediate when someone watches (a trace); by default nobody does.
 Note = Callable[[str, np.ndarray], None]
@@ -21,10 +21,7 @@ Note = Callable[[str, np.ndarray], None]
 def ignore(name: str, value: np.ndarray) -> None:
     """The note used when nobody is watching: does nothing."""
 
-# Weights used as they are. FP64 runs only in the float64 gradient check (tests/test_gradients.py).
-FULL_PRECISION = (np.dtype(np.float32), np.dtype(np.float64))
-
-# How many weight rows to upcast at a time when a weight is stored as BF16: small enough that the
+# How many weight rows to widen at a time when a weight is not held in FP32: small enough that the
 # FP32 block stays in the CPU's last-level cache between being written and being multiplied.
 UPCAST_BLOCK_ROWS = 512
 
@@ -32,28 +29,29 @@ UPCAST_BLOCK_ROWS = 512
 def linear(x: np.ndarray, weight: Weight) -> np.ndarray:
     """y = x W^T, as nn.Linear without bias.  x [..., in], weight [out, in] -> [..., out].
 
-    An FP32 weight is used as is. A weight kept in BF16 (uint16 bits) or F16 is upcast a block of rows
-    at a time, so the full FP32 copy never exists (an 8B model does not fit in RAM as FP32). A weight
-    kept as Int8Rows has one scale per row, which factors out of each output: only the codes are
-    cast, and the block's outputs are scaled.
+    An FP32 weight is used as is. Any other kind (numerics: the stored BF16/F16 values, int8 rows)
+    is widened to FP32 a block of rows at a time, so the full FP32 copy never exists (an 8B model
+    does not fit in RAM as FP32). int8 rows leave their per-row scale for after the product: it
+    factors out of each output, y[o] = scale[o] (x . codes[o]).
     """
-    if isinstance(weight, np.ndarray) and weight.dtype in FULL_PRECISION:
+    if isinstance(weight, np.ndarray):                                                # FP32: as it is
         return x @ weight.T
     out = np.empty((*x.shape[:-1], weight.shape[0]), dtype=np.float32)
     for start in range(0, weight.shape[0], UPCAST_BLOCK_ROWS):
         rows = slice(start, start + UPCAST_BLOCK_ROWS)
-        if isinstance(weight, Int8Rows):
-            codes = weight.codes[rows].astype(np.float32)                         # [rows, in], exact
-            out[..., rows] = (x @ codes.T) * weight.scale[rows]                   # y[o] = scale[o] (x . codes[o])
-        else:
-            out[..., rows] = x @ upcast(weight[rows]).T                           # [rows, in] FP32
+        block = weight[rows]
+        widened = np.empty(block.shape, dtype=np.float32)                              # [rows, in]
+        scale = block.widen(widened)
+        out[..., rows] = x @ widened.T
+        if scale is not None:
+            out[..., rows] *= scale
     return out
 
 
 def embed(token_ids: np.ndarray, embed_tokens: Weight) -> np.ndarray:
     """Look up rows of the embedding table: [..., T] -> [..., T, D]. A plain gather: no sqrt(D) scaling."""
     rows = embed_tokens[token_ids]
-    return rows if isinstance(rows, np.ndarray) and rows.dtype in FULL_PRECISION else upcast(rows)   # only the rows used
+    return rows if isinstance(rows, np.ndarray) else upcast(rows)                     # only the rows used
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

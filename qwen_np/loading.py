@@ -14,7 +14,7 @@ from .fast import FastQwen3Model
 from .formats import quantize_int8_rows
 from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
-from .numerics import Int8Rows, Weight, upcast
+from .numerics import Int8Rows, Weight, held, upcast
 from .runtime import allocate, split, threads
 from .weight_cache import load_fp32
 
@@ -58,7 +58,7 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
             return [cached[name] for name in names]
         shapes = [checkpoint.tensors[name].shape for name in names]
         if buffer is None:
-            return [checkpoint.mapped(name) for name in names]
+            return [held(checkpoint.mapped(name)) for name in names]
         if plan.mode == "fp32":
             return [upcast(checkpoint.read(name, buffer), out=kept)
                     for name, kept in zip(names, back_to_back(shapes, np.float32))]

@@ -41,7 +41,7 @@ class LayerWeights:
 
     config.LAYER_TENSORS gives each one's checkpoint name and shape ([out, in] for projections;
     q_norm and k_norm are one [Dh] weight shared by every head). In "bf16" memory mode the
-    projections are the checkpoint's stored values, memory-mapped (BF16 as uint16 bits); in "int8"
+    projections are the checkpoint's stored values, memory-mapped (numerics.StoredRows); in "int8"
     mode they are numerics.Int8Rows. The norm weights are always FP32.
     """
 

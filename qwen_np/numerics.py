@@ -1,11 +1,18 @@
-"""How weights are held between uses, and widened to FP32 when used: BF16/F16 bits, or int8 rows.
+"""How weights are held between uses, and widened to FP32 when used: the weight kinds.
+
+A model holds each matrix as one of:
+* a NumPy array, always FULL_PRECISION (FP32; float64 for the gradient checks): used as it is;
+* StoredRows: the checkpoint's own 16-bit values, BF16 or F16, often a view of the memory-mapped file;
+* Int8Rows (`--memory int8`): int8 codes and one FP32 scale per row (formats.quantize_int8_rows at
+  load), so W ~ codes * scale[:, None].
+Every kind that is not FP32 has one way to make FP32 rows, `widen(out)`, which writes FP32 values
+into `out` and returns the per-row scale still to be applied to the outputs of a product (None if
+none): layers.linear, the fast path and upcast() are written once against it, so a new kind of
+weight (a new memory mode) is one class here and the loader that makes it.
 
 BF16 is the top half of an IEEE float32 (1 sign, 8 exponent, 7 mantissa bits), so widening it is
-exact: put the 16 bits in the high half of a uint32 and reinterpret. NumPy has no bfloat16 dtype,
-so BF16 tensors travel as uint16 "bit" arrays until they are upcast.
-
-`--memory int8` holds each matrix as Int8Rows: int8 codes and one FP32 scale per row (made by
-formats.quantize_int8_rows at load), so a weight is W ~ codes * scale[:, None].
+exact: put the 16 bits in the high half of a uint32 and reinterpret (bf16_bits_to_f32 shows it;
+StoredRows lets ml_dtypes' bfloat16 dtype do the same in C).
 """
 
 from __future__ import annotations
@@ -13,15 +20,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-# On-disk dtype name (safetensors) -> the NumPy dtype whose bytes we read. BF16 stays as raw bits.
+# On-disk dtype name (safetensors) -> the NumPy dtype whose bytes we read.
 STORAGE_DTYPES: dict[str, np.dtype] = {
-    "BF16": np.dtype("<u2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
     "F16": np.dtype("<f2"),
     "F32": np.dtype("<f4"),
 }
 BYTES_PER_VALUE = {"FP32": 4, "BF16": 2, "FP16": 2, "FP8": 1, "INT8": 1, "INT4": 0.5}
+
+
+# Weights used as they are: FP32, or float64 for the gradient checks. Also what training can update.
+FULL_PRECISION = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -42,6 +54,40 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     nan = np.isnan(x)
     bits[nan] = ((word[nan] >> 16) | 0x0040).astype(np.uint16)  # keep NaN a NaN (quiet bit set)
     return bits
+
+
+@dataclass(frozen=True)
+class StoredRows:
+    """A matrix [out, in] held as the checkpoint stores it: BF16 (ml_dtypes.bfloat16) or F16 values.
+
+    Indexing picks rows (a block of rows, or the embedding rows of some tokens). A product widens a
+    block of rows at a time, exactly, so no FP32 copy of the whole matrix ever exists (an 8B model
+    does not fit in RAM as FP32)."""
+
+    values: np.ndarray           # bfloat16 or float16 [out, in]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes
+
+    def __getitem__(self, rows: Any) -> "StoredRows":
+        return StoredRows(self.values[rows])
+
+    def widen(self, out: np.ndarray) -> None:
+        """Exact FP32 values into out (same shape); no scale remains."""
+        np.copyto(out, self.values, casting="unsafe")
 
 
 @dataclass(frozen=True)
@@ -73,22 +119,33 @@ class Int8Rows:
     def __getitem__(self, rows: Any) -> "Int8Rows":
         return Int8Rows(self.codes[rows], self.scale[rows])
 
+    def widen(self, out: np.ndarray) -> np.ndarray:
+        """The codes as FP32 into out (exact: int8 fits in FP32); the rows' scales remain to be applied."""
+        np.copyto(out, self.codes, casting="unsafe")
+        return self.scale
 
-# A weight matrix as a model holds it: FP32, stored BF16 bits / F16, or int8 rows.
-Weight = np.ndarray | Int8Rows
+
+# A weight matrix as a model holds it: a NumPy array is always FULL_PRECISION (used as it is); every
+# other kind is one of these classes, each with its widen().
+Held = StoredRows | Int8Rows
+Weight = np.ndarray | Held
 
 
-def upcast(stored: Weight, out: np.ndarray | None = None) -> np.ndarray:
-    """FP32 copy of a stored tensor (BF16 bits, F16, F32 or Int8Rows), optionally written into `out`."""
-    if isinstance(stored, Int8Rows):
+def held(stored: np.ndarray) -> Weight:
+    """A tensor read from a checkpoint as a model holds it: FP32 as it is, 16-bit values as StoredRows."""
+    return stored if stored.dtype in FULL_PRECISION else StoredRows(stored)
+
+
+def upcast(weight: Weight | np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """FP32 copy of a weight of any kind (or of a stored BF16/F16/F32 array), optionally written into `out`."""
+    if isinstance(weight, np.ndarray):
         if out is None:
-            out = np.empty(stored.shape, dtype=np.float32)
-        out[...] = stored.codes                                    # exact: int8 fits in FP32
-        out *= stored.scale[..., None]                             # as formats.dequantize_int8_rows
+            return weight.astype(np.float32)
+        np.copyto(out, weight, casting="unsafe")
         return out
-    if stored.dtype == np.uint16:
-        return bf16_bits_to_f32(stored, out)
     if out is None:
-        return stored.astype(np.float32)
-    out[...] = stored
+        out = np.empty(weight.shape, dtype=np.float32)
+    scale = weight.widen(out)
+    if scale is not None:
+        out *= scale[..., None]                                    # as formats.dequantize_int8_rows
     return out

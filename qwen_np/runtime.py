@@ -164,9 +164,9 @@ def single_threaded_blas() -> Any:
     return _controller().limit(limits=1, user_api="blas")
 
 
-def blas_threads_for(weight: np.ndarray) -> Any:
-    """Single-threaded BLAS while stored (BF16) weights are streamed by our threads; else BLAS's own."""
-    return nullcontext() if weight.dtype == np.float32 else single_threaded_blas()
+def blas_threads_for(weight: object) -> Any:
+    """Single-threaded BLAS while weights not held in FP32 are streamed by our threads; else BLAS's own."""
+    return nullcontext() if isinstance(weight, np.ndarray) else single_threaded_blas()
 
 
 def _workers() -> ThreadPoolExecutor:

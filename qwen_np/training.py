@@ -64,7 +64,7 @@ def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
     if not model.config.tie_word_embeddings:
         params[LM_HEAD] = model.lm_head
     for name, array in params.items():
-        if not isinstance(array, np.ndarray) or array.dtype not in gradients.TRAINABLE_DTYPES:
+        if not gradients.trainable(array):
             raise QwenNPError(f"{name}: training needs FP32 weights in memory; load the model with memory='fp32'")
     return {name: array for name, array in params.items() if isinstance(array, np.ndarray)}
 

@@ -10,11 +10,13 @@ import tracemalloc
 from pathlib import Path
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import qwen_np
 from qwen_np import fast, runtime
+from qwen_np.numerics import StoredRows
 
 RTOL = 1e-5
 # (name, config overrides): GQA groups 1/2/4, head_dim above and below D/H, tied and untied heads.
@@ -84,7 +86,8 @@ def test_memory_modes_agree(checkpoint: Path) -> None:
     """BF16-stored weights upcast exactly, so fp32 and bf16 residency give the same logits."""
     fp32, _ = load_pair(checkpoint, "fp32")
     bf16, _ = load_pair(checkpoint, "bf16")
-    assert bf16.lm_head.dtype == np.uint16 and fp32.lm_head.dtype == np.float32
+    assert isinstance(bf16.lm_head, StoredRows) and bf16.lm_head.dtype == ml_dtypes.bfloat16
+    assert isinstance(fp32.lm_head, np.ndarray) and fp32.lm_head.dtype == np.float32
     assert_same_logits(bf16.forward(PROMPT), fp32.forward(PROMPT), "bf16 vs fp32 residency")
 
 
@@ -125,14 +128,14 @@ def test_bf16_decode_never_materialises_a_whole_fp32_weight(make_checkpoint: Cal
     cache = model.new_cache(16)
     model.forward(PROMPT[:4], cache)
     model.forward([1], cache)                     # first decode step allocates the reused buffers
-    lm_head_fp32 = model.lm_head.size * 4         # 8 MiB
+    lm_head_fp32 = model.lm_head.nbytes * 2       # 8 MiB: FP32 is twice the stored BF16
     tracemalloc.start()
     try:
         model.forward([2], cache)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert model.lm_head.dtype == np.uint16
+    assert isinstance(model.lm_head, StoredRows)
     assert peak < lm_head_fp32 / 8, f"decode step peaked at {peak} bytes; lm_head in FP32 is {lm_head_fp32}"
 
 

@@ -239,7 +239,7 @@ def test_eval_reports_loss_per_token_and_per_character(tmp_path: Path, run_input
 
 @pytest.mark.parametrize("memory", ["bf16", "int8"])
 def test_training_a_model_not_held_in_fp32_is_refused_by_name(memory: str) -> None:
-    """BF16 weights are kept as uint16 bits: multiplied as they are they would give garbage gradients."""
+    """Weights held as stored BF16 values or int8 rows cannot be updated in place: refused by tensor name."""
     model = load_model(FIXTURES / "tied_mha", memory=memory)
     with pytest.raises(training.QwenNPError, match="model.embed_tokens.weight: training needs FP32 weights"):
         training.loss_and_gradients(model, [[1, 2, 3]])
