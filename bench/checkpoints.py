@@ -21,7 +21,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from qwen_np.checkpoint import expected_tensors, save_safetensors, write_index
+from qwen_np.checkpoint import save_safetensors, write_index
+from qwen_np.config import expected_tensors
 from qwen_np.config import PRESETS, Qwen3Config
 
 CACHE_ENV = "QWEN_NP_BENCH_CACHE"

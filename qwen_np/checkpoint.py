@@ -30,7 +30,7 @@ from typing import Iterable, Mapping
 import ml_dtypes
 import numpy as np
 
-from .config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors
+from .config import Qwen3Config, expected_tensors
 from .errors import QwenNPError
 from .numerics import STORAGE_DTYPES
 
@@ -43,15 +43,6 @@ KNOWN_DTYPES = {"BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F4", "F6_E
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
                "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "C64": 8, "F64": 8,
                "I64": 8, "U64": 8}
-
-
-# --- Tensor names: derived from config.LAYER_TENSORS / MODEL_TENSORS, the one table -------------
-
-# Per decoder layer: the attribute name (the checkpoint's own name) -> the full key template.
-LAYER_TENSOR_NAMES: dict[str, str] = {key: spec.name for key, spec in LAYER_TENSORS.items()}
-EMBED_TOKENS = MODEL_TENSORS["embed_tokens"].name
-FINAL_NORM = MODEL_TENSORS["norm"].name
-LM_HEAD = MODEL_TENSORS["lm_head"].name
 
 
 # --- Reading safetensors -------------------------------------------------------------------------

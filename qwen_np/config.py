@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,21 @@ MODEL_TENSORS: dict[str, TensorSpec] = {
     "norm": TensorSpec("model.norm.weight", ("D",)),
     "lm_head": TensorSpec("lm_head.weight", ("V", "D")),
 }
+
+# Derived from the two tables, each named once: the 2-D weights of a layer, in memory order (q, k, v,
+# o, gate, up, down), and the full names of the tensors outside the layers.
+LAYER_MATRICES: tuple[str, ...] = tuple(key for key, spec in LAYER_TENSORS.items() if len(spec.shape) == 2)
+LAYER_TENSOR_NAMES: dict[str, str] = {key: spec.name for key, spec in LAYER_TENSORS.items()}   # key -> "{i}" template
+EMBED_TOKENS = MODEL_TENSORS["embed_tokens"].name
+FINAL_NORM = MODEL_TENSORS["norm"].name
+LM_HEAD = MODEL_TENSORS["lm_head"].name
+_MATRIX_NAMES = re.compile("|".join(re.escape(spec.name).replace(re.escape("{i}"), r"\d+")
+                                    for spec in [*LAYER_TENSORS.values(), *MODEL_TENSORS.values()] if len(spec.shape) == 2))
+
+
+def is_matrix(name: str) -> bool:
+    """Whether a checkpoint tensor name is a 2-D weight: a layer's projection, the embedding or the LM head."""
+    return _MATRIX_NAMES.fullmatch(name) is not None
 
 
 def dimensions(config: Qwen3Config, tokens: int = 1, positions: int | None = None) -> dict[str, int]:

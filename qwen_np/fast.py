@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import layers, runtime
-from .config import Qwen3Config
+from .config import LAYER_MATRICES, Qwen3Config
 from .memory import MemoryPlan
 from .model import KVCache, LayerWeights, Qwen3Model, Trace
 from .numerics import Int8Rows, Weight
@@ -194,7 +194,6 @@ def _joined_arrays(parts: list[np.ndarray]) -> np.ndarray | None:
     return None
 
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class FastQwen3Model(Qwen3Model):
@@ -264,7 +263,7 @@ class FastQwen3Model(Qwen3Model):
 
     def _streams_weights(self) -> bool:
         """Whether any matrix is kept as stored (BF16/F16) or int8, and so is upcast block by block on use."""
-        matrices = [self.lm_head, *(getattr(w, name) for w in self.layers for name in PROJECTIONS)]
+        matrices = [self.lm_head, *(getattr(w, name) for w in self.layers for name in LAYER_MATRICES)]
         return not all(isinstance(m, np.ndarray) for m in matrices)
 
     def _layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],

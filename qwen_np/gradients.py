@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import layers
-from .checkpoint import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD
-from .config import Qwen3Config
+from .config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, Qwen3Config
 from .errors import QwenNPError
 from .numerics import FULL_PRECISION, Weight
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import DTYPE_BYTES, Checkpoint, resolve_model_path
-from .config import LAYER_TENSORS, MODEL_TENSORS, load_config
+from .config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, load_config
 from .fast import FastQwen3Model
 from .formats import quantize_int8_rows
 from .memory import DEFAULT_CONTEXT, plan_memory
@@ -73,9 +73,8 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     decoder_layers = []
     for i in range(config.num_hidden_layers):
         names = {key: spec.name.format(i=i) for key, spec in LAYER_TENSORS.items()}
-        two_d = [key for key, spec in LAYER_TENSORS.items() if len(spec.shape) == 2]
-        weights: dict[str, Any] = {key: vector(name) for key, name in names.items() if key not in two_d}
-        weights.update(zip(two_d, matrices([names[key] for key in two_d])))
+        weights: dict[str, Any] = {key: vector(name) for key, name in names.items() if key not in LAYER_MATRICES}
+        weights.update(zip(LAYER_MATRICES, matrices([names[key] for key in LAYER_MATRICES])))
         decoder_layers.append(LayerWeights(**weights))
     embed_tokens, = matrices([MODEL_TENSORS["embed_tokens"].name])
     lm_head = embed_tokens if config.tie_word_embeddings else matrices([MODEL_TENSORS["lm_head"].name])[0]

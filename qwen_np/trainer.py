@@ -26,8 +26,8 @@ from typing import Any, Callable
 import numpy as np
 
 from . import evaluation, training
-from .checkpoint import LAYER_TENSOR_NAMES, expected_tensors, save_checkpoint
-from .config import Qwen3Config
+from .checkpoint import save_checkpoint
+from .config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors
 from .data import END_OF_TEXT_ID
 from .errors import QwenNPError
 from .generate import peak_rss_bytes

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import gradients
-from .checkpoint import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD
+from .config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, is_matrix
 from .errors import QwenNPError
 from .model import Qwen3Model
 from .numerics import Weight
@@ -171,8 +171,8 @@ class AdamW:
 
     @staticmethod
     def decay_matrices(params: dict[str, np.ndarray]) -> set[str]:
-        """The names weight decay applies to: every 2-D parameter."""
-        return {name for name, p in params.items() if p.ndim == 2}
+        """The names weight decay applies to: every matrix (config.is_matrix), not the norms."""
+        return {name for name in params if is_matrix(name)}
 
     def update(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray], lr: float) -> None:
         """One step: every parameter moves in place."""

@@ -8,7 +8,8 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from qwen_np.checkpoint import expected_tensors, save_checkpoint
+from qwen_np.checkpoint import save_checkpoint
+from qwen_np.config import expected_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 # The bundled default model: a tiny Qwen3 trained on Shakespeare, its own 2,048-token BPE, no chat template.

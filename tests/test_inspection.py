@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ROOT
 from qwen_np import PRESETS, QwenNPError, load_config, load_model, preset
-from qwen_np.checkpoint import expected_tensors
+from qwen_np.config import expected_tensors
 from qwen_np.inspection import (STEPS, Tracer, attention_view, attention_weights, dimensions, forward_flops,
                                 inspect_command, inspect_report, lens_probabilities, logit_lens, resolve,
                                 weight_tensors)

@@ -15,14 +15,13 @@ import pytest
 
 import qwen_np
 from qwen_np import QwenNPError, fast, loading, preset
-from qwen_np.config import expected_tensors
+from qwen_np.config import LAYER_MATRICES, expected_tensors
 from qwen_np.formats import quantize_int8_rows, round_trip
 from qwen_np.memory import GiB, plan_memory
 from qwen_np.model import Qwen3Model
 from qwen_np.numerics import Int8Rows
 
 PROMPT = np.array([5, 17, 3, 88, 42, 9, 61, 0, 95, 33, 7, 70])
-MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -37,7 +36,7 @@ def round_tripped(model: Qwen3Model) -> Qwen3Model:
     """The FP32 model with every matrix replaced by round_trip(matrix, "int8"), norms left alone."""
     layers = []
     for w in model.layers:
-        rounded = {name: round_trip(getattr(w, name), "int8") for name in MATRICES}
+        rounded = {name: round_trip(getattr(w, name), "int8") for name in LAYER_MATRICES}
         layers.append(type(w)(**{**vars(w), **rounded}))
     embed = round_trip(model.embed_tokens, "int8")
     lm_head = embed if model.config.tie_word_embeddings else round_trip(model.lm_head, "int8")
@@ -71,7 +70,7 @@ def test_int8_model_holds_codes_and_row_scales_and_fp32_norms(checkpoint: Path) 
     model = qwen_np.load_model(checkpoint, memory="int8", max_tokens=32)
     assert model.plan is not None and model.plan.mode == "int8"
     for w in model.layers:
-        for name in MATRICES:
+        for name in LAYER_MATRICES:
             m = getattr(w, name)
             assert isinstance(m, Int8Rows) and m.codes.dtype == np.int8 and m.scale.dtype == np.float32
             assert m.scale.shape == m.shape[:1] and np.abs(m.codes).max() <= 127

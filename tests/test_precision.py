@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import qwen_np
-from qwen_np import QwenNPError, divergence, precision, preset
+from qwen_np import QwenNPError, divergence, memory, precision, preset
 from qwen_np.cli import main
 from qwen_np.config import expected_tensors, load_config, parameter_count
 from qwen_np.divergence import Comparison
@@ -118,9 +118,9 @@ def test_weight_bytes_count_matrices_in_the_format_and_norms_in_fp32() -> None:
     config = preset("qwen3-8b")
     norms = sum(shape[0] for shape in expected_tensors(config).values() if len(shape) == 1)
     matrices = parameter_count(config) - norms
-    assert precision.weight_bytes(config, "bf16") == 2 * matrices + 4 * norms
-    assert precision.weight_bytes(config, "q4_0") == matrices * 9 // 16 + 4 * norms
-    assert 16.3 < precision.weight_bytes(config, "fp16") / 1e9 < 16.4
+    assert memory.weight_bytes(config, "bf16") == 2 * matrices + 4 * norms
+    assert memory.weight_bytes(config, "q4_0") == matrices * 9 // 16 + 4 * norms
+    assert 16.3 < memory.weight_bytes(config, "fp16") / 1e9 < 16.4
 
 
 def test_precision_command_json_has_one_row_per_format(tmp_path, capsys) -> None:
