@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .data import END_OF_TEXT
+from .divergence import log_softmax
 from .errors import QwenNPError
 
 
@@ -58,9 +59,7 @@ def windows(ids: np.ndarray, context: int) -> Iterator[np.ndarray]:
 
 def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """-log softmax(logits)[target] per row, in float64.  logits [N, V], targets [N] -> [N]."""
-    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)        # [N, V]
-    log_z = np.log(np.exp(shifted).sum(axis=-1))                                     # [N]
-    return log_z - shifted[np.arange(len(targets)), targets]
+    return -log_softmax(logits)[np.arange(len(targets)), targets]
 
 
 def encoded_documents(tokenizer: Any, text: str) -> tuple[list[np.ndarray], int]:
