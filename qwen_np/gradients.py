@@ -220,7 +220,8 @@ class Tape:
     token_ids: np.ndarray          # [B, T]
     cos: np.ndarray                # [T, Dh]
     sin: np.ndarray                # [T, Dh]
-    layers: list[LayerTape]
+    inputs: list[np.ndarray]       # each layer's input, the residual stream  L x [B, T, D]
+    layers: list[LayerTape] | None   # each layer's activations; None: recomputed in the backward
     x_final: np.ndarray            # the residual stream before the final norm  [B, T, D]
     h_final: np.ndarray            # norm(x_final), the LM head's input          [B, T, D]
 
@@ -261,12 +262,12 @@ class Recorder:
     """A trace for model.py's forward that keeps what the backward needs: the tape is the trace.
 
     The forward packs the B sequences one after another as rows [B*T, ...]; attention runs one sequence
-    at a time, so its softmax is noted B times, [H, T, T] each."""
+    at a time, so its softmax is noted B times, [H, T, T] each. `layers`: the layers whose activations
+    are kept (all of them; none with recomputation, which keeps only each layer's input)."""
 
-    def __init__(self, config: Qwen3Config) -> None:
-        self.wanted = {f"model.layers.{i}.{step}": (i, field) for i in range(config.num_hidden_layers)
-                       for field, step in TAPE_STEPS.items()}
-        self.layers: list[dict[str, list[np.ndarray]]] = [{} for _ in range(config.num_hidden_layers)]
+    def __init__(self, layers: range) -> None:
+        self.wanted = {f"model.layers.{i}.{step}": (i, field) for i in layers for field, step in TAPE_STEPS.items()}
+        self.layers: dict[int, dict[str, list[np.ndarray]]] = {i: {} for i in layers}
         self.outputs: dict[str, np.ndarray] = {}            # the embedding, each layer's output, the final norm
 
     def __call__(self, name: str, value: np.ndarray) -> None:
@@ -276,29 +277,45 @@ class Recorder:
         elif name == "model.embed_tokens" or name == "model.norm" or name.endswith(".residual_mlp"):
             self.outputs[name] = value
 
+    def layer_tape(self, i: int, x: np.ndarray, B: int, T: int) -> LayerTape:
+        """Layer i's record, rows [B*T, ...] as [B, T, ...] and the softmaxes stacked; x: its input [B, T, D]."""
+        fields = {field: np.stack(values) if field == "probs" else values[0].reshape(B, T, *values[0].shape[1:])
+                  for field, values in self.layers[i].items()}                           # probs [B, H, T, T]
+        return LayerTape(x=x, **fields)
+
     def tape(self, token_ids: np.ndarray, config: Qwen3Config, inv_freq: np.ndarray) -> Tape:
-        """The record as the backward reads it: rows [B*T, ...] as [B, T, ...], the softmaxes stacked."""
+        """The record as the backward reads it."""
         B, T = token_ids.shape
         cos, sin = layers.rope_angles(inv_freq, np.arange(T))                        # [T, Dh] each
-        batched = lambda x: x.reshape(B, T, *x.shape[1:])                            # noqa: E731
-        tapes, x = [], self.outputs["model.embed_tokens"]
-        for i, record in enumerate(self.layers):
-            fields = {field: np.stack(values) if field == "probs" else batched(values[0])
-                      for field, values in record.items()}                           # probs [B, H, T, T]
-            tapes.append(LayerTape(x=batched(x), **fields))
-            x = self.outputs[f"model.layers.{i}.residual_mlp"]
-        return Tape(token_ids, cos, sin, tapes, batched(x), batched(self.outputs["model.norm"]))
+        names = ["model.embed_tokens"] + [f"model.layers.{i}.residual_mlp" for i in range(config.num_hidden_layers)]
+        inputs = [self.outputs[name].reshape(B, T, -1) for name in names]            # L + 1 x [B, T, D]
+        kept = [self.layer_tape(i, inputs[i], B, T) for i in self.layers] if self.layers else None
+        return Tape(token_ids, cos, sin, inputs[:-1], kept, inputs[-1], self.outputs["model.norm"].reshape(B, T, -1))
 
 
-def forward_with_tape(model: Qwen3Model, token_ids: np.ndarray) -> tuple[np.ndarray, Tape]:
+def forward_with_tape(model: Qwen3Model, token_ids: np.ndarray, recompute: bool = False) -> tuple[np.ndarray, Tape]:
     """Logits [B, T, V] for a batch of sequences that all start at position 0, and the tape.
 
     This is model.py's forward itself (the readable path, which every traced call runs), with a
-    Recorder as its trace: there is one copy of the network, and the backward reads what it noted."""
+    Recorder as its trace: there is one copy of the network, and the backward reads what it noted.
+    recompute (activation checkpointing): keep only each layer's input; the backward runs each layer
+    again, just before it needs it, so one layer's activations are alive at a time instead of L."""
     B, T = token_ids.shape
-    record = Recorder(model.config)
+    record = Recorder(range(0 if recompute else model.config.num_hidden_layers))
     logits = model.forward_batch(list(token_ids), [None] * B, trace=record)          # [B*T, V]
     return logits.reshape(B, T, -1), record.tape(token_ids, model.config, model.inv_freq)
+
+
+def recomputed_layer(model: Qwen3Model, i: int, tape: Tape) -> LayerTape:
+    """Layer i's activations, by running model.decoder_layer on its saved input again: the same function on
+    the same values, so the same bits as the forward's."""
+    B, T = tape.token_ids.shape
+    record = Recorder(range(i, i + 1))
+    rows = [slice(b * T, (b + 1) * T) for b in range(B)]
+    cos, sin = np.tile(tape.cos, (B, 1)), np.tile(tape.sin, (B, 1))                  # [B*T, Dh]: the packed rows'
+    model.decoder_layer(i, model.layers[i], tape.inputs[i].reshape(B * T, -1), np.tile(np.arange(T), B), rows,
+                        cos, sin, [None] * B, record)
+    return record.layer_tape(i, tape.inputs[i], B, T)
 
 
 def backward(model: Qwen3Model, tape: Tape, d_logits: np.ndarray) -> dict[str, np.ndarray]:
@@ -312,7 +329,9 @@ def backward(model: Qwen3Model, tape: Tape, d_logits: np.ndarray) -> dict[str, n
     d_h, d_head = linear_backward(d_logits, tape.h_final, model.lm_head)             # [B, T, D], [V, D]
     dx, grads[FINAL_NORM] = rms_norm_backward(d_h, tape.x_final, model.norm, config.rms_norm_eps)
     for i in reversed(range(config.num_hidden_layers)):
-        dx, layer_grads = decoder_layer_backward(dx, model.layers[i], tape.layers[i], tape.cos, tape.sin, config)
+        layer_tape = tape.layers[i] if tape.layers is not None else recomputed_layer(model, i, tape)
+        dx, layer_grads = decoder_layer_backward(dx, model.layers[i], layer_tape, tape.cos, tape.sin, config)
+        del layer_tape                                   # recomputed: freed before the next layer's
         grads.update({LAYER_TENSOR_NAMES[key].format(i=i): g for key, g in layer_grads.items()})
     d_embed = embed_backward(dx, tape.token_ids, config.vocab_size)                  # [V, D]
     if config.tie_word_embeddings:

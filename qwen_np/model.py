@@ -141,7 +141,7 @@ class Qwen3Model:
         x = layers.embed(ids, self.embed_tokens)                                       # [T, D]
         note("model.embed_tokens", x)
         for i, layer in enumerate(self.layers):
-            x = self._decoder_layer(i, layer, x, positions, rows, cos, sin, caches, note)   # [T, D]
+            x = self.decoder_layer(i, layer, x, positions, rows, cos, sin, caches, note)   # [T, D]
         x = layers.rms_norm(x, self.norm, self.config.rms_norm_eps)                    # [T, D]
         note("model.norm", x)
         if last_only:
@@ -153,9 +153,16 @@ class Qwen3Model:
                 cache.length += row.stop - row.start
         return logits
 
-    def _decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
-                       cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], note: Trace) -> np.ndarray:
-        """x + attention(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).  [T, D] -> [T, D]."""
+    def decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
+                      cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], note: Trace) -> np.ndarray:
+        """x + attention(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).  [T, D] -> [T, D].
+
+        Layer i with weights w, on the packed rows of forward_batch: x [T, D] holds the sequences one
+        after another (rows[b] is sequence b's slice), at positions [T] with their RoPE tables cos/sin
+        [T, Dh]; caches[b] (or None) receives sequence b's keys and values. `note` sees every step.
+        The one place a decoder layer is written: the extension point for code that runs the network
+        a layer at a time (the precision lab rounds its input, training recomputes it in the backward,
+        the inspection steps point at its lines)."""
         c, T, name = self.config, x.shape[0], f"model.layers.{i}"
         eps = c.rms_norm_eps
 

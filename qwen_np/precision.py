@@ -136,7 +136,7 @@ def formatted_model(base: Qwen3Model, fmt: str, flag: str = "--formats") -> Qwen
 
 class RoundedResidual(Qwen3Model):
     """A model whose residual stream is rounded to `fmt` (bf16/fp16) where it enters each decoder layer
-    and where it leaves the last one. The readable path (it overrides _decoder_layer); counts the
+    and where it leaves the last one. The readable path (it overrides decoder_layer); counts the
     inf/NaN values the rounding produced in `nonfinite`."""
 
     def __init__(self, model: Qwen3Model, fmt: str) -> None:
@@ -148,10 +148,10 @@ class RoundedResidual(Qwen3Model):
         self.nonfinite += int(rounded.size - np.count_nonzero(np.isfinite(rounded)))
         return rounded
 
-    def _decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
-                       cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], note: Trace) -> np.ndarray:
+    def decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
+                      cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], note: Trace) -> np.ndarray:
         with np.errstate(over="ignore", invalid="ignore"):       # an overflowed stream is what is measured
-            x = super()._decoder_layer(i, w, self._round(x), positions, rows, cos, sin, caches, note)
+            x = super().decoder_layer(i, w, self._round(x), positions, rows, cos, sin, caches, note)
             return self._round(x) if i == len(self.layers) - 1 else x
 
 

@@ -28,16 +28,17 @@ from .model import Qwen3Model
 from .numerics import Weight
 
 
-def loss_and_gradients(model: Qwen3Model, batch: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = False) -> tuple[float, dict[str, np.ndarray]]:
     """Mean next-token cross-entropy of a batch and every parameter's FP32 gradient.
 
     batch: int array [B, T+1]; the model reads batch[:, :-1] and predicts batch[:, 1:], the loss
     transformers' Qwen3ForCausalLM computes with labels=input_ids. grads maps each checkpoint tensor
-    name to an array of that tensor's shape.
+    name to an array of that tensor's shape. recompute: activation checkpointing (keep each layer's
+    input only, run the layer again in the backward): less memory, one more forward, the same bits.
     """
     batch = check_batch(batch, model.config.vocab_size)
     named_parameters(model)             # raises, naming the tensor, unless every weight is a float array
-    logits, tape = gradients.forward_with_tape(model, batch[:, :-1])                 # [B, T, V]
+    logits, tape = gradients.forward_with_tape(model, batch[:, :-1], recompute)      # [B, T, V]
     loss, d_logits = gradients.cross_entropy(logits, batch[:, 1:])
     return loss, gradients.backward(model, tape, d_logits)
 
@@ -70,7 +71,7 @@ def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
 
 
 def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_batches: int,
-                                   threads: int = 1) -> tuple[float, dict[str, np.ndarray]]:
+                                   threads: int = 1, recompute: bool = False) -> tuple[float, dict[str, np.ndarray]]:
     """Gradient accumulation: the batch's loss and gradient from `micro_batches` equal slices of its rows.
 
     Each slice's mean loss and gradient are averaged, which equals the whole batch's mean (equal-sized
@@ -86,9 +87,9 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
     total_loss, total = 0.0, dict[str, np.ndarray]()
     for start in range(0, B, rows):
         if pieces == 1:
-            loss, grads = loss_and_gradients(model, batch[start:start + rows])
+            loss, grads = loss_and_gradients(model, batch[start:start + rows], recompute)
         else:
-            loss, grads = _loss_and_gradients_in_threads(model, batch[start:start + rows], pieces)
+            loss, grads = _loss_and_gradients_in_threads(model, batch[start:start + rows], pieces, recompute)
         total_loss += loss / micro_batches
         for name, g in grads.items():
             g *= np.float32(1.0 / micro_batches)
@@ -99,7 +100,8 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
     return total_loss, total
 
 
-def _loss_and_gradients_in_threads(model: Qwen3Model, batch: np.ndarray, pieces: int) -> tuple[float, dict[str, np.ndarray]]:
+def _loss_and_gradients_in_threads(model: Qwen3Model, batch: np.ndarray, pieces: int,
+                                   recompute: bool) -> tuple[float, dict[str, np.ndarray]]:
     """loss_and_gradients of `pieces` equal row slices at once, one thread each, averaged.
 
     Why: NumPy runs every elementwise pass (softmax, SiLU, norms, the cross-entropy) on one core, and
@@ -113,7 +115,7 @@ def _loss_and_gradients_in_threads(model: Qwen3Model, batch: np.ndarray, pieces:
     rows = batch.shape[0] // pieces
     slices = [batch[i * rows:(i + 1) * rows] for i in range(pieces)]
     with single_threaded_blas(), ThreadPoolExecutor(pieces) as pool:
-        results = list(pool.map(lambda part: loss_and_gradients(model, part), slices))
+        results = list(pool.map(lambda part: loss_and_gradients(model, part, recompute), slices))
     grads = results[0][1]
     for _, other in results[1:]:
         for name, g in other.items():

@@ -243,3 +243,21 @@ def test_training_a_model_not_held_in_fp32_is_refused_by_name(memory: str) -> No
     model = load_model(FIXTURES / "tied_mha", memory=memory)
     with pytest.raises(training.QwenNPError, match="model.embed_tokens.weight: training needs FP32 weights"):
         training.loss_and_gradients(model, [[1, 2, 3]])
+
+
+def test_recomputation_gives_the_same_bits_in_less_memory() -> None:
+    """train --recompute: each layer's activations are made again in the backward, from its saved input."""
+    import tracemalloc
+
+    model = load_model(FIXTURES / "tied_mha", memory="fp32")
+    batch = np.random.default_rng(3).integers(0, model.config.vocab_size, size=(4, 33))
+    peaks, results = [], []
+    for recompute in (False, True):
+        tracemalloc.start()
+        results.append(training.loss_and_gradients(model, batch, recompute=recompute))
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    (loss, grads), (loss_again, grads_again) = results
+    assert loss == loss_again and grads.keys() == grads_again.keys()
+    assert all(np.array_equal(grads[name], grads_again[name]) for name in grads)
+    assert peaks[1] < peaks[0]

@@ -201,7 +201,7 @@ def model_code_by_step() -> dict[str, str]:
     the code of the step noted second.
     """
     code: dict[str, str] = {}
-    for function, prefix in ((Qwen3Model.forward_batch, ""), (Qwen3Model._decoder_layer, "model.layers.{i}."),
+    for function, prefix in ((Qwen3Model.forward_batch, ""), (Qwen3Model.decoder_layer, "model.layers.{i}."),
                              (layers.attention, "model.layers.{i}.self_attn."),
                              (layers.swiglu, "model.layers.{i}.mlp.")):
         body = inspect.getsource(function).split('"""')[-1].splitlines()[1:]   # skip the docstring
@@ -372,7 +372,7 @@ its output:
 
 ![One decoder layer: every step and its output shape at this prompt](figures/decoder_layer.png)
 
-Now each step in turn: the lines of `Qwen3Model._decoder_layer` that compute it (with the
+Now each step in turn: the lines of `Qwen3Model.decoder_layer` that compute it (with the
 `layers.py` function they call, the first time it appears) and what its real output looks like."""]
     previous_code = None
     for number, step in enumerate((s for s in STEPS if s.in_layer), start=1):
