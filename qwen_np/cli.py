@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, NoReturn, TextIO
 
 from . import __version__, evaluation, precision, runtime, serve, trainer
+from .commands import hardware
 from .batching import BatchGenerator, Request
 from .checkpoint import bundled_model_path, download, resolve_model_path
 from .config import Qwen3Config, load_config, preset
@@ -146,6 +147,8 @@ def build_parser(prog: str = "qwen-np") -> Parser:
                       help="sequences per training step in the memory breakdown (default: 16)")
     show.add_argument("--json", action="store_true", help="print JSON instead of text")
     show.set_defaults(run=run_inspect)
+
+    hardware.register(commands)
     return parser
 
 
