@@ -234,28 +234,29 @@ def test_stop_strings_split_across_tokens(client) -> None:
         assert choices[-1].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("body, status, param", [
-    (b"{not json", 400, None),
-    ({"model": "no-such-model", "prompt": "Hi"}, 404, "model"),
-    ({"model": MODEL, "prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "Hi", "max_tokens": 5000}, 400, "prompt"),            # over the 4096 context
-    ({"model": MODEL, "prompt": "Hi " * 5000}, 400, "prompt"),
-    ({"model": MODEL, "prompt": "Hi", "temperature": float("inf")}, 400, None),
-    ({"model": MODEL, "prompt": "Hi", "n": 2}, 400, "n"),
-    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
-    ({"model": MODEL, "prompt": "Hi", "stop": 3}, 400, "stop"),
-    ({"model": MODEL, "prompt": "Hi", "temperature": 1e-300}, 400, "temperature"),
-    ({"model": MODEL, "prompt": [True, False]}, 400, "prompt"),
-    ({"model": MODEL, "prompt": "Hi", "temperature": 1, "repetition_penalty": 1e-308}, 400, "repetition_penalty"),
-    (b'{"model": "\\ud800", "prompt": "Hi"}', 400, "model"),
-    (('{"model": "%s", "prompt": "\\ud800"}' % MODEL).encode(), 400, "prompt"),
-    (('{"model": "%s", "prompt": %s}' % (MODEL, "[" * 100_000 + "]" * 100_000)).encode(), 400, None),
-    ({"model": MODEL, "prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"model": MODEL, "prompt": "Hi", "stop": ["x" * 257]}, 400, "stop"),
-], ids=["malformed-json", "unknown-model", "negative-max-tokens", "max-tokens-past-context", "prompt-past-context",
-        "infinite-temperature", "n-2", "empty-prompt", "bad-stop", "vanishing-temperature", "boolean-token-ids",
-        "vanishing-repetition-penalty", "surrogate-model", "surrogate-prompt", "deeply-nested", "five-stops",
-        "long-stop"])
+BAD_COMPLETIONS = {                    # the id: (body, status, param)
+    "malformed-json": (b"{not json", 400, None),
+    "unknown-model": ({"model": "no-such-model", "prompt": "Hi"}, 404, "model"),
+    "negative-max-tokens": ({"model": MODEL, "prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
+    "max-tokens-past-context": ({"model": MODEL, "prompt": "Hi", "max_tokens": 5000}, 400, "prompt"),  # 4096 context
+    "prompt-past-context": ({"model": MODEL, "prompt": "Hi " * 5000}, 400, "prompt"),
+    "infinite-temperature": ({"model": MODEL, "prompt": "Hi", "temperature": float("inf")}, 400, None),
+    "n-2": ({"model": MODEL, "prompt": "Hi", "n": 2}, 400, "n"),
+    "empty-prompt": ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    "bad-stop": ({"model": MODEL, "prompt": "Hi", "stop": 3}, 400, "stop"),
+    "vanishing-temperature": ({"model": MODEL, "prompt": "Hi", "temperature": 1e-300}, 400, "temperature"),
+    "boolean-token-ids": ({"model": MODEL, "prompt": [True, False]}, 400, "prompt"),
+    "vanishing-repetition-penalty": ({"model": MODEL, "prompt": "Hi", "temperature": 1, "repetition_penalty": 1e-308},
+                                     400, "repetition_penalty"),
+    "surrogate-model": (b'{"model": "\\ud800", "prompt": "Hi"}', 400, "model"),
+    "surrogate-prompt": (('{"model": "%s", "prompt": "\\ud800"}' % MODEL).encode(), 400, "prompt"),
+    "deeply-nested": (('{"model": "%s", "prompt": %s}' % (MODEL, "[" * 100_000 + "]" * 100_000)).encode(), 400, None),
+    "five-stops": ({"model": MODEL, "prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    "long-stop": ({"model": MODEL, "prompt": "Hi", "stop": ["x" * 257]}, 400, "stop"),
+}
+
+
+@pytest.mark.parametrize("body, status, param", BAD_COMPLETIONS.values(), ids=BAD_COMPLETIONS.keys())
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status, param) -> None:
     assert_openai_error(*post(server + "/completions", body), status, param)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
@@ -373,6 +374,57 @@ def test_a_client_that_disconnects_frees_its_row(client, server) -> None:
     while health(server)["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert health(server) == {"status": "ok", "running": 0, "waiting": 0}
+
+
+def test_an_api_key_from_the_environment_is_required_of_all_but_health_and_quiet_logs_nothing(env) -> None:
+    with serving({**env, serve.API_KEY_ENV: "sesame"}, MODEL, "--quiet") as running:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            assert_openai_error(*post(running.url + "/completions", body, **headers), 401)
+            assert_openai_error(*get(running.url + "/models", **headers), 401)
+        assert post(running.url + "/completions", body, Authorization="Bearer sesame")[0] == 200
+        assert health(running.url)["status"] == "ok"
+        keyed = openai.OpenAI(base_url=running.url, api_key="sesame", max_retries=0)
+        assert keyed.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+        time.sleep(0.2)
+    assert running.log == []
+
+
+def test_only_a_server_listening_beyond_loopback_warns_at_start() -> None:
+    assert serve.exposure_warning("127.0.0.1", None) is None and serve.exposure_warning("::1", None) is None
+    assert "--api-key" in serve.exposure_warning("0.0.0.0", None)
+    assert "--api-key" not in serve.exposure_warning("192.168.1.5", "sesame")
+
+
+def test_a_greedy_stream_is_untouched_by_adversarial_clients_and_health_stays_quick(client, server) -> None:
+    prompt, n = "Once upon a time", 48
+    solo = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
+                                                                          temperature=0, stream=True))
+    attacks = [lambda body=body: post(server + "/completions", body)[0] for body, _, _ in BAD_COMPLETIONS.values()]
+    attacks += [lambda body=body: post(server + "/chat/completions", body)[0] for body, _ in BAD_CHATS.values()]
+    attacks += [
+        lambda: post(server + "/completions", {"model": MODEL, "prompt": "Hi"}, **{"Content-Type": "text/plain"})[0],
+        lambda: get(server + "/models", Host="evil.example")[0],
+        lambda: post(server + "/completions", {"model": MODEL, "prompt": "x" * 4_500_000})[0],
+        lambda: post(server + "/completions", {"model": MODEL, "prompt": "Hello world, how are you " * 160_000})[0],
+        lambda: post(server + "/completions", {"model": MODEL, "prompt": "Hi", "stop": ["s"] * 20_000})[0],
+        lambda: int(send_raw(server, POST_HEAD + b"Content-Length: %d\r\n\r\n{" % (2 * serve.MAX_BODY_BYTES))[0][9:12]),
+    ]
+    pieces: list[str] = []
+    with ThreadPoolExecutor(4) as pool:
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True)
+        pieces.append(next(iter(stream)).choices[0].text)            # the row is in the batch: now the attacks
+        statuses = [pool.submit(attack) for attack in attacks]
+        latencies = []
+        while not all(status.done() for status in statuses):
+            started = time.monotonic()
+            assert health(server)["status"] == "ok"
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.05)
+        pieces.extend(chunk.choices[0].text for chunk in stream)
+    assert "".join(pieces) == solo
+    assert all(400 <= status.result() < 500 for status in statuses), [status.result() for status in statuses]
+    assert max(latencies) < 1.0, latencies
 
 
 def test_a_model_without_a_chat_template_refuses_chat_with_a_400_and_still_completes(env) -> None:
