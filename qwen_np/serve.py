@@ -80,7 +80,7 @@ MAX_STOPS, MAX_STOP_CHARS = 4, 256
 # Greek alpha with three marks); so a text of n tokens has at most n x 4 x (the longest token's
 # characters) characters. Twice that is a generous bound: a longer prompt cannot fit the context,
 # and is refused by its length before anything tokenises it.
-CHARS_PER_TOKEN_CHARACTER = 8
+LENGTH_FACTOR = 8
 # A client must send its whole body within this (408 otherwise), so a half-sent request does not hold
 # its connection and handler open forever. Between requests, uvicorn closes a kept-alive connection
 # that stays idle for timeout_keep_alive seconds.
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=args.max_batch,
                                context=context)
     service = Service(args.model, tokenizer, defaults, BatchRunner(generator), context,
-                      context * CHARS_PER_TOKEN_CHARACTER * longest_token(tokenizer))
+                      context * LENGTH_FACTOR * longest_token(tokenizer))
     host, port = listener.getsockname()[:2]
     address = f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
     warning = exposure_warning(host, args.api_key)
@@ -243,8 +243,8 @@ class Service:
         """Refuse texts too long to fit the context by their length alone, before tokenising them."""
         chars = sum(len(text) for text in texts)
         if chars > self.max_prompt_chars:
-            raise self._too_long(body, f"However, your prompt has {chars} characters, more than "
-                                       f"{self.max_prompt_chars} (what {self.context} tokens can hold at most).")
+            raise self._too_long(body, f"However, your prompt has {chars} characters, more than any {self.context} "
+                                       f"tokens can hold ({self.max_prompt_chars} characters at most).")
 
     def chat_prompt(self, body: dict[str, Any]) -> tuple[list[int], bool | None]:
         """The chat's token ids (rendered with the checkpoint's template) and the thinking switch."""
@@ -340,8 +340,9 @@ def parse_body(raw: bytes, model_id: str) -> dict[str, Any]:
         raise APIError(400, "request body: must be a JSON object")
     for name, value in body.items():
         # JSON may escape a lone surrogate (\ud800), which no UTF-8 text (tokenizer, reply, log) can hold.
-        if not all(_encodable(text) for text in _strings({name: value})):
-            raise APIError(400, f"{name}: not valid Unicode (a lone surrogate)", name)
+        if not all(_encodable(text) for text in _strings([name, value])):
+            field = name if _encodable(name) else None
+            raise APIError(400, f"{field or 'a field name'}: not valid Unicode (a lone surrogate)", field)
     if body.get("model") != model_id:
         raise APIError(404, f"The model `{body.get('model')}` does not exist (this server has `{model_id}`).",
                        "model", "model_not_found")

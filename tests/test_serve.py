@@ -250,6 +250,7 @@ BAD_COMPLETIONS = {                    # the id: (body, status, param)
                                      400, "repetition_penalty"),
     "surrogate-model": (b'{"model": "\\ud800", "prompt": "Hi"}', 400, "model"),
     "surrogate-prompt": (('{"model": "%s", "prompt": "\\ud800"}' % MODEL).encode(), 400, "prompt"),
+    "surrogate-field-name": (('{"model": "%s", "prompt": "Hi", "\\udfff": 1}' % MODEL).encode(), 400, None),
     "deeply-nested": (('{"model": "%s", "prompt": %s}' % (MODEL, "[" * 100_000 + "]" * 100_000)).encode(), 400, None),
     "five-stops": ({"model": MODEL, "prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     "long-stop": ({"model": MODEL, "prompt": "Hi", "stop": ["x" * 257]}, 400, "stop"),
