@@ -12,7 +12,8 @@ stop strings. Each `step()` is one forward pass:
    next chunk of it (at most `prefill_chunk` prompt tokens per step in all, so a long prompt delays
    the others' next token by one chunk's time, never by the whole prompt);
 3. every row whose prompt is all in its cache samples its next token (generate.Continuation: the same
-   per-sequence logic as generate()).
+   per-sequence logic as generate()). Sampling is each row's own: a row whose sampling raises (e.g.
+   settings that make its logits non-finite) ends alone with that error, and the others go on.
 
 Rows join and leave between any two steps (continuous batching): a new request starts its prefill at
 the next step instead of waiting for the running ones to finish. BatchRunner runs the steps on a
@@ -36,7 +37,7 @@ from .model import KVCache, Qwen3Model
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
-# A row's listener receives each of its TokenEvents, or the exception that ended the step it was in.
+# A row's listener receives each of its TokenEvents, or the exception that ended the row.
 Listener = Callable[[TokenEvent | BaseException], None]
 
 
@@ -62,7 +63,8 @@ class Row:
     fed: int = 0                                  # prompt tokens whose keys/values are in the cache
     last: TokenEvent | None = None                # the newest event (its token is fed next)
     cancelled: bool = False
-    finish_reason: str | None = None
+    finish_reason: str | None = None              # "error" when `error` ended it
+    error: BaseException | None = None
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None              # perf_counter() when the first token was sampled
     finished: float | None = None
@@ -93,9 +95,15 @@ class BatchGenerator:
         self.batch_sizes: list[int] = []          # rows in each step's forward pass, for tests and stats
 
     def check(self, request: Request) -> None:
-        """Raise QwenNPError if `request` cannot run: no prompt, no room for a new token, bad max_new_tokens."""
+        """Raise QwenNPError if `request` cannot run: no prompt, ids outside the vocabulary, no room for a
+        new token, bad max_new_tokens. A bad id would fail the whole batch's forward pass, not its own row."""
         if not request.prompt:
             raise QwenNPError("prompt: no tokens")
+        vocab = self.model.config.vocab_size
+        # bool is an int in Python, and a NumPy array of them would index the embedding as a mask.
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab
+                   for t in request.prompt):
+            raise QwenNPError(f"prompt: token ids must be integers in [0, {vocab})")
         if request.max_new_tokens < 1:
             raise QwenNPError(f"max_tokens: must be >= 1, got {request.max_new_tokens}")
         if len(request.prompt) + 1 > self.context:
@@ -124,8 +132,9 @@ class BatchGenerator:
         with self._lock:
             return len(self._waiting)
 
-    def step(self) -> list[tuple[Row, TokenEvent]]:
-        """One forward pass for every row that has something to feed; returns the new tokens' events."""
+    def step(self) -> list[tuple[Row, TokenEvent | BaseException]]:
+        """One forward pass for every row that has something to feed; returns the new tokens' events, and
+        for a row whose sampling raised, the exception that ended it (that row only)."""
         self._admit()
         feeds, budget = [], self.prefill_chunk
         for row in self.rows:
@@ -141,14 +150,18 @@ class BatchGenerator:
         self.batch_sizes.append(len(feeds))
         logits = self.model.forward_batch([ids for _, ids in feeds], [row.cache for row, _ in feeds],
                                           last_only=True)                                          # [B, V]
-        events = []
+        events: list[tuple[Row, TokenEvent | BaseException]] = []
         for (row, ids), row_logits in zip(feeds, logits):
             if row.last is None:
                 row.fed += len(ids)
                 if row.fed < len(row.request.prompt):
                     continue                                          # more prompt to read first
             assert row.continuation is not None
-            event = row.last = row.continuation.advance(row_logits)
+            try:
+                event = row.last = row.continuation.advance(row_logits)
+            except Exception as error:                                # this row's settings or stop strings
+                events.extend((failed, error) for failed in self.fail(error, [row]))
+                continue
             if row.first_token is None:
                 row.first_token = time.perf_counter()
             if event.finish_reason:
@@ -157,11 +170,13 @@ class BatchGenerator:
         self.rows = [row for row in self.rows if not row.done]
         return events
 
-    def fail(self, error: BaseException) -> list[Row]:
-        """End every row in the batch with `error` (a step raised); returns them. Waiting rows stay."""
-        failed, self.rows = self.rows, []
+    def fail(self, error: BaseException, rows: Sequence[Row] | None = None) -> list[Row]:
+        """End `rows` (default: every row in the batch, when a forward pass raised) with `error`, which each
+        keeps as row.error; returns them. The other rows, and waiting ones, stay."""
+        failed = list(self.rows if rows is None else rows)
+        self.rows = [row for row in self.rows if row not in failed]
         for row in failed:
-            row.finish_reason = "error"
+            row.finish_reason, row.error, row.finished = "error", error, time.perf_counter()
         return failed
 
     def _admit(self) -> None:
@@ -217,10 +232,7 @@ class BatchRunner:
             try:
                 events = self.generator.step()
             except Exception as error:          # a bug or a bad request must not stop the server's loop
-                for row in self.generator.fail(error):
-                    if row.listener is not None:
-                        row.listener(error)
-                continue
+                events = [(row, error) for row in self.generator.fail(error)]
             for row, event in events:
                 if row.listener is not None:
                     row.listener(event)

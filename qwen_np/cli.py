@@ -516,6 +516,8 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
     try:
         while not generator.idle:
             for row, event in generator.step():
+                if isinstance(event, BaseException):     # a row's sampling failed: the run's error, as alone
+                    raise event
                 replies[row.number].add(event, writer if row.number == shown and not args.json else None)
             show_finished()
             stats.new_tokens = sum(len(reply.token_ids) for reply in replies)

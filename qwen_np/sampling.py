@@ -17,7 +17,9 @@ semantics (generation/logits_process.py), applied in transformers' order:
 * top-p keeps the smallest set of most likely tokens whose probability reaches p; 1.0 disables.
 * min-p drops tokens whose probability is below min_p times the top token's; 0.0 disables.
 
-Removed tokens get -inf, so a later softmax gives them exactly zero probability.
+Removed tokens get -inf, so a later softmax gives them exactly zero probability. Logits that the
+penalties or the temperature push to +inf or NaN make no distribution: next_token raises then
+(QwenNPError), rather than drawing from NaN probabilities an id that is not in the vocabulary.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from typing import Sequence
 import numpy as np
 
 from .errors import QwenNPError
+
+# The smallest temperature and repetition penalty accepted (besides temperature 0, greedy): dividing
+# float32 logits by less overflows them to inf for ordinary settings (1e-300 even rounds to 0 in
+# float32). vLLM clamps temperatures below 0.01 for the same reason; we refuse them instead.
+MIN_DIVISOR = 0.01
 
 
 @dataclass(frozen=True)
@@ -45,12 +52,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            ("--temperature", self.temperature, self.temperature >= 0,
-             "a number >= 0 (0 = greedy; Qwen3: 0.6, 0.7 without thinking)"),
+            ("--temperature", self.temperature, self.temperature == 0 or self.temperature >= MIN_DIVISOR,
+             f"0 (greedy) or a number >= {MIN_DIVISOR} (Qwen3: 0.6, 0.7 without thinking)"),
             ("--top-k", self.top_k, self.top_k >= 0, "an integer >= 0 (0 = off)"),
             ("--top-p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1] (1 = off)"),
             ("--min-p", self.min_p, 0 <= self.min_p <= 1, "a number in [0, 1] (0 = off)"),
-            ("--repetition-penalty", self.repetition_penalty, self.repetition_penalty > 0, "a number > 0 (1 = off)"),
+            ("--repetition-penalty", self.repetition_penalty, self.repetition_penalty >= MIN_DIVISOR,
+             f"a number >= {MIN_DIVISOR} (1 = off)"),
             ("--presence-penalty", self.presence_penalty, True, "a finite number (0 = off)"),
         ]
         for flag, value, ok, rule in checks:
@@ -140,9 +148,21 @@ def draw(logits: np.ndarray, rng: np.random.Generator) -> int:
     return int(np.searchsorted(cumulative, u, side="right"))
 
 
+def require_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """`logits` as they are, if softmax makes a distribution of them: a finite maximum (NaN and +inf
+    propagate to the maximum, and so does a vector with every token removed). Raises QwenNPError."""
+    if not np.isfinite(np.max(logits)):
+        raise QwenNPError(f"sampling: the next token's logits are not finite after the penalties and temperature "
+                          f"(temperature {params.temperature}, repetition penalty {params.repetition_penalty}, "
+                          f"presence penalty {params.presence_penalty}): choose settings nearer 1, 1 and 0, or check "
+                          "the model's weights")
+    return logits
+
+
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Temperature, top-k, top-p, min-p in transformers' order: the distribution a draw samples from."""
-    logits = apply_temperature(logits, params.temperature)
+    """Temperature, top-k, top-p, min-p in transformers' order: the distribution a draw samples from.
+    Raises QwenNPError when the tempered logits make no distribution (require_distribution)."""
+    logits = require_distribution(apply_temperature(logits, params.temperature), params)
     logits = top_k_filter(logits, params.top_k)
     logits = top_p_filter(logits, params.top_p)
     return min_p_filter(logits, params.min_p)
@@ -155,8 +175,11 @@ def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
     context_ids: every token of the sequence so far (prompt + generated), for the repetition penalty;
     generated_ids: only the generated ones, for the presence penalty.
     """
-    logits = apply_repetition_penalty(logits, context_ids, params.repetition_penalty)
-    logits = apply_presence_penalty(logits, generated_ids, params.presence_penalty)
-    if params.greedy:
-        return int(np.argmax(logits))
-    return draw(warp(logits, params), rng)
+    # Overflow to inf is caught as an error (require_distribution), so NumPy's warnings about it would
+    # only repeat it, less clearly.
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        logits = apply_repetition_penalty(logits, context_ids, params.repetition_penalty)
+        logits = apply_presence_penalty(logits, generated_ids, params.presence_penalty)
+        if params.greedy:
+            return int(np.argmax(require_distribution(logits, params)))
+        return draw(warp(logits, params), rng)

@@ -18,7 +18,14 @@ answers chat requests with a 400 that says so.
 Every request becomes a row of one batching.BatchGenerator, run by a BatchRunner on its own thread:
 concurrent requests share decode steps, a new one starts its prefill at the next step, and a client
 that disconnects frees its row. Bad requests get OpenAI's error JSON with a 4xx status; nothing
-answers with a traceback.
+answers with a traceback. One request cannot hurt another: its sampling settings are checked before
+it joins the batch, a row whose sampling fails anyway ends alone, the body's size and every string's
+length are bounded, and tokenising runs on worker threads, never on the event loop.
+
+Any web page can send requests to a server on loopback, so POSTs must be `application/json` (a form
+or `text/plain` POST, which a browser sends cross-site without asking, is refused), a loopback server
+answers only Host headers naming loopback (against DNS rebinding), and `--api-key` asks every client
+but /health for `Authorization: Bearer KEY`. Each request is logged in one line on stderr.
 
 The HTTP stack is Starlette on uvicorn (the `serve` extra): both small and well kept (Encode's; the
 ASGI stack FastAPI and vLLM's server stand on), Starlette needs only anyio and uvicorn only h11 and
@@ -31,13 +38,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
+import os
+import re
 import socket
 import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from . import runtime
 from .batching import BatchGenerator, BatchRunner, Request, Row
@@ -59,6 +70,23 @@ UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (N
                "response_format": (None, {"type": "text"}), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
                "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
 DISCONNECT_POLL_SECONDS = 0.5
+# A request body above this is refused (413) unread: a prompt that fills even a 40960-token context
+# with the longest tokens (128 characters) takes about 5 MiB of JSON.
+MAX_BODY_BYTES = 8 * 2**20
+# OpenAI's limit on stop strings, and a bound on each: stop strings are matched against the text at
+# every token, in time that grows with their number and the square of their length.
+MAX_STOPS, MAX_STOP_CHARS = 4, 256
+# Qwen's tokenizer normalises text to NFC first, which merges at most 4 code points into one (e.g.
+# Greek alpha with three marks); so a text of n tokens has at most n x 4 x (the longest token's
+# characters) characters. Twice that is a generous bound: a longer prompt cannot fit the context,
+# and is refused by its length before anything tokenises it.
+LENGTH_FACTOR = 8
+# A client must send its whole body within this (408 otherwise), so a half-sent request does not hold
+# its connection and handler open forever. Between requests, uvicorn closes a kept-alive connection
+# that stays idle for timeout_keep_alive seconds.
+BODY_SECONDS, KEEP_ALIVE_SECONDS = 10.0, 5
+API_KEY_ENV = "QWEN_NP_API_KEY"
+LOOPBACK_HOST = re.compile(r"(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.IGNORECASE)
 
 
 # --- the command line ------------------------------------------------------------------------------
@@ -68,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                        "clients ask for it by this name")
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help=f"address to listen on (default: {DEFAULT_HOST}, this machine only; 0.0.0.0 opens it "
-                             "to the network, with no authentication)")
+                             "to the network: set --api-key then)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default: {DEFAULT_PORT}; 0 picks a free one)")
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
                         help=f"requests decoded together in one batch; more wait for a free row "
@@ -81,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "auto picks fp32 when it fits (default: auto)")
     parser.add_argument("-t", "--threads", type=int, default=runtime.usable_cores(), metavar="N",
                         help=f"threads for the matrix products (default: all {runtime.usable_cores()} cores)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                        help=f"require `Authorization: Bearer KEY` on every request but /health (default: "
+                             f"${API_KEY_ENV}, else none)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="do not log each request on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     if context < 2:
         raise QwenNPError(f"--ctx-size: must be >= 2, got {args.ctx_size}")
     tokenizer, defaults = Tokenizer.from_folder(folder), read_generation_defaults(folder, config)
+    if args.api_key == "":
+        raise QwenNPError(f"--api-key: empty (give a key, or unset {API_KEY_ENV} for none)")
     try:
         listener = socket.create_server((args.host, args.port))
     except OSError as error:
@@ -106,18 +140,44 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(folder, memory=args.memory, max_tokens=context)
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=args.max_batch,
                                context=context)
-    service = Service(args.model, tokenizer, defaults, BatchRunner(generator), context)
+    service = Service(args.model, tokenizer, defaults, BatchRunner(generator), context,
+                      context * LENGTH_FACTOR * longest_token(tokenizer))
     host, port = listener.getsockname()[:2]
     address = f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
+    warning = exposure_warning(host, args.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     print(f"serving {args.model} on {address} (max batch {args.max_batch}, context {context}); Ctrl-C stops",
           file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", timeout_graceful_shutdown=2))
+    app = create_app(service, api_key=args.api_key, loopback_only=_is_loopback(host), log=not args.quiet)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
+                                           timeout_keep_alive=KEEP_ALIVE_SECONDS))
     service.runner.start()
     try:
         server.run(sockets=[listener])
     finally:
         service.runner.stop()
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning printed at start when the server listens beyond this machine, or None."""
+    if _is_loopback(host):
+        return None
+    return (f"warning: listening on {host}: anyone who can reach this machine can use the server"
+            + ("" if api_key else " (no --api-key is set)"))
+
+
+def longest_token(tokenizer: Tokenizer) -> int:
+    """Characters in the tokenizer's longest token."""
+    return max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size))
 
 
 # --- requests -> batch rows -----------------------------------------------------------------------
@@ -136,13 +196,15 @@ class APIError(Exception):
 
 @dataclass
 class Service:
-    """What every request needs: the model's name, its tokenizer and defaults, the batch runner."""
+    """What every request needs: the model's name, its tokenizer and defaults, the batch runner, and the
+    longest prompt text (in characters) that could still fit the context."""
 
     model_id: str
     tokenizer: Tokenizer
     defaults: GenerationDefaults
     runner: BatchRunner
     context: int
+    max_prompt_chars: int
     created: int = int(time.time())
 
     def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Request:
@@ -155,10 +217,8 @@ class Service:
         max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
         room = self.context - len(prompt)
         if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise APIError(400, f"This model's maximum context length is {self.context} tokens. However, you requested "
-                                f"{len(prompt) + (max_tokens or 1)} tokens ({len(prompt)} in the messages, "
-                                f"{max_tokens or 1} in the completion). Please reduce the length of the messages or "
-                                "completion.", "messages" if "messages" in body else "prompt", "context_length_exceeded")
+            raise self._too_long(body, f"However, you requested {len(prompt) + (max_tokens or 1)} tokens ({len(prompt)} "
+                                       f"in the messages, {max_tokens or 1} in the completion).")
         top_k = _number(body, "top_k", int, -1)
         explicit = {"temperature": _number(body, "temperature", float, 0, 2), "top_p": _number(body, "top_p", float, 0, 1),
                     "top_k": 0 if top_k == -1 else top_k, "min_p": _number(body, "min_p", float, 0, 1),
@@ -169,9 +229,22 @@ class Service:
             raise APIError(400, "top_p: must be in (0, 1]", "top_p")
         try:
             params = resolve_sampling(self.defaults, enable_thinking, **explicit)
-        except QwenNPError as bad:
-            raise APIError(400, str(bad).lstrip("-")) from None
+        except QwenNPError as bad:          # "--top-k: ..." names the flag: the field is its snake_case
+            message = str(bad).lstrip("-")
+            raise APIError(400, message, message.split(":")[0].replace("-", "_")) from None
         return Request(prompt, params, max_tokens or room, _stops(body))
+
+    def _too_long(self, body: dict[str, Any], why: str) -> APIError:
+        return APIError(400, f"This model's maximum context length is {self.context} tokens. {why} Please reduce the "
+                             "length of the messages or completion.", "messages" if "messages" in body else "prompt",
+                        "context_length_exceeded")
+
+    def _check_length(self, body: dict[str, Any], texts: list[str]) -> None:
+        """Refuse texts too long to fit the context by their length alone, before tokenising them."""
+        chars = sum(len(text) for text in texts)
+        if chars > self.max_prompt_chars:
+            raise self._too_long(body, f"However, your prompt has {chars} characters, more than any {self.context} "
+                                       f"tokens can hold ({self.max_prompt_chars} characters at most).")
 
     def chat_prompt(self, body: dict[str, Any]) -> tuple[list[int], bool | None]:
         """The chat's token ids (rendered with the checkpoint's template) and the thinking switch."""
@@ -188,9 +261,10 @@ class Service:
         thinking = kwargs.get("enable_thinking")
         if thinking is not None and not isinstance(thinking, bool):
             raise APIError(400, "chat_template_kwargs.enable_thinking: must be true or false", "chat_template_kwargs")
+        chat = [_message(m, i) for i, m in enumerate(messages)]
+        self._check_length(body, [text for m in chat for text in (m["content"], m.get("reasoning_content")) if text])
         try:
-            text = self.tokenizer.apply_chat_template([_message(m, i) for i, m in enumerate(messages)],
-                                                      add_generation_prompt=True, enable_thinking=thinking)
+            text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, enable_thinking=thinking)
         except QwenNPError as bad:
             raise APIError(400, f"messages: {bad}", "messages") from None
         return self.tokenizer.encode(text), thinking
@@ -200,9 +274,12 @@ class Service:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]                                  # a batch of one prompt
         if isinstance(prompt, str) and prompt:
+            self._check_length(body, [prompt])
             return self.tokenizer.encode(prompt)
         vocab = self.tokenizer.vocab_size
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        # bool is an int in Python: [true, false] is no list of token ids.
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                       for t in prompt):
             return list(prompt)                                 # token ids
         raise APIError(400, "prompt: must be a non-empty string or list of token ids (one prompt per request)", "prompt")
 
@@ -222,8 +299,10 @@ def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float
 def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise APIError(400, "stop: must be a string or a list of strings", "stop")
+    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+            or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise APIError(400, f"stop: must be a string or a list of at most {MAX_STOPS} strings, each at most "
+                            f"{MAX_STOP_CHARS} characters", "stop")
     return tuple(stops)
 
 
@@ -240,51 +319,141 @@ def _message(message: Any, index: int) -> Message:
         content = "".join(part["text"] for part in content)
     if not isinstance(content, str) and not (content is None and message["role"] == "assistant"):
         raise APIError(400, f"{where}.content: must be a string or a list of text parts", "messages")
+    for name in ("name", "reasoning_content"):            # the template calls string methods on them
+        if message.get(name) is not None and not isinstance(message[name], str):
+            raise APIError(400, f"{where}.{name}: must be a string", "messages")
     role = "system" if message["role"] == "developer" else message["role"]
     return {**{k: v for k, v in message.items() if k in ("name", "reasoning_content")}, "role": role, "content": content}
 
 
 # --- the HTTP layer -------------------------------------------------------------------------------
 
-def create_app(service: Service) -> Any:
-    """The Starlette application serving `service`."""
+def parse_body(raw: bytes, model_id: str) -> dict[str, Any]:
+    """The JSON object of a request body, checked as far as every endpoint needs (model, stream)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+        raise APIError(400, f"request body: not valid JSON ({bad})") from None
+    except RecursionError:
+        raise APIError(400, "request body: JSON nested too deeply") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body: must be a JSON object")
+    for name, value in body.items():
+        # JSON may escape a lone surrogate (\ud800), which no UTF-8 text (tokenizer, reply, log) can hold.
+        if not all(_encodable(text) for text in _strings([name, value])):
+            field = name if _encodable(name) else None
+            raise APIError(400, f"{field or 'a field name'}: not valid Unicode (a lone surrogate)", field)
+    if body.get("model") != model_id:
+        raise APIError(404, f"The model `{body.get('model')}` does not exist (this server has `{model_id}`).",
+                       "model", "model_not_found")
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise APIError(400, "stream: must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise APIError(400, "stream_options: only allowed with stream: true, as an object", "stream_options")
+    return body
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, keys included; a loop, not recursion, however deep the nesting."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def refusal(method: str, path: str, headers: dict[str, str], api_key: str | None,
+            loopback_only: bool) -> APIError | None:
+    """Why a request may not be served at all (before its body is read), or None."""
+    if loopback_only and not LOOPBACK_HOST.fullmatch(headers.get("host", "")):
+        # A page on a rebound DNS name reaches us under that name: only loopback names are ours.
+        return APIError(400, "Host: this server answers only to localhost, 127.0.0.1 and [::1]", code="invalid_host")
+    if api_key is not None and path != "/health":
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), api_key.encode()):
+            return APIError(401, "Incorrect API key provided: send `Authorization: Bearer KEY`",
+                            code="invalid_api_key")
+    if method == "POST" and headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        # A page on any site may POST text/plain or a form here without the browser asking first.
+        return APIError(415, "Content-Type: must be application/json")
+    return None
+
+
+def log_line(method: str, path: str, status: int, usage: dict[str, int] | None, seconds: float) -> str:
+    """One request's line in the log: what was asked, the answer's status, tokens, time."""
+    tokens = (f" prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}"
+              if usage is not None else "")
+    return f"{method} {path} {status}{tokens} {seconds:.3f}s"
+
+
+def create_app(service: Service, *, api_key: str | None = None, loopback_only: bool = True,
+               log: bool = True) -> Any:
+    """The ASGI application serving `service`: Starlette's routes behind the checks of `refusal`, each
+    request logged on stderr when `log`."""
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
     from starlette.requests import Request as HTTPRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
+    from starlette.types import Message as ASGIMessage
+    from starlette.types import Receive, Scope, Send
 
     def error(problem: APIError) -> Response:
         return JSONResponse(problem.body(), status_code=problem.status)
 
+    async def read_raw(http: HTTPRequest) -> bytes:
+        """The body, refused (413) as soon as it is known to pass MAX_BODY_BYTES."""
+        declared = http.headers.get("content-length", "")
+        chunks: list[bytes] = []
+        size = int(declared) if declared.isdigit() else 0
+        if size <= MAX_BODY_BYTES:
+            size = 0
+            async for chunk in http.stream():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    break
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"request body: larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+        return b"".join(chunks)
+
     async def read_body(http: HTTPRequest) -> dict[str, Any]:
         try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as bad:
-            raise APIError(400, f"request body: not valid JSON ({bad})") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body: must be a JSON object")
-        if body.get("model") != service.model_id:
-            raise APIError(404, f"The model `{body.get('model')}` does not exist (this server has `{service.model_id}`).",
-                           "model", "model_not_found")
-        stream = body.get("stream")
-        if stream not in (None, True, False):
-            raise APIError(400, "stream: must be true or false", "stream")
-        options = body.get("stream_options")
-        if options is not None and (not stream or not isinstance(options, dict)):
-            raise APIError(400, "stream_options: only allowed with stream: true, as an object", "stream_options")
-        return body
+            raw = await asyncio.wait_for(read_raw(http), BODY_SECONDS)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"request body: not received within {BODY_SECONDS:g}s") from None
+        return await run_in_threadpool(parse_body, raw, service.model_id)
 
     def endpoint(chat: bool) -> Callable[[HTTPRequest], Any]:
         async def handle(http: HTTPRequest) -> Response:
             try:
                 body = await read_body(http)
+                # Tokenising and templating take time in proportion to the prompt: on worker threads,
+                # they hold up no other client and no /health.
                 if chat:
-                    prompt, thinking = service.chat_prompt(body)
+                    prompt, thinking = await run_in_threadpool(service.chat_prompt, body)
                 else:
-                    prompt, thinking = service.completion_prompt(body), None
+                    prompt, thinking = await run_in_threadpool(service.completion_prompt, body), None
                 request = service.request(body, prompt, thinking)
                 reply = Reply(service, request, chat)
+                http.state.usage = reply.usage
                 if body.get("stream"):
                     usage = bool((body.get("stream_options") or {}).get("include_usage"))
                     return StreamingResponse(reply.stream(usage), media_type="text/event-stream",
@@ -294,6 +463,8 @@ def create_app(service: Service) -> Any:
                 return error(problem)
             except QwenNPError as problem:
                 return error(APIError(400, str(problem)))
+            except ClientDisconnect:
+                return error(APIError(499, "client disconnected"))
             except Exception as problem:        # a bug: say so in one line, keep serving
                 print(f"serve: internal error: {type(problem).__name__}: {problem}", file=sys.stderr)
                 return error(APIError(500, f"internal error: {type(problem).__name__}", kind="server_error"))
@@ -312,10 +483,33 @@ def create_app(service: Service) -> Any:
         what = {404: f"no route {http.url.path}", 405: f"{http.method} is not allowed on {http.url.path}"}
         return error(APIError(status, what.get(status, str(getattr(problem, "detail", "error")))))
 
-    return Starlette(routes=[Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
-                             Route("/v1/chat/completions", endpoint(chat=True), methods=["POST"]),
-                             Route("/v1/completions", endpoint(chat=False), methods=["POST"])],
-                     exception_handlers={HTTPException: http_error})
+    routes = Starlette(routes=[Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+                               Route("/v1/chat/completions", endpoint(chat=True), methods=["POST"]),
+                               Route("/v1/completions", endpoint(chat=False), methods=["POST"])],
+                       exception_handlers={HTTPException: http_error})
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await routes(scope, receive, send)
+        started, status = time.perf_counter(), 0
+
+        async def sending(message: ASGIMessage) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+        problem = refusal(scope["method"], scope["path"], headers, api_key, loopback_only)
+        try:
+            await (error(problem) if problem is not None else routes)(scope, receive, sending)
+        finally:
+            if log:
+                usage = scope.get("state", {}).get("usage")
+                print(log_line(scope["method"], scope["path"], status, usage() if usage else None,
+                               time.perf_counter() - started), file=sys.stderr, flush=True)
+
+    return app
 
 
 class Reply:
@@ -341,6 +535,8 @@ class Reply:
 
     async def _next(self) -> TokenEvent:
         event = await self.events.get()
+        if isinstance(event, QwenNPError):      # this request's own sampling failed (batching ends it alone)
+            raise APIError(400, str(event))
         if isinstance(event, BaseException):
             raise APIError(500, f"generation failed: {type(event).__name__}: {event}", kind="server_error")
         self.completion_tokens += 1

@@ -71,7 +71,9 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; adds no special tokens, but matches added-token strings atomically."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        # The binding's encode_batch releases the GIL while it works and encode holds it: a long text
+        # tokenised on one thread (the server's workers) must not stop every other thread meanwhile.
+        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         # int() accepts NumPy integers, which the Rust binding rejects.

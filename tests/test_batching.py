@@ -99,9 +99,50 @@ def test_requests_that_cannot_run_are_refused_before_they_join(model, tok) -> No
         generator.submit(Request([1, 2], GREEDY, 0))
     with pytest.raises(QwenNPError, match="no room"):
         generator.submit(Request(list(range(8)), GREEDY, 1))
+    for ids in ([True, False], [1, model.config.vocab_size], [-1]):        # bools would index as a mask
+        with pytest.raises(QwenNPError, match="token ids must be integers"):
+            generator.submit(Request(ids, GREEDY, 1))
     row = generator.submit(Request(list(range(5)), GREEDY, 50))      # capped by the context
     run_batch(generator)
     assert row.finish_reason == "context" and len(row.generated) == 3
+
+
+def test_a_row_whose_sampling_fails_ends_alone_and_the_others_get_what_they_get_alone(model, tok) -> None:
+    generator = BatchGenerator(model, tok, max_batch=3)
+    # Allowed, but it overflows the logits of every generated token: the second draw cannot be made.
+    overflowing = SamplingParams(temperature=1.0, presence_penalty=-1e308)
+    rows = [generator.submit(Request(tok.encode(p), params, 8))
+            for p, params in zip(PROMPTS, [GREEDY, overflowing, GREEDY])]
+    events = run_batch(generator)
+    failed = events.pop(rows[1].number)
+    assert isinstance(failed[0], TokenEvent) and failed[1] is rows[1].error and len(failed) == 2
+    assert rows[1].finish_reason == "error" and "not finite" in str(rows[1].error)
+    for row in (rows[0], rows[2]):
+        assert events[row.number] == alone(model, tok, row.request.prompt, GREEDY, 8)
+
+
+def test_a_failed_forward_pass_hands_every_row_in_it_that_error(model, tok, monkeypatch) -> None:
+    broken = RuntimeError("forward failed")
+
+    def forward_batch(*args, **kwargs):
+        raise broken
+
+    monkeypatch.setattr(model, "forward_batch", forward_batch)
+    runner = BatchRunner(BatchGenerator(model, tok, max_batch=2))
+    received: list = []
+    done = threading.Semaphore(0)
+
+    def hear(event) -> None:
+        received.append(event)
+        done.release()
+
+    runner.start()
+    try:
+        rows = [runner.submit(Request(tok.encode(p), GREEDY, 4), hear) for p in PROMPTS[:2]]
+        assert all(done.acquire(timeout=60) for _ in rows)
+    finally:
+        runner.stop()
+    assert received == [broken, broken] and all(row.error is broken and row.done for row in rows)
 
 
 def test_stop_strings_split_across_tokens_end_the_text_before_them(model, tok) -> None:

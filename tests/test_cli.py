@@ -151,6 +151,9 @@ BAD_INPUTS = {
     "negative top-k": (["generate", "hi", "--top-k", "-1"], "--top-k"),
     "min-p above one": (["generate", "hi", "--min-p", "1.5"], "--min-p"),
     "zero repetition penalty": (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty"),
+    "vanishing repetition penalty": (["generate", *QWEN3, "--repetition-penalty", "1e-308", "--temperature", "1",
+                                      "hi"], "--repetition-penalty: must be a number >= 0.01"),
+    "vanishing temperature": (["generate", "hi", "--temperature", "1e-300"], "--temperature"),
     "negative max tokens": (["generate", "hi", "-n", "-1"], "--max-new-tokens"),
     "non-numeric top-k": (["generate", "hi", "--top-k", "many"], "--top-k"),
     "zero threads": (["generate", "hi", "--threads", "0"], "--threads"),
@@ -173,6 +176,14 @@ BAD_INPUTS = {
 def test_bad_input_is_one_line_and_exit_code_2(env, args, expected) -> None:
     result = qwen(env, *args)
     assert_one_error_line(result, expected)
+
+
+def test_a_penalty_that_overflows_the_logits_mid_run_ends_it_with_one_error_line(env) -> None:
+    # The presence penalty only counts generated tokens: the first is drawn (and printed), the second cannot be.
+    result = qwen(env, "generate", *QWEN3, "--presence-penalty=-1e308", "--temperature", "1", "-n", "3", "hi")
+    assert result.returncode == 2
+    lines = stderr_lines(result)
+    assert len(lines) == 1 and lines[0].startswith("error: sampling: the next token's logits are not finite"), lines
 
 
 @pytest.mark.parametrize("which, expected", [("no_tokenizer", "tokenizer.json not found"),

@@ -1,5 +1,7 @@
 """The sampler's properties, with fixed seeds; and, when torch is installed, transformers' own warpers."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -23,10 +25,27 @@ def kept(logits: np.ndarray) -> set[int]:
     ("top_p", 1.5, "--top-p"), ("min_p", -0.1, "--min-p"), ("min_p", 1.01, "--min-p"),
     ("repetition_penalty", 0.0, "--repetition-penalty"), ("presence_penalty", float("nan"), "--presence-penalty"),
     ("temperature", float("nan"), "--temperature"), ("seed", -3, "--seed"),
+    ("temperature", 1e-300, "--temperature"), ("repetition_penalty", 1e-308, "--repetition-penalty"),
 ])
 def test_invalid_settings_name_the_flag(field: str, value: float, flag: str) -> None:
     with pytest.raises(QwenNPError, match=f"^{flag}: .*got"):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("params, poison", [
+    (SamplingParams(temperature=1.0, presence_penalty=-1e308), None),           # overflows float32 to +inf
+    (SamplingParams(temperature=0, presence_penalty=-1e308), None),             # greedy too
+    (SamplingParams(temperature=0.7, top_p=0.9), np.nan),                       # a model that returns NaN
+    (SamplingParams(temperature=0.7), -np.inf),                                 # every token removed
+], ids=["overflow", "overflow-greedy", "nan", "all-removed"])
+def test_logits_that_make_no_distribution_raise_one_clear_error_without_warnings(params, poison) -> None:
+    logits = random_logits(0)
+    if poison is not None:
+        logits[:] = poison
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # NumPy's overflow warnings would only repeat the error
+        with pytest.raises(QwenNPError, match="^sampling: the next token's logits are not finite"):
+            next_token(logits, params, np.random.default_rng(0), [1, 2, 3], [3])
 
 
 def test_top_p_error_message_reads_as_documented() -> None:

@@ -5,7 +5,9 @@ The server runs as a subprocess on an ephemeral port (started once for the modul
 What clients rely on: greedy text equals `generate --temperature 0`, streamed equals non-streamed,
 one id per stream and [DONE] at its end, the same seed gives the same text, concurrent requests share
 the batch and each gets what it gets alone, stop strings straddling tokens, 4xx errors as OpenAI's JSON
-after which the server keeps serving, and a client that disconnects frees its row.
+after which the server keeps serving, and a client that disconnects frees its row. And that no client
+hurts another: bad requests, huge bodies, half-sent bodies and cross-site requests are refused with a
+4xx, never a 5xx, while other streams go on untouched and /health answers within a second.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import select
+import socket
 import subprocess
 import sys
 import threading
@@ -21,9 +25,12 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from qwen_np import serve
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -42,16 +49,27 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             "PYTHONPATH": str(ROOT)}
 
 
+@dataclass
+class Running:
+    url: str                                          # the base URL, http://127.0.0.1:PORT/v1
+    log: list[str] = field(default_factory=list)      # the lines it wrote on stderr after starting
+
+
 @pytest.fixture(scope="module")
-def server(env: dict[str, str]):
-    """The base URL of a server of MODEL on 127.0.0.1 and an ephemeral port; stopped when the module ends."""
-    with serving(env, MODEL) as url:
-        yield url
+def running(env: dict[str, str]):
+    """A server of MODEL on 127.0.0.1 and an ephemeral port; stopped when the module ends."""
+    with serving(env, MODEL) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def server(running: Running) -> str:
+    return running.url
 
 
 @contextlib.contextmanager
-def serving(env: dict[str, str], model: str):
-    process = subprocess.Popen([sys.executable, "-m", "qwen_np", "serve", "--model", model, "--port", "0"],
+def serving(env: dict[str, str], model: str, *flags: str):
+    process = subprocess.Popen([sys.executable, "-m", "qwen_np", "serve", "--model", model, "--port", "0", *flags],
                                cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     assert process.stderr is not None
     try:
@@ -60,10 +78,16 @@ def serving(env: dict[str, str], model: str):
             ready, _, _ = select.select([process.stderr], [], [], max(0.0, deadline - time.monotonic()))
             assert ready and process.poll() is None, f"server did not start: {line!r}"
             line = process.stderr.readline()
-        url = line.decode().split(" on ")[1].split()[0]
-        assert url.startswith("http://127.0.0.1:")                   # loopback by default
-        threading.Thread(target=process.stderr.read, daemon=True).start()    # keep the pipe drained
-        yield url
+        running = Running(line.decode().split(" on ")[1].split()[0])
+        assert running.url.startswith("http://127.0.0.1:")                   # loopback by default
+        stderr = process.stderr
+
+        def drain() -> None:                                                 # keep the pipe drained
+            for raw in stderr:
+                running.log.append(raw.decode(errors="replace").rstrip("\n"))
+
+        threading.Thread(target=drain, daemon=True).start()
+        yield running
     finally:
         process.terminate()
         try:
@@ -89,9 +113,16 @@ def generate_cli(env: dict[str, str], prompt: str, *flags: str) -> str:
     return result.stdout.decode().removesuffix("\n")
 
 
-def post(url: str, body: bytes | dict) -> tuple[int, dict]:
+def post(url: str, body: bytes | dict, **headers: str) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    return fetch(urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **headers}))
+
+
+def get(url: str, **headers: str) -> tuple[int, dict]:
+    return fetch(urllib.request.Request(url, headers=headers))
+
+
+def fetch(request: urllib.request.Request) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -102,6 +133,14 @@ def post(url: str, body: bytes | dict) -> tuple[int, dict]:
 def health(server: str) -> dict:
     with urllib.request.urlopen(server.removesuffix("/v1") + "/health", timeout=10) as response:
         return json.loads(response.read())
+
+
+def assert_openai_error(code: int, answer: dict, status: int, param: str | None = None) -> None:
+    assert code == status, answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
+    assert "Traceback" not in answer["error"]["message"]
+    if param is not None:
+        assert answer["error"]["param"] == param
 
 
 def test_models_lists_the_served_model(client) -> None:
@@ -195,26 +234,122 @@ def test_stop_strings_split_across_tokens(client) -> None:
         assert choices[-1].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("body, status, param", [
-    (b"{not json", 400, None),
-    ({"model": "no-such-model", "prompt": "Hi"}, 404, "model"),
-    ({"model": MODEL, "prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "Hi", "max_tokens": 5000}, 400, "prompt"),            # over the 4096 context
-    ({"model": MODEL, "prompt": "Hi " * 5000}, 400, "prompt"),
-    ({"model": MODEL, "prompt": "Hi", "temperature": float("inf")}, 400, None),
-    ({"model": MODEL, "prompt": "Hi", "n": 2}, 400, "n"),
-    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
-    ({"model": MODEL, "prompt": "Hi", "stop": 3}, 400, "stop"),
-], ids=["malformed-json", "unknown-model", "negative-max-tokens", "max-tokens-past-context", "prompt-past-context",
-        "infinite-temperature", "n-2", "empty-prompt", "bad-stop"])
+BAD_COMPLETIONS = {                    # the id: (body, status, param)
+    "malformed-json": (b"{not json", 400, None),
+    "unknown-model": ({"model": "no-such-model", "prompt": "Hi"}, 404, "model"),
+    "negative-max-tokens": ({"model": MODEL, "prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
+    "max-tokens-past-context": ({"model": MODEL, "prompt": "Hi", "max_tokens": 5000}, 400, "prompt"),  # 4096 context
+    "prompt-past-context": ({"model": MODEL, "prompt": "Hi " * 5000}, 400, "prompt"),
+    "infinite-temperature": ({"model": MODEL, "prompt": "Hi", "temperature": float("inf")}, 400, None),
+    "n-2": ({"model": MODEL, "prompt": "Hi", "n": 2}, 400, "n"),
+    "empty-prompt": ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    "bad-stop": ({"model": MODEL, "prompt": "Hi", "stop": 3}, 400, "stop"),
+    "vanishing-temperature": ({"model": MODEL, "prompt": "Hi", "temperature": 1e-300}, 400, "temperature"),
+    "boolean-token-ids": ({"model": MODEL, "prompt": [True, False]}, 400, "prompt"),
+    "vanishing-repetition-penalty": ({"model": MODEL, "prompt": "Hi", "temperature": 1, "repetition_penalty": 1e-308},
+                                     400, "repetition_penalty"),
+    "surrogate-model": (b'{"model": "\\ud800", "prompt": "Hi"}', 400, "model"),
+    "surrogate-prompt": (('{"model": "%s", "prompt": "\\ud800"}' % MODEL).encode(), 400, "prompt"),
+    "surrogate-field-name": (('{"model": "%s", "prompt": "Hi", "\\udfff": 1}' % MODEL).encode(), 400, None),
+    "deeply-nested": (('{"model": "%s", "prompt": %s}' % (MODEL, "[" * 100_000 + "]" * 100_000)).encode(), 400, None),
+    "five-stops": ({"model": MODEL, "prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    "long-stop": ({"model": MODEL, "prompt": "Hi", "stop": ["x" * 257]}, 400, "stop"),
+}
+
+
+@pytest.mark.parametrize("body, status, param", BAD_COMPLETIONS.values(), ids=BAD_COMPLETIONS.keys())
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status, param) -> None:
-    code, answer = post(server + "/completions", body)
-    assert code == status
-    assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
-    assert "Traceback" not in answer["error"]["message"]
-    if param is not None:
-        assert answer["error"]["param"] == param
+    assert_openai_error(*post(server + "/completions", body), status, param)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+BAD_CHATS = {
+    "surrogate-content": (('{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL).encode(),
+                          "messages"),
+    "reasoning-content-object": ({"model": MODEL, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning_content": {"strip": 1}},
+        {"role": "user", "content": "Again"}]}, "messages"),
+    "name-object": ({"model": MODEL, "messages": [{"role": "user", "content": "Hi", "name": ["x"]}]}, "messages"),
+}
+
+
+@pytest.mark.parametrize("body, param", BAD_CHATS.values(), ids=BAD_CHATS.keys())
+def test_bad_chat_bodies_get_a_400_naming_the_field(server, body, param) -> None:
+    assert_openai_error(*post(server + "/chat/completions", body), 400, param)
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_by_its_length_before_tokenising(server) -> None:
+    code, answer = post(server + "/completions", {"model": MODEL, "prompt": "x" * 4_500_000})
+    assert_openai_error(code, answer, 400, "prompt")
+    assert answer["error"]["code"] == "context_length_exceeded" and "4500000 characters" in answer["error"]["message"]
+
+
+def send_raw(server: str, request: bytes, timeout: float = 10) -> tuple[bytes, bytes]:
+    """The server's answer to `request`, sent as is on a new connection (and left unfinished): its head and
+    its body, once the server has closed the connection."""
+    port = int(server.split(":")[2].split("/")[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as connection:
+        connection.sendall(request)
+        reply = b""
+        while chunk := connection.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head, body
+
+
+POST_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+
+
+def test_a_body_over_the_limit_gets_413_unread(server) -> None:
+    head, body = send_raw(server, POST_HEAD + b"Content-Length: %d\r\n\r\n{" % (serve.MAX_BODY_BYTES + 1))
+    assert head.startswith(b"HTTP/1.1 413")
+    assert_openai_error(413, json.loads(body), 413)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_post_that_is_not_json_gets_415(server, content_type) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert_openai_error(*post(server + "/completions", body, **{"Content-Type": content_type}), 415)
+    code, _ = post(server + "/completions", body, **{"Content-Type": "Application/JSON; charset=utf-8"})
+    assert code == 200
+
+
+def test_a_loopback_server_answers_only_loopback_host_names(server) -> None:
+    port = server.split(":")[2].split("/")[0]
+    for host in ("evil.example", f"evil.example:{port}", "localhost.evil.example", "127.0.0.2"):
+        assert_openai_error(*get(server + "/models", Host=host), 400)
+    for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
+        assert get(server + "/models", Host=host)[0] == 200
+
+
+def test_a_half_sent_body_times_out_with_408(server) -> None:
+    head, body = send_raw(server, POST_HEAD + b'Content-Length: 100\r\n\r\n{"model":', timeout=serve.BODY_SECONDS + 5)
+    assert head.startswith(b"HTTP/1.1 408")
+    assert_openai_error(408, json.loads(body), 408)
+
+
+def test_every_request_is_logged_in_one_line(running, client) -> None:
+    client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3)
+    deadline = time.monotonic() + 5
+    pattern = re.compile(r"POST /v1/completions 200 prompt_tokens=4 completion_tokens=3 [\d.]+s")
+    while not any(pattern.fullmatch(line) for line in running.log) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any(pattern.fullmatch(line) for line in running.log), running.log[-5:]
+
+
+def test_health_answers_within_a_second_while_a_big_prompt_tokenises(server) -> None:
+    # Allowed by its length (4M characters) and its size, but 960k tokens: refused after it is tokenised (seconds).
+    body = {"model": MODEL, "prompt": "Hello world, how are you " * 160_000}
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(post, server + "/completions", body)
+        latencies = []
+        while not big.done():
+            started = time.monotonic()
+            assert health(server)["status"] == "ok"
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.05)
+        assert_openai_error(*big.result(), 400, "prompt")
+    assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
 
 
 def test_bad_chat_requests_and_routes_are_4xx_through_the_client(client, server) -> None:
@@ -242,8 +377,60 @@ def test_a_client_that_disconnects_frees_its_row(client, server) -> None:
     assert health(server) == {"status": "ok", "running": 0, "waiting": 0}
 
 
+def test_an_api_key_from_the_environment_is_required_of_all_but_health_and_quiet_logs_nothing(env) -> None:
+    with serving({**env, serve.API_KEY_ENV: "sesame"}, MODEL, "--quiet") as running:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            assert_openai_error(*post(running.url + "/completions", body, **headers), 401)
+            assert_openai_error(*get(running.url + "/models", **headers), 401)
+        assert post(running.url + "/completions", body, Authorization="Bearer sesame")[0] == 200
+        assert health(running.url)["status"] == "ok"
+        keyed = openai.OpenAI(base_url=running.url, api_key="sesame", max_retries=0)
+        assert keyed.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+        time.sleep(0.2)
+    assert running.log == []
+
+
+def test_only_a_server_listening_beyond_loopback_warns_at_start() -> None:
+    assert serve.exposure_warning("127.0.0.1", None) is None and serve.exposure_warning("::1", None) is None
+    assert "--api-key" in serve.exposure_warning("0.0.0.0", None)
+    assert "--api-key" not in serve.exposure_warning("192.168.1.5", "sesame")
+
+
+def test_a_greedy_stream_is_untouched_by_adversarial_clients_and_health_stays_quick(client, server) -> None:
+    prompt, n = "Once upon a time", 48
+    solo = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
+                                                                          temperature=0, stream=True))
+    attacks = [lambda body=body: post(server + "/completions", body)[0] for body, _, _ in BAD_COMPLETIONS.values()]
+    attacks += [lambda body=body: post(server + "/chat/completions", body)[0] for body, _ in BAD_CHATS.values()]
+    attacks += [
+        lambda: post(server + "/completions", {"model": MODEL, "prompt": "Hi"}, **{"Content-Type": "text/plain"})[0],
+        lambda: get(server + "/models", Host="evil.example")[0],
+        lambda: post(server + "/completions", {"model": MODEL, "prompt": "x" * 4_500_000})[0],
+        lambda: post(server + "/completions", {"model": MODEL, "prompt": "Hello world, how are you " * 160_000})[0],
+        lambda: post(server + "/completions", {"model": MODEL, "prompt": "Hi", "stop": ["s"] * 20_000})[0],
+        lambda: int(send_raw(server, POST_HEAD + b"Content-Length: %d\r\n\r\n{" % (2 * serve.MAX_BODY_BYTES))[0][9:12]),
+    ]
+    pieces: list[str] = []
+    with ThreadPoolExecutor(4) as pool:
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True)
+        pieces.append(next(iter(stream)).choices[0].text)            # the row is in the batch: now the attacks
+        statuses = [pool.submit(attack) for attack in attacks]
+        latencies = []
+        while not all(status.done() for status in statuses):
+            started = time.monotonic()
+            assert health(server)["status"] == "ok"
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.05)
+        pieces.extend(chunk.choices[0].text for chunk in stream)
+    assert "".join(pieces) == solo
+    assert all(400 <= status.result() < 500 for status in statuses), [status.result() for status in statuses]
+    assert max(latencies) < 1.0, latencies
+
+
 def test_a_model_without_a_chat_template_refuses_chat_with_a_400_and_still_completes(env) -> None:
-    with serving(env, "weights") as url:                # the bundled Shakespeare model
+    with serving(env, "weights") as running:            # the bundled Shakespeare model
+        url = running.url
         code, answer = post(url + "/chat/completions", {"model": "weights", "messages": [{"role": "user", "content": "Hi"}]})
         assert code == 400 and answer["error"]["code"] == "no_chat_template"
         assert "no chat template" in answer["error"]["message"] and "/v1/completions" in answer["error"]["message"]
