@@ -15,24 +15,22 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, NoReturn, TextIO
+from typing import NoReturn, TextIO
 
-from . import __version__, evaluation, precision, runtime, serve, trainer
-from .commands import hardware
+from . import __version__, evaluation, precision, runtime, trainer
+from .commands import common, hardware, serve
 from .batching import BatchGenerator, Request
-from .checkpoint import bundled_model_path, download, resolve_model_path
+from .checkpoint import download
 from .config import Qwen3Config, load_config, preset
 from .errors import QwenNPError
 from .generate import (ChatSession, GenerationDefaults, GenerationStats, TokenEvent, context_budget, generate,
                        prompt_ids, read_generation_defaults, resolve_sampling)
 from .loading import load_model
-from .memory import DEFAULT_CONTEXT, MODES
+from .memory import DEFAULT_CONTEXT
 from .model import Qwen3Model, Trace
 from .sampling import SamplingParams
 from .tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer, split_thinking
 
-BUNDLED_MODEL = bundled_model_path()
-BUNDLED_NAME = "weights (bundled Shakespeare model)"
 BUNDLED_NOTICE = ("note: using the bundled model, a tiny Qwen3 that qwen_np trained on Shakespeare's plays: it continues "
                   "text in their style and knows nothing else; for real answers pass --model with a hub id "
                   "(e.g. Qwen/Qwen3-0.6B) or a checkpoint folder")
@@ -92,9 +90,7 @@ def build_parser(prog: str = "qwen-np") -> Parser:
                                            "the oldest turns are dropped (with a notice).")
     _add_model_flags(chat)
     _add_generation_flags(chat)
-    chat.add_argument("-c", "--ctx-size", type=_at_least(2), metavar="N",
-                      help=f"KV cache positions for the whole conversation (default: {DEFAULT_CONTEXT}, "
-                           "or the model's context if smaller)")
+    common.add_context(chat, "KV cache positions for the whole conversation")
     chat.set_defaults(run=run_chat)
 
     train = commands.add_parser("train", help="train a Qwen3 from scratch on text, in NumPy",
@@ -109,22 +105,16 @@ def build_parser(prog: str = "qwen-np") -> Parser:
                                             "--context tokens: mean loss per token, perplexity, nats and bits per "
                                             "character; --compare also scores number formats against FP32.")
     evaluation.add_arguments(score)
-    score.set_defaults(run=lambda args: evaluation.run(args, _model_folder))
+    score.set_defaults(run=lambda args: evaluation.run(args, common.model_folder))
 
     lab = commands.add_parser("precision", help="how far each number format moves the model's predictions from FP32",
                               description="Score a text with the model in FP32 and with its weights in each number "
                                           "format (FP16, BF16, FP8, INT8, Q8_0, Q4_0, ...): KL divergence, same top "
                                           "token, perplexity, greedy text, weight bytes; one row per format.")
     precision.add_arguments(lab)
-    lab.set_defaults(run=lambda args: precision.run(args, _model_folder))
+    lab.set_defaults(run=lambda args: precision.run(args, common.model_folder))
 
-    server = commands.add_parser("serve", help="an OpenAI-compatible HTTP API (chat, completions, streaming), "
-                                               "concurrent requests batched",
-                                  description="Serve the model over HTTP with OpenAI's API: /v1/models, "
-                                              "/v1/chat/completions, /v1/completions; concurrent requests share "
-                                              "decode steps (continuous batching).")
-    serve.add_arguments(server)
-    server.set_defaults(run=serve.run)
+    serve.register(commands)
 
     fetch = commands.add_parser("download", help="fetch a hub checkpoint into the Hugging Face cache",
                                 description="Download a checkpoint's safetensors, json and tokenizer files "
@@ -138,12 +128,12 @@ def build_parser(prog: str = "qwen-np") -> Parser:
     source = show.add_mutually_exclusive_group()
     source.add_argument("--model", help="checkpoint folder or hub id (default: the bundled model)")
     source.add_argument("--preset", help="a published Qwen3 size, e.g. qwen3-8b")
-    show.add_argument("--tokens", type=_at_least(1), default=7, metavar="T",
+    show.add_argument("--tokens", type=common.at_least(1), default=7, metavar="T",
                       help="tokens in the example forward pass (default: 7)")
-    show.add_argument("--context", type=_at_least(1), metavar="N",
+    show.add_argument("--context", type=common.at_least(1), metavar="N",
                       help="sequence length of the memory breakdown: KV cache positions to run, tokens per training "
                            "sequence (default: the model's context, at most 4096)")
-    show.add_argument("--batch-size", type=_at_least(1), default=16, metavar="B",
+    show.add_argument("--batch-size", type=common.at_least(1), default=16, metavar="B",
                       help="sequences per training step in the memory breakdown (default: 16)")
     show.add_argument("--json", action="store_true", help="print JSON instead of text")
     show.set_defaults(run=run_inspect)
@@ -153,21 +143,16 @@ def build_parser(prog: str = "qwen-np") -> Parser:
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-m", "--model", help="checkpoint folder or Hugging Face hub id, e.g. Qwen/Qwen3-0.6B "
-                                        "(default: the bundled model, a tiny Qwen3 trained on Shakespeare)")
-    parser.add_argument("--memory", choices=MODES, default="auto",
-                        help="the memory plan: fp32 upcasts every weight once at load (fastest), bf16 keeps them "
-                             "as stored and upcasts them per use (half the RAM), auto picks fp32 when it fits "
-                             "(default: auto)")
-    parser.add_argument("-t", "--threads", type=_at_least(1), default=runtime.usable_cores(), metavar="N",
-                        help=f"threads for the matrix products (default: all {runtime.usable_cores()} cores)")
+    common.add_model(parser)
+    common.add_memory(parser)
+    common.add_threads(parser)
     parser.add_argument("--verbose", action="store_true",
                         help="print the memory plan and token-level details (prompt and generated ids, cache "
                              "use) on stderr")
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--max-new-tokens", type=_at_least(0), metavar="N",
+    parser.add_argument("-n", "--max-new-tokens", type=common.at_least(0), metavar="N",
                         help=f"stop after N new tokens (default: {THINKING_MAX_NEW_TOKENS} when Qwen3 thinks, "
                              f"{DEFAULT_MAX_NEW_TOKENS} with --no-think or --no-chat); generation also stops at an "
                              "end-of-sequence token or when the context is full")
@@ -218,21 +203,6 @@ def _add_inspection_flags(parser: argparse.ArgumentParser) -> None:
                         help="before generating, print on stderr how one attention head attends over the prompt")
     parser.add_argument("--attention-png", metavar="FILE",
                         help="also save the --attention pattern as a PNG image")
-
-
-def _at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= minimum (argparse names the flag in its error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 # --- Checking flags before anything is loaded ---------------------------------------------------
@@ -314,21 +284,11 @@ class Opened:
     bundled: bool          # the bundled Shakespeare model, which the user must be told about
 
 
-def _model_folder(model: str | None) -> Path:
-    """The checkpoint folder of --model (fetched from the hub if need be), or the bundled one."""
-    if model is not None:
-        return resolve_model_path(model)
-    if not (BUNDLED_MODEL / "config.json").is_file():
-        raise QwenNPError(f"--model: not given, and the bundled model is not at {BUNDLED_MODEL} (reinstall qwen_np, "
-                          "or pass a hub id like Qwen/Qwen3-0.6B or a checkpoint folder)")
-    return BUNDLED_MODEL
-
-
 def _open_checkpoint(model: str | None) -> Opened:
-    folder = _model_folder(model)
-    bundled = folder.resolve() == BUNDLED_MODEL.resolve()
+    folder = common.model_folder(model)
+    bundled = common.is_bundled(folder)
     config = load_config(folder)
-    return Opened(BUNDLED_NAME if bundled else model or str(folder), folder, config,
+    return Opened(common.BUNDLED_NAME if bundled else model or str(folder), folder, config,
                   read_generation_defaults(folder, config), Tokenizer.from_folder(folder), bundled)
 
 
@@ -402,7 +362,7 @@ def run_generate(args: argparse.Namespace) -> int:
     inspecting = args.trace or args.trace_layers or args.lens or args.attention
     if len(prompts) > 1 and inspecting:
         raise QwenNPError(f"--trace/--lens/--attention: look at one prompt at a time (got {len(prompts)})")
-    stats, name = GenerationStats(), args.model or BUNDLED_NAME
+    stats, name = GenerationStats(), args.model or common.BUNDLED_NAME
     if explicit["seed"] is None:              # drawn here, so that the stats line can say which it was
         explicit["seed"] = stats.seed = secrets.randbelow(2 ** 31)
     writer = ReplyWriter(sys.stdout, hide_think=args.hide_think)
@@ -645,7 +605,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.preset:
         config, name = preset(args.preset), args.preset
     else:
-        config, name = load_config(_model_folder(args.model)), args.model or BUNDLED_NAME
+        config, name = load_config(common.model_folder(args.model)), args.model or common.BUNDLED_NAME
     print(inspect_command(config, args.tokens, args.json, name, args.context, args.batch_size))
     return 0
 

@@ -35,29 +35,26 @@ stream, which the standard library's http.server would leave to hand-written cod
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
 import ipaddress
 import json
-import os
 import re
 import socket
 import sys
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from . import runtime
 from .batching import BatchGenerator, BatchRunner, Request, Row
-from .checkpoint import resolve_model_path
 from .config import load_config
 from .errors import QwenNPError
 from .generate import GenerationDefaults, TokenEvent, read_generation_defaults, resolve_sampling
 from .loading import load_model
-from .memory import DEFAULT_CONTEXT, MODES
+from .memory import DEFAULT_CONTEXT
 from .tokenizer import Message, Tokenizer
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_BATCH = "127.0.0.1", 8000, 8
@@ -89,67 +86,32 @@ API_KEY_ENV = "QWEN_NP_API_KEY"
 LOOPBACK_HOST = re.compile(r"(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.IGNORECASE)
 
 
-# --- the command line ------------------------------------------------------------------------------
+# --- running the server ----------------------------------------------------------------------------
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint folder or Hugging Face hub id, e.g. Qwen/Qwen3-0.6B; "
-                                                       "clients ask for it by this name")
-    parser.add_argument("--host", default=DEFAULT_HOST,
-                        help=f"address to listen on (default: {DEFAULT_HOST}, this machine only; 0.0.0.0 opens it "
-                             "to the network: set --api-key then)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default: {DEFAULT_PORT}; 0 picks a free one)")
-    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
-                        help=f"requests decoded together in one batch; more wait for a free row "
-                             f"(default: {DEFAULT_MAX_BATCH})")
-    parser.add_argument("-c", "--ctx-size", type=int, metavar="N",
-                        help=f"context of each request, prompt and reply together (default: {DEFAULT_CONTEXT}, or "
-                             "the model's if smaller)")
-    parser.add_argument("--memory", choices=MODES, default="auto",
-                        help="fp32 upcasts every weight at load (fastest), bf16 keeps them as stored (half the RAM), "
-                             "auto picks fp32 when it fits (default: auto)")
-    parser.add_argument("-t", "--threads", type=int, default=runtime.usable_cores(), metavar="N",
-                        help=f"threads for the matrix products (default: all {runtime.usable_cores()} cores)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
-                        help=f"require `Authorization: Bearer KEY` on every request but /health (default: "
-                             f"${API_KEY_ENV}, else none)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="do not log each request on stderr")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Load the model, listen, serve until Ctrl-C (or SIGTERM)."""
+def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = DEFAULT_MAX_BATCH,
+          context: int = DEFAULT_CONTEXT, memory: str = "auto", api_key: str | None = None, log: bool = True,
+          announce: Callable[[str], None] = lambda line: None) -> None:
+    """Load the model in `folder` (clients ask for it as `name`) and serve it on `listener` until Ctrl-C or
+    SIGTERM. context: prompt and reply together, at most the model's; announce(line) gets the start lines."""
     try:
         import uvicorn
     except ImportError:
         raise QwenNPError("serve: needs the `serve` extra (pip install 'qwen_np[serve]': starlette, uvicorn)") from None
-    if args.max_batch < 1:
-        raise QwenNPError(f"--max-batch: must be >= 1, got {args.max_batch}")
-    if not 0 <= args.port <= 65535:
-        raise QwenNPError(f"--port: must be in 0..65535, got {args.port}")
-    folder = resolve_model_path(args.model)
     config = load_config(folder)
-    context = min(args.ctx_size or DEFAULT_CONTEXT, config.max_position_embeddings)
-    if context < 2:
-        raise QwenNPError(f"--ctx-size: must be >= 2, got {args.ctx_size}")
+    context = min(context, config.max_position_embeddings)
     tokenizer, defaults = Tokenizer.from_folder(folder), read_generation_defaults(folder, config)
-    if args.api_key == "":
-        raise QwenNPError(f"--api-key: empty (give a key, or unset {API_KEY_ENV} for none)")
-    try:
-        listener = socket.create_server((args.host, args.port))
-    except OSError as error:
-        raise QwenNPError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror})") from None
-    model = load_model(folder, memory=args.memory, max_tokens=context)
-    generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=args.max_batch,
+    model = load_model(folder, memory=memory, max_tokens=context)
+    generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
                                context=context)
-    service = Service(args.model, tokenizer, defaults, BatchRunner(generator), context,
+    service = Service(name, tokenizer, defaults, BatchRunner(generator), context,
                       context * LENGTH_FACTOR * longest_token(tokenizer))
     host, port = listener.getsockname()[:2]
-    address = f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
-    warning = exposure_warning(host, args.api_key)
+    warning = exposure_warning(host, api_key)
     if warning:
-        print(warning, file=sys.stderr)
-    print(f"serving {args.model} on {address} (max batch {args.max_batch}, context {context}); Ctrl-C stops",
-          file=sys.stderr, flush=True)
-    app = create_app(service, api_key=args.api_key, loopback_only=_is_loopback(host), log=not args.quiet)
+        announce(warning)
+    announce(f"serving {name} on http://{'[' + host + ']' if ':' in host else host}:{port}/v1 (max batch {max_batch}, "
+             f"context {context}); Ctrl-C stops")
+    app = create_app(service, api_key=api_key, loopback_only=_is_loopback(host), log=log)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
                                            timeout_keep_alive=KEEP_ALIVE_SECONDS))
     service.runner.start()
@@ -157,7 +119,6 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=[listener])
     finally:
         service.runner.stop()
-    return 0
 
 
 def _is_loopback(host: str) -> bool:

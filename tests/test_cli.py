@@ -241,8 +241,9 @@ def test_thinking_is_dimmed_on_a_terminal_and_left_alone_in_a_pipe(monkeypatch) 
 
 def test_an_install_without_the_bundled_model_asks_for_model(monkeypatch, tmp_path, capsys) -> None:
     import qwen_np.cli as cli
+    from qwen_np.commands import common
 
-    monkeypatch.setattr(cli, "BUNDLED_MODEL", tmp_path / "weights")
+    monkeypatch.setattr(common, "BUNDLED_MODEL", tmp_path / "weights")
     assert cli.main(["generate", "hi"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: --model: not given, and the bundled model is not at")

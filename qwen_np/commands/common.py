@@ -1,0 +1,76 @@
+"""What every command shares: one definition of each common flag (the same name, letter, default and help
+wherever it appears), and which model --model means when it is not given (the bundled one)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable
+
+from .. import runtime
+from ..checkpoint import bundled_model_path, resolve_model_path
+from ..errors import QwenNPError
+from ..memory import DEFAULT_CONTEXT, MODES
+
+BUNDLED_MODEL = bundled_model_path()
+BUNDLED_NAME = "weights (bundled Shakespeare model)"
+MEMORY_HELP = ("how to hold the weights: fp32 upcasts every weight once at load (fastest), bf16 keeps them as stored "
+               "and widens them per use (half the RAM), int8 quantizes every matrix to int8 rows at load (a quarter, "
+               "slightly different logits), auto picks fp32 when it fits (default: auto)")
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def add_model(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
+    parser.add_argument("-m", "--model", help="checkpoint folder or Hugging Face hub id, e.g. Qwen/Qwen3-0.6B "
+                                              "(default: the bundled model, a tiny Qwen3 trained on Shakespeare)")
+
+
+def add_memory(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--memory", choices=MODES, default="auto", help=MEMORY_HELP)
+
+
+def add_threads(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-t", "--threads", type=at_least(1), default=runtime.usable_cores(), metavar="N",
+                        help=f"threads for the matrix products, at most (fewer while other processes keep the cores "
+                             f"busy; default: all {runtime.usable_cores()} cores)")
+
+
+def add_context(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("-c", "--ctx-size", type=at_least(2), metavar="N",
+                        help=f"{what} (default: {DEFAULT_CONTEXT}, or the model's if smaller)")
+
+
+def add_json(parser: argparse.ArgumentParser, what: str = "the table") -> None:
+    parser.add_argument("--json", action="store_true", help=f"print JSON instead of {what}")
+
+
+def add_quiet(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("-q", "--quiet", action="store_true", help=what)
+
+
+def model_folder(model: str | None) -> Path:
+    """The checkpoint folder of --model (fetched from the hub if need be), or the bundled one."""
+    if model is not None:
+        return resolve_model_path(model)
+    if not (BUNDLED_MODEL / "config.json").is_file():
+        raise QwenNPError(f"--model: not given, and the bundled model is not at {BUNDLED_MODEL} (reinstall qwen_np, "
+                          "or pass a hub id like Qwen/Qwen3-0.6B or a checkpoint folder)")
+    return BUNDLED_MODEL
+
+
+def is_bundled(folder: Path) -> bool:
+    return folder.resolve() == BUNDLED_MODEL.resolve()

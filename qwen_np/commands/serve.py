@@ -1,0 +1,56 @@
+"""`python -m qwen_np serve`: the OpenAI-compatible HTTP API (qwen_np/serve.py), its flags and start lines."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+from .. import serve
+from ..errors import QwenNPError
+from ..memory import DEFAULT_CONTEXT
+from . import common
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("serve", help="an OpenAI-compatible HTTP API (chat, completions, streaming), "
+                                               "concurrent requests batched",
+                                 description="Serve the model over HTTP with OpenAI's API: /v1/models, "
+                                             "/v1/chat/completions, /v1/completions; concurrent requests share "
+                                             "decode steps (continuous batching).")
+    common.add_model(parser)
+    parser.add_argument("--host", default=serve.DEFAULT_HOST,
+                        help=f"address to listen on (default: {serve.DEFAULT_HOST}, this machine only; 0.0.0.0 opens "
+                             "it to the network: set --api-key then)")
+    parser.add_argument("--port", type=int, default=serve.DEFAULT_PORT,
+                        help=f"TCP port (default: {serve.DEFAULT_PORT}; 0 picks a free one)")
+    parser.add_argument("--max-batch", type=common.at_least(1), default=serve.DEFAULT_MAX_BATCH, metavar="N",
+                        help=f"requests decoded together in one batch; more wait for a free row "
+                             f"(default: {serve.DEFAULT_MAX_BATCH})")
+    common.add_context(parser, "context of each request, prompt and reply together")
+    common.add_memory(parser)
+    common.add_threads(parser)
+    parser.add_argument("--api-key", default=os.environ.get(serve.API_KEY_ENV), metavar="KEY",
+                        help=f"require `Authorization: Bearer KEY` on every request but /health (default: "
+                             f"${serve.API_KEY_ENV}, else none)")
+    common.add_quiet(parser, "do not log each request on stderr")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the flags, open the socket, then load the model and serve until Ctrl-C (or SIGTERM)."""
+    if not 0 <= args.port <= 65535:
+        raise QwenNPError(f"--port: must be in 0..65535, got {args.port}")
+    if args.api_key == "":
+        raise QwenNPError(f"--api-key: empty (give a key, or unset {serve.API_KEY_ENV} for none)")
+    folder = common.model_folder(args.model)
+    name = args.model or common.BUNDLED_NAME
+    try:
+        listener = socket.create_server((args.host, args.port))
+    except OSError as error:
+        raise QwenNPError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror})") from None
+    serve.serve(name, folder, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
+                memory=args.memory, api_key=args.api_key, log=not args.quiet,
+                announce=lambda line: print(line, file=sys.stderr, flush=True))
+    return 0
