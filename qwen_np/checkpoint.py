@@ -82,7 +82,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as bad:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as bad:     # RecursionError: [[[[...
         raise QwenNPError(f"{path}: header is not valid UTF-8 JSON ({bad})") from None
     if not isinstance(header, dict):
         raise QwenNPError(f"{path}: header is not a JSON object")
@@ -206,7 +206,7 @@ def _sharded_tensors(index_path: Path) -> dict[str, TensorInfo]:
         weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as bad:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as bad:
         raise QwenNPError(f"{index_path}: not a valid safetensors index ({bad!r})") from None
     tensors: dict[str, TensorInfo] = {}
     headers: dict[str, dict[str, TensorInfo]] = {}

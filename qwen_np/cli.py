@@ -268,9 +268,15 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _read_stdin() -> str:
+    """All of stdin, decoded as UTF-8 whatever the locale (the text wrapper of a C locale would let
+    bad bytes through as surrogates, which the tokenizer cannot encode)."""
     if sys.stdin.isatty():
         print("reading the prompt from stdin; end it with Ctrl-D", file=sys.stderr)
-    return sys.stdin.read().removesuffix("\n")
+    raw = sys.stdin.buffer.read()
+    try:
+        return raw.decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError as bad:
+        raise QwenNPError(f"stdin: not UTF-8 text (byte {raw[bad.start]:#04x} at offset {bad.start})") from None
 
 
 def _parse_attention(spec: str, config: Qwen3Config) -> tuple[int, int]:

@@ -160,7 +160,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise QwenNPError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as bad:     # RecursionError: [[[[...
         raise QwenNPError(f"{path}: not valid JSON ({bad})") from None
     if not isinstance(raw, dict):
         raise QwenNPError(f"{path}: expected a JSON object")

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, model_folder: Callable[[str | None], Path]) ->
         precision.check_formats(args.compare, "--compare")
     folder = model_folder(args.model)
     config = load_config(folder)
-    context = args.context or min(config.max_position_embeddings, 1024)
+    context = min(config.max_position_embeddings, 1024) if args.context is None else args.context
     if not 1 <= context <= config.max_position_embeddings:
         raise QwenNPError(f"--context: must be between 1 and the model's {config.max_position_embeddings} "
                           f"positions, got {context}")

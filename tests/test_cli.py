@@ -28,9 +28,10 @@ def env(tmp_path_factory) -> dict[str, str]:
             "PYTHONPATH": str(ROOT)}
 
 
-def qwen(env, *args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+def qwen(env, *args: str, stdin: str | bytes | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    data = stdin.encode() if isinstance(stdin, str) else stdin
     return subprocess.run([sys.executable, "-m", "qwen_np", *args], cwd=ROOT, env=env, capture_output=True,
-                          input=None if stdin is None else stdin.encode(), timeout=timeout)
+                          input=data, timeout=timeout)
 
 
 def stderr_lines(result: subprocess.CompletedProcess) -> list[str]:
@@ -166,6 +167,8 @@ BAD_INPUTS = {
     "chat without a chat template": (["chat"], "this model has no chat template: use generate, which continues text"),
     "system without a chat template": (["generate", "--system", "x", "ROMEO:"], "--system: this model has no chat "
                                                                                 "template"),
+    "eval with a zero context": (["eval", "--context", "0"], "--context: must be between 1"),
+    "eval with a negative context": (["eval", "--context", "-5"], "--context: must be between 1"),
 }
 
 
@@ -173,6 +176,13 @@ BAD_INPUTS = {
 def test_bad_input_is_one_line_and_exit_code_2(env, args, expected) -> None:
     result = qwen(env, *args)
     assert_one_error_line(result, expected)
+
+
+@pytest.mark.parametrize("command", [["generate", "-"], ["generate", "--file", "-"]])
+def test_a_prompt_on_stdin_that_is_not_utf8_is_one_line_naming_stdin(env, command) -> None:
+    for locale in ("C", "C.UTF-8"):        # the C locale's stdin would let the byte through as a surrogate
+        result = qwen({**env, "LC_ALL": locale}, *command, stdin=b"ROMEO\xff:")
+        assert_one_error_line(result, "stdin: not UTF-8 text (byte 0xff at offset 5)")
 
 
 @pytest.mark.parametrize("which, expected", [("no_tokenizer", "tokenizer.json not found"),
