@@ -243,3 +243,104 @@ def test_training_a_model_not_held_in_fp32_is_refused_by_name(memory: str) -> No
     model = load_model(FIXTURES / "tied_mha", memory=memory)
     with pytest.raises(training.QwenNPError, match="model.embed_tokens.weight: training needs FP32 weights"):
         training.loss_and_gradients(model, [[1, 2, 3]])
+
+
+def test_a_new_run_without_preset_or_config_is_refused_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--out", str(tmp_path / "run"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --preset or --config:") and "50 minutes" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_out_folder(
+        tmp_path: Path, run_inputs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    _, config = run_inputs
+    short = tmp_path / "short.txt"
+    short.write_text("One line only.\n")
+    assert train(tmp_path / "run", short, config) == 2
+    assert "too short" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def assert_same_run(ours: Path, theirs: Path) -> None:
+    """Two --out folders hold the same run: weights, AdamW moments, steps, evaluations, best and export."""
+    for name in ("last.safetensors", "best.safetensors"):
+        mine, other = load_state(ours / name), load_state(theirs / name)
+        for group, other_group in zip(mine[:3], other[:3]):
+            assert sorted(group) == sorted(other_group)
+            assert all(np.array_equal(group[n], other_group[n]) for n in group), name
+        keep = ("step", "loss", "lr", "grad_norm")           # tokens_per_s is a timing
+        assert [{k: h[k] for k in keep} for h in mine[3]["history"]] == \
+               [{k: h[k] for k in keep} for h in other[3]["history"]]
+        assert mine[3]["evals"] == other[3]["evals"] and mine[3]["order"] == other[3]["order"]
+    assert (ours / "model" / "model.safetensors").read_bytes() == (theirs / "model" / "model.safetensors").read_bytes()
+
+
+def stop_on_call(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, call: int) -> None:
+    """Send this process a SIGTERM (`kill`) at the start of the call-th call of owner.name."""
+    import os
+    import signal
+
+    real, calls = getattr(owner, name), []
+
+    def stopping(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, stopping)
+
+
+@pytest.mark.parametrize("where, call", [("validation", 2), ("final evaluation", 3), ("optimizer step", 5)])
+def test_a_run_stopped_anywhere_and_resumed_is_the_run_never_stopped(
+        tmp_path: Path, run_inputs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, where: str, call: int) -> None:
+    """8 steps, evaluations at 3, 6 and 8: stopped in the second or the last evaluation, or in the middle of
+    an AdamW update, then resumed, the run ends exactly as one that was never stopped."""
+    import qwen_np.trainer as trainer
+
+    data, config = run_inputs
+    assert train(tmp_path / "straight", data, config, "--steps", "8") == 0
+    with monkeypatch.context() as patch:
+        if where == "optimizer step":
+            stop_on_call(patch, training.AdamW, "update", call)
+        else:
+            stop_on_call(patch, trainer, "validate", call)
+        assert train(tmp_path / "stopped", data, config, "--steps", "8") == 130
+    assert main(["train", "--out", str(tmp_path / "stopped"), "--resume"]) == 0
+    assert_same_run(tmp_path / "stopped", tmp_path / "straight")
+
+
+def test_resuming_with_another_thread_count_continues_the_same_run(tmp_path: Path,
+                                                                   run_inputs: tuple[Path, Path]) -> None:
+    data, config = run_inputs
+    assert train(tmp_path / "straight", data, config, "--steps", "6", "--threads", "2") == 0
+    assert train(tmp_path / "split", data, config, "--steps", "3", "--decay-steps", "6", "--threads", "2") == 0
+    assert main(["train", "--out", str(tmp_path / "split"), "--resume", "--steps", "6", "--threads", "1"]) == 0
+    assert_same_run(tmp_path / "split", tmp_path / "straight")
+
+
+def test_the_gradient_depends_on_the_shards_not_on_the_thread_count() -> None:
+    config = Qwen3Config(**SMALL)
+    model = model_from_parameters(config, init_parameters(config, seed=2))
+    batch = np.random.default_rng(4).integers(0, config.vocab_size, size=(6, 11))
+    runs = [training.loss_and_accumulated_gradients(model, batch, 1, threads=threads, shards=3) for threads in (1, 2, 3)]
+    for loss, grads in runs[1:]:
+        assert loss == runs[0][0]
+        assert all(np.array_equal(grads[name], runs[0][1][name]) for name in grads)
+
+
+def test_training_puts_the_previous_signal_handlers_back(tmp_path: Path, run_inputs: tuple[Path, Path]) -> None:
+    import signal
+
+    def ours(signum: int, frame: object) -> None:
+        """A handler of the caller's own, which training must give back."""
+
+    data, config = run_inputs
+    previous, interrupt = signal.signal(signal.SIGTERM, ours), signal.getsignal(signal.SIGINT)
+    try:
+        assert train(tmp_path / "run", data, config, "--steps", "1") == 0
+        assert signal.getsignal(signal.SIGTERM) is ours and signal.getsignal(signal.SIGINT) is interrupt
+    finally:
+        signal.signal(signal.SIGTERM, previous)
