@@ -25,7 +25,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -240,9 +240,23 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype:
     target = WRITE_DTYPES[dtype]
     stored = {name: np.ascontiguousarray(value if value.dtype == target else value.astype(np.float32).astype(target))
               for name, value in ((name, np.asarray(value)) for name, value in tensors.items())}
+    write_atomically(path, lambda tmp: save_file(stored, tmp, metadata={"format": "pt"}))
+
+
+def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
+    """write(a temporary name), then rename it to `path`: os.replace is atomic, so a crash or a full disk
+    leaves the previous file or the new one, never half of one. A failed write (the safetensors writer
+    reports a full disk as its own error, not an OSError) is a QwenNPError naming the file."""
+    from safetensors import SafetensorError
+
     tmp = Path(f"{path}.partial")
-    save_file(stored, tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)   # never leave a half-written checkpoint under the real name
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as bad:
+        tmp.unlink(missing_ok=True)
+        reason = bad.strerror if isinstance(bad, OSError) and bad.strerror else str(bad)
+        raise QwenNPError(f"{path}: could not be written ({reason}); the file it was to replace is left as it was") from None
 
 
 def save_checkpoint(folder: str | Path, config_json: Mapping[str, object],

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import signal
 import sys
@@ -28,7 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import evaluation, training
-from .checkpoint import LAYER_TENSOR_NAMES, expected_tensors, save_checkpoint
+from .checkpoint import LAYER_TENSOR_NAMES, expected_tensors, save_checkpoint, write_atomically
 from .config import Qwen3Config
 from .data import END_OF_TEXT_ID
 from .errors import QwenNPError
@@ -157,7 +156,7 @@ def hf_config(model_config: dict[str, Any]) -> dict[str, Any]:
 def save_state(path: Path, params: dict[str, np.ndarray], optimizer: training.AdamW, meta: dict[str, Any]) -> None:
     """Weights, AdamW moments and the run's state (JSON in the safetensors header) in one file.
 
-    Written to a temporary name and renamed: os.replace is atomic, so a crash leaves the previous
+    Written atomically (checkpoint.write_atomically): a crash or a full disk leaves the previous
     checkpoint or the new one, never half of one.
     """
     from safetensors.numpy import save_file
@@ -166,9 +165,7 @@ def save_state(path: Path, params: dict[str, np.ndarray], optimizer: training.Ad
     tensors.update({f"adam_m/{n}": m for n, m in optimizer.m.items()})
     tensors.update({f"adam_v/{n}": v for n, v in optimizer.v.items()})
     meta = {**meta, "optimizer_step": optimizer.step}
-    tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp), metadata={"qwen_np_training": json.dumps(meta)})
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"qwen_np_training": json.dumps(meta)}))
 
 
 def load_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:

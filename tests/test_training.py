@@ -128,9 +128,41 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path, monkeypat
         raise OSError("disk full")
 
     monkeypatch.setattr(safetensors.numpy, "save_file", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(training.QwenNPError, match="disk full"):
         save_state(path, params, training.AdamW(), {"history": [1, 2]})
     assert load_state(path)[3]["history"] == [1]
+    assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize("error", ["OSError", "SafetensorError"])
+def test_a_full_disk_during_training_is_one_line_and_keeps_the_checkpoints(
+        tmp_path: Path, run_inputs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], error: str) -> None:
+    """The writer fails on its third file (the first two: best and last at step 3), as the safetensors
+    writer reports ENOSPC, or as a plain OSError."""
+    import errno
+
+    import safetensors
+    import safetensors.numpy
+
+    real, calls = safetensors.numpy.save_file, []
+
+    def fill_the_disk(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise (OSError(errno.ENOSPC, "No space left on device") if error == "OSError" else
+                   safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                               'message: "No space left on device" })'))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", fill_the_disk)
+    data, config = run_inputs
+    assert train(tmp_path / "run", data, config, "--steps", "8") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "No space left on device" in err[-1] and "Traceback" not in err
+    assert "safetensors" in err[-1]
+    assert [h["step"] for h in load_state(tmp_path / "run" / "last.safetensors")[3]["history"]] == [1, 2, 3]
+    assert not list((tmp_path / "run").glob("*.partial"))
 
 
 def write_text(path: Path) -> Path:
