@@ -22,6 +22,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0
 LAYER_TENSOR_NAMES: dict[str, str] = {key: spec.name for key, spec in LAYER_TENSORS.items()}
 EMBED_TOKENS = MODEL_TENSORS["embed_tokens"].name
 FINAL_NORM = MODEL_TENSORS["norm"].name
+LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")      # the i of a decoder layer's tensor name
 LM_HEAD = MODEL_TENSORS["lm_head"].name
 
 
@@ -145,7 +147,17 @@ class Checkpoint:
         self.config = config
         self.tensors = _index_tensors(self.folder)
         self._maps: dict[Path, mmap.mmap] = {}
+        self._check_layer_count()
         self._check_against_config()
+
+    def _check_layer_count(self) -> None:
+        """config.json's layers must be the header's, checked before the tensors the config implies are
+        listed: a num_hidden_layers of 10^9 would list 11 x 10^9 names (and allocate a cache for them)."""
+        declared = 1 + max((int(match[1]) for name in self.tensors if (match := LAYER_INDEX.match(name))), default=-1)
+        if self.config.num_hidden_layers > declared:
+            missing = LAYER_TENSORS["input_layernorm"].name.format(i=declared)
+            raise QwenNPError(f"{self.folder / 'config.json'}: num_hidden_layers is {self.config.num_hidden_layers} but "
+                              f"the checkpoint's tensors hold {declared} layers (tensor {missing!r} is missing)")
 
     def _check_against_config(self) -> None:
         for name, shape in expected_tensors(self.config).items():

@@ -19,7 +19,7 @@ from typing import Callable, NoReturn, TextIO
 
 from . import __version__, evaluation, precision, runtime, serve, trainer
 from .batching import BatchGenerator, Request
-from .checkpoint import bundled_model_path, download, resolve_model_path
+from .checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, bundled_model_path, download, resolve_model_path
 from .config import Qwen3Config, load_config, preset
 from .errors import QwenNPError
 from .generate import (ChatSession, GenerationDefaults, GenerationStats, TokenEvent, context_budget, generate,
@@ -646,9 +646,18 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.preset:
         config, name = preset(args.preset), args.preset
     else:
-        config, name = load_config(_model_folder(args.model)), args.model or BUNDLED_NAME
+        config, name = _config_of(_model_folder(args.model)), args.model or BUNDLED_NAME
     print(inspect_command(config, args.tokens, args.json, name, args.context, args.batch_size))
     return 0
+
+
+def _config_of(folder: Path) -> Qwen3Config:
+    """config.json, checked against the weights' headers when the folder holds weights (inspect needs none,
+    but describing a config its own weights contradict would describe another model)."""
+    config = load_config(folder)
+    if (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file():
+        Checkpoint(folder, config)
+    return config
 
 
 def main(argv: list[str] | None = None, prog: str = "qwen-np") -> int:

@@ -28,7 +28,7 @@ import numpy as np
 
 from . import evaluation, training
 from .checkpoint import LAYER_TENSOR_NAMES, expected_tensors, save_checkpoint, write_atomically
-from .config import Qwen3Config
+from .config import Qwen3Config, parameter_count
 from .data import END_OF_TEXT_ID
 from .errors import QwenNPError
 from .generate import peak_rss_bytes
@@ -210,7 +210,7 @@ def memory_estimate(config: Qwen3Config, rows: int, context: int) -> dict[str, i
     """
     D, F, H, KVH, Dh, V = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                            config.num_key_value_heads, config.head_dim, config.vocab_size)
-    params = sum(math.prod(shape) for shape in expected_tensors(config).values())
+    params = parameter_count(config)
     per_layer = 4 * D + 3 * H * Dh + 3 * KVH * Dh + H * context + 2 * F
     per_token = 4 * (config.num_hidden_layers * per_layer + 2 * D + 3 * V)
     return {"weights": 4 * params, "gradients": 4 * params, "adamw": 8 * params,

@@ -200,6 +200,28 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected: str) ->
     assert not (ROOT / "out.png").exists()
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve", "--port", "0"], ["inspect"]])
+def test_a_config_with_more_layers_than_its_weights_is_one_line_before_anything_grows(env, tmp_path, command) -> None:
+    """num_hidden_layers 10^9 against a 2-layer checkpoint, under a 4 GiB address-space limit: refused by
+    name, where listing the tensors it implies would take without bound."""
+    import json
+    import resource
+
+    folder = tmp_path / "huge"
+    folder.mkdir()
+    for name in ("generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).symlink_to(QWEN3_RANDOM / name)
+    config = json.loads((QWEN3_RANDOM / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10 ** 9}))
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 2 ** 30, 4 * 2 ** 30))
+
+    result = subprocess.run([sys.executable, "-m", "qwen_np", *command, "--model", str(folder)], cwd=ROOT, env=env,
+                            capture_output=True, timeout=60, preexec_fn=limit_memory)
+    assert_one_error_line(result, "config.json: num_hidden_layers is 1000000000 but the checkpoint's tensors hold 2")
+
+
 def test_inspect_reads_only_the_config(env) -> None:
     result = qwen(env, "inspect", "--preset", "qwen3-8b", "--json")
     assert result.returncode == 0, result.stderr.decode()
