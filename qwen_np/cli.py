@@ -17,11 +17,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, NoReturn, TextIO
 
+import numpy as np
+
 from . import __version__, evaluation, precision, runtime, serve, trainer
 from .batching import BatchGenerator, Request
 from .checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, bundled_model_path, download, resolve_model_path
 from .config import Qwen3Config, load_config, preset
 from .errors import QwenNPError
+from .finite import check_weights_finite
 from .generate import (ChatSession, GenerationDefaults, GenerationStats, TokenEvent, context_budget, generate,
                        prompt_ids, read_generation_defaults, resolve_sampling)
 from .loading import load_model
@@ -437,6 +440,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 replies[0].add(event, None if args.json else writer)
             replies[0].prefill_seconds, replies[0].decode_seconds = stats.prefill_seconds, stats.decode_seconds
         else:
+            check_weights_finite(model)      # generate() checks every step's logits; the batch does not
             replies = _generate_batch(model, opened, ids, params, max_new_tokens, args, writer, stats)
     except KeyboardInterrupt:
         stats.finish_reason = "interrupted"
@@ -669,7 +673,10 @@ def main(argv: list[str] | None = None, prog: str = "qwen-np") -> int:
                 print(f"warning: --threads {args.threads} is more than the {runtime.usable_cores()} cores this "
                       "process may use; extra threads only wait for a core (and slow the others down)", file=sys.stderr)
             runtime.set_threads(args.threads)
-        return args.run(args)
+        # Logits that are not finite are stopped and the layer named (finite.py): NumPy's warnings about
+        # the NaN and Inf on the way would only add lines, with a source line in them.
+        with np.errstate(all="ignore"):
+            return args.run(args)
     except QwenNPError as exc:
         return _fail(str(exc))
     except BrokenPipeError:   # the reader left (e.g. `| head`): nothing to report, nothing more to write

@@ -44,6 +44,7 @@ from .batching import BatchGenerator, BatchRunner, Request, Row
 from .checkpoint import resolve_model_path
 from .config import load_config
 from .errors import QwenNPError
+from .finite import check_weights_finite
 from .generate import GenerationDefaults, TokenEvent, read_generation_defaults, resolve_sampling
 from .loading import load_model
 from .memory import DEFAULT_CONTEXT, MODES
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         raise QwenNPError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror})") from None
     model = load_model(folder, memory=args.memory, max_tokens=context)
+    check_weights_finite(model)
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=args.max_batch,
                                context=context)
     service = Service(args.model, tokenizer, defaults, BatchRunner(generator), context)

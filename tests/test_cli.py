@@ -222,6 +222,42 @@ def test_a_config_with_more_layers_than_its_weights_is_one_line_before_anything_
     assert_one_error_line(result, "config.json: num_hidden_layers is 1000000000 but the checkpoint's tensors hold 2")
 
 
+def poisoned_checkpoint(folder: Path, tensor: str, value: float) -> Path:
+    """The Qwen3 fixture with the first weight of `tensor` set to `value` (NaN or Inf)."""
+    import json
+
+    from qwen_np.checkpoint import Checkpoint, save_checkpoint
+    from qwen_np.config import load_config
+    from qwen_np.numerics import upcast
+
+    stored = Checkpoint(QWEN3_RANDOM, load_config(QWEN3_RANDOM))
+    tensors = {name: upcast(stored.read(name)) for name in stored.tensors}
+    tensors[tensor].flat[0] = value
+    save_checkpoint(folder, json.loads((QWEN3_RANDOM / "config.json").read_text()), [tensors])
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).symlink_to(QWEN3_RANDOM / name)
+    return folder
+
+
+NON_FINITE = {
+    "greedy generate": ["generate", "--temperature", "0", "hello"],
+    "sampled generate": ["generate", "--seed", "1", "hello"],
+    "a batch": ["generate", "-p", "hello", "-p", "there"],
+    "eval": ["eval", "--text", str(ROOT / "LICENSE")],
+    "serve": ["serve", "--port", "0"],
+}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("command", NON_FINITE.values(), ids=NON_FINITE.keys())
+def test_weights_holding_nan_or_inf_are_one_line_naming_the_first_layer_that_is_not_finite(
+        env, tmp_path, command, value) -> None:
+    folder = poisoned_checkpoint(tmp_path / "poisoned", "model.layers.1.mlp.down_proj.weight", value)
+    result = qwen(env, *command, "--model", str(folder))
+    assert_one_error_line(result, "not finite (NaN or Inf): model.layers.1 is the first layer whose output is not "
+                                  "(first at model.layers.1.mlp.down_proj)")
+
+
 def test_inspect_reads_only_the_config(env) -> None:
     result = qwen(env, "inspect", "--preset", "qwen3-8b", "--json")
     assert result.returncode == 0, result.stderr.decode()
