@@ -566,7 +566,9 @@ def run_chat(args: argparse.Namespace) -> int:
         if not opened.tokenizer.has_chat_template:
             raise QwenNPError("chat: this model has no chat template: use generate, which continues text")
         context = min(args.ctx_size or DEFAULT_CONTEXT, opened.config.max_position_embeddings)
-        session = ChatSession(_load_weights(opened, args, context), opened.tokenizer,
+        model = _load_weights(opened, args, context)
+        check_weights_finite(model)        # else every turn would end in the same error, and the chat go on
+        session = ChatSession(model, opened.tokenizer,
                               resolve_sampling(opened.defaults, args.think, **explicit),
                               eos_token_ids=opened.defaults.eos_token_ids, system=args.system,
                               enable_thinking=args.think, max_tokens=context)

@@ -243,6 +243,7 @@ NON_FINITE = {
     "greedy generate": ["generate", "--temperature", "0", "hello"],
     "sampled generate": ["generate", "--seed", "1", "hello"],
     "a batch": ["generate", "-p", "hello", "-p", "there"],
+    "chat": ["chat"],
     "eval": ["eval", "--text", str(ROOT / "LICENSE")],
     "serve": ["serve", "--port", "0"],
 }
