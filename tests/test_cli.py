@@ -2,8 +2,10 @@
 (no chat template) when nothing needs Qwen3's chat template, else on the random-weight Qwen3 fixture."""
 
 import io
+import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -204,9 +206,6 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected: str) ->
 def test_a_config_with_more_layers_than_its_weights_is_one_line_before_anything_grows(env, tmp_path, command) -> None:
     """num_hidden_layers 10^9 against a 2-layer checkpoint, under a 4 GiB address-space limit: refused by
     name, where listing the tensors it implies would take without bound."""
-    import json
-    import resource
-
     folder = tmp_path / "huge"
     folder.mkdir()
     for name in ("generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
@@ -224,8 +223,6 @@ def test_a_config_with_more_layers_than_its_weights_is_one_line_before_anything_
 
 def poisoned_checkpoint(folder: Path, tensor: str, value: float) -> Path:
     """The Qwen3 fixture with the first weight of `tensor` set to `value` (NaN or Inf)."""
-    import json
-
     from qwen_np.checkpoint import Checkpoint, save_checkpoint
     from qwen_np.config import load_config
     from qwen_np.numerics import upcast

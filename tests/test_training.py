@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -140,8 +143,6 @@ def test_a_full_disk_during_training_is_one_line_and_keeps_the_checkpoints(
         capsys: pytest.CaptureFixture[str], error: str) -> None:
     """The writer fails on its third file (the first two: best and last at step 3), as the safetensors
     writer reports ENOSPC, or as a plain OSError."""
-    import errno
-
     import safetensors
     import safetensors.numpy
 
@@ -311,9 +312,6 @@ def assert_same_run(ours: Path, theirs: Path) -> None:
 
 def stop_on_call(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, call: int) -> None:
     """Send this process a SIGTERM (`kill`) at the start of the call-th call of owner.name."""
-    import os
-    import signal
-
     real, calls = getattr(owner, name), []
 
     def stopping(*args: object, **kwargs: object) -> object:
@@ -364,8 +362,6 @@ def test_the_gradient_depends_on_the_shards_not_on_the_thread_count() -> None:
 
 
 def test_training_puts_the_previous_signal_handlers_back(tmp_path: Path, run_inputs: tuple[Path, Path]) -> None:
-    import signal
-
     def ours(signum: int, frame: object) -> None:
         """A handler of the caller's own, which training must give back."""
 
