@@ -22,15 +22,16 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
 
-from .config import Qwen3Config, expected_tensors
+from .config import LAYER_TENSORS, Qwen3Config, expected_tensors
 from .errors import QwenNPError
 from .numerics import STORAGE_DTYPES
 
@@ -43,6 +44,9 @@ KNOWN_DTYPES = {"BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F4", "F6_E
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
                "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "C64": 8, "F64": 8,
                "I64": 8, "U64": 8}
+
+
+LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")      # the i of a decoder layer's tensor name
 
 
 # --- Reading safetensors -------------------------------------------------------------------------
@@ -73,7 +77,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as bad:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as bad:     # RecursionError: [[[[...
         raise QwenNPError(f"{path}: header is not valid UTF-8 JSON ({bad})") from None
     if not isinstance(header, dict):
         raise QwenNPError(f"{path}: header is not a JSON object")
@@ -136,7 +140,17 @@ class Checkpoint:
         self.config = config
         self.tensors = _index_tensors(self.folder)
         self._maps: dict[Path, mmap.mmap] = {}
+        self._check_layer_count()
         self._check_against_config()
+
+    def _check_layer_count(self) -> None:
+        """config.json's layers must be the header's, checked before the tensors the config implies are
+        listed: a num_hidden_layers of 10^9 would list 11 x 10^9 names (and allocate a cache for them)."""
+        declared = 1 + max((int(match[1]) for name in self.tensors if (match := LAYER_INDEX.match(name))), default=-1)
+        if self.config.num_hidden_layers > declared:
+            missing = LAYER_TENSORS["input_layernorm"].name.format(i=declared)
+            raise QwenNPError(f"{self.folder / 'config.json'}: num_hidden_layers is {self.config.num_hidden_layers} but "
+                              f"the checkpoint's tensors hold {declared} layers (tensor {missing!r} is missing)")
 
     def _check_against_config(self) -> None:
         for name, shape in expected_tensors(self.config).items():
@@ -197,7 +211,7 @@ def _sharded_tensors(index_path: Path) -> dict[str, TensorInfo]:
         weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as bad:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as bad:
         raise QwenNPError(f"{index_path}: not a valid safetensors index ({bad!r})") from None
     tensors: dict[str, TensorInfo] = {}
     headers: dict[str, dict[str, TensorInfo]] = {}
@@ -231,9 +245,23 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype:
     target = WRITE_DTYPES[dtype]
     stored = {name: np.ascontiguousarray(value if value.dtype == target else value.astype(np.float32).astype(target))
               for name, value in ((name, np.asarray(value)) for name, value in tensors.items())}
+    write_atomically(path, lambda tmp: save_file(stored, tmp, metadata={"format": "pt"}))
+
+
+def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
+    """write(a temporary name), then rename it to `path`: os.replace is atomic, so a crash or a full disk
+    leaves the previous file or the new one, never half of one. A failed write (the safetensors writer
+    reports a full disk as its own error, not an OSError) is a QwenNPError naming the file."""
+    from safetensors import SafetensorError
+
     tmp = Path(f"{path}.partial")
-    save_file(stored, tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)   # never leave a half-written checkpoint under the real name
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as bad:
+        tmp.unlink(missing_ok=True)
+        reason = bad.strerror if isinstance(bad, OSError) and bad.strerror else str(bad)
+        raise QwenNPError(f"{path}: could not be written ({reason}); the file it was to replace is left as it was") from None
 
 
 def save_checkpoint(folder: str | Path, config_json: Mapping[str, object],

@@ -17,12 +17,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn, TextIO
 
+import numpy as np
+
 from . import __version__, evaluation, precision, runtime, trainer
 from .commands import common, hardware, serve
 from .batching import BatchGenerator, Request
-from .checkpoint import download
+from .checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, download
 from .config import Qwen3Config, load_config, preset
 from .errors import QwenNPError
+from .finite import check_weights_finite
 from .generate import (ChatSession, GenerationDefaults, GenerationStats, TokenEvent, context_budget, generate,
                        prompt_ids, read_generation_defaults, resolve_sampling)
 from .loading import load_model
@@ -241,9 +244,15 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _read_stdin() -> str:
+    """All of stdin, decoded as UTF-8 whatever the locale (the text wrapper of a C locale would let
+    bad bytes through as surrogates, which the tokenizer cannot encode)."""
     if sys.stdin.isatty():
         print("reading the prompt from stdin; end it with Ctrl-D", file=sys.stderr)
-    return sys.stdin.read().removesuffix("\n")
+    raw = sys.stdin.buffer.read()
+    try:
+        return raw.decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError as bad:
+        raise QwenNPError(f"stdin: not UTF-8 text (byte {raw[bad.start]:#04x} at offset {bad.start})") from None
 
 
 def _parse_attention(spec: str, config: Qwen3Config) -> tuple[int, int]:
@@ -394,6 +403,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 replies[0].add(event, None if args.json else writer)
             replies[0].prefill_seconds, replies[0].decode_seconds = stats.prefill_seconds, stats.decode_seconds
         else:
+            check_weights_finite(model)      # generate() checks every step's logits; the batch does not
             replies = _generate_batch(model, opened, ids, params, max_new_tokens, args, writer, stats)
     except KeyboardInterrupt:
         stats.finish_reason = "interrupted"
@@ -521,7 +531,9 @@ def run_chat(args: argparse.Namespace) -> int:
         if not opened.tokenizer.has_chat_template:
             raise QwenNPError("chat: this model has no chat template: use generate, which continues text")
         context = min(args.ctx_size or DEFAULT_CONTEXT, opened.config.max_position_embeddings)
-        session = ChatSession(_load_weights(opened, args, context), opened.tokenizer,
+        model = _load_weights(opened, args, context)
+        check_weights_finite(model)        # else every turn would end in the same error, and the chat go on
+        session = ChatSession(model, opened.tokenizer,
                               resolve_sampling(opened.defaults, args.think, **explicit),
                               eos_token_ids=opened.defaults.eos_token_ids, system=args.system,
                               enable_thinking=args.think, max_tokens=context)
@@ -605,9 +617,18 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.preset:
         config, name = preset(args.preset), args.preset
     else:
-        config, name = load_config(common.model_folder(args.model)), args.model or common.BUNDLED_NAME
+        config, name = _config_of(common.model_folder(args.model)), args.model or common.BUNDLED_NAME
     print(inspect_command(config, args.tokens, args.json, name, args.context, args.batch_size))
     return 0
+
+
+def _config_of(folder: Path) -> Qwen3Config:
+    """config.json, checked against the weights' headers when the folder holds weights (inspect needs none,
+    but describing a config its own weights contradict would describe another model)."""
+    config = load_config(folder)
+    if (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file():
+        Checkpoint(folder, config)
+    return config
 
 
 def main(argv: list[str] | None = None, prog: str = "qwen-np") -> int:
@@ -619,7 +640,10 @@ def main(argv: list[str] | None = None, prog: str = "qwen-np") -> int:
                 print(f"warning: --threads {args.threads} is more than the {runtime.usable_cores()} cores this "
                       "process may use; extra threads only wait for a core (and slow the others down)", file=sys.stderr)
             runtime.set_threads(args.threads)
-        return args.run(args)
+        # Logits that are not finite are stopped and the layer named (finite.py): NumPy's warnings about
+        # the NaN and Inf on the way would only add lines, with a source line in them.
+        with np.errstate(all="ignore"):
+            return args.run(args)
     except QwenNPError as exc:
         return _fail(str(exc))
     except BrokenPipeError:   # the reader left (e.g. `| head`): nothing to report, nothing more to write

@@ -161,7 +161,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise QwenNPError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as bad:     # RecursionError: [[[[...
         raise QwenNPError(f"{path}: not valid JSON ({bad})") from None
     if not isinstance(raw, dict):
         raise QwenNPError(f"{path}: expected a JSON object")
@@ -279,6 +279,16 @@ def expected_tensors(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return {spec.name: tuple(resolve(spec.shape, dims)) for spec in specs}
 
 
+def tensor_shapes(config: Qwen3Config) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, how many tensors have it) for each entry of MODEL_TENSORS and LAYER_TENSORS: what counting
+    needs, without a name per layer (a config is counted before its layers are checked against a header)."""
+    dims = dimensions(config)
+    own = [MODEL_TENSORS["embed_tokens"], MODEL_TENSORS["norm"]] + ([] if config.tie_word_embeddings
+                                                                     else [MODEL_TENSORS["lm_head"]])
+    return ([(tuple(resolve(spec.shape, dims)), 1) for spec in own] +
+            [(tuple(resolve(spec.shape, dims)), config.num_hidden_layers) for spec in LAYER_TENSORS.values()])
+
+
 def parameter_count(config: Qwen3Config) -> int:
     """Parameters in the checkpoint (the LM head counted only when it is not tied to the embedding)."""
-    return sum(math.prod(shape) for shape in expected_tensors(config).values())
+    return sum(math.prod(shape) * count for shape, count in tensor_shapes(config))

@@ -117,6 +117,7 @@ def run(args: argparse.Namespace, model_folder: Callable[[str | None], Path]) ->
 
     from . import precision
     from .config import load_config
+    from .finite import check_finite
     from .loading import load_model
     from .tokenizer import Tokenizer
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace, model_folder: Callable[[str | None], Path]) ->
         precision.check_formats(args.compare, "--compare")
     folder = model_folder(args.model)
     config = load_config(folder)
-    context = args.context or min(config.max_position_embeddings, 1024)
+    context = min(config.max_position_embeddings, 1024) if args.context is None else args.context
     if not 1 <= context <= config.max_position_embeddings:
         raise QwenNPError(f"--context: must be between 1 and the model's {config.max_position_embeddings} "
                           f"positions, got {context}")
@@ -132,7 +133,8 @@ def run(args: argparse.Namespace, model_folder: Callable[[str | None], Path]) ->
     docs, characters = encoded_documents(Tokenizer.from_folder(folder), text)
     model = load_model(folder, memory=args.memory, max_tokens=context)
     with tqdm(total=sum(len(d) - 1 for d in docs), unit="tok", file=sys.stderr, disable=None, leave=False) as bar:
-        result = score_text(model.forward, docs, characters, context, bar.update).summary()
+        result = score_text(lambda ids: check_finite(model, ids, model.forward(ids)), docs, characters, context,
+                            bar.update).summary()
     result.update(model=str(args.model or folder), text=text_name, context=context)
     if args.json and not args.compare:
         print(json.dumps(result))

@@ -29,6 +29,7 @@ import numpy as np
 
 from .config import Qwen3Config, id_list, read_json_object
 from .errors import QwenNPError
+from .finite import check_finite
 from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .model import KVCache, Qwen3Model, Trace
 from .sampling import SamplingParams, next_token
@@ -188,7 +189,7 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     stats.cached_tokens, stats.prompt_tokens = cache.length, len(prompt) - cache.length
 
     started = time.perf_counter()
-    logits = _prefill(model, prompt[cache.length:], cache, trace)                      # [V]
+    logits = check_finite(model, prompt, _prefill(model, prompt[cache.length:], cache, trace))   # [V]
     stats.prefill_seconds = time.perf_counter() - started
     if max_new_tokens == 0:
         stats.finish_reason = "length"
@@ -206,6 +207,7 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
             return
         started = time.perf_counter()
         logits = model.forward([event.token_id], cache, trace if len(sequence.generated) == 1 else None)[-1]
+        check_finite(model, sequence.sequence, logits)
         stats.decode_seconds += time.perf_counter() - started
 
 

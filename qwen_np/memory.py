@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Qwen3Config, expected_tensors, parameter_count
+from .config import Qwen3Config, parameter_count, tensor_shapes
 from .errors import QwenNPError
 from .formats import storage_bytes
 
@@ -116,8 +116,8 @@ def candidate_plans(config: Qwen3Config, max_tokens: int, stored_bytes_per_value
 
 def weight_bytes(config: Qwen3Config, fmt: str) -> int:
     """Bytes of a model's weights with every matrix in `fmt` (its scales included) and the norms in FP32."""
-    return sum(storage_bytes(shape, fmt) if len(shape) == 2 else 4 * shape[0]
-               for shape in expected_tensors(config).values())
+    return sum((storage_bytes(shape, fmt) if len(shape) == 2 else 4 * shape[0]) * count
+               for shape, count in tensor_shapes(config))
 
 
 def int8_weight_bytes(config: Qwen3Config) -> int:

@@ -52,6 +52,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from .batching import BatchGenerator, BatchRunner, Request, Row
 from .config import load_config
 from .errors import QwenNPError
+from .finite import check_weights_finite
 from .generate import GenerationDefaults, TokenEvent, read_generation_defaults, resolve_sampling
 from .loading import load_model
 from .memory import DEFAULT_CONTEXT
@@ -101,6 +102,7 @@ def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = 
     context = min(context, config.max_position_embeddings)
     tokenizer, defaults = Tokenizer.from_folder(folder), read_generation_defaults(folder, config)
     model = load_model(folder, memory=memory, max_tokens=context)
+    check_weights_finite(model)                  # NaN/Inf weights: one line naming the layer, before listening
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
                                context=context)
     service = Service(name, tokenizer, defaults, BatchRunner(generator), context,

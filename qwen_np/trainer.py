@@ -15,19 +15,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
+import shutil
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from . import evaluation, training
-from .checkpoint import save_checkpoint
-from .config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors
+from .checkpoint import save_checkpoint, write_atomically
+from .config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors, parameter_count
 from .data import END_OF_TEXT_ID
 from .errors import QwenNPError
 from .generate import peak_rss_bytes
@@ -67,7 +68,9 @@ class Settings:
     seed: int = 0
     eval_every: int = 250
     patience: int = 0             # stop after this many evaluations without improvement (0: never)
-    threads: int = 0              # a step's rows split over this many threads at once (0: one per core)
+    threads: int = 0              # shards computed at once (0: one per core); the result does not depend on it
+    shards: int = 0               # a micro-batch's rows cut into this many pieces, summed in order: the result
+                                  # depends on it (0: as many as divide the rows and --threads, fixed at the start)
 
     @property
     def schedule_steps(self) -> int:
@@ -153,7 +156,7 @@ def hf_config(model_config: dict[str, Any]) -> dict[str, Any]:
 def save_state(path: Path, params: dict[str, np.ndarray], optimizer: training.AdamW, meta: dict[str, Any]) -> None:
     """Weights, AdamW moments and the run's state (JSON in the safetensors header) in one file.
 
-    Written to a temporary name and renamed: os.replace is atomic, so a crash leaves the previous
+    Written atomically (checkpoint.write_atomically): a crash or a full disk leaves the previous
     checkpoint or the new one, never half of one.
     """
     from safetensors.numpy import save_file
@@ -162,9 +165,7 @@ def save_state(path: Path, params: dict[str, np.ndarray], optimizer: training.Ad
     tensors.update({f"adam_m/{n}": m for n, m in optimizer.m.items()})
     tensors.update({f"adam_v/{n}": v for n, v in optimizer.v.items()})
     meta = {**meta, "optimizer_step": optimizer.step}
-    tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp), metadata={"qwen_np_training": json.dumps(meta)})
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"qwen_np_training": json.dumps(meta)}))
 
 
 def load_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
@@ -180,7 +181,7 @@ def load_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]
             for key in f.keys():
                 group, name = key.split("/", 1)
                 groups[group][name] = f.get_tensor(key)
-    except (KeyError, ValueError, OSError) as bad:
+    except (KeyError, ValueError, RecursionError, OSError) as bad:
         raise QwenNPError(f"{path}: not a qwen_np training checkpoint ({bad})") from None
     return groups["param"], groups["adam_m"], groups["adam_v"], meta
 
@@ -209,7 +210,7 @@ def memory_estimate(config: Qwen3Config, rows: int, context: int) -> dict[str, i
     """
     D, F, H, KVH, Dh, V = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                            config.num_key_value_heads, config.head_dim, config.vocab_size)
-    params = sum(math.prod(shape) for shape in expected_tensors(config).values())
+    params = parameter_count(config)
     per_layer = 4 * D + 3 * H * Dh + 3 * KVH * Dh + H * context + 2 * F
     per_token = 4 * (config.num_hidden_layers * per_layer + 2 * D + 3 * V)
     return {"weights": 4 * params, "gradients": 4 * params, "adamw": 8 * params,
@@ -277,7 +278,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default="shakespeare", metavar="shakespeare|FILE",
                         help="Shakespeare's plays (fixed by-play splits) or a UTF-8 text file (last 5%% of lines validate)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(PRESET_CONFIGS), help="model and run defaults (default: shakespeare)")
+    source.add_argument("--preset", choices=sorted(PRESET_CONFIGS),
+                        help="model and run defaults: tiny trains in seconds, shakespeare (the bundled model) takes "
+                             "about 50 minutes on 2 cores (a new run needs --preset or --config)")
     source.add_argument("--config", type=Path, metavar="JSON", help="a Qwen3 config.json to train from scratch")
     for flag in fields(Settings):
         name = "--" + flag.name.replace("_", "-")
@@ -299,13 +302,33 @@ def resolve_settings(args: argparse.Namespace, preset: str | None, saved: dict[s
         raise QwenNPError(f"--grad-accum: {settings.grad_accum} does not divide --batch-size {settings.batch_size}")
     if not settings.lr > 0:
         raise QwenNPError(f"--lr: must be positive, got {settings.lr}")
+    rows = settings.batch_size // settings.grad_accum
+    if not settings.shards:      # chosen once and saved: a resumed run keeps it whatever its --threads
+        settings.shards = math.gcd(rows, settings.threads or usable_cores())
+    if settings.shards < 0 or rows % settings.shards:
+        raise QwenNPError(f"--shards: {settings.shards} does not divide the {rows} rows of a micro-batch")
     return settings
 
 
+LAST, BEST = "last.safetensors", "best.safetensors"
+
+
 def run(args: argparse.Namespace) -> int:
-    """The train command."""
-    out: Path = args.out
-    last, best = out / "last.safetensors", out / "best.safetensors"
+    """The train command. A run that fails before its first checkpoint leaves no --out folder behind."""
+    if not args.resume and args.preset is None and args.config is None:
+        raise QwenNPError("--preset or --config: say what to train (--preset tiny: seconds; --preset shakespeare, "
+                          "the bundled model: about 50 minutes on 2 cores)")
+    created = not args.out.exists()
+    try:
+        return _run(args, args.out)
+    except BaseException:
+        if created and not (args.out / LAST).exists():     # nothing to resume: nothing to keep
+            shutil.rmtree(args.out, ignore_errors=True)
+        raise
+
+
+def _run(args: argparse.Namespace, out: Path) -> int:
+    last, best = out / LAST, out / BEST
     if args.resume:
         params, adam_m, adam_v, meta = load_state(last)
         config_json = meta["config"]
@@ -314,9 +337,9 @@ def run(args: argparse.Namespace) -> int:
             settings.decay_steps = 0                     # the schedule stretches to the new --steps
     else:
         if last.exists():
-            raise QwenNPError(f"--out: {out} already holds a run (last.safetensors); pass --resume or another folder")
+            raise QwenNPError(f"--out: {out} already holds a run ({LAST}); pass --resume or another folder")
         config_json = hf_config(_model_config(args))
-        settings = resolve_settings(args, args.preset or ("shakespeare" if args.config is None else None), None)
+        settings = resolve_settings(args, args.preset, None)
         meta = {"history": [], "evals": [], "best_loss": None, "bad_evals": 0,
                 "order": {"epoch": 0, "position": 0}, "data": args.data}
     config = Qwen3Config.from_dict(config_json, source="--config")
@@ -342,78 +365,127 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"training {sum(p.size for p in params.values()):,} parameters on {len(corpus.train):,} tokens "
           f"({settings.batch_size}x{settings.context} tokens a step) -> {out}", file=sys.stderr)
-    step = len(meta["history"])
-    stopped = ""
-    # `kill` (SIGTERM) stops a run like Ctrl-C: checkpoint first. (A background job started by a
-    # script never sees SIGINT: the shell ignores it there.)
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        step, stopped = _loop(model, params, optimizer, order, corpus, settings, meta, step,
-                              lambda kind: checkpoint(out / f"{kind}.safetensors"))
+        with Stops() as stops:
+            stopped = _loop(model, params, optimizer, order, corpus, settings, meta, stops,
+                            lambda kind: checkpoint(out / f"{kind}.safetensors"))
+            # The loop ends on an evaluation it has saved (the last step always evaluates), so best
+            # and last hold it; a stop from here on re-exports on resuming.
+            exported = export_model(out / "model", config_json, load_state(best)[0], out)
     except KeyboardInterrupt:
         checkpoint(last)
         print(f"\ninterrupted at step {len(meta['history'])}: saved {last}; continue with --resume", file=sys.stderr)
         return 130
-    checkpoint(last)
-    if not best.exists():
-        checkpoint(best)
-    best_params = load_state(best)[0]
-    exported = export_model(out / "model", config_json, best_params, out)
     _plot(meta, out / "loss.png")
-    print(f"{stopped or 'done'} at step {step}; best validation loss {meta['best_loss']:.4f} per token "
-          f"({meta['evals'][-1]['nats_per_character'] if meta['evals'] else float('nan'):.4f} nats/char last); "
-          f"exported {exported}", file=sys.stderr)
+    print(f"{stopped or 'done'} at step {len(meta['history'])}; best validation loss {meta['best_loss']:.4f} per token "
+          f"({meta['evals'][-1]['nats_per_character']:.4f} nats/char last); exported {exported}", file=sys.stderr)
     print("memory:\n" + memory_report(estimate, baseline), file=sys.stderr)
     return 0
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+class Stops:
+    """Ctrl-C (SIGINT) and `kill` (SIGTERM) stop a run as KeyboardInterrupt, except inside `held()`: there
+    a stop waits for the block's end, so the state a checkpoint saves never holds half an optimizer step
+    or half an evaluation's record. (A background job started by a script never sees SIGINT: the shell
+    ignores it there; hence SIGTERM too.) Leaving puts the previous handlers back."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.holding = self.pending = False
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "Stops":
+        self.previous = {number: signal.signal(number, self._stop) for number in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+
+    def _stop(self, signum: int, frame: object) -> None:
+        if not self.holding:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.pending:
+            raise KeyboardInterrupt
 
 
 def _model_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.config is not None:
         from .config import read_json_object
         return read_json_object(args.config)
-    return dict(PRESET_CONFIGS[args.preset or "shakespeare"])
+    return dict(PRESET_CONFIGS[args.preset])
 
 
 def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW, order: WindowOrder,
-          corpus: Corpus, settings: Settings, meta: dict[str, Any], step: int,
-          save: Callable[[str], None]) -> tuple[int, str]:
-    """Optimizer steps from `step` to settings.steps, with evaluation, best-keeping and early stopping."""
+          corpus: Corpus, settings: Settings, meta: dict[str, Any], stops: Stops,
+          save: Callable[[str], None]) -> str:
+    """Optimizer steps up to settings.steps, with evaluation, best-keeping and early stopping; returns
+    why it stopped early ("" if it did not).
+
+    Each round first evaluates the step just taken if that is due and not yet recorded: a run stopped
+    during an evaluation saved the step without it, and runs it on resuming, as the unstopped run did.
+    """
     from tqdm import tqdm
 
-    bar = tqdm(total=settings.steps, initial=step, unit="step", file=sys.stderr, dynamic_ncols=True)
-    tokens_per_step = settings.batch_size * settings.context
+    bar = tqdm(total=settings.steps, initial=len(meta["history"]), unit="step", file=sys.stderr, dynamic_ncols=True)
     with bar, steady_threads():      # every step and evaluation repeats bit for bit on a resumed run
-        while step < settings.steps:
-            started = time.perf_counter()
-            lr = training.learning_rate(step, settings.lr, settings.warmup, settings.schedule_steps)
-            batch = order.next_batch(corpus.train, settings.batch_size)              # [B, T+1]
-            loss, grads = training.loss_and_accumulated_gradients(model, batch, settings.grad_accum,
-                                                                  settings.threads or usable_cores())
-            norm = training.clip_gradients(grads, settings.clip)
-            optimizer.update(params, grads, lr)
-            step += 1
-            rate = tokens_per_step / (time.perf_counter() - started)
-            meta["history"].append({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": rate})
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}", epoch=order.epoch, refresh=False)
-            bar.update(1)
-            if step % settings.eval_every == 0 or step == settings.steps:
+        while True:
+            step = len(meta["history"])
+            if step and (step % settings.eval_every == 0 or step >= settings.steps) and \
+                    not (meta["evals"] and meta["evals"][-1]["step"] == step):
                 result = validate(model, corpus, settings.context)
-                meta["evals"].append({"step": step, **result})
-                improved = meta["best_loss"] is None or result["loss_per_token"] < meta["best_loss"]
-                meta["bad_evals"] = 0 if improved else meta["bad_evals"] + 1
-                if improved:
-                    meta["best_loss"] = result["loss_per_token"]
-                    save("best")
-                save("last")
-                bar.write(f"step {step}: train {loss:.4f}, validation {result['loss_per_token']:.4f} per token, "
-                          f"{result['nats_per_character']:.4f} nats/char{' (best)' if improved else ''}")
-                if settings.patience and meta["bad_evals"] >= settings.patience:
-                    return step, f"early stop ({settings.patience} evaluations without improvement)"
-    return step, ""
+                with stops.held():
+                    improved = _record_evaluation(meta, step, result)
+                    if improved:
+                        save("best")
+                    save("last")
+                bar.write(f"step {step}: train {meta['history'][-1]['loss']:.4f}, validation "
+                          f"{result['loss_per_token']:.4f} per token, {result['nats_per_character']:.4f} "
+                          f"nats/char{' (best)' if improved else ''}")
+            if settings.patience and meta["bad_evals"] >= settings.patience:
+                return f"early stop ({settings.patience} evaluations without improvement)"
+            if step >= settings.steps:
+                return ""
+            with stops.held():          # half an update could not be resumed: a stop waits for the step's end
+                record = _train_step(model, params, optimizer, order, corpus, settings, step)
+                meta["history"].append(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", epoch=order.epoch,
+                            refresh=False)
+            bar.update(1)
+
+
+def _train_step(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW, order: WindowOrder,
+                corpus: Corpus, settings: Settings, step: int) -> dict[str, Any]:
+    """One optimizer step (the step-th, from 0); returns its record for the history."""
+    started = time.perf_counter()
+    lr = training.learning_rate(step, settings.lr, settings.warmup, settings.schedule_steps)
+    batch = order.next_batch(corpus.train, settings.batch_size)              # [B, T+1]
+    loss, grads = training.loss_and_accumulated_gradients(model, batch, settings.grad_accum,
+                                                          settings.threads or usable_cores(), settings.shards)
+    norm = training.clip_gradients(grads, settings.clip)
+    optimizer.update(params, grads, lr)
+    rate = settings.batch_size * settings.context / (time.perf_counter() - started)
+    return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": rate}
+
+
+def _record_evaluation(meta: dict[str, Any], step: int, result: dict[str, Any]) -> bool:
+    """Add an evaluation to the run's state; returns whether it is the best so far."""
+    meta["evals"].append({"step": step, **result})
+    improved = meta["best_loss"] is None or result["loss_per_token"] < meta["best_loss"]
+    meta["bad_evals"] = 0 if improved else meta["bad_evals"] + 1
+    if improved:
+        meta["best_loss"] = result["loss_per_token"]
+    return improved
 
 
 def validate(model: Qwen3Model, corpus: Corpus, context: int) -> dict[str, Any]:

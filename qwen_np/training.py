@@ -71,58 +71,66 @@ def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
 
 
 def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_batches: int,
-                                   threads: int = 1, recompute: bool = False) -> tuple[float, dict[str, np.ndarray]]:
+                                   threads: int = 1, shards: int | None = None,
+                                   recompute: bool = False) -> tuple[float, dict[str, np.ndarray]]:
     """Gradient accumulation: the batch's loss and gradient from `micro_batches` equal slices of its rows.
 
     Each slice's mean loss and gradient are averaged, which equals the whole batch's mean (equal-sized
     slices); only one slice's activations are alive at a time, so memory drops by the same factor.
-    threads > 1 is the fast path: each slice is cut again into one piece per thread (as many as divide
-    its rows), computed at the same time with BLAS single-threaded; the result is the same mean.
+    Each slice is cut again into `shards` equal pieces (default: as many as divide its rows and
+    `threads`), computed `threads` at a time with BLAS single-threaded and summed in shard order: the
+    result is the same mean, and bit for bit the same for any thread count (it depends on `shards`).
     """
     B = batch.shape[0]
     if micro_batches < 1 or B % micro_batches:
         raise QwenNPError(f"--grad-accum: {micro_batches} does not divide the batch size {B}")
     rows = B // micro_batches
-    pieces = math.gcd(rows, max(1, threads))
+    shards = math.gcd(rows, max(1, threads)) if shards is None else shards
+    if shards < 1 or rows % shards:
+        raise QwenNPError(f"--shards: {shards} does not divide the {rows} rows of a micro-batch")
     total_loss, total = 0.0, dict[str, np.ndarray]()
     for start in range(0, B, rows):
-        if pieces == 1:
-            loss, grads = loss_and_gradients(model, batch[start:start + rows], recompute)
-        else:
-            loss, grads = _loss_and_gradients_in_threads(model, batch[start:start + rows], pieces, recompute)
+        loss, grads = _loss_and_gradients_in_shards(model, batch[start:start + rows], shards, threads, recompute)
         total_loss += loss / micro_batches
-        for name, g in grads.items():
+        for g in grads.values():
             g *= np.float32(1.0 / micro_batches)
-            if name in total:
-                total[name] += g
-            else:
-                total[name] = g
+        _add(total, grads)
     return total_loss, total
 
 
-def _loss_and_gradients_in_threads(model: Qwen3Model, batch: np.ndarray, pieces: int,
-                                   recompute: bool) -> tuple[float, dict[str, np.ndarray]]:
-    """loss_and_gradients of `pieces` equal row slices at once, one thread each, averaged.
+def _loss_and_gradients_in_shards(model: Qwen3Model, batch: np.ndarray, shards: int,
+                                  threads: int, recompute: bool) -> tuple[float, dict[str, np.ndarray]]:
+    """loss_and_gradients of `shards` equal row slices, up to `threads` at once, averaged in shard order.
 
-    Why: NumPy runs every elementwise pass (softmax, SiLU, norms, the cross-entropy) on one core, and
-    OpenBLAS's threads wait on each other between the many small attention products; one whole slice
-    per core keeps both cores busy. Measured in bench/README.md (training section).
+    Why threads: NumPy runs every elementwise pass (softmax, SiLU, norms, the cross-entropy) on one
+    core, and OpenBLAS's threads wait on each other between the many small attention products; one
+    whole slice per core keeps both cores busy. Measured in bench/README.md (training section).
+    Why BLAS single-threaded even for one shard: a shard then sums in the same order whatever the
+    thread count, so a run resumed with another --threads continues the same run.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     from .runtime import single_threaded_blas
 
-    rows = batch.shape[0] // pieces
-    slices = [batch[i * rows:(i + 1) * rows] for i in range(pieces)]
-    with single_threaded_blas(), ThreadPoolExecutor(pieces) as pool:
-        results = list(pool.map(lambda part: loss_and_gradients(model, part, recompute), slices))
-    grads = results[0][1]
-    for _, other in results[1:]:
-        for name, g in other.items():
-            grads[name] += g
+    rows = batch.shape[0] // shards
+    slices = [batch[i * rows:(i + 1) * rows] for i in range(shards)]
+    loss, grads = 0.0, dict[str, np.ndarray]()
+    with single_threaded_blas(), ThreadPoolExecutor(max(1, min(shards, threads))) as pool:
+        for part_loss, part in pool.map(lambda part: loss_and_gradients(model, part, recompute), slices):   # in order
+            loss += part_loss
+            _add(grads, part)
     for g in grads.values():
-        g *= np.float32(1.0 / pieces)
-    return sum(loss for loss, _ in results) / pieces, grads
+        g *= np.float32(1.0 / shards)
+    return loss / shards, grads
+
+
+def _add(total: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+    """total += grads, name by name (the first arrays are taken over, not copied)."""
+    for name, g in grads.items():
+        if name in total:
+            total[name] += g
+        else:
+            total[name] = g
 
 
 def global_norm(grads: dict[str, np.ndarray]) -> float:

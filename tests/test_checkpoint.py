@@ -70,6 +70,8 @@ BROKEN_FILES = {
                                                      "data_offsets": [8, 16]}}, bytes(16)), "overlaps"),
     "truncated data": (lambda p: _write_raw(p, _valid_header()[0], bytes(23)), "truncated"),
     "trailing bytes": (lambda p: _write_raw(p, _valid_header()[0], bytes(32)), "data buffer holds 32"),
+    "header nested too deeply": (lambda p: p.write_bytes(struct.pack("<Q", 100_000) + b"[" * 100_000),
+                                 "not valid UTF-8 JSON"),
 }
 
 
@@ -143,6 +145,13 @@ def test_missing_config_is_reported(make_checkpoint):
 def test_config_not_json_is_reported(make_checkpoint):
     folder = make_checkpoint()
     (folder / "config.json").write_text("{'model_type': qwen3")
+    with pytest.raises(QwenNPError, match="config.json: not valid JSON"):
+        load_model(folder)
+
+
+def test_config_nested_too_deeply_is_reported_not_a_recursion_error(make_checkpoint):
+    folder = make_checkpoint()
+    (folder / "config.json").write_text("[" * 100_000)
     with pytest.raises(QwenNPError, match="config.json: not valid JSON"):
         load_model(folder)
 

@@ -2,8 +2,10 @@
 (no chat template) when nothing needs Qwen3's chat template, else on the random-weight Qwen3 fixture."""
 
 import io
+import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -28,9 +30,10 @@ def env(tmp_path_factory) -> dict[str, str]:
             "PYTHONPATH": str(ROOT)}
 
 
-def qwen(env, *args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+def qwen(env, *args: str, stdin: str | bytes | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    data = stdin.encode() if isinstance(stdin, str) else stdin
     return subprocess.run([sys.executable, "-m", "qwen_np", *args], cwd=ROOT, env=env, capture_output=True,
-                          input=None if stdin is None else stdin.encode(), timeout=timeout)
+                          input=data, timeout=timeout)
 
 
 def stderr_lines(result: subprocess.CompletedProcess) -> list[str]:
@@ -169,6 +172,8 @@ BAD_INPUTS = {
     "chat without a chat template": (["chat"], "this model has no chat template: use generate, which continues text"),
     "system without a chat template": (["generate", "--system", "x", "ROMEO:"], "--system: this model has no chat "
                                                                                 "template"),
+    "eval with a zero context": (["eval", "--context", "0"], "--context: must be between 1"),
+    "eval with a negative context": (["eval", "--context", "-5"], "--context: must be between 1"),
 }
 
 
@@ -186,6 +191,13 @@ def test_a_penalty_that_overflows_the_logits_mid_run_ends_it_with_one_error_line
     assert len(lines) == 1 and lines[0].startswith("error: sampling: the next token's logits are not finite"), lines
 
 
+@pytest.mark.parametrize("command", [["generate", "-"], ["generate", "--file", "-"]])
+def test_a_prompt_on_stdin_that_is_not_utf8_is_one_line_naming_stdin(env, command) -> None:
+    for locale in ("C", "C.UTF-8"):        # the C locale's stdin would let the byte through as a surrogate
+        result = qwen({**env, "LC_ALL": locale}, *command, stdin=b"ROMEO\xff:")
+        assert_one_error_line(result, "stdin: not UTF-8 text (byte 0xff at offset 5)")
+
+
 @pytest.mark.parametrize("which, expected", [("no_tokenizer", "tokenizer.json not found"),
                                              ("garbage", "model.safetensors")])
 def test_broken_checkpoint_is_one_line_and_exit_code_2(env, broken_checkpoints, which, expected) -> None:
@@ -199,6 +211,60 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected: str) ->
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
     assert result.stdout == b""
     assert not (ROOT / "out.png").exists()
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve", "--port", "0"], ["inspect"]])
+def test_a_config_with_more_layers_than_its_weights_is_one_line_before_anything_grows(env, tmp_path, command) -> None:
+    """num_hidden_layers 10^9 against a 2-layer checkpoint, under a 4 GiB address-space limit: refused by
+    name, where listing the tensors it implies would take without bound."""
+    folder = tmp_path / "huge"
+    folder.mkdir()
+    for name in ("generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).symlink_to(QWEN3_RANDOM / name)
+    config = json.loads((QWEN3_RANDOM / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10 ** 9}))
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 2 ** 30, 4 * 2 ** 30))
+
+    result = subprocess.run([sys.executable, "-m", "qwen_np", *command, "--model", str(folder)], cwd=ROOT, env=env,
+                            capture_output=True, timeout=60, preexec_fn=limit_memory)
+    assert_one_error_line(result, "config.json: num_hidden_layers is 1000000000 but the checkpoint's tensors hold 2")
+
+
+def poisoned_checkpoint(folder: Path, tensor: str, value: float) -> Path:
+    """The Qwen3 fixture with the first weight of `tensor` set to `value` (NaN or Inf)."""
+    from qwen_np.checkpoint import Checkpoint, save_checkpoint
+    from qwen_np.config import load_config
+    from qwen_np.numerics import upcast
+
+    stored = Checkpoint(QWEN3_RANDOM, load_config(QWEN3_RANDOM))
+    tensors = {name: upcast(stored.read(name)) for name in stored.tensors}
+    tensors[tensor].flat[0] = value
+    save_checkpoint(folder, json.loads((QWEN3_RANDOM / "config.json").read_text()), [tensors])
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).symlink_to(QWEN3_RANDOM / name)
+    return folder
+
+
+NON_FINITE = {
+    "greedy generate": ["generate", "--temperature", "0", "hello"],
+    "sampled generate": ["generate", "--seed", "1", "hello"],
+    "a batch": ["generate", "-p", "hello", "-p", "there"],
+    "chat": ["chat"],
+    "eval": ["eval", "--text", str(ROOT / "LICENSE")],
+    "serve": ["serve", "--port", "0"],
+}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("command", NON_FINITE.values(), ids=NON_FINITE.keys())
+def test_weights_holding_nan_or_inf_are_one_line_naming_the_first_layer_that_is_not_finite(
+        env, tmp_path, command, value) -> None:
+    folder = poisoned_checkpoint(tmp_path / "poisoned", "model.layers.1.mlp.down_proj.weight", value)
+    result = qwen(env, *command, "--model", str(folder))
+    assert_one_error_line(result, "not finite (NaN or Inf): model.layers.1 is the first layer whose output is not "
+                                  "(first at model.layers.1.mlp.down_proj)")
 
 
 def test_inspect_reads_only_the_config(env) -> None:

@@ -240,3 +240,15 @@ def test_streamed_text_never_splits_a_character(model, tok) -> None:
     events = run(ScriptedModel(model.config, len(prompt), script), tok, prompt, n=len(script))
     assert [e.token_id for e in events] == script
     assert [e.text for e in events] == ["A", "", "", "𠀋", "", "龘", " z"]
+
+
+def test_the_start_check_passes_finite_weights_and_names_the_layer_of_a_nan(make_checkpoint) -> None:
+    """finite.check_weights_finite, what serve runs before it listens: one token through every layer."""
+    from qwen_np.finite import check_weights_finite
+
+    model = load_model(make_checkpoint(), memory="fp32")
+    check_weights_finite(model)
+    model.layers[0].q_proj[3, 5] = np.nan
+    with pytest.raises(QwenNPError, match=r"model\.layers\.0 is the first layer whose output is not \(first at "
+                                          r"model\.layers\.0\.self_attn\.q_proj\)"):
+        check_weights_finite(model)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -128,9 +131,39 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path, monkeypat
         raise OSError("disk full")
 
     monkeypatch.setattr(safetensors.numpy, "save_file", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(training.QwenNPError, match="disk full"):
         save_state(path, params, training.AdamW(), {"history": [1, 2]})
     assert load_state(path)[3]["history"] == [1]
+    assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize("error", ["OSError", "SafetensorError"])
+def test_a_full_disk_during_training_is_one_line_and_keeps_the_checkpoints(
+        tmp_path: Path, run_inputs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], error: str) -> None:
+    """The writer fails on its third file (the first two: best and last at step 3), as the safetensors
+    writer reports ENOSPC, or as a plain OSError."""
+    import safetensors
+    import safetensors.numpy
+
+    real, calls = safetensors.numpy.save_file, []
+
+    def fill_the_disk(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise (OSError(errno.ENOSPC, "No space left on device") if error == "OSError" else
+                   safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                               'message: "No space left on device" })'))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", fill_the_disk)
+    data, config = run_inputs
+    assert train(tmp_path / "run", data, config, "--steps", "8") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "No space left on device" in err[-1] and "Traceback" not in err
+    assert "safetensors" in err[-1]
+    assert [h["step"] for h in load_state(tmp_path / "run" / "last.safetensors")[3]["history"]] == [1, 2, 3]
+    assert not list((tmp_path / "run").glob("*.partial"))
 
 
 def write_text(path: Path) -> Path:
@@ -261,3 +294,99 @@ def test_recomputation_gives_the_same_bits_in_less_memory() -> None:
     assert loss == loss_again and grads.keys() == grads_again.keys()
     assert all(np.array_equal(grads[name], grads_again[name]) for name in grads)
     assert peaks[1] < peaks[0]
+
+
+def test_a_new_run_without_preset_or_config_is_refused_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--out", str(tmp_path / "run"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --preset or --config:") and "50 minutes" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_out_folder(
+        tmp_path: Path, run_inputs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    _, config = run_inputs
+    short = tmp_path / "short.txt"
+    short.write_text("One line only.\n")
+    assert train(tmp_path / "run", short, config) == 2
+    assert "too short" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def assert_same_run(ours: Path, theirs: Path) -> None:
+    """Two --out folders hold the same run: weights, AdamW moments, steps, evaluations, best and export."""
+    for name in ("last.safetensors", "best.safetensors"):
+        mine, other = load_state(ours / name), load_state(theirs / name)
+        for group, other_group in zip(mine[:3], other[:3]):
+            assert sorted(group) == sorted(other_group)
+            assert all(np.array_equal(group[n], other_group[n]) for n in group), name
+        keep = ("step", "loss", "lr", "grad_norm")           # tokens_per_s is a timing
+        assert [{k: h[k] for k in keep} for h in mine[3]["history"]] == \
+               [{k: h[k] for k in keep} for h in other[3]["history"]]
+        assert mine[3]["evals"] == other[3]["evals"] and mine[3]["order"] == other[3]["order"]
+    assert (ours / "model" / "model.safetensors").read_bytes() == (theirs / "model" / "model.safetensors").read_bytes()
+
+
+def stop_on_call(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, call: int) -> None:
+    """Send this process a SIGTERM (`kill`) at the start of the call-th call of owner.name."""
+    real, calls = getattr(owner, name), []
+
+    def stopping(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, stopping)
+
+
+@pytest.mark.parametrize("where, call", [("validation", 2), ("final evaluation", 3), ("optimizer step", 5)])
+def test_a_run_stopped_anywhere_and_resumed_is_the_run_never_stopped(
+        tmp_path: Path, run_inputs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, where: str, call: int) -> None:
+    """8 steps, evaluations at 3, 6 and 8: stopped in the second or the last evaluation, or in the middle of
+    an AdamW update, then resumed, the run ends exactly as one that was never stopped."""
+    import qwen_np.trainer as trainer
+
+    data, config = run_inputs
+    assert train(tmp_path / "straight", data, config, "--steps", "8") == 0
+    with monkeypatch.context() as patch:
+        if where == "optimizer step":
+            stop_on_call(patch, training.AdamW, "update", call)
+        else:
+            stop_on_call(patch, trainer, "validate", call)
+        assert train(tmp_path / "stopped", data, config, "--steps", "8") == 130
+    assert main(["train", "--out", str(tmp_path / "stopped"), "--resume"]) == 0
+    assert_same_run(tmp_path / "stopped", tmp_path / "straight")
+
+
+def test_resuming_with_another_thread_count_continues_the_same_run(tmp_path: Path,
+                                                                   run_inputs: tuple[Path, Path]) -> None:
+    data, config = run_inputs
+    assert train(tmp_path / "straight", data, config, "--steps", "6", "--threads", "2") == 0
+    assert train(tmp_path / "split", data, config, "--steps", "3", "--decay-steps", "6", "--threads", "2") == 0
+    assert main(["train", "--out", str(tmp_path / "split"), "--resume", "--steps", "6", "--threads", "1"]) == 0
+    assert_same_run(tmp_path / "split", tmp_path / "straight")
+
+
+def test_the_gradient_depends_on_the_shards_not_on_the_thread_count() -> None:
+    config = Qwen3Config(**SMALL)
+    model = model_from_parameters(config, init_parameters(config, seed=2))
+    batch = np.random.default_rng(4).integers(0, config.vocab_size, size=(6, 11))
+    runs = [training.loss_and_accumulated_gradients(model, batch, 1, threads=threads, shards=3) for threads in (1, 2, 3)]
+    for loss, grads in runs[1:]:
+        assert loss == runs[0][0]
+        assert all(np.array_equal(grads[name], runs[0][1][name]) for name in grads)
+
+
+def test_training_puts_the_previous_signal_handlers_back(tmp_path: Path, run_inputs: tuple[Path, Path]) -> None:
+    def ours(signum: int, frame: object) -> None:
+        """A handler of the caller's own, which training must give back."""
+
+    data, config = run_inputs
+    previous, interrupt = signal.signal(signal.SIGTERM, ours), signal.getsignal(signal.SIGINT)
+    try:
+        assert train(tmp_path / "run", data, config, "--steps", "1") == 0
+        assert signal.getsignal(signal.SIGTERM) is ours and signal.getsignal(signal.SIGINT) is interrupt
+    finally:
+        signal.signal(signal.SIGTERM, previous)
