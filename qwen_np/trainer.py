@@ -1,4 +1,5 @@
-"""`python -m qwen_np train`: a training run from text to an exported Hugging Face Qwen3 folder.
+"""A training run from text to an exported Hugging Face Qwen3 folder (the `train` command is
+qwen_np/commands/train.py: its flags, progress bar, figure and printing).
 
     text -> BPE tokenizer (trained on the training split only) -> token ids
     loop:  batch from shuffled windows -> training.loss_and_accumulated_gradients -> clip -> AdamW
@@ -12,15 +13,13 @@ log.jsonl, loss.png, and model/ (the exported checkpoint that `generate --model 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
 import signal
-import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -217,16 +216,6 @@ def memory_estimate(config: Qwen3Config, rows: int, context: int) -> dict[str, i
             "activations_per_token": per_token, "activations": per_token * rows * context}
 
 
-def memory_report(estimate: dict[str, int], baseline: int) -> str:
-    """The estimate as one table (MiB), with the process's measured peak next to the prediction."""
-    predicted = baseline + sum(v for k, v in estimate.items() if k != "activations_per_token")
-    lines = [f"  {key:<22} {value / 2**20:9.1f} MiB" for key, value in estimate.items() if key != "activations_per_token"]
-    lines.append(f"  {'activations per token':<22} {estimate['activations_per_token'] / 1024:9.1f} KiB")
-    lines.append(f"  predicted peak RSS {predicted / 2**20:.0f} MiB (process before training: {baseline / 2**20:.0f} MiB); "
-                 f"measured peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
-    return "\n".join(lines)
-
-
 # --- The run ----------------------------------------------------------------------------------------
 
 
@@ -272,27 +261,11 @@ def load_corpus(data: str, out: Path, vocab_size: int, resume: bool) -> Corpus:
     return Corpus(train, valid, characters)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, type=Path, metavar="DIR",
-                        help="folder for checkpoints, the tokenizer, logs and the exported model (DIR/model)")
-    parser.add_argument("--data", default="shakespeare", metavar="shakespeare|FILE",
-                        help="Shakespeare's plays (fixed by-play splits) or a UTF-8 text file (last 5%% of lines validate)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(PRESET_CONFIGS),
-                        help="model and run defaults: tiny trains in seconds, shakespeare (the bundled model) takes "
-                             "about 50 minutes on 2 cores (a new run needs --preset or --config)")
-    source.add_argument("--config", type=Path, metavar="JSON", help="a Qwen3 config.json to train from scratch")
-    for flag in fields(Settings):
-        name = "--" + flag.name.replace("_", "-")
-        parser.add_argument(name, type=float if flag.type == "float" else int, default=None, metavar="N",
-                            help=f"(default: the preset's, else {flag.default})")
-    parser.add_argument("--resume", action="store_true", help="continue from DIR/last.safetensors up to --steps")
-
-
-def resolve_settings(args: argparse.Namespace, preset: str | None, saved: dict[str, Any] | None) -> Settings:
-    """Command-line flags over the saved run's settings (resuming) or the preset's, over Settings' defaults."""
+def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[str, Any] | None) -> Settings:
+    """The given settings (the command line's) over the saved run's (resuming) or the preset's, over
+    Settings' defaults. overrides: Settings field -> value, None meaning not given."""
     base = saved if saved is not None else PRESET_SETTINGS.get(preset or "", {})
-    values = {f.name: getattr(args, f.name) if getattr(args, f.name) is not None else base.get(f.name, f.default)
+    values = {f.name: overrides[f.name] if overrides.get(f.name) is not None else base.get(f.name, f.default)
               for f in fields(Settings)}
     settings = Settings(**values)
     for name in ("steps", "batch_size", "context", "grad_accum", "eval_every"):
@@ -313,47 +286,84 @@ def resolve_settings(args: argparse.Namespace, preset: str | None, saved: dict[s
 LAST, BEST = "last.safetensors", "best.safetensors"
 
 
-def run(args: argparse.Namespace) -> int:
-    """The train command. A run that fails before its first checkpoint leaves no --out folder behind."""
-    if not args.resume and args.preset is None and args.config is None:
+@dataclass
+class RunSpec:
+    """What to run: a new run (from a preset or a config.json) or the run in `out` resumed."""
+
+    out: Path                               # checkpoints, tokenizer, exported model/ (created on the first write)
+    resume: bool = False
+    preset: str | None = None               # a key of PRESET_CONFIGS
+    config: Path | None = None              # a Qwen3 config.json to train from scratch
+    data: str = "shakespeare"               # "shakespeare" or a UTF-8 text file
+    overrides: dict[str, Any] = field(default_factory=dict)   # Settings field -> value (None: not given)
+
+
+class RunEvents:
+    """What a run reports as it goes; the command draws it (a progress bar), a test may record it."""
+
+    def started(self, settings: Settings, done: int, description: str) -> None:
+        """Before the first step: `done` steps of settings.steps are behind (resuming)."""
+
+    def stepped(self, record: dict[str, Any], epoch: int) -> None:
+        """After each optimizer step (record: step, loss, lr, grad_norm, tokens_per_s)."""
+
+    def evaluated(self, step: int, train_loss: float, result: dict[str, Any], improved: bool) -> None:
+        """After each validation (result: evaluation.TextScore.summary())."""
+
+
+@dataclass
+class RunResult:
+    meta: dict[str, Any]                    # history, evals, best_loss, ... (what last.safetensors holds)
+    stopped: str                            # why it stopped early ("" if it ran every step)
+    exported: Path | None                   # the exported model, None when interrupted
+    last: Path
+    estimate: dict[str, int]                # memory_estimate of a step
+    baseline: int                           # the process's peak RSS before training (bytes)
+    interrupted: bool = False               # Ctrl-C / SIGTERM: `last` holds the state to resume
+
+
+def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
+    """A training run. A run that fails before its first checkpoint leaves no `out` folder behind."""
+    if not spec.resume and spec.preset is None and spec.config is None:
         raise QwenNPError("--preset or --config: say what to train (--preset tiny: seconds; --preset shakespeare, "
                           "the bundled model: about 50 minutes on 2 cores)")
-    created = not args.out.exists()
+    created = not spec.out.exists()
     try:
-        return _run(args, args.out)
+        return _run(spec, events or RunEvents())
     except BaseException:
-        if created and not (args.out / LAST).exists():     # nothing to resume: nothing to keep
-            shutil.rmtree(args.out, ignore_errors=True)
+        if created and not (spec.out / LAST).exists():     # nothing to resume: nothing to keep
+            shutil.rmtree(spec.out, ignore_errors=True)
         raise
 
 
-def _run(args: argparse.Namespace, out: Path) -> int:
+def _run(spec: RunSpec, events: RunEvents) -> RunResult:
+    out = spec.out
     last, best = out / LAST, out / BEST
-    if args.resume:
+    if spec.resume:
         params, adam_m, adam_v, meta = load_state(last)
         config_json = meta["config"]
-        settings = resolve_settings(args, None, meta["settings"])
-        if args.decay_steps is None and not meta["settings"]["decay_steps"]:
+        settings = resolve_settings(spec.overrides, None, meta["settings"])
+        if spec.overrides.get("decay_steps") is None and not meta["settings"]["decay_steps"]:
             settings.decay_steps = 0                     # the schedule stretches to the new --steps
     else:
         if last.exists():
             raise QwenNPError(f"--out: {out} already holds a run ({LAST}); pass --resume or another folder")
-        config_json = hf_config(_model_config(args))
-        settings = resolve_settings(args, args.preset, None)
+        config_json = hf_config(_model_config(spec))
+        settings = resolve_settings(spec.overrides, spec.preset, None)
         meta = {"history": [], "evals": [], "best_loss": None, "bad_evals": 0,
-                "order": {"epoch": 0, "position": 0}, "data": args.data}
+                "order": {"epoch": 0, "position": 0}, "data": spec.data}
     config = Qwen3Config.from_dict(config_json, source="--config")
     if settings.context > config.max_position_embeddings:
         raise QwenNPError(f"--context {settings.context} exceeds the model's max_position_embeddings "
                           f"({config.max_position_embeddings})")
     out.mkdir(parents=True, exist_ok=True)
-    corpus = load_corpus(meta["data"], out, config.vocab_size, args.resume)
-    if not args.resume:
+    corpus = load_corpus(meta["data"], out, config.vocab_size, spec.resume)
+    if not spec.resume:
         params = init_parameters(config, settings.seed)
         (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     model = model_from_parameters(config, params)
     optimizer = training.adamw_for(params, weight_decay=settings.weight_decay)
-    if args.resume:
+    if spec.resume:
         optimizer.m, optimizer.v, optimizer.step = adam_m, adam_v, meta["optimizer_step"]
     order = WindowOrder(len(corpus.train), settings.context, settings.seed, **meta["order"])
     baseline = peak_rss_bytes()
@@ -363,24 +373,20 @@ def _run(args: argparse.Namespace, out: Path) -> int:
         meta.update(settings=asdict(settings), config=config_json, order={"epoch": order.epoch, "position": order.position})
         save_state(path, params, optimizer, meta)
 
-    print(f"training {sum(p.size for p in params.values()):,} parameters on {len(corpus.train):,} tokens "
-          f"({settings.batch_size}x{settings.context} tokens a step) -> {out}", file=sys.stderr)
+    events.started(settings, len(meta["history"]),
+                   f"training {sum(p.size for p in params.values()):,} parameters on {len(corpus.train):,} tokens "
+                   f"({settings.batch_size}x{settings.context} tokens a step) -> {out}")
     try:
         with Stops() as stops:
-            stopped = _loop(model, params, optimizer, order, corpus, settings, meta, stops,
+            stopped = _loop(model, params, optimizer, order, corpus, settings, meta, stops, events,
                             lambda kind: checkpoint(out / f"{kind}.safetensors"))
             # The loop ends on an evaluation it has saved (the last step always evaluates), so best
             # and last hold it; a stop from here on re-exports on resuming.
             exported = export_model(out / "model", config_json, load_state(best)[0], out)
     except KeyboardInterrupt:
         checkpoint(last)
-        print(f"\ninterrupted at step {len(meta['history'])}: saved {last}; continue with --resume", file=sys.stderr)
-        return 130
-    _plot(meta, out / "loss.png")
-    print(f"{stopped or 'done'} at step {len(meta['history'])}; best validation loss {meta['best_loss']:.4f} per token "
-          f"({meta['evals'][-1]['nats_per_character']:.4f} nats/char last); exported {exported}", file=sys.stderr)
-    print("memory:\n" + memory_report(estimate, baseline), file=sys.stderr)
-    return 0
+        return RunResult(meta, "", None, last, estimate, baseline, interrupted=True)
+    return RunResult(meta, stopped, exported, last, estimate, baseline)
 
 
 class Stops:
@@ -419,15 +425,17 @@ class Stops:
             raise KeyboardInterrupt
 
 
-def _model_config(args: argparse.Namespace) -> dict[str, Any]:
-    if args.config is not None:
+def _model_config(spec: RunSpec) -> dict[str, Any]:
+    if spec.config is not None:
         from .config import read_json_object
-        return read_json_object(args.config)
-    return dict(PRESET_CONFIGS[args.preset])
+        return read_json_object(spec.config)
+    if spec.preset not in PRESET_CONFIGS:
+        raise QwenNPError(f"--preset: unknown {spec.preset!r}; expected one of {', '.join(sorted(PRESET_CONFIGS))}")
+    return dict(PRESET_CONFIGS[spec.preset])
 
 
 def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW, order: WindowOrder,
-          corpus: Corpus, settings: Settings, meta: dict[str, Any], stops: Stops,
+          corpus: Corpus, settings: Settings, meta: dict[str, Any], stops: Stops, events: RunEvents,
           save: Callable[[str], None]) -> str:
     """Optimizer steps up to settings.steps, with evaluation, best-keeping and early stopping; returns
     why it stopped early ("" if it did not).
@@ -435,10 +443,7 @@ def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.
     Each round first evaluates the step just taken if that is due and not yet recorded: a run stopped
     during an evaluation saved the step without it, and runs it on resuming, as the unstopped run did.
     """
-    from tqdm import tqdm
-
-    bar = tqdm(total=settings.steps, initial=len(meta["history"]), unit="step", file=sys.stderr, dynamic_ncols=True)
-    with bar, steady_threads():      # every step and evaluation repeats bit for bit on a resumed run
+    with steady_threads():           # every step and evaluation repeats bit for bit on a resumed run
         while True:
             step = len(meta["history"])
             if step and (step % settings.eval_every == 0 or step >= settings.steps) and \
@@ -449,9 +454,7 @@ def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.
                     if improved:
                         save("best")
                     save("last")
-                bar.write(f"step {step}: train {meta['history'][-1]['loss']:.4f}, validation "
-                          f"{result['loss_per_token']:.4f} per token, {result['nats_per_character']:.4f} "
-                          f"nats/char{' (best)' if improved else ''}")
+                events.evaluated(step, meta["history"][-1]["loss"], result, improved)
             if settings.patience and meta["bad_evals"] >= settings.patience:
                 return f"early stop ({settings.patience} evaluations without improvement)"
             if step >= settings.steps:
@@ -459,9 +462,7 @@ def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.
             with stops.held():          # half an update could not be resumed: a stop waits for the step's end
                 record = _train_step(model, params, optimizer, order, corpus, settings, step)
                 meta["history"].append(record)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", epoch=order.epoch,
-                            refresh=False)
-            bar.update(1)
+            events.stepped(record, order.epoch)
 
 
 def _train_step(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW, order: WindowOrder,
@@ -491,30 +492,3 @@ def _record_evaluation(meta: dict[str, Any], step: int, result: dict[str, Any]) 
 def validate(model: Qwen3Model, corpus: Corpus, context: int) -> dict[str, Any]:
     """Loss on the validation documents, with the inference forward pass (what generation runs)."""
     return evaluation.score_text(model.forward, corpus.validation, corpus.validation_characters, context).summary()
-
-
-def _plot(meta: dict[str, Any], path: Path) -> None:
-    """loss.png: training loss per step (and its running mean) and validation loss per evaluation."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: no loss.png (pip install 'qwen_np[plot]' for matplotlib)", file=sys.stderr)
-        return
-    steps = [h["step"] for h in meta["history"]]
-    losses = np.array([h["loss"] for h in meta["history"]])
-    smooth = np.convolve(losses, np.ones(25) / 25, mode="valid") if len(losses) >= 25 else losses
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train (each step)")
-    ax.plot(steps[len(steps) - len(smooth):], smooth, color="tab:blue", label="train (mean of 25 steps)")
-    if meta["evals"]:
-        ax.plot([e["step"] for e in meta["evals"]], [e["loss_per_token"] for e in meta["evals"]], "o-",
-                color="tab:orange", label="validation")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats per token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)

@@ -82,7 +82,7 @@ def test_version_aliases_and_the_threads_warning(env) -> None:
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["generate", "hi", "--temperature", "inf"], "--temperature: must be a number >= 0"),
+    (["generate", "hi", "--temperature", "inf"], "--temperature: must be 0 (greedy) or a number >= 0.01"),
     (["generate", "hi", "--top-p", "nan"], "--top-p: must be a number in (0, 1]"),
     (["generate"], "prompt: none given"),
     (["generate", "--file", "/no/such/file"], "--file /no/such/file"),

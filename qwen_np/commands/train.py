@@ -1,0 +1,121 @@
+"""`python -m qwen_np train`: the flags, progress bar, loss figure and report of a training run
+(the run itself is qwen_np/trainer.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import trainer
+from ..generate import peak_rss_bytes
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("train", help="train a Qwen3 from scratch on text, in NumPy",
+                                 description="Train a Qwen3 (a preset or a config.json) on Shakespeare or a text "
+                                             "file; checkpoints resume bit-exactly; the best model is exported "
+                                             "to DIR/model.")
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR",
+                        help="folder for checkpoints, the tokenizer, logs and the exported model (DIR/model)")
+    parser.add_argument("--data", default="shakespeare", metavar="shakespeare|FILE",
+                        help="Shakespeare's plays (fixed by-play splits) or a UTF-8 text file (last 5%% of lines validate)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(trainer.PRESET_CONFIGS),
+                        help="model and run defaults: tiny trains in seconds, shakespeare (the bundled model) takes "
+                             "about 50 minutes on 2 cores (a new run needs --preset or --config)")
+    source.add_argument("--config", type=Path, metavar="JSON", help="a Qwen3 config.json to train from scratch")
+    for flag in fields(trainer.Settings):
+        name = "--" + flag.name.replace("_", "-")
+        short = ["-t"] if flag.name == "threads" else []          # -t/--threads, as in every other command
+        parser.add_argument(*short, name, type=float if flag.type == "float" else int, default=None, metavar="N",
+                            help=f"(default: the preset's, else {flag.default})")
+    parser.add_argument("--resume", action="store_true", help="continue from DIR/last.safetensors up to --steps")
+    parser.set_defaults(run=run)
+
+
+class ProgressBar(trainer.RunEvents):
+    """The run drawn on stderr: a bar of steps with the loss and tokens/s, a line per evaluation."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def started(self, settings: trainer.Settings, done: int, description: str) -> None:
+        from tqdm import tqdm
+
+        print(description, file=sys.stderr)
+        self.bar = tqdm(total=settings.steps, initial=done, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def stepped(self, record: dict[str, Any], epoch: int) -> None:
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", epoch=epoch,
+                             refresh=False)
+        self.bar.update(1)
+
+    def evaluated(self, step: int, train_loss: float, result: dict[str, Any], improved: bool) -> None:
+        self.bar.write(f"step {step}: train {train_loss:.4f}, validation {result['loss_per_token']:.4f} per token, "
+                       f"{result['nats_per_character']:.4f} nats/char{' (best)' if improved else ''}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = trainer.RunSpec(args.out, args.resume, args.preset, args.config, args.data,
+                           {f.name: getattr(args, f.name) for f in fields(trainer.Settings)})
+    events = ProgressBar()
+    try:
+        result = trainer.run(spec, events)
+    finally:
+        events.close()
+    meta = result.meta
+    if result.interrupted:
+        print(f"\ninterrupted at step {len(meta['history'])}: saved {result.last}; continue with --resume", file=sys.stderr)
+        return 130
+    plot_losses(meta, args.out / "loss.png")
+    print(f"{result.stopped or 'done'} at step {len(meta['history'])}; best validation loss {meta['best_loss']:.4f} per "
+          f"token ({meta['evals'][-1]['nats_per_character']:.4f} nats/char last); exported {result.exported}",
+          file=sys.stderr)
+    print("memory:\n" + memory_report(result.estimate, result.baseline), file=sys.stderr)
+    return 0
+
+
+def memory_report(estimate: dict[str, int], baseline: int) -> str:
+    """The estimate as one table (MiB), with the process's measured peak next to the prediction."""
+    predicted = baseline + sum(v for k, v in estimate.items() if k != "activations_per_token")
+    lines = [f"  {key:<22} {value / 2**20:9.1f} MiB" for key, value in estimate.items() if key != "activations_per_token"]
+    lines.append(f"  {'activations per token':<22} {estimate['activations_per_token'] / 1024:9.1f} KiB")
+    lines.append(f"  predicted peak RSS {predicted / 2**20:.0f} MiB (process before training: {baseline / 2**20:.0f} MiB); "
+                 f"measured peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
+    return "\n".join(lines)
+
+
+def plot_losses(meta: dict[str, Any], path: Path) -> None:
+    """loss.png: training loss per step (and its running mean) and validation loss per evaluation."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: no loss.png (pip install 'qwen_np[plot]' for matplotlib)", file=sys.stderr)
+        return
+    steps = [h["step"] for h in meta["history"]]
+    losses = np.array([h["loss"] for h in meta["history"]])
+    smooth = np.convolve(losses, np.ones(25) / 25, mode="valid") if len(losses) >= 25 else losses
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train (each step)")
+    ax.plot(steps[len(steps) - len(smooth):], smooth, color="tab:blue", label="train (mean of 25 steps)")
+    if meta["evals"]:
+        ax.plot([e["step"] for e in meta["evals"]], [e["loss_per_token"] for e in meta["evals"]], "o-",
+                color="tab:orange", label="validation")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats per token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
