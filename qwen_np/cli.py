@@ -1,4 +1,5 @@
-"""The command line: `python -m qwen_np generate|chat|download|inspect` (also installed as `qwen-np`).
+"""The command line: `python -m qwen_np generate|chat|eval|precision|serve|train|export|download|inspect`
+(also installed as `qwen-np`).
 
 Generated text goes to stdout, token by token; everything else (notes, the memory plan, traces,
 the stats line) goes to stderr. Bad input of any kind ends with one `error: ...` line on stderr and
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, NoReturn, TextIO
 
-from . import __version__, evaluation, precision, runtime, serve, trainer
+from . import __version__, evaluation, export, precision, runtime, serve, trainer
 from .batching import BatchGenerator, Request
 from .checkpoint import bundled_model_path, download, resolve_model_path
 from .config import Qwen3Config, load_config, preset
@@ -125,6 +126,13 @@ def build_parser(prog: str = "qwen-np") -> Parser:
     serve.add_arguments(server)
     server.set_defaults(run=serve.run)
 
+    gguf_out = commands.add_parser("export", help="write a model as a GGUF file for llama.cpp, Ollama and LM Studio",
+                                   description="Write any model qwen_np loads (a checkpoint folder, GGUF file or hub "
+                                               "id) as one GGUF file: weights in f32/f16/bf16/q8_0/q4_0, the config, "
+                                               "tokenizer and chat template llama.cpp reads.")
+    export.add_arguments(gguf_out)
+    gguf_out.set_defaults(run=lambda args: export.run(args, _model_folder))
+
     fetch = commands.add_parser("download", help="fetch a hub checkpoint into the Hugging Face cache",
                                 description="Download a checkpoint's safetensors, json and tokenizer files "
                                             "ahead of time (honours HF_HOME and HF_HUB_OFFLINE).")
@@ -150,8 +158,9 @@ def build_parser(prog: str = "qwen-np") -> Parser:
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-m", "--model", help="checkpoint folder or Hugging Face hub id, e.g. Qwen/Qwen3-0.6B "
-                                        "(default: the bundled model, a tiny Qwen3 trained on Shakespeare)")
+    parser.add_argument("-m", "--model", help="checkpoint folder, GGUF file or Hugging Face hub id, e.g. "
+                                              "Qwen/Qwen3-0.6B (default: the bundled model, a tiny Qwen3 trained on "
+                                              "Shakespeare)")
     parser.add_argument("--memory", choices=MODES, default="auto",
                         help="the memory plan: fp32 upcasts every weight once at load (fastest), bf16 keeps them "
                              "as stored and upcasts them per use (half the RAM), auto picks fp32 when it fits "

@@ -1,0 +1,38 @@
+"""`python -m qwen_np export OUT.gguf`: any model qwen_np loads, written as a GGUF for llama.cpp, Ollama
+and LM Studio (gguf_file.write_gguf). Flags and run live here, apart from the CLI, so the command can move."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+from .errors import QwenNPError
+from .generate import read_generation_defaults
+from .gguf_file import FILE_TYPES, write_gguf
+from .loading import open_checkpoint
+from .tokenizer import Tokenizer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", metavar="OUT.gguf", help="the file to write (replaced only once it is complete)")
+    parser.add_argument("-m", "--model", help="checkpoint folder, GGUF file or hub id (default: the bundled model)")
+    parser.add_argument("--type", choices=FILE_TYPES, default="f16",
+                        help="how the matrices are stored: f32, f16, bf16, or llama.cpp's q8_0 (8.5 bits per weight) "
+                             "or q4_0 (4.5 bits); norm weights stay f32 (default: f16)")
+
+
+def run(args: argparse.Namespace, model_folder: Callable[[str | None], Path]) -> int:
+    """The command; model_folder resolves --model (the CLI passes its own, which knows the bundled model)."""
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise QwenNPError(f"OUT.gguf: {out} is a folder or its folder does not exist")
+    source = model_folder(args.model)
+    checkpoint = open_checkpoint(source)
+    tokenizer = Tokenizer.from_folder(source)
+    sampling = read_generation_defaults(source, checkpoint.config).sampling
+    for note in write_gguf(out, checkpoint, tokenizer, sampling, args.type, name=source.name):
+        print(f"note: {note}", file=sys.stderr)
+    print(f"wrote {out} ({out.stat().st_size / 2 ** 20:.1f} MiB, {args.type})", file=sys.stderr)
+    return 0
