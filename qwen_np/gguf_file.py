@@ -73,12 +73,27 @@ def is_gguf(path: str | Path) -> bool:
 # --- Reading -------------------------------------------------------------------------------------
 
 class _Reader(GGUFReader):
-    """gguf's reader, checking first that every tensor's data lies inside the file.
+    """gguf's reader with two changes, both through its internals (gguf >= 0.19):
 
-    Why: on a truncated file gguf's own _build_tensors fails with a bare NumPy error ("cannot reshape
-    array of size 0 into shape (32,64)") that names no tensor. This overrides that private method of
-    gguf >= 0.19, whose tensor-info fields are (name length, name, n_dims, dims, type, offset).
+    * it parses a plain ndarray view of the file rather than the np.memmap itself: the reader slices
+      the map once or twice per string, and np.memmap's bookkeeping on every slice was 4/5 of parsing
+      Qwen3's 151,936 tokens and 151,387 merges (measured: 10.5 s -> 2.9 s on this machine);
+    * it checks that every tensor's data lies inside the file before building the tensors: on a
+      truncated file gguf fails with a bare NumPy error ("cannot reshape array of size 0 into shape
+      (32,64)") that names no tensor. Tensor-info fields are (name length, name, n_dims, dims, type, offset).
     """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        super().__init__(path)
+
+    @property                                   # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._bytes
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._bytes = mapped.view(np.ndarray)   # the same pages; the view keeps the map alive
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         for field in fields:
@@ -96,15 +111,15 @@ class _Reader(GGUFReader):
         super()._build_tensors(start_offs, fields)
 
 
-def open_reader(path: str | Path) -> GGUFReader:
+def open_reader(path: str | Path) -> _Reader:
     """The parsed file; parsed once per file version (the config, tokenizer and weights all read it)."""
     path = Path(path).expanduser()
     stat = path.stat()
-    return _parse(str(path), stat.st_size, stat.st_mtime_ns)
+    return _parse(path, stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _parse(path: str, size: int, mtime_ns: int) -> GGUFReader:
+def _parse(path: Path, size: int, mtime_ns: int) -> _Reader:
     try:
         return _Reader(path)
     except IndexError:        # gguf indexed past the end of the mapped bytes
@@ -113,16 +128,16 @@ def _parse(path: str, size: int, mtime_ns: int) -> GGUFReader:
         raise QwenNPError(f"{path}: not a valid GGUF file ({bad})") from None
 
 
-def _get(reader: GGUFReader, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+def _get(reader: _Reader, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
     """Metadata value `key`, checked to be of `kind`; `default` when absent (absent and no default: error)."""
     field = reader.get_field(key)
     if field is None:
         if default is ...:
-            raise QwenNPError(f"{reader.data.filename}: metadata key {key!r} is missing")
+            raise QwenNPError(f"{reader.path}: metadata key {key!r} is missing")
         return default
     value = field.contents()
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise QwenNPError(f"{reader.data.filename}: metadata key {key!r} has the wrong type ({value!r:.60})")
+        raise QwenNPError(f"{reader.path}: metadata key {key!r} has the wrong type ({value!r:.60})")
     return value
 
 
@@ -133,7 +148,7 @@ def _arch(name: str) -> str:
 def read_config(path: str | Path) -> Qwen3Config:
     """The Qwen3Config a GGUF's metadata describes (llama.cpp's convert_hf_to_gguf.py wrote it from config.json)."""
     reader = open_reader(path)
-    source = str(reader.data.filename)
+    source = str(reader.path)
     architecture = _get(reader, Keys.General.ARCHITECTURE, str)
     if architecture != ARCHITECTURE:
         raise QwenNPError(f"{source}: general.architecture is {architecture!r}; qwen_np runs only dense "
@@ -175,7 +190,7 @@ def _f32_decimal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _end_of_generation(reader: GGUFReader, tokens: list[str]) -> list[int]:
+def _end_of_generation(reader: _Reader, tokens: list[str]) -> list[int]:
     """eos_token_id (and an EOT id, if any), then the END_OF_GENERATION tokens the vocabulary has."""
     ids = [_get(reader, key, int, None) for key in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID)]
     by_text = {token: i for i, token in enumerate(tokens) if token in END_OF_GENERATION}
@@ -195,7 +210,7 @@ def _gguf_name(hf_name: str, layers: int = 1) -> str:
     return name
 
 
-def _tensors_by_name(reader: GGUFReader) -> dict[str, Any]:
+def _tensors_by_name(reader: _Reader) -> dict[str, Any]:
     return {tensor.name: tensor for tensor in reader.tensors}
 
 
@@ -268,7 +283,7 @@ def read_tokenizer(path: str | Path) -> Tokenizer:
     the way transformers' GGUF loader does (integrations/ggml.py), with Qwen2's pre-tokenizer.
     """
     reader = open_reader(path)
-    source = reader.data.filename
+    source = reader.path
     tokens = _get(reader, Keys.Tokenizer.LIST, list)
     embedded = _get(reader, Keys.Tokenizer.HF_JSON, str, None)
     if embedded is not None:

@@ -179,8 +179,9 @@ def test_an_ollama_blob_without_a_suffix_is_recognised_by_its_magic(source, tmp_
 
 # --- Damaged files ---------------------------------------------------------------------------------
 
-def rewrite(good: Path, out: Path, architecture: str = "qwen3", drop: str = "", transpose: str = "") -> Path:
-    """A copy of an F32 GGUF through gguf's writer, with one thing changed."""
+def rewrite(good: Path, out: Path, architecture: str = "qwen3", drop: str = "", transpose: str = "",
+            replace: dict[str, tuple[np.ndarray, GGML]] | None = None) -> Path:
+    """A copy of an F32 GGUF through gguf's writer, with one thing changed (replace: name -> bytes, type)."""
     reader = GGUFReader(good)
     writer = GGUFWriter(out, architecture)
     for field in reader.fields.values():
@@ -189,7 +190,9 @@ def rewrite(good: Path, out: Path, architecture: str = "qwen3", drop: str = "", 
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
     for tensor in reader.tensors:
-        if tensor.name != drop:
+        if tensor.name in (replace or {}):
+            writer.add_tensor(tensor.name, replace[tensor.name][0], raw_dtype=replace[tensor.name][1])
+        elif tensor.name != drop:
             writer.add_tensor(tensor.name, tensor.data.T.copy() if tensor.name == transpose else np.array(tensor.data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -225,6 +228,18 @@ def test_a_damaged_gguf_is_one_error_naming_the_field_or_tensor(good, tmp_path, 
         load_model(path)
     assert message in str(raised.value) and "\n" not in str(raised.value)
     assert str(path) in str(raised.value)
+
+
+def test_k_quants_are_dequantized_to_fp32_at_load_by_gguf(tmp_path) -> None:
+    good = export(tiny_checkpoint(tmp_path / "ckpt", hidden_size=256), tmp_path / "f32.gguf", "f32")
+    blocks = np.random.default_rng(0).integers(0, 256, size=(64, 210), dtype=np.uint8)   # q_proj: 64 rows of 256
+    blocks[:, 208:] = np.array([1e-3], np.float16).view(np.uint8)    # each Q6_K block's FP16 scale: small, finite
+    path = rewrite(good, tmp_path / "q6_k.gguf", replace={"blk.0.attn_q.weight": (blocks, GGML.Q6_K)})
+    checkpoint = GGUFCheckpoint(path)
+    q_proj = LAYER_TENSORS["q_proj"].name.format(i=0)
+    assert np.array_equal(checkpoint.read(q_proj), gguf.quants.dequantize(blocks, GGML.Q6_K))
+    assert "its Q6_K tensors are dequantized to FP32 at load" in (checkpoint.dequantization_note() or "")
+    assert np.isfinite(load_model(path).forward(PROMPT)).all()
 
 
 # --- The tokenizer on the real Qwen3 vocabulary ----------------------------------------------------
