@@ -32,7 +32,9 @@ def run(args: argparse.Namespace, model_folder: Callable[[str | None], Path]) ->
     checkpoint = open_checkpoint(source)
     tokenizer = Tokenizer.from_folder(source)
     sampling = read_generation_defaults(source, checkpoint.config).sampling
-    for note in write_gguf(out, checkpoint, tokenizer, sampling, args.type, name=source.name):
+    # The name llama.cpp shows: the hub id's or folder's last part ('Qwen3-0.6B', not a hub snapshot's hash).
+    name = Path(args.model).name.removesuffix(".gguf") if args.model else source.name
+    for note in write_gguf(out, checkpoint, tokenizer, sampling, args.type, name=name):
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {out} ({out.stat().st_size / 2 ** 20:.1f} MiB, {args.type})", file=sys.stderr)
     return 0

@@ -121,11 +121,14 @@ def open_reader(path: str | Path) -> _Reader:
 @functools.lru_cache(maxsize=2)
 def _parse(path: Path, size: int, mtime_ns: int) -> _Reader:
     try:
-        return _Reader(path)
+        reader = _Reader(path)
     except IndexError:        # gguf indexed past the end of the mapped bytes
         raise QwenNPError(f"{path}: truncated GGUF file (it ends inside its metadata or tensor list)") from None
     except (ValueError, KeyError, OverflowError) as bad:
         raise QwenNPError(f"{path}: not a valid GGUF file ({bad})") from None
+    if reader.byte_order == "S":     # Checkpoint maps tensors as little-endian, as llama.cpp writes them
+        raise QwenNPError(f"{path}: a big-endian GGUF; qwen_np reads little-endian files (llama.cpp's default)")
+    return reader
 
 
 def _get(reader: _Reader, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -376,14 +379,24 @@ def write_gguf(path: str | Path, checkpoint: Checkpoint, tokenizer: Tokenizer, s
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for hf, (_, _, kind) in layout.items():
-            writer.write_tensor_data(gguf.quants.quantize(upcast(checkpoint.read(hf)), kind))
+        for hf, (gguf_name, _, kind) in layout.items():
+            writer.write_tensor_data(_encoded(upcast(checkpoint.read(hf)), kind, gguf_name))
         writer.close()
         os.replace(temporary, path)
     finally:
         writer.close()
         temporary.unlink(missing_ok=True)
     return notes
+
+
+def _encoded(values: np.ndarray, kind: GGML, name: str) -> np.ndarray:
+    """FP32 values in `kind` (gguf.quants.quantize), refusing F16 overflow: a cast past 65504 would write inf."""
+    with np.errstate(over="ignore"):
+        encoded = gguf.quants.quantize(values, kind)
+    if kind == GGML.F16 and not np.isfinite(encoded).all() and np.isfinite(values).all():
+        raise QwenNPError(f"export: tensor {name!r} has values beyond F16's largest (65504, it holds "
+                          f"{float(np.max(np.abs(values))):.4g}); use --type bf16 or f32")
+    return encoded
 
 
 def _tensor_type(shape: tuple[int, ...], matrix_type: GGML) -> GGML:

@@ -24,6 +24,7 @@ from qwen_np.generate import read_generation_defaults
 from qwen_np.gguf_file import GGUFCheckpoint, _gguf_name, write_gguf
 from qwen_np.loading import open_checkpoint
 from qwen_np.numerics import upcast
+from qwen_np.sampling import SamplingParams
 from qwen_np.tokenizer import Tokenizer
 from conftest import BUNDLED, QWEN3_RANDOM, ROOT, write_random_checkpoint
 
@@ -171,6 +172,15 @@ def test_a_failed_export_leaves_no_file(source, tmp_path, monkeypatch) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_f16_export_refuses_values_past_f16s_range(tmp_path) -> None:
+    source = tiny_checkpoint(tmp_path / "ckpt")
+    checkpoint, read = open_checkpoint(source), open_checkpoint(source).read
+    checkpoint.read = lambda name, buffer=None: upcast(read(name)) * (1e6 if name.endswith("v_proj.weight") else 1)
+    with pytest.raises(QwenNPError, match="tensor 'blk.0.attn_v.weight' has values beyond F16's largest"):
+        write_gguf(tmp_path / "m.gguf", checkpoint, Tokenizer.from_folder(source), SamplingParams(), "f16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_an_ollama_blob_without_a_suffix_is_recognised_by_its_magic(source, tmp_path) -> None:
     blob = tmp_path / "sha256-0123abcd"
     export(source, blob, "f32")
@@ -312,3 +322,5 @@ def test_a_bad_gguf_on_the_cli_is_one_error_line_and_exit_2(tmp_path) -> None:
     result = qwen("generate", "--model", str(bad), "hi")
     lines = result.stderr.decode().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {bad}")
+    result = qwen("export", str(tmp_path / "no-such-folder" / "out.gguf"))
+    assert result.returncode == 2 and result.stderr.decode().startswith("error: OUT.gguf:")
