@@ -187,9 +187,9 @@ def read_config(path: str | Path) -> Qwen3Config:
 
 
 def _f32_decimal(value: float) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it: GGUF stores eps and freq_base
-    as f32, so config.json's 1e-6 comes back as 9.999999974752427e-07 (the same float32, which is what
-    the forward pass adds) and is shown as 1e-06 again."""
+    """A float32 metadata value as the shortest decimal that rounds to it: GGUF stores eps, freq_base and
+    the sampling settings as f32, so config.json's 1e-6 comes back as 9.999999974752427e-07 (the same
+    float32, which is what the forward pass adds) and top_p 0.95 as 0.949999988; this gives 1e-06 and 0.95."""
     return float(str(np.float32(value)))
 
 
@@ -341,7 +341,7 @@ def read_sampling(path: str | Path) -> dict[str, Any]:
             "top_p": Keys.General.SAMPLING_TOP_P, "min_p": Keys.General.SAMPLING_MIN_P,
             "repetition_penalty": Keys.General.SAMPLING_PENALTY_REPEAT}
     raw = {name: _get(reader, key, (int, float), None) for name, key in keys.items()}
-    raw = {name: value for name, value in raw.items() if value is not None}
+    raw = {name: value if isinstance(value, int) else _f32_decimal(value) for name, value in raw.items() if value is not None}
     if "temperature" in raw:
         raw["do_sample"] = raw["temperature"] > 0
     return raw

@@ -140,6 +140,14 @@ def test_quantized_exports_of_a_trained_model_keep_its_predictions(tmp_path, fil
     assert greedy(exported, ids, 32)[:same_tokens] == greedy(source, ids, 32)[:same_tokens]
 
 
+@pytest.mark.parametrize("file_type", ["f16", "q8_0"])
+def test_every_memory_mode_runs_a_gguf(source, tmp_path, file_type) -> None:
+    path = export(source, tmp_path / "m.gguf", file_type)
+    fp32, stored, int8 = (load_model(path, memory=mode).forward(PROMPT) for mode in ("fp32", "bf16", "int8"))
+    assert np.allclose(stored, fp32, rtol=0, atol=1e-5)            # the same weights, upcast per use
+    assert np.max(np.abs(int8 - fp32)) < 0.05 * np.max(np.abs(fp32))
+
+
 def test_a_tied_export_has_no_output_tensor_and_loads_one_shared_matrix(tmp_path) -> None:
     path = export(tiny_checkpoint(tmp_path / "tied", tied=True), tmp_path / "tied.gguf", "bf16")
     model = load_model(path, memory="bf16")
@@ -297,6 +305,8 @@ def test_qwen3_vocabulary_is_written_as_llama_cpps_converter_writes_it(qwen3_ggu
         [151643, 151645, 151643]
     assert field("tokenizer.huggingface.json") is None and field("tokenizer.chat_template") is not None
     assert load_config(qwen3_gguf).eos_token_ids == [151645, 151643]     # <|im_end|>, then <|endoftext|>
+    assert read_generation_defaults(qwen3_gguf, load_config(qwen3_gguf)) == \
+        read_generation_defaults(QWEN3_RANDOM, load_config(QWEN3_RANDOM))  # temperature 0.6, top-p 0.95, top-k 20
 
 
 # --- The command line ------------------------------------------------------------------------------
