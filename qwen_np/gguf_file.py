@@ -222,7 +222,8 @@ class GGUFCheckpoint(Checkpoint):
 
     F32/F16/BF16 tensors are described by the same TensorInfo (file, dtype, absolute byte span), so
     Checkpoint.mapped / read serve them unchanged. Quantized ones are described as the F32 tensor
-    they become, and read/mapped dequantize them (a new FP32 array each call).
+    they become, and read/mapped dequantize them (a new FP32 array each call; read's buffer is not
+    used for them, since gguf.quants.dequantize allocates its result).
     """
 
     def __init__(self, path: str | Path) -> None:   # no super().__init__: that one indexes a folder of safetensors
@@ -283,7 +284,8 @@ def read_tokenizer(path: str | Path) -> Tokenizer:
 
     `tokenizer.huggingface.json` (the whole tokenizer.json, written by export for tokenizers that are not
     Qwen2's) is used as is when present; otherwise the byte-level BPE is rebuilt from tokenizer.ggml.*
-    the way transformers' GGUF loader does (integrations/ggml.py), with Qwen2's pre-tokenizer.
+    the way transformers' GGUF loader does (CONTROL tokens special, USER_DEFINED ones plain added tokens),
+    with Qwen2's pre-tokenizer.
     """
     reader = open_reader(path)
     source = reader.path
@@ -367,8 +369,8 @@ def write_gguf(path: str | Path, checkpoint: Checkpoint, tokenizer: Tokenizer, s
     config, (matrix_type, llama_file_type) = checkpoint.config, FILE_TYPES[file_type]
     layout = {hf: (_gguf_name(hf, config.num_hidden_layers), shape, _tensor_type(shape, matrix_type))
               for hf, shape in expected_tensors(config).items()}
-    notes = [f"{layout[hf][0]} stays F16: its rows ({shape[-1]} values) are not whole {matrix_type.name} blocks"
-             for hf, shape in expected_tensors(config).items() if len(shape) == 2 and layout[hf][2] != matrix_type]
+    notes = [f"{gguf_name} stays F16: its rows ({shape[-1]} values) are not whole {matrix_type.name} blocks"
+             for gguf_name, shape, kind in layout.values() if len(shape) == 2 and kind != matrix_type]
     temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
     writer = GGUFWriter(temporary, ARCHITECTURE)
     try:
