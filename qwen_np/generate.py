@@ -105,8 +105,9 @@ def read_generation_defaults(folder: str | Path, config: Qwen3Config) -> Generat
     means greedy, i.e. temperature 0. The EOS ids are the file's and config.json's together.
     """
     from .gguf_file import is_gguf, read_sampling   # imported here: gguf_file builds on modules this one needs
-    path = Path(folder) if is_gguf(folder) else Path(folder) / GENERATION_CONFIG
-    raw = read_sampling(path) if is_gguf(folder) else read_json_object(path) if path.is_file() else {}
+    from_gguf = is_gguf(folder)
+    path = Path(folder) if from_gguf else Path(folder) / GENERATION_CONFIG
+    raw = read_sampling(path) if from_gguf else read_json_object(path) if path.is_file() else {}
     value = {key: default if raw.get(key) is None else raw[key] for key, default in TRANSFORMERS_DEFAULTS.items()}
     try:
         sampling = SamplingParams(
