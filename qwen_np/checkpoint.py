@@ -294,13 +294,14 @@ HUB_FILE_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "vocab.json", "mer
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A local checkpoint folder, or a hub id ('Qwen/Qwen3-8B') fetched into the HF cache."""
+    """A local checkpoint folder or GGUF file, or a hub id ('Qwen/Qwen3-8B') fetched into the HF cache."""
+    from .gguf_file import is_gguf   # imported here: gguf_file builds on this module
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or is_gguf(path):
         return path
     text = str(model)
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
-        raise QwenNPError(f"--model: {text!r} is not a checkpoint folder or a hub id like 'Qwen/Qwen3-8B'")
+        raise QwenNPError(f"--model: {text!r} is not a checkpoint folder, a GGUF file or a hub id like 'Qwen/Qwen3-8B'")
     return download(text)
 
 

@@ -1,4 +1,5 @@
-"""The command line: `python -m qwen_np generate|chat|download|inspect` (also installed as `qwen-np`).
+"""The command line: `python -m qwen_np generate|chat|eval|precision|serve|train|export|download|inspect`
+(also installed as `qwen-np`).
 
 Generated text goes to stdout, token by token; everything else (notes, the memory plan, traces,
 the stats line) goes to stderr. Bad input of any kind ends with one `error: ...` line on stderr and
@@ -20,7 +21,7 @@ from typing import NoReturn, TextIO
 import numpy as np
 
 from . import __version__, runtime
-from .commands import common, evaluate, hardware, precision, serve, train
+from .commands import common, evaluate, export, hardware, precision, serve, train
 from .batching import BatchGenerator, Request
 from .checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, download
 from .config import Qwen3Config, load_config, preset
@@ -102,6 +103,8 @@ def build_parser(prog: str = "qwen-np") -> Parser:
     precision.register(commands)
 
     serve.register(commands)
+
+    export.register(commands)
 
     fetch = commands.add_parser("download", help="fetch a hub checkpoint into the Hugging Face cache",
                                 description="Download a checkpoint's safetensors, json and tokenizer files "

@@ -99,13 +99,16 @@ class GenerationDefaults:
 
 
 def read_generation_defaults(folder: str | Path, config: Qwen3Config) -> GenerationDefaults:
-    """Sampling defaults from `folder/generation_config.json`, read the way transformers reads them.
+    """Sampling defaults from `folder/generation_config.json` (a GGUF: its general.sampling.* keys), read the
+    way transformers reads them.
 
     Keys the file leaves out take transformers' defaults; do_sample false (transformers' default)
     means greedy, i.e. temperature 0. The EOS ids are the file's and config.json's together.
     """
-    path = Path(folder) / GENERATION_CONFIG
-    raw = read_json_object(path) if path.is_file() else {}
+    from .gguf_file import is_gguf, read_sampling   # imported here: gguf_file builds on modules this one needs
+    from_gguf = is_gguf(folder)
+    path = Path(folder) if from_gguf else Path(folder) / GENERATION_CONFIG
+    raw = read_sampling(path) if from_gguf else read_json_object(path) if path.is_file() else {}
     value = {key: default if raw.get(key) is None else raw[key] for key, default in TRANSFORMERS_DEFAULTS.items()}
     try:
         sampling = SamplingParams(

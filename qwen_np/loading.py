@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from .checkpoint import DTYPE_BYTES, Checkpoint, resolve_model_path
 from .config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, load_config
 from .fast import FastQwen3Model
 from .formats import quantize_int8_rows
+from .gguf_file import GGUFCheckpoint, is_gguf
 from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
 from .numerics import Int8Rows, Weight, held, upcast
@@ -25,7 +27,7 @@ QUANTIZE_BLOCK_ROWS = 1024
 
 def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None,
                fast: bool = True) -> Qwen3Model:
-    """Load a Qwen3 checkpoint folder (or hub id) for inference.
+    """Load a Qwen3 checkpoint folder, GGUF file (gguf_file.py) or hub id for inference.
 
     memory: "fp32" upcasts every weight once; "bf16" keeps the stored weights memory-mapped and
     upcasts them block by block on use; "int8" quantizes every matrix once to int8 codes with an
@@ -35,9 +37,8 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     fast: a FastQwen3Model (qwen_np/fast.py: same logits, tuned for speed); False gives the readable
     Qwen3Model, every call on model.py's code.
     """
-    folder = resolve_model_path(path)
-    config = load_config(folder)
-    checkpoint = Checkpoint(folder, config)
+    checkpoint = open_checkpoint(path)
+    config = checkpoint.config
     context = max_tokens or min(config.max_position_embeddings, DEFAULT_CONTEXT)
     stored_width = DTYPE_BYTES[checkpoint.tensors[MODEL_TENSORS["embed_tokens"].name].dtype]
     plan = plan_memory(config, context, memory, stored_bytes_per_value=stored_width)
@@ -49,7 +50,8 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     # without copying them (int8: the codes share one allocation, the scales another).
     # fp32 with the weight cache (weight_cache.py): views of the FP32 file it maps, in that same layout.
     # bf16: zero-copy views of the mapped files.
-    cached = load_fp32(checkpoint) if plan.mode == "fp32" else None
+    # A GGUF is never cached: the cache's spot check re-reads every tensor, i.e. dequantizes it again.
+    cached = load_fp32(checkpoint) if plan.mode == "fp32" and not isinstance(checkpoint, GGUFCheckpoint) else None
     largest = max(info.nbytes for info in checkpoint.tensors.values())
     buffer = allocate((largest,), np.uint8) if plan.mode == "int8" or (plan.mode == "fp32" and cached is None) else None
 
@@ -80,6 +82,18 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     lm_head = embed_tokens if config.tie_word_embeddings else matrices([MODEL_TENSORS["lm_head"].name])[0]
     kind = FastQwen3Model if fast else Qwen3Model
     return kind(config, embed_tokens, decoder_layers, vector(MODEL_TENSORS["norm"].name), lm_head, plan)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """The tensors of a GGUF file, a checkpoint folder or a hub id, validated against their config."""
+    if is_gguf(path):
+        checkpoint = GGUFCheckpoint(path)
+        note = checkpoint.dequantization_note()
+        if note:
+            print(f"qwen_np: {note}", file=sys.stderr)
+        return checkpoint
+    folder = resolve_model_path(path)
+    return Checkpoint(folder, load_config(folder))
 
 
 def back_to_back(shapes: list[tuple[int, ...]], dtype: type = np.float32) -> list[np.ndarray]:

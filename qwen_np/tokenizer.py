@@ -51,10 +51,15 @@ class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, config: dict[str, Any], chat_template: str | None) -> None:
         self._backend = backend
         self._config = config
+        self.chat_template = chat_template       # the template's source (export writes it into a GGUF)
         self._template = _compile_template(chat_template) if chat_template is not None else None
 
     @classmethod
     def from_folder(cls, folder: Path | str) -> Tokenizer:
+        """The tokenizer of a checkpoint folder, or of a GGUF file (gguf_file.read_tokenizer)."""
+        from .gguf_file import is_gguf, read_tokenizer   # imported here: gguf_file builds on this module
+        if is_gguf(folder):
+            return read_tokenizer(folder)
         folder = Path(folder)
         backend = _load_backend(folder / TOKENIZER_FILE)
         config = _load_config(folder / CONFIG_FILE)
@@ -86,13 +91,18 @@ class Tokenizer:
         return token_id
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers`` object itself (export reads its vocabulary, merges and added tokens)."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows (151669 for Qwen3; the model's vocab is padded)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     @property
     def eos_token(self) -> str:
-        token = self._special_token("eos_token")
+        token = self.special_token("eos_token")
         if token is None:
             raise QwenNPError(f"{CONFIG_FILE}: no eos_token")
         return token
@@ -103,7 +113,7 @@ class Tokenizer:
 
     @property
     def pad_token_id(self) -> int | None:
-        token = self._special_token("pad_token")
+        token = self.special_token("pad_token")
         return None if token is None else self.token_to_id(token)
 
     @property
@@ -141,13 +151,14 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise QwenNPError(f"chat template: {exc}") from exc
 
-    def _special_token(self, name: str) -> str | None:
+    def special_token(self, name: str) -> str | None:
+        """A named special token ("bos_token", "eos_token", "pad_token", ...), or None when there is none."""
         value = self._config.get(name)
         # tokenizer_config.json stores a token either as its string or as a serialised AddedToken.
         return value["content"] if isinstance(value, dict) else value
 
     def _template_tokens(self) -> dict[str, str]:
-        tokens = {name: self._special_token(name) for name in TEMPLATE_TOKEN_NAMES}
+        tokens = {name: self.special_token(name) for name in TEMPLATE_TOKEN_NAMES}
         return {name: token for name, token in tokens.items() if token is not None}
 
 

@@ -35,8 +35,9 @@ def at_least(minimum: int) -> Callable[[str], int]:
 
 
 def add_model(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
-    parser.add_argument("-m", "--model", help="checkpoint folder or Hugging Face hub id, e.g. Qwen/Qwen3-0.6B "
-                                              "(default: the bundled model, a tiny Qwen3 trained on Shakespeare)")
+    parser.add_argument("-m", "--model", help="checkpoint folder, GGUF file or Hugging Face hub id, e.g. "
+                                              "Qwen/Qwen3-0.6B (default: the bundled model, a tiny Qwen3 trained on "
+                                              "Shakespeare)")
 
 
 def add_memory(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,44 @@
+"""`python -m qwen_np export OUT.gguf`: any model qwen_np loads, written as a GGUF for llama.cpp, Ollama
+and LM Studio (gguf_file.write_gguf)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import QwenNPError
+from ..generate import read_generation_defaults
+from ..gguf_file import FILE_TYPES, write_gguf
+from ..loading import open_checkpoint
+from ..tokenizer import Tokenizer
+from . import common
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("export", help="write a model as a GGUF file for llama.cpp, Ollama and LM Studio",
+                                 description="Write any model qwen_np loads (a checkpoint folder, GGUF file or hub "
+                                             "id) as one GGUF file: weights in f32/f16/bf16/q8_0/q4_0, the config, "
+                                             "tokenizer and chat template llama.cpp reads.")
+    parser.add_argument("out", metavar="OUT.gguf", help="the file to write (replaced only once it is complete)")
+    common.add_model(parser)
+    parser.add_argument("--type", choices=FILE_TYPES, default="f16",
+                        help="how the matrices are stored: f32, f16, bf16, or llama.cpp's q8_0 (8.5 bits per weight) "
+                             "or q4_0 (4.5 bits); norm weights stay f32 (default: f16)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise QwenNPError(f"OUT.gguf: {out} is a folder or its folder does not exist")
+    source = common.model_folder(args.model)
+    checkpoint = open_checkpoint(source)
+    tokenizer = Tokenizer.from_folder(source)
+    sampling = read_generation_defaults(source, checkpoint.config).sampling
+    # The name llama.cpp shows: the hub id's or folder's last part ('Qwen3-0.6B', not a hub snapshot's hash).
+    name = Path(args.model).name.removesuffix(".gguf") if args.model else source.name
+    for note in write_gguf(out, checkpoint, tokenizer, sampling, args.type, name=name):
+        print(f"note: {note}", file=sys.stderr)
+    print(f"wrote {out} ({out.stat().st_size / 2 ** 20:.1f} MiB, {args.type})", file=sys.stderr)
+    return 0

@@ -1,0 +1,336 @@
+"""GGUF in and out: export -> load round trips, the metadata and tensor mapping, damaged files, the
+tokenizer rebuilt from tokenizer.ggml.* on the real Qwen3 vocabulary, and the CLI.
+
+llama.cpp cannot be installed offline here: files are checked through gguf's own reader and qwen_np.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GGML
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, TokenType
+import gguf
+
+from qwen_np import QwenNPError, Qwen3Model, load_config, load_model
+from qwen_np.config import LAYER_TENSORS, MODEL_TENSORS
+from qwen_np.formats import round_trip
+from qwen_np.generate import read_generation_defaults
+from qwen_np.gguf_file import GGUFCheckpoint, _gguf_name, write_gguf
+from qwen_np.loading import open_checkpoint
+from qwen_np.numerics import upcast
+from qwen_np.sampling import SamplingParams
+from qwen_np.tokenizer import Tokenizer
+from conftest import BUNDLED, QWEN3_RANDOM, ROOT, write_random_checkpoint
+
+PROMPT = [5, 17, 300, 42, 1999, 7, 7, 64, 1024, 3]
+
+
+def tiny_checkpoint(folder: Path, tied: bool = False, **overrides: object) -> Path:
+    """A random BF16 Qwen3 (q is [64, 32]: not square, so a transposed matrix cannot pass the shape check)
+    with the bundled model's 2,048-token tokenizer."""
+    write_random_checkpoint(folder, **{"vocab_size": 2048, "intermediate_size": 64, "tie_word_embeddings": tied, **overrides})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED / name, folder / name)
+    return folder
+
+
+def export(source: Path, out: Path, file_type: str) -> Path:
+    checkpoint = open_checkpoint(source)
+    sampling = read_generation_defaults(source, checkpoint.config).sampling
+    write_gguf(out, checkpoint, Tokenizer.from_folder(source), sampling, file_type)
+    return out
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def source(request, tmp_path_factory) -> Path:
+    return tiny_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", tied=request.param)
+
+
+def logits(path: Path) -> np.ndarray:
+    return load_model(path, memory="fp32").forward(PROMPT)
+
+
+# --- Names and metadata ----------------------------------------------------------------------------
+
+def test_every_tensor_of_the_config_table_has_llama_cpps_name() -> None:
+    expected = {"input_layernorm": "blk.3.attn_norm", "q_proj": "blk.3.attn_q", "k_proj": "blk.3.attn_k",
+                "v_proj": "blk.3.attn_v", "q_norm": "blk.3.attn_q_norm", "k_norm": "blk.3.attn_k_norm",
+                "o_proj": "blk.3.attn_output", "post_attention_layernorm": "blk.3.ffn_norm",
+                "gate_proj": "blk.3.ffn_gate", "up_proj": "blk.3.ffn_up", "down_proj": "blk.3.ffn_down"}
+    assert {key: _gguf_name(spec.name.format(i=3), 4) for key, spec in LAYER_TENSORS.items()} == \
+        {key: name + ".weight" for key, name in expected.items()}
+    assert {key: _gguf_name(spec.name) for key, spec in MODEL_TENSORS.items()} == \
+        {"embed_tokens": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
+
+
+def test_metadata_holds_the_config_and_dims_are_in_ggml_order(source, tmp_path) -> None:
+    path = export(source, tmp_path / "m.gguf", "f32")
+    config = load_config(source)
+    back = load_config(path)
+    assert {**back.to_dict(), "torch_dtype": None, "eos_token_id": None} == \
+        {**config.to_dict(), "torch_dtype": None, "eos_token_id": None}
+    reader = GGUFReader(path)
+    assert reader.get_field("general.architecture").contents() == "qwen3"
+    assert reader.get_field("qwen3.attention.key_length").contents() == config.head_dim
+    q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    # ggml lists ne[0] (the contiguous `in` axis) first: HF [H*Dh, D] = [64, 32] is stored as dims [32, 64]
+    assert list(q.shape) == [config.hidden_size, config.num_attention_heads * config.head_dim]
+    names = {t.name for t in reader.tensors}
+    assert ("output.weight" in names) is not config.tie_word_embeddings
+    assert {t.tensor_type for t in reader.tensors if t.name.endswith("norm.weight")} == {GGML.F32}
+
+
+# --- Round trips -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("file_type", ["f32", "bf16", "f16"])
+def test_float_exports_load_to_the_source_logits(source, tmp_path, file_type) -> None:
+    reference = logits(source)
+    loaded = logits(export(source, tmp_path / f"m-{file_type}.gguf", file_type))
+    difference = float(np.max(np.abs(loaded - reference)))
+    # The source is BF16: F32 and BF16 hold its values exactly; F16 too, but for values below F16's
+    # smallest normal (6e-5), which lose mantissa bits.
+    assert difference <= (1e-3 if file_type == "f16" else 0.0), difference
+
+
+@pytest.mark.parametrize("file_type", ["q8_0", "q4_0"])
+def test_quantized_exports_hold_ggufs_own_blocks_and_load_as_their_dequantization(source, tmp_path, file_type) -> None:
+    kind = {"q8_0": GGML.Q8_0, "q4_0": GGML.Q4_0}[file_type]
+    path = export(source, tmp_path / f"m-{file_type}.gguf", file_type)
+    stored = {t.name: t for t in GGUFReader(path).tensors}
+    original = open_checkpoint(source)
+    loaded = GGUFCheckpoint(path)
+    for name in original.tensors:
+        values = upcast(original.read(name))
+        tensor = stored[_gguf_name(name, original.config.num_hidden_layers)]
+        if values.ndim == 1:
+            assert tensor.tensor_type == GGML.F32
+            continue
+        assert tensor.tensor_type == kind
+        assert np.array_equal(tensor.data, gguf.quants.quantize(values, kind)), name     # the file's bytes
+        assert np.array_equal(loaded.read(name), round_trip(values, file_type)), name    # and what is loaded
+
+
+def greedy(model: Qwen3Model, ids: list[int], steps: int) -> list[int]:
+    ids = list(ids)
+    for _ in range(steps):
+        ids.append(int(model.forward(ids, last_only=True)[-1].argmax()))
+    return ids[-steps:]
+
+
+SCENE = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
+# Measured on the bundled model after SCENE: max |logit difference| / max |logit| 0.0056 (q8_0) and 0.086
+# (q4_0); the greedy text of q8_0 equals the source's for all 32 tokens, q4_0's for the first 15.
+QUANTIZED_BOUNDS = {"q8_0": (0.01, 32), "q4_0": (0.15, 8)}
+
+
+@pytest.mark.parametrize("file_type", QUANTIZED_BOUNDS)
+def test_quantized_exports_of_a_trained_model_keep_its_predictions(tmp_path, file_type) -> None:
+    relative, same_tokens = QUANTIZED_BOUNDS[file_type]
+    ids = Tokenizer.from_folder(BUNDLED).encode(SCENE)
+    source, exported = load_model(BUNDLED, memory="fp32"), load_model(export(BUNDLED, tmp_path / "m.gguf", file_type))
+    reference, quantized = source.forward(ids), exported.forward(ids)
+    assert np.max(np.abs(quantized - reference)) < relative * np.max(np.abs(reference))
+    assert np.array_equal(quantized.argmax(-1), reference.argmax(-1))
+    assert greedy(exported, ids, 32)[:same_tokens] == greedy(source, ids, 32)[:same_tokens]
+
+
+@pytest.mark.parametrize("file_type", ["f16", "q8_0"])
+def test_every_memory_mode_runs_a_gguf(source, tmp_path, file_type) -> None:
+    path = export(source, tmp_path / "m.gguf", file_type)
+    fp32, stored, int8 = (load_model(path, memory=mode).forward(PROMPT) for mode in ("fp32", "bf16", "int8"))
+    assert np.allclose(stored, fp32, rtol=0, atol=1e-5)            # the same weights, upcast per use
+    assert np.max(np.abs(int8 - fp32)) < 0.05 * np.max(np.abs(fp32))
+
+
+def test_a_tied_export_has_no_output_tensor_and_loads_one_shared_matrix(tmp_path) -> None:
+    path = export(tiny_checkpoint(tmp_path / "tied", tied=True), tmp_path / "tied.gguf", "bf16")
+    model = load_model(path, memory="bf16")
+    assert model.config.tie_word_embeddings and model.lm_head is model.embed_tokens
+
+
+def test_rows_that_are_not_whole_blocks_fall_back_to_f16_with_a_note(tmp_path) -> None:
+    source = tiny_checkpoint(tmp_path / "ckpt", intermediate_size=48)           # down_proj rows: 48 values
+    checkpoint = open_checkpoint(source)
+    notes = write_gguf(tmp_path / "m.gguf", checkpoint, Tokenizer.from_folder(source),
+                       read_generation_defaults(source, checkpoint.config).sampling, "q8_0")
+    types = {t.name: t.tensor_type for t in GGUFReader(tmp_path / "m.gguf").tensors}
+    assert types["blk.0.ffn_down.weight"] == GGML.F16 and types["blk.0.ffn_up.weight"] == GGML.Q8_0
+    assert any("blk.0.ffn_down.weight stays F16" in note for note in notes)
+
+
+def test_a_failed_export_leaves_no_file(source, tmp_path, monkeypatch) -> None:
+    calls = []
+
+    def failing(values: np.ndarray, kind: GGML) -> np.ndarray:
+        calls.append(kind)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return original(values, kind)
+
+    original = gguf.quants.quantize
+    monkeypatch.setattr(gguf.quants, "quantize", failing)
+    with pytest.raises(OSError):
+        export(source, tmp_path / "m.gguf", "f16")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_f16_export_refuses_values_past_f16s_range(tmp_path) -> None:
+    source = tiny_checkpoint(tmp_path / "ckpt")
+    checkpoint, read = open_checkpoint(source), open_checkpoint(source).read
+    checkpoint.read = lambda name, buffer=None: upcast(read(name)) * (1e6 if name.endswith("v_proj.weight") else 1)
+    with pytest.raises(QwenNPError, match="tensor 'blk.0.attn_v.weight' has values beyond F16's largest"):
+        write_gguf(tmp_path / "m.gguf", checkpoint, Tokenizer.from_folder(source), SamplingParams(), "f16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_an_ollama_blob_without_a_suffix_is_recognised_by_its_magic(source, tmp_path) -> None:
+    blob = tmp_path / "sha256-0123abcd"
+    export(source, blob, "f32")
+    assert np.array_equal(logits(blob), logits(source))
+
+
+# --- Damaged files ---------------------------------------------------------------------------------
+
+def rewrite(good: Path, out: Path, architecture: str = "qwen3", drop: str = "", transpose: str = "",
+            replace: dict[str, tuple[np.ndarray, GGML]] | None = None) -> Path:
+    """A copy of an F32 GGUF through gguf's writer, with one thing changed (replace: name -> bytes, type)."""
+    reader = GGUFReader(good)
+    writer = GGUFWriter(out, architecture)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        if tensor.name in (replace or {}):
+            writer.add_tensor(tensor.name, replace[tensor.name][0], raw_dtype=replace[tensor.name][1])
+        elif tensor.name != drop:
+            writer.add_tensor(tensor.name, tensor.data.T.copy() if tensor.name == transpose else np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("good")
+    return export(tiny_checkpoint(folder / "ckpt"), folder / "good.gguf", "f32")
+
+
+DAMAGE = {
+    "truncated": (lambda good, out: out.write_bytes(good.read_bytes()[:-100]) and out,
+                  "tensor 'output.weight' runs to byte"),
+    "truncated header": (lambda good, out: out.write_bytes(good.read_bytes()[:200]) and out, "truncated GGUF file"),
+    "missing tensor": (lambda good, out: rewrite(good, out, drop="blk.1.ffn_up.weight"),
+                       "tensor 'blk.1.ffn_up.weight' (model.layers.1.mlp.up_proj.weight) is missing"),
+    "llama": (lambda good, out: rewrite(good, out, architecture="llama"), "general.architecture is 'llama'"),
+    "transposed": (lambda good, out: rewrite(good, out, transpose="blk.0.attn_q.weight"),
+                   "tensor 'blk.0.attn_q.weight' has shape [32, 64] (NumPy order) but the metadata implies [64, 32]"),
+    "not gguf": (lambda good, out: out.write_bytes(b"GGUF" + bytes(3)) and out, "not a valid GGUF file"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_damaged_gguf_is_one_error_naming_the_field_or_tensor(good, tmp_path, case) -> None:
+    make, message = DAMAGE[case]
+    path = make(good, tmp_path / "bad.gguf")
+    with pytest.raises(QwenNPError) as raised:
+        load_model(path)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+    assert str(path) in str(raised.value)
+
+
+def test_k_quants_are_dequantized_to_fp32_at_load_by_gguf(tmp_path) -> None:
+    good = export(tiny_checkpoint(tmp_path / "ckpt", hidden_size=256), tmp_path / "f32.gguf", "f32")
+    blocks = np.random.default_rng(0).integers(0, 256, size=(64, 210), dtype=np.uint8)   # q_proj: 64 rows of 256
+    blocks[:, 208:] = np.array([1e-3], np.float16).view(np.uint8)    # each Q6_K block's FP16 scale: small, finite
+    path = rewrite(good, tmp_path / "q6_k.gguf", replace={"blk.0.attn_q.weight": (blocks, GGML.Q6_K)})
+    checkpoint = GGUFCheckpoint(path)
+    q_proj = LAYER_TENSORS["q_proj"].name.format(i=0)
+    assert np.array_equal(checkpoint.read(q_proj), gguf.quants.dequantize(blocks, GGML.Q6_K))
+    assert "its Q6_K tensors are dequantized to FP32 at load" in (checkpoint.dequantization_note() or "")
+    assert np.isfinite(load_model(path).forward(PROMPT)).all()
+
+
+# --- The tokenizer on the real Qwen3 vocabulary ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3_gguf(tmp_path_factory) -> Path:
+    return export(QWEN3_RANDOM, tmp_path_factory.mktemp("qwen3") / "qwen3.gguf", "q8_0")
+
+
+TEXTS = ["Hello, world! It's a test.", "def f(x):\n    return x**2  # square\n\n\n", "猫は日本語を話しますか？中文也可以。",
+         "emoji 🤖🎉👩‍💻 and accents: café naïve Ångström", "   leading and trailing spaces   ", "123456789 3.14159 1e-6",
+         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nhmm\n</think>\n\nok<|endoftext|>",
+         "<tool_call>{\"name\": \"f\"}</tool_call> <|fim_prefix|>a<|fim_suffix|>", "e\u0301 (decomposed é, NFC)", "\t\r\n tabs"]
+
+
+def test_the_gguf_tokenizer_gives_the_hugging_face_ids(qwen3_gguf) -> None:
+    hf, ours = Tokenizer.from_folder(QWEN3_RANDOM), Tokenizer.from_folder(qwen3_gguf)
+    for text in TEXTS:
+        ids = hf.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == hf.decode(ids)
+    assert ours.vocab_size == hf.vocab_size == 151669          # the [PAD] padding is not a token
+    assert (ours.eos_token_id, ours.pad_token_id) == (hf.eos_token_id, hf.pad_token_id) == (151645, 151643)
+
+
+def test_the_gguf_chat_template_renders_as_the_checkpoints(qwen3_gguf) -> None:
+    hf, ours = Tokenizer.from_folder(QWEN3_RANDOM), Tokenizer.from_folder(qwen3_gguf)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}, {"role": "user", "content": "猫?"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    for thinking in (None, False):
+        assert ours.apply_chat_template(messages, enable_thinking=thinking, tools=tools) == \
+            hf.apply_chat_template(messages, enable_thinking=thinking, tools=tools)
+
+
+def test_qwen3_vocabulary_is_written_as_llama_cpps_converter_writes_it(qwen3_gguf) -> None:
+    reader = GGUFReader(qwen3_gguf)
+    field = reader.get_field
+    tokens, types = field("tokenizer.ggml.tokens").contents(), field("tokenizer.ggml.token_type").contents()
+    assert (field("tokenizer.ggml.model").contents(), field("tokenizer.ggml.pre").contents()) == ("gpt2", "qwen2")
+    assert len(tokens) == 151936 and tokens[151669] == "[PAD151669]" and types[151669] == TokenType.UNUSED
+    assert types[tokens.index("<|im_start|>")] == types[tokens.index("<|fim_prefix|>")] == TokenType.CONTROL
+    assert types[tokens.index("<think>")] == TokenType.USER_DEFINED and types[tokens.index("Ġthe")] == TokenType.NORMAL
+    assert [field(f"tokenizer.ggml.{key}_token_id").contents() for key in ("bos", "eos", "padding")] == \
+        [151643, 151645, 151643]
+    assert field("tokenizer.huggingface.json") is None and field("tokenizer.chat_template") is not None
+    assert load_config(qwen3_gguf).eos_token_ids == [151645, 151643]     # <|im_end|>, then <|endoftext|>
+    assert read_generation_defaults(qwen3_gguf, load_config(qwen3_gguf)) == \
+        read_generation_defaults(QWEN3_RANDOM, load_config(QWEN3_RANDOM))  # temperature 0.6, top-p 0.95, top-k 20
+
+
+# --- The command line ------------------------------------------------------------------------------
+
+def qwen(*args: str) -> subprocess.CompletedProcess:
+    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "QWEN_NP_CACHE": "off"}
+    return subprocess.run([sys.executable, "-m", "qwen_np", *args], cwd=ROOT, capture_output=True, timeout=120, env=env)
+
+
+def test_export_from_the_cli_then_generate_from_the_gguf_gives_the_same_text(tmp_path) -> None:
+    out = tmp_path / "bundled.gguf"
+    exported = qwen("export", str(out), "--type", "bf16")              # default: the bundled model
+    assert exported.returncode == 0 and out.is_file(), exported.stderr.decode()
+    flags = ("generate", "--no-chat", "--temperature", "0", "-n", "16", "ROMEO:")
+    from_gguf, from_folder = qwen(*flags, "--model", str(out)), qwen(*flags)
+    assert from_gguf.returncode == 0, from_gguf.stderr.decode()
+    assert from_gguf.stdout == from_folder.stdout and len(from_gguf.stdout.decode().strip()) > 0
+
+
+def test_a_bad_gguf_on_the_cli_is_one_error_line_and_exit_2(tmp_path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    result = qwen("generate", "--model", str(bad), "hi")
+    lines = result.stderr.decode().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {bad}")
+    result = qwen("export", str(tmp_path / "no-such-folder" / "out.gguf"))
+    assert result.returncode == 2 and result.stderr.decode().startswith("error: OUT.gguf:")
