@@ -28,7 +28,7 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
-from qwen_np.generate import peak_rss_bytes
+from qwen_np.runtime import peak_rss_bytes
 from qwen_np.numerics import Int8Rows, StoredRows
 
 GiB = 1024 ** 3

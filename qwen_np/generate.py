@@ -18,8 +18,6 @@
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +27,7 @@ import numpy as np
 
 from .config import Qwen3Config, id_list, read_json_object
 from .errors import QwenNPError
+from .runtime import peak_rss_bytes
 from .finite import check_finite
 from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .model import KVCache, Qwen3Model, Trace
@@ -82,12 +81,6 @@ class GenerationStats:
 
 def _rate(tokens: int, seconds: float) -> str:
     return f"{tokens / seconds:.1f}tok/s" if seconds > 0 and tokens else "n/a"
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024   # macOS reports bytes, Linux KiB
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ Layout, as the reader and writer see it:
   llama.cpp runs QWEN2/QWEN3 with NEOX RoPE, HF's rotate-half pairing (src/llama-model.cpp); so does
   transformers' GGUF loader, which un-permutes only "llama" (modeling_gguf_pytorch_utils.py).
 
-Weights are held as the safetensors loader holds them: F32, F16 and BF16 (as uint16 bits) tensors
+Weights are held as the safetensors loader holds them: F32, F16 and BF16 tensors
 are zero-copy views of the memory-mapped file, read through checkpoint.Checkpoint. Quantized tensors
 (Q8_0, Q4_0, the K-quants, ...) have no such view: they are dequantized to FP32 at load with
 gguf.quants.dequantize, so they cost 4 bytes per weight in memory (a Q4_0 file is ~7x smaller than

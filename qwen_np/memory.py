@@ -143,3 +143,20 @@ def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
                           f"{max_tokens} tokens, buffers) but only {plan.available_bytes / GiB:.1f} GiB is available; "
                           f"{advice}")
     return plan
+
+
+def training_memory(config: Qwen3Config, rows: int, context: int) -> dict[str, int]:
+    """Bytes a training step holds: weights, gradients, AdamW's two moments, and the tape.
+
+    Activations per token per layer are gradients.LayerTape's arrays: 4 D-wide (x, h, x_mid, h_mlp), q before and
+    after norm+RoPE and the mixed heads (3 H*Dh), k before and after, v (3 KVH*Dh), the attention
+    probabilities (H*T: they grow with the context) and gate, up (2 F); plus the final norm's
+    input and output (2 D) and three [V] rows (logits, log-probs, their gradient).
+    """
+    D, F, H, KVH, Dh, V = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                           config.num_key_value_heads, config.head_dim, config.vocab_size)
+    params = parameter_count(config)
+    per_layer = 4 * D + 3 * H * Dh + 3 * KVH * Dh + H * context + 2 * F
+    per_token = 4 * (config.num_hidden_layers * per_layer + 2 * D + 3 * V)
+    return {"weights": 4 * params, "gradients": 4 * params, "adamw": 8 * params,
+            "activations_per_token": per_token, "activations": per_token * rows * context}

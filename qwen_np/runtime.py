@@ -14,6 +14,8 @@ import functools
 import math
 import mmap
 import os
+import resource
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -184,6 +186,12 @@ def split(n: int, parts: int, job: Callable[[slice], object]) -> None:
     job(slice(bounds[0], bounds[1]))
     for done in pending:
         done.result()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024   # macOS reports bytes, Linux KiB
 
 
 def allocate(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> np.ndarray:

@@ -27,12 +27,12 @@ import numpy as np
 
 from . import evaluation, training
 from .checkpoint import save_checkpoint, write_atomically
-from .config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors, parameter_count
+from .config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors
 from .data import END_OF_TEXT_ID
 from .errors import QwenNPError
-from .generate import peak_rss_bytes
+from .memory import training_memory
 from .model import LayerWeights, Qwen3Model
-from .runtime import steady_threads, usable_cores
+from .runtime import peak_rss_bytes, steady_threads, usable_cores
 
 # The model configs a run can start from (`--preset`). "shakespeare" is the bundled default model;
 # "tiny" trains in seconds (CI, tests). data.END_OF_TEXT_ID is <|endoftext|> in the BPE that data.py trains.
@@ -199,23 +199,6 @@ def export_model(folder: Path, config_json: dict[str, Any], params: dict[str, np
 # --- Memory -----------------------------------------------------------------------------------------
 
 
-def memory_estimate(config: Qwen3Config, rows: int, context: int) -> dict[str, int]:
-    """Bytes a training step holds: weights, gradients, AdamW's two moments, and the tape.
-
-    Activations per token per layer are LayerTape's arrays: 4 D-wide (x, h, x_mid, h_mlp), q before and
-    after norm+RoPE and the mixed heads (3 H*Dh), k before and after, v (3 KVH*Dh), the attention
-    probabilities (H*T: they grow with the context) and gate, up (2 F); plus the final norm's
-    input and output (2 D) and three [V] rows (logits, log-probs, their gradient).
-    """
-    D, F, H, KVH, Dh, V = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
-                           config.num_key_value_heads, config.head_dim, config.vocab_size)
-    params = parameter_count(config)
-    per_layer = 4 * D + 3 * H * Dh + 3 * KVH * Dh + H * context + 2 * F
-    per_token = 4 * (config.num_hidden_layers * per_layer + 2 * D + 3 * V)
-    return {"weights": 4 * params, "gradients": 4 * params, "adamw": 8 * params,
-            "activations_per_token": per_token, "activations": per_token * rows * context}
-
-
 # --- The run ----------------------------------------------------------------------------------------
 
 
@@ -317,7 +300,7 @@ class RunResult:
     stopped: str                            # why it stopped early ("" if it ran every step)
     exported: Path | None                   # the exported model, None when interrupted
     last: Path
-    estimate: dict[str, int]                # memory_estimate of a step
+    estimate: dict[str, int]                # memory.training_memory of a step
     baseline: int                           # the process's peak RSS before training (bytes)
     interrupted: bool = False               # Ctrl-C / SIGTERM: `last` holds the state to resume
 
@@ -367,7 +350,7 @@ def _run(spec: RunSpec, events: RunEvents) -> RunResult:
         optimizer.m, optimizer.v, optimizer.step = adam_m, adam_v, meta["optimizer_step"]
     order = WindowOrder(len(corpus.train), settings.context, settings.seed, **meta["order"])
     baseline = peak_rss_bytes()
-    estimate = memory_estimate(config, settings.batch_size // settings.grad_accum, settings.context)
+    estimate = training_memory(config, settings.batch_size // settings.grad_accum, settings.context)
 
     def checkpoint(path: Path) -> None:
         meta.update(settings=asdict(settings), config=config_json, order={"epoch": order.epoch, "position": order.position})

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_np.cli import ReplyWriter
+from qwen_np.commands.generate import ReplyWriter
 from qwen_np.tokenizer import Tokenizer
 from conftest import BUNDLED, QWEN3_RANDOM
 

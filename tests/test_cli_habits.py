@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from qwen_np.cli import ReplyWriter
+from qwen_np.commands.generate import ReplyWriter
 from test_cli import QWEN3, ROOT, assert_one_error_line, qwen
 
 

@@ -1,4 +1,4 @@
-"""`inspect`'s memory breakdown: inference (weights, KV cache, buffers) and training (trainer.memory_estimate)."""
+"""`inspect`'s memory breakdown: inference (weights, KV cache, buffers) and training (memory.training_memory)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from qwen_np import preset, trainer
+from qwen_np import preset
 from qwen_np.cli import main
 from qwen_np.errors import QwenNPError
 from qwen_np.inspection import inspect_report
-from qwen_np.memory import kv_cache_bytes_per_token
+from qwen_np.memory import kv_cache_bytes_per_token, training_memory
 
 BANDWIDTH = 10e9
 
@@ -18,7 +18,7 @@ BANDWIDTH = 10e9
 def test_training_memory_is_the_trainers_estimate_and_adds_up():
     config = preset("qwen3-0.6b")
     memory = inspect_report(config, 7, "qwen3-0.6b", BANDWIDTH, context=512, batch_size=4)["memory"]
-    estimate = trainer.memory_estimate(config, 4, 512)
+    estimate = training_memory(config, 4, 512)
     assert {k: memory["training"][k] for k in estimate} == estimate
     assert memory["training"]["total"] == sum(v for k, v in estimate.items() if k != "activations_per_token")
     assert memory["training"]["adamw"] == 2 * memory["training"]["weights"] == 2 * memory["inference"]["weights"]["fp32"]

@@ -8,6 +8,8 @@ numbers (NOTEBOOK_CHECKS), so the notebook cannot drift from the page either.
 
 from __future__ import annotations
 
+import argparse
+
 import contextlib
 import importlib
 import io
@@ -151,7 +153,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qwen_np import layers, load_model, sampling, trainer, training
+from qwen_np import layers, load_model, memory, sampling, trainer, training
 from qwen_np.inspection import Tracer, attention_weights, lens_probabilities
 from qwen_np.tokenizer import Tokenizer
 
@@ -207,7 +209,7 @@ optimizer = training.adamw_for(params, weight_decay=0.1)
 lr = training.learning_rate({warmup} - 1, {peak}, {warmup}, {steps})
 optimizer.update(params, grads, lr)                            # the model's weights change in place
 print(batch.shape, round(loss, 4), round(norm, 4), lr, round(training.loss_and_gradients(model, batch)[0], 4))''',
-    10: '''estimate = trainer.memory_estimate(model.config, rows=16, context=256)
+    10: '''estimate = memory.training_memory(model.config, rows=16, context=256)
 for key, value in estimate.items():
     print(f"{key:<22} {value / 2**20:10.2f} MiB")''',
 }
@@ -292,7 +294,7 @@ GLOSSARY = (
     ("KV cache", "every layer's keys and values of the tokens so far, so a new token computes only its own",
      "qwen_np.model.KVCache", "--ctx-size", 6),
     ("activations / 激活", "the intermediate arrays of a forward pass; training keeps them for the backward pass",
-     "qwen_np.trainer.memory_estimate", "--grad-accum", 10),
+     "qwen_np.memory.training_memory", "--grad-accum", 10),
     ("logits", "one score per vocabulary entry; softmax turns them into probabilities",
      "qwen_np.layers.softmax", "--temperature", 5),
     ("sampling / 采样", "drawing the next token from the (filtered) probabilities",
@@ -325,7 +327,7 @@ def cli_flags() -> set[str]:
         parser = parsers.pop()
         for action in parser._actions:
             flags.update(action.option_strings)
-            if hasattr(action, "choices") and isinstance(action.choices, dict):
+            if isinstance(action, argparse._SubParsersAction):
                 parsers.extend(action.choices.values())
     return flags
 

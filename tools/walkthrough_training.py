@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from qwen_np import load_model, preset, trainer, training
+from qwen_np import load_model, memory, preset, trainer, training
 from qwen_np.config import Qwen3Config, parameter_count
 from qwen_np.precision import PASSAGE
 from qwen_np.tokenizer import Tokenizer
@@ -142,14 +142,14 @@ def memory_section(model_dir: Path, num: Any) -> str:
     model = load_model(model_dir, memory="fp32", fast=False)
     config = model.config
     rows, context = settings["batch_size"], settings["context"]
-    estimate = trainer.memory_estimate(config, rows, context)
+    estimate = memory.training_memory(config, rows, context)
     table = "\n".join(f"| {what} | {mib(estimate[key])} |" for key, what in (
         ("weights", "weights (FP32)"), ("gradients", "gradients (FP32)"), ("adamw", "AdamW moments m and v (FP32)"),
         ("activations", f"activations: {estimate['activations_per_token'] / 1024:.4g} KiB per token × {rows} × {context}")))
     total = sum(v for k, v in estimate.items() if k != "activations_per_token")
 
     measured_rows, measured_context = MEASURED_BATCH, MEASURED_CONTEXT
-    small = trainer.memory_estimate(config, measured_rows, measured_context)
+    small = memory.training_memory(config, measured_rows, measured_context)
     tokens = np.resize(np.array(Tokenizer.from_folder(model_dir).encode(TRAIN_TEXT), dtype=np.int64),
                        (measured_rows, measured_context + 1))
     tracemalloc.start()
@@ -169,7 +169,7 @@ def memory_section(model_dir: Path, num: Any) -> str:
     n = parameter_count(config)
     return f"""## 10. What training holds in memory, and what a checkpoint saves
 
-While it trains, qwen_np holds four numbers per parameter, all FP32 (`trainer.memory_estimate`): the
+While it trains, qwen_np holds four numbers per parameter, all FP32 (`memory.training_memory`): the
 weight, its gradient, and AdamW's two moments; plus the **activations** the backward pass needs, which
 grow with batch size × context. For the `{PRESET}` preset ({n:,} parameters, batches of
 {rows} × {context} tokens):

@@ -12,6 +12,7 @@ from ..checkpoint import bundled_model_path, resolve_model_path
 from ..errors import QwenNPError
 from ..memory import DEFAULT_CONTEXT, MODES
 
+EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIGINT, as shells report it)
 BUNDLED_MODEL = bundled_model_path()
 BUNDLED_NAME = "weights (bundled Shakespeare model)"
 MEMORY_HELP = ("how to hold the weights: fp32 upcasts every weight once at load (fastest), bf16 keeps them as stored "

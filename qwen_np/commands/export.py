@@ -22,7 +22,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                                              "tokenizer and chat template llama.cpp reads.")
     parser.add_argument("out", metavar="OUT.gguf", help="the file to write (replaced only once it is complete)")
     common.add_model(parser)
-    parser.add_argument("--type", choices=FILE_TYPES, default="f16",
+    parser.add_argument("--type", choices=list(FILE_TYPES), default="f16",
                         help="how the matrices are stored: f32, f16, bf16, or llama.cpp's q8_0 (8.5 bits per weight) "
                              "or q4_0 (4.5 bits); norm weights stay f32 (default: f16)")
     parser.set_defaults(run=run)

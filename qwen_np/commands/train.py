@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import trainer
-from ..generate import peak_rss_bytes
+from ..runtime import peak_rss_bytes
 
 
 def register(commands: argparse._SubParsersAction) -> None:

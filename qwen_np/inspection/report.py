@@ -9,7 +9,7 @@ from typing import Any
 from ..config import DIMENSIONS, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
 from ..memory import (DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
-                      kv_cache_bytes_per_token, working_bytes)
+                      kv_cache_bytes_per_token, training_memory, working_bytes)
 from ..numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
@@ -64,12 +64,11 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
 
 
 def memory_breakdown(config: Qwen3Config, context: int, batch_size: int) -> dict[str, Any]:
-    """Bytes to run the model (weights, KV cache, working buffers) and to train it (trainer.memory_estimate)."""
-    from ..trainer import memory_estimate   # the training side's own account of what a step holds
+    """Bytes to run the model (weights, KV cache, working buffers) and to train it (memory.training_memory)."""
 
     params = parameter_summary(config)["total"]
     stored = {"fp32": 4 * params, "bf16": 2 * params, "int8": int8_weight_bytes(config)}
-    training = memory_estimate(config, batch_size, context)
+    training = training_memory(config, batch_size, context)
     return {
         "context": context,
         "inference": {"weights": stored, "kv_cache_fp32": context * kv_cache_bytes_per_token(config, 4),

@@ -1,0 +1,542 @@
+"""`python -m qwen_np generate` and `chat`: prompts in, streamed text out, with the inspections
+(--trace-layers, --lens, --attention) and the stats line.
+
+Generated text goes to stdout, token by token; everything else (notes, the memory plan, traces,
+the stats line) goes to stderr. Ctrl-C stops a reply cleanly and still prints its stats line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TextIO
+
+from ..batching import BatchGenerator, Request
+from ..config import Qwen3Config, load_config
+from ..errors import QwenNPError
+from ..finite import check_weights_finite
+from ..generate import (ChatSession, GenerationDefaults, GenerationStats, TokenEvent, context_budget, generate,
+                        prompt_ids, read_generation_defaults, resolve_sampling)
+from ..loading import load_model
+from ..memory import DEFAULT_CONTEXT
+from ..model import Qwen3Model, Trace
+from ..sampling import SamplingParams
+from ..tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer, split_thinking
+from . import common
+
+BUNDLED_NOTICE = ("note: using the bundled model, a tiny Qwen3 that qwen_np trained on Shakespeare's plays: it continues "
+                  "text in their style and knows nothing else; for real answers pass --model with a hub id "
+                  "(e.g. Qwen/Qwen3-0.6B) or a checkpoint folder")
+NO_CHAT_TEMPLATE_NOTICE = "note: this model has no chat template, so the prompt is continued as plain text (as --no-chat)"
+DEFAULT_MAX_NEW_TOKENS = 1024
+# With thinking on, Qwen3 reasons before it answers: most replies to everyday questions, thinking
+# included, fit in 4096 tokens (the model card suggests up to 32768 for hard problems: pass -n).
+THINKING_MAX_NEW_TOKENS = 4096
+CHAT_COMMANDS = {"/clear": "forget the conversation (the system prompt stays)",
+                 "/system TEXT": "set the system prompt (/system alone removes it)",
+                 "/think on|off": "let Qwen3 think before answering, or not",
+                 "/exit": "end the chat (so does Ctrl-D)", "/help": "this list"}
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "seed")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    gen = commands.add_parser("generate", help="continue one prompt and stream the reply",
+                              description="Generate a reply to PROMPT (a user message rendered with the "
+                                          "checkpoint's chat template; plain text to continue with --no-chat or "
+                                          "when the checkpoint has no template). Several "
+                                          "prompts run together as one batch; their replies print in order.")
+    gen.add_argument("prompt", nargs="*", help="the user message (with --no-chat: the text to continue); - reads it "
+                                               "from stdin")
+    gen.add_argument("-p", "--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
+                     help="a prompt (repeatable), as the positional PROMPT")
+    gen.add_argument("-f", "--file", action="append", default=[], metavar="FILE",
+                     help="read prompts from FILE, one per line (repeatable; - is stdin)")
+    gen.add_argument("--stop", action="append", default=[], metavar="STR",
+                     help="end the reply before the text STR (repeatable; found even when it spans tokens)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per prompt instead of the text: text, token ids, finish reason, "
+                          "usage, timings, seed")
+    _add_model_flags(gen)
+    _add_generation_flags(gen)
+    gen.add_argument("--no-chat", action="store_true",
+                     help="plain completion: feed PROMPT as is, without the chat template")
+    _add_inspection_flags(gen)
+    gen.set_defaults(run=run_generate)
+
+    chat = commands.add_parser("chat", help="multi-turn conversation on stdin/stdout",
+                               description="Chat turn by turn; the KV cache is kept between turns, so each turn "
+                                           "only runs its new tokens. Commands: " + ", ".join(CHAT_COMMANDS) + ". "
+                                           "Ctrl-C stops a reply, Ctrl-D ends the chat. When the context fills, "
+                                           "the oldest turns are dropped (with a notice).")
+    _add_model_flags(chat)
+    _add_generation_flags(chat)
+    common.add_context(chat, "KV cache positions for the whole conversation")
+    chat.set_defaults(run=run_chat)
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    common.add_model(parser)
+    common.add_memory(parser)
+    common.add_threads(parser)
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the memory plan and token-level details (prompt and generated ids, cache "
+                             "use) on stderr")
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--max-new-tokens", type=common.at_least(0), metavar="N",
+                        help=f"stop after N new tokens (default: {THINKING_MAX_NEW_TOKENS} when Qwen3 thinks, "
+                             f"{DEFAULT_MAX_NEW_TOKENS} with --no-think or --no-chat); generation also stops at an "
+                             "end-of-sequence token or when the context is full")
+    parser.add_argument("--temperature", "--temp", type=float, metavar="T",
+                        help="divide the logits by T before sampling: lower is more predictable, 0 is greedy "
+                             "(always the most likely token) (default: generation_config.json; Qwen3: 0.6, "
+                             "0.7 with --no-think)")
+    parser.add_argument("--top-k", type=int, metavar="K",
+                        help="sample only among the K most likely tokens; 0 turns it off "
+                             "(default: generation_config.json; Qwen3: 20)")
+    parser.add_argument("--top-p", type=float, metavar="P",
+                        help="sample only among the fewest most likely tokens whose probabilities add up to P, "
+                             "in (0, 1]; 1 turns it off (default: generation_config.json; Qwen3: 0.95, "
+                             "0.8 with --no-think)")
+    parser.add_argument("--min-p", type=float, metavar="P",
+                        help="drop tokens less likely than P times the most likely one, in [0, 1]; 0 turns it off "
+                             "(default: generation_config.json, else 0)")
+    parser.add_argument("--repetition-penalty", "--repeat-penalty", type=float, metavar="R",
+                        help="divide the positive logits (multiply the negative ones) of every token already in "
+                             "the prompt or the output by R, as transformers does; 1 turns it off "
+                             "(default: generation_config.json, else 1)")
+    parser.add_argument("--presence-penalty", type=float, metavar="P",
+                        help="subtract P from the logit of every token already generated (the prompt does not "
+                             "count), as OpenAI and vLLM do; 0 turns it off (default: 0)")
+    parser.add_argument("-s", "--seed", type=int, metavar="S",
+                        help="seed of the sampler: the same seed and flags give the same text (default: drawn at "
+                             "random and shown in the stats line; with several prompts, prompt i uses S + i)")
+    parser.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                        help="let Qwen3 reason in a <think> block before answering, or not (--no-think renders "
+                             "the chat template with enable_thinking=false and switches the sampling defaults to "
+                             "the model card's non-thinking ones: temperature 0.7, top-p 0.8, top-k 20) "
+                             "(default: the template's, which thinks)")
+    parser.add_argument("--system", metavar="TEXT", help="a system prompt placed before the first user message")
+    parser.add_argument("--hide-think", action="store_true",
+                        help="Qwen3 still thinks, but stdout shows only the answer after </think> (for scripts)")
+
+
+def _add_inspection_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", action="store_true",
+                        help="print every intermediate tensor of the prompt's forward pass and the first decode "
+                             "step on stderr (name, shape, statistics)")
+    parser.add_argument("--trace-layers", metavar="LIST",
+                        help="trace only these decoder layers, comma-separated, e.g. 0,35 (implies --trace)")
+    parser.add_argument("--lens", action="store_true",
+                        help="logit lens: before generating, print on stderr the tokens each layer's output would "
+                             "predict at the prompt's positions")
+    parser.add_argument("--attention", metavar="LAYER:HEAD",
+                        help="before generating, print on stderr how one attention head attends over the prompt")
+    parser.add_argument("--attention-png", metavar="FILE",
+                        help="also save the --attention pattern as a PNG image")
+
+
+# --- Checking flags before anything is loaded ---------------------------------------------------
+
+def _explicit_sampling(args: argparse.Namespace) -> dict[str, float | int | None]:
+    """The sampling flags given on the command line (None = not given), validated now, before loading."""
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    SamplingParams(**{name: value for name, value in given.items() if value is not None})
+    return given
+
+
+def _max_new_tokens(args: argparse.Namespace, chat: bool = True) -> int:
+    """-n, or the default: room for Qwen3's thinking when it thinks (a chat turn, --think not off)."""
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    return THINKING_MAX_NEW_TOKENS if chat and args.think is not False else DEFAULT_MAX_NEW_TOKENS
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts: positional ones (- is all of stdin), -p ones, then every line of each --file."""
+    prompts = [_read_stdin() if text == "-" else text for text in [*args.prompt, *args.prompts]]
+    for name in args.file:
+        try:
+            text = _read_stdin() if name == "-" else Path(name).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise QwenNPError(f"--file {name}: not UTF-8 text") from None
+        except OSError as error:
+            raise QwenNPError(f"--file {name}: {error.strerror}") from None
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise QwenNPError(f"--file {name}: no prompts in it (one per line)")
+        prompts += lines
+    if not prompts:
+        raise QwenNPError("prompt: none given (pass PROMPT, - to read it from stdin, or --file FILE)")
+    return prompts
+
+
+def _read_stdin() -> str:
+    """All of stdin, decoded as UTF-8 whatever the locale (the text wrapper of a C locale would let
+    bad bytes through as surrogates, which the tokenizer cannot encode)."""
+    if sys.stdin.isatty():
+        print("reading the prompt from stdin; end it with Ctrl-D", file=sys.stderr)
+    raw = sys.stdin.buffer.read()
+    try:
+        return raw.decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError as bad:
+        raise QwenNPError(f"stdin: not UTF-8 text (byte {raw[bad.start]:#04x} at offset {bad.start})") from None
+
+
+def _parse_attention(spec: str, config: Qwen3Config) -> tuple[int, int]:
+    """`LAYER:HEAD` -> (layer, head), both checked against the model's shape."""
+    try:
+        layer, head = (int(part) for part in spec.split(":"))
+    except ValueError:
+        raise QwenNPError(f"--attention: expected LAYER:HEAD, e.g. 0:3, got {spec!r}") from None
+    if not (0 <= layer < config.num_hidden_layers and 0 <= head < config.num_attention_heads):
+        raise QwenNPError(f"--attention: the model has layers 0..{config.num_hidden_layers - 1} and heads "
+                          f"0..{config.num_attention_heads - 1}, got {spec!r}")
+    return layer, head
+
+
+def _parse_layers(spec: str, config: Qwen3Config) -> set[int]:
+    """`0,35` -> {0, 35}, each checked against the model's layer count."""
+    try:
+        layers = {int(part) for part in spec.split(",")}
+    except ValueError:
+        raise QwenNPError(f"--trace-layers: expected comma-separated layer numbers, e.g. 0,35, got {spec!r}") from None
+    bad = sorted(n for n in layers if not 0 <= n < config.num_hidden_layers)
+    if bad:
+        raise QwenNPError(f"--trace-layers: the model has layers 0..{config.num_hidden_layers - 1}, got {bad[0]}")
+    return layers
+
+
+# --- Opening a checkpoint ----------------------------------------------------------------------
+
+@dataclass
+class Opened:
+    """A checkpoint's small files, read before any weight is: enough to check every input."""
+
+    name: str
+    folder: Path
+    config: Qwen3Config
+    defaults: GenerationDefaults
+    tokenizer: Tokenizer
+    bundled: bool          # the bundled Shakespeare model, which the user must be told about
+
+
+def _open_checkpoint(model: str | None) -> Opened:
+    folder = common.model_folder(model)
+    bundled = common.is_bundled(folder)
+    config = load_config(folder)
+    return Opened(common.BUNDLED_NAME if bundled else model or str(folder), folder, config,
+                  read_generation_defaults(folder, config), Tokenizer.from_folder(folder), bundled)
+
+
+def _load_weights(opened: Opened, args: argparse.Namespace, max_tokens: int) -> Qwen3Model:
+    """Load the weights, once every input has been checked (so a bad input is the only line printed)."""
+    if opened.bundled:
+        print(BUNDLED_NOTICE, file=sys.stderr)
+    model = load_model(opened.folder, memory=args.memory, max_tokens=max_tokens)
+    if args.verbose and model.plan is not None:
+        print(model.plan.describe(), file=sys.stderr)
+    return model
+
+
+# --- Writing the reply -------------------------------------------------------------------------
+
+class ReplyWriter:
+    """Streams reply text to stdout as it arrives; on a terminal the <think> part is shown dimmed, and
+    with hide_think it is not shown at all (nor the blank lines between it and the answer).
+
+    <think> and </think> are single tokens, so a text delta never holds half a tag.
+    """
+
+    DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, stream: TextIO, hide_think: bool = False) -> None:
+        self.stream = stream
+        self.styled = stream.isatty() and "NO_COLOR" not in os.environ and not hide_think
+        self.hide_think = hide_think
+        self.thinking = False
+        self.wrote = False
+
+    def write(self, text: str) -> None:
+        if self.hide_think:
+            text = self._answer_only(text)
+        if self.styled:
+            text = text.replace(THINK_OPEN, self.DIM + THINK_OPEN).replace(THINK_CLOSE, THINK_CLOSE + self.RESET)
+            self.thinking = (self.thinking or THINK_OPEN in text) and THINK_CLOSE not in text
+        self.stream.write(text)
+        self.stream.flush()
+        self.wrote = self.wrote or bool(text)
+
+    def _answer_only(self, text: str) -> str:
+        shown = ""
+        while text:
+            if self.thinking:
+                _, closed, text = text.partition(THINK_CLOSE)
+                self.thinking = not closed
+            else:
+                before, opened, text = text.partition(THINK_OPEN)
+                shown += before
+                self.thinking = bool(opened)
+        return shown if self.wrote else shown.lstrip("\n")      # the answer starts after the blank lines
+
+    def end(self) -> None:
+        """Finish the reply: undo the style of an unfinished think block and end the line."""
+        if self.thinking and self.styled:
+            self.stream.write(self.RESET)
+        if self.wrote:
+            self.stream.write("\n")
+        self.stream.flush()
+        self.thinking = self.wrote = False
+
+
+# --- Commands ----------------------------------------------------------------------------------
+
+def run_generate(args: argparse.Namespace) -> int:
+    explicit = _explicit_sampling(args)
+    if args.attention_png and not args.attention:
+        raise QwenNPError("--attention-png: needs --attention LAYER:HEAD to say which head to draw")
+    prompts = _read_prompts(args)
+    inspecting = args.trace or args.trace_layers or args.lens or args.attention
+    if len(prompts) > 1 and inspecting:
+        raise QwenNPError(f"--trace/--lens/--attention: look at one prompt at a time (got {len(prompts)})")
+    stats, name = GenerationStats(), args.model or common.BUNDLED_NAME
+    if explicit["seed"] is None:              # drawn here, so that the stats line can say which it was
+        explicit["seed"] = stats.seed = secrets.randbelow(2 ** 31)
+    writer = ReplyWriter(sys.stdout, hide_think=args.hide_think)
+    replies: list[Reply] = []
+    try:
+        started = time.perf_counter()
+        opened = _open_checkpoint(args.model)
+        name = opened.name
+        chat = _renders_chat(args, opened)
+        max_new_tokens = _max_new_tokens(args, chat=chat)
+        params = resolve_sampling(opened.defaults, args.think, **explicit)
+        ids = [prompt_ids(opened.tokenizer, text, chat=chat, enable_thinking=args.think,
+                          system=args.system) for text in prompts]
+        budget = max(context_budget(opened.config, len(one), max_new_tokens) for one in ids)
+        trace = _tracer(args, opened.config)
+        attention = _parse_attention(args.attention, opened.config) if args.attention else None
+        if not (chat or args.no_chat):      # no template: said only now that every input has been checked
+            print(NO_CHAT_TEMPLATE_NOTICE, file=sys.stderr)
+        model = _load_weights(opened, args, budget)
+        stats.load_seconds = time.perf_counter() - started
+        if args.verbose:
+            for one in ids:
+                print(f"prompt ids: {one}", file=sys.stderr)
+        if len(ids) == 1:
+            _show_inspections(args, model, ids[0], opened.tokenizer, attention)
+            replies.append(Reply(len(ids[0]), params.seed))
+            for event in generate(model, opened.tokenizer, ids[0], params, max_new_tokens, stop=args.stop,
+                                  eos_token_ids=opened.defaults.eos_token_ids, trace=trace, stats=stats):
+                replies[0].add(event, None if args.json else writer)
+            replies[0].prefill_seconds, replies[0].decode_seconds = stats.prefill_seconds, stats.decode_seconds
+        else:
+            check_weights_finite(model)      # generate() checks every step's logits; the batch does not
+            replies = _generate_batch(model, opened, ids, params, max_new_tokens, args, writer, stats)
+    except KeyboardInterrupt:
+        stats.finish_reason = "interrupted"
+    writer.end()
+    if args.verbose:
+        for reply in replies:
+            print(f"generated ids: {reply.token_ids}", file=sys.stderr)
+    if args.json:
+        for text, reply in zip(prompts, replies):
+            print(json.dumps(reply.as_json(text, stats.load_seconds, args.hide_think), ensure_ascii=False))
+    print(stats.summary(name), file=sys.stderr)
+    return common.EXIT_INTERRUPTED if stats.finish_reason == "interrupted" else 0
+
+
+def _renders_chat(args: argparse.Namespace, opened: Opened) -> bool:
+    """Whether generate renders the prompt with the chat template: unless --no-chat, or the model has none
+    (a model trained only to continue text, like the bundled one: its prompt is the text to continue)."""
+    if args.no_chat:
+        return False
+    if opened.tokenizer.has_chat_template:
+        return True
+    if args.system is not None:
+        raise QwenNPError("--system: this model has no chat template, so it takes no system prompt")
+    return False
+
+
+@dataclass
+class Reply:
+    """One prompt's generated tokens and text, for the text output, --json and --verbose."""
+
+    prompt_tokens: int
+    seed: int | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def add(self, event: TokenEvent, writer: ReplyWriter | None) -> None:
+        self.token_ids.append(event.token_id)
+        self.text += event.text
+        self.finish_reason = event.finish_reason
+        if writer is not None:
+            writer.write(event.text)
+
+    def as_json(self, prompt: str, load_seconds: float, hide_think: bool) -> dict[str, object]:
+        new = len(self.token_ids)
+        return {"prompt": prompt, "text": split_thinking(self.text)[1] if hide_think else self.text,
+                "token_ids": self.token_ids, "finish_reason": self.finish_reason or "interrupted",
+                "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": new,
+                          "total_tokens": self.prompt_tokens + new},
+                "timings": {"load_s": round(load_seconds, 4), "prefill_s": round(self.prefill_seconds, 4),
+                            "decode_s": round(self.decode_seconds, 4),
+                            "decode_tok_s": round(new / self.decode_seconds, 2) if self.decode_seconds else None},
+                "seed": self.seed}
+
+
+def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], params: SamplingParams,
+                    max_new_tokens: int, args: argparse.Namespace, writer: ReplyWriter,
+                    stats: GenerationStats) -> list[Reply]:
+    """Several prompts as one batch (batching.BatchGenerator). Each reply prints when those before it
+    have: the first streams live, the others show what they have so far when their turn comes."""
+    generator = BatchGenerator(model, opened.tokenizer, eos_token_ids=opened.defaults.eos_token_ids,
+                               max_batch=len(ids))
+    seeds = [None if params.seed is None else params.seed + i for i in range(len(ids))]
+    rows = [generator.submit(Request(one, replace(params, seed=seed), max_new_tokens, args.stop))
+            for one, seed in zip(ids, seeds)]
+    replies = [Reply(len(one), seed) for one, seed in zip(ids, seeds)]
+    started, shown = time.perf_counter(), 0
+    stats.prompt_tokens = sum(len(one) for one in ids)
+
+    def show_finished() -> None:
+        nonlocal shown
+        while not args.json and shown < len(rows) and rows[shown].done:
+            writer.end()
+            shown += 1
+            if shown < len(rows):
+                writer.write(replies[shown].text)
+
+    try:
+        while not generator.idle:
+            for row, event in generator.step():
+                if isinstance(event, BaseException):     # a row's sampling failed: the run's error, as alone
+                    raise event
+                replies[row.number].add(event, writer if row.number == shown and not args.json else None)
+            show_finished()
+            stats.new_tokens = sum(len(reply.token_ids) for reply in replies)
+    finally:
+        for row, reply in zip(rows, replies):
+            first = row.first_token or time.perf_counter()
+            reply.prefill_seconds = first - started
+            reply.decode_seconds = (row.finished or time.perf_counter()) - first
+        firsts = [row.first_token for row in rows if row.first_token]
+        stats.prefill_seconds = (max(firsts) - started) if firsts else 0.0
+        stats.decode_seconds = time.perf_counter() - started - stats.prefill_seconds
+        stats.finish_reason = ",".join(sorted({reply.finish_reason or "interrupted" for reply in replies}))
+    return replies
+
+
+def _tracer(args: argparse.Namespace, config: Qwen3Config) -> Trace | None:
+    if not (args.trace or args.trace_layers):
+        return None
+    from ..inspection import Tracer   # the debugging tools load only when asked for
+    return Tracer(stream=sys.stderr, layers=_parse_layers(args.trace_layers, config) if args.trace_layers else None)
+
+
+def _show_inspections(args: argparse.Namespace, model: Qwen3Model, ids: list[int], tokenizer: Tokenizer,
+                      attention: tuple[int, int] | None) -> None:
+    """The views of the prompt asked for with --lens / --attention, on stderr before generating."""
+    if not (args.lens or attention):
+        return
+    from .. import inspection
+    if args.lens:
+        print(inspection.logit_lens(model, ids, tokenizer), file=sys.stderr)
+    if attention:
+        print(inspection.attention_view(model, ids, tokenizer, *attention, png_path=args.attention_png),
+              file=sys.stderr)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    explicit = _explicit_sampling(args)
+    started = time.perf_counter()
+    try:
+        opened = _open_checkpoint(args.model)
+        if not opened.tokenizer.has_chat_template:
+            raise QwenNPError("chat: this model has no chat template: use generate, which continues text")
+        context = min(args.ctx_size or DEFAULT_CONTEXT, opened.config.max_position_embeddings)
+        model = _load_weights(opened, args, context)
+        check_weights_finite(model)        # else every turn would end in the same error, and the chat go on
+        session = ChatSession(model, opened.tokenizer,
+                              resolve_sampling(opened.defaults, args.think, **explicit),
+                              eos_token_ids=opened.defaults.eos_token_ids, system=args.system,
+                              enable_thinking=args.think, max_tokens=context)
+    except KeyboardInterrupt:
+        return common.EXIT_INTERRUPTED
+    load_seconds = time.perf_counter() - started
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (imported for its effect: line editing and history for input())
+    print("chat: type a message and press Enter; /help lists the commands; Ctrl-C stops a reply, Ctrl-D ends "
+          "the chat", file=sys.stderr)
+    writer = ReplyWriter(sys.stdout, hide_think=args.hide_think)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print(file=sys.stderr)         # the shell's prompt then starts on a clean line
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return common.EXIT_INTERRUPTED
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            if _chat_command(line, session, opened, explicit):
+                continue
+            return 0
+        max_new_tokens = _max_new_tokens(args, chat=session.enable_thinking is not False)
+        dropped = session.make_room(line, max_new_tokens)
+        if dropped:
+            print(f"chat: the context ({context} tokens) is full: dropped the oldest {dropped} turn(s)", file=sys.stderr)
+        stats = GenerationStats(load_seconds=load_seconds)
+        load_seconds = 0.0          # reported once, with the first turn
+        try:
+            for event in session.send(line, max_new_tokens, stats):
+                writer.write(event.text)
+        except KeyboardInterrupt:
+            stats.finish_reason = "interrupted"
+        except QwenNPError as problem:      # e.g. one message longer than the context: say so, keep chatting
+            writer.end()
+            print(f"error: {problem}", file=sys.stderr)
+            continue
+        writer.end()
+        if args.verbose:
+            print(f"cache: {session.cache.length} positions after this turn", file=sys.stderr)
+        print(stats.summary(opened.name), file=sys.stderr)
+
+
+def _chat_command(line: str, session: ChatSession, opened: Opened, explicit: dict[str, float | int | None]) -> bool:
+    """Run a /command; False means the chat ends."""
+    command, _, rest = line.strip().partition(" ")
+    rest = rest.strip()
+    if command == "/exit":
+        return False
+    if command == "/clear":
+        session.clear()
+        print("chat: conversation cleared", file=sys.stderr)
+    elif command == "/system":
+        session.set_system(rest or None)
+        print(f"chat: system prompt {'set' if rest else 'removed'}", file=sys.stderr)
+    elif command == "/think" and rest in ("on", "off"):
+        session.enable_thinking = rest == "on"
+        session.params = replace(resolve_sampling(opened.defaults, session.enable_thinking, **explicit),
+                                 seed=session.params.seed)
+        print(f"chat: thinking {rest}", file=sys.stderr)
+    else:
+        known = command in ("/help", "/think")
+        print(("" if known else f"chat: unknown command {command}\n") + "commands:\n" +
+              "\n".join(f"  {name:<14} {what}" for name, what in CHAT_COMMANDS.items()), file=sys.stderr)
+    return True
