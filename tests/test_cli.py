@@ -172,8 +172,8 @@ BAD_INPUTS = {
     "chat without a chat template": (["chat"], "this model has no chat template: use generate, which continues text"),
     "system without a chat template": (["generate", "--system", "x", "ROMEO:"], "--system: this model has no chat "
                                                                                 "template"),
-    "eval with a zero context": (["eval", "--context", "0"], "--context: must be between 1"),
-    "eval with a negative context": (["eval", "--context", "-5"], "--context: must be between 1"),
+    "eval with a zero context": (["eval", "--context", "0"], "--context: must be >= 1"),
+    "eval with a negative context": (["eval", "--context", "-5"], "--context: must be >= 1"),
 }
 
 
