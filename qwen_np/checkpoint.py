@@ -293,9 +293,20 @@ def write_index(folder: Path, weight_map: Mapping[str, str], total_size: int) ->
 HUB_FILE_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "vocab.json", "merges.txt", "*.jinja"]
 
 
+GGUF_MAGIC = b"GGUF"              # the first 4 bytes of a GGUF file (gguf_file.py reads the rest)
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file that starts with the GGUF magic (Ollama's blobs have no .gguf suffix)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
 def resolve_model_path(model: str | Path) -> Path:
     """A local checkpoint folder or GGUF file, or a hub id ('Qwen/Qwen3-8B') fetched into the HF cache."""
-    from .gguf_file import is_gguf   # imported here: gguf_file builds on this module
     path = Path(model).expanduser()
     if path.is_dir() or is_gguf(path):
         return path

@@ -169,10 +169,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 
 def load_config(folder: str | Path) -> Qwen3Config:
-    """Read and validate `folder/config.json`, or the metadata of a GGUF file (gguf_file.read_config)."""
-    from .gguf_file import is_gguf, read_config   # imported here: gguf_file builds on this module
-    if is_gguf(folder):
-        return read_config(folder)
+    """Read and validate `folder/config.json` (loading.read_config also reads a GGUF file's)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise QwenNPError(f"{path}: config.json not found (is this a Hugging Face checkpoint folder?)")

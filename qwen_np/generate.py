@@ -2,11 +2,11 @@
 
     from qwen_np import load_model
     from qwen_np.checkpoint import resolve_model_path
-    from qwen_np.generate import generate, prompt_ids, read_generation_defaults, resolve_sampling
-    from qwen_np.tokenizer import Tokenizer
+    from qwen_np.generate import generate, prompt_ids, resolve_sampling
+    from qwen_np.loading import read_generation_defaults, read_tokenizer
 
     folder = resolve_model_path("Qwen/Qwen3-0.6B")
-    model, tokenizer = load_model(folder), Tokenizer.from_folder(folder)
+    model, tokenizer = load_model(folder), read_tokenizer(folder)
     defaults = read_generation_defaults(folder, model.config)
     params = resolve_sampling(defaults, enable_thinking=False, seed=0)
     ids = prompt_ids(tokenizer, "Why is the sky blue?", enable_thinking=False)
@@ -91,17 +91,19 @@ class GenerationDefaults:
     eos_token_ids: tuple[int, ...] = ()
 
 
-def read_generation_defaults(folder: str | Path, config: Qwen3Config) -> GenerationDefaults:
-    """Sampling defaults from `folder/generation_config.json` (a GGUF: its general.sampling.* keys), read the
-    way transformers reads them.
+def folder_generation_defaults(folder: str | Path, config: Qwen3Config) -> GenerationDefaults:
+    """Sampling defaults from `folder/generation_config.json`, read the way transformers reads them
+    (loading.read_generation_defaults also reads a GGUF's general.sampling.* keys).
 
     Keys the file leaves out take transformers' defaults; do_sample false (transformers' default)
     means greedy, i.e. temperature 0. The EOS ids are the file's and config.json's together.
     """
-    from .gguf_file import is_gguf, read_sampling   # imported here: gguf_file builds on modules this one needs
-    from_gguf = is_gguf(folder)
-    path = Path(folder) if from_gguf else Path(folder) / GENERATION_CONFIG
-    raw = read_sampling(path) if from_gguf else read_json_object(path) if path.is_file() else {}
+    path = Path(folder) / GENERATION_CONFIG
+    return generation_defaults(read_json_object(path) if path.is_file() else {}, config, path)
+
+
+def generation_defaults(raw: dict[str, Any], config: Qwen3Config, path: Path) -> GenerationDefaults:
+    """GenerationDefaults from a generation_config's keys (`path`: where they came from, for errors)."""
     value = {key: default if raw.get(key) is None else raw[key] for key, default in TRANSFORMERS_DEFAULTS.items()}
     try:
         sampling = SamplingParams(

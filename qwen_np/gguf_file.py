@@ -48,7 +48,6 @@ from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 ARCHITECTURE = "qwen3"
-MAGIC = b"GGUF"
 # Held as stored (views of the file): ggml type -> the safetensors dtype name Checkpoint reads.
 STORED_TYPES = {GGML.F32: "F32", GGML.F16: "F16", GGML.BF16: "BF16"}
 # Qwen2's pre-tokenizer regex (tokenizer.ggml.pre = "qwen2"), as in llama.cpp's src/llama-vocab.cpp and
@@ -59,15 +58,6 @@ QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
 # llama.cpp also ends generation at these tokens whatever eos_token_id says (llama-vocab.cpp finds its
 # end-of-generation set by token text); Qwen3's generation_config.json lists both too.
 END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>")
-
-
-def is_gguf(path: str | Path) -> bool:
-    """A file that starts with the GGUF magic (Ollama's blobs have no .gguf suffix)."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == MAGIC
 
 
 # --- Reading -------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""load_model: a checkpoint folder (or hub id) -> a Qwen3Model, its weights held as the memory plan says."""
+"""A model's files, whatever holds them (a checkpoint folder, a GGUF file or a hub id): its config,
+tokenizer, generation defaults and tensors (the one place that tells a GGUF file from a folder), and
+load_model: those files -> a Qwen3Model, its weights held as the memory plan says."""
 
 from __future__ import annotations
 
@@ -10,19 +12,40 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import DTYPE_BYTES, Checkpoint, resolve_model_path
-from .config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, load_config
+from .config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, load_config
 from .fast import FastQwen3Model
 from .formats import quantize_int8_rows
-from .gguf_file import GGUFCheckpoint, is_gguf
+from . import gguf_file
+from .checkpoint import is_gguf
+from .generate import GenerationDefaults, folder_generation_defaults, generation_defaults
+from .gguf_file import GGUFCheckpoint
 from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
 from .numerics import Int8Rows, Weight, held, upcast
 from .runtime import allocate, split, threads
+from .tokenizer import Tokenizer
 from .weight_cache import load_fp32
 
 # Rows quantized at a time in the int8 mode: the FP32 copy of a whole large tensor (Qwen3-8B's
 # embedding table: 2.5 GB) never exists, only this many of its rows.
 QUANTIZE_BLOCK_ROWS = 1024
+
+
+def read_config(path: str | Path) -> Qwen3Config:
+    """The Qwen3Config of a checkpoint folder (config.json), a GGUF file (its metadata) or a hub id."""
+    return gguf_file.read_config(path) if is_gguf(path) else load_config(resolve_model_path(path))
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint folder, a GGUF file (built from its vocabulary) or a hub id."""
+    return gguf_file.read_tokenizer(path) if is_gguf(path) else Tokenizer.from_folder(resolve_model_path(path))
+
+
+def read_generation_defaults(path: str | Path, config: Qwen3Config) -> GenerationDefaults:
+    """Sampling defaults and end ids: generation_config.json, or a GGUF's general.sampling.* keys."""
+    if is_gguf(path):
+        return generation_defaults(gguf_file.read_sampling(path), config, Path(path))
+    return folder_generation_defaults(resolve_model_path(path), config)
 
 
 def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None,

@@ -35,7 +35,7 @@ from .errors import QwenNPError
 from .evaluation import encoded_documents, windows
 from .formats import FORMATS, get_format
 from .generate import generate
-from .loading import back_to_back, load_model
+from .loading import back_to_back, load_model, read_config, read_tokenizer
 from .memory import GiB, SAFETY_FRACTION, candidate_plans, weight_bytes
 from .model import KVCache, LayerWeights, Qwen3Model, Trace
 from .numerics import Weight
@@ -185,9 +185,8 @@ def check_formats(formats: Sequence[str], flag: str, allowed: Sequence[str] = FO
 
 def load_reference(folder: Path, context: int, flag: str = "--compare") -> Qwen3Model:
     """The FP32 model to compare against, once the plan shows room for it and one format's copy."""
-    from .config import load_config
 
-    plan = candidate_plans(load_config(folder), context)["fp32"]
+    plan = candidate_plans(read_config(folder), context)["fp32"]
     need = plan.total_bytes + plan.fp32_weight_bytes
     if need > plan.available_bytes * SAFETY_FRACTION:
         raise QwenNPError(f"{flag}: comparing holds the model in FP32 twice (the reference and one format), "
@@ -278,12 +277,11 @@ def precision_report(folder: Path, text: str, text_name: str, formats: Sequence[
                      progress: Callable[[str, int, int], object] = lambda fmt, n, total: None) -> dict[str, Any]:
     """Everything `precision` shows, as plain data: one row per format, and the activation ranges.
     progress(fmt, n, total): as compare_formats'."""
-    from .config import load_config
 
     formats = check_formats(formats, "--formats")
-    config = load_config(folder)
+    config = read_config(folder)
     context = min(context, config.max_position_embeddings)
-    tokenizer = Tokenizer.from_folder(folder)
+    tokenizer = read_tokenizer(folder)
     docs, _ = encoded_documents(tokenizer, text)
     docs = scored_documents(docs, context, max_tokens)
     base = load_reference(folder, context, "--model")

@@ -50,11 +50,10 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from .batching import BatchGenerator, BatchRunner, Request, Row
-from .config import load_config
 from .errors import QwenNPError
 from .finite import check_weights_finite
-from .generate import GenerationDefaults, TokenEvent, read_generation_defaults, resolve_sampling
-from .loading import load_model
+from .generate import GenerationDefaults, TokenEvent, resolve_sampling
+from .loading import load_model, read_config, read_generation_defaults, read_tokenizer
 from .memory import DEFAULT_CONTEXT
 from .tokenizer import Message, Tokenizer
 
@@ -98,9 +97,9 @@ def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = 
         import uvicorn
     except ImportError:
         raise QwenNPError("serve: needs the `serve` extra (pip install 'qwen_np[serve]': starlette, uvicorn)") from None
-    config = load_config(folder)
+    config = read_config(folder)
     context = min(context, config.max_position_embeddings)
-    tokenizer, defaults = Tokenizer.from_folder(folder), read_generation_defaults(folder, config)
+    tokenizer, defaults = read_tokenizer(folder), read_generation_defaults(folder, config)
     model = load_model(folder, memory=memory, max_tokens=context)
     check_weights_finite(model)                  # NaN/Inf weights: one line naming the layer, before listening
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,

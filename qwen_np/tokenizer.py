@@ -56,10 +56,7 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: Path | str) -> Tokenizer:
-        """The tokenizer of a checkpoint folder, or of a GGUF file (gguf_file.read_tokenizer)."""
-        from .gguf_file import is_gguf, read_tokenizer   # imported here: gguf_file builds on this module
-        if is_gguf(folder):
-            return read_tokenizer(folder)
+        """The tokenizer of a checkpoint folder (loading.read_tokenizer also reads a GGUF file's)."""
         folder = Path(folder)
         backend = _load_backend(folder / TOKENIZER_FILE)
         config = _load_config(folder / CONFIG_FILE)

@@ -11,8 +11,8 @@ import pytest
 import qwen_np.generate as generation
 from qwen_np import load_model
 from qwen_np.errors import QwenNPError
-from qwen_np.generate import (ChatSession, GenerationStats, context_budget, generate, prompt_ids,
-                              read_generation_defaults, resolve_sampling)
+from qwen_np.generate import ChatSession, GenerationStats, context_budget, generate, prompt_ids, resolve_sampling
+from qwen_np.loading import read_generation_defaults
 from qwen_np.sampling import SamplingParams
 from qwen_np.tokenizer import Tokenizer, chat_delta
 from conftest import QWEN3_RANDOM

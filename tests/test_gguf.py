@@ -17,15 +17,13 @@ from gguf import GGMLQuantizationType as GGML
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, TokenType
 import gguf
 
-from qwen_np import QwenNPError, Qwen3Model, load_config, load_model
+from qwen_np import QwenNPError, Qwen3Model, load_model
 from qwen_np.config import LAYER_TENSORS, MODEL_TENSORS
 from qwen_np.formats import round_trip
-from qwen_np.generate import read_generation_defaults
 from qwen_np.gguf_file import GGUFCheckpoint, _gguf_name, write_gguf
-from qwen_np.loading import open_checkpoint
+from qwen_np.loading import open_checkpoint, read_config, read_generation_defaults, read_tokenizer
 from qwen_np.numerics import upcast
 from qwen_np.sampling import SamplingParams
-from qwen_np.tokenizer import Tokenizer
 from conftest import BUNDLED, QWEN3_RANDOM, ROOT, write_random_checkpoint
 
 PROMPT = [5, 17, 300, 42, 1999, 7, 7, 64, 1024, 3]
@@ -43,7 +41,7 @@ def tiny_checkpoint(folder: Path, tied: bool = False, **overrides: object) -> Pa
 def export(source: Path, out: Path, file_type: str) -> Path:
     checkpoint = open_checkpoint(source)
     sampling = read_generation_defaults(source, checkpoint.config).sampling
-    write_gguf(out, checkpoint, Tokenizer.from_folder(source), sampling, file_type)
+    write_gguf(out, checkpoint, read_tokenizer(source), sampling, file_type)
     return out
 
 
@@ -71,8 +69,8 @@ def test_every_tensor_of_the_config_table_has_llama_cpps_name() -> None:
 
 def test_metadata_holds_the_config_and_dims_are_in_ggml_order(source, tmp_path) -> None:
     path = export(source, tmp_path / "m.gguf", "f32")
-    config = load_config(source)
-    back = load_config(path)
+    config = read_config(source)
+    back = read_config(path)
     assert {**back.to_dict(), "torch_dtype": None, "eos_token_id": None} == \
         {**config.to_dict(), "torch_dtype": None, "eos_token_id": None}
     reader = GGUFReader(path)
@@ -132,7 +130,7 @@ QUANTIZED_BOUNDS = {"q8_0": (0.01, 32), "q4_0": (0.15, 8)}
 @pytest.mark.parametrize("file_type", QUANTIZED_BOUNDS)
 def test_quantized_exports_of_a_trained_model_keep_its_predictions(tmp_path, file_type) -> None:
     relative, same_tokens = QUANTIZED_BOUNDS[file_type]
-    ids = Tokenizer.from_folder(BUNDLED).encode(SCENE)
+    ids = read_tokenizer(BUNDLED).encode(SCENE)
     source, exported = load_model(BUNDLED, memory="fp32"), load_model(export(BUNDLED, tmp_path / "m.gguf", file_type))
     reference, quantized = source.forward(ids), exported.forward(ids)
     assert np.max(np.abs(quantized - reference)) < relative * np.max(np.abs(reference))
@@ -157,7 +155,7 @@ def test_a_tied_export_has_no_output_tensor_and_loads_one_shared_matrix(tmp_path
 def test_rows_that_are_not_whole_blocks_fall_back_to_f16_with_a_note(tmp_path) -> None:
     source = tiny_checkpoint(tmp_path / "ckpt", intermediate_size=48)           # down_proj rows: 48 values
     checkpoint = open_checkpoint(source)
-    notes = write_gguf(tmp_path / "m.gguf", checkpoint, Tokenizer.from_folder(source),
+    notes = write_gguf(tmp_path / "m.gguf", checkpoint, read_tokenizer(source),
                        read_generation_defaults(source, checkpoint.config).sampling, "q8_0")
     types = {t.name: t.tensor_type for t in GGUFReader(tmp_path / "m.gguf").tensors}
     assert types["blk.0.ffn_down.weight"] == GGML.F16 and types["blk.0.ffn_up.weight"] == GGML.Q8_0
@@ -185,7 +183,7 @@ def test_an_f16_export_refuses_values_past_f16s_range(tmp_path) -> None:
     checkpoint, read = open_checkpoint(source), open_checkpoint(source).read
     checkpoint.read = lambda name, buffer=None: upcast(read(name)) * (1e6 if name.endswith("v_proj.weight") else 1)
     with pytest.raises(QwenNPError, match="tensor 'blk.0.attn_v.weight' has values beyond F16's largest"):
-        write_gguf(tmp_path / "m.gguf", checkpoint, Tokenizer.from_folder(source), SamplingParams(), "f16")
+        write_gguf(tmp_path / "m.gguf", checkpoint, read_tokenizer(source), SamplingParams(), "f16")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
@@ -274,7 +272,7 @@ TEXTS = ["Hello, world! It's a test.", "def f(x):\n    return x**2  # square\n\n
 
 
 def test_the_gguf_tokenizer_gives_the_hugging_face_ids(qwen3_gguf) -> None:
-    hf, ours = Tokenizer.from_folder(QWEN3_RANDOM), Tokenizer.from_folder(qwen3_gguf)
+    hf, ours = read_tokenizer(QWEN3_RANDOM), read_tokenizer(qwen3_gguf)
     for text in TEXTS:
         ids = hf.encode(text)
         assert ours.encode(text) == ids, text
@@ -284,7 +282,7 @@ def test_the_gguf_tokenizer_gives_the_hugging_face_ids(qwen3_gguf) -> None:
 
 
 def test_the_gguf_chat_template_renders_as_the_checkpoints(qwen3_gguf) -> None:
-    hf, ours = Tokenizer.from_folder(QWEN3_RANDOM), Tokenizer.from_folder(qwen3_gguf)
+    hf, ours = read_tokenizer(QWEN3_RANDOM), read_tokenizer(qwen3_gguf)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
                 {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}, {"role": "user", "content": "猫?"}]
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
@@ -304,9 +302,9 @@ def test_qwen3_vocabulary_is_written_as_llama_cpps_converter_writes_it(qwen3_ggu
     assert [field(f"tokenizer.ggml.{key}_token_id").contents() for key in ("bos", "eos", "padding")] == \
         [151643, 151645, 151643]
     assert field("tokenizer.huggingface.json") is None and field("tokenizer.chat_template") is not None
-    assert load_config(qwen3_gguf).eos_token_ids == [151645, 151643]     # <|im_end|>, then <|endoftext|>
-    assert read_generation_defaults(qwen3_gguf, load_config(qwen3_gguf)) == \
-        read_generation_defaults(QWEN3_RANDOM, load_config(QWEN3_RANDOM))  # temperature 0.6, top-p 0.95, top-k 20
+    assert read_config(qwen3_gguf).eos_token_ids == [151645, 151643]     # <|im_end|>, then <|endoftext|>
+    assert read_generation_defaults(qwen3_gguf, read_config(qwen3_gguf)) == \
+        read_generation_defaults(QWEN3_RANDOM, read_config(QWEN3_RANDOM))  # temperature 0.6, top-p 0.95, top-k 20
 
 
 # --- The command line ------------------------------------------------------------------------------

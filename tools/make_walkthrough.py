@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT / "tools"))
 from qwen_np import layers, load_model, preset, sampling  # noqa: E402
 from qwen_np.config import Qwen3Config, parameter_count  # noqa: E402
 from qwen_np.errors import QwenNPError  # noqa: E402
-from qwen_np.generate import read_generation_defaults  # noqa: E402
+from qwen_np.loading import read_generation_defaults  # noqa: E402
 from qwen_np.inspection import (STEPS, STEPS_BY_NAME, SYMBOL_MEANINGS, Step, attention_weights,  # noqa: E402
                                 dimensions, format_shape, forward_flops, lens_probabilities,
                                 resolve, token_text, weight_bytes_read_per_token)

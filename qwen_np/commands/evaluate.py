@@ -11,11 +11,9 @@ from typing import Any
 from tqdm import tqdm
 
 from .. import evaluation, precision
-from ..config import load_config
 from ..errors import QwenNPError
 from ..finite import check_finite
-from ..loading import load_model
-from ..tokenizer import Tokenizer
+from ..loading import load_model, read_config, read_tokenizer
 from . import common
 from .comparison import add_compare_argument, compare_formats_text
 
@@ -45,13 +43,13 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         precision.check_formats(args.compare, "--compare")
     folder = common.model_folder(args.model)
-    config = load_config(folder)
+    config = read_config(folder)
     context = min(config.max_position_embeddings, evaluation.DEFAULT_WINDOW) if args.context is None else args.context
     if context > config.max_position_embeddings:
         raise QwenNPError(f"--context: must be between 1 and the model's {config.max_position_embeddings} "
                           f"positions, got {context}")
     text_name, text = evaluation.read_eval_text(args.text, args.split)
-    docs, characters = evaluation.encoded_documents(Tokenizer.from_folder(folder), text)
+    docs, characters = evaluation.encoded_documents(read_tokenizer(folder), text)
     model = load_model(folder, memory=args.memory, max_tokens=context)
     with tqdm(total=sum(len(d) - 1 for d in docs), unit="tok", file=sys.stderr, disable=None, leave=False) as bar:
         result = evaluation.score_text(lambda ids: check_finite(model, ids, model.forward(ids)), docs, characters,

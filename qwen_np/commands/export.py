@@ -8,10 +8,8 @@ import sys
 from pathlib import Path
 
 from ..errors import QwenNPError
-from ..generate import read_generation_defaults
 from ..gguf_file import FILE_TYPES, write_gguf
-from ..loading import open_checkpoint
-from ..tokenizer import Tokenizer
+from ..loading import open_checkpoint, read_generation_defaults, read_tokenizer
 from . import common
 
 
@@ -34,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         raise QwenNPError(f"OUT.gguf: {out} is a folder or its folder does not exist")
     source = common.model_folder(args.model)
     checkpoint = open_checkpoint(source)
-    tokenizer = Tokenizer.from_folder(source)
+    tokenizer = read_tokenizer(source)
     sampling = read_generation_defaults(source, checkpoint.config).sampling
     # The name llama.cpp shows: the hub id's or folder's last part ('Qwen3-0.6B', not a hub snapshot's hash).
     name = Path(args.model).name.removesuffix(".gguf") if args.model else source.name

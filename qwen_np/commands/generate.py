@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import TextIO
 
 from ..batching import BatchGenerator, Request
-from ..config import Qwen3Config, load_config
+from ..config import Qwen3Config
 from ..errors import QwenNPError
 from ..finite import check_weights_finite
 from ..generate import (ChatSession, GenerationDefaults, GenerationStats, TokenEvent, context_budget, generate,
-                        prompt_ids, read_generation_defaults, resolve_sampling)
-from ..loading import load_model
+                        prompt_ids, resolve_sampling)
+from ..loading import load_model, read_config, read_generation_defaults, read_tokenizer
 from ..memory import DEFAULT_CONTEXT
 from ..model import Qwen3Model, Trace
 from ..sampling import SamplingParams
@@ -231,9 +231,9 @@ class Opened:
 def _open_checkpoint(model: str | None) -> Opened:
     folder = common.model_folder(model)
     bundled = common.is_bundled(folder)
-    config = load_config(folder)
+    config = read_config(folder)
     return Opened(common.BUNDLED_NAME if bundled else model or str(folder), folder, config,
-                  read_generation_defaults(folder, config), Tokenizer.from_folder(folder), bundled)
+                  read_generation_defaults(folder, config), read_tokenizer(folder), bundled)
 
 
 def _load_weights(opened: Opened, args: argparse.Namespace, max_tokens: int) -> Qwen3Model:

@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 
 from ..checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, download
-from ..config import Qwen3Config, load_config, preset
+from ..config import Qwen3Config, preset
+from ..loading import read_config
 from . import common
 
 
@@ -53,7 +54,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 def _config_of(folder: Path) -> Qwen3Config:
     """config.json, checked against the weights' headers when the folder holds weights (inspect needs none,
     but describing a config its own weights contradict would describe another model)."""
-    config = load_config(folder)
+    config = read_config(folder)
     if (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file():
         Checkpoint(folder, config)
     return config
