@@ -120,3 +120,22 @@ def test_hide_think_shows_only_the_answer() -> None:
         writer.write(piece)
     writer.end()
     assert out.getvalue() == "The answer is 4.\n"
+
+
+def test_several_prompts_print_their_replies_apart_with_a_blank_line(env) -> None:
+    batch = replies(qwen(env, "generate", "-p", "ROMEO:", "-p", "JULIET:", "-n", "6", "--temp", "0", "--json"))
+    text = qwen(env, "generate", "-p", "ROMEO:", "-p", "JULIET:", "-n", "6", "--temp", "0").stdout.decode()
+    assert text == batch[0]["text"] + "\n\n" + batch[1]["text"] + "\n"
+
+
+def test_minus_one_new_tokens_runs_until_the_context_is_full(env) -> None:
+    reply, = replies(qwen(env, "generate", "--no-chat", "ROMEO:", "-n", "-1", "--temp", "0", "--json"))
+    context = json.loads((ROOT / "weights" / "config.json").read_text())["max_position_embeddings"]
+    assert reply["finish_reason"] in ("eos", "context")
+    assert reply["finish_reason"] == "eos" or reply["usage"]["total_tokens"] == context
+
+
+def test_quiet_leaves_out_the_bundled_models_note(env) -> None:
+    loud = qwen(env, "generate", "ROMEO:", "-n", "2", "--temp", "0").stderr.decode()
+    quiet = qwen(env, "generate", "ROMEO:", "-n", "2", "--temp", "0", "-q").stderr.decode()
+    assert "note: using the bundled model" in loud and "note:" not in quiet

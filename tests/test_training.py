@@ -390,3 +390,12 @@ def test_training_puts_the_previous_signal_handlers_back(tmp_path: Path, run_inp
         assert signal.getsignal(signal.SIGTERM) is ours and signal.getsignal(signal.SIGINT) is interrupt
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path: Path, run_inputs: tuple[Path, Path],
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    data, config = run_inputs
+    assert train(tmp_path / "run", data, config, "--steps", "3") == 0
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "run"), "--resume"]) == 0
+    assert "already at step 3 of --steps 3: nothing to train" in capsys.readouterr().err

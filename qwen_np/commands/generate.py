@@ -38,6 +38,7 @@ DEFAULT_MAX_NEW_TOKENS = 1024
 # With thinking on, Qwen3 reasons before it answers: most replies to everyday questions, thinking
 # included, fit in 4096 tokens (the model card suggests up to 32768 for hard problems: pass -n).
 THINKING_MAX_NEW_TOKENS = 4096
+UNTIL_CONTEXT_IS_FULL = -1        # -n -1, llama.cpp's spelling
 CHAT_COMMANDS = {"/clear": "forget the conversation (the system prompt stays)",
                  "/system TEXT": "set the system prompt (/system alone removes it)",
                  "/think on|off": "let Qwen3 think before answering, or not",
@@ -86,14 +87,15 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     common.add_threads(parser)
     parser.add_argument("--verbose", action="store_true",
                         help="print the memory plan and token-level details (prompt and generated ids, cache "
-                             "use) on stderr")
+                             "use) on stderr, and chat's stats line after every turn")
+    common.add_quiet(parser, "leave out the notes (the bundled model's, a missing chat template)")
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--max-new-tokens", type=common.at_least(0), metavar="N",
-                        help=f"stop after N new tokens (default: {THINKING_MAX_NEW_TOKENS} when Qwen3 thinks, "
-                             f"{DEFAULT_MAX_NEW_TOKENS} with --no-think or --no-chat); generation also stops at an "
-                             "end-of-sequence token or when the context is full")
+    parser.add_argument("-n", "--max-new-tokens", type=common.at_least(-1), metavar="N",
+                        help=f"stop after N new tokens, -1: when the context is full, as llama.cpp's -n -1 (default: "
+                             f"{THINKING_MAX_NEW_TOKENS} when Qwen3 thinks, {DEFAULT_MAX_NEW_TOKENS} with --no-think or "
+                             "--no-chat); generation also stops at an end-of-sequence token or when the context is full")
     parser.add_argument("--temperature", "--temp", type=float, metavar="T",
                         help="divide the logits by T before sampling: lower is more predictable, 0 is greedy "
                              "(always the most likely token) (default: generation_config.json; Qwen3: 0.6, "
@@ -154,6 +156,8 @@ def _explicit_sampling(args: argparse.Namespace) -> dict[str, float | int | None
 
 def _max_new_tokens(args: argparse.Namespace, chat: bool = True) -> int:
     """-n, or the default: room for Qwen3's thinking when it thinks (a chat turn, --think not off)."""
+    if args.max_new_tokens == UNTIL_CONTEXT_IS_FULL:
+        return sys.maxsize                       # context_budget caps it at the context
     if args.max_new_tokens is not None:
         return args.max_new_tokens
     return THINKING_MAX_NEW_TOKENS if chat and args.think is not False else DEFAULT_MAX_NEW_TOKENS
@@ -238,7 +242,7 @@ def _open_checkpoint(model: str | None) -> Opened:
 
 def _load_weights(opened: Opened, args: argparse.Namespace, max_tokens: int) -> Qwen3Model:
     """Load the weights, once every input has been checked (so a bad input is the only line printed)."""
-    if opened.bundled:
+    if opened.bundled and not args.quiet:
         print(BUNDLED_NOTICE, file=sys.stderr)
     model = load_model(opened.folder, memory=args.memory, max_tokens=max_tokens)
     if args.verbose and model.plan is not None:
@@ -310,7 +314,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if explicit["seed"] is None:              # drawn here, so that the stats line can say which it was
         explicit["seed"] = stats.seed = secrets.randbelow(2 ** 31)
     writer = ReplyWriter(sys.stdout, hide_think=args.hide_think)
-    replies: list[Reply] = []
+    replies: list[PromptReply] = []
     try:
         started = time.perf_counter()
         opened = _open_checkpoint(args.model)
@@ -324,7 +328,8 @@ def run_generate(args: argparse.Namespace) -> int:
         trace = _tracer(args, opened.config)
         attention = _parse_attention(args.attention, opened.config) if args.attention else None
         if not (chat or args.no_chat):      # no template: said only now that every input has been checked
-            print(NO_CHAT_TEMPLATE_NOTICE, file=sys.stderr)
+            if not args.quiet:
+                print(NO_CHAT_TEMPLATE_NOTICE, file=sys.stderr)
         model = _load_weights(opened, args, budget)
         stats.load_seconds = time.perf_counter() - started
         if args.verbose:
@@ -332,7 +337,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 print(f"prompt ids: {one}", file=sys.stderr)
         if len(ids) == 1:
             _show_inspections(args, model, ids[0], opened.tokenizer, attention)
-            replies.append(Reply(len(ids[0]), params.seed))
+            replies.append(PromptReply(len(ids[0]), params.seed))
             for event in generate(model, opened.tokenizer, ids[0], params, max_new_tokens, stop=args.stop,
                                   eos_token_ids=opened.defaults.eos_token_ids, trace=trace, stats=stats):
                 replies[0].add(event, None if args.json else writer)
@@ -366,7 +371,7 @@ def _renders_chat(args: argparse.Namespace, opened: Opened) -> bool:
 
 
 @dataclass
-class Reply:
+class PromptReply:
     """One prompt's generated tokens and text, for the text output, --json and --verbose."""
 
     prompt_tokens: int
@@ -398,7 +403,7 @@ class Reply:
 
 def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], params: SamplingParams,
                     max_new_tokens: int, args: argparse.Namespace, writer: ReplyWriter,
-                    stats: GenerationStats) -> list[Reply]:
+                    stats: GenerationStats) -> list[PromptReply]:
     """Several prompts as one batch (batching.BatchGenerator). Each reply prints when those before it
     have: the first streams live, the others show what they have so far when their turn comes."""
     generator = BatchGenerator(model, opened.tokenizer, eos_token_ids=opened.defaults.eos_token_ids,
@@ -406,7 +411,7 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
     seeds = [None if params.seed is None else params.seed + i for i in range(len(ids))]
     rows = [generator.submit(Request(one, replace(params, seed=seed), max_new_tokens, args.stop))
             for one, seed in zip(ids, seeds)]
-    replies = [Reply(len(one), seed) for one, seed in zip(ids, seeds)]
+    replies = [PromptReply(len(one), seed) for one, seed in zip(ids, seeds)]
     started, shown = time.perf_counter(), 0
     stats.prompt_tokens = sum(len(one) for one in ids)
 
@@ -416,6 +421,7 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
             writer.end()
             shown += 1
             if shown < len(rows):
+                writer.stream.write("\n")              # a blank line between one prompt's reply and the next
                 writer.write(replies[shown].text)
 
     try:
@@ -513,9 +519,9 @@ def run_chat(args: argparse.Namespace) -> int:
             print(f"error: {problem}", file=sys.stderr)
             continue
         writer.end()
-        if args.verbose:
+        if args.verbose:          # as llama-cli and Ollama: the stats when asked for, not after every turn
             print(f"cache: {session.cache.length} positions after this turn", file=sys.stderr)
-        print(stats.summary(opened.name), file=sys.stderr)
+            print(stats.summary(opened.name), file=sys.stderr)
 
 
 def _chat_command(line: str, session: ChatSession, opened: Opened, explicit: dict[str, float | int | None]) -> bool:

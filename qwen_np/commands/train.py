@@ -48,6 +48,9 @@ class ProgressBar(trainer.RunEvents):
         from tqdm import tqdm
 
         print(description, file=sys.stderr)
+        if done >= settings.steps:
+            print(f"note: the run is already at step {done} of --steps {settings.steps}: nothing to train; its best "
+                  "model is exported again (raise --steps to train on)", file=sys.stderr)
         self.bar = tqdm(total=settings.steps, initial=done, unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def stepped(self, record: dict[str, Any], epoch: int) -> None:
