@@ -15,8 +15,24 @@ ROOT = Path(__file__).resolve().parents[1]
 # The bundled default model: a tiny Qwen3 trained on Shakespeare, its own 2,048-token BPE, no chat template.
 BUNDLED = ROOT / "weights"
 # A tiny random-weight Qwen3 with the real Qwen3 tokenizer and chat template (tools/make_bundled_model.py):
-# what the tests of the tokenizer, the chat template, thinking, chat and serving chat run on.
+# what the tests of the tokenizer, the chat template, thinking, chat and serving chat run on. Its weights
+# are not committed: they are written here on first use (about a second, byte-identical every run,
+# test_the_random_fixture_weights_are_the_same_bytes_every_run).
 QWEN3_RANDOM = ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random"
+QWEN3_RANDOM_WEIGHTS_SHA256 = "c7687f6f3188d11d6d54709a7aa22725741ef7227560378a137735d8accf6006"
+
+
+def _write_qwen3_random_weights() -> None:
+    if not (QWEN3_RANDOM / "model.safetensors").is_file():
+        import sys
+
+        sys.path.insert(0, str(ROOT / "tools"))
+        from make_bundled_model import write_fixture
+
+        write_fixture(QWEN3_RANDOM)
+
+
+_write_qwen3_random_weights()
 
 TINY_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96, "hidden_size": 32,

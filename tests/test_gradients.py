@@ -16,7 +16,7 @@ from qwen_np.training import loss_and_gradients
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gradients"
 GRADIENT_FIXTURES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
-LOSS_RELATIVE = 1e-6          # the bounds: loss relative error, and each gradient's
+LOSS_RELATIVE = 1e-6          # the bounds against torch: loss relative error, and each gradient's
 GRADIENT_RELATIVE = 1e-5      # max|diff| / max(1, max|reference|)
 
 

@@ -296,3 +296,17 @@ def test_build_script_reproduces_the_fixture_tokenizer(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(ROOT / "tools" / "build_tokenizer.py"), "--out", str(tmp_path),
                     "--config", str(config)], check=True, capture_output=True)
     assert (tmp_path / "tokenizer.json").read_bytes() == (QWEN3_RANDOM / "tokenizer.json").read_bytes()
+
+
+def test_the_random_fixture_weights_are_the_same_bytes_every_run(tmp_path: Path) -> None:
+    """The fixture's weights are made at test time (conftest), so they must be exactly the ones every test expects."""
+    import sys
+
+    from conftest import QWEN3_RANDOM_WEIGHTS_SHA256
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from make_bundled_model import write_fixture
+
+    write_fixture(tmp_path)
+    assert hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest() == QWEN3_RANDOM_WEIGHTS_SHA256
+    assert hashlib.sha256((QWEN3_RANDOM / "model.safetensors").read_bytes()).hexdigest() == QWEN3_RANDOM_WEIGHTS_SHA256

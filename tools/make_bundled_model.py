@@ -117,11 +117,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=FIXTURE,
                         help="output folder (default: tests/fixtures/qwen3_tokenizer_random)")
     out = parser.parse_args(argv).out
+    write_fixture(out)
+    print(f"wrote the random-weight Qwen3 test model to {out}")
+
+
+def write_fixture(out: Path) -> None:
+    """config.json, model.safetensors, generation_config.json and README.md into `out` (the tokenizer files
+    are tools/build_tokenizer.py's). The tests call it when model.safetensors is missing: it is not committed
+    (20 MB, made in about a second, the same bytes every run)."""
     config = Qwen3Config.from_dict(CONFIG_JSON)
     save_checkpoint(out, CONFIG_JSON, [random_weights(config, SEED)], dtype="BF16")
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG_JSON, indent=2) + "\n")
     (out / "README.md").write_text(README)
-    print(f"wrote the random-weight Qwen3 test model to {out}")
 
 
 if __name__ == "__main__":
