@@ -96,7 +96,8 @@ def test_same_seed_same_text_across_runs(env) -> None:
 
 
 def test_chat_keeps_the_cache_across_turns(env) -> None:
-    result = qwen(env, "chat", *QWEN3, "--temperature", "0", "-n", "4", stdin="Hello!\nAnd a second question?\n")
+    result = qwen(env, "chat", *QWEN3, "--temperature", "0", "-n", "4", "--verbose",
+                  stdin="Hello!\nAnd a second question?\n")
     assert result.returncode == 0, result.stderr.decode()
     stats = [STATS.match(line) for line in stderr_lines(result) if line.startswith("stats:")]
     assert len(stats) == 2 and all(stats)
@@ -157,7 +158,7 @@ BAD_INPUTS = {
     "vanishing repetition penalty": (["generate", *QWEN3, "--repetition-penalty", "1e-308", "--temperature", "1",
                                       "hi"], "--repetition-penalty: must be a number >= 0.01"),
     "vanishing temperature": (["generate", "hi", "--temperature", "1e-300"], "--temperature"),
-    "negative max tokens": (["generate", "hi", "-n", "-1"], "--max-new-tokens"),
+    "negative max tokens": (["generate", "hi", "-n", "-2"], "--max-new-tokens"),
     "non-numeric top-k": (["generate", "hi", "--top-k", "many"], "--top-k"),
     "zero threads": (["generate", "hi", "--threads", "0"], "--threads"),
     "empty prompt": (["generate", ""], "prompt: empty"),
