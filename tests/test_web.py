@@ -15,6 +15,7 @@ import os
 import shutil
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,7 +37,9 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # Headless, and nothing that reaches out: the browser must work offline, as the page does.
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-PROMPT = "ROMEO: 猫 and soft"               # 猫 is three byte-level tokens, none of them a whole character
+# é is two byte-level tokens here, neither a whole character (and, unlike CJK, in the fonts Debian's chromium has).
+PROMPT = "ROMEO: café, soft"
+SCREENSHOTS_ENV = "QWEN_NP_SCREENSHOTS"        # a folder for the screenshots (docs/figures for the README's)
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +212,7 @@ def test_the_page_shows_the_tokenizer_s_tokens_with_the_bytes_of_partial_charact
     ids = tokenizer.encode(PROMPT)
     assert [int(i) for i in explored.eval_on_selector_all("#tokens li", "items => items.map(i => i.dataset.id)")] == ids
     partial = explored.eval_on_selector_all("#tokens li .partial", "items => items.map(i => i.textContent)")
-    assert partial == ["⟨e7⟩", "⟨8c⟩", "⟨ab⟩"]                 # 猫 is e7 8c ab in UTF-8
+    assert partial == ["⟨c3⟩", "⟨a9⟩"]                         # é is c3 a9 in UTF-8
 
 
 def test_the_heatmap_of_layer_1_head_0_holds_qwen_np_s_attention_weights(explored, model, tokenizer) -> None:
@@ -290,11 +293,22 @@ def test_a_chat_in_the_playground_equals_the_api_s_and_shows_reasoning_apart(bro
 
 
 @pytest.mark.parametrize("width, height", [(1280, 800), (390, 844)])
-def test_the_page_reads_at_1280_and_on_a_390_pixel_phone_and_works_from_the_keyboard(browser, bundled, width, height) -> None:
+def test_the_page_reads_at_1280_and_on_a_390_pixel_phone_and_works_from_the_keyboard(browser, bundled, width, height,
+                                                                                    tmp_path) -> None:
+    """Also writes the README's screenshots: QWEN_NP_SCREENSHOTS=docs/figures python -m pytest tests/test_web.py -k reads"""
+    shots = Path(os.environ.get(SCREENSHOTS_ENV) or tmp_path)
     page = open_page(browser, bundled, width, height)
     explore(page, PROMPT)
     assert page.evaluate("document.documentElement.scrollWidth") <= width       # tables scroll in their boxes
+    page.screenshot(path=shots / f"web_explorer_{width}.png")
+    for view in ("attention", "next"):
+        page.eval_on_selector(f"#{view}-title", "title => title.scrollIntoView()")
+        page.screenshot(path=shots / f"web_{view}_{width}.png")
     page.focus("#tab-explorer")
     page.keyboard.press("ArrowRight")                                            # the tabs follow the arrow keys
     assert page.is_visible("#playground") and not page.is_visible("#explorer")
+    play(page, "ROMEO:", 32)
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    page.screenshot(path=shots / f"web_playground_{width}.png")
+    assert all((shots / f"web_{view}_{width}.png").stat().st_size for view in ("explorer", "attention", "next", "playground"))
     assert not page.errors
