@@ -39,7 +39,7 @@ from .inspection.trace import layer_of, statistics, step_shape, step_template
 from .model import Qwen3Model
 from .sampling import SamplingParams, apply_repetition_penalty, next_token, require_distribution, softmax, warp_stages
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:      # serve imports this module, so serve's names (APIError) are imported where used
     from .serve import Service
 
 WEB = Path(__file__).parent / "web"          # the page: plain HTML, CSS and JS, no build step, nothing fetched

@@ -253,6 +253,19 @@ def test_sample_then_append_continues_the_prompt_by_that_token(explored) -> None
     assert state(explored, "ids") == before + [chosen]
 
 
+def test_a_server_with_an_api_key_gets_it_from_the_page_which_then_works(browser, serve_env) -> None:
+    with serving(serve_env, BUNDLED, "--api-key", "sesame") as server:
+        page = browser.new_page(bypass_csp=True)
+        page.goto(server.url.removesuffix("/v1") + "/")
+        page.wait_for_selector("#key-box:not([hidden])")
+        assert "API key" in page.text_content("#status")
+        page.fill("#api-key", "sesame")
+        page.press("#api-key", "Enter")
+        page.wait_for_selector("body[data-ready=true]")
+        explore(page, "ROMEO:")
+        assert page.is_hidden("#key-box") and state(page, "ids")
+
+
 def play(page, prompt: str, max_tokens: int) -> dict:
     page.click("#tab-playground")
     page.fill("#play-prompt", prompt)

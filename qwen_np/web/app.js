@@ -236,8 +236,19 @@ function showMultiples() {
     }))));
 }
 
+// Answers can arrive out of order (a slider moved twice, a layer picked twice): only the latest is shown.
+const latest = { attention: 0, filter: 0 };
+
+async function newest(kind, path, body) {
+  const mine = ++latest[kind];
+  const answer = await api(path, body);
+  return mine === latest[kind] ? answer : null;
+}
+
 async function showAttention() {
-  state.attention = await api("/explorer/attention", { prompt: state.ids, layer: Number($("att-layer").value) });
+  const answer = await newest("attention", "/explorer/attention", { prompt: state.ids, layer: Number($("att-layer").value) });
+  if (!answer) return;
+  state.attention = answer;
   showMultiples();
   showHeatmap();
 }
@@ -246,7 +257,9 @@ async function showAttention() {
 
 async function showFilter() {
   const settings = filterSettings();
-  state.filter = { settings, ...(await api("/explorer/filter", { prompt: state.ids, ...settings })) };
+  const answer = await newest("filter", "/explorer/filter", { prompt: state.ids, ...settings });
+  if (!answer) return;
+  state.filter = { settings, ...answer };
   const stages = state.filter.stages;
   $("filter-counts").textContent = "Tokens kept: " + stages.map((stage) => `${stage.name} ${stage.kept.toLocaleString()}`).join(" → ")
     + `. The ${state.filter.tokens.length} most likely are listed; — marks a token a filter removed.`;
@@ -439,7 +452,11 @@ function wire() {
   $("play-stop-button").addEventListener("click", () => aborter && aborter.abort());
   $("play-clear").addEventListener("click", () => { transcript = []; showTranscript(); $("reply").textContent = ""; $("play-stats").textContent = ""; });
   document.querySelectorAll("input[name=mode]").forEach((radio) => radio.addEventListener("change", setMode));
-  $("api-key").addEventListener("change", () => { sessionStorage.setItem("qwen_np_api_key", $("api-key").value); guarded(start); });
+  $("key-box").addEventListener("submit", (event) => {
+    event.preventDefault();
+    sessionStorage.setItem("qwen_np_api_key", $("api-key").value);
+    guarded(start);
+  });
 }
 
 let filterTimer = null;
@@ -461,6 +478,7 @@ async function start() {
   playSettings = samplingControls($("play-controls"), "play", info.defaults, null);
   $("mode-chat").disabled = !info.chat;
   $("chat-note").textContent = info.chat ? "" : "this model has no chat template: it continues text";
+  $("key-box").hidden = true;
   document.body.dataset.ready = "true";
 }
 
