@@ -159,13 +159,20 @@ def require_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarr
     return logits
 
 
+def warp_stages(logits: np.ndarray, params: SamplingParams) -> list[tuple[str, np.ndarray]]:
+    """The logits after each warper in transformers' order, named: temperature, top-k, top-p, min-p (the
+    last is what a draw samples from; the explorer shows them all). Raises QwenNPError when the tempered
+    logits make no distribution (require_distribution)."""
+    tempered = require_distribution(apply_temperature(logits, params.temperature), params)
+    top_k = top_k_filter(tempered, params.top_k)
+    top_p = top_p_filter(top_k, params.top_p)
+    return [("temperature", tempered), ("top-k", top_k), ("top-p", top_p), ("min-p", min_p_filter(top_p, params.min_p))]
+
+
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Temperature, top-k, top-p, min-p in transformers' order: the distribution a draw samples from.
     Raises QwenNPError when the tempered logits make no distribution (require_distribution)."""
-    logits = require_distribution(apply_temperature(logits, params.temperature), params)
-    logits = top_k_filter(logits, params.top_k)
-    logits = top_p_filter(logits, params.top_p)
-    return min_p_filter(logits, params.min_p)
+    return warp_stages(logits, params)[-1][1]
 
 
 def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,

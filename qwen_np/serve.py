@@ -7,7 +7,8 @@
     client.chat.completions.create(model="Qwen/Qwen3-0.6B", messages=[{"role": "user", "content": "Hi"}])
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (streamed as Server-Sent
-Events or not), GET /health (with the number of running and waiting requests). The request fields
+Events or not), GET /health (with the number of running and waiting requests), and a web page at / with
+an explorer of the forward pass and a playground (explorer.py, its endpoints under /explorer/). The request fields
 and the response shapes are OpenAI's (OpenAI's API reference for chat completions and completions); Qwen3's
 thinking switch comes as vLLM takes it, `chat_template_kwargs: {"enable_thinking": false}`, and the
 sampling fields vLLM adds (top_k, min_p, repetition_penalty) are accepted too. Defaults come from the
@@ -25,7 +26,8 @@ length are bounded, and tokenising runs on worker threads, never on the event lo
 Any web page can send requests to a server on loopback, so POSTs must be `application/json` (a form
 or `text/plain` POST, which a browser sends cross-site without asking, is refused), a loopback server
 answers only Host headers naming loopback (against DNS rebinding), and `--api-key` asks every client
-but /health for `Authorization: Bearer KEY`. Each request is logged in one line on stderr.
+but /health and the page's files for `Authorization: Bearer KEY` (the page asks for the key). Each request
+is logged in one line on stderr.
 
 The HTTP stack is Starlette on uvicorn (the `serve` extra): both small and well kept (Encode's; the
 ASGI stack FastAPI and vLLM's server stand on), Starlette needs only anyio and uvicorn only h11 and
@@ -51,6 +53,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 from .batching import BatchGenerator, BatchRunner, Request, Row
 from .errors import QwenNPError
+from .explorer import Explorer, is_page
 from .finite import check_weights_finite
 from .generate import GenerationDefaults, TokenEvent, resolve_sampling
 from .loading import load_model, read_config, read_generation_defaults, read_tokenizer
@@ -345,7 +348,7 @@ def refusal(method: str, path: str, headers: dict[str, str], api_key: str | None
     if loopback_only and not LOOPBACK_HOST.fullmatch(headers.get("host", "")):
         # A page on a rebound DNS name reaches us under that name: only loopback names are ours.
         return APIError(400, "Host: this server answers only to localhost, 127.0.0.1 and [::1]", code="invalid_host")
-    if api_key is not None and path != "/health":
+    if api_key is not None and path != "/health" and not is_page(path):
         scheme, _, key = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), api_key.encode()):
             return APIError(401, "Incorrect API key provided: send `Authorization: Bearer KEY`",
@@ -447,7 +450,8 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
 
     routes = Starlette(routes=[Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
                                Route("/v1/chat/completions", endpoint(chat=True), methods=["POST"]),
-                               Route("/v1/completions", endpoint(chat=False), methods=["POST"])],
+                               Route("/v1/completions", endpoint(chat=False), methods=["POST"]),
+                               *Explorer(service).routes(read_body, error)],      # the page at / (explorer.py)
                        exception_handlers={HTTPException: http_error})
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:

@@ -45,6 +45,18 @@ REPLACEMENT_CHAR = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequ
 Message = dict[str, Any]
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character byte-level BPE writes for each byte (GPT-2's bytes_to_unicode, which Qwen's
+    tokenizer.json uses): printable Latin-1 bytes stand for themselves, the other 68 are shifted to
+    U+0100 on, in byte order. The tokenizers binding maps bytes this way internally but exposes no table."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
+
+
+_BYTE_OF_CHARACTER = _byte_level_alphabet()
+
+
 class Tokenizer:
     """Qwen3's tokenizer, loaded from a checkpoint folder with ``Tokenizer.from_folder``."""
 
@@ -80,6 +92,16 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         # int() accepts NumPy integers, which the Rust binding rejects.
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for: a byte-level BPE token may hold part of a UTF-8 character
+        (decoding it alone gives U+FFFD), an added token such as <|im_end|> is its text. b"" for an id
+        past the tokenizer's vocabulary (a model's is padded)."""
+        added = self._backend.get_added_tokens_decoder().get(token_id)
+        if added is not None:
+            return added.content.encode()
+        piece = self._backend.id_to_token(token_id)
+        return b"" if piece is None else bytes(_BYTE_OF_CHARACTER[ch] for ch in piece)
 
     def token_to_id(self, token: str) -> int:
         token_id = self._backend.token_to_id(token)

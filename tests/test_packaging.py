@@ -47,11 +47,13 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-def test_the_wheel_holds_every_module_and_the_bundled_model_but_no_test_fixture(wheel: Path) -> None:
+def test_the_wheel_holds_every_module_the_bundled_model_and_serve_s_page_but_no_test_fixture(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {path.relative_to(ROOT).as_posix() for path in (ROOT / "qwen_np").rglob("*.py")}
     assert modules <= names, f"modules missing from the wheel (list the package in pyproject.toml): {modules - names}"
     assert {f"qwen_np/weights/{name}" for name in MODEL_FILES} <= names
+    page = {path.relative_to(ROOT).as_posix() for path in (ROOT / "qwen_np" / "web").iterdir()}
+    assert page and page <= names, f"serve's page missing from the wheel (package-data): {page - names}"
     assert zipfile.ZipFile(wheel).read("qwen_np/weights/model.safetensors") == (BUNDLED / "model.safetensors").read_bytes()
     assert not [name for name in names if name.startswith(("tests/", "weights/")) or "LICENSE-tokenizer" in name]
 

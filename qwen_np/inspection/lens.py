@@ -20,15 +20,26 @@ def lens_probabilities(model: Qwen3Model, token_ids: Sequence[int]) -> tuple[lis
     residuals: dict[str, np.ndarray] = {}
 
     def capture(name: str, value: np.ndarray) -> None:
-        if name == "model.embed_tokens" or name.endswith(".residual_mlp"):
+        if is_lens_step(name):
             residuals[name] = value[-1].copy()                                   # [D]
 
     logits = model.forward(token_ids, trace=capture)                             # [T, V]
-    stream = np.stack(list(residuals.values()))                                  # [L+1, D]
+    return lens_labels(model), lens_rows(model, np.stack(list(residuals.values()))), layers.softmax(logits[-1])
+
+
+def is_lens_step(name: str) -> bool:
+    """Whether the lens reads the step traced as `name`: the embedding and each layer's result."""
+    return name == "model.embed_tokens" or name.endswith(".residual_mlp")
+
+
+def lens_labels(model: Qwen3Model) -> list[str]:
+    return ["embedding"] + [f"layer {i}" for i in range(model.config.num_hidden_layers)]
+
+
+def lens_rows(model: Qwen3Model, stream: np.ndarray) -> np.ndarray:
+    """Probabilities [L+1, V] from the residual stream [L+1, D] of one position (the lens steps in order)."""
     normed = layers.rms_norm(stream, model.norm, model.config.rms_norm_eps)      # [L+1, D]
-    lens_logits = layers.linear(normed, model.lm_head)                           # [L+1, V]
-    labels = ["embedding"] + [f"layer {i}" for i in range(model.config.num_hidden_layers)]
-    return labels, layers.softmax(lens_logits), layers.softmax(logits[-1])
+    return layers.softmax(layers.linear(normed, model.lm_head))                  # [L+1, V]
 
 
 def logit_lens(model: Qwen3Model, token_ids: list[int], tokenizer: Any, top_k: int = 5) -> str:

@@ -6,10 +6,12 @@ MODEL_TENSORS), so the two cannot disagree.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .. import layers
+from .. import layers, model
 from ..config import LAYER_TENSORS, MODEL_TENSORS, Shape
 from ..model import Qwen3Model
 
@@ -99,3 +101,18 @@ def format_shape(shape: Shape, numbers: Sequence[int] | None = None) -> str:
     """'[T, H, Dh] = [7, 32, 128]', or the symbols alone when no numbers are given."""
     symbols = f"[{', '.join(shape)}]"
     return symbols if numbers is None else f"{symbols} = [{', '.join(str(n) for n in numbers)}]"
+
+
+def source_line(step: Step) -> tuple[str, int, str]:
+    """(file name, line number, code) of the line that computes `step`: the statement just before the
+    note(...) that reports it, in model.py, or in layers.py for the steps that layers.attention and
+    layers.swiglu report under their short names ("scores", "gate_proj")."""
+    in_model = f'note(f"{{name}}.{step.short_name}"' if step.in_layer else f'note("{step.name}"'
+    in_layers = f'note("{step.name.rsplit(".", 1)[-1]}"'
+    for module, key in ((model, in_model), (layers, in_layers)):
+        lines = inspect.getsource(module).splitlines()
+        for number, line in enumerate(lines):
+            if key in line:
+                before = next(n for n in range(number - 1, -1, -1) if lines[n].strip() and not lines[n].lstrip().startswith("#"))
+                return Path(inspect.getfile(module)).name, before + 1, lines[before].strip()
+    raise LookupError(f"no note(...) reports the step {step.name}")

@@ -9,7 +9,7 @@ from typing import TextIO
 
 import numpy as np
 
-from .steps import STEPS_BY_NAME, format_shape
+from .steps import STEPS_BY_NAME, Shape, format_shape
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -30,10 +30,10 @@ class Tracer:
         self.passes = 0
 
     def __call__(self, name: str, value: np.ndarray) -> None:
-        match = _LAYER_INDEX.match(name)
         if name == "model.embed_tokens":
             self._start_pass(value.shape[0])
-        if match and self.layers is not None and int(match.group(1)) not in self.layers:
+        layer = layer_of(name)
+        if layer is not None and self.layers is not None and layer not in self.layers:
             return
         print(trace_row(name, value), file=self.stream)
 
@@ -49,12 +49,37 @@ _NAME_WIDTH, _SHAPE_WIDTH = 44, 32
 
 def trace_row(name: str, value: np.ndarray) -> str:
     """One Tracer row: name, shape as symbols = numbers, dtype, mean, std, max|x| (finite values)."""
-    step = STEPS_BY_NAME.get(_LAYER_INDEX.sub("model.layers.{i}.", name))
-    symbols = step.output if step is not None and len(step.output) == value.ndim else None
+    symbols = step_shape(name, value)
     shape = format_shape(symbols, value.shape) if symbols else str(list(value.shape))
-    finite = value[np.isfinite(value)].astype(np.float64)
-    masked = value.size - finite.size
-    stats = (finite.mean(), finite.std(), np.abs(finite).max()) if finite.size else (math.nan,) * 3
+    *stats, masked = statistics(value)
     note = f"  ({masked:,} masked)" if masked else ""
     return (f"  {name:<{_NAME_WIDTH}}{shape:<{_SHAPE_WIDTH}}{str(value.dtype):<9}"
             + "".join(f"{s:>11.4g}" for s in stats) + note)
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index in a traced step's name ("model.layers.3.mlp.up_proj" -> 3), None outside a layer."""
+    match = _LAYER_INDEX.match(name)
+    return int(match.group(1)) if match else None
+
+
+def step_template(name: str) -> str:
+    """The STEPS name of a traced step: its layer index written "{i}"."""
+    return _LAYER_INDEX.sub("model.layers.{i}.", name)
+
+
+def step_shape(name: str, value: np.ndarray) -> Shape | None:
+    """The symbolic shape of the step traced as `name` when `value` has as many axes; None for a name
+    STEPS does not hold."""
+    step = STEPS_BY_NAME.get(step_template(name))
+    return step.output if step is not None and len(step.output) == value.ndim else None
+
+
+def statistics(value: np.ndarray) -> tuple[float, float, float, int]:
+    """(mean, std, max|x|) of the finite values, in float64, and how many values are not finite (the -inf
+    the causal mask writes into the attention scores); NaN statistics when none is finite."""
+    finite = value[np.isfinite(value)].astype(np.float64)
+    masked = value.size - finite.size
+    if not finite.size:
+        return math.nan, math.nan, math.nan, masked
+    return float(finite.mean()), float(finite.std()), float(np.abs(finite).max()), masked
