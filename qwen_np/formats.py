@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -356,6 +357,44 @@ def get_format(fmt: str) -> Format:
         return FORMAT_TABLE[fmt]
     except KeyError:
         raise QwenNPError(f"unknown number format {fmt!r}; expected one of {', '.join(FORMATS)}") from None
+
+
+# ---- A model's weights held in a block format (--memory q8_0, q4_0) --------------------------------
+
+# The formats a model can hold its matrices in (qwen_np.memory's modes): blocks of a row, so a block of
+# rows slices out of every part and widens on its own.
+HELD_FORMATS = ("q8_0", "q4_0")
+
+
+@dataclass(frozen=True)
+class FormatRows:
+    """A matrix [out, in] held as a format's quantized parts, row-major: llama.cpp's Q8_0 (int8 codes
+    [out, in] and FP16 scales [out, in/32]) or Q4_0 (packed nibbles [out, in/2] and FP16 scales), the
+    values of its blocks bit for bit. A numerics weight kind: indexing picks rows of every part, and
+    widen() dequantizes them. A block's FP16 scale is one per 32 inputs, so unlike int8's row scale it
+    cannot be factored out of a dot product: the rows are dequantized in full, then multiplied."""
+
+    fmt: str                          # a HELD_FORMATS name
+    parts: tuple[np.ndarray, ...]     # what get_format(fmt).quantize returns, for these rows
+    columns: int                      # in
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.parts[0].shape[:-1], self.columns)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parts[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def __getitem__(self, rows: Any) -> "FormatRows":
+        return FormatRows(self.fmt, tuple(part[rows] for part in self.parts), self.columns)
+
+    def widen(self, out: np.ndarray) -> None:
+        get_format(self.fmt).dequantize(*self.parts, out=out)
 
 
 def bits_per_weight(fmt: str) -> float:

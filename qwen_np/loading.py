@@ -14,7 +14,7 @@ import numpy as np
 from .checkpoint import DTYPE_BYTES, Checkpoint, resolve_model_path
 from .config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, load_config
 from .fast import FastQwen3Model
-from .formats import quantize_int8_rows
+from .formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
 from . import gguf_file
 from .checkpoint import is_gguf
 from .generate import GenerationDefaults, folder_generation_defaults, generation_defaults
@@ -55,7 +55,9 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     memory: "fp32" upcasts every weight once; "bf16" keeps the stored weights memory-mapped and
     upcasts them block by block on use; "int8" quantizes every matrix once to int8 codes with an
     FP32 scale per row (formats.quantize_int8_rows; norm weights stay FP32), which changes the
-    logits slightly; "auto" picks fp32 when it fits in RAM with margin, else bf16.
+    logits slightly; "q8_0" and "q4_0" quantize every matrix once to llama.cpp's blocks of 32
+    (formats.FormatRows, bit for bit as gguf's quantizers); "auto" picks fp32 when it fits in RAM
+    with margin, else bf16.
     max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
     fast: a FastQwen3Model (qwen_np/fast.py: same logits, tuned for speed); False gives the readable
     Qwen3Model, every call on model.py's code.
@@ -76,7 +78,8 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     # A GGUF is never cached: the cache's spot check re-reads every tensor, i.e. dequantizes it again.
     cached = load_fp32(checkpoint) if plan.mode == "fp32" and not isinstance(checkpoint, GGUFCheckpoint) else None
     largest = max(info.nbytes for info in checkpoint.tensors.values())
-    buffer = allocate((largest,), np.uint8) if plan.mode == "int8" or (plan.mode == "fp32" and cached is None) else None
+    quantized = plan.mode == "int8" or plan.mode in HELD_FORMATS
+    buffer = allocate((largest,), np.uint8) if quantized or (plan.mode == "fp32" and cached is None) else None
 
     def matrices(names: list[str]) -> list[Weight]:
         if cached is not None:
@@ -87,6 +90,8 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
         if plan.mode == "fp32":
             return [upcast(checkpoint.read(name, buffer), out=kept)
                     for name, kept in zip(names, back_to_back(shapes, np.float32))]
+        if plan.mode in HELD_FORMATS:
+            return [quantize_blocks(checkpoint.read(name, buffer), plan.mode) for name in names]
         codes, scales = back_to_back(shapes, np.int8), back_to_back([shape[:1] for shape in shapes], np.float32)
         for name, q, scale in zip(names, codes, scales):
             quantize_int8_into(checkpoint.read(name, buffer), q, scale)
@@ -127,6 +132,24 @@ def back_to_back(shapes: list[tuple[int, ...]], dtype: type = np.float32) -> lis
         arrays.append(block[start:start + math.prod(shape)].reshape(shape))
         start += math.prod(shape)
     return arrays
+
+
+def quantize_blocks(stored: np.ndarray, fmt: str) -> FormatRows:
+    """A stored matrix [out, in] quantized to a block format (formats.HELD_FORMATS), a block of rows at a
+    time into parts allocated once (their per-row shapes from quantizing the first row): rows are
+    independent, so the parts equal quantizing the whole matrix at once; split between the threads."""
+    quantize = get_format(fmt).quantize
+    sample = quantize(upcast(stored[:1]))
+    parts = tuple(np.empty((stored.shape[0], *part.shape[1:]), part.dtype) for part in sample)
+
+    def fill(part: slice) -> None:
+        for start in range(part.start, part.stop, QUANTIZE_BLOCK_ROWS):
+            rows = slice(start, min(start + QUANTIZE_BLOCK_ROWS, part.stop))
+            for kept, made in zip(parts, quantize(upcast(stored[rows]))):
+                kept[rows] = made
+
+    split(stored.shape[0], threads(), fill)
+    return FormatRows(fmt, parts, stored.shape[1])
 
 
 def quantize_int8_into(stored: np.ndarray, codes: np.ndarray, scale: np.ndarray) -> None:

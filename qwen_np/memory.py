@@ -17,10 +17,10 @@ from pathlib import Path
 
 from .config import Qwen3Config, parameter_count, tensor_shapes
 from .errors import QwenNPError
-from .formats import storage_bytes
+from .formats import HELD_FORMATS, storage_bytes
 
 GiB = 1024 ** 3
-MODES = ("auto", "fp32", "bf16", "int8")
+MODES = ("auto", "fp32", "bf16", "int8", *HELD_FORMATS)   # HELD_FORMATS: q8_0, q4_0 (formats.FormatRows)
 SAFETY_FRACTION = 0.85   # leave room for the OS, the page cache of the BF16 path and Python itself
 # Prompt tokens per forward pass during prefill (generate.py): bounds the [T, V] logits and [H, T, S]
 # attention scores one pass allocates, so the plan can budget working buffers for it.
@@ -69,19 +69,29 @@ def working_bytes(config: Qwen3Config, max_tokens: int, chunk: int = PREFILL_CHU
 class MemoryPlan:
     """How the weights will be held, and what every part costs in bytes."""
 
-    mode: str                  # "fp32" (upcast once at load), "bf16" (stored format, upcast per use) or "int8"
-    fp32_weight_bytes: int
-    stored_weight_bytes: int
-    int8_weight_bytes: int     # matrices as int8 codes + an FP32 scale per row; norm weights FP32
+    mode: str                  # "fp32" (upcast once at load), "bf16" (stored format, upcast per use), "int8",
+                               # "q8_0" or "q4_0" (quantized once at load)
+    weight_bytes: dict[str, int]   # the weights' bytes in every mode (quantized: matrices with their scales, norms FP32)
     kv_cache_bytes: int
     working_bytes: int
     available_bytes: int
     max_tokens: int
 
     @property
+    def fp32_weight_bytes(self) -> int:
+        return self.weight_bytes["fp32"]
+
+    @property
+    def stored_weight_bytes(self) -> int:
+        return self.weight_bytes["bf16"]
+
+    @property
+    def int8_weight_bytes(self) -> int:
+        return self.weight_bytes["int8"]
+
+    @property
     def total_bytes(self) -> int:
-        weights = {"fp32": self.fp32_weight_bytes, "bf16": self.stored_weight_bytes}.get(self.mode, self.int8_weight_bytes)
-        return weights + self.kv_cache_bytes + self.working_bytes
+        return self.weight_bytes[self.mode] + self.kv_cache_bytes + self.working_bytes
 
     @property
     def fits(self) -> bool:
@@ -92,26 +102,28 @@ class MemoryPlan:
         rows = [
             ("weights FP32", self.fp32_weight_bytes), ("weights as stored", self.stored_weight_bytes),
             ("weights int8 (+ FP32 row scales)", self.int8_weight_bytes),
+            *((f"weights {fmt} (+ FP16 block scales)", self.weight_bytes[fmt]) for fmt in HELD_FORMATS),
             (f"KV cache ({self.max_tokens} tokens, FP32)", self.kv_cache_bytes),
             ("working buffers", self.working_bytes), ("available RAM", self.available_bytes),
         ]
         lines = [f"  {label:<34} {n / GiB:8.2f} GiB" for label, n in rows]
         how = {"fp32": "weights upcast to FP32 once, at load",
                "bf16": "weights memory-mapped as stored, upcast block by block on use",
-               "int8": "weights quantized to int8 rows once, at load; codes cast block by block on use"}[self.mode]
+               "int8": "weights quantized to int8 rows once, at load; codes cast block by block on use",
+               **{fmt: f"weights quantized to llama.cpp's {fmt} blocks once, at load; dequantized block by block on use"
+                  for fmt in HELD_FORMATS}}[self.mode]
         return "\n".join([f"memory plan: {self.mode} ({how}); needs {self.total_bytes / GiB:.2f} GiB", *lines])
 
 
 def candidate_plans(config: Qwen3Config, max_tokens: int, stored_bytes_per_value: int = 2,
                     available: int | None = None) -> dict[str, MemoryPlan]:
-    """Every way to hold the model, "fp32", "bf16" and "int8", costed for this machine (nothing chosen yet)."""
+    """Every way to hold the model (MODES but auto), costed for this machine (nothing chosen yet)."""
     params = parameter_count(config)
-    common = dict(fp32_weight_bytes=4 * params, stored_weight_bytes=stored_bytes_per_value * params,
-                  int8_weight_bytes=int8_weight_bytes(config),
-                  kv_cache_bytes=max_tokens * kv_cache_bytes_per_token(config),
-                  working_bytes=working_bytes(config, max_tokens),
-                  available_bytes=available_memory() if available is None else available, max_tokens=max_tokens)
-    return {mode: MemoryPlan(mode=mode, **common) for mode in ("fp32", "bf16", "int8")}
+    weights = {"fp32": 4 * params, "bf16": stored_bytes_per_value * params, "int8": int8_weight_bytes(config),
+               **{fmt: weight_bytes(config, fmt) for fmt in HELD_FORMATS}}
+    available = available_memory() if available is None else available
+    return {mode: MemoryPlan(mode, weights, max_tokens * kv_cache_bytes_per_token(config),
+                             working_bytes(config, max_tokens), available, max_tokens) for mode in weights}
 
 
 def weight_bytes(config: Qwen3Config, fmt: str) -> int:

@@ -18,7 +18,7 @@ StoredRows lets ml_dtypes' bfloat16 dtype do the same in C).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -125,9 +125,27 @@ class Int8Rows:
         return self.scale
 
 
+class Held(Protocol):
+    """A weight kind that is not FP32: rows index out of it, and widen(out) writes FP32 values into `out`
+    (its shape) and returns the per-row scale still to be applied after a product, or None. StoredRows
+    and Int8Rows here; formats.FormatRows holds llama.cpp's block formats (--memory q8_0, q4_0)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __getitem__(self, rows: Any) -> "Held": ...
+
+    def widen(self, out: np.ndarray) -> np.ndarray | None: ...
+
+
 # A weight matrix as a model holds it: a NumPy array is always FULL_PRECISION (used as it is); every
-# other kind is one of these classes, each with its widen().
-Held = StoredRows | Int8Rows
+# other kind is a Held, with its widen().
 Weight = np.ndarray | Held
 
 

@@ -134,7 +134,7 @@ def test_inspect_json_parses_and_holds_the_same_data():
     assert [s["name"] for s in report["steps"]] == [step.name for step in STEPS]
     assert report["steps"][0]["code"] == "qwen_np.layers.embed"
     assert report["this_machine"]["bandwidth_bytes_per_s"] > 0
-    assert set(report["this_machine"]["plans"]) == {"fp32", "bf16", "int8"}
+    assert set(report["this_machine"]["plans"]) == {"fp32", "bf16", "int8", "q8_0", "q4_0"}
 
 
 def test_inspect_rejects_zero_tokens():

@@ -17,7 +17,8 @@ BUNDLED_MODEL = bundled_model_path()
 BUNDLED_NAME = "weights (bundled Shakespeare model)"
 MEMORY_HELP = ("how to hold the weights: fp32 upcasts every weight once at load (fastest), bf16 keeps them as stored "
                "and widens them per use (half the RAM), int8 quantizes every matrix to int8 rows at load (a quarter, "
-               "slightly different logits), auto picks fp32 when it fits (default: auto)")
+               "slightly different logits), q8_0 and q4_0 to llama.cpp's blocks of 32 (8.5 and 4.5 bits a weight), "
+               "auto picks fp32 when it fits (default: auto)")
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

@@ -8,8 +8,9 @@ from typing import Any
 
 from ..config import DIMENSIONS, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
+from ..formats import HELD_FORMATS, bits_per_weight
 from ..memory import (DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
-                      kv_cache_bytes_per_token, training_memory, working_bytes)
+                      kv_cache_bytes_per_token, training_memory, weight_bytes, working_bytes)
 from ..numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
@@ -67,7 +68,8 @@ def memory_breakdown(config: Qwen3Config, context: int, batch_size: int) -> dict
     """Bytes to run the model (weights, KV cache, working buffers) and to train it (memory.training_memory)."""
 
     params = parameter_summary(config)["total"]
-    stored = {"fp32": 4 * params, "bf16": 2 * params, "int8": int8_weight_bytes(config)}
+    stored = {"fp32": 4 * params, "bf16": 2 * params, "int8": int8_weight_bytes(config),
+              **{fmt: weight_bytes(config, fmt) for fmt in HELD_FORMATS}}
     training = training_memory(config, batch_size, context)
     return {
         "context": context,
@@ -102,7 +104,9 @@ def _machine_report(config: Qwen3Config, bandwidth: float) -> dict[str, Any]:
     candidates = candidate_plans(config, context, stored_width, available)
     plans = {}
     # int8: one byte per weight; its FP32 row scales add 4 bytes per row of D >= 1024 values (< 0.4%).
-    for mode, width in (("fp32", 4), ("bf16", stored_width), ("int8", 1)):
+    # q8_0, q4_0: their bits per weight, the FP16 block scales included.
+    widths = {"fp32": 4, "bf16": stored_width, "int8": 1, **{fmt: bits_per_weight(fmt) / 8 for fmt in HELD_FORMATS}}
+    for mode, width in widths.items():
         read = weight_bytes_read_per_token(config, width)
         plans[mode] = {"needs_bytes": candidates[mode].total_bytes, "fits": candidates[mode].fits,
                        "weight_bytes_read_per_token": read, "max_decode_tokens_per_s": bandwidth / read}
@@ -231,17 +235,18 @@ def _render_machine(report: dict[str, Any]) -> str:
     plans = machine["plans"].items()
     labels = {"fp32": "FP32 weights (upcast once, at load)",
               "bf16": f"weights kept as stored ({machine['stored_format']})",
-              "int8": "int8 weights (--memory int8, at load)"}
+              "int8": "int8 weights (--memory int8, at load)",
+              **{fmt: f"llama.cpp {fmt} blocks (--memory {fmt}, at load)" for fmt in HELD_FORMATS}}
     lines = ["This machine (measured here, approximate)",
              f"  available memory  {_gib(machine['available_bytes'])} "
              f"(a plan may use {machine['usable_fraction']:.0%} of it)",
              f"  memory bandwidth  {bandwidth / 1e9:.1f} GB/s "
              f"({machine['bandwidth_note'].removeprefix('measured here: ')})",
              f"  memory plan, with a {machine['context_tokens']:,}-token KV cache:"]
-    lines += [f"    {labels[mode]:<40}needs {_gib(plan['needs_bytes']):>10}   "
+    lines += [f"    {labels[mode]:<48}needs {_gib(plan['needs_bytes']):>10}   "
               f"{'fits' if plan['fits'] else 'does NOT fit'}" for mode, plan in plans]
     lines.append("  decode speed the bandwidth allows (each new token streams every weight from memory once):")
-    lines += [f"    {labels[mode]:<40}{plan['weight_bytes_read_per_token'] / 1e9:.2f} GB/token / "
+    lines += [f"    {labels[mode]:<48}{plan['weight_bytes_read_per_token'] / 1e9:.2f} GB/token / "
               f"{bandwidth / 1e9:.1f} GB/s  ->  at most {plan['max_decode_tokens_per_s']:.2f} tokens/s"
               for mode, plan in plans]
     return "\n".join(lines)
