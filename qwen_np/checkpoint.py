@@ -33,7 +33,7 @@ import numpy as np
 
 from .config import LAYER_TENSORS, Qwen3Config, expected_tensors
 from .errors import QwenNPError
-from .numerics import STORAGE_DTYPES
+from .numerics import STORAGE_DTYPES, Weight, held
 
 MAX_HEADER_BYTES = 100_000_000        # the Rust reader's MAX_HEADER_SIZE
 SINGLE_FILE = "model.safetensors"
@@ -162,6 +162,14 @@ class Checkpoint:
                                   f"implies {list(shape)}")
             if info.dtype not in STORAGE_DTYPES:
                 raise QwenNPError(f"{info.path}: tensor {name!r} has dtype {info.dtype}; qwen_np reads BF16, F16 and F32")
+
+    def held(self, name: str) -> Weight:
+        """A tensor as the "bf16" memory mode holds it, "as stored": its mapped values (numerics.held)."""
+        return held(self.mapped(name))
+
+    def held_bytes_per_value(self) -> float:
+        """Bytes per weight of the tensors held as stored (the "bf16" plan's): the file's own widths."""
+        return sum(info.nbytes for info in self.tensors.values()) / sum(math.prod(i.shape) for i in self.tensors.values())
 
     def mapped(self, name: str) -> np.ndarray:
         """A zero-copy, read-only view of a tensor's stored values (BF16 as ml_dtypes.bfloat16)."""

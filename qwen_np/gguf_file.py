@@ -43,13 +43,17 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from .checkpoint import Checkpoint, TensorInfo
 from .config import MODEL_TENSORS, Qwen3Config, expected_tensors
 from .errors import QwenNPError
-from .numerics import upcast
+from .formats import FormatRows
+from .numerics import Weight, upcast
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 ARCHITECTURE = "qwen3"
 # Held as stored (views of the file): ggml type -> the safetensors dtype name Checkpoint reads.
 STORED_TYPES = {GGML.F32: "F32", GGML.F16: "F16", GGML.BF16: "BF16"}
+# Held as their blocks when the weights are kept as stored (--memory bf16, or auto when FP32 does not fit):
+# ggml type -> the formats.HELD_FORMATS name whose parts hold the same scales and codes.
+BLOCK_FORMATS = {GGML.Q8_0: "q8_0", GGML.Q4_0: "q4_0"}
 # Qwen2's pre-tokenizer regex (tokenizer.ggml.pre = "qwen2"), as in llama.cpp's src/llama-vocab.cpp and
 # in the Split of every Qwen2/Qwen3 tokenizer.json.
 QWEN2_PRE = "qwen2"
@@ -244,14 +248,39 @@ class GGUFCheckpoint(Checkpoint):
         return tensors
 
     def dequantization_note(self) -> str | None:
-        """What holding the quantized tensors as FP32 costs, against their size in the file (None: there are none)."""
-        if not self._quantized:
+        """What holding the tensors no weight kind holds (the K-quants, ...) as FP32 costs, against their size
+        in the file (None: there are none; Q8_0 and Q4_0 are held as their blocks unless --memory asks for FP32)."""
+        dequantized = {name: t for name, t in self._quantized.items() if t.tensor_type not in BLOCK_FORMATS}
+        if not dequantized:
             return None
-        kinds = "/".join(sorted({tensor.tensor_type.name for tensor in self._quantized.values()}))
-        fp32 = sum(self.tensors[name].nbytes for name in self._quantized)
-        stored = sum(int(tensor.n_bytes) for tensor in self._quantized.values())
+        kinds = "/".join(sorted({tensor.tensor_type.name for tensor in dequantized.values()}))
+        fp32 = sum(self.tensors[name].nbytes for name in dequantized)
+        stored = sum(int(tensor.n_bytes) for tensor in dequantized.values())
         return (f"{self.folder}: its {kinds} tensors are dequantized to FP32 at load: {fp32 / 2 ** 30:.3f} GiB in "
                 f"memory for {stored / 2 ** 30:.3f} GiB in the file")
+
+    def held(self, name: str) -> Weight:
+        """Q8_0 and Q4_0 tensors as their blocks (formats.FormatRows: the file's scales and codes, split
+        apart); the rest as Checkpoint holds them (K-quants dequantized to FP32)."""
+        tensor = self._quantized.get(name)
+        fmt = BLOCK_FORMATS.get(tensor.tensor_type) if tensor is not None else None
+        if tensor is None or fmt is None:
+            return super().held(name)
+        rows, columns = self.tensors[name].shape
+        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, columns // 32, -1)   # [out, in/32, bytes]
+        scales = blocks[..., :2].view(np.float16)[..., 0]                                  # [out, in/32] FP16
+        codes = np.ascontiguousarray(blocks[..., 2:]).reshape(rows, -1)                    # q8_0: int8, q4_0: nibbles
+        return FormatRows(fmt, (codes.view(np.int8) if fmt == "q8_0" else codes, scales), columns)
+
+    def held_bytes_per_value(self) -> float:
+        """As held "as stored": the file's bytes for F32/F16/BF16 and the Q8_0/Q4_0 blocks; 4 a value for the
+        tensors dequantized to FP32 (their TensorInfo counts them so)."""
+        def held_bytes(name: str, info: TensorInfo) -> int:
+            tensor = self._quantized.get(name)
+            return int(tensor.n_bytes) if tensor is not None and tensor.tensor_type in BLOCK_FORMATS else info.nbytes
+
+        values = sum(math.prod(info.shape) for info in self.tensors.values())
+        return sum(held_bytes(name, info) for name, info in self.tensors.items()) / values
 
     def mapped(self, name: str) -> np.ndarray:
         return self._dequantized(name) if name in self._quantized else super().mapped(name)

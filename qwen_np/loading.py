@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import DTYPE_BYTES, Checkpoint, resolve_model_path
+from .checkpoint import Checkpoint, resolve_model_path
 from .config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, load_config
 from .fast import FastQwen3Model
 from .formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
@@ -21,7 +21,7 @@ from .generate import GenerationDefaults, folder_generation_defaults, generation
 from .gguf_file import GGUFCheckpoint
 from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
-from .numerics import Int8Rows, Weight, held, upcast
+from .numerics import Int8Rows, Weight, upcast
 from .runtime import allocate, split, threads
 from .tokenizer import Tokenizer
 from .weight_cache import load_fp32
@@ -65,8 +65,7 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     checkpoint = open_checkpoint(path)
     config = checkpoint.config
     context = max_tokens or min(config.max_position_embeddings, DEFAULT_CONTEXT)
-    stored_width = DTYPE_BYTES[checkpoint.tensors[MODEL_TENSORS["embed_tokens"].name].dtype]
-    plan = plan_memory(config, context, memory, stored_bytes_per_value=stored_width)
+    plan = plan_memory(config, context, memory, stored_bytes_per_value=checkpoint.held_bytes_per_value())
 
     # fp32 and int8: each stored tensor is read with plain file I/O into one reused buffer and upcast
     # (or quantized) into memory the model keeps, so the peak is the model plus the largest stored
@@ -86,7 +85,7 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
             return [cached[name] for name in names]
         shapes = [checkpoint.tensors[name].shape for name in names]
         if buffer is None:
-            return [held(checkpoint.mapped(name)) for name in names]
+            return [checkpoint.held(name) for name in names]
         if plan.mode == "fp32":
             return [upcast(checkpoint.read(name, buffer), out=kept)
                     for name, kept in zip(names, back_to_back(shapes, np.float32))]

@@ -115,11 +115,11 @@ class MemoryPlan:
         return "\n".join([f"memory plan: {self.mode} ({how}); needs {self.total_bytes / GiB:.2f} GiB", *lines])
 
 
-def candidate_plans(config: Qwen3Config, max_tokens: int, stored_bytes_per_value: int = 2,
+def candidate_plans(config: Qwen3Config, max_tokens: int, stored_bytes_per_value: float = 2,
                     available: int | None = None) -> dict[str, MemoryPlan]:
     """Every way to hold the model (MODES but auto), costed for this machine (nothing chosen yet)."""
     params = parameter_count(config)
-    weights = {"fp32": 4 * params, "bf16": stored_bytes_per_value * params, "int8": int8_weight_bytes(config),
+    weights = {"fp32": 4 * params, "bf16": int(stored_bytes_per_value * params), "int8": int8_weight_bytes(config),
                **{fmt: weight_bytes(config, fmt) for fmt in HELD_FORMATS}}
     available = available_memory() if available is None else available
     return {mode: MemoryPlan(mode, weights, max_tokens * kv_cache_bytes_per_token(config),
@@ -138,7 +138,7 @@ def int8_weight_bytes(config: Qwen3Config) -> int:
 
 
 def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
-                stored_bytes_per_value: int = 2, available: int | None = None) -> MemoryPlan:
+                stored_bytes_per_value: float = 2, available: int | None = None) -> MemoryPlan:
     """Choose fp32, bf16 or int8 residency before anything is loaded. A plan that would not fit in RAM is a
     QwenNPError now, not an out-of-memory kill later: "auto" falls back from fp32 to bf16 and fails
     only when even the stored weights do not fit; an explicit mode fails if it does not fit."""
