@@ -158,12 +158,20 @@ def _controller() -> Any:
     return _blas
 
 
-def single_threaded_blas() -> Any:
-    """Context in which BLAS runs on the calling thread only (our threads split the work instead).
+@contextlib.contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """Context in which BLAS runs on the calling thread only (our threads split the work instead); the
+    thread count does not adapt to the load inside (adapt_to_load would give BLAS its threads back).
 
     A cached controller: threadpoolctl.threadpool_limits() rescans the loaded libraries, 0.5 ms.
     """
-    return _controller().limit(limits=1, user_api="blas")
+    global _adaptive
+    before, _adaptive = _adaptive, False
+    try:
+        with _controller().limit(limits=1, user_api="blas"):
+            yield
+    finally:
+        _adaptive = before
 
 
 def blas_threads_for(weight: object) -> Any:

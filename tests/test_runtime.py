@@ -65,3 +65,18 @@ def test_steady_threads_keep_every_thread_under_load(adaptive: list[int]) -> Non
 def test_threads_for_load_uses_the_cores_others_leave(most: int, cores: int, readings: list[int], expected: int) -> None:
     assert runtime.threads_for_load(most, cores, readings) == expected
 
+
+
+def test_inside_single_threaded_blas_the_load_changes_nothing(adaptive: list[int]) -> None:
+    """Training's shards run with single-threaded BLAS: a busy or quiet reading must not hand BLAS threads back."""
+    adaptive[0] = 1
+    for _ in range(runtime.LOAD_SAMPLES):
+        runtime.adapt_to_load()
+    assert runtime.threads() == 1
+    with runtime.single_threaded_blas():
+        adaptive[0] = 0                          # the neighbour stops: outside, this gives the threads back
+        for _ in range(2 * runtime.LOAD_SAMPLES):
+            runtime.adapt_to_load()
+        assert blas_threads() == {1} and runtime.threads() == 1
+    runtime.adapt_to_load()
+    assert runtime.threads() == 2 and blas_threads() == {2}
