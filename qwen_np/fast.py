@@ -45,7 +45,8 @@ import numpy as np
 from . import layers, runtime
 from .config import LAYER_MATRICES, Qwen3Config
 from .memory import MemoryPlan
-from .model import KVCache, LayerWeights, Qwen3Model, Trace
+from .kv_cache import PagedKVCache
+from .model import LayerWeights, Qwen3Model, Trace, advance
 from .numerics import Int8Rows, Weight
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
@@ -215,7 +216,7 @@ class FastQwen3Model(Qwen3Model):
             fused = self._fused[i] = _Fused(w)
         return fused.qkv, fused.gate_up
 
-    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[KVCache | None],
+    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[PagedKVCache | None],
                       trace: Trace | None = None, last_only: bool = False) -> np.ndarray:
         """Qwen3Model.forward_batch (and so forward): logits [T, V] ([B, V] if last_only). A traced call
         runs the readable path."""
@@ -247,9 +248,7 @@ class FastQwen3Model(Qwen3Model):
             head_blas = runtime.single_threaded_blas() if few_rows(len(h)) and not streamed else nullcontext()
             with head_blas:
                 logits = linear(h, self.lm_head, np.empty((len(h), config.vocab_size), np.float32))
-        for row, cache in zip(rows, caches):
-            if cache is not None:
-                cache.length += row.stop - row.start
+        advance(caches, ids, rows)
         return logits
 
     def _buffers(self, T: int) -> _Buffers:
@@ -267,7 +266,7 @@ class FastQwen3Model(Qwen3Model):
         return not all(isinstance(m, np.ndarray) for m in matrices)
 
     def _layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
-               cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], b: _Buffers, parts: int) -> None:
+               cos: np.ndarray, sin: np.ndarray, caches: Sequence[PagedKVCache | None], b: _Buffers, parts: int) -> None:
         """x += attention(input_layernorm(x)); x += mlp(post_attention_layernorm(x)), in place.  x [T, D],
         the tokens of every sequence of the batch (`rows` says which are whose).
 
@@ -306,7 +305,7 @@ class FastQwen3Model(Qwen3Model):
         k = b.qkv[:, q_end:k_end].reshape(T, KVH, Dh)
         v = b.qkv[:, k_end:].reshape(T, KVH, Dh)
 
-        def attend(row: slice, cache: KVCache | None) -> None:
+        def attend(row: slice, cache: PagedKVCache | None) -> None:
             keys, values = (k[row], v[row]) if cache is None else cache.append(i, k[row], v[row])  # [S, KVH, Dh]
             by_rows(lambda r: _attention(q[r], keys, values, positions[r], b.mixed[r]), row)
 

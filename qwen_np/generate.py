@@ -31,7 +31,8 @@ from .config import Qwen3Config, id_list, read_json_object
 from .errors import QwenNPError
 from .finite import check_finite
 from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
-from .model import KVCache, Qwen3Model, Trace
+from .kv_cache import PagedKVCache
+from .model import Qwen3Model, Trace
 from .sampling import SamplingParams, next_token
 from .tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
 
@@ -165,7 +166,7 @@ def _check_room(prompt_tokens: int, max_new_tokens: int, limit: int, where: str)
 
 
 def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
-             max_new_tokens: int, *, eos_token_ids: Sequence[int] = (), cache: KVCache | None = None,
+             max_new_tokens: int, *, eos_token_ids: Sequence[int] = (), cache: PagedKVCache | None = None,
              rng: np.random.Generator | None = None, trace: Trace | None = None,
              stats: GenerationStats | None = None, stop: Sequence[str] = ()) -> Iterator[TokenEvent]:
     """Yield one TokenEvent per generated token until an EOS id, a stop string, max_new_tokens or the
@@ -272,7 +273,7 @@ class StopStrings:
         return released
 
 
-def _prefill(model: Qwen3Model, ids: list[int], cache: KVCache, trace: Trace | None) -> np.ndarray:
+def _prefill(model: Qwen3Model, ids: list[int], cache: PagedKVCache, trace: Trace | None) -> np.ndarray:
     """Run the prompt through the model in chunks; return the last position's logits [V].
 
     Only the last position's logits are needed, so the LM head runs on one row, except under a

@@ -227,7 +227,7 @@ class ScriptedModel:
         return KVCache(self.config, max_tokens)
 
     def forward(self, ids, cache, trace=None, last_only=False):
-        cache.length += len(ids)
+        cache.advance(ids)                       # as a forward pass counts its tokens into the cache
         logits = np.zeros((1 if last_only else len(ids), self.config.vocab_size), dtype=np.float32)
         logits[-1, self.script[cache.length - self.prompt_length]] = 1.0
         return logits
