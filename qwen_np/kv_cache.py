@@ -99,8 +99,6 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}               # digest -> block, for blocks in the prefix cache
         self._digest: dict[int, bytes] = {}               # block -> digest, the same pairs
         self._evictable: OrderedDict[int, None] = OrderedDict()   # cached, unheld: least recently released first
-        self.queried_tokens = 0                           # prompt tokens looked up in the prefix cache
-        self.hit_tokens = 0                               # ... and found
 
     @property
     def free_blocks(self) -> int:
@@ -198,8 +196,6 @@ class PagedKVCache:
             self.pool.hold(block)
         reused = len(blocks) * self.pool.block_size
         self.table, self.digests, self.tokens = blocks, digests, [int(t) for t in prompt[:reused]]
-        self.pool.queried_tokens += len(prompt)
-        self.pool.hit_tokens += reused
         return reused
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
