@@ -37,7 +37,7 @@ import numpy as np
 
 from .errors import QwenNPError
 from .generate import Continuation, TokenEvent
-from .memory import PREFILL_CHUNK
+from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .kv_cache import BlockPool, PagedKVCache, blocks_for
 from .model import Qwen3Model
 from .sampling import SamplingParams
@@ -95,7 +95,7 @@ class Row:
 
 class BatchGenerator:
     """Up to `max_batch` generations advanced together, one forward pass per step(), their keys and values
-    in `pool` (default: room for max_batch full contexts, FP32, with prefix caching)."""
+    in `pool` (default: FP32 with prefix caching, room for max_batch rows at the memory plan's context)."""
 
     def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, *, eos_token_ids: Sequence[int] = (),
                  max_batch: int = 8, context: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
@@ -105,7 +105,10 @@ class BatchGenerator:
         self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, tuple(eos_token_ids)
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.context = min(context or model.config.max_position_embeddings, model.config.max_position_embeddings)
-        self.pool = pool if pool is not None else BlockPool(model.config, max_batch * blocks_for(self.context),
+        # The default pool: every row at the context the memory plan reserved (not the model's whole
+        # context: 40960 positions of Qwen3-8B are 5.6 GiB of FP32 cache per row).
+        per_row = min(self.context, model.plan.max_tokens if model.plan is not None else DEFAULT_CONTEXT)
+        self.pool = pool if pool is not None else BlockPool(model.config, max_batch * blocks_for(per_row),
                                                             prefix_caching=True)
         self.rows: list[Row] = []                 # in the batch, in the order they joined
         self._waiting: list[Row] = []             # submitted or preempted, not (again) in the batch (guarded by _lock)

@@ -222,9 +222,9 @@ class ScriptedModel:
     def __init__(self, config, prompt_length: int, script: list[int]) -> None:
         self.config, self.prompt_length, self.script = config, prompt_length, script
 
-    def new_cache(self, max_tokens: int):
+    def new_cache(self, max_tokens: int, dtype: str = "fp32"):
         from qwen_np.model import KVCache
-        return KVCache(self.config, max_tokens)
+        return KVCache(self.config, max_tokens, dtype)
 
     def forward(self, ids, cache, trace=None, last_only=False):
         cache.advance(ids)                       # as a forward pass counts its tokens into the cache
