@@ -6,12 +6,17 @@
 2. Prefix caching: time to first token of a request, and of a second request sharing its long prefix
    (the prefix's blocks come from the prefix cache; only the rest is prefilled), in one BatchGenerator,
    as `serve` runs them. Each repeat uses a fresh prefix; medians; the ratio is first / second.
-3. KV cache precision: the KL divergence of the predictions with a BF16 or FP16 cache from those with
+3. A batched decode step of 8 sequences of `--context` positions each, their blocks scattered over
+   one shared pool (as in `serve`, blocks taken in turn) against each in a cache of its own whose
+   blocks lie in order (read in place: what the contiguous cache before paging did). Interleaved
+   repeats, medians.
+4. KV cache precision: the KL divergence of the predictions with a BF16 or FP16 cache from those with
    an FP32 cache, on the bundled Shakespeare model (trained: its predictions are peaked like a real
    model's), with the precision lab's statistics (qwen_np.divergence.Comparison).
 
     python -m bench.kv_cache                      # the bundled model (a 256-token context: a short prefix)
     python -m bench.kv_cache --model 0.6b         # random weights at Qwen3-0.6B's shapes (bench/checkpoints.py)
+    python -m bench.kv_cache --model 0.6b --prefix 512 --context 1024 --repeats 3
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import numpy as np
 from qwen_np import load_model
 from qwen_np.batching import BatchGenerator, Request
 from qwen_np.divergence import Comparison
-from qwen_np.kv_cache import BlockPool, blocks_for
+from qwen_np.kv_cache import BlockPool, PagedKVCache, blocks_for
 from qwen_np.sampling import SamplingParams
 from qwen_np.tokenizer import Tokenizer
 
@@ -86,6 +91,30 @@ def prefix_ttft(folder: Path, prefix: int, repeats: int) -> None:
     print(f"   {a * 1e3:>12.1f}ms {b * 1e3:>12.1f}ms {a / b:>7.1f}")
 
 
+def scattered_decode(folder: Path, context: int, repeats: int, rows: int = 8) -> None:
+    model = load_model(folder, max_tokens=context + repeats + 2)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.config.vocab_size, context).tolist() for _ in range(rows)]
+    shared = BlockPool(model.config, rows * blocks_for(context + repeats + 2))
+    caches = {"in order (own caches)": [model.new_cache(context + repeats + 2) for _ in prompts],
+              "scattered (one pool)": [PagedKVCache(shared, context + repeats + 2) for _ in prompts]}
+    for start in range(0, context, shared.block_size):          # the shared pool's rows take blocks in turn
+        model.forward_batch([p[start:start + shared.block_size] for p in prompts], caches["scattered (one pool)"],
+                            last_only=True)
+    for ids, cache in zip(prompts, caches["in order (own caches)"]):
+        model.forward(ids, cache, last_only=True)
+    times: dict[str, list[float]] = {name: [] for name in caches}
+    for _ in range(repeats):
+        for name, group in caches.items():
+            started = time.perf_counter()
+            model.forward_batch([[1]] * rows, group, last_only=True)
+            times[name].append(time.perf_counter() - started)
+    a, b = (statistics.median(t) for t in times.values())
+    print(f"3. one decode step of {rows} sequences at {context} positions, {folder.name}, median of {repeats}")
+    print(f"   {'in order':>12} {'scattered':>12} {'ratio':>7}")
+    print(f"   {a * 1e3:>10.1f}ms {b * 1e3:>10.1f}ms {b / a:>7.3f}")
+
+
 def kv_precision() -> None:
     model, tok = load_model(BUNDLED), Tokenizer.from_folder(BUNDLED)
     ids = tok.encode(TEXT * 4)
@@ -95,7 +124,7 @@ def kv_precision() -> None:
         return np.concatenate([model.forward(ids[i:i + 64], cache) for i in range(0, len(ids), 64)])
 
     base = logits("fp32")
-    print(f"3. KV cache precision vs an FP32 cache, bundled model, {len(ids) - 1} positions")
+    print(f"4. KV cache precision vs an FP32 cache, bundled model, {len(ids) - 1} positions")
     print(f"   {'kv dtype':>8} {'KLD mean':>10} {'KLD max':>10} {'same top':>9} {'PPL ratio':>10}")
     for dtype in ("bf16", "fp16"):
         comparison = Comparison()
@@ -109,6 +138,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(BUNDLED), help="a checkpoint folder, or 0.6b / 8b (random weights)")
     parser.add_argument("--prefix", type=int, help="shared prefix tokens (default: 2048, 192 for the bundled model)")
+    parser.add_argument("--context", type=int, help="positions of each sequence in the decode step (default: 1024, "
+                                                    "160 for the bundled model)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.model in ("0.6b", "8b"):
@@ -117,7 +148,9 @@ def main() -> None:
     else:
         folder = Path(args.model)
     block_sizes()
-    prefix_ttft(folder, args.prefix or (192 if folder.resolve() == BUNDLED.resolve() else 2048), args.repeats)
+    bundled = folder.resolve() == BUNDLED.resolve()
+    prefix_ttft(folder, args.prefix or (192 if bundled else 2048), args.repeats)
+    scattered_decode(folder, args.context or (160 if bundled else 1024), max(args.repeats, 5))
     kv_precision()
 
 
