@@ -93,16 +93,17 @@ def prefix_ttft(folder: Path, prefix: int, repeats: int) -> None:
 
 def scattered_decode(folder: Path, context: int, repeats: int, rows: int = 8) -> None:
     model = load_model(folder, max_tokens=context + repeats + 2)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, model.config.vocab_size, context).tolist() for _ in range(rows)]
-    shared = BlockPool(model.config, rows * blocks_for(context + repeats + 2))
-    caches = {"in order (own caches)": [model.new_cache(context + repeats + 2) for _ in prompts],
-              "scattered (one pool)": [PagedKVCache(shared, context + repeats + 2) for _ in prompts]}
-    for start in range(0, context, shared.block_size):          # the shared pool's rows take blocks in turn
-        model.forward_batch([p[start:start + shared.block_size] for p in prompts], caches["scattered (one pool)"],
-                            last_only=True)
-    for ids, cache in zip(prompts, caches["in order (own caches)"]):
-        model.forward(ids, cache, last_only=True)
+    size = context + repeats + 2
+    shared = BlockPool(model.config, rows * blocks_for(size))
+    caches = {"in order": [model.new_cache(size) for _ in range(rows)],
+              "scattered": [PagedKVCache(shared, size) for _ in range(rows)]}
+    # Filled without a prefill (the keys' values do not change the step's time): the rows of the shared
+    # pool take their blocks in turn, as rows decoding side by side in `serve` do.
+    for _ in range(0, context, shared.block_size):
+        for group in caches.values():
+            for cache in group:
+                cache.reserve(shared.block_size)
+                cache.advance([0] * shared.block_size)
     times: dict[str, list[float]] = {name: [] for name in caches}
     for _ in range(repeats):
         for name, group in caches.items():
@@ -138,8 +139,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(BUNDLED), help="a checkpoint folder, or 0.6b / 8b (random weights)")
     parser.add_argument("--prefix", type=int, help="shared prefix tokens (default: 2048, 192 for the bundled model)")
-    parser.add_argument("--context", type=int, help="positions of each sequence in the decode step (default: 1024, "
-                                                    "160 for the bundled model)")
+    parser.add_argument("--context", type=int, help="positions of each sequence in the decode step (default: 2048, "
+                                                    "240 for the bundled model)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.model in ("0.6b", "8b"):
@@ -150,7 +151,7 @@ def main() -> None:
     block_sizes()
     bundled = folder.resolve() == BUNDLED.resolve()
     prefix_ttft(folder, args.prefix or (192 if bundled else 2048), args.repeats)
-    scattered_decode(folder, args.context or (160 if bundled else 1024), max(args.repeats, 5))
+    scattered_decode(folder, args.context or (240 if bundled else 2048), max(args.repeats, 5))
     kv_precision()
 
 

@@ -37,8 +37,8 @@ import numpy as np
 
 from .errors import QwenNPError
 from .generate import Continuation, TokenEvent
-from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .kv_cache import BlockPool, PagedKVCache, blocks_for
+from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .model import Qwen3Model
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer

@@ -7,9 +7,9 @@
     client.chat.completions.create(model="Qwen/Qwen3-0.6B", messages=[{"role": "user", "content": "Hi"}])
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (streamed as Server-Sent
-Events or not), GET /health (with the number of running and waiting requests), GET /metrics (the same
-and the KV cache's blocks, prefix cache hits, tokens and preemptions, in Prometheus' text format). The request fields
-and the response shapes are OpenAI's (OpenAI's API reference for chat completions and completions); Qwen3's
+Events or not), GET /health (with the number of running and waiting requests), GET /metrics (those,
+the KV cache's blocks, prefix cache hits, tokens and preemptions, in Prometheus' text format). The
+request fields and the response shapes are OpenAI's (OpenAI's API reference for chat completions and completions); Qwen3's
 thinking switch comes as vLLM takes it, `chat_template_kwargs: {"enable_thinking": false}`, and the
 sampling fields vLLM adds (top_k, min_p, repetition_penalty) are accepted too. Defaults come from the
 checkpoint's generation_config.json, as in vLLM; max_tokens defaults to what the context has left.
@@ -61,6 +61,7 @@ from .finite import check_weights_finite
 from .generate import GenerationDefaults, TokenEvent, read_generation_defaults, resolve_sampling
 from .kv_cache import BlockPool, block_bytes, blocks_for
 from .loading import load_model
+from .model import Qwen3Model
 from .memory import DEFAULT_CONTEXT, format_size
 from .metrics import PROMETHEUS_TYPE, prometheus_text
 from .tokenizer import Message, Tokenizer
@@ -113,11 +114,9 @@ def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = 
     model = load_model(folder, memory=memory, max_tokens=context)
     check_weights_finite(model)                  # NaN/Inf weights: one line naming the layer, before listening
     per_block = block_bytes(config, kv_dtype)
-    full = max_batch * blocks_for(context) * per_block            # every row of the batch at its full context
     default = kv_memory is None
-    if kv_memory is None:
-        kv_memory = min(max(model.plan.room_for_kv_cache, 0), full) if model.plan is not None else full
-    pool = BlockPool(config, kv_memory // per_block, kv_dtype, prefix_caching=True)
+    budget = default_kv_memory(model, max_batch * blocks_for(context) * per_block) if kv_memory is None else kv_memory
+    pool = BlockPool(config, budget // per_block, kv_dtype, prefix_caching=True)
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
                                context=context, pool=pool)
     service = Service(name, tokenizer, defaults, BatchRunner(generator), context,
@@ -140,6 +139,12 @@ def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = 
         server.run(sockets=[listener])
     finally:
         service.runner.stop()
+
+
+def default_kv_memory(model: Qwen3Model, full: int) -> int:
+    """The KV cache's bytes when --kv-memory is not given: what the memory plan leaves of the available RAM
+    after the weights, with its margin, and no more than `full` (every row of the batch at its full context)."""
+    return min(max(model.plan.room_for_kv_cache, 0), full) if model.plan is not None else full
 
 
 def _is_loopback(host: str) -> bool:
@@ -217,7 +222,8 @@ class Service:
         generator = self.runner.generator
         request = Request(prompt, params, max_tokens or max(1, min(room, generator.capacity - len(prompt))), _stops(body))
         try:
-            generator.check(request)          # here, not at submit: a stream's refusal is then a 4xx too
+            generator.check(request)          # what is left to check: the KV cache's capacity; here, not at
+                                              # submit, so that a stream's refusal is a 4xx too
         except QwenNPError as bad:
             raise APIError(400, str(bad), "max_tokens" if max_tokens else None, "kv_cache_exceeded") from None
         return request
