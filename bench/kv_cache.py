@@ -6,10 +6,11 @@
 2. Prefix caching: time to first token of a request, and of a second request sharing its long prefix
    (the prefix's blocks come from the prefix cache; only the rest is prefilled), in one BatchGenerator,
    as `serve` runs them. Each repeat uses a fresh prefix; medians; the ratio is first / second.
-3. A batched decode step of 8 sequences of `--context` positions each, their blocks scattered over
-   one shared pool (as in `serve`, blocks taken in turn) against each in a cache of its own whose
-   blocks lie in order (read in place: what the contiguous cache before paging did). Interleaved
-   repeats, medians.
+3. A batched decode step of 8 sequences of `--context` positions each in one shared pool, taking their
+   blocks in turn as rows decoding side by side in `serve` do (the pool keeps each one's blocks in a
+   few runs), and with every other block of the pool held elsewhere (each block its own run: the
+   worst case), against each sequence in a cache of its own whose blocks lie in order (one run: what
+   the contiguous cache before paging was). Interleaved repeats, medians.
 4. KV cache precision: the KL divergence of the predictions with a BF16 or FP16 cache from those with
    an FP32 cache, on the bundled Shakespeare model (trained: its predictions are peaked like a real
    model's), with the precision lab's statistics (qwen_np.divergence.Comparison).
@@ -31,7 +32,7 @@ import numpy as np
 from qwen_np import load_model
 from qwen_np.batching import BatchGenerator, Request
 from qwen_np.divergence import Comparison
-from qwen_np.kv_cache import BlockPool, PagedKVCache, blocks_for
+from qwen_np.kv_cache import BlockPool, PagedKVCache, block_runs, blocks_for
 from qwen_np.sampling import SamplingParams
 from qwen_np.tokenizer import Tokenizer
 
@@ -94,11 +95,13 @@ def prefix_ttft(folder: Path, prefix: int, repeats: int) -> None:
 def scattered_decode(folder: Path, context: int, repeats: int, rows: int = 8) -> None:
     model = load_model(folder, max_tokens=context + repeats + 2)
     size = context + repeats + 2
-    shared = BlockPool(model.config, rows * blocks_for(size))
-    caches = {"in order": [model.new_cache(size) for _ in range(rows)],
-              "scattered": [PagedKVCache(shared, size) for _ in range(rows)]}
-    # Filled without a prefill (the keys' values do not change the step's time): the rows of the shared
-    # pool take their blocks in turn, as rows decoding side by side in `serve` do.
+    shared, worst = BlockPool(model.config, rows * blocks_for(size)), BlockPool(model.config, 2 * rows * blocks_for(size))
+    for odd in range(1, worst.num_blocks, 2):
+        worst.allocate(after=odd - 1)                  # held elsewhere: the rows get every other block
+    caches = {"own caches": [model.new_cache(size) for _ in range(rows)],
+              "one pool": [PagedKVCache(shared, size) for _ in range(rows)],
+              "worst case": [PagedKVCache(worst, size) for _ in range(rows)]}
+    # Filled without a prefill (the keys' values do not change the step's time), the rows in turn.
     for _ in range(0, context, shared.block_size):
         for group in caches.values():
             for cache in group:
@@ -110,10 +113,12 @@ def scattered_decode(folder: Path, context: int, repeats: int, rows: int = 8) ->
             started = time.perf_counter()
             model.forward_batch([[1]] * rows, group, last_only=True)
             times[name].append(time.perf_counter() - started)
-    a, b = (statistics.median(t) for t in times.values())
+    medians = {name: statistics.median(t) for name, t in times.items()}
     print(f"3. one decode step of {rows} sequences at {context} positions, {folder.name}, median of {repeats}")
-    print(f"   {'in order':>12} {'scattered':>12} {'ratio':>7}")
-    print(f"   {a * 1e3:>10.1f}ms {b * 1e3:>10.1f}ms {b / a:>7.3f}")
+    print(f"   {'':>12} {'runs per row':>13} {'step':>10} {'x own caches':>13}")
+    for name, group in caches.items():
+        runs = statistics.mean(len(block_runs(cache.table)) for cache in group)
+        print(f"   {name:>12} {runs:>13.1f} {medians[name] * 1e3:>8.1f}ms {medians[name] / medians['own caches']:>13.3f}")
 
 
 def kv_precision() -> None:

@@ -68,6 +68,14 @@ def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return math.ceil(tokens / block_size)
 
 
+def block_runs(table: Sequence[int]) -> list[tuple[int, int]]:
+    """A block table as runs of consecutive blocks, (first block, count) each: [7, 8, 9, 2, 3] -> [(7, 3), (2, 2)]."""
+    blocks = np.asarray(table)
+    starts = np.flatnonzero(np.diff(blocks, prepend=-2) != 1)          # where a block does not follow the one before
+    counts = np.diff(starts, append=len(blocks))
+    return list(zip(blocks[starts].tolist(), counts.tolist()))
+
+
 def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
     """A full block's name: SHA-256 of the previous block's name and this block's token ids.
 
@@ -84,6 +92,13 @@ class BlockPool:
     keys[l, b, s] is layer l's key in slot s of block b ([L, N, BLOCK_SIZE, KVH, Dh]), values alike.
     A block is free (in no sequence and cached by nobody), held (refs > 0), or cached but unheld:
     evictable, in least-recently-released order. allocate() takes a free block, else evicts one.
+
+    Which free block: a sequence's blocks are best consecutive in the pool, because a run of consecutive
+    blocks is read in place (PagedKVCache.runs) where scattered ones are gathered, a copy per layer and
+    step. So a sequence's first block is the lowest free one (a lone sequence's blocks then lie in order
+    from 0), its next one the block after its last when free, and otherwise the middle of the longest
+    stretch of free blocks: sequences growing side by side would interleave block by block if each took
+    the lowest free one, while there each has free blocks after it to grow into.
     """
 
     def __init__(self, config: Qwen3Config, num_blocks: int, dtype: str = "fp32", block_size: int = BLOCK_SIZE,
@@ -97,7 +112,9 @@ class BlockPool:
         self.dtype, self.num_blocks, self.block_size = dtype, num_blocks, block_size
         self.prefix_caching = prefix_caching
         self.refs = [0] * num_blocks
-        self._free = list(range(num_blocks))              # a heap: the lowest free block goes first
+        self._is_free = np.ones(num_blocks, dtype=bool)
+        self._free_count = num_blocks
+        self._lowest = list(range(num_blocks))            # a heap of free blocks (and of some taken since: skipped)
         self._cached: dict[bytes, int] = {}               # digest -> block, for blocks in the prefix cache
         self._digest: dict[int, bytes] = {}               # block -> digest, the same pairs
         self._evictable: OrderedDict[int, None] = OrderedDict()   # cached, unheld: least recently released first
@@ -106,16 +123,20 @@ class BlockPool:
     @property
     def free_blocks(self) -> int:
         """Blocks allocate() can hand out: free ones and cached ones no sequence holds."""
-        return len(self._free) + len(self._evictable)
+        return self._free_count + len(self._evictable)
 
     @property
     def used_blocks(self) -> int:
         return self.num_blocks - self.free_blocks
 
-    def allocate(self) -> int:
-        """A block for one sequence (refs 1): the lowest free one, else the least recently used cached one."""
-        if self._free:
-            block = heapq.heappop(self._free)
+    def allocate(self, after: int | None = None) -> int:
+        """A block for one sequence (refs 1) whose last block is `after` (None: its first): a free one as the class
+        says, else the least recently used cached one."""
+        if self._free_count:
+            block = (after + 1 if after is not None and after + 1 < self.num_blocks and self._is_free[after + 1]
+                     else self._lowest_free() if after is None else self._roomiest_free())
+            self._is_free[block] = False
+            self._free_count -= 1
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
             del self._cached[self._digest.pop(block)]
@@ -137,7 +158,21 @@ class BlockPool:
             if block in self._digest:
                 self._evictable[block] = None             # the most recently released: evicted last
             else:
-                heapq.heappush(self._free, block)
+                self._is_free[block] = True
+                self._free_count += 1
+                heapq.heappush(self._lowest, block)
+
+    def _lowest_free(self) -> int:
+        while not self._is_free[self._lowest[0]]:         # taken since it was pushed (after+1, or roomiest)
+            heapq.heappop(self._lowest)
+        return heapq.heappop(self._lowest)
+
+    def _roomiest_free(self) -> int:
+        """The middle block of the longest stretch of free blocks."""
+        edges = np.flatnonzero(np.diff(self._is_free, prepend=False, append=False))     # starts, ends, ...
+        starts, ends = edges[::2], edges[1::2]
+        longest = int(np.argmax(ends - starts))
+        return int(starts[longest] + ends[longest]) // 2
 
     def register(self, block: int, digest: bytes) -> None:
         """Put a full block in the prefix cache under `digest` (the first block named so stays)."""
@@ -197,7 +232,7 @@ class PagedKVCache:
     def reserve(self, new_tokens: int) -> None:
         """Allocate the blocks `new_tokens` more positions need (a QwenNPError if the pool has none left)."""
         for _ in range(self.blocks_needed(new_tokens)):
-            self.table.append(self.pool.allocate())
+            self.table.append(self.pool.allocate(self.table[-1] if self.table else None))
 
     def reuse_prefix(self, prompt: Sequence[int]) -> int:
         """Take the prefix cache's blocks for the longest run of whole blocks that starts `prompt`, leaving
@@ -211,17 +246,33 @@ class PagedKVCache:
         self.table, self.digests, self.tokens = blocks, digests, [int(t) for t in prompt[:reused]]
         return reused
 
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store a forward call's keys/values k, v [T, KVH, Dh] of `layer` after the `length` cached positions
-        (blocks reserved); return every key and value so far in position order, FP32 [S, KVH, Dh] each: views
-        of the pool, or of its scratch buffers, valid until the next append to a cache of this pool."""
+        (blocks reserved)."""
         positions = np.arange(self.length, self.length + len(k))                       # [T]
         blocks = np.asarray(self.table)[positions // self.pool.block_size]             # [T] block of each position
         slots = positions % self.pool.block_size                                       # [T] its slot in the block
         self.pool.keys[layer, blocks, slots] = k              # rounded here when the pool holds BF16 / FP16
         self.pool.values[layer, blocks, slots] = v
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """write(), then return every key and value so far in position order, FP32 [S, KVH, Dh] each: views
+        of the pool, or of its scratch buffers, valid until the next append to a cache of this pool."""
+        self.write(layer, k, v)
         end = self.length + len(k)
         return self._read(self.pool.keys[layer], end, "keys"), self._read(self.pool.values[layer], end, "values")
+
+    def runs(self, layer: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Positions [0, end) of `layer` as views of the pool, nothing copied: a (keys, values) pair [S_i, KVH, Dh]
+        per run of consecutive blocks in the table, in position order (an FP32 pool: others need widening)."""
+        pieces, start = [], 0
+        for first, n in block_runs(self.table[:blocks_for(end, self.pool.block_size)]):
+            stop = min(start + n * self.pool.block_size, end)
+            keys, values = (a[layer, first:first + n].reshape(-1, *a.shape[3:])[:stop - start]
+                            for a in (self.pool.keys, self.pool.values))
+            pieces.append((keys, values))
+            start = stop
+        return pieces
 
     def _read(self, blocks: np.ndarray, end: int, name: str) -> np.ndarray:
         """Positions [0, end) of one layer's pool array [N, BLOCK_SIZE, KVH, Dh], in order: [end, KVH, Dh] FP32."""

@@ -49,9 +49,13 @@ def test_the_block_table_maps_position_p_to_slot_p_mod_block_size_of_its_block(m
         keys, values = cache.append(0, k, -k)
         cache.advance([0] * BLOCK_SIZE)
         written[id(cache)].append(k)
-    assert first.table == [0, 2] and second.table == [1, 3, 4]
-    assert np.array_equal(pool.keys[0, 3, 20 % BLOCK_SIZE], written[id(second)][1][4])   # position 20: block 3, slot 4
+    # Each starts at the lowest free block; first's next one (1) is taken, so it grows in the middle of the
+    # longest free stretch (2..7), and second after its own last block: runs that are read in place.
+    assert first.table == [0, 5] and second.table == [1, 2, 3]
+    assert np.array_equal(pool.keys[0, 2, 20 % BLOCK_SIZE], written[id(second)][1][4])   # position 20: block 2, slot 4
     assert np.array_equal(keys, np.concatenate(written[id(second)])) and np.array_equal(values, -keys)  # in order
+    assert [len(k) for k, _ in first.runs(0, 2 * BLOCK_SIZE)] == [BLOCK_SIZE, BLOCK_SIZE]
+    assert [len(k) for k, _ in second.runs(0, 40)] == [40]
 
 
 @pytest.mark.parametrize("kv", ["scattered", "in order"])
@@ -59,14 +63,12 @@ def test_decode_over_scattered_blocks_equals_the_full_forward(model, kv) -> None
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, 50)
     full = model.forward(ids)
     pool = BlockPool(model.config, 16)
-    cache, interloper = PagedKVCache(pool, 64), PagedKVCache(pool, 64)
-    steps = []
-    for start, stop in [(0, 16), (16, 20), *((i, i + 1) for i in range(20, 50))]:
-        if kv == "scattered" and cache.blocks_needed(stop - start):
-            interloper.reserve(BLOCK_SIZE)         # takes a block before each of cache's
-            interloper.advance([0] * BLOCK_SIZE)
-        steps.append(model.forward(ids[start:stop], cache))
-    assert (np.diff(cache.table) > 1).all() if kv == "scattered" else cache.table == [0, 1, 2, 3]
+    if kv == "scattered":
+        for odd in range(1, 16, 2):              # every other block held elsewhere: the cache gets 0, 2, 4, 6
+            pool.allocate(after=odd - 1)
+    cache = PagedKVCache(pool, 64)
+    steps = [model.forward(ids[:20], cache)] + [model.forward(ids[i:i + 1], cache) for i in range(20, 50)]
+    assert cache.table == ([0, 2, 4, 6] if kv == "scattered" else [0, 1, 2, 3])
     assert _close(np.concatenate(steps), full)
 
 
