@@ -11,12 +11,14 @@ positions taken from one BlockPool as the sequence grows, and its block table sa
 So a sequence holds at most one partly filled block, a pool of N blocks serves any mix of
 sequences whose blocks add up to N, and a finished sequence's blocks go back at once.
 
-Attention reads a sequence's keys in position order: its blocks gathered in table order
-(pool.keys[l, table] is [n, BLOCK_SIZE, KVH, Dh], reshaped to [S, KVH, Dh]). NumPy has no
-strided view over scattered blocks, so that gather is a copy, except when the blocks lie in order
-in the pool (a lone sequence's always do: the pool hands out its lowest free block first), which
-is read in place. The stored dtype may be BF16 or FP16 (half the memory); the keys are widened to
-FP32 as they are read, so attention itself always runs in FP32.
+Attention reads a sequence's keys in position order: append() returns its blocks gathered in
+table order (pool.keys[l, table] is [n, BLOCK_SIZE, KVH, Dh], reshaped to [S, KVH, Dh]). NumPy
+has no strided view over scattered blocks, so that gather is a copy, except when the blocks lie in
+order in the pool (a lone sequence's always do), which is read in place. A copy of every key per
+layer and step would cost a decode step dearly, so the fast path's decode step reads runs() instead:
+the table's runs of consecutive blocks, each a view, and the pool keeps a sequence's blocks in a few
+such runs (BlockPool). The stored dtype may be BF16 or FP16 (half the memory); the keys are widened
+to FP32 as they are read, so attention itself always runs in FP32.
 
 Automatic prefix caching: a full block is named by a digest of its tokens and of every token
 before it (the digest of the previous block, chained), so two sequences with the same first 160
@@ -41,12 +43,12 @@ import numpy as np
 from .config import Qwen3Config
 from .errors import QwenNPError
 
-# Positions per block. Measured (python -m bench.kv_cache: Qwen3-0.6B's KV shapes, 2,048 positions, a
-# shared machine): gathering a sequence's scattered blocks costs 1.2-1.5x a plain copy of the same
-# keys at 16 positions, about 1x from 64 up, 1.2-2x at 4 and 4x at 1 (64 KiB copied per block and
-# layer at 16, FP32). Smaller blocks waste less of each sequence's last block and let the prefix cache
-# match more of a shared prefix (it reuses whole blocks only): 16 is the smallest size whose gather
-# stays near a copy's cost. It is vLLM's default too.
+# Positions per block. Smaller blocks waste less of each sequence's last block and let the prefix cache
+# match more of a shared prefix (it reuses whole blocks only); larger ones make fewer, longer runs and
+# cheaper gathers. Measured (python -m bench.kv_cache: Qwen3-0.6B's KV shapes, 2,048 positions, a
+# shared machine): gathering scattered blocks costs 1.2-1.5x a plain copy of the same keys at 16,
+# about 1x from 64 up, 1.2-2x at 4 and 4x at 1; a decode step whose every block is its own run takes
+# 1.3x the in-order step at 16. 16 is the smallest size that stays near those costs, and vLLM's default.
 BLOCK_SIZE = 16
 KV_DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16)}
 
@@ -161,6 +163,8 @@ class BlockPool:
                 self._is_free[block] = True
                 self._free_count += 1
                 heapq.heappush(self._lowest, block)
+                if len(self._lowest) > 2 * self.num_blocks:     # mostly entries taken since: start it afresh
+                    self._lowest = np.flatnonzero(self._is_free).tolist()     # sorted, so a heap
 
     def _lowest_free(self) -> int:
         while not self._is_free[self._lowest[0]]:         # taken since it was pushed (after+1, or roomiest)
