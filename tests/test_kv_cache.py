@@ -102,6 +102,20 @@ def test_many_long_requests_under_a_small_budget_get_their_solo_texts_within_the
     assert pool.used_blocks == 0                 # every block back (some still cached) once all have finished
 
 
+def test_cancelled_failed_and_finished_rows_give_their_blocks_back(model, tok) -> None:
+    pool = BlockPool(model.config, 32, prefix_caching=True)
+    generator = BatchGenerator(model, tok, pool=pool)
+    rows = [generator.submit(Request(tok.encode(f"Row {i} goes on and on about nothing much."), GREEDY, n))
+            for i, n in enumerate((60, 60, 3))]
+    for _ in range(5):
+        generator.step()
+    assert pool.used_blocks > 0 and rows[2].done
+    generator.cancel(rows[0])
+    generator.fail(RuntimeError("its client broke"), [rows[1]])
+    generator.step()
+    assert generator.idle and pool.used_blocks == 0
+
+
 def test_a_request_that_could_never_fit_the_budget_is_refused_at_submit(model, tok) -> None:
     generator = BatchGenerator(model, tok, pool=BlockPool(model.config, 4))     # 64 positions
     with pytest.raises(QwenNPError, match="more than the 64 the whole cache holds"):
