@@ -1,17 +1,22 @@
-"""Continuous batching: many generations share every forward pass.
+"""Continuous batching: many generations share every forward pass, and one pool of KV blocks.
 
 Decoding is memory-bound: a step reads every weight once, and a step for 8 sequences reads them once
 too (Qwen3Model.forward_batch packs the sequences' tokens into one matrix). So a server that runs
 its requests' decode steps together turns the same memory traffic into several times the tokens.
 
-A BatchGenerator holds up to `max_batch` sequences ("rows"), each with its own KV cache, sampler and
-stop strings. Each `step()` is one forward pass:
+A BatchGenerator holds up to `max_batch` sequences ("rows"), each with its own sampler and stop
+strings and a block table into the generator's one kv_cache.BlockPool. Each `step()` is one forward pass:
 
-1. requests that were submitted join while there is room; cancelled and finished rows have left;
+1. requests that were submitted join while there is room in the batch and blocks for their prompt
+   (a prompt whose first blocks are in the prefix cache takes those and prefills only the rest);
+   cancelled and finished rows have left and given their blocks back;
 2. every decoding row feeds its last sampled token, and rows still reading their prompt feed their
    next chunk of it (at most `prefill_chunk` prompt tokens per step in all, so a long prompt delays
-   the others' next token by one chunk's time, never by the whole prompt);
-3. every row whose prompt is all in its cache samples its next token (generate.Continuation: the same
+   the others' next token by one chunk's time, never by the whole prompt). When the pool has no block
+   for a row's tokens, the newest row is preempted: its blocks go back and it waits at the head of
+   the queue; when it joins again it recomputes its tokens (prompt and reply so far: its full blocks
+   are often still in the prefix cache) and goes on exactly where it was, with the same sampler;
+3. every row whose tokens are all in its cache samples its next token (generate.Continuation: the same
    per-sequence logic as generate()). Sampling is each row's own: a row whose sampling raises (e.g.
    settings that make its logits non-finite) ends alone with that error, and the others go on.
 
@@ -32,8 +37,9 @@ import numpy as np
 
 from .errors import QwenNPError
 from .generate import Continuation, TokenEvent
-from .memory import PREFILL_CHUNK
-from .model import KVCache, Qwen3Model
+from .kv_cache import BlockPool, PagedKVCache, blocks_for
+from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
+from .model import Qwen3Model
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -53,15 +59,14 @@ class Request:
 
 @dataclass(eq=False)
 class Row:
-    """A request in the batch: its cache, its Continuation, how much of its prompt is in the cache."""
+    """A request in the batch: its cache (while it holds blocks) and its Continuation."""
 
     number: int
     request: Request
     listener: Listener | None = None
-    cache: KVCache | None = None                 # allocated when the row joins the batch
-    continuation: Continuation | None = None
-    fed: int = 0                                  # prompt tokens whose keys/values are in the cache
-    last: TokenEvent | None = None                # the newest event (its token is fed next)
+    cache: PagedKVCache | None = None             # while in the batch: its block table
+    continuation: Continuation | None = None      # from its first join on (a preempted row keeps it)
+    cached_tokens: int = 0                        # prompt tokens the prefix cache held when it first joined
     cancelled: bool = False
     finish_reason: str | None = None              # "error" when `error` ended it
     error: BaseException | None = None
@@ -77,26 +82,54 @@ class Row:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def tokens(self) -> Sequence[int]:
+        """Every token whose keys/values the row needs: the prompt, then the reply sampled so far."""
+        return self.continuation.sequence if self.continuation is not None else self.request.prompt
+
+    def pending(self) -> Sequence[int]:
+        """The tokens its cache does not hold yet: a chunk of prompt to read, or the last sampled token."""
+        assert self.cache is not None
+        return self.tokens[self.cache.length:]
+
 
 class BatchGenerator:
-    """Up to `max_batch` generations advanced together, one forward pass per step()."""
+    """Up to `max_batch` generations advanced together, one forward pass per step(), their keys and values
+    in `pool` (default: FP32 with prefix caching, room for max_batch rows at the memory plan's context)."""
 
     def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, *, eos_token_ids: Sequence[int] = (),
-                 max_batch: int = 8, context: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 max_batch: int = 8, context: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 pool: BlockPool | None = None) -> None:
         if max_batch < 1:
             raise QwenNPError(f"--max-batch: must be >= 1, got {max_batch}")
         self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, tuple(eos_token_ids)
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.context = min(context or model.config.max_position_embeddings, model.config.max_position_embeddings)
+        # The default pool: every row at the context the memory plan reserved (not the model's whole
+        # context: 40960 positions of Qwen3-8B are 5.6 GiB of FP32 cache per row).
+        per_row = min(self.context, model.plan.max_tokens if model.plan is not None else DEFAULT_CONTEXT)
+        self.pool = pool if pool is not None else BlockPool(model.config, max_batch * blocks_for(per_row),
+                                                            prefix_caching=True)
         self.rows: list[Row] = []                 # in the batch, in the order they joined
-        self._waiting: list[Row] = []             # submitted, not yet joined (guarded by _lock)
+        self._waiting: list[Row] = []             # submitted or preempted, not (again) in the batch (guarded by _lock)
         self._lock = threading.Lock()
         self._numbers = itertools.count()
         self.batch_sizes: list[int] = []          # rows in each step's forward pass, for tests and stats
+        self.preemptions = 0                      # rows sent back to wait for want of blocks
+        self.generated_tokens = 0                 # tokens sampled, every row together
+        self.prefilled_tokens = 0                 # prompt (and recomputed) tokens run through the model
+        self.prompt_tokens = 0                    # prompt tokens of the rows that joined ...
+        self.reused_tokens = 0                    # ... and of those, the ones the prefix cache held
+
+    @property
+    def capacity(self) -> int:
+        """Positions the pool holds: the most one request's prompt and reply can take."""
+        return self.pool.num_blocks * self.pool.block_size
 
     def check(self, request: Request) -> None:
         """Raise QwenNPError if `request` cannot run: no prompt, ids outside the vocabulary, no room for a
-        new token, bad max_new_tokens. A bad id would fail the whole batch's forward pass, not its own row."""
+        new token, bad max_new_tokens, more positions than the whole pool. A bad id would fail the whole
+        batch's forward pass, not its own row."""
         if not request.prompt:
             raise QwenNPError("prompt: no tokens")
         vocab = self.model.config.vocab_size
@@ -109,6 +142,13 @@ class BatchGenerator:
         if len(request.prompt) + 1 > self.context:
             raise QwenNPError(f"prompt: {len(request.prompt)} tokens leave no room for a new token in the "
                               f"{self.context}-token context")
+        if self._positions(request) > self.capacity:
+            raise QwenNPError(f"max_tokens: the prompt and max_tokens need {self._positions(request)} positions of KV "
+                              f"cache, more than the {self.capacity} the whole cache holds (--kv-memory)")
+
+    def _positions(self, request: Request) -> int:
+        """KV cache positions a request may fill: prompt + max_new_tokens, at most the context."""
+        return min(len(request.prompt) + request.max_new_tokens, self.context)
 
     def submit(self, request: Request, listener: Listener | None = None) -> Row:
         """Queue a request (any thread); it joins the batch at the next step with room for it."""
@@ -119,7 +159,7 @@ class BatchGenerator:
         return row
 
     def cancel(self, row: Row) -> None:
-        """Stop a request (any thread): it leaves at the next step and frees its cache."""
+        """Stop a request (any thread): it leaves at the next step and frees its blocks."""
         row.cancelled = True
 
     @property
@@ -136,39 +176,72 @@ class BatchGenerator:
         """One forward pass for every row that has something to feed; returns the new tokens' events, and
         for a row whose sampling raised, the exception that ended it (that row only)."""
         self._admit()
-        feeds, budget = [], self.prefill_chunk
-        for row in self.rows:
-            assert row.cache is not None
-            if row.last is not None:                                  # decoding: feed the last token
-                feeds.append((row, [row.last.token_id]))
-            elif budget > 0:                                          # prefilling: the next chunk
-                chunk = list(row.request.prompt[row.fed:row.fed + budget])
-                budget -= len(chunk)
-                feeds.append((row, chunk))
+        feeds = self._schedule()
         if not feeds:
             return []
         self.batch_sizes.append(len(feeds))
         logits = self.model.forward_batch([ids for _, ids in feeds], [row.cache for row, _ in feeds],
                                           last_only=True)                                          # [B, V]
         events: list[tuple[Row, TokenEvent | BaseException]] = []
-        for (row, ids), row_logits in zip(feeds, logits):
-            if row.last is None:
-                row.fed += len(ids)
-                if row.fed < len(row.request.prompt):
-                    continue                                          # more prompt to read first
+        for (row, _), row_logits in zip(feeds, logits):
+            if row.pending():
+                continue                                              # more prompt to read first
             assert row.continuation is not None
             try:
-                event = row.last = row.continuation.advance(row_logits)
+                event = row.continuation.advance(row_logits)
             except Exception as error:                                # this row's settings or stop strings
                 events.extend((failed, error) for failed in self.fail(error, [row]))
                 continue
+            self.generated_tokens += 1
             if row.first_token is None:
                 row.first_token = time.perf_counter()
             if event.finish_reason:
                 row.finish_reason, row.finished = event.finish_reason, time.perf_counter()
+                _free(row)
             events.append((row, event))
         self.rows = [row for row in self.rows if not row.done]
         return events
+
+    def _schedule(self) -> list[tuple[Row, Sequence[int]]]:
+        """What each row feeds this step, its blocks allocated: decoding rows their last token, prefilling rows
+        chunks of their prompt within the step's prefill budget. Rows are served oldest first; when the pool
+        is out of blocks, the newest rows are preempted to make room (possibly the row asking)."""
+        feeds: list[tuple[Row, Sequence[int]]] = []
+        budget = self.prefill_chunk
+        for row in list(self.rows):
+            if row not in self.rows:                                  # preempted for an older row
+                continue
+            assert row.cache is not None
+            pending = row.pending()
+            decoding = bool(row.generated) and len(pending) == 1
+            ids = pending if decoding else pending[:budget]
+            if not ids or not self._make_room(row, len(ids)):
+                continue
+            row.cache.reserve(len(ids))
+            if not decoding:
+                budget -= len(ids)
+                self.prefilled_tokens += len(ids)
+            feeds.append((row, ids))
+        return feeds
+
+    def _make_room(self, row: Row, new_tokens: int) -> bool:
+        """Preempt the newest rows until `row` can have blocks for `new_tokens` more positions; False if
+        `row` itself had to go."""
+        assert row.cache is not None
+        while row.cache.blocks_needed(new_tokens) > self.pool.free_blocks:
+            newest = self.rows[-1]
+            self.preempt(newest)
+            if newest is row:
+                return False
+        return True
+
+    def preempt(self, row: Row) -> None:
+        """Send a row back to the head of the queue, its blocks freed; it recomputes them when it joins again."""
+        _free(row)
+        self.rows.remove(row)
+        self.preemptions += 1
+        with self._lock:
+            self._waiting.insert(0, row)
 
     def fail(self, error: BaseException, rows: Sequence[Row] | None = None) -> list[Row]:
         """End `rows` (default: every row in the batch, when a forward pass raised) with `error`, which each
@@ -177,23 +250,48 @@ class BatchGenerator:
         self.rows = [row for row in self.rows if row not in failed]
         for row in failed:
             row.finish_reason, row.error, row.finished = "error", error, time.perf_counter()
+            _free(row)
         return failed
 
     def _admit(self) -> None:
-        """Drop cancelled rows; let waiting rows join while there is room, each with its own cache."""
+        """Drop cancelled rows; let waiting rows join, in order, while the batch has room and the pool has
+        blocks for the tokens each must read first (those the prefix cache does not hold)."""
+        for row in self.rows:
+            if row.cancelled:
+                _free(row)
         self.rows = [row for row in self.rows if not row.cancelled]
         with self._lock:
             self._waiting = [row for row in self._waiting if not row.cancelled]
-            joining = self._waiting[:max(0, self.max_batch - len(self.rows))]
-            del self._waiting[:len(joining)]
-        for row in joining:
-            request = row.request
-            size = min(len(request.prompt) + request.max_new_tokens, self.context)
-            row.cache = self.model.new_cache(size)
+            while self._waiting and len(self.rows) < self.max_batch and self._join(self._waiting[0]):
+                del self._waiting[0]
+
+    def _join(self, row: Row) -> bool:
+        """Give `row` a cache (taking what the prefix cache holds of its tokens) if the pool has blocks for the
+        rest; False, holding nothing, if not."""
+        request, first = row.request, row.continuation is None
+        size = self._positions(request)
+        cache = PagedKVCache(self.pool, size)
+        reused = cache.reuse_prefix(row.tokens)
+        if cache.blocks_needed(len(row.tokens) - reused) > self.pool.free_blocks:
+            cache.free()
+            return False
+        row.cache = cache
+        if first:
+            row.cached_tokens = reused
+            self.prompt_tokens += len(request.prompt)
+            self.reused_tokens += reused
             row.continuation = Continuation(self.tokenizer, request.prompt, request.params, request.max_new_tokens,
                                             size, eos_token_ids=self.eos_token_ids, stop=request.stop,
                                             rng=np.random.default_rng(request.params.seed))
-            self.rows.append(row)
+        self.rows.append(row)
+        return True
+
+
+def _free(row: Row) -> None:
+    """Give a row's blocks back to the pool (its full blocks stay in the prefix cache until evicted)."""
+    if row.cache is not None:
+        row.cache.free()
+        row.cache = None
 
 
 class BatchRunner:

@@ -45,7 +45,8 @@ import numpy as np
 from . import layers, runtime
 from .config import LAYER_MATRICES, Qwen3Config
 from .memory import MemoryPlan
-from .model import KVCache, LayerWeights, Qwen3Model, Trace
+from .kv_cache import PagedKVCache
+from .model import LayerWeights, Qwen3Model, Trace, advance
 from .numerics import Int8Rows, Weight
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
@@ -215,7 +216,7 @@ class FastQwen3Model(Qwen3Model):
             fused = self._fused[i] = _Fused(w)
         return fused.qkv, fused.gate_up
 
-    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[KVCache | None],
+    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[PagedKVCache | None],
                       trace: Trace | None = None, last_only: bool = False) -> np.ndarray:
         """Qwen3Model.forward_batch (and so forward): logits [T, V] ([B, V] if last_only). A traced call
         runs the readable path."""
@@ -247,9 +248,7 @@ class FastQwen3Model(Qwen3Model):
             head_blas = runtime.single_threaded_blas() if few_rows(len(h)) and not streamed else nullcontext()
             with head_blas:
                 logits = linear(h, self.lm_head, np.empty((len(h), config.vocab_size), np.float32))
-        for row, cache in zip(rows, caches):
-            if cache is not None:
-                cache.length += row.stop - row.start
+        advance(caches, ids, rows)
         return logits
 
     def _buffers(self, T: int) -> _Buffers:
@@ -267,7 +266,7 @@ class FastQwen3Model(Qwen3Model):
         return not all(isinstance(m, np.ndarray) for m in matrices)
 
     def _layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
-               cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], b: _Buffers, parts: int) -> None:
+               cos: np.ndarray, sin: np.ndarray, caches: Sequence[PagedKVCache | None], b: _Buffers, parts: int) -> None:
         """x += attention(input_layernorm(x)); x += mlp(post_attention_layernorm(x)), in place.  x [T, D],
         the tokens of every sequence of the batch (`rows` says which are whose).
 
@@ -306,7 +305,11 @@ class FastQwen3Model(Qwen3Model):
         k = b.qkv[:, q_end:k_end].reshape(T, KVH, Dh)
         v = b.qkv[:, k_end:].reshape(T, KVH, Dh)
 
-        def attend(row: slice, cache: KVCache | None) -> None:
+        def attend(row: slice, cache: PagedKVCache | None) -> None:
+            if cache is not None and row.stop - row.start == 1 and cache.pool.keys.dtype == np.float32:
+                cache.write(i, k[row], v[row])          # a decode step: over the blocks where they lie
+                _decode_attention(q[row.start], cache.runs(i, cache.length + 1), b.mixed[row.start])
+                return
             keys, values = (k[row], v[row]) if cache is None else cache.append(i, k[row], v[row])  # [S, KVH, Dh]
             by_rows(lambda r: _attention(q[r], keys, values, positions[r], b.mixed[r]), row)
 
@@ -382,7 +385,7 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarra
     S, KVH = k.shape[0], k.shape[1]
     group = H // KVH
     if T == 1 and positions[0] + 1 == S:
-        return _decode_attention(q[0], k, v, out[0])
+        return _decode_attention(q[0], [(k, v)], out[0])
     queries = q.reshape(T, KVH, group, Dh).transpose(1, 2, 0, 3).reshape(KVH, group * T, Dh)
     scores = np.matmul(queries, k.transpose(1, 2, 0))                            # [KVH, group*T, S]
     scores *= np.float32(Dh ** -0.5)
@@ -395,22 +398,32 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarra
     out.reshape(T, KVH, group, Dh)[...] = mixed.reshape(KVH, group, T, Dh).transpose(2, 0, 1, 3)
 
 
-def _decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray) -> None:
-    """One new token at the end of the cache (it sees every key): q [H, Dh], k/v [S, KVH, Dh], out [H*Dh].
+def _decode_attention(q: np.ndarray, runs: list[tuple[np.ndarray, np.ndarray]], out: np.ndarray) -> None:
+    """One new token at the end of the cache (it sees every key): q [H, Dh], out [H*Dh]; the keys and values
+    in runs of positions, in order, k/v [S_i, KVH, Dh] each (cache views: a paged cache's runs of
+    consecutive blocks, so scattered blocks are read where they lie, not gathered into a copy first).
 
     Per KV head this is a matrix-vector product per query of its group, so NumPy's matvec/vecmat
     (one BLAS GEMV per query, no batching machinery) beat a batched matmul of [group, Dh] x [Dh, S]
-    matrices (measured: bench/README.md).
+    matrices (measured: bench/README.md). The softmax runs over all runs' scores at once, then each
+    run's share of the weighted sum is added (one run: exactly one vecmat, as before paging).
     """
     H, Dh = q.shape
-    KVH = k.shape[1]
+    KVH = runs[0][0].shape[1]
     queries = q.reshape(KVH, H // KVH, Dh)                                         # [KVH, group, Dh]
-    scores = np.matvec(k.transpose(1, 0, 2)[:, None], queries)                     # [KVH, group, S]
-    scores *= np.float32(Dh ** -0.5)
+    scores = np.concatenate([np.matvec(k.transpose(1, 0, 2)[:, None], queries) for k, _ in runs], axis=-1)
+    scores *= np.float32(Dh ** -0.5)                                               # [KVH, group, S]
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    np.vecmat(scores, v.transpose(1, 0, 2)[:, None], out=out.reshape(KVH, H // KVH, Dh))
+    mixed, start = out.reshape(KVH, H // KVH, Dh), 0
+    for j, (_, v) in enumerate(runs):
+        part = np.vecmat(scores[..., start:start + len(v)], v.transpose(1, 0, 2)[:, None])   # [KVH, group, Dh]
+        if j:
+            mixed += part
+        else:
+            mixed[...] = part
+        start += len(v)
 
 
 def _silu_times(gate: np.ndarray, up: np.ndarray, scratch: np.ndarray) -> None:

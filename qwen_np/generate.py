@@ -30,7 +30,8 @@ from .errors import QwenNPError
 from .runtime import peak_rss_bytes
 from .finite import check_finite
 from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
-from .model import KVCache, Qwen3Model, Trace
+from .kv_cache import PagedKVCache
+from .model import Qwen3Model, Trace
 from .sampling import SamplingParams, next_token
 from .tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
 
@@ -163,21 +164,23 @@ def _check_room(prompt_tokens: int, max_new_tokens: int, limit: int, where: str)
 
 
 def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
-             max_new_tokens: int, *, eos_token_ids: Sequence[int] = (), cache: KVCache | None = None,
+             max_new_tokens: int, *, eos_token_ids: Sequence[int] = (), cache: PagedKVCache | None = None,
              rng: np.random.Generator | None = None, trace: Trace | None = None,
-             stats: GenerationStats | None = None, stop: Sequence[str] = ()) -> Iterator[TokenEvent]:
+             stats: GenerationStats | None = None, stop: Sequence[str] = (),
+             kv_dtype: str = "fp32") -> Iterator[TokenEvent]:
     """Yield one TokenEvent per generated token until an EOS id, a stop string, max_new_tokens or the
     context limit.
 
     With a `cache`, its first `cache.length` positions must hold `prompt_ids[:cache.length]`; only
-    the rest of the prompt is prefilled. `rng` defaults to one seeded with params.seed. `trace`
+    the rest of the prompt is prefilled; without one, a cache storing `kv_dtype` (kv_cache.KV_DTYPES) is
+    made for it. `rng` defaults to one seeded with params.seed. `trace`
     sees the prompt prefill and the first decode step. `stats`, when given, is updated as it runs.
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise QwenNPError("prompt: no tokens")
     if cache is None:
-        cache = model.new_cache(context_budget(model.config, len(prompt), max_new_tokens))
+        cache = model.new_cache(context_budget(model.config, len(prompt), max_new_tokens), kv_dtype)
     limit = min(cache.max_tokens, model.config.max_position_embeddings)
     if cache.length >= len(prompt):
         raise QwenNPError(f"cache: holds {cache.length} positions, the whole {len(prompt)}-token prompt; "
@@ -270,7 +273,7 @@ class StopStrings:
         return released
 
 
-def _prefill(model: Qwen3Model, ids: list[int], cache: KVCache, trace: Trace | None) -> np.ndarray:
+def _prefill(model: Qwen3Model, ids: list[int], cache: PagedKVCache, trace: Trace | None) -> np.ndarray:
     """Run the prompt through the model in chunks; return the last position's logits [V].
 
     Only the last position's logits are needed, so the LM head runs on one row, except under a
@@ -292,7 +295,7 @@ class ChatSession:
 
     def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, params: SamplingParams, *,
                  eos_token_ids: Sequence[int] = (), system: str | None = None,
-                 enable_thinking: bool | None = None, max_tokens: int | None = None) -> None:
+                 enable_thinking: bool | None = None, max_tokens: int | None = None, kv_dtype: str = "fp32") -> None:
         self.model, self.tokenizer, self.params = model, tokenizer, params
         self.eos_token_ids = tuple(eos_token_ids)
         self.enable_thinking = enable_thinking
@@ -301,7 +304,7 @@ class ChatSession:
         # Default: the context the memory plan reserved (not the model's full context, which for
         # Qwen3 would be 40960 positions, ~11 GiB of FP32 cache at 8B).
         default = model.plan.max_tokens if model.plan is not None else DEFAULT_CONTEXT
-        self.cache = model.new_cache(max_tokens or min(default, model.config.max_position_embeddings))
+        self.cache = model.new_cache(max_tokens or min(default, model.config.max_position_embeddings), kv_dtype)
         self.rng = np.random.default_rng(params.seed)   # one stream across turns: a seed fixes the chat
         self.fed_ids: list[int] = []                     # the tokens whose keys/values the cache holds
 

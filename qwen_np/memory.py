@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +91,19 @@ class MemoryPlan:
         return self.weight_bytes["int8"]
 
     @property
+    def held_weight_bytes(self) -> int:
+        """The weights as this plan holds them."""
+        return self.weight_bytes[self.mode]
+
+    @property
     def total_bytes(self) -> int:
-        return self.weight_bytes[self.mode] + self.kv_cache_bytes + self.working_bytes
+        return self.held_weight_bytes + self.kv_cache_bytes + self.working_bytes
+
+    @property
+    def room_for_kv_cache(self) -> int:
+        """Bytes a server's KV cache may take when not told: the available RAM with the safety margin, less
+        the weights and working buffers (can be negative: nothing is left)."""
+        return int(self.available_bytes * SAFETY_FRACTION) - self.held_weight_bytes - self.working_bytes
 
     @property
     def fits(self) -> bool:
@@ -172,3 +184,25 @@ def training_memory(config: Qwen3Config, rows: int, context: int) -> dict[str, i
     per_token = 4 * (config.num_hidden_layers * per_layer + 2 * D + 3 * V)
     return {"weights": 4 * params, "gradients": 4 * params, "adamw": 8 * params,
             "activations_per_token": per_token, "activations": per_token * rows * context}
+
+
+# Units of a size flag (--kv-memory 512MiB): binary (KiB = 1024) and decimal (KB = 1000), as written
+# by people; hand-written (a regex and a table): no library in our dependencies reads them.
+SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2,
+              "g": GiB, "gb": 1000 ** 3, "gib": GiB, "t": 1024 ** 4, "tb": 1000 ** 4, "tib": 1024 ** 4}
+SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes in a size such as "512MiB", "2GiB", "1.5GB" or "4096" (bytes); a QwenNPError naming `flag` if
+    it is not one."""
+    match = SIZE.fullmatch(text)
+    unit = match[2].lower() if match else ""
+    if match is None or unit not in SIZE_UNITS:
+        raise QwenNPError(f"{flag}: expected a size such as 512MiB or 2GiB, got {text!r}")
+    return int(float(match[1]) * SIZE_UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps a number >= 1: "512.0 MiB", "2.00 GiB"."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2 ** 20:.1f} MiB"

@@ -9,6 +9,8 @@
 
 The KV cache keeps the post-RoPE keys and the values of every position seen so far, so a decode step
 only computes the new token's q/k/v and attends over the cache instead of re-running the prompt.
+The cache is paged (kv_cache.py): fixed-size blocks of positions from a pool, found through the
+sequence's block table; model.KVCache is one sequence's cache over a pool of its own.
 
 Several sequences run as one batch (`forward_batch`), each with its own cache, length and positions.
 Every step but attention treats tokens one at a time, so the batch's tokens are packed one sequence
@@ -28,6 +30,7 @@ import numpy as np
 from . import layers, runtime
 from .config import Qwen3Config
 from .errors import QwenNPError
+from .kv_cache import KVCache, PagedKVCache
 from .memory import MemoryPlan
 from .numerics import Weight
 
@@ -58,37 +61,6 @@ class LayerWeights:
     down_proj: Weight
 
 
-class KVCache:
-    """Preallocated keys and values for up to `max_tokens` positions, for every layer.
-
-    keys[l, p] is layer l's key at position p after k_norm and RoPE; values[l, p] the raw value.
-    `length` positions are filled; a forward pass with the cache appends its T tokens after them.
-    """
-
-    def __init__(self, config: Qwen3Config, max_tokens: int) -> None:
-        if max_tokens <= 0:
-            raise QwenNPError(f"max_tokens: the KV cache needs at least one position, got {max_tokens}")
-        shape = (config.num_hidden_layers, max_tokens, config.num_key_value_heads, config.head_dim)
-        self.keys = np.zeros(shape, dtype=np.float32)          # [L, S_max, KVH, Dh]
-        self.values = np.zeros(shape, dtype=np.float32)        # [L, S_max, KVH, Dh]
-        self.length = 0
-        self.max_tokens = max_tokens
-
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store a forward call's keys/values k, v [T, KVH, Dh] after the `length` cached positions of
-        `layer`; return every key and value so far, [S, KVH, Dh] each (views: nothing is copied)."""
-        end = self.length + len(k)
-        self.keys[layer, self.length:end] = k
-        self.values[layer, self.length:end] = v
-        return self.keys[layer, :end], self.values[layer, :end]
-
-    def truncate(self, length: int) -> None:
-        """Forget every position from `length` on (e.g. to re-render a chat's changed history)."""
-        if not 0 <= length <= self.length:
-            raise QwenNPError(f"cache: cannot truncate {self.length} cached positions to {length}")
-        self.length = length
-
-
 class Qwen3Model:
     """A loaded Qwen3 checkpoint. `forward` maps token ids to logits, optionally through a KVCache.
 
@@ -108,11 +80,11 @@ class Qwen3Model:
         self.plan = plan                      # how load_model holds the weights (None: built by hand)
         self.inv_freq = layers.rope_inverse_frequencies(config.head_dim, config.rope_theta)   # [Dh/2]
 
-    def new_cache(self, max_tokens: int) -> KVCache:
-        """An empty KV cache for up to `max_tokens` positions."""
-        return KVCache(self.config, max_tokens)
+    def new_cache(self, max_tokens: int, dtype: str = "fp32") -> KVCache:
+        """An empty KV cache for up to `max_tokens` positions, stored as `dtype` (kv_cache.KV_DTYPES)."""
+        return KVCache(self.config, max_tokens, dtype)
 
-    def forward(self, token_ids: Sequence[int] | np.ndarray, cache: KVCache | None = None,
+    def forward(self, token_ids: Sequence[int] | np.ndarray, cache: PagedKVCache | None = None,
                 trace: Trace | None = None, last_only: bool = False) -> np.ndarray:
         """Logits [T, V] (FP32) for every position of `token_ids`; [1, V] for the last one if `last_only`.
 
@@ -123,7 +95,7 @@ class Qwen3Model:
         """
         return self.forward_batch([token_ids], [cache], trace, last_only)
 
-    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[KVCache | None],
+    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[PagedKVCache | None],
                       trace: Trace | None = None, last_only: bool = False) -> np.ndarray:
         """`forward` for B sequences at once: sequence b's tokens continue caches[b] (or start at
         position 0 when it is None). Logits [T, V] for the T tokens of all sequences, one sequence
@@ -148,13 +120,11 @@ class Qwen3Model:
             x = x[[row.stop - 1 for row in rows]]                                      # [B, D]
         logits = layers.linear(x, self.lm_head)                                        # [T, V]
         note("lm_head", logits)
-        for row, cache in zip(rows, caches):
-            if cache is not None:
-                cache.length += row.stop - row.start
+        advance(caches, ids, rows)
         return logits
 
     def decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
-                      cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], note: Trace) -> np.ndarray:
+                      cos: np.ndarray, sin: np.ndarray, caches: Sequence[PagedKVCache | None], note: Trace) -> np.ndarray:
         """x + attention(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).  [T, D] -> [T, D].
 
         Layer i with weights w, on the packed rows of forward_batch: x [T, D] holds the sequences one
@@ -204,20 +174,23 @@ class Qwen3Model:
         return x
 
     def _pack(self, token_ids: Sequence[Sequence[int] | np.ndarray],
-              caches: Sequence[KVCache | None]) -> tuple[np.ndarray, np.ndarray, list[slice]]:
+              caches: Sequence[PagedKVCache | None]) -> tuple[np.ndarray, np.ndarray, list[slice]]:
         """The sequences' checked ids [T] and positions [T], one sequence after another, and the
         slice of those T rows that belongs to each sequence."""
         held = [id(cache) for cache in caches if cache is not None]
         if len(set(held)) < len(held):
             raise QwenNPError("forward_batch: the same KV cache is given for two sequences")
         checked = [self._ids_and_positions(ids, cache) for ids, cache in zip(token_ids, caches)]
+        for (ids, _), cache in zip(checked, caches):             # every row checked first: nothing half-done
+            if cache is not None:
+                cache.reserve(len(ids))
         ends = np.cumsum([len(ids) for ids, _ in checked]).tolist()
         rows = [slice(end - len(ids), end) for end, (ids, _) in zip(ends, checked)]
         return (np.concatenate([ids for ids, _ in checked]), np.concatenate([positions for _, positions in checked]),
                 rows)
 
     def _ids_and_positions(self, token_ids: Sequence[int] | np.ndarray,
-                           cache: KVCache | None) -> tuple[np.ndarray, np.ndarray]:
+                           cache: PagedKVCache | None) -> tuple[np.ndarray, np.ndarray]:
         """The checked token ids [T] and their positions [T]: after the cache's `length` positions, or from 0."""
         ids = self._check_ids(token_ids)
         start = cache.length if cache is not None else 0
@@ -233,6 +206,13 @@ class Qwen3Model:
         if bad.size:
             raise QwenNPError(f"token_ids: id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
         return ids.astype(np.int64)
+
+
+def advance(caches: Sequence[PagedKVCache | None], ids: np.ndarray, rows: list[slice]) -> None:
+    """After a forward pass: each cache counts its sequence's tokens (ids[rows[b]]) as held."""
+    for row, cache in zip(rows, caches):
+        if cache is not None:
+            cache.advance(ids[row])
 
 
 def _scoped(note: Trace, prefix: str) -> Trace:

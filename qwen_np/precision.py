@@ -37,7 +37,8 @@ from .formats import FORMATS, get_format
 from .generate import generate
 from .loading import back_to_back, load_model, read_config, read_tokenizer
 from .memory import GiB, SAFETY_FRACTION, candidate_plans, weight_bytes
-from .model import KVCache, LayerWeights, Qwen3Model, Trace
+from .kv_cache import PagedKVCache
+from .model import LayerWeights, Qwen3Model, Trace
 from .numerics import Weight
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -144,7 +145,7 @@ class RoundedResidual(Qwen3Model):
         return rounded
 
     def decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
-                      cos: np.ndarray, sin: np.ndarray, caches: Sequence[KVCache | None], note: Trace) -> np.ndarray:
+                      cos: np.ndarray, sin: np.ndarray, caches: Sequence[PagedKVCache | None], note: Trace) -> np.ndarray:
         with np.errstate(over="ignore", invalid="ignore"):       # an overflowed stream is what is measured
             x = super().decoder_layer(i, w, self._round(x), positions, rows, cos, sin, caches, note)
             return self._round(x) if i == len(self.layers) - 1 else x

@@ -7,9 +7,11 @@
     client.chat.completions.create(model="Qwen/Qwen3-0.6B", messages=[{"role": "user", "content": "Hi"}])
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (streamed as Server-Sent
-Events or not), GET /health (with the number of running and waiting requests), and a web page at / with
-an explorer of the forward pass and a playground (explorer.py, its endpoints under /explorer/). The request fields
-and the response shapes are OpenAI's (OpenAI's API reference for chat completions and completions); Qwen3's
+Events or not), GET /health (with the number of running and waiting requests), GET /metrics (those,
+the KV cache's blocks, prefix cache hits, tokens and preemptions, in Prometheus' text format), and a
+web page at / with an explorer of the forward pass and a playground (explorer.py, its endpoints under
+/explorer/). The request fields and the response shapes are OpenAI's (OpenAI's API reference for chat
+completions and completions); Qwen3's
 thinking switch comes as vLLM takes it, `chat_template_kwargs: {"enable_thinking": false}`, and the
 sampling fields vLLM adds (top_k, min_p, repetition_penalty) are accepted too. Defaults come from the
 checkpoint's generation_config.json, as in vLLM; max_tokens defaults to what the context has left.
@@ -18,10 +20,14 @@ answers chat requests with a 400 that says so.
 
 Every request becomes a row of one batching.BatchGenerator, run by a BatchRunner on its own thread:
 concurrent requests share decode steps, a new one starts its prefill at the next step, and a client
-that disconnects frees its row. Bad requests get OpenAI's error JSON with a 4xx status; nothing
-answers with a traceback. One request cannot hurt another: its sampling settings are checked before
-it joins the batch, a row whose sampling fails anyway ends alone, the body's size and every string's
-length are bounded, and tokenising runs on worker threads, never on the event loop.
+that disconnects frees its row. Every row's keys and values are blocks of one pool of --kv-memory
+bytes (kv_cache.py): a request joins while blocks are free, one that could never fit is refused
+with a 400, and a prompt reuses the blocks of a prefix seen before (the response's
+usage.prompt_tokens_details.cached_tokens says how many tokens). Bad requests get OpenAI's error
+JSON with a 4xx status; nothing answers with a traceback. One request cannot hurt another: its
+sampling settings are checked before it joins the batch, a row whose sampling fails anyway ends
+alone, the body's size and every string's length are bounded, and tokenising runs on worker
+threads, never on the event loop.
 
 Any web page can send requests to a server on loopback, so POSTs must be `application/json` (a form
 or `text/plain` POST, which a browser sends cross-site without asking, is refused), a loopback server
@@ -56,8 +62,11 @@ from .errors import QwenNPError
 from .explorer import Explorer, is_page
 from .finite import check_weights_finite
 from .generate import GenerationDefaults, TokenEvent, resolve_sampling
+from .kv_cache import BlockPool, block_bytes, blocks_for
 from .loading import load_model, read_config, read_generation_defaults, read_tokenizer
-from .memory import DEFAULT_CONTEXT
+from .model import Qwen3Model
+from .memory import DEFAULT_CONTEXT, format_size
+from .metrics import PROMETHEUS_TYPE, prometheus_text
 from .tokenizer import Message, Tokenizer
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_BATCH = "127.0.0.1", 8000, 8
@@ -92,10 +101,12 @@ LOOPBACK_HOST = re.compile(r"(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.IG
 # --- running the server ----------------------------------------------------------------------------
 
 def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = DEFAULT_MAX_BATCH,
-          context: int = DEFAULT_CONTEXT, memory: str = "auto", api_key: str | None = None, log: bool = True,
-          announce: Callable[[str], None] = lambda line: None) -> None:
+          context: int = DEFAULT_CONTEXT, memory: str = "auto", kv_memory: int | None = None, kv_dtype: str = "fp32",
+          api_key: str | None = None, log: bool = True, announce: Callable[[str], None] = lambda line: None) -> None:
     """Load the model in `folder` (clients ask for it as `name`) and serve it on `listener` until Ctrl-C or
-    SIGTERM. context: prompt and reply together, at most the model's; announce(line) gets the start lines."""
+    SIGTERM. context: prompt and reply together, at most the model's; kv_memory: bytes of the KV cache's
+    block pool, shared by every request (None: what RAM has left after the weights, at most max_batch full
+    contexts); kv_dtype: how it stores keys and values; announce(line) gets the start lines."""
     try:
         import uvicorn
     except ImportError:
@@ -105,14 +116,22 @@ def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = 
     tokenizer, defaults = read_tokenizer(folder), read_generation_defaults(folder, config)
     model = load_model(folder, memory=memory, max_tokens=context)
     check_weights_finite(model)                  # NaN/Inf weights: one line naming the layer, before listening
+    per_block = block_bytes(config, kv_dtype)
+    default = kv_memory is None
+    budget = default_kv_memory(model, max_batch * blocks_for(context) * per_block) if kv_memory is None else kv_memory
+    pool = BlockPool(config, budget // per_block, kv_dtype, prefix_caching=True)
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
-                               context=context)
+                               context=context, pool=pool)
     service = Service(name, tokenizer, defaults, BatchRunner(generator), context,
                       context * LENGTH_FACTOR * longest_token(tokenizer))
     host, port = listener.getsockname()[:2]
     warning = exposure_warning(host, api_key)
     if warning:
         announce(warning)
+    announce(f"KV cache: {format_size(pool.num_blocks * per_block)} ({kv_dtype}), {pool.num_blocks} blocks of "
+             f"{pool.block_size} positions, {generator.capacity} positions for all requests together"
+             + (" (default: the RAM left after the weights, with a margin, at most --max-batch full contexts)"
+                if default else ""))
     announce(f"serving {name} on http://{'[' + host + ']' if ':' in host else host}:{port}/v1 (max batch {max_batch}, "
              f"context {context}); Ctrl-C stops")
     app = create_app(service, api_key=api_key, loopback_only=_is_loopback(host), log=log)
@@ -123,6 +142,12 @@ def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = 
         server.run(sockets=[listener])
     finally:
         service.runner.stop()
+
+
+def default_kv_memory(model: Qwen3Model, full: int) -> int:
+    """The KV cache's bytes when --kv-memory is not given: what the memory plan leaves of the available RAM
+    after the weights, with its margin, and no more than `full` (every row of the batch at its full context)."""
+    return min(max(model.plan.room_for_kv_cache, 0), full) if model.plan is not None else full
 
 
 def _is_loopback(host: str) -> bool:
@@ -197,7 +222,14 @@ class Service:
         except QwenNPError as bad:          # "--top-k: ..." names the flag: the field is its snake_case
             message = str(bad).lstrip("-")
             raise APIError(400, message, message.split(":")[0].replace("-", "_")) from None
-        return Request(prompt, params, max_tokens or room, _stops(body))
+        generator = self.runner.generator
+        request = Request(prompt, params, max_tokens or max(1, min(room, generator.capacity - len(prompt))), _stops(body))
+        try:
+            generator.check(request)          # what is left to check: the KV cache's capacity; here, not at
+                                              # submit, so that a stream's refusal is a 4xx too
+        except QwenNPError as bad:
+            raise APIError(400, str(bad), "max_tokens" if max_tokens else None, "kv_cache_exceeded") from None
+        return request
 
     def _too_long(self, body: dict[str, Any], why: str) -> APIError:
         return APIError(400, f"This model's maximum context length is {self.context} tokens. {why} Please reduce the "
@@ -443,12 +475,16 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         generator = service.runner.generator
         return JSONResponse({"status": "ok", "running": len(generator.rows), "waiting": generator.waiting})
 
+    async def metrics(http: HTTPRequest) -> Response:
+        return Response(prometheus_text(service.runner.generator), media_type=PROMETHEUS_TYPE)
+
     async def http_error(http: HTTPRequest, problem: Exception) -> Response:
         status = problem.status_code if isinstance(problem, HTTPException) else 500
         what = {404: f"no route {http.url.path}", 405: f"{http.method} is not allowed on {http.url.path}"}
         return error(APIError(status, what.get(status, str(getattr(problem, "detail", "error")))))
 
     routes = Starlette(routes=[Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+                               Route("/metrics", metrics, methods=["GET"]),
                                Route("/v1/chat/completions", endpoint(chat=True), methods=["POST"]),
                                Route("/v1/completions", endpoint(chat=False), methods=["POST"]),
                                *Explorer(service).routes(read_body, error)],      # the page at / (explorer.py)
@@ -522,10 +558,11 @@ class Reply:
             if not finished and self.row is not None:
                 self.service.runner.cancel(self.row)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt = len(self.request.prompt)
+        cached = self.row.cached_tokens if self.row is not None else 0      # reused from the prefix cache
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens}
+                "total_tokens": prompt + self.completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _object(self, kind: str, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.service.model_id,

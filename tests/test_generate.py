@@ -222,12 +222,12 @@ class ScriptedModel:
     def __init__(self, config, prompt_length: int, script: list[int]) -> None:
         self.config, self.prompt_length, self.script = config, prompt_length, script
 
-    def new_cache(self, max_tokens: int):
+    def new_cache(self, max_tokens: int, dtype: str = "fp32"):
         from qwen_np.model import KVCache
-        return KVCache(self.config, max_tokens)
+        return KVCache(self.config, max_tokens, dtype)
 
     def forward(self, ids, cache, trace=None, last_only=False):
-        cache.length += len(ids)
+        cache.advance(ids)                       # as a forward pass counts its tokens into the cache
         logits = np.zeros((1 if last_only else len(ids), self.config.vocab_size), dtype=np.float32)
         logits[-1, self.script[cache.length - self.prompt_length]] = 1.0
         return logits

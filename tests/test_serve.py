@@ -52,6 +52,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @dataclass
 class Running:
     url: str                                          # the base URL, http://127.0.0.1:PORT/v1
+    start: list[str]                                  # the lines it wrote on stderr while starting
     log: list[str] = field(default_factory=list)      # the lines it wrote on stderr after starting
 
 
@@ -70,15 +71,17 @@ def server(running: Running) -> str:
 @contextlib.contextmanager
 def serving(env: dict[str, str], model: str, *flags: str):
     process = subprocess.Popen([sys.executable, "-m", "qwen_np", "serve", "--model", model, "--port", "0", *flags],
-                               cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+                               cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                               bufsize=0)        # unbuffered: a line read ahead would hide from select()
     assert process.stderr is not None
     try:
-        deadline, line = time.monotonic() + STARTUP_SECONDS, b""
+        deadline, line, start = time.monotonic() + STARTUP_SECONDS, b"", []
         while b"serving" not in line:
             ready, _, _ = select.select([process.stderr], [], [], max(0.0, deadline - time.monotonic()))
             assert ready and process.poll() is None, f"server did not start: {line!r}"
             line = process.stderr.readline()
-        running = Running(line.decode().split(" on ")[1].split()[0])
+            start.append(line.decode(errors="replace").rstrip("\n"))
+        running = Running(line.decode().split(" on ")[1].split()[0], start)
         assert running.url.startswith("http://127.0.0.1:")                   # loopback by default
         stderr = process.stderr
 
@@ -436,3 +439,93 @@ def test_a_model_without_a_chat_template_refuses_chat_with_a_400_and_still_compl
         assert "no chat template" in answer["error"]["message"] and "/v1/completions" in answer["error"]["message"]
         code, answer = post(url + "/completions", {"model": "weights", "prompt": "ROMEO:", "max_tokens": 8})
         assert code == 200 and answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] <= 8
+
+
+def metrics(server: str) -> dict[str, float]:
+    """GET /metrics, checked to be Prometheus' text format: each sample after its # HELP and # TYPE lines."""
+    with urllib.request.urlopen(server.removesuffix("/v1") + "/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        lines = response.read().decode().splitlines()
+    samples = {}
+    for help_line, type_line, sample in zip(lines[::3], lines[1::3], lines[2::3]):
+        name, value = sample.split(" ")
+        assert help_line.startswith(f"# HELP {name} ") and type_line.split()[:3] == ["#", "TYPE", name]
+        assert type_line.split()[3] == ("counter" if name.endswith("_total") else "gauge")
+        samples[name.removeprefix("qwen_np_")] = float(value)
+    return samples
+
+
+def test_metrics_count_requests_blocks_tokens_and_prefix_hits(client, server, running) -> None:
+    before = metrics(server)
+    client.completions.create(model=MODEL, prompt="Counting the tokens of this request", max_tokens=5, temperature=0)
+    after = metrics(server)
+    assert set(after) >= {"requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_free",
+                          "prefix_cache_hit_rate", "generation_tokens_total", "preemptions_total"}
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == 5
+    assert after["requests_running"] == after["requests_waiting"] == after["kv_blocks_used"] == 0
+    assert 0 <= after["prefix_cache_hit_rate"] <= 1 and after["kv_blocks_free"] > 0
+    assert any(line.startswith("KV cache: ") and "default: the RAM left after the weights" in line
+               for line in running.start)
+
+
+def test_a_resent_conversation_reports_its_cached_tokens_and_answers_as_a_cold_run(client) -> None:
+    system = {"role": "system", "content": "You are a patient assistant who explains things carefully. " * 8}
+    first = [system, {"role": "user", "content": "What is a prime number?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=first, max_tokens=10, temperature=0)
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 0
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "And a composite one?"}]
+    warm = client.chat.completions.create(model=MODEL, messages=second, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=second, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    # Only the whole blocks of the first request's prompt are sure to be in common (the reply is re-rendered).
+    assert warm.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens // 16 * 16 - 16 > 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= warm.usage.prompt_tokens_details.cached_tokens
+    cold = "".join(generate_cli_messages(second))
+    assert warm.choices[0].message.content == cold
+
+
+def generate_cli_messages(messages: list[dict]) -> list[str]:
+    """The greedy reply to `messages` from generate() in this process: no cache shared with the server."""
+    from qwen_np import load_model
+    from qwen_np.generate import generate, resolve_sampling
+    from qwen_np.loading import read_generation_defaults
+    from qwen_np.tokenizer import Tokenizer
+
+    folder = ROOT / MODEL
+    model, tok = load_model(folder), Tokenizer.from_folder(folder)
+    defaults = read_generation_defaults(folder, model.config)
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    return [event.text for event in generate(model, tok, ids, resolve_sampling(defaults, temperature=0), 10,
+                                             eos_token_ids=defaults.eos_token_ids)]
+
+
+def test_under_a_small_kv_budget_concurrent_streams_get_their_solo_texts_and_a_request_too_big_a_400(env) -> None:
+    with serving(env, MODEL, "--kv-memory", "256KiB", "--max-batch", "4") as running:     # 16 blocks: 256 positions
+        assert any("KV cache: 0.2 MiB" in line or "256 positions" in line for line in running.start), running.start
+        url, prompts = running.url, [f"Story {i}: once upon a time there was a number called {i}" for i in range(4)]
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+
+        def text(prompt: str) -> str:
+            return "".join(c.choices[0].text for c in client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=100, temperature=0, stream=True))
+
+        solo = [text(p) for p in prompts]
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(text, prompts))
+        assert together == solo and metrics(url)["preemptions_total"] > 0
+        for stream in (False, True):
+            code, answer = post(url + "/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 300,
+                                                       "stream": stream})
+            assert_openai_error(code, answer, 400, "max_tokens")
+            assert answer["error"]["code"] == "kv_cache_exceeded" and "256" in answer["error"]["message"]
+        answer = client.completions.create(model=MODEL, prompt="Hello", temperature=0)    # max_tokens: what fits
+        assert answer.usage.prompt_tokens + answer.usage.completion_tokens <= 256
+
+
+def test_a_bad_kv_memory_is_one_line_naming_the_flag(env) -> None:
+    for flag in (["--kv-memory", "lots"], ["--kv-memory", "1KiB"]):
+        result = subprocess.run([sys.executable, "-m", "qwen_np", "serve", "--model", MODEL, "--port", "0", *flag],
+                                cwd=ROOT, env=env, capture_output=True, timeout=120)
+        assert result.returncode == 2 and result.stderr.decode().count("\n") == 1, result.stderr
+        assert result.stderr.decode().startswith("error: --kv-memory: ")

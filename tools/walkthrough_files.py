@@ -293,6 +293,12 @@ GLOSSARY = (
      "qwen_np.numerics.Int8Rows", "--memory", 7),
     ("KV cache", "every layer's keys and values of the tokens so far, so a new token computes only its own",
      "qwen_np.model.KVCache", "--ctx-size", 6),
+    ("paged KV cache / block table", "the KV cache in fixed-size blocks from one pool; a sequence's block table says "
+     "which block holds which positions, so a server's requests share one memory budget",
+     "qwen_np.kv_cache.PagedKVCache", "--kv-memory", 6),
+    ("prefix caching", "reusing the KV blocks of a prompt's longest prefix seen before (named by a hash of their "
+     "tokens), so a shared system prompt or a resent conversation is prefilled once",
+     "qwen_np.kv_cache.BlockPool.lookup", "--kv-memory", 6),
     ("activations / 激活", "the intermediate arrays of a forward pass; training keeps them for the backward pass",
      "qwen_np.memory.training_memory", "--grad-accum", 10),
     ("logits", "one score per vocabulary entry; softmax turns them into probabilities",

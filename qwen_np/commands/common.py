@@ -10,6 +10,7 @@ from typing import Callable
 from .. import runtime
 from ..checkpoint import bundled_model_path, resolve_model_path
 from ..errors import QwenNPError
+from ..kv_cache import KV_DTYPES
 from ..memory import DEFAULT_CONTEXT, MODES
 
 EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIGINT, as shells report it)
@@ -44,6 +45,12 @@ def add_model(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup
 
 def add_memory(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", choices=MODES, default="auto", help=MEMORY_HELP)
+
+
+def add_kv_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default="fp32",
+                        help="how the KV cache stores keys and values: fp32 as computed, bf16 or fp16 in half the memory "
+                             "(rounded once when stored; attention still runs in FP32; default: fp32)")
 
 
 def add_threads(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..batching import BatchGenerator, Request
+from ..kv_cache import BlockPool, blocks_for
 from ..config import Qwen3Config
 from ..errors import QwenNPError
 from ..finite import check_weights_finite
@@ -84,6 +85,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     common.add_model(parser)
     common.add_memory(parser)
+    common.add_kv_dtype(parser)
     common.add_threads(parser)
     parser.add_argument("--verbose", action="store_true",
                         help="print the memory plan and token-level details (prompt and generated ids, cache "
@@ -339,7 +341,8 @@ def run_generate(args: argparse.Namespace) -> int:
             _show_inspections(args, model, ids[0], opened.tokenizer, attention)
             replies.append(PromptReply(len(ids[0]), params.seed))
             for event in generate(model, opened.tokenizer, ids[0], params, max_new_tokens, stop=args.stop,
-                                  eos_token_ids=opened.defaults.eos_token_ids, trace=trace, stats=stats):
+                                  eos_token_ids=opened.defaults.eos_token_ids, trace=trace, stats=stats,
+                                  kv_dtype=args.kv_dtype):
                 replies[0].add(event, None if args.json else writer)
             replies[0].prefill_seconds, replies[0].decode_seconds = stats.prefill_seconds, stats.decode_seconds
         else:
@@ -406,8 +409,11 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
                     stats: GenerationStats) -> list[PromptReply]:
     """Several prompts as one batch (batching.BatchGenerator). Each reply prints when those before it
     have: the first streams live, the others show what they have so far when their turn comes."""
+    context = model.config.max_position_embeddings
+    pool = BlockPool(model.config, sum(blocks_for(min(len(one) + max_new_tokens, context)) for one in ids),
+                     args.kv_dtype, prefix_caching=True)          # room for every row at once: none waits
     generator = BatchGenerator(model, opened.tokenizer, eos_token_ids=opened.defaults.eos_token_ids,
-                               max_batch=len(ids))
+                               max_batch=len(ids), pool=pool)
     seeds = [None if params.seed is None else params.seed + i for i in range(len(ids))]
     rows = [generator.submit(Request(one, replace(params, seed=seed), max_new_tokens, args.stop))
             for one, seed in zip(ids, seeds)]
@@ -477,7 +483,7 @@ def run_chat(args: argparse.Namespace) -> int:
         session = ChatSession(model, opened.tokenizer,
                               resolve_sampling(opened.defaults, args.think, **explicit),
                               eos_token_ids=opened.defaults.eos_token_ids, system=args.system,
-                              enable_thinking=args.think, max_tokens=context)
+                              enable_thinking=args.think, max_tokens=context, kv_dtype=args.kv_dtype)
     except KeyboardInterrupt:
         return common.EXIT_INTERRUPTED
     load_seconds = time.perf_counter() - started

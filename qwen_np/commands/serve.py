@@ -9,7 +9,7 @@ import sys
 
 from .. import serve
 from ..errors import QwenNPError
-from ..memory import DEFAULT_CONTEXT
+from ..memory import DEFAULT_CONTEXT, parse_size
 from . import common
 
 
@@ -30,6 +30,11 @@ def register(commands: argparse._SubParsersAction) -> None:
                              f"(default: {serve.DEFAULT_MAX_BATCH})")
     common.add_context(parser, "context of each request, prompt and reply together")
     common.add_memory(parser)
+    parser.add_argument("--kv-memory", metavar="SIZE",
+                        help="memory for the KV cache, shared by all requests, e.g. 512MiB or 2GiB; requests wait for "
+                             "free blocks, and one that could never fit is refused (default: what RAM has left after "
+                             "the weights, with a margin, at most --max-batch full contexts; printed at start)")
+    common.add_kv_dtype(parser)
     common.add_threads(parser)
     parser.add_argument("--api-key", default=os.environ.get(serve.API_KEY_ENV), metavar="KEY",
                         help=f"require `Authorization: Bearer KEY` on every request but /health (default: "
@@ -44,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise QwenNPError(f"--port: must be in 0..65535, got {args.port}")
     if args.api_key == "":
         raise QwenNPError(f"--api-key: empty (give a key, or unset {serve.API_KEY_ENV} for none)")
+    kv_memory = parse_size(args.kv_memory, "--kv-memory") if args.kv_memory is not None else None
     folder = common.model_folder(args.model)
     name = args.model or common.BUNDLED_NAME
     try:
@@ -51,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         raise QwenNPError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror})") from None
     serve.serve(name, folder, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
-                memory=args.memory, api_key=args.api_key, log=not args.quiet,
+                memory=args.memory, kv_memory=kv_memory, kv_dtype=args.kv_dtype, api_key=args.api_key,
+                log=not args.quiet,
                 announce=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
