@@ -27,20 +27,33 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import numpy as np
 
 from .config import DIMENSIONS, dimensions
-from .errors import QwenNPError
+from .errors import APIError, QwenNPError
+from .generate import GenerationDefaults
 from .inspection.lens import is_lens_step, lens_labels, lens_rows
 from .inspection.steps import STEPS, source_line
 from .inspection.trace import layer_of, statistics, step_shape, step_template
 from .model import Qwen3Model
 from .sampling import SamplingParams, apply_repetition_penalty, next_token, require_distribution, softmax, warp_stages
+from .tokenizer import Tokenizer
 
-if TYPE_CHECKING:      # serve imports this module, so serve's names (APIError) are imported where used
-    from .serve import Service
+
+
+class Served(Protocol):
+    """What the explorer needs of serve.Service (serve builds the explorer over its Service)."""
+
+    model_id: str
+    tokenizer: Tokenizer
+    defaults: GenerationDefaults
+    runner: Any                                                   # batching.BatchRunner: .generator.model
+
+    def completion_prompt(self, body: dict[str, Any]) -> list[int]: ...
+
+    def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Any: ...
 
 WEB = Path(__file__).parent / "web"          # the page: plain HTML, CSS and JS, no build step, nothing fetched
 PAGE_PATHS = ("/", "/web/")                  # served without an API key: the page holds none (it asks for one)
@@ -109,7 +122,7 @@ def filter_stages(logits: np.ndarray, params: SamplingParams, context_ids: list[
 class Explorer:
     """The explorer's endpoints over a serve.Service: its model, tokenizer, prompt and sampling checks."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Served) -> None:
         self.service = service
         self.model: Qwen3Model = service.runner.generator.model
         self.tokenizer = service.tokenizer
@@ -119,7 +132,6 @@ class Explorer:
     # --- the prompt and its run ---
 
     def prompt(self, body: dict[str, Any]) -> list[int]:
-        from .serve import APIError
         ids = self.service.completion_prompt(body)
         if len(ids) > MAX_TOKENS:
             raise APIError(400, f"prompt: the explorer traces at most {MAX_TOKENS} tokens, this prompt has {len(ids)}",
@@ -178,7 +190,6 @@ class Explorer:
                 "lens": lens, "model_top": self._top(softmax(run.logits), LENS_TOP)}
 
     def attention(self, body: dict[str, Any]) -> dict[str, Any]:
-        from .serve import APIError
         ids, L = self.prompt(body), self.model.config.num_hidden_layers
         layer = body.get("layer")
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < L:
@@ -221,7 +232,6 @@ class Explorer:
         from starlette.routing import Mount, Route
         from starlette.staticfiles import StaticFiles
 
-        from .serve import APIError
 
         def posted(method: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[Any], Awaitable[Response]]:
             async def handle(http: Any) -> Response:

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from .batching import BatchGenerator, BatchRunner, Request, Row
-from .errors import QwenNPError
+from .errors import APIError, QwenNPError
 from .explorer import Explorer, is_page
 from .finite import check_weights_finite
 from .generate import GenerationDefaults, TokenEvent, resolve_sampling
@@ -171,18 +171,6 @@ def longest_token(tokenizer: Tokenizer) -> int:
 
 
 # --- requests -> batch rows -----------------------------------------------------------------------
-
-class APIError(Exception):
-    """A request the server answers with OpenAI's error JSON: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
 
 @dataclass
 class Service:
