@@ -924,7 +924,7 @@ The bundled model reads {ours / 2 ** 20:.1f} MiB of FP32 weights per token, almo
 
 def next_steps_section(run: Run) -> str:
     prompt = shell_quote(run.prompt)
-    return f"""## 11. Try it yourself
+    return f"""## 12. Try it yourself
 
 ```bash
 python -m qwen_np inspect --preset qwen3-8b          # every shape and count above at full size, and its memory
@@ -963,18 +963,20 @@ class Page:
 def render_page(model_dir: Path | None = None) -> Page:
     """The whole walkthrough, from a real run on the model in `model_dir` (default: BUNDLED_MODEL)."""
     model_dir = model_dir or BUNDLED_MODEL
+    from walkthrough_chapter_train import chapter_section, load_record
     from walkthrough_training import memory_section, training_step_section
 
     with threadpool_limits(limits=1):        # one BLAS thread: the same sums in the same order every run
         run = run_prompt(model_dir)
         run.figures["rope"] = rope_figure_data(run.model.config)
         run.figures["decoder_layer"] = decoder_layer_data(run)
+        run.figures["training_run"] = load_record()
         shown: set[str] = set()              # layers.* functions whose source is already on the page
         facts: dict[str, Any] = {}
         sections = [intro(run), tokens_section(run), embedding_section(run, shown), layer_section(run, shown),
                     remaining_layers_section(run), prediction_section(run, shown), kv_cache_section(run),
                     formats_section(run), bandwidth_section(run), training_step_section(model_dir, num, code_block, facts),
-                    memory_section(model_dir, num), next_steps_section(run)]
+                    memory_section(model_dir, num), chapter_section(11), next_steps_section(run)]
     return Page("\n\n".join(sections) + "\n", sections, run.figures, model_dir, run, facts)
 
 

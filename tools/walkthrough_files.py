@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-FIGURES = ("decoder_layer", "rope", "attention", "logit_lens", "sampling")
+FIGURES = ("decoder_layer", "rope", "attention", "logit_lens", "sampling", "training_run")
 
 
 def rounded(value: Any) -> Any:
@@ -44,8 +44,10 @@ def draw(name: str, data: dict[str, Any]) -> Any:
     """The matplotlib Figure `name`, drawn from its data only."""
     import matplotlib
     matplotlib.use("Agg")
+    from walkthrough_chapter_train import figure as training_run
+
     return {"decoder_layer": _decoder_layer, "rope": _rope, "attention": _attention, "logit_lens": _logit_lens,
-            "sampling": _sampling}[name](data)
+            "sampling": _sampling, "training_run": training_run}[name](data)
 
 
 def _decoder_layer(data: dict[str, Any]) -> Any:
@@ -217,11 +219,15 @@ for key, value in estimate.items():
 
 def notebook_checks(page: Any) -> dict[str, Any]:
     """Expressions over the notebook's variables, and the values the page shows for them."""
-    return {"ids": page.run.ids, "top[0]": page.run.answer, "round(loss, 4)": round(page.facts["training loss"], 4)}
+    from walkthrough_chapter_train import notebook_checks as chapter_checks
+
+    return {"ids": page.run.ids, "top[0]": page.run.answer, "round(loss, 4)": round(page.facts["training loss"], 4),
+            **chapter_checks()}
 
 
 def notebook_cells(page: Any) -> list[tuple[str, str]]:
     """(kind, source) of every cell: the setup, then each section's markdown and its code."""
+    from walkthrough_chapter_train import notebook_code as chapter_code
     from walkthrough_training import BATCH, CONTEXT, PRESET, TRAIN_TEXT
 
     from qwen_np import trainer
@@ -229,12 +235,12 @@ def notebook_cells(page: Any) -> list[tuple[str, str]]:
     settings = trainer.PRESET_SETTINGS[PRESET]
     fill = {"train_text": TRAIN_TEXT, "context": CONTEXT, "batch": BATCH, "warmup": settings["warmup"],
             "peak": settings["lr"], "steps": settings["steps"]}
+    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code()}
     cells = [("markdown", page.sections[0]), ("code", SETUP.format(prompt=page.run.prompt))]
     for number, section in enumerate(page.sections[1:], start=1):
         cells.append(("markdown", section))
-        if number in NOTEBOOK_CODE:
-            code = NOTEBOOK_CODE[number]
-            cells.append(("code", code.format(**fill) if number == 9 else code))
+        if number in code:
+            cells.append(("code", code[number]))
     return cells
 
 
@@ -274,27 +280,41 @@ def notebook_json(page: Any) -> str:
 
 # --- Glossary ---------------------------------------------------------------------------------------
 
-# term (English / 中文), what it is, the function, the flag, the walkthrough section (its number).
+# term (English / 中文, as the notes this project grew from wrote it), what it is, the function, the flag
+# ("" where no flag sets it), the walkthrough section that shows it running (its number).
 GLOSSARY = (
-    ("batch size / 批大小", "sequences whose gradients one optimizer step averages: the B of a [B, T+1] batch",
-     "qwen_np.trainer.WindowOrder.next_batch", "--batch-size", 9),
-    ("step / 步", "one optimizer update: batch -> loss -> gradients -> clip -> AdamW",
+    ("batch / 批次", "the B windows one optimizer step averages the gradients of: a [B, T+1] array of token ids; "
+     "larger B, steadier gradient, more memory",
+     "qwen_np.trainer.WindowOrder.next_batch", "--batch-size", 11),
+    ("step / 训练步数", "one optimizer update: batch -> loss -> gradients -> clip -> AdamW; a run is a number of steps",
      "qwen_np.training.AdamW.update", "--steps", 9),
-    ("epoch / 轮", "one pass over every training window, in a shuffled order that changes each epoch",
-     "qwen_np.trainer.WindowOrder", "--steps", 9),
+    ("epoch / 轮次", "one pass over every training window: N / B steps", "qwen_np.trainer.WindowOrder", "--steps", 11),
+    ("shuffle / 打乱", "each epoch visits the windows in a new random order, from a new random offset",
+     "qwen_np.trainer.WindowOrder", "--seed", 11),
     ("train / validation / test split / 训练集·验证集·测试集",
-     "fixed parts of the text: train on one, pick the best checkpoint on the second, report on the third",
-     "qwen_np.data.shakespeare_split", "--data", 9),
+     "fixed sets of plays: train changes the weights, validation picks the step and the settings, test is "
+     "scored once at the end", "qwen_np.data.shakespeare_split", "--split", 11),
+    ("early stopping / 早停", "stop when validation has not improved for a number of evaluations, keep the best step",
+     "qwen_np.trainer.run", "--patience", 11),
+    ("overfitting / 过拟合", "training loss falls while validation loss rises: the model memorises its text",
+     "qwen_np.trainer.validate", "--eval-every", 11),
     ("checkpoint / 检查点", "a saved state: the weights to run (2 B/parameter, BF16) or everything to resume "
-     "training (12 B/parameter)", "qwen_np.trainer.save_state", "--resume", 10),
-    ("mixed precision / 混合精度", "computing in a narrow format (BF16, FP8) while keeping master weights and "
-     "optimizer state in FP32", "qwen_np.numerics.bf16_bits_to_f32", "--memory", 10),
-    ("quantization / 量化", "storing weights in fewer bits (INT8, Q4_0, FP8) with scale factors",
-     "qwen_np.numerics.Int8Rows", "--memory", 7),
-    ("KV cache", "every layer's keys and values of the tokens so far, so a new token computes only its own",
-     "qwen_np.model.KVCache", "--ctx-size", 6),
+     "training (12 B/parameter)", "qwen_np.trainer.save_state", "--resume", 11),
+    ("optimizer state / 优化器状态", "AdamW's two moments per parameter and its step count; saved to resume, "
+     "not needed to run", "qwen_np.training.AdamW", "--resume", 11),
+    ("gradient accumulation / 梯度累积", "a batch computed as N micro-batches whose gradients are averaged: the same "
+     "update, 1/N of the activations", "qwen_np.training.loss_and_accumulated_gradients", "--grad-accum", 11),
     ("activations / 激活", "the intermediate arrays of a forward pass; training keeps them for the backward pass",
      "qwen_np.memory.training_memory", "--grad-accum", 10),
+    ("memory / 显存 (here: RAM)", "what a run holds: weights, gradients, optimizer state, activations; on a GPU "
+     "this is its memory", "qwen_np.memory.training_memory", "--batch-size", 10),
+    ("mixed precision / 混合精度", "training with products in a narrow format (BF16) from a copy of FP32 master "
+     "weights; qwen_np trains in FP32, §10 shows what mixed precision would hold",
+     "qwen_np.memory.training_memory", "", 10),
+    ("quantization / 量化", "storing weights in fewer bits (INT8, Q4_0, FP8) with scale factors",
+     "qwen_np.numerics.Int8Rows", "--memory", 7),
+    ("KV cache / 缓存", "every layer's keys and values of the tokens so far, so a new token computes only its own",
+     "qwen_np.model.KVCache", "--ctx-size", 6),
     ("logits", "one score per vocabulary entry; softmax turns them into probabilities",
      "qwen_np.layers.softmax", "--temperature", 5),
     ("sampling / 采样", "drawing the next token from the (filtered) probabilities",
@@ -339,11 +359,11 @@ def glossary_markdown(page: Any) -> str:
     rows = []
     for term, what, function, flag, section in GLOSSARY:
         resolve_name(function)
-        if flag not in flags or section not in headings:
+        if (flag and flag not in flags) or section not in headings:
             raise AssertionError(f"glossary: {term}: flag {flag} or section {section} does not exist")
         title = re.search(rf"^## {section}\. (.+)$", page.markdown, flags=re.MULTILINE).group(1)   # type: ignore[union-attr]
         anchor = re.sub(r"[^\w\- ]", "", f"{section}. {title}".lower()).replace(" ", "-")
-        rows.append(f"| {term} | {what} | `{function.removeprefix('qwen_np.')}` | `{flag}` | "
+        rows.append(f"| {term} | {what} | `{function.removeprefix('qwen_np.')}` | {f'`{flag}`' if flag else '—'} | "
                     f"[§{section}](walkthrough.md#{anchor}) |")
     return ("# Glossary\n\nThe words of training and running a language model, each with the qwen_np function "
             "that does it, a command-line flag that sets it, and the walkthrough section that shows it. Generated "
