@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO_ROOT))   # run from a checkout without installing th
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
 from qwen_np import layers, load_model, preset, sampling  # noqa: E402
-from qwen_np.config import Qwen3Config, parameter_count  # noqa: E402
+from qwen_np.config import PRESETS, Qwen3Config, parameter_count  # noqa: E402
 from qwen_np.errors import QwenNPError  # noqa: E402
 from qwen_np.loading import read_generation_defaults  # noqa: E402
 from qwen_np.inspection import (STEPS, STEPS_BY_NAME, SYMBOL_MEANINGS, Step, attention_weights,  # noqa: E402
@@ -573,14 +573,16 @@ def _act_note(run: Run, step: Step) -> str:
 def swiglu_why(run: Run) -> str:
     c = run.model.config
     D, F = c.hidden_size, c.intermediate_size
+    ratios = ", ".join(f"{name.removeprefix('qwen3-').upper()} {num(p.intermediate_size / p.hidden_size, 2)}"
+                       for name, p in PRESETS.items())
     return ("*Why SwiGLU.* A classic MLP is down(GELU(up(x))): one nonlinearity of one projection. SwiGLU "
             "multiplies two projections, one passed through SiLU: each feature is a product whose gate "
             "depends on the token, so the MLP can switch features on and off per token. At the same number "
             "of parameters it reached a lower loss in Shazeer's comparison (*GLU Variants Improve Transformer*, "
             "2020), and LLaMA, Qwen and most open models since use it. The third matrix costs parameters: a "
             f"4 × D GELU MLP has 2 · D · 4D = 8 · D² = {8 * D * D:,} weights, and SwiGLU matches it at F = 8/3 × D "
-            f"= {8 * D // 3} (LLaMA's choice). Qwen3 takes F = 3 × D (Qwen3-8B: 12,288 = 3 × 4,096; here {F} = "
-            f"{num(F / D)} × D): 3 · D · F = {3 * D * F:,} weights per layer.")
+            f"= {8 * D // 3} (LLaMA's choice). Qwen3's ratio F / D differs by size: {ratios}; here {F} = "
+            f"{num(F / D)} × D: 3 · D · F = {3 * D * F:,} weights per layer.")
 
 
 NOTES: dict[str, Callable[[Run, Step], str]] = {
@@ -611,6 +613,8 @@ def lens_note(run: Run, probs: np.ndarray) -> str:
 
 def remaining_layers_section(run: Run) -> str:
     c = run.model.config
+    group = c.num_attention_heads // c.num_key_value_heads      # query heads per KV head
+    sharing = ", ".join(f"{g * group} to {g * group + group - 1}" for g in range(c.num_key_value_heads))
     rows = "\n".join(
         f"| {i} | {num(rms(run.arrays[f'model.layers.{i}.residual_attn'][-1]))} | "
         f"{num(rms(run.arrays[f'model.layers.{i}.residual_mlp'][-1]))} |" for i in range(c.num_hidden_layers))
@@ -639,8 +643,8 @@ draws one head's weights: the last token's weights over the prompt, then the who
 {code_block(command_stderr(run, "--attention", head), "text")}
 
 All {c.num_attention_heads} heads of layer {ATTENTION_LAYER} side by side (`docs/figures/attention.png`): each head
-learns its own pattern; heads h and h + 1 share a KV head ({c.num_attention_heads} query heads read
-{c.num_key_value_heads} key/value heads).
+learns its own pattern; the {c.num_attention_heads} query heads read {c.num_key_value_heads} key/value heads, so query head h
+reads KV head h // {group} (heads {sharing} share one each).
 
 ![Attention weights of every head of layer {ATTENTION_LAYER}](figures/attention.png)
 
@@ -841,9 +845,14 @@ mantissa (the precision).
 * **BF16** keeps FP32's 8 exponent bits (same range, about 1e-38 to 3e38) and cuts the mantissa to 7
   bits: about 3 significant digits. π becomes {float(pi_bf16)}. Qwen3 is released in BF16.
 * **FP16** has more precision (10 mantissa bits) but a tiny range: 70,000 becomes {big_fp16} in FP16,
-  {float(big_bf16):,.0f} in BF16. Activations of large models do exceed 65,504, which is why training moved to BF16.
-* **FP8** (E4M3, E5M2) is used for inference and, on hardware with FP8 matrix units (NVIDIA H100 and
-  later), for training too: matrix products in FP8 with per-tensor or per-block scale factors,
+  {float(big_bf16):,.0f} in BF16. Activations of large models do exceed 65,504, and at the other end small
+  gradients fall below FP16's smallest number (6e-8) and become 0 (underflow): FP16 training multiplies the
+  loss by a large factor before the backward pass and divides the gradients by it afterwards (**loss
+  scaling**), lowering the factor whenever a gradient overflows. BF16's FP32 range needs neither, which is
+  why training moved to BF16.
+* **FP8** (E4M3, E5M2) is used for inference and, on hardware with FP8 matrix units (NVIDIA Hopper
+  and Ada GPUs such as H100 and L40S, AMD MI300, Intel Gaudi 2 and later), for training too: matrix
+  products in FP8 with per-tensor or per-block scale factors,
   master weights and optimizer state kept in higher precision (DeepSeek-V3 was trained this way).
   **INT8/INT4** are inference formats: weights quantized after training, with a scale per block
   (a few % extra bytes, not counted above). `python -m qwen_np precision` measures what each format
@@ -874,7 +883,7 @@ FORMAT_LAYOUTS = {
     "BF16": "1 / 8 / 7, 3.4e38, 7.8e-3",
     "FP16": "1 / 5 / 10, 65504, 9.8e-4",
     "FP8": "E4M3: 1 / 4 / 3, 448, 0.125; E5M2: 1 / 5 / 2, 57344, 0.25",
-    "INT8": "integers −128…127, times a scale per block",
+    "INT8": "integers −127…127 (symmetric: −128 unused, as formats.INT8_MAX), times a scale per row or block",
     "INT4": "integers −8…7, times a scale per block",
 }
 
@@ -885,13 +894,19 @@ def bandwidth_section(run: Run) -> str:
     decode = forward_flops(real, 1, 1001)
     memory_time, compute_time = read / EXAMPLE_BANDWIDTH, decode / EXAMPLE_FLOPS
     block_bytes = layers.UPCAST_BLOCK_ROWS * real.hidden_size * 4
+    down_block_bytes = layers.UPCAST_BLOCK_ROWS * real.intermediate_size * 4
     ours = weight_bytes_read_per_token(run.model.config, 4)
+    c = run.model.config
+    head = c.vocab_size * c.hidden_size
+    head_share = head * 4 / ours
     weight_flops = 2 * (read // 2)                     # 2 FLOPs (multiply + add) per weight read
     return f"""## 8. Why decode speed is set by memory bandwidth, and what the CPU caches do
 
 A decode step multiplies one token's vector by every weight matrix: each weight is read once and
 used for one multiply-add (2 FLOPs). For Qwen3-8B in BF16 that is {num(read / 1e9)} GB of weights read
-(every weight but the embedding table, of which only the token's row is needed) for
+(every weight but the embedding table, of which only the token's row is needed; GB here is 10⁹ bytes,
+as bandwidth is quoted, where section 7's table counts GiB, 2³⁰ bytes, as memory is: its
+{num(parameter_count(real) * 2 / 2 ** 30)} GiB of BF16 weights are {num(parameter_count(real) * 2 / 1e9)} GB) for
 {num(weight_flops / 1e9)} GFLOP of matrix-vector products: 2 FLOPs per 2 bytes, one FLOP per byte.
 Attention over a 1,000-token cache adds {num((decode - weight_flops) / 1e9, 2)} GFLOP (and reads the cache),
 so the whole step is {num(decode / 1e9)} GFLOP.
@@ -902,7 +917,11 @@ bandwidth). Reading the weights takes {num(memory_time, 2)} s, the step's {num(d
 {num(compute_time, 2)} s. The
 processor spends most of each token waiting for memory, so **decode speed ≈ bandwidth ÷ bytes of
 weights**: at most {num(1 / memory_time, 2)} tokens/s here, whatever the core count. Fewer bytes per
-weight (BF16 instead of FP32, or INT4) is faster for exactly this reason.
+weight (BF16 instead of FP32, or INT4) is faster for exactly this reason, *when the matrix product
+reads the narrow format directly* (llama.cpp's kernels do). NumPy multiplies FP32 only, so qwen_np upcasts
+each block first; that costs arithmetic, and when the FP32 weights fit in RAM they are faster
+(README's table: Qwen3-0.6B decodes slower from BF16 than from FP32). BF16 pays off in qwen_np when
+FP32 would not fit.
 
 Prefill is different: the T prompt tokens share each weight read, so it does T FLOPs per byte and is
 limited by arithmetic instead. That is why a long prompt is processed far faster per token than
@@ -912,14 +931,16 @@ tokens are generated.
 weights ({num(parameter_count(real) * 2 / 2 ** 30)} GiB in BF16) are a thousand times larger, so every
 token streams them from DRAM again; caching cannot help with the weights themselves. It does help
 with what we do to them: when the weights stay in BF16, `layers.linear` upcasts
-{layers.UPCAST_BLOCK_ROWS} rows at a time ({num(block_bytes / 2 ** 20)} MiB in FP32 for Qwen3-8B), a block
+{layers.UPCAST_BLOCK_ROWS} rows at a time ({num(block_bytes / 2 ** 20)} MiB in FP32 for Qwen3-8B's D-wide rows, and
+{num(down_block_bytes / 2 ** 20)} MiB for `down_proj`, whose rows are F wide), a block
 small enough to still be in cache when the matrix product reads it back, so the FP32 copy costs no
 extra DRAM traffic and never exists in full:
 
 {code_block(inspect.getsource(layers.linear))}
 
-The bundled model reads {ours / 2 ** 20:.1f} MiB of FP32 weights per token, almost all of it the
-[V, D] LM head matrix: even a tiny network pays for a real vocabulary."""
+The bundled model reads {ours / 2 ** 20:.1f} MiB of FP32 weights per token, {head_share:.1%} of it the
+[V, D] LM head matrix ({head:,} of its {parameter_count(c):,} parameters): a tiny network still pays
+for a real vocabulary, but most of this one is its layers."""
 
 
 def next_steps_section(run: Run) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pprint import pformat
 import tempfile
 import time
 from pathlib import Path
@@ -546,7 +547,7 @@ def notebook_code() -> str:
     return f'''import tempfile
 from qwen_np.config import Qwen3Config
 
-CONFIG = {CONFIG!r}
+CONFIG = {pformat(CONFIG, width=100, sort_dicts=False)}
 config = Qwen3Config.from_dict(trainer.hf_config(CONFIG))
 corpus = trainer.load_corpus("shakespeare", Path(tempfile.mkdtemp()), CONFIG["vocab_size"], resume=False)
 B, T = {RUN['batch_size']}, {RUN['context']}

@@ -23,6 +23,7 @@ BATCH, CONTEXT = 4, 16                 # the step shown: B sequences of T tokens
 MEASURED_BATCH, MEASURED_CONTEXT = 4, 128  # the step whose memory is measured
 WATCHED = "model.layers.0.self_attn.q_proj.weight"
 PRESET = "shakespeare"                 # the run that trained the bundled model (trainer.PRESET_SETTINGS)
+LONG_CONTEXT = 4096                    # a context where the attention probabilities dominate the activations
 
 
 def below(x: float, bound: float) -> str:
@@ -167,11 +168,14 @@ def memory_section(model_dir: Path, num: Any) -> str:
         trainer.save_state(path, params, optimizer, {"history": []})
         checkpoint_bytes = path.stat().st_size
     n = parameter_count(config)
+    share = attention_share(preset("qwen3-8b"), LONG_CONTEXT)
     return f"""## 10. What training holds in memory, and what a checkpoint saves
 
 While it trains, qwen_np holds four numbers per parameter, all FP32 (`memory.training_memory`): the
 weight, its gradient, and AdamW's two moments; plus the **activations** the backward pass needs, which
-grow with batch size × context. For the `{PRESET}` preset ({n:,} parameters, batches of
+grow with batch size × context, and faster still with the context: each layer keeps the attention
+probabilities, H numbers per token per earlier token, so they grow as batch × context². For Qwen3-8B
+at {LONG_CONTEXT:,} tokens they are {share:.0%} of a layer's activations. For the `{PRESET}` preset ({n:,} parameters, batches of
 {rows} × {context} tokens):
 
 | what | bytes |
@@ -197,6 +201,14 @@ Large runs train in **mixed precision**: matrix products in BF16 from a BF16 cop
 with FP32 master weights for the update (many updates are smaller than a BF16 step, section 7, and
 would round away): 2 + 4 bytes of weights, BF16 gradients (2) and FP32 moments (4 + 4), 16 bytes per
 parameter in memory; the checkpoint still needs the 12 of master weights and moments."""
+
+
+def attention_share(config: Qwen3Config, context: int) -> float:
+    """The attention probabilities' share of the layers' training activations: memory.training_memory's tape,
+    less its parts outside the layers (final norm, logits), against H * T numbers per token per layer."""
+    per_token = memory.training_memory(config, 1, context)["activations_per_token"]
+    layers = per_token - 4 * (2 * config.hidden_size + 3 * config.vocab_size)
+    return 4 * config.num_hidden_layers * config.num_attention_heads * context / layers
 
 
 def model_bytes_table(config: Qwen3Config, num: Any) -> str:
