@@ -239,32 +239,35 @@ def intro(run: Run) -> str:
     c, real = run.model.config, preset(REAL)
     ours, theirs = dimensions(c, len(run.ids)), dimensions(real, len(run.ids))
     table = "\n".join(f"| `{sym}` | {SYMBOL_MEANINGS[sym]} | {ours[sym]:,} | {theirs[sym]:,} |" for sym in ours)
-    return f"""# Walkthrough: from a prompt to the next token, and one training step
+    return f"""# Walkthrough: from a prompt to the next token, and training one yourself
 
-This page follows one prompt, `{run.prompt!r}`, through every step of a Qwen3 forward pass, with the
-code that does each step, the real shapes and numbers it produces, and a short reason for each design
-choice; then it follows one training step from a batch of text to updated weights. It is
-**generated**: `python tools/make_walkthrough.py` runs qwen_np on the bundled model in `weights/`
-(weights digest `{model_digest(run.model_dir)}`) and writes this file, its figures in `docs/figures/`
-and the notebook `docs/walkthrough.ipynb` (the same steps as code cells), and
-`tests/test_walkthrough.py` fails if a committed file differs from a fresh run, so the code, numbers
-and command outputs here are always the ones the library has now.
+**The model** on this page is Qwen3's exact architecture at a small size: {parameter_count(c):,} parameters,
+trained from scratch on Shakespeare's plays by qwen_np's own NumPy trainer (`python -m qwen_np train`),
+with a {c.vocab_size:,}-token byte-level BPE vocabulary learned from the same text. Give it
+`{run.prompt!r}` and it answers `{token_text(run.tokenizer, run.answer)}`, the word that follows in the play.
 
-**The bundled model** is Qwen3's exact architecture at a small size, trained from scratch on
-Shakespeare's plays by qwen_np's own NumPy trainer (`python -m qwen_np train`; section 9 shows one of
-its steps), with a {c.vocab_size:,}-token byte-level BPE vocabulary learned from the same text. The
-prompt was chosen because the model gets its next token right: `{run.prompt!r}` is followed by
-`{token_text(run.tokenizer, run.answer)}` in the play, and that is the model's top prediction (section 5).
+**What you will see**: that prompt going through every step of the forward pass (sections 1 to 6:
+tokens, embeddings, attention, the MLP, the prediction, the KV cache), each with the code that does it,
+the real shapes and numbers it produces and a short reason for the design; what number formats and
+memory bandwidth do to it (7, 8); one training step on it (9) and what training holds in memory (10);
+then a model like it trained by you from random weights in a few minutes (11): the data, the loss
+falling, words appearing, validation, early stopping, batch size, checkpoints and the test split.
+
 The dimensions (symbols used everywhere in qwen_np's shape comments):
 
 | symbol | meaning | bundled model | Qwen3-8B |
 |---|---|---:|---:|
 {table}
 
-The bundled model has {parameter_count(c):,} parameters, {c.vocab_size * c.hidden_size:,} of them
-in the embedding table; Qwen3-8B has {parameter_count(real):,}. Every step below is exactly what
-Qwen3-8B computes, only wider and deeper. To see every shape at Qwen3-8B's size, run
-`python -m qwen_np inspect --preset qwen3-8b`."""
+{c.vocab_size * c.hidden_size:,} of the bundled model's parameters are the embedding table; Qwen3-8B has
+{parameter_count(real):,}. Every step below is exactly what Qwen3-8B computes, only wider and deeper. To
+see every shape at Qwen3-8B's size, run `python -m qwen_np inspect --preset qwen3-8b`.
+
+This page is **generated**: `python tools/make_walkthrough.py` runs qwen_np on the bundled model in
+`weights/` (weights digest `{model_digest(run.model_dir)}`) and writes this file, its figures in `docs/figures/`,
+the notebook `docs/walkthrough.ipynb` (the same steps as code cells) and the glossary, and
+`tests/test_walkthrough.py` fails if a committed file differs from a fresh run, so the code, numbers
+and command outputs here are always the ones the library has now."""
 
 
 def tokens_section(run: Run) -> str:
