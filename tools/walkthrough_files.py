@@ -50,28 +50,72 @@ def draw(name: str, data: dict[str, Any]) -> Any:
             "sampling": _sampling, "training_run": training_run}[name](data)
 
 
+# Where each step of a decoder layer sits in the drawing (column, row), and what feeds it: q, k and v are three
+# products of the same normed input, gate and up two of the same input, and each block's output is ADDED
+# to the stream that bypasses it (the residual paths, drawn on the right).
+LAYER_LAYOUT: dict[str, tuple[float, int, tuple[str, ...]]] = {
+    "input": (1, 0, ()),
+    "input_layernorm": (1, 1, ("input",)),
+    "self_attn.q_proj": (0, 2, ("input_layernorm",)), "self_attn.k_proj": (1, 2, ("input_layernorm",)),
+    "self_attn.v_proj": (2, 2, ("input_layernorm",)),
+    "self_attn.q_norm": (0, 3, ("self_attn.q_proj",)), "self_attn.k_norm": (1, 3, ("self_attn.k_proj",)),
+    "self_attn.rope_q": (0, 4, ("self_attn.q_norm",)), "self_attn.rope_k": (1, 4, ("self_attn.k_norm",)),
+    "self_attn.scores": (0.5, 5, ("self_attn.rope_q", "self_attn.rope_k")),
+    "self_attn.softmax": (0.5, 6, ("self_attn.scores",)),
+    "self_attn.weighted_sum": (1.25, 7, ("self_attn.softmax", "self_attn.v_proj")),
+    "self_attn.o_proj": (1.25, 8, ("self_attn.weighted_sum",)),
+    "residual_attn": (1.25, 9, ("self_attn.o_proj", "input")),
+    "post_attention_layernorm": (1.25, 10, ("residual_attn",)),
+    "mlp.gate_proj": (0.5, 11, ("post_attention_layernorm",)), "mlp.up_proj": (2, 11, ("post_attention_layernorm",)),
+    "mlp.act_fn": (1.25, 12, ("mlp.gate_proj", "mlp.up_proj")),
+    "mlp.down_proj": (1.25, 13, ("mlp.act_fn",)),
+    "residual_mlp": (1.25, 14, ("mlp.down_proj", "residual_attn")),
+}
+RESIDUAL_X = 3.1          # the column of the residual paths
+
+
 def _decoder_layer(data: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch
 
-    steps = data["steps"]
-    fig, ax = plt.subplots(figsize=(7.5, 0.42 * len(steps) + 1.2), dpi=100)
-    colours = {"self_attn": "#dbe9f6", "mlp": "#e2f0d9", "residual": "#eeeeee"}
-    for row, step in enumerate(steps):
-        y = len(steps) - row
-        kind = step["name"].split(".")[0] if "." in step["name"] else (
-            "residual" if step["name"].startswith("residual") else "self_attn" if row < 13 else "mlp")
-        ax.add_patch(FancyBboxPatch((0.05, y - 0.35), 0.9, 0.7, boxstyle="round,pad=0.02",
+    shapes = {"input": data["steps"][0]["shape"], **{step["name"]: step["shape"] for step in data["steps"]}}
+    missing = set(shapes) - set(LAYER_LAYOUT)
+    if missing:
+        raise AssertionError(f"decoder_layer figure: no place for {sorted(missing)} in LAYER_LAYOUT")
+    rows = max(row for _, row, _ in LAYER_LAYOUT.values())
+    fig, ax = plt.subplots(figsize=(9, 0.55 * rows + 1.6), dpi=100)
+    colours = {"self_attn": "#dbe9f6", "mlp": "#e2f0d9", "residual": "#f6e0c8"}
+    width, height = 0.95, 0.62
+
+    def centre(name: str) -> tuple[float, float]:
+        column, row, _ = LAYER_LAYOUT[name]
+        return column * 1.05, rows - row
+
+    for name, (*_, inputs) in LAYER_LAYOUT.items():
+        x, y = centre(name)
+        kind = name.split(".")[0] if "." in name else "residual" if name.startswith("residual") else "norm"
+        label = {"input": "x: layer input", "residual_attn": "x + attention", "residual_mlp": "x + MLP: layer output",
+                 "mlp.act_fn": "silu(gate) * up"}.get(name, name.split(".")[-1])
+        ax.add_patch(FancyBboxPatch((x - width / 2, y - height / 2), width, height, boxstyle="round,pad=0.02",
                                     facecolor=colours.get(kind, "#eeeeee"), edgecolor="#555555"))
-        ax.text(0.08, y, step["name"], va="center", fontsize=8, family="monospace")
-        ax.text(0.92, y, step["shape"], va="center", ha="right", fontsize=8, family="monospace")
-        if row:
-            ax.annotate("", (0.5, y + 0.37), (0.5, y + 0.63), arrowprops={"arrowstyle": "->", "color": "#555555"})
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0.3, len(steps) + 0.8)
+        ax.text(x, y + 0.1, label, ha="center", va="center", fontsize=7.5, family="monospace")
+        ax.text(x, y - 0.17, shapes[name].split(" = ")[-1], ha="center", va="center", fontsize=6.5, color="#444444")
+        for source in inputs:
+            sx, sy = centre(source)
+            if name.startswith("residual") and source in ("input", "residual_attn"):
+                # The residual path: around the block on the right, into the add from the side.
+                lane = RESIDUAL_X - (0.35 if source == "residual_attn" else 0)      # the two paths side by side
+                ax.plot([sx + width / 2, lane, lane], [sy - 0.12, sy - 0.12, y], color="#c0504d", lw=1.4)
+                ax.annotate("", (x + width / 2 + 0.02, y), (lane, y),
+                            arrowprops={"arrowstyle": "->", "color": "#c0504d", "lw": 1.4})
+            else:
+                ax.annotate("", (x, y + height / 2 + 0.03), (sx, sy - height / 2 - 0.03),
+                            arrowprops={"arrowstyle": "->", "color": "#555555"})
+    ax.set_xlim(-0.6, RESIDUAL_X + 0.3)
+    ax.set_ylim(-0.7, rows + 0.7)
     ax.axis("off")
-    ax.set_title(f"One decoder layer (x {data['layers']}): every step and its output shape\n"
-                 "blue: attention block, green: MLP block, grey: residual adds", fontsize=9)
+    ax.set_title(f"One decoder layer (x {data['layers']}): every step and its output shape [T, ...] at this prompt\n"
+                 "blue: attention block, green: MLP block, orange: residual adds (red: the residual paths)", fontsize=9)
     fig.tight_layout()
     return fig
 
