@@ -65,6 +65,7 @@ EXAMPLE_BANDWIDTH = 50e9          # bytes/s: a round figure for a desktop's DRAM
 EXAMPLE_FLOPS = 1e12              # FLOP/s: a round figure for a desktop CPU's FP32 matmul peak
 LAYER = 0                         # the layer shown in full detail
 ATTENTION_LAYER = 1               # the layer whose heads the attention figure shows
+FIGURE_TEMPERATURES = (0.5, 1.0, 1.5)   # the distributions the sampling figure draws side by side
 CACHE_TOLERANCE = 1e-4            # decode-with-cache vs full re-run logits: FP32 rounding stays far below
 
 
@@ -761,6 +762,8 @@ def sampling_section(run: Run) -> str:
     order = np.argsort(-base, kind="stable")[:20]
     run.figures["sampling"] = {"tokens": [token_text(run.tokenizer, int(i)) for i in order],
                                "probabilities": base[order].tolist(),
+                               "temperatures": {f"{t:g}": sampling.softmax(sampling.apply_temperature(logits, t))[order].tolist()
+                                                for t in FIGURE_TEMPERATURES},
                                "kept": {label: [bool(i in kept[label]) for i in order] for label, _ in settings[3:]}}
     return f"""**Sampling: temperature, top-k, top-p, min-p.** `generate` samples by default, from the
 probabilities above reshaped by `qwen_np/sampling.py` in transformers' order: the **temperature**

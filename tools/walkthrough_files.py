@@ -178,15 +178,22 @@ def _sampling(data: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
 
     labels, kept = data["tokens"], data["kept"]
-    fig, (bars, table) = plt.subplots(2, 1, figsize=(9, 5.2), dpi=100, sharex=True,
+    fig, (bars, table) = plt.subplots(2, 1, figsize=(10, 5.6), dpi=100, sharex=True,
                                       gridspec_kw={"height_ratios": [3, 1.3]})
-    bars.bar(range(len(labels)), data["probabilities"], color="tab:blue")
-    bars.set_ylabel("probability (temperature 1)")
-    bars.set_title("The 20 most likely next tokens, and which ones each filter keeps", fontsize=10)
+    temperatures = data["temperatures"]
+    width = 0.8 / len(temperatures)
+    for k, (temperature, probs) in enumerate(temperatures.items()):
+        bars.bar(np.arange(len(labels)) + (k - (len(temperatures) - 1) / 2) * width, probs, width,
+                 label=f"temperature {temperature}")
+    bars.set_ylabel("probability")
+    bars.set_title("The 20 most likely next tokens at three temperatures (below 1 sharpens, above flattens),\n"
+                   "and which ones each filter keeps (dark: kept, pale: dropped; at temperature 1)", fontsize=9)
+    bars.legend(fontsize=8)
     bars.grid(axis="y", alpha=0.3)
     matrix = np.array([kept[name] for name in kept], dtype=float)
     table.imshow(matrix, cmap="Blues", vmin=0, vmax=1.4, aspect="auto")
-    table.set_yticks(range(len(kept)), list(kept), fontsize=7)
+    table.set_yticks(range(len(kept)), [name.split(":")[0] for name in kept], fontsize=7)
+    table.set_ylabel("filter", fontsize=8)
     table.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
     fig.tight_layout()
     return fig
