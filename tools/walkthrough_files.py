@@ -123,7 +123,9 @@ def _decoder_layer(data: dict[str, Any]) -> Any:
 def _rope(data: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
 
-    fig, (ladder, circle) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=100)
+    fig = plt.figure(figsize=(11, 4.4), dpi=100)
+    grid = fig.add_gridspec(2, 3, width_ratios=[2.2, 1, 1])
+    ladder = fig.add_subplot(grid[:, 0])
     pairs = np.arange(len(data["periods"]))
     ladder.semilogy(pairs, data["periods"], "o-", label=f"theta = {data['rope_theta']:,.0f}")
     ladder.semilogy(pairs, data["periods_theta_1e4"], "s--", alpha=0.7, label="theta = 10,000")
@@ -134,15 +136,27 @@ def _rope(data: dict[str, Any]) -> Any:
     ladder.legend(fontsize=8)
     ladder.grid(alpha=0.3)
     t = np.linspace(0, 2 * np.pi, 200)
-    circle.plot(np.cos(t), np.sin(t), color="#cccccc")
-    for radius, pair, angles in zip((1.0, 0.75, 0.5), data["pairs"], data["angles"]):
+    cells = [grid[0, 1], grid[0, 2], grid[1, 1]]
+    for cell, pair, angles, period in zip(cells, data["pairs"], data["angles"],
+                                          [data["periods"][p] for p in data["pairs"]]):
+        circle = fig.add_subplot(cell)
         a = np.array(angles)
-        circle.plot(radius * np.cos(a), radius * np.sin(a), "o-", markersize=4, label=f"pair {pair}")
-        circle.annotate("0", (radius, 0), fontsize=7)
-    circle.set_aspect("equal")
-    circle.set_title(f"One (x, y) pair rotated at positions 0..{len(data['positions']) - 1}")
-    circle.legend(fontsize=8, loc="lower left")
-    circle.axis("off")
+        circle.plot(np.cos(t), np.sin(t), color="#cccccc", lw=1)
+        circle.scatter(np.cos(a), np.sin(a), c=np.arange(len(a)), cmap="viridis", s=18, zorder=3)
+        named = (0, 1, 2, len(a) - 1) if period < len(a) else (0, len(a) - 1)   # the colour orders the rest
+        for position in named:
+            circle.annotate(str(data["positions"][position]), (np.cos(a[position]), np.sin(a[position])),
+                            textcoords="offset points", xytext=(5, 3), fontsize=7)
+        circle.set_aspect("equal")
+        circle.set_xlim(-1.35, 1.35)
+        circle.set_ylim(-1.35, 1.35)
+        circle.axis("off")
+        circle.set_title(f"pair {pair}: one turn per {period:.3g} tokens", fontsize=8)
+    note = fig.add_subplot(grid[1, 2])
+    note.axis("off")
+    note.text(0, 0.5, f"Each dot: the same (x, y) pair at\npositions 0..{len(data['positions']) - 1}, rotated by\n"
+                      "position x its pair's frequency\n(colour: position, dark first).\nFast pairs turn "
+                      "many times,\nslow pairs barely move.", fontsize=8, va="center")
     fig.tight_layout()
     return fig
 
