@@ -839,6 +839,8 @@ def formats_section(run: Run) -> str:
         accumulated = round_to_bf16(accumulated + np.float32(0.01))
     rows = "\n".join(f"| {fmt} | {BYTES_PER_VALUE[fmt]:g} | {layout} | "
                      f"{num(params * BYTES_PER_VALUE[fmt] / 2 ** 30)} GiB |" for fmt, layout in FORMAT_LAYOUTS.items())
+    run.figures["formats"] = formats_figure_data(run)
+    errors = run.figures["formats"]["errors"]
     return f"""## 7. Number formats: FP32, BF16, FP16, FP8, and what upcasting does
 
 A weight is a real number stored in a fixed number of bits: a sign, an exponent (the range) and a
@@ -864,6 +866,13 @@ mantissa (the precision).
   (a few % extra bytes, not counted above). `python -m qwen_np precision` measures what each format
   does to this model's predictions.
 
+The bits of each floating-point format, and one block of {QUANTIZED_BLOCK} real weights (layer 0's `q_proj`, row 0)
+stored in three of them, with what each loses (`qwen_np.formats`): the largest error is
+{", ".join(f"{num(e, 2)} in {fmt}" for fmt, e in errors.items())}, of weights up to
+{num(max(abs(w) for w in run.figures["formats"]["weights"]), 2)}:
+
+![Bit layouts of FP32, BF16, FP16 and FP8, and one quantized block and its error](figures/formats.png)
+
 **Upcasting BF16 → FP32 is exact**: a BF16 number is the top 16 bits of an FP32 number, so qwen_np
 shifts the stored bits left by 16 and reinterprets them. No information is added or lost:
 
@@ -877,6 +886,25 @@ far less to rounding. Adding 0.01 a thousand times should give 10; rounding the 
 after every addition (as a BF16-only computation would) gives {num(accumulated)}, because once the
 total is large, 0.01 is smaller than half a BF16 step and the addition does nothing. qwen_np computes
 everything in FP32 (what transformers' FP32 reference does), from weights that were BF16 on disk."""
+
+
+QUANTIZED_BLOCK = 32              # one Q8_0 / Q4_0 block
+BIT_LAYOUTS = {"FP32": (1, 8, 23), "BF16": (1, 8, 7), "FP16": (1, 5, 10), "FP8 E4M3": (1, 4, 3), "FP8 E5M2": (1, 5, 2)}
+
+
+def formats_figure_data(run: Run) -> dict[str, Any]:
+    """Sign/exponent/mantissa bits per format, and one block of real weights through fp8_e4m3, q8_0 and q4_0.
+    No BLAS: quantizing is elementwise, so these digits are the same on every machine."""
+    from qwen_np.formats import get_format
+
+    weights = np.asarray(run.model.layers[LAYER].q_proj[0, :QUANTIZED_BLOCK], dtype=np.float32)[None, :]  # [1, 32]
+    stored = {}
+    for fmt in ("fp8_e4m3", "q8_0", "q4_0"):
+        entry = get_format(fmt)
+        stored[fmt] = entry.dequantize(*entry.quantize(weights))[0]
+    return {"layouts": BIT_LAYOUTS, "weights": weights[0].tolist(),
+            "stored": {fmt: values.tolist() for fmt, values in stored.items()},
+            "errors": {fmt: float(np.abs(values - weights[0]).max()) for fmt, values in stored.items()}}
 
 
 def round_to_bf16(x: float) -> np.float32:

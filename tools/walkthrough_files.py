@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-FIGURES = ("decoder_layer", "rope", "attention", "logit_lens", "sampling", "training_run")
+FIGURES = ("decoder_layer", "rope", "attention", "logit_lens", "sampling", "formats", "training_run")
 
 
 def rounded(value: Any) -> Any:
@@ -47,7 +47,7 @@ def draw(name: str, data: dict[str, Any]) -> Any:
     from walkthrough_chapter_train import figure as training_run
 
     return {"decoder_layer": _decoder_layer, "rope": _rope, "attention": _attention, "logit_lens": _logit_lens,
-            "sampling": _sampling, "training_run": training_run}[name](data)
+            "sampling": _sampling, "formats": _formats, "training_run": training_run}[name](data)
 
 
 # Where each step of a decoder layer sits in the drawing (column, row), and what feeds it: q, k and v are three
@@ -209,6 +209,41 @@ def _sampling(data: dict[str, Any]) -> Any:
     table.set_yticks(range(len(kept)), [name.split(":")[0] for name in kept], fontsize=7)
     table.set_ylabel("filter", fontsize=8)
     table.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _formats(data: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    fig, (bits, block, error) = plt.subplots(3, 1, figsize=(10, 8.2), dpi=100,
+                                             gridspec_kw={"height_ratios": [1.3, 1.4, 1]})
+    colours = ("#c0504d", "#4f81bd", "#9bbb59")
+    for row, widths in enumerate(reversed(list(data["layouts"].values()))):
+        start = 0
+        for width, colour, part in zip(widths, colours, ("sign", "exponent", "mantissa")):
+            bits.barh(row, width, left=start, color=colour, edgecolor="white", label=part if row == 0 else None)
+            if width > 1:
+                bits.text(start + width / 2, row, str(width), ha="center", va="center", fontsize=8, color="white")
+            start += width
+    bits.set_yticks(range(len(data["layouts"])), list(reversed(list(data["layouts"]))), fontsize=8)
+    bits.set_xlabel("bits")
+    bits.set_title("Bit layouts: sign, exponent (range), mantissa (precision)", fontsize=9)
+    bits.legend(fontsize=8, loc="lower right")
+    index = np.arange(len(data["weights"]))
+    block.plot(index, data["weights"], "k.-", lw=1, label="FP32 weight", zorder=3)
+    for fmt, values in data["stored"].items():
+        block.plot(index, values, "o", ms=3.5, alpha=0.8, label=fmt)
+    block.set_title(f"One block of {len(index)} real weights (layer 0 q_proj, row 0), stored and read back", fontsize=9)
+    block.legend(fontsize=8, ncol=4)
+    block.grid(alpha=0.3)
+    for fmt, values in data["stored"].items():
+        error.plot(index, np.array(values) - np.array(data["weights"]), "o-", ms=3, lw=0.8, label=fmt)
+    error.axhline(0, color="#888888", lw=0.8)
+    error.set(xlabel="weight index in the block", ylabel="stored - FP32")
+    error.set_title("The error of each: q4_0 has 16 levels for the block, q8_0 255, fp8 a relative step", fontsize=9)
+    error.legend(fontsize=8)
+    error.grid(alpha=0.3)
     fig.tight_layout()
     return fig
 
