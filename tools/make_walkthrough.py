@@ -628,10 +628,15 @@ def remaining_layers_section(run: Run) -> str:
     run.figures["attention"] = {"layer": ATTENTION_LAYER, "labels": labels, "weights": weights.tolist()}
     lens_labels, lens, _ = lens_probabilities(run.model, run.ids)
     run.figures["logit_lens"] = logit_lens_grid(run)
+    run.figures["residual_stream"] = residual_stream_data(run, labels)
     return f"""## 4. The other layers, and what each one "thinks"
 
-Every layer repeats section 3 with its own weights. The RMS of the residual stream at the last
-position after each block:
+Every layer repeats section 3 with its own weights, and each block adds its output to the residual
+stream, which grows layer by layer (its size at every position: `docs/figures/residual_stream.png`):
+
+![The residual stream's RMS after each block, at every position](figures/residual_stream.png)
+
+The RMS of the residual stream at the last position after each block:
 
 | layer | after attention | after MLP |
 |---:|---:|---:|
@@ -667,6 +672,15 @@ The same lens at every position, top token and its probability (`docs/figures/lo
 "layer l" is what the stream after layer l predicts as the token following each prompt token.
 
 ![Logit lens: the top next token after each layer, at every position](figures/logit_lens.png)"""
+
+
+def residual_stream_data(run: Run, labels: list[str]) -> dict[str, Any]:
+    """The residual stream's RMS [blocks + 1, T]: after the embedding, then after every attention and MLP block."""
+    names = ["model.embed_tokens"] + [f"model.layers.{i}.{block}" for i in range(run.model.config.num_hidden_layers)
+                                      for block in ("residual_attn", "residual_mlp")]
+    return {"blocks": ["embedding"] + [f"{i} {block}" for i in range(run.model.config.num_hidden_layers)
+                                       for block in ("attn", "mlp")],
+            "labels": labels, "rms": [[rms(row) for row in run.arrays[name]] for name in names]}
 
 
 def logit_lens_grid(run: Run) -> dict[str, Any]:
@@ -1031,7 +1045,7 @@ def render_page(model_dir: Path | None = None) -> Page:
         sections = [intro(run), tokens_section(run), embedding_section(run, shown), layer_section(run, shown),
                     remaining_layers_section(run), prediction_section(run, shown), kv_cache_section(run),
                     formats_section(run), bandwidth_section(run), training_step_section(model_dir, num, code_block, facts),
-                    memory_section(model_dir, num), chapter_section(11), next_steps_section(run)]
+                    memory_section(model_dir, num, run.figures), chapter_section(11), next_steps_section(run)]
     return Page("\n\n".join(sections) + "\n", sections, run.figures, model_dir, run, facts)
 
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-FIGURES = ("decoder_layer", "rope", "attention", "logit_lens", "sampling", "formats", "training_run")
+FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "formats",
+           "training_memory", "training_run")
 
 
 def rounded(value: Any) -> Any:
@@ -47,7 +48,8 @@ def draw(name: str, data: dict[str, Any]) -> Any:
     from walkthrough_chapter_train import figure as training_run
 
     return {"decoder_layer": _decoder_layer, "rope": _rope, "attention": _attention, "logit_lens": _logit_lens,
-            "sampling": _sampling, "formats": _formats, "training_run": training_run}[name](data)
+            "sampling": _sampling, "formats": _formats, "residual_stream": _residual_stream,
+            "training_memory": _training_memory, "training_run": training_run}[name](data)
 
 
 # Where each step of a decoder layer sits in the drawing (column, row), and what feeds it: q, k and v are three
@@ -209,6 +211,47 @@ def _sampling(data: dict[str, Any]) -> Any:
     table.set_yticks(range(len(kept)), [name.split(":")[0] for name in kept], fontsize=7)
     table.set_ylabel("filter", fontsize=8)
     table.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _residual_stream(data: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    values = np.array(data["rms"])                                                  # [blocks + 1, T]
+    fig, ax = plt.subplots(figsize=(10, 4.2), dpi=100)
+    for position, label in enumerate(data["labels"]):
+        last = position == len(data["labels"]) - 1
+        ax.plot(values[:, position], "o-" if last else "-", ms=3, lw=2 if last else 0.9, label=label,
+                color="black" if last else None, alpha=1 if last else 0.7)
+    ax.set_xticks(range(len(data["blocks"])), data["blocks"], rotation=45, ha="right", fontsize=8)
+    ax.set(ylabel="RMS of the residual stream", title="The residual stream grows as each block adds to it "
+           "(one line per prompt token; black: the last, which predicts)")
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _training_memory(data: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    parts = data["parts"]
+    bars = {f"batch {data['rows']} x {data['context']}": parts,
+            f"--grad-accum 4 (micro-batches of {data['rows'] // 4})": {**parts, "activations": data["grad_accum_4"]}}
+    colours = {"weights": "#4f81bd", "gradients": "#9bbb59", "adamw": "#8064a2", "activations": "#f79646"}
+    fig, ax = plt.subplots(figsize=(10, 2.8), dpi=100)
+    for row, sizes in enumerate(bars.values()):
+        start = 0.0
+        for key, size in sizes.items():
+            ax.barh(row, size / 2 ** 20, left=start, color=colours[key], edgecolor="white",
+                    label=("AdamW m and v" if key == "adamw" else key) if row == 0 else None)
+            start += size / 2 ** 20
+        ax.text(start + 5, row, f"{start:.0f} MiB", va="center", fontsize=8)
+    ax.set_yticks(range(len(bars)), list(bars), fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="MiB", title=f"What a training step of the {data['preset']} preset holds (memory.training_memory)")
+    ax.legend(fontsize=8, ncol=4, loc="lower right")
     fig.tight_layout()
     return fig
 

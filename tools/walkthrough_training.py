@@ -137,7 +137,7 @@ the gradient came from, so it says little about other text.
 {code_block(inspect.getsource(training.AdamW.update))}"""
 
 
-def memory_section(model_dir: Path, num: Any) -> str:
+def memory_section(model_dir: Path, num: Any, figures: dict[str, Any]) -> str:
     """Section 10: training memory (estimated and measured) and the bytes of a resumable checkpoint."""
     settings = trainer.PRESET_SETTINGS[PRESET]
     model = load_model(model_dir, memory="fp32", fast=False)
@@ -148,6 +148,9 @@ def memory_section(model_dir: Path, num: Any) -> str:
         ("weights", "weights (FP32)"), ("gradients", "gradients (FP32)"), ("adamw", "AdamW moments m and v (FP32)"),
         ("activations", f"activations: {estimate['activations_per_token'] / 1024:.4g} KiB per token × {rows} × {context}")))
     total = sum(v for k, v in estimate.items() if k != "activations_per_token")
+    figures["training_memory"] = {"preset": PRESET, "rows": rows, "context": context,
+                                  "parts": {key: estimate[key] for key in ("weights", "gradients", "adamw", "activations")},
+                                  "grad_accum_4": memory.training_memory(config, rows // 4, context)["activations"]}
 
     measured_rows, measured_context = MEASURED_BATCH, MEASURED_CONTEXT
     small = memory.training_memory(config, measured_rows, measured_context)
@@ -182,6 +185,8 @@ at {LONG_CONTEXT:,} tokens they are {share:.0%} of a layer's activations. For th
 |---|---:|
 {table}
 | **total** | **{mib(total)}** |
+
+![Training memory of the preset's step, whole and with --grad-accum 4](figures/training_memory.png)
 
 The activations dominate; `--grad-accum N` divides them by N (N micro-batches, one alive at a time).
 Measured: one `loss_and_gradients` call on a batch of {measured_rows} × {measured_context} tokens allocates at
