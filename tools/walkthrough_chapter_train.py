@@ -278,12 +278,18 @@ def check_first_steps(recorded: dict[str, Any], steps: int = CHECKED_STEPS) -> N
                                  "re-record with `python tools/walkthrough_chapter_train.py`")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
     from walkthrough_files import rounded
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RECORD,
+                        help=f"where to write the record (default: {RECORD.relative_to(REPO_ROOT)}, which the page is made from)")
+    out = parser.parse_args(argv).out
     result = rounded(record())
-    RECORD.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(f"wrote {RECORD}")
+    out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
@@ -499,7 +505,8 @@ V = {c['vocab_size']}), {run['steps']:,} steps of B Ã— T = {run['batch_size']} Ã
 Everything below is one run of `python tools/walkthrough_chapter_train.py` (about
 {-(-rec['seconds'] // 60)} minutes on 2 cores), which recorded it in `docs/figures/training_run.json`; the page
 is written from that record, and the test suite repeats its first {CHECKED_STEPS} steps to check the
-record still matches the code. Run it yourself and compare: the digits after the second decimal
+record still matches the code. Run it yourself (`--out my_run.json` keeps the committed record) and
+compare: the digits after the second decimal
 may differ on your machine (a long run amplifies the last-bit differences of BLAS kernels), the
 story does not.
 
