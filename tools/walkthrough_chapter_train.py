@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from walkthrough_files import rounded
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Run the walkthrough's training chapter (about 3 minutes on 2 cores) "
+                                                 "and record what it shows.")
     parser.add_argument("--out", type=Path, default=RECORD,
                         help=f"where to write the record (default: {RECORD.relative_to(REPO_ROOT)}, which the page is made from)")
     out = parser.parse_args(argv).out
