@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import io
 import re
 import sys
@@ -19,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))   # run from a checkout without installing the package
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
-from qwen_np import load_model  # noqa: E402
+from qwen_np import layers, load_model  # noqa: E402
 from qwen_np.errors import QwenNPError  # noqa: E402
 from qwen_np.inspection import Step, dimensions, format_shape, resolve, token_text  # noqa: E402
 from qwen_np.model import Qwen3Model  # noqa: E402
@@ -169,3 +170,48 @@ def command_stderr(run: Run, *flags: str) -> str:
     if code != 0:
         raise QwenNPError(f"make_walkthrough: `{' '.join(argv)}` failed: {err.getvalue()}")
     return "\n".join(line for line in err.getvalue().strip("\n").splitlines() if not line.startswith("stats:"))
+
+
+# --- The code that does each step ----------------------------------------------------------------
+
+NOTE = re.compile(r'note\(f?"(?:\{name\}\.)?([\w.]+)"')
+
+
+def model_code_by_step() -> dict[str, str]:
+    """Step name -> the lines that compute it: those since the previous note() call.
+
+    Qwen3Model (and the layers.attention / layers.swiglu it calls) report each step to the trace with
+    note(name, value) right after computing it, so the source between two note() calls is exactly
+    the code of the step noted second.
+    """
+    code: dict[str, str] = {}
+    for function, prefix in ((Qwen3Model.forward_batch, ""), (Qwen3Model.decoder_layer, "model.layers.{i}."),
+                             (layers.attention, "model.layers.{i}.self_attn."),
+                             (layers.swiglu, "model.layers.{i}.mlp.")):
+        body = inspect.getsource(function).split('"""')[-1].splitlines()[1:]   # skip the docstring
+        pending: list[str] = []
+        for line in body:
+            noted = NOTE.findall(line)
+            if not noted:
+                pending.append(line)
+                continue
+            lines = "\n".join(kept for kept in pending if kept.strip())
+            for suffix in noted:
+                code[suffix if not prefix or suffix.startswith("model.") else prefix + suffix] = lines
+            pending = []
+    return code
+
+
+MODEL_CODE = model_code_by_step()
+
+
+def step_code(step: Step, shown: set[str]) -> str:
+    """The lines of a step, then the source of each layers.py function they call (once per page)."""
+    lines = MODEL_CODE[step.name]
+    parts = [code_block(lines)]
+    for function in dict.fromkeys(re.findall(r"(?<![\w.])(?:layers\.)?(\w+)\(", lines)):
+        if function not in shown and inspect.isfunction(getattr(layers, function, None)):
+            shown.add(function)
+            parts.append(f"`layers.{function}`, from `qwen_np/layers.py`:\n\n"
+                         + code_block(inspect.getsource(getattr(layers, function))))
+    return "\n\n".join(parts)
