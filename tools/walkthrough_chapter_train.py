@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import tokenizers
 from threadpoolctl import threadpool_limits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +43,7 @@ CONFIG = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 192, "num_h
 # The run. shards=2 fixes how a batch's rows are summed, so the record repeats on a machine with more cores.
 RUN = {"steps": 1000, "batch_size": 16, "context": 64, "lr": 1e-2, "warmup": 50, "weight_decay": 0.1,
        "clip": 1.0, "seed": 0, "shards": 2, "eval_every": 50, "sample_every": 100}
+BUNDLED_VOCAB = trainer.PRESET_CONFIGS["shakespeare"]["vocab_size"]
 VALIDATION_TOKENS = 4096          # per validation play: the start of each, so an evaluation takes a second
 PROMPT = "ROMEO:\n"
 SAMPLE_TOKENS = 24
@@ -116,7 +118,19 @@ def data_facts(corpus: trainer.Corpus, tokenizer: Tokenizer) -> dict[str, Any]:
         first = order.next_batch(corpus.train, 3)                                       # [3, T+1]
         epochs.append([tokenizer.decode(row[:12].tolist()) for row in first])
     windows = (len(corpus.train) - 1) // T        # at offset 0; an epoch's random offset may drop one
-    return {"splits": splits, "windows": windows, "batches_per_epoch": windows // B, "first_windows": epochs}
+    return {"splits": splits, "windows": windows, "batches_per_epoch": windows // B, "first_windows": epochs,
+            "bundled": bundled_epoch()}
+
+
+def bundled_epoch() -> dict[str, Any]:
+    """The same count for the run that trained the bundled model: its tokenizer, its preset's B and T."""
+    settings = trainer.PRESET_SETTINGS["shakespeare"]
+    bpe = tokenizers.Tokenizer.from_file(str(REPO_ROOT / "weights" / "tokenizer.json"))
+    tokens = sum(1 + len(data.encode_corpus(bpe, doc))            # each play after an <|endoftext|>, as load_corpus
+                 for doc in evaluation.documents(data.shakespeare_split("train")))
+    windows = (tokens - 1) // settings["context"]
+    return {"tokens": tokens, "windows": windows, "batches_per_epoch": windows // settings["batch_size"],
+            "steps": settings["steps"], "batch_size": settings["batch_size"], "context": settings["context"]}
 
 
 def gradient_noise(corpus: trainer.Corpus) -> dict[str, Any]:
@@ -319,6 +333,7 @@ def two(x: float) -> str:
 def data_part(rec: dict[str, Any]) -> str:
     d, run = rec["data"], rec["run"]
     T, B, N, per_epoch = run["context"], run["batch_size"], d["windows"], d["batches_per_epoch"]
+    bundled = d["bundled"]
     rows = "\n".join(f"| {name} | {len(s['plays'])} | {s['characters']:,} | {s['tokens']:,} | "
                      f"{s['characters'] / s['tokens']:.2f} |" for name, s in d["splits"].items())
     held = ", ".join(d["splits"]["validation"]["plays"]), ", ".join(d["splits"]["test"]["plays"])
@@ -344,8 +359,10 @@ so the model never sees the same batches twice. The first three windows of epoch
 |---:|---|---|
 {first}
 
-This run takes {run['steps']:,} steps: {run['steps'] / per_epoch:.2f} of an epoch. (The bundled model's run took 1,600 steps of
-16 × 256 tokens, about 4 epochs of its larger windows.)"""
+This run takes {run['steps']:,} steps: {run['steps'] / per_epoch:.2f} of an epoch. The run that trained the bundled model
+({bundled['tokens']:,} tokens with its {BUNDLED_VOCAB:,}-token BPE, B × T = {bundled['batch_size']} × {bundled['context']}) had
+N / B = {bundled['windows']:,} / {bundled['batch_size']} = **{bundled['batches_per_epoch']:,} batches per epoch**: its
+{bundled['steps']:,} steps were {bundled['steps'] / bundled['batches_per_epoch']:.1f} epochs."""
 
 
 def curve_part(rec: dict[str, Any]) -> str:
