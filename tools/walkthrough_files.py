@@ -458,6 +458,8 @@ GLOSSARY = (
      "qwen_np.numerics.Int8Rows", "--memory", 7),
     ("KV cache / 缓存", "every layer's keys and values of the tokens so far, so a new token computes only its own",
      "qwen_np.model.KVCache", "--ctx-size", 6),
+    ("CPU cache / 缓存", "small fast memory beside the cores; the weights stream past it, an upcast block stays in it",
+     "qwen_np.layers.linear", "--memory", 8),
     ("logits", "one score per vocabulary entry; softmax turns them into probabilities",
      "qwen_np.layers.softmax", "--temperature", 5),
     ("sampling / 采样", "drawing the next token from the (filtered) probabilities",
@@ -510,7 +512,8 @@ def glossary_markdown(page: Any) -> str:
                     f"[§{section}](walkthrough.md#{anchor}) |")
     return ("# Glossary\n\nThe words of training and running a language model, each with the qwen_np function "
             "that does it, a command-line flag that sets it, and the walkthrough section that shows it. Generated "
-            "by `tools/make_walkthrough.py`, which checks that every function, flag and section exists.\n\n"
+            "by `tools/make_walkthrough.py`, which checks that every function, flag and section exists. Each term is "
+            "also given as the notes this project grew from wrote it, in Chinese, to look it up in your own words.\n\n"
             "| term | what it is | function | flag | section |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
