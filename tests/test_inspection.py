@@ -274,3 +274,17 @@ def test_presets_all_inspect_in_text_and_json():
     for name, config in PRESETS.items():
         report = inspect_report(config, 2, name, BANDWIDTH)
         assert json.loads(json.dumps(report)) == report
+
+
+def test_token_text_shows_the_bytes_of_a_token_that_is_part_of_a_character():
+    from qwen_np.inspection import token_text
+    from qwen_np.inspection.text import token_bytes
+    from qwen_np.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random")
+    ids = tokenizer.encode("𓀀")                        # one character (4 UTF-8 bytes), 3 byte-level tokens
+    partial = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
+    assert partial, "the emoji no longer splits into partial tokens"
+    assert b"".join(token_bytes(tokenizer, i) for i in ids) == "𓀀".encode()
+    assert all(token_text(tokenizer, i, width=40).startswith("b'\\x") for i in partial)
+    assert token_text(tokenizer, tokenizer.encode(" be")[0]) == "' be'"

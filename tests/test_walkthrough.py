@@ -16,6 +16,7 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "tools"))
 
 import make_walkthrough  # noqa: E402
+import walkthrough_chapter_train  # noqa: E402
 import walkthrough_files  # noqa: E402
 
 REGENERATE = "python tools/make_walkthrough.py"
@@ -73,6 +74,11 @@ def _assert_close(committed, fresh, where: str) -> None:
         assert np.isclose(committed, fresh, rtol=2e-3, atol=1e-4), f"{where}: {committed} committed, {fresh} now"
     else:
         assert committed == fresh, f"{where}: {committed!r} committed, {fresh!r} now; run {REGENERATE}"
+
+
+def test_recorded_training_run_repeats_its_first_steps():
+    """The chapter's run is recorded (too slow to repeat here): its first steps must still come out of the code."""
+    walkthrough_chapter_train.check_first_steps(walkthrough_chapter_train.load_record())   # raises naming the step
 
 
 def test_every_figure_draws_from_its_committed_data(tmp_path):

@@ -6,232 +6,39 @@ that command prints (the generator runs it in-process), so none of them can drif
 tests/test_walkthrough.py regenerates everything and fails when the committed files differ. The
 output is deterministic: BLAS runs on one thread and numbers are printed to 4 significant digits.
 
+The page is assembled here from its chapters: the shared run and formatting in walkthrough_common.py,
+sections 5-6 in walkthrough_chapter_prediction.py, 7-8 in
+walkthrough_chapter_numbers.py, 9-10 in walkthrough_training.py, 11 in
+walkthrough_chapter_train.py; sections 0-4 and 12 are still in this file.
+
 Usage: python tools/make_walkthrough.py [--model weights]     (writes the page, figures and notebook)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
-import inspect
-import io
-import re
-import sys
-import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))   # run from a checkout without installing the package
-sys.path.insert(0, str(REPO_ROOT / "tools"))
+# walkthrough_common first: it puts this checkout on sys.path. Some names are imported for the tests.
+from walkthrough_common import (ATTENTION_LAYER, BUNDLED_MODEL, CACHE_TOLERANCE, DOCS,  # noqa: F401
+                                FIGURE_TEMPERATURES, LAYER, QWEN3_TOKENIZER_FOLDERS, REAL, SMALL_REAL, WALKTHROUGH,
+                                MODEL_CODE, Run, code_block, command_stderr, generate_command, matrix, model_digest, num,
+                                rms, run_prompt, shape_of, shell_quote, step_code, values)
 
-from qwen_np import layers, load_model, preset, sampling  # noqa: E402
-from qwen_np.config import Qwen3Config, parameter_count  # noqa: E402
-from qwen_np.errors import QwenNPError  # noqa: E402
-from qwen_np.loading import read_generation_defaults  # noqa: E402
-from qwen_np.inspection import (STEPS, STEPS_BY_NAME, SYMBOL_MEANINGS, Step, attention_weights,  # noqa: E402
-                                dimensions, format_shape, forward_flops, lens_probabilities,
-                                resolve, token_text, weight_bytes_read_per_token)
-from qwen_np.memory import kv_cache_bytes_per_token  # noqa: E402
-from qwen_np.model import Qwen3Model  # noqa: E402
-from qwen_np.numerics import BYTES_PER_VALUE, bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
-from qwen_np.tokenizer import Tokenizer  # noqa: E402
-from walkthrough_training import below  # noqa: E402
-
-BUNDLED_MODEL = REPO_ROOT / "weights"
-DOCS = REPO_ROOT / "docs"
-WALKTHROUGH = DOCS / "walkthrough.md"
-# Famous lines in the training text's layout (speaker, newline, verse). The page follows the first
-# prompt cut from them whose next token the model predicts right (see choose_prompt).
-PASSAGES = (
-    "HAMLET:\nTo be, or not to be, that is the question",
-    "KING RICHARD III:\nNow is the winter of our discontent",
-    "ROMEO:\nBut soft, what light through yonder window breaks?",
-    "First Citizen:\nBefore we proceed any further, hear me speak.",
-    "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?",
-)
-MIN_PROMPT_TOKENS = 6             # shorter prompts make a dull attention pattern
-# A real Qwen3 tokenizer (with its chat template) for section 1's chat-template example: the first of
-# these folders that has one. The bundled Shakespeare model has no chat template.
-QWEN3_TOKENIZER_FOLDERS = (REPO_ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random", BUNDLED_MODEL)
-REAL = "qwen3-8b"                 # the real model the concept sections put numbers on
-SMALL_REAL = "qwen3-0.6b"         # the smallest real Qwen3 (tied embeddings)
-EXAMPLE_BANDWIDTH = 50e9          # bytes/s: a round figure for a desktop's DRAM (the doc says so)
-EXAMPLE_FLOPS = 1e12              # FLOP/s: a round figure for a desktop CPU's FP32 matmul peak
-LAYER = 0                         # the layer shown in full detail
-ATTENTION_LAYER = 1               # the layer whose heads the attention figure shows
-CACHE_TOLERANCE = 1e-4            # decode-with-cache vs full re-run logits: FP32 rounding stays far below
-
-
-@dataclass
-class Run:
-    """One real forward pass over the prompt, with every intermediate array it traced."""
-
-    model_dir: Path
-    model: Qwen3Model
-    tokenizer: Tokenizer
-    prompt: str
-    ids: list[int]
-    answer: int                       # the true next token of the passage, which the model predicts
-    arrays: dict[str, np.ndarray]     # trace name -> array, e.g. "model.layers.0.self_attn.q_proj"
-    logits: np.ndarray                # [T, V]
-    figures: dict[str, Any] = field(default_factory=dict)   # figure name -> the numbers it is drawn from
-
-    def at(self, step: Step) -> np.ndarray:
-        return self.arrays[step.name.format(i=LAYER)]
-
-
-def choose_prompt(model: Qwen3Model, tokenizer: Tokenizer) -> tuple[str, list[int], int]:
-    """The first passage prefix of at least MIN_PROMPT_TOKENS tokens, ending before a word, whose next
-    token is the model's top-1 prediction: (prompt, its ids, the true next token).
-
-    Cut at token boundaries, so the prompt's tokens are exactly the passage's first tokens.
-    """
-    for passage in PASSAGES:
-        ids = tokenizer.encode(passage)
-        predicted = np.argmax(model.forward(ids), axis=-1)                       # [T]
-        for cut in range(MIN_PROMPT_TOKENS, len(ids)):
-            following = tokenizer.decode([ids[cut]])
-            if predicted[cut - 1] == ids[cut] and following.startswith(" ") and following[1:].isalpha():
-                return tokenizer.decode(ids[:cut]), ids[:cut], ids[cut]
-    raise QwenNPError("make_walkthrough: the model predicts no word of PASSAGES right (is it trained?)")
-
-
-def run_prompt(model_dir: Path) -> Run:
-    model = load_model(model_dir, memory="fp32", fast=False)   # every call on the readable code shown here
-    tokenizer = Tokenizer.from_folder(model_dir)
-    prompt, ids, answer = choose_prompt(model, tokenizer)
-    if tokenizer.encode(prompt) != ids:
-        raise QwenNPError(f"make_walkthrough: {prompt!r} does not encode back to the passage's tokens")
-    arrays: dict[str, np.ndarray] = {}
-    logits = model.forward(ids, trace=lambda name, value: arrays.__setitem__(name, value.copy()))
-    if int(np.argmax(logits[-1])) != answer:
-        raise QwenNPError("make_walkthrough: the prompt's top-1 prediction is not the true next token")
-    return Run(model_dir, model, tokenizer, prompt, ids, answer, arrays, logits)
-
-
-def model_digest(model_dir: Path) -> str:
-    """The first 12 hex digits of the SHA-256 of the *.safetensors files: names the weights a page was made from."""
-    digest = hashlib.sha256()
-    for path in sorted(model_dir.glob("*.safetensors")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-# --- Formatting ----------------------------------------------------------------------------------
-
-def num(x: float, digits: int = 4) -> str:
-    """4 significant digits: enough to follow along, few enough to be the same on every machine."""
-    text = f"{float(x):.{digits}g}"
-    return "0" if text in ("-0", "0") else text
-
-
-def values(v: np.ndarray, count: int = 4) -> str:
-    shown = ", ".join(num(x) for x in np.ravel(v)[:count])
-    return f"[{shown}, …]" if np.size(v) > count else f"[{shown}]"
-
-
-def rms(v: np.ndarray) -> float:
-    return float(np.sqrt(np.mean(np.square(v, dtype=np.float64))))
-
-
-def shape_of(run: Run, step: Step, shape: tuple[str, ...] | None = None) -> str:
-    dims = dimensions(run.model.config, len(run.ids))
-    shape = shape or step.output
-    return format_shape(shape, resolve(shape, dims))
-
-
-def code_block(source: str, language: str = "python") -> str:
-    return f"```{language}\n{textwrap.dedent(source).strip()}\n```"
-
-
-def matrix(run: Run, rows: np.ndarray) -> str:
-    """A [T, S] matrix as a markdown table, one row and one column per prompt token."""
-    labels = [token_text(run.tokenizer, i) for i in run.ids]
-    head = "| query \\ key | " + " | ".join(f"`{label}`" for label in labels) + " |"
-    rule = "|---" * (len(labels) + 1) + "|"
-    body = [f"| `{label}` | " + " | ".join("−∞" if np.isneginf(x) else num(x) for x in row) + " |"
-            for label, row in zip(labels, rows)]
-    return "\n".join([head, rule, *body])
-
-
-def shell_quote(text: str) -> str:
-    """text as one bash word: '...' when it can be, else bash's $'...' (which spells a newline \\n)."""
-    if re.fullmatch(r"[^'\\\n]*", text):
-        return f"'{text}'"
-    return "$'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
-
-
-def generate_command(run: Run, *flags: str) -> str:
-    """The documented `generate` command on the prompt: plain text (--no-chat), one new token."""
-    return " ".join(["python -m qwen_np generate --no-chat -n 1", *flags, shell_quote(run.prompt)])
-
-
-def command_stderr(run: Run, *flags: str) -> str:
-    """What generate_command(run, *flags) prints on stderr, minus the stats line (it has timings).
-
-    Run in this process on run.model_dir with one thread, as the page's other numbers are."""
-    from qwen_np import cli
-
-    err = io.StringIO()
-    argv = ["generate", "--no-chat", "-n", "1", "--temperature", "0", "-t", "1", "-m", str(run.model_dir), *flags,
-            run.prompt]
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = cli.main(argv)
-    if code != 0:
-        raise QwenNPError(f"make_walkthrough: `{' '.join(argv)}` failed: {err.getvalue()}")
-    return "\n".join(line for line in err.getvalue().strip("\n").splitlines() if not line.startswith("stats:"))
-
-
-# --- The code that does each step ----------------------------------------------------------------
-
-NOTE = re.compile(r'note\(f?"(?:\{name\}\.)?([\w.]+)"')
-
-
-def model_code_by_step() -> dict[str, str]:
-    """Step name -> the lines that compute it: those since the previous note() call.
-
-    Qwen3Model (and the layers.attention / layers.swiglu it calls) report each step to the trace with
-    note(name, value) right after computing it, so the source between two note() calls is exactly
-    the code of the step noted second.
-    """
-    code: dict[str, str] = {}
-    for function, prefix in ((Qwen3Model.forward_batch, ""), (Qwen3Model.decoder_layer, "model.layers.{i}."),
-                             (layers.attention, "model.layers.{i}.self_attn."),
-                             (layers.swiglu, "model.layers.{i}.mlp.")):
-        body = inspect.getsource(function).split('"""')[-1].splitlines()[1:]   # skip the docstring
-        pending: list[str] = []
-        for line in body:
-            noted = NOTE.findall(line)
-            if not noted:
-                pending.append(line)
-                continue
-            lines = "\n".join(kept for kept in pending if kept.strip())
-            for suffix in noted:
-                code[suffix if not prefix or suffix.startswith("model.") else prefix + suffix] = lines
-            pending = []
-    return code
-
-
-MODEL_CODE = model_code_by_step()
-
-
-def step_code(step: Step, shown: set[str]) -> str:
-    """The lines of a step, then the source of each layers.py function they call (once per page)."""
-    lines = MODEL_CODE[step.name]
-    parts = [code_block(lines)]
-    for function in dict.fromkeys(re.findall(r"(?<![\w.])(?:layers\.)?(\w+)\(", lines)):
-        if function not in shown and inspect.isfunction(getattr(layers, function, None)):
-            shown.add(function)
-            parts.append(f"`layers.{function}`, from `qwen_np/layers.py`:\n\n"
-                         + code_block(inspect.getsource(getattr(layers, function))))
-    return "\n\n".join(parts)
-
+from qwen_np import layers, preset
+from qwen_np.config import PRESETS, Qwen3Config, parameter_count
+from qwen_np.errors import QwenNPError
+from qwen_np.inspection import (STEPS, STEPS_BY_NAME, SYMBOL_MEANINGS, Step, attention_weights,
+                                dimensions, lens_probabilities, token_text)
+from qwen_np.tokenizer import Tokenizer
+from walkthrough_chapter_numbers import bandwidth_section, formats_section
+from walkthrough_chapter_prediction import kv_cache_section, prediction_section
+from walkthrough_training import below
 
 # --- Sections ------------------------------------------------------------------------------------
 
@@ -239,32 +46,35 @@ def intro(run: Run) -> str:
     c, real = run.model.config, preset(REAL)
     ours, theirs = dimensions(c, len(run.ids)), dimensions(real, len(run.ids))
     table = "\n".join(f"| `{sym}` | {SYMBOL_MEANINGS[sym]} | {ours[sym]:,} | {theirs[sym]:,} |" for sym in ours)
-    return f"""# Walkthrough: from a prompt to the next token, and one training step
+    return f"""# Walkthrough: from a prompt to the next token, and training one yourself
 
-This page follows one prompt, `{run.prompt!r}`, through every step of a Qwen3 forward pass, with the
-code that does each step, the real shapes and numbers it produces, and a short reason for each design
-choice; then it follows one training step from a batch of text to updated weights. It is
-**generated**: `python tools/make_walkthrough.py` runs qwen_np on the bundled model in `weights/`
-(weights digest `{model_digest(run.model_dir)}`) and writes this file, its figures in `docs/figures/`
-and the notebook `docs/walkthrough.ipynb` (the same steps as code cells), and
-`tests/test_walkthrough.py` fails if a committed file differs from a fresh run, so the code, numbers
-and command outputs here are always the ones the library has now.
+**The model** on this page is Qwen3's exact architecture at a small size: {parameter_count(c):,} parameters,
+trained from scratch on Shakespeare's plays by qwen_np's own NumPy trainer (`python -m qwen_np train`),
+with a {c.vocab_size:,}-token byte-level BPE vocabulary learned from the same text. Give it
+`{run.prompt!r}` and it answers `{token_text(run.tokenizer, run.answer)}`, the word that follows in the play.
 
-**The bundled model** is Qwen3's exact architecture at a small size, trained from scratch on
-Shakespeare's plays by qwen_np's own NumPy trainer (`python -m qwen_np train`; section 9 shows one of
-its steps), with a {c.vocab_size:,}-token byte-level BPE vocabulary learned from the same text. The
-prompt was chosen because the model gets its next token right: `{run.prompt!r}` is followed by
-`{token_text(run.tokenizer, run.answer)}` in the play, and that is the model's top prediction (section 5).
+**What you will see**: that prompt going through every step of the forward pass (sections 1 to 6:
+tokens, embeddings, attention, the MLP, the prediction, the KV cache), each with the code that does it,
+the real shapes and numbers it produces and a short reason for the design; what number formats and
+memory bandwidth do to it (7, 8); one training step on it (9) and what training holds in memory (10);
+then a model like it trained by you from random weights in a few minutes (11): the data, the loss
+falling, words appearing, validation, early stopping, batch size, checkpoints and the test split.
+
 The dimensions (symbols used everywhere in qwen_np's shape comments):
 
 | symbol | meaning | bundled model | Qwen3-8B |
 |---|---|---:|---:|
 {table}
 
-The bundled model has {parameter_count(c):,} parameters, {c.vocab_size * c.hidden_size:,} of them
-in the embedding table; Qwen3-8B has {parameter_count(real):,}. Every step below is exactly what
-Qwen3-8B computes, only wider and deeper. To see every shape at Qwen3-8B's size, run
-`python -m qwen_np inspect --preset qwen3-8b`."""
+{c.vocab_size * c.hidden_size:,} of the bundled model's parameters are the embedding table; Qwen3-8B has
+{parameter_count(real):,}. Every step below is exactly what Qwen3-8B computes, only wider and deeper. To
+see every shape at Qwen3-8B's size, run `python -m qwen_np inspect --preset qwen3-8b`.
+
+This page is **generated**: `python tools/make_walkthrough.py` runs qwen_np on the bundled model in
+`weights/` (weights digest `{model_digest(run.model_dir)}`) and writes this file, its figures in `docs/figures/`,
+the notebook `docs/walkthrough.ipynb` (the same steps as code cells) and the glossary, and
+`tests/test_walkthrough.py` fails if a committed file differs from a fresh run, so the code, numbers
+and command outputs here are always the ones the library has now."""
 
 
 def tokens_section(run: Run) -> str:
@@ -573,14 +383,16 @@ def _act_note(run: Run, step: Step) -> str:
 def swiglu_why(run: Run) -> str:
     c = run.model.config
     D, F = c.hidden_size, c.intermediate_size
+    ratios = ", ".join(f"{name.removeprefix('qwen3-').upper()} {num(p.intermediate_size / p.hidden_size, 2)}"
+                       for name, p in PRESETS.items())
     return ("*Why SwiGLU.* A classic MLP is down(GELU(up(x))): one nonlinearity of one projection. SwiGLU "
             "multiplies two projections, one passed through SiLU: each feature is a product whose gate "
             "depends on the token, so the MLP can switch features on and off per token. At the same number "
             "of parameters it reached a lower loss in Shazeer's comparison (*GLU Variants Improve Transformer*, "
             "2020), and LLaMA, Qwen and most open models since use it. The third matrix costs parameters: a "
             f"4 × D GELU MLP has 2 · D · 4D = 8 · D² = {8 * D * D:,} weights, and SwiGLU matches it at F = 8/3 × D "
-            f"= {8 * D // 3} (LLaMA's choice). Qwen3 takes F = 3 × D (Qwen3-8B: 12,288 = 3 × 4,096; here {F} = "
-            f"{num(F / D)} × D): 3 · D · F = {3 * D * F:,} weights per layer.")
+            f"= {8 * D // 3} (LLaMA's choice). Qwen3's ratio F / D differs by size: {ratios}; here {F} = "
+            f"{num(F / D)} × D: 3 · D · F = {3 * D * F:,} weights per layer.")
 
 
 NOTES: dict[str, Callable[[Run, Step], str]] = {
@@ -611,6 +423,8 @@ def lens_note(run: Run, probs: np.ndarray) -> str:
 
 def remaining_layers_section(run: Run) -> str:
     c = run.model.config
+    group = c.num_attention_heads // c.num_key_value_heads      # query heads per KV head
+    sharing = ", ".join(f"{g * group} to {g * group + group - 1}" for g in range(c.num_key_value_heads))
     rows = "\n".join(
         f"| {i} | {num(rms(run.arrays[f'model.layers.{i}.residual_attn'][-1]))} | "
         f"{num(rms(run.arrays[f'model.layers.{i}.residual_mlp'][-1]))} |" for i in range(c.num_hidden_layers))
@@ -620,10 +434,15 @@ def remaining_layers_section(run: Run) -> str:
     run.figures["attention"] = {"layer": ATTENTION_LAYER, "labels": labels, "weights": weights.tolist()}
     lens_labels, lens, _ = lens_probabilities(run.model, run.ids)
     run.figures["logit_lens"] = logit_lens_grid(run)
+    run.figures["residual_stream"] = residual_stream_data(run, labels)
     return f"""## 4. The other layers, and what each one "thinks"
 
-Every layer repeats section 3 with its own weights. The RMS of the residual stream at the last
-position after each block:
+Every layer repeats section 3 with its own weights, and each block adds its output to the residual
+stream, which grows layer by layer (its size at every position: `docs/figures/residual_stream.png`):
+
+![The residual stream's RMS after each block, at every position](figures/residual_stream.png)
+
+The RMS of the residual stream at the last position after each block:
 
 | layer | after attention | after MLP |
 |---:|---:|---:|
@@ -639,8 +458,8 @@ draws one head's weights: the last token's weights over the prompt, then the who
 {code_block(command_stderr(run, "--attention", head), "text")}
 
 All {c.num_attention_heads} heads of layer {ATTENTION_LAYER} side by side (`docs/figures/attention.png`): each head
-learns its own pattern; heads h and h + 1 share a KV head ({c.num_attention_heads} query heads read
-{c.num_key_value_heads} key/value heads).
+learns its own pattern; the {c.num_attention_heads} query heads read {c.num_key_value_heads} key/value heads, so query head h
+reads KV head h // {group} (heads {sharing} share one each).
 
 ![Attention weights of every head of layer {ATTENTION_LAYER}](figures/attention.png)
 
@@ -661,6 +480,15 @@ The same lens at every position, top token and its probability (`docs/figures/lo
 ![Logit lens: the top next token after each layer, at every position](figures/logit_lens.png)"""
 
 
+def residual_stream_data(run: Run, labels: list[str]) -> dict[str, Any]:
+    """The residual stream's RMS [blocks + 1, T]: after the embedding, then after every attention and MLP block."""
+    names = ["model.embed_tokens"] + [f"model.layers.{i}.{block}" for i in range(run.model.config.num_hidden_layers)
+                                      for block in ("residual_attn", "residual_mlp")]
+    return {"blocks": ["embedding"] + [f"{i} {block}" for i in range(run.model.config.num_hidden_layers)
+                                       for block in ("attn", "mlp")],
+            "labels": labels, "rms": [[rms(row) for row in run.arrays[name]] for name in names]}
+
+
 def logit_lens_grid(run: Run) -> dict[str, Any]:
     """The lens at every position: top-1 token text and probability for [L+1 rows, T positions]."""
     residuals = [run.arrays["model.embed_tokens"]] + [run.arrays[f"model.layers.{i}.residual_mlp"]
@@ -674,257 +502,9 @@ def logit_lens_grid(run: Run) -> dict[str, Any]:
             "probabilities": np.take_along_axis(probs, top[..., None], -1)[..., 0].tolist()}
 
 
-def prediction_section(run: Run, shown: set[str]) -> str:
-    probs = layers.softmax(run.logits[-1])
-    top = np.argsort(-probs, kind="stable")[:5]
-    rows = "\n".join(f"| {rank} | {i} | `{token_text(run.tokenizer, int(i), width=40)}` | {num(run.logits[-1, i])} | "
-                     f"{num(probs[i])} |" for rank, i in enumerate(top, start=1))
-    final_norm, head = STEPS_BY_NAME["model.norm"], STEPS_BY_NAME["lm_head"]
-    c = run.model.config
-    return f"""## 5. Final norm → logits → the next token
-
-After the last layer, one more RMSNorm, then the LM head: a matrix product of the normed stream
-with a [V, D] matrix, giving one score (**logit**) per vocabulary entry at every position.
-
-{step_code(final_norm, shown)}
-
-{step_code(head, shown)}
-
-The logits are {shape_of(run, head)}: every position predicts the token after it, but to continue
-the prompt only the last row matters. Softmax turns that row into probabilities; the five largest:
-
-| rank | id | token | logit | probability |
-|---:|---:|---|---:|---:|
-{rows}
-
-The top token, `{token_text(run.tokenizer, int(top[0]), width=40)}`, is the one that follows the prompt in the
-play; greedy decoding (`--temperature 0`) would append it. A uniform guess would give each of the
-{c.vocab_size:,} tokens {num(1 / c.vocab_size)}.
-
-{tied_why(run)}
-
-{sampling_section(run)}"""
-
-
-def tied_why(run: Run) -> str:
-    rows = []
-    for name, config in (("this model", run.model.config), (SMALL_REAL, preset(SMALL_REAL)), (REAL, preset(REAL))):
-        table = config.vocab_size * config.hidden_size
-        total = parameter_count(config)
-        rows.append(f"| {name} | {'tied' if config.tie_word_embeddings else 'separate'} | {table:,} | "
-                    f"{table / total:.0%} |")
-    return f"""*Why tied embeddings, and only in the small sizes.* This model, like Qwen3-0.6B, 1.7B and 4B, ties
-the LM head to the embedding table: the same [V, D] matrix turns ids into vectors and vectors into
-scores, and is stored once. Qwen3-8B, 14B and 32B have a separate `lm_head.weight`. The table's share
-of the parameters decides: in a small model it is a large part of the whole, and sharing it saves
-that much; in a big one it is a few percent, and a separate head, free to differ from the input
-embedding, is worth its cost.
-
-| model | LM head | parameters in one [V, D] table | share of all parameters |
-|---|---|---:|---:|
-{chr(10).join(rows)}"""
-
-
-SAMPLING_SETTINGS = (   # (label, SamplingParams fields) for the table of section 5
-    ("temperature 1, no filter", {}),
-    ("temperature 0.5", {"temperature": 0.5}),
-    ("temperature 1.5", {"temperature": 1.5}),
-    ("top-k 10", {"top_k": 10}),
-    ("top-p 0.5", {"top_p": 0.5}),
-    ("min-p 0.2", {"min_p": 0.2}),
-)
-
-
-def sampling_section(run: Run) -> str:
-    logits = run.logits[-1]
-    defaults = read_generation_defaults(run.model_dir, run.model.config).sampling
-    default_fields = {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p,
-                      "min_p": defaults.min_p}
-    settings = [*SAMPLING_SETTINGS, ("the model's defaults: " + ", ".join(
-        f"{k.replace('_', '-')} {v:g}" for k, v in default_fields.items()), default_fields)]
-    rows, kept = [], {}
-    for label, fields in settings:
-        probs = sampling.softmax(sampling.warp(logits, sampling.SamplingParams(**fields)))
-        alive = np.flatnonzero(probs > 0)
-        kept[label] = alive.tolist()
-        top = np.argsort(-probs, kind="stable")[:3]
-        shown = ", ".join(f"`{token_text(run.tokenizer, int(i))}` {num(probs[i], 3)}" for i in top)
-        rows.append(f"| {label} | {len(alive):,} | {shown} |")
-    base = sampling.softmax(logits)
-    order = np.argsort(-base, kind="stable")[:20]
-    run.figures["sampling"] = {"tokens": [token_text(run.tokenizer, int(i)) for i in order],
-                               "probabilities": base[order].tolist(),
-                               "kept": {label: [bool(i in kept[label]) for i in order] for label, _ in settings[3:]}}
-    return f"""**Sampling: temperature, top-k, top-p, min-p.** `generate` samples by default, from the
-probabilities above reshaped by `qwen_np/sampling.py` in transformers' order: the **temperature**
-divides the logits (below 1 sharpens the distribution, above 1 flattens it, 0 means greedy), **top-k**
-keeps the k most likely tokens, **top-p** the fewest most likely whose probabilities reach p, and
-**min-p** drops every token less likely than min-p × the top token's probability. Each is there to
-cut the long tail of unlikely tokens, where one unlucky draw derails a text, while keeping variety.
-On this prompt's real distribution (`sampling.warp`, then `sampling.softmax`):
-
-| setting | tokens that can be drawn | top 3 after the setting |
-|---|---:|---|
-{chr(10).join(rows)}
-
-Top-k keeps a fixed number however the probability is spread; top-p and min-p adapt: few tokens when
-the model is sure, many when it is not. (The model's defaults come from its `generation_config.json`.)
-
-![The 20 most likely next tokens, and which of them each filter keeps](figures/sampling.png)"""
-
-
-def kv_cache_section(run: Run) -> str:
-    c, real = run.model.config, preset(REAL)
-    T = len(run.ids)
-    cache = run.model.new_cache(T + 1)
-    run.model.forward(run.ids, cache=cache)
-    step_logits = run.model.forward([int(np.argmax(run.logits[-1]))], cache=cache)
-    full_logits = run.model.forward(run.ids + [int(np.argmax(run.logits[-1]))])
-    difference = np.abs(step_logits[-1] - full_logits[-1]).max()
-    # The exact difference is rounding noise that changes with the BLAS build, so state the bound.
-    agreement = (f"they differ by less than {CACHE_TOLERANCE:g}, i.e. only by FP32 rounding"
-                 if difference < CACHE_TOLERANCE else f"they differ by {num(difference)}: the cache is broken")
-    per_token = kv_cache_bytes_per_token(real, bytes_per_value=2)
-    mha = kv_cache_bytes_per_token(Qwen3Config(num_key_value_heads=real.num_attention_heads), bytes_per_value=2)
-    context = real.max_position_embeddings
-    prefill_pass = forward_flops(real, 1000, 1000)
-    return f"""## 6. Generating more: why the KV cache exists, and what it costs
-
-To write a second token, the model runs again on the prompt plus the new token. Almost all of that
-work would repeat the first pass: a token's keys and values at layer l depend only on the tokens up
-to it, which have not changed. The **KV cache** keeps every layer's keys (after RoPE) and values for
-every position, so the next pass computes q, k, v for the **one new token** only (T = 1) and attends
-over the S cached positions:
-
-{code_block(MODEL_CODE["model.layers.{i}.self_attn.scores"])}
-
-On the bundled model: a {T}-token prefill fills the cache, then one decode step with T = 1 gives the
-same logits as re-running all {T + 1} tokens: {agreement}. The cache is `keys` and `values` of
-shape [L, S_max, KVH, Dh] =
-{list(cache.keys.shape)} each.
-
-**What it saves.** For Qwen3-8B, re-running a 1,000-token context for every new token would cost
-{num(prefill_pass / 1e12, 3)} TFLOP per token; with the cache a decode step costs
-{num(forward_flops(real, 1, 1001) / 1e9, 3)} GFLOP, a thousand times less.
-
-**What it costs.** Per token it holds 2 (k and v) × L × KVH × Dh values: for Qwen3-8B
-2 × {real.num_hidden_layers} × {real.num_key_value_heads} × {real.head_dim} =
-{per_token // 2:,} values, **{per_token // 1024} KiB per token in BF16**, and at the
-{context:,}-token context limit {num(per_token * context / 2 ** 30)} GiB, on top of the weights.
-Grouped-query attention is what keeps this down: with one KV head per query head (H = KVH =
-{real.num_attention_heads}) it would be {mha // 1024} KiB per token. (qwen_np keeps its cache in FP32, twice
-the BF16 figures.) The bundled model needs {kv_cache_bytes_per_token(c, 4):,} bytes per token in FP32."""
-
-
-def formats_section(run: Run) -> str:
-    real = preset(REAL)
-    params = parameter_count(real)
-    stored = run.model.layers[0].q_proj[0, :3]                       # FP32, upcast from the stored BF16
-    bits = f32_to_bf16_bits(stored)
-    pi_bf16, big_bf16 = round_to_bf16(np.pi), round_to_bf16(70000)
-    with np.errstate(over="ignore"):
-        big_fp16 = np.float16(70000)
-    accumulated = np.float32(0)
-    for _ in range(1000):    # add 0.01 a thousand times, rounding the running total to BF16 each time
-        accumulated = round_to_bf16(accumulated + np.float32(0.01))
-    rows = "\n".join(f"| {fmt} | {BYTES_PER_VALUE[fmt]:g} | {layout} | "
-                     f"{num(params * BYTES_PER_VALUE[fmt] / 2 ** 30)} GiB |" for fmt, layout in FORMAT_LAYOUTS.items())
-    return f"""## 7. Number formats: FP32, BF16, FP16, FP8, and what upcasting does
-
-A weight is a real number stored in a fixed number of bits: a sign, an exponent (the range) and a
-mantissa (the precision).
-
-| format | bytes | sign / exponent / mantissa bits, largest value, relative step | Qwen3-8B weights |
-|---|---:|---|---:|
-{rows}
-
-* **BF16** keeps FP32's 8 exponent bits (same range, about 1e-38 to 3e38) and cuts the mantissa to 7
-  bits: about 3 significant digits. π becomes {float(pi_bf16)}. Qwen3 is released in BF16.
-* **FP16** has more precision (10 mantissa bits) but a tiny range: 70,000 becomes {big_fp16} in FP16,
-  {float(big_bf16):,.0f} in BF16. Activations of large models do exceed 65,504, which is why training moved to BF16.
-* **FP8** (E4M3, E5M2) is used for inference and, on hardware with FP8 matrix units (NVIDIA H100 and
-  later), for training too: matrix products in FP8 with per-tensor or per-block scale factors,
-  master weights and optimizer state kept in higher precision (DeepSeek-V3 was trained this way).
-  **INT8/INT4** are inference formats: weights quantized after training, with a scale per block
-  (a few % extra bytes, not counted above). `python -m qwen_np precision` measures what each format
-  does to this model's predictions.
-
-**Upcasting BF16 → FP32 is exact**: a BF16 number is the top 16 bits of an FP32 number, so qwen_np
-shifts the stored bits left by 16 and reinterprets them. No information is added or lost:
-
-{code_block(inspect.getsource(bf16_bits_to_f32))}
-
-The first stored weights of layer 0's `q_proj` are the BF16 bit patterns
-{", ".join(f"0x{b:04x}" for b in bits)}, which upcast to {values(stored, 3)}.
-
-What computing in FP32 buys is precision in the *arithmetic*: sums over thousands of products lose
-far less to rounding. Adding 0.01 a thousand times should give 10; rounding the running total to BF16
-after every addition (as a BF16-only computation would) gives {num(accumulated)}, because once the
-total is large, 0.01 is smaller than half a BF16 step and the addition does nothing. qwen_np computes
-everything in FP32 (what transformers' FP32 reference does), from weights that were BF16 on disk."""
-
-
-def round_to_bf16(x: float) -> np.float32:
-    """x rounded to the nearest BF16 number (as torch's .to(bfloat16) does), back in FP32."""
-    return bf16_bits_to_f32(f32_to_bf16_bits(np.array([x], dtype=np.float32)))[0]
-
-
-FORMAT_LAYOUTS = {
-    "FP32": "1 / 8 / 23, 3.4e38, 1.2e-7",
-    "BF16": "1 / 8 / 7, 3.4e38, 7.8e-3",
-    "FP16": "1 / 5 / 10, 65504, 9.8e-4",
-    "FP8": "E4M3: 1 / 4 / 3, 448, 0.125; E5M2: 1 / 5 / 2, 57344, 0.25",
-    "INT8": "integers −128…127, times a scale per block",
-    "INT4": "integers −8…7, times a scale per block",
-}
-
-
-def bandwidth_section(run: Run) -> str:
-    real = preset(REAL)
-    read = weight_bytes_read_per_token(real, 2)
-    decode = forward_flops(real, 1, 1001)
-    memory_time, compute_time = read / EXAMPLE_BANDWIDTH, decode / EXAMPLE_FLOPS
-    block_bytes = layers.UPCAST_BLOCK_ROWS * real.hidden_size * 4
-    ours = weight_bytes_read_per_token(run.model.config, 4)
-    weight_flops = 2 * (read // 2)                     # 2 FLOPs (multiply + add) per weight read
-    return f"""## 8. Why decode speed is set by memory bandwidth, and what the CPU caches do
-
-A decode step multiplies one token's vector by every weight matrix: each weight is read once and
-used for one multiply-add (2 FLOPs). For Qwen3-8B in BF16 that is {num(read / 1e9)} GB of weights read
-(every weight but the embedding table, of which only the token's row is needed) for
-{num(weight_flops / 1e9)} GFLOP of matrix-vector products: 2 FLOPs per 2 bytes, one FLOP per byte.
-Attention over a 1,000-token cache adds {num((decode - weight_flops) / 1e9, 2)} GFLOP (and reads the cache),
-so the whole step is {num(decode / 1e9)} GFLOP.
-
-Take a desktop with, say, {EXAMPLE_BANDWIDTH / 1e9:g} GB/s of memory bandwidth and {EXAMPLE_FLOPS / 1e12:g}
-TFLOP/s of FP32 matmul (round example figures; `python -m qwen_np inspect` measures this machine's
-bandwidth). Reading the weights takes {num(memory_time, 2)} s, the step's {num(decode / 1e9)} GFLOP of arithmetic
-{num(compute_time, 2)} s. The
-processor spends most of each token waiting for memory, so **decode speed ≈ bandwidth ÷ bytes of
-weights**: at most {num(1 / memory_time, 2)} tokens/s here, whatever the core count. Fewer bytes per
-weight (BF16 instead of FP32, or INT4) is faster for exactly this reason.
-
-Prefill is different: the T prompt tokens share each weight read, so it does T FLOPs per byte and is
-limited by arithmetic instead. That is why a long prompt is processed far faster per token than
-tokens are generated.
-
-**CPU caches.** Caches (tens of MB of L3) hold recently used memory close to the cores. The 8B
-weights ({num(parameter_count(real) * 2 / 2 ** 30)} GiB in BF16) are a thousand times larger, so every
-token streams them from DRAM again; caching cannot help with the weights themselves. It does help
-with what we do to them: when the weights stay in BF16, `layers.linear` upcasts
-{layers.UPCAST_BLOCK_ROWS} rows at a time ({num(block_bytes / 2 ** 20)} MiB in FP32 for Qwen3-8B), a block
-small enough to still be in cache when the matrix product reads it back, so the FP32 copy costs no
-extra DRAM traffic and never exists in full:
-
-{code_block(inspect.getsource(layers.linear))}
-
-The bundled model reads {ours / 2 ** 20:.1f} MiB of FP32 weights per token, almost all of it the
-[V, D] LM head matrix: even a tiny network pays for a real vocabulary."""
-
-
 def next_steps_section(run: Run) -> str:
     prompt = shell_quote(run.prompt)
-    return f"""## 11. Try it yourself
+    return f"""## 12. Try it yourself
 
 ```bash
 python -m qwen_np inspect --preset qwen3-8b          # every shape and count above at full size, and its memory
@@ -963,18 +543,20 @@ class Page:
 def render_page(model_dir: Path | None = None) -> Page:
     """The whole walkthrough, from a real run on the model in `model_dir` (default: BUNDLED_MODEL)."""
     model_dir = model_dir or BUNDLED_MODEL
+    from walkthrough_chapter_train import chapter_section, load_record
     from walkthrough_training import memory_section, training_step_section
 
     with threadpool_limits(limits=1):        # one BLAS thread: the same sums in the same order every run
         run = run_prompt(model_dir)
         run.figures["rope"] = rope_figure_data(run.model.config)
         run.figures["decoder_layer"] = decoder_layer_data(run)
+        run.figures["training_run"] = load_record()
         shown: set[str] = set()              # layers.* functions whose source is already on the page
         facts: dict[str, Any] = {}
         sections = [intro(run), tokens_section(run), embedding_section(run, shown), layer_section(run, shown),
                     remaining_layers_section(run), prediction_section(run, shown), kv_cache_section(run),
                     formats_section(run), bandwidth_section(run), training_step_section(model_dir, num, code_block, facts),
-                    memory_section(model_dir, num), next_steps_section(run)]
+                    memory_section(model_dir, num, run.figures), chapter_section(11), next_steps_section(run)]
     return Page("\n\n".join(sections) + "\n", sections, run.figures, model_dir, run, facts)
 
 

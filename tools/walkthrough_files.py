@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-FIGURES = ("decoder_layer", "rope", "attention", "logit_lens", "sampling")
+FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "formats",
+           "training_memory", "training_run")
 
 
 def rounded(value: Any) -> Any:
@@ -44,32 +45,79 @@ def draw(name: str, data: dict[str, Any]) -> Any:
     """The matplotlib Figure `name`, drawn from its data only."""
     import matplotlib
     matplotlib.use("Agg")
+    from walkthrough_chapter_train import figure as training_run
+
     return {"decoder_layer": _decoder_layer, "rope": _rope, "attention": _attention, "logit_lens": _logit_lens,
-            "sampling": _sampling}[name](data)
+            "sampling": _sampling, "formats": _formats, "residual_stream": _residual_stream,
+            "training_memory": _training_memory, "training_run": training_run}[name](data)
+
+
+# Where each step of a decoder layer sits in the drawing (column, row), and what feeds it: q, k and v are three
+# products of the same normed input, gate and up two of the same input, and each block's output is ADDED
+# to the stream that bypasses it (the residual paths, drawn on the right).
+LAYER_LAYOUT: dict[str, tuple[float, int, tuple[str, ...]]] = {
+    "input": (1, 0, ()),
+    "input_layernorm": (1, 1, ("input",)),
+    "self_attn.q_proj": (0, 2, ("input_layernorm",)), "self_attn.k_proj": (1, 2, ("input_layernorm",)),
+    "self_attn.v_proj": (2, 2, ("input_layernorm",)),
+    "self_attn.q_norm": (0, 3, ("self_attn.q_proj",)), "self_attn.k_norm": (1, 3, ("self_attn.k_proj",)),
+    "self_attn.rope_q": (0, 4, ("self_attn.q_norm",)), "self_attn.rope_k": (1, 4, ("self_attn.k_norm",)),
+    "self_attn.scores": (0.5, 5, ("self_attn.rope_q", "self_attn.rope_k")),
+    "self_attn.softmax": (0.5, 6, ("self_attn.scores",)),
+    "self_attn.weighted_sum": (1.25, 7, ("self_attn.softmax", "self_attn.v_proj")),
+    "self_attn.o_proj": (1.25, 8, ("self_attn.weighted_sum",)),
+    "residual_attn": (1.25, 9, ("self_attn.o_proj", "input")),
+    "post_attention_layernorm": (1.25, 10, ("residual_attn",)),
+    "mlp.gate_proj": (0.5, 11, ("post_attention_layernorm",)), "mlp.up_proj": (2, 11, ("post_attention_layernorm",)),
+    "mlp.act_fn": (1.25, 12, ("mlp.gate_proj", "mlp.up_proj")),
+    "mlp.down_proj": (1.25, 13, ("mlp.act_fn",)),
+    "residual_mlp": (1.25, 14, ("mlp.down_proj", "residual_attn")),
+}
+RESIDUAL_X = 3.1          # the column of the residual paths
 
 
 def _decoder_layer(data: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch
 
-    steps = data["steps"]
-    fig, ax = plt.subplots(figsize=(7.5, 0.42 * len(steps) + 1.2), dpi=100)
-    colours = {"self_attn": "#dbe9f6", "mlp": "#e2f0d9", "residual": "#eeeeee"}
-    for row, step in enumerate(steps):
-        y = len(steps) - row
-        kind = step["name"].split(".")[0] if "." in step["name"] else (
-            "residual" if step["name"].startswith("residual") else "self_attn" if row < 13 else "mlp")
-        ax.add_patch(FancyBboxPatch((0.05, y - 0.35), 0.9, 0.7, boxstyle="round,pad=0.02",
+    shapes = {"input": data["steps"][0]["shape"], **{step["name"]: step["shape"] for step in data["steps"]}}
+    missing = set(shapes) - set(LAYER_LAYOUT)
+    if missing:
+        raise AssertionError(f"decoder_layer figure: no place for {sorted(missing)} in LAYER_LAYOUT")
+    rows = max(row for _, row, _ in LAYER_LAYOUT.values())
+    fig, ax = plt.subplots(figsize=(9, 0.55 * rows + 1.6), dpi=100)
+    colours = {"self_attn": "#dbe9f6", "mlp": "#e2f0d9", "residual": "#f6e0c8"}
+    width, height = 0.95, 0.62
+
+    def centre(name: str) -> tuple[float, float]:
+        column, row, _ = LAYER_LAYOUT[name]
+        return column * 1.05, rows - row
+
+    for name, (*_, inputs) in LAYER_LAYOUT.items():
+        x, y = centre(name)
+        kind = name.split(".")[0] if "." in name else "residual" if name.startswith("residual") else "norm"
+        label = {"input": "x: layer input", "residual_attn": "x + attention", "residual_mlp": "x + MLP: layer output",
+                 "mlp.act_fn": "silu(gate) * up"}.get(name, name.split(".")[-1])
+        ax.add_patch(FancyBboxPatch((x - width / 2, y - height / 2), width, height, boxstyle="round,pad=0.02",
                                     facecolor=colours.get(kind, "#eeeeee"), edgecolor="#555555"))
-        ax.text(0.08, y, step["name"], va="center", fontsize=8, family="monospace")
-        ax.text(0.92, y, step["shape"], va="center", ha="right", fontsize=8, family="monospace")
-        if row:
-            ax.annotate("", (0.5, y + 0.37), (0.5, y + 0.63), arrowprops={"arrowstyle": "->", "color": "#555555"})
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0.3, len(steps) + 0.8)
+        ax.text(x, y + 0.1, label, ha="center", va="center", fontsize=7.5, family="monospace")
+        ax.text(x, y - 0.17, shapes[name].split(" = ")[-1], ha="center", va="center", fontsize=6.5, color="#444444")
+        for source in inputs:
+            sx, sy = centre(source)
+            if name.startswith("residual") and source in ("input", "residual_attn"):
+                # The residual path: around the block on the right, into the add from the side.
+                lane = RESIDUAL_X - (0.35 if source == "residual_attn" else 0)      # the two paths side by side
+                ax.plot([sx + width / 2, lane, lane], [sy - 0.12, sy - 0.12, y], color="#c0504d", lw=1.4)
+                ax.annotate("", (x + width / 2 + 0.02, y), (lane, y),
+                            arrowprops={"arrowstyle": "->", "color": "#c0504d", "lw": 1.4})
+            else:
+                ax.annotate("", (x, y + height / 2 + 0.03), (sx, sy - height / 2 - 0.03),
+                            arrowprops={"arrowstyle": "->", "color": "#555555"})
+    ax.set_xlim(-0.6, RESIDUAL_X + 0.3)
+    ax.set_ylim(-0.7, rows + 0.7)
     ax.axis("off")
-    ax.set_title(f"One decoder layer (x {data['layers']}): every step and its output shape\n"
-                 "blue: attention block, green: MLP block, grey: residual adds", fontsize=9)
+    ax.set_title(f"One decoder layer (x {data['layers']}): every step and its output shape [T, ...] at this prompt\n"
+                 "blue: attention block, green: MLP block, orange: residual adds (red: the residual paths)", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -77,7 +125,9 @@ def _decoder_layer(data: dict[str, Any]) -> Any:
 def _rope(data: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
 
-    fig, (ladder, circle) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=100)
+    fig = plt.figure(figsize=(11, 4.4), dpi=100)
+    grid = fig.add_gridspec(2, 3, width_ratios=[2.2, 1, 1])
+    ladder = fig.add_subplot(grid[:, 0])
     pairs = np.arange(len(data["periods"]))
     ladder.semilogy(pairs, data["periods"], "o-", label=f"theta = {data['rope_theta']:,.0f}")
     ladder.semilogy(pairs, data["periods_theta_1e4"], "s--", alpha=0.7, label="theta = 10,000")
@@ -88,15 +138,27 @@ def _rope(data: dict[str, Any]) -> Any:
     ladder.legend(fontsize=8)
     ladder.grid(alpha=0.3)
     t = np.linspace(0, 2 * np.pi, 200)
-    circle.plot(np.cos(t), np.sin(t), color="#cccccc")
-    for radius, pair, angles in zip((1.0, 0.75, 0.5), data["pairs"], data["angles"]):
+    cells = [grid[0, 1], grid[0, 2], grid[1, 1]]
+    for cell, pair, angles, period in zip(cells, data["pairs"], data["angles"],
+                                          [data["periods"][p] for p in data["pairs"]]):
+        circle = fig.add_subplot(cell)
         a = np.array(angles)
-        circle.plot(radius * np.cos(a), radius * np.sin(a), "o-", markersize=4, label=f"pair {pair}")
-        circle.annotate("0", (radius, 0), fontsize=7)
-    circle.set_aspect("equal")
-    circle.set_title(f"One (x, y) pair rotated at positions 0..{len(data['positions']) - 1}")
-    circle.legend(fontsize=8, loc="lower left")
-    circle.axis("off")
+        circle.plot(np.cos(t), np.sin(t), color="#cccccc", lw=1)
+        circle.scatter(np.cos(a), np.sin(a), c=np.arange(len(a)), cmap="viridis", s=18, zorder=3)
+        named = (0, 1, 2, len(a) - 1) if period < len(a) else (0, len(a) - 1)   # the colour orders the rest
+        for position in named:
+            circle.annotate(str(data["positions"][position]), (np.cos(a[position]), np.sin(a[position])),
+                            textcoords="offset points", xytext=(5, 3), fontsize=7)
+        circle.set_aspect("equal")
+        circle.set_xlim(-1.35, 1.35)
+        circle.set_ylim(-1.35, 1.35)
+        circle.axis("off")
+        circle.set_title(f"pair {pair}: one turn per {period:.3g} tokens", fontsize=8)
+    note = fig.add_subplot(grid[1, 2])
+    note.axis("off")
+    note.text(0, 0.5, f"Each dot: the same (x, y) pair at\npositions 0..{len(data['positions']) - 1}, rotated by\n"
+                      "position x its pair's frequency\n(colour: position, dark first).\nFast pairs turn "
+                      "many times,\nslow pairs barely move.", fontsize=8, va="center")
     fig.tight_layout()
     return fig
 
@@ -132,16 +194,99 @@ def _sampling(data: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
 
     labels, kept = data["tokens"], data["kept"]
-    fig, (bars, table) = plt.subplots(2, 1, figsize=(9, 5.2), dpi=100, sharex=True,
+    fig, (bars, table) = plt.subplots(2, 1, figsize=(10, 5.6), dpi=100, sharex=True,
                                       gridspec_kw={"height_ratios": [3, 1.3]})
-    bars.bar(range(len(labels)), data["probabilities"], color="tab:blue")
-    bars.set_ylabel("probability (temperature 1)")
-    bars.set_title("The 20 most likely next tokens, and which ones each filter keeps", fontsize=10)
+    temperatures = data["temperatures"]
+    width = 0.8 / len(temperatures)
+    for k, (temperature, probs) in enumerate(temperatures.items()):
+        bars.bar(np.arange(len(labels)) + (k - (len(temperatures) - 1) / 2) * width, probs, width,
+                 label=f"temperature {temperature}")
+    bars.set_ylabel("probability")
+    bars.set_title("The 20 most likely next tokens at three temperatures (below 1 sharpens, above flattens),\n"
+                   "and which ones each filter keeps (dark: kept, pale: dropped; at temperature 1)", fontsize=9)
+    bars.legend(fontsize=8)
     bars.grid(axis="y", alpha=0.3)
     matrix = np.array([kept[name] for name in kept], dtype=float)
     table.imshow(matrix, cmap="Blues", vmin=0, vmax=1.4, aspect="auto")
-    table.set_yticks(range(len(kept)), list(kept), fontsize=7)
+    table.set_yticks(range(len(kept)), [name.split(":")[0] for name in kept], fontsize=7)
+    table.set_ylabel("filter", fontsize=8)
     table.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _residual_stream(data: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    values = np.array(data["rms"])                                                  # [blocks + 1, T]
+    fig, ax = plt.subplots(figsize=(10, 4.2), dpi=100)
+    for position, label in enumerate(data["labels"]):
+        last = position == len(data["labels"]) - 1
+        ax.plot(values[:, position], "o-" if last else "-", ms=3, lw=2 if last else 0.9, label=label,
+                color="black" if last else None, alpha=1 if last else 0.7)
+    ax.set_xticks(range(len(data["blocks"])), data["blocks"], rotation=45, ha="right", fontsize=8)
+    ax.set(ylabel="RMS of the residual stream", title="The residual stream grows as each block adds to it "
+           "(one line per prompt token; black: the last, which predicts)")
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _training_memory(data: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    parts = data["parts"]
+    bars = {f"batch {data['rows']} x {data['context']}": parts,
+            f"--grad-accum 4 (micro-batches of {data['rows'] // 4})": {**parts, "activations": data["grad_accum_4"]}}
+    colours = {"weights": "#4f81bd", "gradients": "#9bbb59", "adamw": "#8064a2", "activations": "#f79646"}
+    fig, ax = plt.subplots(figsize=(10, 2.8), dpi=100)
+    for row, sizes in enumerate(bars.values()):
+        start = 0.0
+        for key, size in sizes.items():
+            ax.barh(row, size / 2 ** 20, left=start, color=colours[key], edgecolor="white",
+                    label=("AdamW m and v" if key == "adamw" else key) if row == 0 else None)
+            start += size / 2 ** 20
+        ax.text(start + 5, row, f"{start:.0f} MiB", va="center", fontsize=8)
+    ax.set_yticks(range(len(bars)), list(bars), fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="MiB", title=f"What a training step of the {data['preset']} preset holds (memory.training_memory)")
+    ax.legend(fontsize=8, ncol=4, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def _formats(data: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    fig, (bits, block, error) = plt.subplots(3, 1, figsize=(10, 8.2), dpi=100,
+                                             gridspec_kw={"height_ratios": [1.3, 1.4, 1]})
+    colours = ("#c0504d", "#4f81bd", "#9bbb59")
+    for row, widths in enumerate(reversed(list(data["layouts"].values()))):
+        start = 0
+        for width, colour, part in zip(widths, colours, ("sign", "exponent", "mantissa")):
+            bits.barh(row, width, left=start, color=colour, edgecolor="white", label=part if row == 0 else None)
+            if width > 1:
+                bits.text(start + width / 2, row, str(width), ha="center", va="center", fontsize=8, color="white")
+            start += width
+    bits.set_yticks(range(len(data["layouts"])), list(reversed(list(data["layouts"]))), fontsize=8)
+    bits.set_xlabel("bits")
+    bits.set_title("Bit layouts: sign, exponent (range), mantissa (precision)", fontsize=9)
+    bits.legend(fontsize=8, loc="lower right")
+    index = np.arange(len(data["weights"]))
+    block.plot(index, data["weights"], "k.-", lw=1, label="FP32 weight", zorder=3)
+    for fmt, values in data["stored"].items():
+        block.plot(index, values, "o", ms=3.5, alpha=0.8, label=fmt)
+    block.set_title(f"One block of {len(index)} real weights (layer 0 q_proj, row 0), stored and read back", fontsize=9)
+    block.legend(fontsize=8, ncol=4)
+    block.grid(alpha=0.3)
+    for fmt, values in data["stored"].items():
+        error.plot(index, np.array(values) - np.array(data["weights"]), "o-", ms=3, lw=0.8, label=fmt)
+    error.axhline(0, color="#888888", lw=0.8)
+    error.set(xlabel="weight index in the block", ylabel="stored - FP32")
+    error.set_title("The error of each: q4_0 has 16 levels for the block, q8_0 255, fp8 a relative step", fontsize=9)
+    error.legend(fontsize=8)
+    error.grid(alpha=0.3)
     fig.tight_layout()
     return fig
 
@@ -217,11 +362,15 @@ for key, value in estimate.items():
 
 def notebook_checks(page: Any) -> dict[str, Any]:
     """Expressions over the notebook's variables, and the values the page shows for them."""
-    return {"ids": page.run.ids, "top[0]": page.run.answer, "round(loss, 4)": round(page.facts["training loss"], 4)}
+    from walkthrough_chapter_train import notebook_checks as chapter_checks
+
+    return {"ids": page.run.ids, "top[0]": page.run.answer, "round(loss, 4)": round(page.facts["training loss"], 4),
+            **chapter_checks()}
 
 
 def notebook_cells(page: Any) -> list[tuple[str, str]]:
     """(kind, source) of every cell: the setup, then each section's markdown and its code."""
+    from walkthrough_chapter_train import notebook_code as chapter_code
     from walkthrough_training import BATCH, CONTEXT, PRESET, TRAIN_TEXT
 
     from qwen_np import trainer
@@ -229,12 +378,12 @@ def notebook_cells(page: Any) -> list[tuple[str, str]]:
     settings = trainer.PRESET_SETTINGS[PRESET]
     fill = {"train_text": TRAIN_TEXT, "context": CONTEXT, "batch": BATCH, "warmup": settings["warmup"],
             "peak": settings["lr"], "steps": settings["steps"]}
+    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code()}
     cells = [("markdown", page.sections[0]), ("code", SETUP.format(prompt=page.run.prompt))]
     for number, section in enumerate(page.sections[1:], start=1):
         cells.append(("markdown", section))
-        if number in NOTEBOOK_CODE:
-            code = NOTEBOOK_CODE[number]
-            cells.append(("code", code.format(**fill) if number == 9 else code))
+        if number in code:
+            cells.append(("code", code[number]))
     return cells
 
 
@@ -274,25 +423,30 @@ def notebook_json(page: Any) -> str:
 
 # --- Glossary ---------------------------------------------------------------------------------------
 
-# term (English / 中文), what it is, the function, the flag, the walkthrough section (its number).
+# term (English / 中文, as the notes this project grew from wrote it), what it is, the function, the flag
+# ("" where no flag sets it), the walkthrough section that shows it running (its number).
 GLOSSARY = (
-    ("batch size / 批大小", "sequences whose gradients one optimizer step averages: the B of a [B, T+1] batch",
-     "qwen_np.trainer.WindowOrder.next_batch", "--batch-size", 9),
-    ("step / 步", "one optimizer update: batch -> loss -> gradients -> clip -> AdamW",
+    ("batch / 批次", "the B windows one optimizer step averages the gradients of: a [B, T+1] array of token ids; "
+     "larger B, steadier gradient, more memory",
+     "qwen_np.trainer.WindowOrder.next_batch", "--batch-size", 11),
+    ("step / 训练步数", "one optimizer update: batch -> loss -> gradients -> clip -> AdamW; a run is a number of steps",
      "qwen_np.training.AdamW.update", "--steps", 9),
-    ("epoch / 轮", "one pass over every training window, in a shuffled order that changes each epoch",
-     "qwen_np.trainer.WindowOrder", "--steps", 9),
+    ("epoch / 轮次", "one pass over every training window: N / B steps", "qwen_np.trainer.WindowOrder", "--steps", 11),
+    ("shuffle / 打乱", "each epoch visits the windows in a new random order, from a new random offset",
+     "qwen_np.trainer.WindowOrder", "--seed", 11),
     ("train / validation / test split / 训练集·验证集·测试集",
-     "fixed parts of the text: train on one, pick the best checkpoint on the second, report on the third",
-     "qwen_np.data.shakespeare_split", "--data", 9),
+     "fixed sets of plays: train changes the weights, validation picks the step and the settings, test is "
+     "scored once at the end", "qwen_np.data.shakespeare_split", "--split", 11),
+    ("early stopping / 早停", "stop when validation has not improved for a number of evaluations, keep the best step",
+     "qwen_np.trainer.run", "--patience", 11),
+    ("overfitting / 过拟合", "training loss falls while validation loss rises: the model memorises its text",
+     "qwen_np.trainer.validate", "--eval-every", 11),
     ("checkpoint / 检查点", "a saved state: the weights to run (2 B/parameter, BF16) or everything to resume "
-     "training (12 B/parameter)", "qwen_np.trainer.save_state", "--resume", 10),
-    ("mixed precision / 混合精度", "computing in a narrow format (BF16, FP8) while keeping master weights and "
-     "optimizer state in FP32", "qwen_np.numerics.bf16_bits_to_f32", "--memory", 10),
-    ("quantization / 量化", "storing weights in fewer bits (INT8, Q4_0, FP8) with scale factors",
-     "qwen_np.numerics.Int8Rows", "--memory", 7),
-    ("KV cache", "every layer's keys and values of the tokens so far, so a new token computes only its own",
-     "qwen_np.model.KVCache", "--ctx-size", 6),
+     "training (12 B/parameter)", "qwen_np.trainer.save_state", "--resume", 11),
+    ("optimizer state / 优化器状态", "AdamW's two moments per parameter and its step count; saved to resume, "
+     "not needed to run", "qwen_np.training.AdamW", "--resume", 11),
+    ("gradient accumulation / 梯度累积", "a batch computed as N micro-batches whose gradients are averaged: the same "
+     "update, 1/N of the activations", "qwen_np.training.loss_and_accumulated_gradients", "--grad-accum", 11),
     ("paged KV cache / block table", "the KV cache in fixed-size blocks from one pool; a sequence's block table says "
      "which block holds which positions, so a server's requests share one memory budget",
      "qwen_np.kv_cache.PagedKVCache", "--kv-memory", 6),
@@ -301,6 +455,17 @@ GLOSSARY = (
      "qwen_np.kv_cache.BlockPool.lookup", "--kv-memory", 6),
     ("activations / 激活", "the intermediate arrays of a forward pass; training keeps them for the backward pass",
      "qwen_np.memory.training_memory", "--grad-accum", 10),
+    ("memory / 显存 (here: RAM)", "what a run holds: weights, gradients, optimizer state, activations; on a GPU "
+     "this is its memory", "qwen_np.memory.training_memory", "--batch-size", 10),
+    ("mixed precision / 混合精度", "training with products in a narrow format (BF16) from a copy of FP32 master "
+     "weights; qwen_np trains in FP32, §10 shows what mixed precision would hold",
+     "qwen_np.memory.training_memory", "", 10),
+    ("quantization / 量化", "storing weights in fewer bits (INT8, Q4_0, FP8) with scale factors",
+     "qwen_np.numerics.Int8Rows", "--memory", 7),
+    ("KV cache / 缓存", "every layer's keys and values of the tokens so far, so a new token computes only its own",
+     "qwen_np.model.KVCache", "--ctx-size", 6),
+    ("CPU cache / 缓存", "small fast memory beside the cores; the weights stream past it, an upcast block stays in it",
+     "qwen_np.layers.linear", "--memory", 8),
     ("logits", "one score per vocabulary entry; softmax turns them into probabilities",
      "qwen_np.layers.softmax", "--temperature", 5),
     ("sampling / 采样", "drawing the next token from the (filtered) probabilities",
@@ -345,15 +510,16 @@ def glossary_markdown(page: Any) -> str:
     rows = []
     for term, what, function, flag, section in GLOSSARY:
         resolve_name(function)
-        if flag not in flags or section not in headings:
+        if (flag and flag not in flags) or section not in headings:
             raise AssertionError(f"glossary: {term}: flag {flag} or section {section} does not exist")
         title = re.search(rf"^## {section}\. (.+)$", page.markdown, flags=re.MULTILINE).group(1)   # type: ignore[union-attr]
         anchor = re.sub(r"[^\w\- ]", "", f"{section}. {title}".lower()).replace(" ", "-")
-        rows.append(f"| {term} | {what} | `{function.removeprefix('qwen_np.')}` | `{flag}` | "
+        rows.append(f"| {term} | {what} | `{function.removeprefix('qwen_np.')}` | {f'`{flag}`' if flag else '—'} | "
                     f"[§{section}](walkthrough.md#{anchor}) |")
     return ("# Glossary\n\nThe words of training and running a language model, each with the qwen_np function "
             "that does it, a command-line flag that sets it, and the walkthrough section that shows it. Generated "
-            "by `tools/make_walkthrough.py`, which checks that every function, flag and section exists.\n\n"
+            "by `tools/make_walkthrough.py`, which checks that every function, flag and section exists. Each term is "
+            "also given as the notes this project grew from wrote it, in Chinese, to look it up in your own words.\n\n"
             "| term | what it is | function | flag | section |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 

@@ -23,6 +23,7 @@ BATCH, CONTEXT = 4, 16                 # the step shown: B sequences of T tokens
 MEASURED_BATCH, MEASURED_CONTEXT = 4, 128  # the step whose memory is measured
 WATCHED = "model.layers.0.self_attn.q_proj.weight"
 PRESET = "shakespeare"                 # the run that trained the bundled model (trainer.PRESET_SETTINGS)
+LONG_CONTEXT = 4096                    # a context where the attention probabilities dominate the activations
 
 
 def below(x: float, bound: float) -> str:
@@ -136,7 +137,7 @@ the gradient came from, so it says little about other text.
 {code_block(inspect.getsource(training.AdamW.update))}"""
 
 
-def memory_section(model_dir: Path, num: Any) -> str:
+def memory_section(model_dir: Path, num: Any, figures: dict[str, Any]) -> str:
     """Section 10: training memory (estimated and measured) and the bytes of a resumable checkpoint."""
     settings = trainer.PRESET_SETTINGS[PRESET]
     model = load_model(model_dir, memory="fp32", fast=False)
@@ -147,6 +148,9 @@ def memory_section(model_dir: Path, num: Any) -> str:
         ("weights", "weights (FP32)"), ("gradients", "gradients (FP32)"), ("adamw", "AdamW moments m and v (FP32)"),
         ("activations", f"activations: {estimate['activations_per_token'] / 1024:.4g} KiB per token × {rows} × {context}")))
     total = sum(v for k, v in estimate.items() if k != "activations_per_token")
+    figures["training_memory"] = {"preset": PRESET, "rows": rows, "context": context,
+                                  "parts": {key: estimate[key] for key in ("weights", "gradients", "adamw", "activations")},
+                                  "grad_accum_4": memory.training_memory(config, rows // 4, context)["activations"]}
 
     measured_rows, measured_context = MEASURED_BATCH, MEASURED_CONTEXT
     small = memory.training_memory(config, measured_rows, measured_context)
@@ -167,17 +171,22 @@ def memory_section(model_dir: Path, num: Any) -> str:
         trainer.save_state(path, params, optimizer, {"history": []})
         checkpoint_bytes = path.stat().st_size
     n = parameter_count(config)
+    share = attention_share(preset("qwen3-8b"), LONG_CONTEXT)
     return f"""## 10. What training holds in memory, and what a checkpoint saves
 
 While it trains, qwen_np holds four numbers per parameter, all FP32 (`memory.training_memory`): the
 weight, its gradient, and AdamW's two moments; plus the **activations** the backward pass needs, which
-grow with batch size × context. For the `{PRESET}` preset ({n:,} parameters, batches of
+grow with batch size × context, and faster still with the context: each layer keeps the attention
+probabilities, H numbers per token per earlier token, so they grow as batch × context². For Qwen3-8B
+at {LONG_CONTEXT:,} tokens they are {share:.0%} of a layer's activations. For the `{PRESET}` preset ({n:,} parameters, batches of
 {rows} × {context} tokens):
 
 | what | bytes |
 |---|---:|
 {table}
 | **total** | **{mib(total)}** |
+
+![Training memory of the preset's step, whole and with --grad-accum 4](figures/training_memory.png)
 
 The activations dominate; `--grad-accum N` divides them by N (N micro-batches, one alive at a time).
 Measured: one `loss_and_gradients` call on a batch of {measured_rows} × {measured_context} tokens allocates at
@@ -197,6 +206,14 @@ Large runs train in **mixed precision**: matrix products in BF16 from a BF16 cop
 with FP32 master weights for the update (many updates are smaller than a BF16 step, section 7, and
 would round away): 2 + 4 bytes of weights, BF16 gradients (2) and FP32 moments (4 + 4), 16 bytes per
 parameter in memory; the checkpoint still needs the 12 of master weights and moments."""
+
+
+def attention_share(config: Qwen3Config, context: int) -> float:
+    """The attention probabilities' share of the layers' training activations: memory.training_memory's tape,
+    less its parts outside the layers (final norm, logits), against H * T numbers per token per layer."""
+    per_token = memory.training_memory(config, 1, context)["activations_per_token"]
+    layers = per_token - 4 * (2 * config.hidden_size + 3 * config.vocab_size)
+    return 4 * config.num_hidden_layers * config.num_attention_heads * context / layers
 
 
 def model_bytes_table(config: Qwen3Config, num: Any) -> str:

@@ -99,14 +99,17 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["rows"] if r["kld_mean"] > 0]
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    axes.scatter([r["bits_per_weight"] for r in rows], [r["kld_mean"] for r in rows])
-    for i, r in enumerate(rows):             # labels alternate right and left: same-width formats share an x
-        axes.annotate(r["format"], (r["bits_per_weight"], r["kld_mean"]), textcoords="offset points",
-                      xytext=(6, 3) if i % 2 == 0 else (-6, 3), ha="left" if i % 2 == 0 else "right", fontsize=8)
+    figure, axes = plt.subplots(figsize=(7.5, 4.5))
+    # One marker and colour per format, named in the legend: formats of the same width share an x and
+    # can sit a hair apart, where labels next to the dots would overprint or stand by the wrong dot.
+    markers = "osD^vP*Xhp<>"
+    for i, r in enumerate(rows):
+        axes.scatter([r["bits_per_weight"]], [r["kld_mean"]], marker=markers[i % len(markers)], s=45,
+                     label=f"{r['format']}: {r['kld_mean']:.2g}", alpha=0.85)
+    axes.legend(fontsize=8, title="format: mean KLD", title_fontsize=8, loc="upper right")
     exact = [r["format"] for r in report["rows"] if r["kld_mean"] == 0]
     if exact:
-        axes.text(0.99, 0.02, f"KLD 0 (not drawn): {', '.join(exact)}", transform=axes.transAxes, ha="right", fontsize=8)
+        axes.text(0.01, 0.02, f"KLD 0 (not drawn): {', '.join(exact)}", transform=axes.transAxes, ha="left", fontsize=8)
     axes.set_xscale("log", base=2)
     axes.set_xlim(3, 40)
     axes.set_yscale("log")

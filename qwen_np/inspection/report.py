@@ -113,7 +113,7 @@ def _machine_report(config: Qwen3Config, bandwidth: float) -> dict[str, Any]:
     return {"available_bytes": available, "usable_fraction": SAFETY_FRACTION, "context_tokens": context,
             "stored_format": stored_format,
             "bandwidth_bytes_per_s": bandwidth, "bandwidth_note": "measured here: NumPy copy of a 256 MiB "
-            "array, read + write, one thread; approximate", "plans": plans}
+            "array, read + write, one thread per core; approximate", "plans": plans}
 
 
 def inspect_command(config: Qwen3Config, tokens: int, as_json: bool, model_name: str,
