@@ -55,9 +55,12 @@ def rounded_loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: 
     try:
         logits, tape = gradients.forward_with_tape(model, batch[:, :-1], recompute)  # [B, T, V]
         loss, d_logits = gradients.cross_entropy(logits, batch[:, 1:])
-        if loss_scale != 1.0:
-            d_logits *= np.float32(loss_scale)
-        return loss, gradients.backward(model, tape, d_logits)
+        if loss_scale == 1.0:
+            return loss, gradients.backward(model, tape, d_logits)
+        # A scaled backward may overflow FP16: loss scaling expects that now and then and checks the
+        # gradients for inf (mixed.LossScaler.unscale), so NumPy's warnings would only be noise.
+        with np.errstate(over="ignore", invalid="ignore"):
+            return loss, gradients.backward(model, tape, d_logits * np.float32(loss_scale))
     finally:
         layers.MATMUL_INPUTS.reset(hook)
 
