@@ -158,26 +158,31 @@ def training_memory(config: Qwen3Config, rows: int, context: int, recompute: boo
     sequences of `context` tokens at once (a micro-batch: --batch-size / --grad-accum).
 
     Activations per token per layer are gradients.LayerTape's arrays: 4 D-wide (x, h, x_mid, h_mlp), q before
-    and after norm+RoPE and the mixed heads (3 H*Dh), k before and after, v (3 KVH*Dh) and gate, up (2 F);
-    plus the final norm's input and output (2 D) and three [V] rows (logits, log-probs, their gradient,
-    FP32 in every precision: the loss is). The attention probabilities, H x T x T per sequence and layer,
-    are counted apart ("attention_probabilities"): per token they grow with the context, so at long
-    contexts they dominate. The master weights, gradients and AdamW stay FP32 in every precision.
-    recompute: only each layer's input (D) is kept, and one layer's activations (probabilities
-    included) at a time in the backward. activations: the format the tape is held in (ACTIVATION_BYTES).
+    and after norm+RoPE and the mixed heads (3 H*Dh), k before and after, v (3 KVH*Dh), gate, up (2 F) and
+    the attention probabilities, H x T per token (`attention_probabilities`: they grow with the context,
+    so at long contexts they dominate); plus the final norm's input and output (2 D) and three [V] rows
+    (logits, log-probs, their gradient; FP32 in every precision, as the loss is). The master weights,
+    gradients and AdamW are FP32 in every precision. recompute: only each layer's input (D) is kept,
+    and one layer's activations at a time in the backward. activations: the format the tape is held
+    in (ACTIVATION_BYTES).
     """
     D, F, H, KVH, Dh, V, L = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                               config.num_key_value_heads, config.head_dim, config.vocab_size,
                               config.num_hidden_layers)
-    width = ACTIVATION_BYTES[activations]
     params = parameter_count(config)
-    layer_tape = 4 * D + 3 * H * Dh + 3 * KVH * Dh + 2 * F          # values per token, probabilities apart
-    kept = L * D + layer_tape - D if recompute else L * layer_tape  # LayerTape.x is the layer's saved input
-    per_token = width * (kept + 2 * D) + 4 * 3 * V
-    probabilities = width * (1 if recompute else L) * H * context * context    # per sequence
+    layer_tape = 4 * D + 3 * H * Dh + 3 * KVH * Dh + 2 * F + H * context    # values per token and layer
+    kept = L * D + layer_tape - D if recompute else L * layer_tape           # LayerTape.x is the saved input
+    per_token = ACTIVATION_BYTES[activations] * (kept + 2 * D) + 4 * 3 * V
     return {"weights": 4 * params, "gradients": 4 * params, "adamw": 8 * params,
-            "activations_per_token": per_token, "activations": per_token * rows * context,
-            "attention_probabilities": probabilities * rows}
+            "activations_per_token": per_token, "activations": per_token * rows * context}
+
+
+def attention_probabilities(config: Qwen3Config, rows: int, context: int, recompute: bool = False,
+                            activations: str = "fp32") -> int:
+    """The bytes of training_memory's activations that are attention's probabilities: [H, T, T] per
+    sequence and layer kept (one layer with recompute), quadratic in the context."""
+    layers = 1 if recompute else config.num_hidden_layers
+    return ACTIVATION_BYTES[activations] * layers * config.num_attention_heads * context * context * rows
 
 
 def training_total(estimate: dict[str, int]) -> int:

@@ -44,9 +44,11 @@ def check_precision(precision: str, flag: str = "--precision") -> str:
     return precision
 
 
-def operands(precision: str) -> MatmulInputs | None:
+def operands(precision: str | MatmulInputs) -> MatmulInputs | None:
     """The rounding of a linear layer's operands in `precision`; None for fp32 (nothing is touched,
-    so an fp32 step is the plain FP32 step bit for bit)."""
+    so an fp32 step is the plain FP32 step bit for bit). A rounding function is returned as it is."""
+    if callable(precision):
+        return precision
     check_precision(precision)
     if precision == "fp32":
         return None

@@ -3,6 +3,8 @@ qwen_np/commands/train.py: its flags, progress bar, figure and printing).
 
     text -> BPE tokenizer (trained on the training split only) -> token ids
     loop:  batch from shuffled windows -> training.loss_and_accumulated_gradients -> clip -> AdamW
+           (--precision: the linear layers' operands in BF16/FP16/FP8, FP16's loss scaled, mixed.py;
+            --recompute: each layer rerun in the backward; the weights and AdamW always FP32)
            every --eval-every steps: validation loss; keep the best; stop after --patience bad evals
     end:   export the best weights (BF16 safetensors + config + tokenizer + generation_config), loss.png
 
@@ -292,7 +294,8 @@ class RunEvents:
         """Before the first step: `done` steps of settings.steps are behind (resuming)."""
 
     def stepped(self, record: dict[str, Any], epoch: int) -> None:
-        """After each optimizer step (record: step, loss, lr, grad_norm, tokens_per_s)."""
+        """After each optimizer step (record: step, loss, lr, grad_norm, tokens_per_s; in FP16 also loss_scale,
+        and loss_scale_event "overflow" (then skipped: True, grad_norm None) or "grow")."""
 
     def evaluated(self, step: int, train_loss: float, result: dict[str, Any], improved: bool) -> None:
         """After each validation (result: evaluation.TextScore.summary())."""

@@ -10,7 +10,8 @@ One optimizer step, top to bottom:
       -> AdamW.update              decoupled weight decay, bias-corrected moments, in place
 
 The parameters are the model's own arrays (`named_parameters`), updated in place, so the model that is
-trained is the model that generates.
+trained is the model that generates. They stay FP32 in every precision: mixed precision (mixed.py)
+rounds only what the linear layers' products read.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from .model import Qwen3Model
 from .numerics import Weight
 
 
-def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = False, precision: str = "fp32",
+def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = False,
+                       precision: str | MatmulInputs = "fp32",
                        loss_scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
     """Mean next-token cross-entropy of a batch and every parameter's FP32 gradient.
 
@@ -38,20 +40,14 @@ def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = F
     name to an array of that tensor's shape. recompute: activation checkpointing (keep each layer's
     input only, run the layer again in the backward): less memory, one more forward, the same bits.
     precision (mixed.PRECISIONS): the format every linear layer's product reads its operands in,
-    forward and backward (mixed.py); the weights stay the model's FP32 arrays. loss_scale: the loss's
-    gradient is multiplied by it before the backward (FP16's loss scaling), so the gradients come back
-    scaled by it too (mixed.LossScaler.unscale divides them again). The loss itself is not scaled.
+    forward and backward (mixed.py); the weights stay the model's FP32 arrays (or a rounding function
+    itself, for a measurement such as fp16_underflow's). loss_scale: the loss's gradient is multiplied
+    by it before the backward (FP16's loss scaling), so the gradients come back scaled by it too
+    (mixed.LossScaler.unscale divides them again). The loss itself is not scaled.
     """
-    return rounded_loss_and_gradients(model, batch, recompute, mixed.operands(precision), loss_scale)
-
-
-def rounded_loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool, rounding: MatmulInputs | None,
-                               loss_scale: float) -> tuple[float, dict[str, np.ndarray]]:
-    """loss_and_gradients with the linear layers' operands rounded by `rounding` (a mixed.operands, or
-    a measurement such as mixed.UnderflowCount); None: FP32."""
     batch = check_batch(batch, model.config.vocab_size)
     named_parameters(model)             # raises, naming the tensor, unless every weight is a float array
-    hook = layers.MATMUL_INPUTS.set(rounding)           # this thread's forward and backward only
+    hook = layers.MATMUL_INPUTS.set(mixed.operands(precision))     # this thread's forward and backward only
     try:
         logits, tape = gradients.forward_with_tape(model, batch[:, :-1], recompute)  # [B, T, V]
         loss, d_logits = gradients.cross_entropy(logits, batch[:, 1:])
@@ -69,7 +65,7 @@ def fp16_underflow(model: Qwen3Model, batch: np.ndarray, loss_scale: float = 1.0
     """The share of the nonzero gradient values entering the backward's products (each linear layer's
     dy) that an FP16 step with this loss scale flushes to zero: what loss scaling is there to prevent."""
     count = mixed.UnderflowCount()
-    rounded_loss_and_gradients(model, batch, False, count, loss_scale)
+    loss_and_gradients(model, batch, precision=count, loss_scale=loss_scale)
     return count.flushed / max(1, count.nonzero)
 
 

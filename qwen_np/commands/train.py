@@ -115,9 +115,8 @@ def run(args: argparse.Namespace) -> int:
 def memory_report(estimate: dict[str, int], baseline: int) -> str:
     """The estimate as one table (MiB), with the process's measured peak next to the prediction."""
     predicted = baseline + training_total(estimate)
-    lines = [f"  {key.replace('_', ' '):<24} {value / 2**20:9.1f} MiB" for key, value in estimate.items()
-             if key != "activations_per_token"]
-    lines.append(f"  {'activations per token':<24} {estimate['activations_per_token'] / 1024:9.1f} KiB")
+    lines = [f"  {key:<22} {value / 2**20:9.1f} MiB" for key, value in estimate.items() if key != "activations_per_token"]
+    lines.append(f"  {'activations per token':<22} {estimate['activations_per_token'] / 1024:9.1f} KiB")
     lines.append(f"  predicted peak RSS {predicted / 2**20:.0f} MiB (process before training: {baseline / 2**20:.0f} MiB); "
                  f"measured peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ from typing import Any
 from ..config import DIMENSIONS, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
 from ..memory import (DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
-                      kv_cache_bytes_per_token, training_remedies, working_bytes)
+                      attention_probabilities, kv_cache_bytes_per_token, training_remedies, working_bytes)
 from ..numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
@@ -75,6 +75,7 @@ def memory_breakdown(config: Qwen3Config, context: int, batch_size: int) -> dict
         "inference": {"weights": stored, "kv_cache_fp32": context * kv_cache_bytes_per_token(config, 4),
                       "working_buffers": working_bytes(config, context)},
         "training": {"batch_size": batch_size, **baseline,
+                     "attention_probabilities": attention_probabilities(config, batch_size, context),
                      "remedies": {name: {"total": r["total"], "saves": baseline["total"] - r["total"]}
                                   for name, r in remedies.items()}},
     }
@@ -140,7 +141,7 @@ def _render_memory(report: dict[str, Any]) -> str:
               f"{context:,} tokens (--batch-size)"]
     rows = (("weights", "weights"), ("gradients", "gradients"), ("adamw", "AdamW moments m and v"),
             ("activations", f"activations ({training['activations_per_token'] / 1024:,.1f} KiB/token x {batch} x {context:,})"),
-            ("attention_probabilities", f"attention probabilities (H x T x T, {context:,}^2 per head)"),
+            ("attention_probabilities", f"  of which attention probabilities (H x {context:,} x {context:,})"),
             ("total", "total"))
     lines += [f"  {label:<56}{_size(training[key]):>12}" for key, label in rows]
     quarter = max(1, batch // 4)
