@@ -3,14 +3,14 @@
 What a GPU run in mixed precision computes, and what this module makes the NumPy training step compute:
 
 * The master weights and AdamW's moments stay FP32 (trainer.py, training.AdamW): an update of 2e-4 is
-  below half a BF16 ulp of every weight with |w| >= 0.05, so weights held in BF16 would not move at
+  below half a BF16 ulp of every weight with |w| >= 1/16, so weights held in BF16 would not move at
   all there (`stalled_by_update` measures the share).
 * Each linear layer's matrix product reads its operands in the format, as a tensor core is fed them:
   forward y = round(x) round(W)^T; backward dx = round(dy) round(W), dW = round(dy)^T round(x). The
   products themselves run in FP32 on the rounded values: what an FP32-accumulating tensor core gives
   (up to the order of its sums). RMSNorm, RoPE, attention's softmax and products, the loss and the
   optimizer stay FP32, as in torch.autocast's BF16 recipe.
-* FP16's 5 exponent bits make small gradients underflow to 0 (below 2^-24), so FP16 scales the loss
+* FP16's 5 exponent bits make small gradients underflow to 0 (at most 2^-25, half its smallest subnormal), so FP16 scales the loss
   up before the backward and the gradients down after (`LossScaler`, dynamic as torch's GradScaler).
 * FP8 follows DeepSeek-V3 (arXiv:2412.19437, section 3.3): E4M3 everywhere, with fine-grained scales,
   one per 1x128 tile of an activation or gradient (128 consecutive values along the product's inner
@@ -132,7 +132,7 @@ class UnderflowCount:
     the measurement behind training.fp16_underflow. Counts in one thread: call it unsharded."""
 
     nonzero: int = 0                        # gradient values seen that are not 0 in FP32
-    flushed: int = 0                        # of those, the ones FP16 rounds to 0 (|dy| < 2^-25)
+    flushed: int = 0                        # of those, the ones FP16 rounds to 0 (|dy| <= 2^-25)
 
     def __call__(self, a: np.ndarray, kind: str, axis: int) -> np.ndarray:
         rounded = round_trip(a, "fp16")
@@ -149,8 +149,9 @@ class UnderflowCount:
 def stalled_by_update(weights: np.ndarray, update: float, fmt: str = "bf16") -> float:
     """The share of weights that an update of size `update` cannot move if they are held in `fmt`:
     round(round(w) - update) == round(w), i.e. the update is below half an ulp of the stored weight
-    (BF16's 8 significant bits: an ulp is 2^-7 of |w|'s power of two). FP32 master weights keep every
-    such update; AdamW's steps are about lr each, so at lr 2e-4 a BF16 copy would freeze the large weights.
+    (BF16's 8 significant bits: an ulp is 2^-7 of |w|'s power of two, half an ulp 2^-8). FP32 master
+    weights keep every such update; AdamW's steps are about lr each, so at lr 2e-4 a BF16 copy would
+    freeze every weight with |w| >= 1/16.
     """
     held = round_trip(np.asarray(weights, dtype=np.float32).reshape(-1), fmt)
     moved = round_trip(held - np.float32(update), fmt)

@@ -154,7 +154,7 @@ def test_without_loss_scaling_fp16_flushes_gradients_to_zero_and_scaling_keeps_t
 
 
 def test_an_update_below_half_a_bf16_ulp_cannot_move_a_bf16_weight() -> None:
-    """BF16 keeps 8 significant bits: half an ulp of 1.0 is 2^-9 ~ 0.002, of 0.01 about 2e-5."""
+    """BF16 keeps 8 significant bits: half an ulp of 1.0 is 2^-8 ~ 0.004, of 0.01 2^-15 ~ 3e-5."""
     assert mixed.stalled_by_update(np.ones(100, dtype=np.float32), 2e-4) == 1.0
     assert mixed.stalled_by_update(np.full(100, 0.01, dtype=np.float32), 2e-4) == 0.0
     assert mixed.stalled_by_update(np.array([1.0, 0.01], dtype=np.float32), 2e-4) == 0.5

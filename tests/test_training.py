@@ -241,6 +241,7 @@ def test_exported_model_gives_transformers_the_same_logits(tmp_path: Path, run_i
     (["--steps", "0"], "--steps"),
     (["--context", "65"], "--context"),
     (["--resume"], "--resume"),
+    (["--precision", "fp4"], "--precision"),
 ])
 def test_bad_training_flags_are_one_line_errors(tmp_path: Path, run_inputs: tuple[Path, Path], flags: list[str],
                                                 message: str, capsys: pytest.CaptureFixture[str]) -> None:
