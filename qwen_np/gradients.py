@@ -8,13 +8,15 @@ batch is [B, T] token ids.
 The network's forward for training (`forward_with_tape`) is model.py's forward, with no KV cache and a
 trace that records the activations each layer's backward needs (the tape). `backward` walks the tape in reverse
 and returns one FP32 gradient per checkpoint tensor name. Everything is FP32, like the reference
-(transformers + torch autograd in FP32), which tests/test_gradients.py checks tensor by tensor.
+(transformers + torch autograd in FP32), which tests/test_gradients.py checks tensor by tensor; in
+mixed-precision training (mixed.py) only the linear layers' operands are rounded, through the hook
+layers.MATMUL_INPUTS that layers.linear and linear_backward read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 
@@ -26,7 +28,7 @@ from .numerics import FULL_PRECISION, Weight
 if TYPE_CHECKING:
     from .model import LayerWeights, Qwen3Model
 
-def trainable(weight: Weight) -> bool:
+def trainable(weight: Weight) -> TypeGuard[np.ndarray]:
     """Whether training can update a weight in place: FULL_PRECISION arrays (FP32; float64 for the gradient
     checks). Not a bf16- or int8-loaded model's weights, which a product would not even read as numbers."""
     return isinstance(weight, np.ndarray) and weight.dtype in FULL_PRECISION
@@ -39,11 +41,19 @@ def linear_backward(d_out: np.ndarray, x: np.ndarray, weight: Weight) -> tuple[n
     """y = x W^T.  d_out [..., out], x [..., in], W [out, in] -> dx [..., in], dW [out, in].
 
     dx = dy W;  dW = dy^T x, summed over every row of the batch (one GEMM over the B*T rows).
+    Under layers.MATMUL_INPUTS (mixed precision) each product reads its operands rounded, as the
+    forward's did: dx = round(dy) round(W), dW = round(dy)^T round(x). dy is rounded twice, once per
+    product, because the two sum over different axes (dx over `out`, dW over the rows), which FP8's
+    1x128 scale tiles follow; x is the forward's FP32 input, rounded again to the same values.
     """
     if not trainable(weight):
         raise QwenNPError("training needs FP32 weights in memory; load the model with memory='fp32'")
-    dx = d_out @ weight                                                              # [..., in]
-    d_weight = d_out.reshape(-1, d_out.shape[-1]).T @ x.reshape(-1, x.shape[-1])     # [out, in]
+    d_rows, x_rows = d_out.reshape(-1, d_out.shape[-1]), x.reshape(-1, x.shape[-1])   # [B*T, out], [B*T, in]
+    rounding = layers.MATMUL_INPUTS.get()
+    if rounding is None:
+        return d_out @ weight, d_rows.T @ x_rows                                     # [..., in], [out, in]
+    dx = rounding(d_out, "gradient", -1) @ rounding(weight, "weight", 0)             # [..., in]
+    d_weight = rounding(d_rows, "gradient", 0).T @ rounding(x_rows, "activation", 0)   # [out, in]
     return dx, d_weight
 
 

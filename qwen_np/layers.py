@@ -8,6 +8,7 @@ transformers' modeling_qwen3.py; comments record where the numerics could silent
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Callable
 
 import numpy as np
@@ -21,6 +22,17 @@ Note = Callable[[str, np.ndarray], None]
 def ignore(name: str, value: np.ndarray) -> None:
     """The note used when nobody is watching: does nothing."""
 
+# The mixed-precision hook (qwen_np/mixed.py): round(a, kind, axis) rounds one operand of a linear
+# layer's product, kind "activation", "weight" or "gradient" (the backward's dy), as a tensor core would
+# read it; `axis` is the axis the product sums over (FP8's scale tiles run along it). linear() and
+# gradients.linear_backward round both operands when it is set; the product stays FP32.
+# Why a context variable and not a copy of the network or a flag on the model: there is one readable
+# forward, and what training sets in its thread (training.loss_and_gradients) reaches every linear()
+# of that forward and its backward, while inference, the server and the other shards' threads, which
+# never set it, see None: FP32, untouched.
+MatmulInputs = Callable[[np.ndarray, str, int], np.ndarray]
+MATMUL_INPUTS: ContextVar[MatmulInputs | None] = ContextVar("matmul_inputs", default=None)
+
 # How many weight rows to widen at a time when a weight is not held in FP32: small enough that the
 # FP32 block stays in the CPU's last-level cache between being written and being multiplied.
 UPCAST_BLOCK_ROWS = 512
@@ -32,8 +44,12 @@ def linear(x: np.ndarray, weight: Weight) -> np.ndarray:
     An FP32 weight is used as is. Any other kind (numerics: the stored BF16/F16 values, int8 rows)
     is widened to FP32 a block of rows at a time, so the full FP32 copy never exists (an 8B model
     does not fit in RAM as FP32). int8 rows leave their per-row scale for after the product: it
-    factors out of each output, y[o] = scale[o] (x . codes[o]).
+    factors out of each output, y[o] = scale[o] (x . codes[o]). Under MATMUL_INPUTS (mixed-precision
+    training, which holds FP32 weights) both operands are first rounded to the training's format.
     """
+    rounding = MATMUL_INPUTS.get()
+    if rounding is not None and isinstance(weight, np.ndarray):
+        x, weight = rounding(x, "activation", -1), rounding(weight, "weight", -1)
     if isinstance(weight, np.ndarray):                                                # FP32: as it is
         return x @ weight.T
     out = np.empty((*x.shape[:-1], weight.shape[0]), dtype=np.float32)

@@ -169,19 +169,34 @@ def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
     return plan
 
 
-def training_memory(config: Qwen3Config, rows: int, context: int) -> dict[str, int]:
-    """Bytes a training step holds: weights, gradients, AdamW's two moments, and the tape.
+# Bytes per activation value the training step keeps, by the format it holds them in. qwen_np's tape is
+# FP32 in every precision (NumPy rounds the operands, it keeps FP32 arrays); a GPU run in BF16 or FP16
+# keeps 2 bytes. FP8 is counted at 2 too: DeepSeek-V3 caches some linear inputs in FP8 and the rest in
+# BF16, so 2 is the upper bound.
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
-    Activations per token per layer are gradients.LayerTape's arrays: 4 D-wide (x, h, x_mid, h_mlp), q before and
-    after norm+RoPE and the mixed heads (3 H*Dh), k before and after, v (3 KVH*Dh), the attention
-    probabilities (H*T: they grow with the context) and gate, up (2 F); plus the final norm's
-    input and output (2 D) and three [V] rows (logits, log-probs, their gradient).
+
+def training_memory(config: Qwen3Config, rows: int, context: int, recompute: bool = False,
+                    activations: str = "fp32") -> dict[str, int]:
+    """Bytes a training step holds: weights, gradients, AdamW's two moments, and the tape, for `rows`
+    sequences of `context` tokens at once (a micro-batch: --batch-size / --grad-accum).
+
+    Activations per token per layer are gradients.LayerTape's arrays: 4 D-wide (x, h, x_mid, h_mlp), q before
+    and after norm+RoPE and the mixed heads (3 H*Dh), k before and after, v (3 KVH*Dh), gate, up (2 F) and
+    the attention probabilities, H x T per token (`attention_probabilities`: they grow with the context,
+    so at long contexts they dominate); plus the final norm's input and output (2 D) and three [V] rows
+    (logits, log-probs, their gradient; FP32 in every precision, as the loss is). The master weights,
+    gradients and AdamW are FP32 in every precision. recompute: only each layer's input (D) is kept,
+    and one layer's activations at a time in the backward. activations: the format the tape is held
+    in (ACTIVATION_BYTES).
     """
-    D, F, H, KVH, Dh, V = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
-                           config.num_key_value_heads, config.head_dim, config.vocab_size)
+    D, F, H, KVH, Dh, V, L = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                              config.num_key_value_heads, config.head_dim, config.vocab_size,
+                              config.num_hidden_layers)
     params = parameter_count(config)
-    per_layer = 4 * D + 3 * H * Dh + 3 * KVH * Dh + H * context + 2 * F
-    per_token = 4 * (config.num_hidden_layers * per_layer + 2 * D + 3 * V)
+    layer_tape = 4 * D + 3 * H * Dh + 3 * KVH * Dh + 2 * F + H * context    # values per token and layer
+    kept = L * D + layer_tape - D if recompute else L * layer_tape           # LayerTape.x is the saved input
+    per_token = ACTIVATION_BYTES[activations] * (kept + 2 * D) + 4 * 3 * V
     return {"weights": 4 * params, "gradients": 4 * params, "adamw": 8 * params,
             "activations_per_token": per_token, "activations": per_token * rows * context}
 
@@ -206,3 +221,31 @@ def parse_size(text: str, flag: str) -> int:
 def format_size(n: int) -> str:
     """Bytes in the largest binary unit that keeps a number >= 1: "512.0 MiB", "2.00 GiB"."""
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2 ** 20:.1f} MiB"
+
+
+def attention_probabilities(config: Qwen3Config, rows: int, context: int, recompute: bool = False,
+                            activations: str = "fp32") -> int:
+    """The bytes of training_memory's activations that are attention's probabilities: [H, T, T] per
+    sequence and layer kept (one layer with recompute), quadratic in the context."""
+    layers = 1 if recompute else config.num_hidden_layers
+    return ACTIVATION_BYTES[activations] * layers * config.num_attention_heads * context * context * rows
+
+
+def training_total(estimate: dict[str, int]) -> int:
+    """The bytes of a training_memory estimate added up (its per-token figure is a rate, not a part)."""
+    return sum(value for key, value in estimate.items() if key != "activations_per_token")
+
+
+def training_remedies(config: Qwen3Config, batch: int, context: int) -> dict[str, dict[str, int]]:
+    """The estimate of a step of `batch` sequences, and with each remedy that cuts its activations:
+    a quarter of the batch (a different, noisier update), the tape in BF16 (a GPU run; qwen_np's
+    tape stays FP32), --grad-accum 4 (the same update in 4 passes of a quarter), --recompute, and all
+    three together. Each: the estimate's parts and "total"; weights, gradients and AdamW never change."""
+    quarter = max(1, batch // 4)
+    variants = {"baseline": training_memory(config, batch, context),
+                "quarter_batch": training_memory(config, quarter, context),
+                "bf16_activations": training_memory(config, batch, context, activations="bf16"),
+                "grad_accum_4": training_memory(config, quarter, context),
+                "recompute": training_memory(config, batch, context, recompute=True),
+                "all_three": training_memory(config, quarter, context, recompute=True, activations="bf16")}
+    return {name: {**estimate, "total": training_total(estimate)} for name, estimate in variants.items()}

@@ -3,6 +3,8 @@ qwen_np/commands/train.py: its flags, progress bar, figure and printing).
 
     text -> BPE tokenizer (trained on the training split only) -> token ids
     loop:  batch from shuffled windows -> training.loss_and_accumulated_gradients -> clip -> AdamW
+           (--precision: the linear layers' operands in BF16/FP16/FP8, FP16's loss scaled, mixed.py;
+            --recompute: each layer rerun in the backward; the weights and AdamW always FP32)
            every --eval-every steps: validation loss; keep the best; stop after --patience bad evals
     end:   export the best weights (BF16 safetensors + config + tokenizer + generation_config), loss.png
 
@@ -25,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import evaluation, training
+from . import evaluation, mixed, training
 from .checkpoint import save_checkpoint, write_atomically
 from .config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors
 from .data import END_OF_TEXT_ID
@@ -70,6 +72,9 @@ class Settings:
     threads: int = 0              # shards computed at once (0: one per core); the result does not depend on it
     shards: int = 0               # a micro-batch's rows cut into this many pieces, summed in order: the result
                                   # depends on it (0: as many as divide the rows and --threads, fixed at the start)
+    precision: str = "fp32"       # the linear layers' operands: fp32, bf16, fp16 or fp8 (mixed.py); weights stay FP32
+    loss_scaling: bool = True     # fp16 only: dynamic loss scaling (mixed.LossScaler); off shows what it prevents
+    recompute: bool = False       # activation checkpointing: each layer rerun in the backward (same bits, less memory)
 
     @property
     def schedule_steps(self) -> int:
@@ -258,6 +263,7 @@ def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[
         raise QwenNPError(f"--grad-accum: {settings.grad_accum} does not divide --batch-size {settings.batch_size}")
     if not settings.lr > 0:
         raise QwenNPError(f"--lr: must be positive, got {settings.lr}")
+    mixed.check_precision(settings.precision)
     rows = settings.batch_size // settings.grad_accum
     if not settings.shards:      # chosen once and saved: a resumed run keeps it whatever its --threads
         settings.shards = math.gcd(rows, settings.threads or usable_cores())
@@ -288,7 +294,8 @@ class RunEvents:
         """Before the first step: `done` steps of settings.steps are behind (resuming)."""
 
     def stepped(self, record: dict[str, Any], epoch: int) -> None:
-        """After each optimizer step (record: step, loss, lr, grad_norm, tokens_per_s)."""
+        """After each optimizer step (record: step, loss, lr, grad_norm, tokens_per_s; in FP16 also loss_scale,
+        and loss_scale_event "overflow" (then skipped: True, grad_norm None) or "grow")."""
 
     def evaluated(self, step: int, train_loss: float, result: dict[str, Any], improved: bool) -> None:
         """After each validation (result: evaluation.TextScore.summary())."""
@@ -350,7 +357,11 @@ def _run(spec: RunSpec, events: RunEvents) -> RunResult:
         optimizer.m, optimizer.v, optimizer.step = adam_m, adam_v, meta["optimizer_step"]
     order = WindowOrder(len(corpus.train), settings.context, settings.seed, **meta["order"])
     baseline = peak_rss_bytes()
-    estimate = training_memory(config, settings.batch_size // settings.grad_accum, settings.context)
+    # The tape is FP32 arrays whatever the precision (NumPy keeps the rounded values as FP32).
+    estimate = training_memory(config, settings.batch_size // settings.grad_accum, settings.context,
+                               recompute=settings.recompute)
+    scaling = settings.precision == "fp16" and settings.loss_scaling
+    scaler = mixed.LossScaler(**meta.get("loss_scaler", {})) if scaling else None
 
     def checkpoint(path: Path) -> None:
         meta.update(settings=asdict(settings), config=config_json, order={"epoch": order.epoch, "position": order.position})
@@ -362,7 +373,7 @@ def _run(spec: RunSpec, events: RunEvents) -> RunResult:
     try:
         with Stops() as stops:
             stopped = _loop(model, params, optimizer, order, corpus, settings, meta, stops, events,
-                            lambda kind: checkpoint(out / f"{kind}.safetensors"))
+                            lambda kind: checkpoint(out / f"{kind}.safetensors"), scaler)
             # The loop ends on an evaluation it has saved (the last step always evaluates), so best
             # and last hold it; a stop from here on re-exports on resuming.
             exported = export_model(out / "model", config_json, load_state(best)[0], out)
@@ -419,7 +430,7 @@ def _model_config(spec: RunSpec) -> dict[str, Any]:
 
 def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW, order: WindowOrder,
           corpus: Corpus, settings: Settings, meta: dict[str, Any], stops: Stops, events: RunEvents,
-          save: Callable[[str], None]) -> str:
+          save: Callable[[str], None], scaler: mixed.LossScaler | None) -> str:
     """Optimizer steps up to settings.steps, with evaluation, best-keeping and early stopping; returns
     why it stopped early ("" if it did not).
 
@@ -443,23 +454,42 @@ def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.
             if step >= settings.steps:
                 return ""
             with stops.held():          # half an update could not be resumed: a stop waits for the step's end
-                record = _train_step(model, params, optimizer, order, corpus, settings, step)
+                record = _train_step(model, params, optimizer, order, corpus, settings, step, scaler)
                 meta["history"].append(record)
+                if scaler is not None:                      # resuming continues with the same scale
+                    meta["loss_scaler"] = asdict(scaler)
             events.stepped(record, order.epoch)
 
 
 def _train_step(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW, order: WindowOrder,
-                corpus: Corpus, settings: Settings, step: int) -> dict[str, Any]:
-    """One optimizer step (the step-th, from 0); returns its record for the history."""
+                corpus: Corpus, settings: Settings, step: int, scaler: mixed.LossScaler | None) -> dict[str, Any]:
+    """One optimizer step (the step-th, from 0); returns its record for the history.
+
+    FP16 with loss scaling (scaler given): the gradients come back multiplied by the loss scale and are
+    divided again before clipping; a step whose gradients overflowed is skipped (no update, its record
+    says so) and the scale adapts. The record keeps the scale used and the scaler's event, if any.
+    """
     started = time.perf_counter()
     lr = training.learning_rate(step, settings.lr, settings.warmup, settings.schedule_steps)
     batch = order.next_batch(corpus.train, settings.batch_size)              # [B, T+1]
+    scale = scaler.scale if scaler is not None else 1.0
     loss, grads = training.loss_and_accumulated_gradients(model, batch, settings.grad_accum,
-                                                          settings.threads or usable_cores(), settings.shards)
-    norm = training.clip_gradients(grads, settings.clip)
-    optimizer.update(params, grads, lr)
-    rate = settings.batch_size * settings.context / (time.perf_counter() - started)
-    return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": rate}
+                                                          settings.threads or usable_cores(), settings.shards,
+                                                          settings.recompute, settings.precision, scale)
+    record: dict[str, Any] = {"step": step + 1, "loss": loss, "lr": lr}
+    finite = True
+    if scaler is not None:
+        finite = scaler.unscale(grads)
+        record["loss_scale"] = scale
+        if event := scaler.update(finite):
+            record["loss_scale_event"] = event
+    if finite:
+        record["grad_norm"] = training.clip_gradients(grads, settings.clip)
+        optimizer.update(params, grads, lr)
+    else:                                           # overflow: this step's gradients are unusable
+        record.update(grad_norm=None, skipped=True)
+    record["tokens_per_s"] = settings.batch_size * settings.context / (time.perf_counter() - started)
+    return record
 
 
 def _record_evaluation(meta: dict[str, Any], step: int, result: dict[str, Any]) -> bool:

@@ -10,37 +10,63 @@ One optimizer step, top to bottom:
       -> AdamW.update              decoupled weight decay, bias-corrected moments, in place
 
 The parameters are the model's own arrays (`named_parameters`), updated in place, so the model that is
-trained is the model that generates.
+trained is the model that generates. They stay FP32 in every precision: mixed precision (mixed.py)
+rounds only what the linear layers' products read.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from . import gradients
+from . import gradients, layers, mixed
 from .config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, is_matrix
 from .errors import QwenNPError
+from .layers import MatmulInputs
 from .model import Qwen3Model
 from .numerics import Weight
 
 
-def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = False) -> tuple[float, dict[str, np.ndarray]]:
+def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = False,
+                       precision: str | MatmulInputs = "fp32",
+                       loss_scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
     """Mean next-token cross-entropy of a batch and every parameter's FP32 gradient.
 
     batch: int array [B, T+1]; the model reads batch[:, :-1] and predicts batch[:, 1:], the loss
     transformers' Qwen3ForCausalLM computes with labels=input_ids. grads maps each checkpoint tensor
     name to an array of that tensor's shape. recompute: activation checkpointing (keep each layer's
     input only, run the layer again in the backward): less memory, one more forward, the same bits.
+    precision (mixed.PRECISIONS): the format every linear layer's product reads its operands in,
+    forward and backward (mixed.py); the weights stay the model's FP32 arrays (or a rounding function
+    itself, for a measurement such as fp16_underflow's). loss_scale: the loss's gradient is multiplied
+    by it before the backward (FP16's loss scaling), so the gradients come back scaled by it too
+    (mixed.LossScaler.unscale divides them again). The loss itself is not scaled.
     """
     batch = check_batch(batch, model.config.vocab_size)
     named_parameters(model)             # raises, naming the tensor, unless every weight is a float array
-    logits, tape = gradients.forward_with_tape(model, batch[:, :-1], recompute)      # [B, T, V]
-    loss, d_logits = gradients.cross_entropy(logits, batch[:, 1:])
-    return loss, gradients.backward(model, tape, d_logits)
+    hook = layers.MATMUL_INPUTS.set(mixed.operands(precision))     # this thread's forward and backward only
+    try:
+        logits, tape = gradients.forward_with_tape(model, batch[:, :-1], recompute)  # [B, T, V]
+        loss, d_logits = gradients.cross_entropy(logits, batch[:, 1:])
+        if loss_scale == 1.0:
+            return loss, gradients.backward(model, tape, d_logits)
+        # A scaled backward may overflow FP16: loss scaling expects that now and then and checks the
+        # gradients for inf (mixed.LossScaler.unscale), so NumPy's warnings would only be noise.
+        with np.errstate(over="ignore", invalid="ignore"):
+            return loss, gradients.backward(model, tape, d_logits * np.float32(loss_scale))
+    finally:
+        layers.MATMUL_INPUTS.reset(hook)
+
+
+def fp16_underflow(model: Qwen3Model, batch: np.ndarray, loss_scale: float = 1.0) -> float:
+    """The share of the nonzero gradient values entering the backward's products (each linear layer's
+    dy) that an FP16 step with this loss scale flushes to zero: what loss scaling is there to prevent."""
+    count = mixed.UnderflowCount()
+    loss_and_gradients(model, batch, precision=count, loss_scale=loss_scale)
+    return count.flushed / max(1, count.nonzero)
 
 
 def check_batch(batch: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -71,8 +97,9 @@ def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
 
 
 def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_batches: int,
-                                   threads: int = 1, shards: int | None = None,
-                                   recompute: bool = False) -> tuple[float, dict[str, np.ndarray]]:
+                                   threads: int = 1, shards: int | None = None, recompute: bool = False,
+                                   precision: str = "fp32",
+                                   loss_scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
     """Gradient accumulation: the batch's loss and gradient from `micro_batches` equal slices of its rows.
 
     Each slice's mean loss and gradient are averaged, which equals the whole batch's mean (equal-sized
@@ -80,6 +107,7 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
     Each slice is cut again into `shards` equal pieces (default: as many as divide its rows and
     `threads`), computed `threads` at a time with BLAS single-threaded and summed in shard order: the
     result is the same mean, and bit for bit the same for any thread count (it depends on `shards`).
+    recompute, precision, loss_scale: as loss_and_gradients, for every slice.
     """
     B = batch.shape[0]
     if micro_batches < 1 or B % micro_batches:
@@ -88,9 +116,13 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
     shards = math.gcd(rows, max(1, threads)) if shards is None else shards
     if shards < 1 or rows % shards:
         raise QwenNPError(f"--shards: {shards} does not divide the {rows} rows of a micro-batch")
+
+    def step(part: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        return loss_and_gradients(model, part, recompute, precision, loss_scale)
+
     total_loss, total = 0.0, dict[str, np.ndarray]()
     for start in range(0, B, rows):
-        loss, grads = _loss_and_gradients_in_shards(model, batch[start:start + rows], shards, threads, recompute)
+        loss, grads = _loss_and_gradients_in_shards(batch[start:start + rows], shards, threads, step)
         total_loss += loss / micro_batches
         for g in grads.values():
             g *= np.float32(1.0 / micro_batches)
@@ -98,9 +130,10 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
     return total_loss, total
 
 
-def _loss_and_gradients_in_shards(model: Qwen3Model, batch: np.ndarray, shards: int,
-                                  threads: int, recompute: bool) -> tuple[float, dict[str, np.ndarray]]:
-    """loss_and_gradients of `shards` equal row slices, up to `threads` at once, averaged in shard order.
+def _loss_and_gradients_in_shards(batch: np.ndarray, shards: int, threads: int,
+                                  step: Callable[[np.ndarray], tuple[float, dict[str, np.ndarray]]]
+                                  ) -> tuple[float, dict[str, np.ndarray]]:
+    """step (a loss_and_gradients) of `shards` equal row slices, up to `threads` at once, averaged in shard order.
 
     Why threads: NumPy runs every elementwise pass (softmax, SiLU, norms, the cross-entropy) on one
     core, and OpenBLAS's threads wait on each other between the many small attention products; one
@@ -116,7 +149,7 @@ def _loss_and_gradients_in_shards(model: Qwen3Model, batch: np.ndarray, shards: 
     slices = [batch[i * rows:(i + 1) * rows] for i in range(shards)]
     loss, grads = 0.0, dict[str, np.ndarray]()
     with single_threaded_blas(), ThreadPoolExecutor(max(1, min(shards, threads))) as pool:
-        for part_loss, part in pool.map(lambda part: loss_and_gradients(model, part, recompute), slices):   # in order
+        for part_loss, part in pool.map(step, slices):   # in order
             loss += part_loss
             _add(grads, part)
     for g in grads.values():

@@ -10,7 +10,7 @@ from qwen_np import preset
 from qwen_np.cli import main
 from qwen_np.errors import QwenNPError
 from qwen_np.inspection import inspect_report
-from qwen_np.memory import kv_cache_bytes_per_token, training_memory
+from qwen_np.memory import attention_probabilities, kv_cache_bytes_per_token, training_memory, training_total
 
 BANDWIDTH = 10e9
 
@@ -20,7 +20,7 @@ def test_training_memory_is_the_trainers_estimate_and_adds_up():
     memory = inspect_report(config, 7, "qwen3-0.6b", BANDWIDTH, context=512, batch_size=4)["memory"]
     estimate = training_memory(config, 4, 512)
     assert {k: memory["training"][k] for k in estimate} == estimate
-    assert memory["training"]["total"] == sum(v for k, v in estimate.items() if k != "activations_per_token")
+    assert memory["training"]["total"] == training_total(estimate)
     assert memory["training"]["adamw"] == 2 * memory["training"]["weights"] == 2 * memory["inference"]["weights"]["fp32"]
 
 
@@ -29,7 +29,9 @@ def test_kv_cache_and_activations_grow_with_the_chosen_context():
     short, long = (inspect_report(config, 7, "8b", BANDWIDTH, context=n)["memory"] for n in (1024, 2048))
     assert short["inference"]["kv_cache_fp32"] == 1024 * kv_cache_bytes_per_token(config, 4)
     assert long["inference"]["kv_cache_fp32"] == 2 * short["inference"]["kv_cache_fp32"]
-    assert long["training"]["activations"] > 2 * short["training"]["activations"]   # attention grows with T too
+    assert long["training"]["attention_probabilities"] == 4 * short["training"]["attention_probabilities"]  # T x T
+    rest = [m["training"]["activations"] - m["training"]["attention_probabilities"] for m in (short, long)]
+    assert rest[1] == 2 * rest[0]                                   # everything else: linear in T
     assert long["inference"]["weights"] == short["inference"]["weights"]
 
 
@@ -42,3 +44,27 @@ def test_inspect_flags_reach_the_memory_breakdown(capsys):
 def test_a_zero_batch_is_refused_naming_the_flag():
     with pytest.raises(QwenNPError, match="--batch-size"):
         inspect_report(preset("qwen3-0.6b"), 7, "x", BANDWIDTH, batch_size=0)
+
+
+def test_each_remedy_saves_what_it_removes_for_qwen3_8b_at_4096_tokens():
+    """inspect's remedies: a quarter of the batch and --grad-accum 4 cut the tape by 4, BF16 halves what is
+    not FP32 logits, --recompute keeps one layer's activations; weights, gradients and AdamW stay."""
+    config = preset("qwen3-8b")
+    training = inspect_report(config, 7, "8b", BANDWIDTH, context=4096, batch_size=16)["memory"]["training"]
+    tape, remedies = training["activations"], training["remedies"]
+    assert remedies["grad_accum_4"] == remedies["quarter_batch"]
+    assert remedies["grad_accum_4"]["saves"] == tape - tape // 4
+    assert remedies["bf16_activations"]["saves"] == (tape - 16 * 4096 * 12 * config.vocab_size) // 2
+    L = config.num_hidden_layers
+    assert remedies["recompute"]["saves"] > training["attention_probabilities"] * (L - 1) / L
+    assert remedies["all_three"]["saves"] > max(r["saves"] for name, r in remedies.items() if name != "all_three")
+
+
+def test_recompute_keeps_each_layers_input_and_one_layers_activations():
+    config = preset("qwen3-0.6b")
+    full, recomputed = training_memory(config, 2, 256), training_memory(config, 2, 256, recompute=True)
+    L, D = config.num_hidden_layers, config.hidden_size
+    layer = (full["activations_per_token"] - 4 * (2 * D + 3 * config.vocab_size)) // L    # one layer's, per token
+    assert recomputed["activations_per_token"] == full["activations_per_token"] - (L - 1) * layer + (L - 1) * 4 * D
+    assert attention_probabilities(config, 2, 256, recompute=True) * L == attention_probabilities(config, 2, 256)
+    assert attention_probabilities(config, 2, 256) == 4 * L * config.num_attention_heads * 256 * 256 * 2

@@ -241,11 +241,16 @@ def test_exported_model_gives_transformers_the_same_logits(tmp_path: Path, run_i
     (["--steps", "0"], "--steps"),
     (["--context", "65"], "--context"),
     (["--resume"], "--resume"),
+    (["--precision", "fp4"], "--precision"),
 ])
 def test_bad_training_flags_are_one_line_errors(tmp_path: Path, run_inputs: tuple[Path, Path], flags: list[str],
                                                 message: str, capsys: pytest.CaptureFixture[str]) -> None:
     data, config = run_inputs
-    assert train(tmp_path / "run", data, config, *flags) == 2
+    try:
+        code = train(tmp_path / "run", data, config, *flags)
+    except SystemExit as exit:                                   # argparse's own checks (choices)
+        code = exit.code
+    assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "run" / "last.safetensors").exists()
@@ -399,3 +404,75 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path: Path, 
     capsys.readouterr()
     assert main(["train", "--out", str(tmp_path / "run"), "--resume"]) == 0
     assert "already at step 3 of --steps 3: nothing to train" in capsys.readouterr().err
+
+
+def test_precision_fp32_is_the_trainer_without_the_flag_bit_for_bit(tmp_path: Path, run_inputs: tuple[Path, Path]) -> None:
+    data, config = run_inputs
+    assert train(tmp_path / "plain", data, config, "--steps", "4") == 0
+    assert train(tmp_path / "fp32", data, config, "--steps", "4", "--precision", "fp32") == 0
+    assert_same_run(tmp_path / "fp32", tmp_path / "plain")
+    assert load_state(tmp_path / "fp32" / "last.safetensors")[3]["settings"]["precision"] == "fp32"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8"])
+def test_every_precision_resumes_bit_exactly_with_gradient_accumulation_and_exports(
+        tmp_path: Path, run_inputs: tuple[Path, Path], precision: str) -> None:
+    """6 steps of 2 micro-batches straight == 3, stop, --resume (the precision comes from the checkpoint), 3 more."""
+    data, config = run_inputs
+    flags = ("--grad-accum", "2", "--precision", precision)
+    assert train(tmp_path / "straight", data, config, "--steps", "6", *flags) == 0
+    assert train(tmp_path / "split", data, config, "--steps", "3", "--decay-steps", "6", *flags) == 0
+    assert main(["train", "--out", str(tmp_path / "split"), "--resume", "--steps", "6"]) == 0
+    assert_same_run(tmp_path / "split", tmp_path / "straight")
+    meta = load_state(tmp_path / "split" / "last.safetensors")[3]
+    assert (meta["settings"]["precision"], meta["settings"]["grad_accum"]) == (precision, 2)
+    if precision == "fp16":                # the scale of every step is in the history, the scaler in the checkpoint
+        assert all(h["loss_scale"] == 2.0 ** 16 for h in meta["history"]) and meta["loss_scaler"]["clean_steps"] == 6
+    assert load_model(tmp_path / "split" / "model", memory="fp32").forward([1, 2, 3]).shape == (3, SMALL["vocab_size"])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp8"])
+def test_a_tiny_preset_run_learns_in_every_precision(tmp_path: Path, run_inputs: tuple[Path, Path], precision: str) -> None:
+    data, _ = run_inputs
+    assert main(["train", "--preset", "tiny", "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "10",
+                 "--eval-every", "5", "--precision", precision]) == 0
+    evals = load_state(tmp_path / "run" / "last.safetensors")[3]["evals"]
+    history = load_state(tmp_path / "run" / "last.safetensors")[3]["history"]
+    assert evals[-1]["loss_per_token"] < evals[0]["loss_per_token"] and history[-1]["loss"] < history[0]["loss"] - 0.3
+
+
+def test_recompute_flag_trains_the_same_weights_and_is_kept_on_resuming(tmp_path: Path,
+                                                                      run_inputs: tuple[Path, Path]) -> None:
+    data, config = run_inputs
+    assert train(tmp_path / "plain", data, config, "--steps", "6") == 0
+    assert train(tmp_path / "recompute", data, config, "--steps", "3", "--decay-steps", "6", "--recompute") == 0
+    assert main(["train", "--out", str(tmp_path / "recompute"), "--resume", "--steps", "6"]) == 0
+    assert_same_run(tmp_path / "recompute", tmp_path / "plain")
+    assert load_state(tmp_path / "recompute" / "last.safetensors")[3]["settings"]["recompute"] is True
+
+
+def test_an_fp16_overflow_skips_the_step_halves_the_scale_and_is_logged(tmp_path: Path, run_inputs: tuple[Path, Path],
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A run started at a scale of 2^40 (2^16 is the default): FP16 overflows, so the first steps are skipped,
+    each halving the scale, until the gradients fit; then AdamW steps."""
+    import functools
+
+    from qwen_np import mixed
+
+    data, config = run_inputs
+    monkeypatch.setattr(mixed, "LossScaler", functools.partial(mixed.LossScaler, scale=2.0 ** 40))
+    assert train(tmp_path / "run", data, config, "--steps", "30", "--precision", "fp16") == 0
+    *_, meta = load_state(tmp_path / "run" / "last.safetensors")
+    skipped = [h for h in meta["history"] if h.get("skipped")]
+    assert 0 < len(skipped) < 30 and all(h["loss_scale_event"] == "overflow" for h in skipped)
+    assert [h["loss_scale"] for h in meta["history"][:len(skipped) + 1]] == [2.0 ** (40 - i) for i in range(len(skipped) + 1)]
+    assert meta["optimizer_step"] == 30 - len(skipped)
+    assert "step 1: FP16 overflow: step skipped, loss scale halved" in capsys.readouterr().out   # tqdm.write
+
+
+def test_a_library_run_with_an_unknown_precision_is_refused_naming_the_flag() -> None:
+    from qwen_np.trainer import resolve_settings
+
+    with pytest.raises(training.QwenNPError, match="--precision: expected one of fp32, bf16, fp16, fp8, got 'fp4'"):
+        resolve_settings({"precision": "fp4"}, "tiny", None)

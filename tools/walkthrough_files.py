@@ -457,9 +457,9 @@ GLOSSARY = (
      "qwen_np.memory.training_memory", "--grad-accum", 10),
     ("memory / 显存 (here: RAM)", "what a run holds: weights, gradients, optimizer state, activations; on a GPU "
      "this is its memory", "qwen_np.memory.training_memory", "--batch-size", 10),
-    ("mixed precision / 混合精度", "training with products in a narrow format (BF16) from a copy of FP32 master "
-     "weights; qwen_np trains in FP32, §10 shows what mixed precision would hold",
-     "qwen_np.memory.training_memory", "", 10),
+    ("mixed precision / 混合精度", "training with every matrix product's inputs rounded to a narrow format (BF16, "
+     "FP16, FP8) while the master weights and AdamW stay FP32", "qwen_np.training.loss_and_gradients",
+     "--precision", 10),
     ("quantization / 量化", "storing weights in fewer bits (INT8, Q4_0, FP8) with scale factors",
      "qwen_np.numerics.Int8Rows", "--memory", 7),
     ("KV cache / 缓存", "every layer's keys and values of the tokens so far, so a new token computes only its own",

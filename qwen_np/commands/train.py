@@ -12,7 +12,17 @@ from typing import Any
 import numpy as np
 
 from .. import trainer
+from ..mixed import PRECISIONS, LossScaler
+from ..memory import training_total
 from ..runtime import peak_rss_bytes
+
+
+# The help of Settings' on/off fields (their flags come with a --no- form).
+SWITCHES = {"loss_scaling": "with --precision fp16: dynamic loss scaling (skip the step and halve the scale on "
+                            f"overflow, double it after {LossScaler.growth_interval} clean steps); --no-loss-scaling shows "
+                            "what it prevents",
+            "recompute": "activation checkpointing: keep each layer's input only and run the layer again in the "
+                         "backward: less memory, about one more forward pass per step, the same weights bit for bit"}
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -31,9 +41,20 @@ def register(commands: argparse._SubParsersAction) -> None:
     source.add_argument("--config", type=Path, metavar="JSON", help="a Qwen3 config.json to train from scratch")
     for flag in fields(trainer.Settings):
         name = "--" + flag.name.replace("_", "-")
-        short = ["-t"] if flag.name == "threads" else []          # -t/--threads, as in every other command
-        parser.add_argument(*short, name, type=float if flag.type == "float" else int, default=None, metavar="N",
-                            help=f"(default: the preset's, else {flag.default})")
+        default = f"(default: the preset's, else {flag.default})"
+        if flag.type == "bool":            # --recompute / --no-recompute: a resumed run keeps its saved choice
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{SWITCHES[flag.name]} {default}")
+        elif flag.name == "precision":
+            parser.add_argument(name, choices=PRECISIONS, default=None,
+                                help="the format of every linear layer's operands, forward and backward; master "
+                                     "weights, AdamW, norms, attention and the loss stay FP32. fp16 scales the "
+                                     "loss dynamically, fp8 is E4M3 with 1x128 / 128x128 scales (DeepSeek-V3) "
+                                     f"{default}")
+        else:
+            short = ["-t"] if flag.name == "threads" else []      # -t/--threads, as in every other command
+            parser.add_argument(*short, name, type=float if flag.type == "float" else int, default=None,
+                                metavar="N", help=default)
     parser.add_argument("--resume", action="store_true", help="continue from DIR/last.safetensors up to --steps")
     parser.set_defaults(run=run)
 
@@ -54,6 +75,10 @@ class ProgressBar(trainer.RunEvents):
         self.bar = tqdm(total=settings.steps, initial=done, unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def stepped(self, record: dict[str, Any], epoch: int) -> None:
+        if "loss_scale_event" in record:
+            what = {"overflow": "FP16 overflow: step skipped, loss scale halved",
+                    "grow": "loss scale doubled"}[record["loss_scale_event"]]
+            self.bar.write(f"step {record['step']}: {what} (was {record['loss_scale']:g})")
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", epoch=epoch,
                              refresh=False)
         self.bar.update(1)
@@ -89,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
 def memory_report(estimate: dict[str, int], baseline: int) -> str:
     """The estimate as one table (MiB), with the process's measured peak next to the prediction."""
-    predicted = baseline + sum(v for k, v in estimate.items() if k != "activations_per_token")
+    predicted = baseline + training_total(estimate)
     lines = [f"  {key:<22} {value / 2**20:9.1f} MiB" for key, value in estimate.items() if key != "activations_per_token"]
     lines.append(f"  {'activations per token':<22} {estimate['activations_per_token'] / 1024:9.1f} KiB")
     lines.append(f"  predicted peak RSS {predicted / 2**20:.0f} MiB (process before training: {baseline / 2**20:.0f} MiB); "

@@ -10,7 +10,8 @@ from ..config import DIMENSIONS, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
 from ..formats import HELD_FORMATS, bits_per_weight
 from ..memory import (DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
-                      kv_cache_bytes_per_token, training_memory, weight_bytes, working_bytes)
+                      attention_probabilities, kv_cache_bytes_per_token, training_remedies, weight_bytes,
+                      working_bytes)
 from ..numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
@@ -70,13 +71,16 @@ def memory_breakdown(config: Qwen3Config, context: int, batch_size: int) -> dict
     params = parameter_summary(config)["total"]
     stored = {"fp32": 4 * params, "bf16": 2 * params, "int8": int8_weight_bytes(config),
               **{fmt: weight_bytes(config, fmt) for fmt in HELD_FORMATS}}
-    training = training_memory(config, batch_size, context)
+    remedies = training_remedies(config, batch_size, context)
+    baseline = remedies.pop("baseline")
     return {
         "context": context,
         "inference": {"weights": stored, "kv_cache_fp32": context * kv_cache_bytes_per_token(config, 4),
                       "working_buffers": working_bytes(config, context)},
-        "training": {"batch_size": batch_size, **training,
-                     "total": sum(v for k, v in training.items() if k != "activations_per_token")},
+        "training": {"batch_size": batch_size, **baseline,
+                     "attention_probabilities": attention_probabilities(config, batch_size, context),
+                     "remedies": {name: {"total": r["total"], "saves": baseline["total"] - r["total"]}
+                                  for name, r in remedies.items()}},
     }
 
 
@@ -138,11 +142,22 @@ def _render_memory(report: dict[str, Any]) -> str:
               for fmt, n in inference["weights"].items()]
     lines += [f"  {'KV cache (FP32, as qwen_np keeps it)':<38}{_size(inference['kv_cache_fp32']):>12}",
               f"  {'working buffers (a prefill chunk)':<38}{_size(inference['working_buffers']):>12}",
-              "", f"Memory to train it (qwen_np train: all FP32), a batch of {batch} x {context:,} tokens (--batch-size)"]
+              "", f"Memory to train it (qwen_np train: FP32 weights, gradients, AdamW and tape), a batch of {batch} x "
+              f"{context:,} tokens (--batch-size)"]
     rows = (("weights", "weights"), ("gradients", "gradients"), ("adamw", "AdamW moments m and v"),
             ("activations", f"activations ({training['activations_per_token'] / 1024:,.1f} KiB/token x {batch} x {context:,})"),
-            ("total", "total (--grad-accum N divides the activations by N)"))
-    lines += [f"  {label:<52}{_size(training[key]):>12}" for key, label in rows]
+            ("attention_probabilities", f"  of which attention probabilities (H x {context:,} x {context:,})"),
+            ("total", "total"))
+    lines += [f"  {label:<56}{_size(training[key]):>12}" for key, label in rows]
+    quarter = max(1, batch // 4)
+    labels = {"quarter_batch": f"--batch-size {quarter} (another, noisier update)",
+              "bf16_activations": "activations in BF16 (a GPU run; qwen_np keeps FP32)",
+              "grad_accum_4": f"--grad-accum 4 (the same update, 4 x {quarter} rows)",
+              "recompute": "--recompute (each layer rerun in the backward)",
+              "all_three": "--recompute, --grad-accum 4 and BF16 activations"}
+    lines += ["", f"  {'with a remedy (each alone, then the last three)':<56}{'total':>12}{'saves':>12}"]
+    lines += [f"  {labels[name]:<56}{_size(r['total']):>12}{_size(r['saves']):>12}"
+              for name, r in training["remedies"].items()]
     return "\n".join(lines)
 
 
