@@ -7,7 +7,8 @@ a fair share is 0.5x beside one competitor (a core each) and 0.4x beside three (
 threads); the goal is at least GOALS of idle speed.
 
 The workloads, each a fresh process:
-  decode-0.6b     greedy decode on a random Qwen3-0.6B-shaped checkpoint (bench/checkpoints.py), tok/s
+  decode-0.6b     greedy decode on a random Qwen3-0.6B-shaped checkpoint (bench/checkpoints.py), tok/s over
+                  --decode-seconds after a warm-up (a long generation's steady state)
   decode-bundled  the same on the bundled Shakespeare model, tok/s
   train-step      the trainer's step (rows split over the threads) on bench.training's model, tok/s
   eval            `python -m qwen_np eval --text FILE` on the bundled model, the whole command
@@ -40,15 +41,24 @@ DECODE = """
 import json, sys, time
 import numpy as np
 from qwen_np import load_model, runtime
-folder, steps = sys.argv[1], int(sys.argv[2])
+folder, seconds = sys.argv[1], float(sys.argv[2])
 runtime.set_threads(None)
 model = load_model(folder)
-cache = model.new_cache(8 + steps + 2)
-token = int(model.forward(np.arange(1, 9), cache, last_only=True)[-1].argmax())
-token = int(model.forward([token], cache)[-1].argmax())          # warm-up step: buffers, page faults
+
+def decode(until):
+    # Greedy steps until `until`; a full cache (the bundled model has 256 positions) starts a new one.
+    steps, cache, token = 0, None, 0
+    while time.perf_counter() < until:
+        if cache is None or cache.length >= cache.max_tokens - 1:
+            cache = model.new_cache(min(model.config.max_position_embeddings, 1024))
+            token = int(model.forward(np.arange(1, 9), cache, last_only=True)[-1].argmax())
+        token = int(model.forward([token], cache)[-1].argmax())
+        steps += 1
+    return steps
+
+decode(time.perf_counter() + 0.5)            # warm-up: buffers, page faults, the thread count settling to the load
 start = time.perf_counter()
-for _ in range(steps):
-    token = int(model.forward([token], cache)[-1].argmax())
+steps = decode(start + seconds)
 print(json.dumps({"rate": steps / (time.perf_counter() - start)}))
 """
 
@@ -89,7 +99,7 @@ def measure(workload: str, checkout: Path, folder_06b: Path, text: Path, args: a
         code, argv = TRAIN_STEP, [str(args.train_steps)]
     else:
         folder = folder_06b if workload == "decode-0.6b" else BUNDLED
-        code, argv = DECODE, [str(folder), str(args.decode_steps)]
+        code, argv = DECODE, [str(folder), str(args.decode_seconds)]
     result = subprocess.run([sys.executable, "-c", code, *argv], env=env, check=True, capture_output=True, cwd=checkout)
     return float(json.loads(result.stdout.decode().strip().splitlines()[-1])["rate"])
 
@@ -111,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--competitors", type=int, nargs="+", default=[1, 3], help="busy processes beside (default 1 3)")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds; medians are reported (default 2)")
-    parser.add_argument("--decode-steps", type=int, default=48, help="timed decode steps (default 48)")
+    parser.add_argument("--decode-seconds", type=float, default=4.0,
+                        help="seconds of timed decode, after a 0.5 s warm-up (default 4)")
     parser.add_argument("--train-steps", type=int, default=4, help="timed training steps (default 4)")
     parser.add_argument("--baseline", type=Path, help="another checkout measured alongside (before/after)")
     args = parser.parse_args(argv)

@@ -224,6 +224,8 @@ class PagedKVCache:
         self.table: list[int] = []                 # block of positions [i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
         self.tokens: list[int] = []                # the ids whose keys/values are held
         self.digests: list[bytes] = []             # the digest of each full block, in order
+        self._runs: tuple[tuple[int, ...], list[tuple[int, int]]] = ((), [])   # block_runs of a table prefix, kept:
+        # every layer of a step reads the same blocks, and finding runs costs as much as a tiny model's layer
 
     @property
     def length(self) -> int:
@@ -270,7 +272,10 @@ class PagedKVCache:
         """Positions [0, end) of `layer` as views of the pool, nothing copied: a (keys, values) pair [S_i, KVH, Dh]
         per run of consecutive blocks in the table, in position order (an FP32 pool: others need widening)."""
         pieces, start = [], 0
-        for first, n in block_runs(self.table[:blocks_for(end, self.pool.block_size)]):
+        table = tuple(self.table[:blocks_for(end, self.pool.block_size)])
+        if table != self._runs[0]:
+            self._runs = table, block_runs(table)
+        for first, n in self._runs[1]:
             stop = min(start + n * self.pool.block_size, end)
             keys, values = (a[layer, first:first + n].reshape(-1, *a.shape[3:])[:stop - start]
                             for a in (self.pool.keys, self.pool.values))

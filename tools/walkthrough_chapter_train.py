@@ -33,7 +33,7 @@ from qwen_np.generate import generate  # noqa: E402
 from qwen_np.model import Qwen3Model  # noqa: E402
 from qwen_np.sampling import SamplingParams  # noqa: E402
 from qwen_np.tokenizer import Tokenizer  # noqa: E402
-from walkthrough_training import below, mib  # noqa: E402
+from walkthrough_training import below, mib, rounded  # noqa: E402
 
 RECORD = REPO_ROOT / "docs" / "figures" / "training_run.json"
 # The chapter's model: the bundled model's shape, shrunk until 1,000 steps take about a minute on 2 cores.
@@ -295,7 +295,6 @@ def check_first_steps(recorded: dict[str, Any], steps: int = CHECKED_STEPS) -> N
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from walkthrough_files import rounded
 
     parser = argparse.ArgumentParser(description="Run the walkthrough's training chapter (about 3 minutes on 2 cores) "
                                                  "and record what it shows.")

@@ -19,20 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from walkthrough_training import rounded
 
 FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "formats",
            "training_memory", "training_run")
-
-
-def rounded(value: Any) -> Any:
-    """Floats to 4 significant digits, recursively: the JSON stays small and machine-independent."""
-    if isinstance(value, float):
-        return float(f"{value:.4g}")
-    if isinstance(value, dict):
-        return {k: rounded(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [rounded(v) for v in value]
-    return value
 
 
 def figure_data(page: Any) -> dict[str, Any]:
