@@ -139,3 +139,9 @@ def test_quiet_leaves_out_the_bundled_models_note(env) -> None:
     loud = qwen(env, "generate", "ROMEO:", "-n", "2", "--temp", "0").stderr.decode()
     quiet = qwen(env, "generate", "ROMEO:", "-n", "2", "--temp", "0", "-q").stderr.decode()
     assert "note: using the bundled model" in loud and "note:" not in quiet
+
+
+def test_ctx_size_bounds_prompt_and_reply_together_in_generate(env) -> None:
+    reply, = replies(qwen(env, "generate", "--no-chat", "ROMEO:", "-n", "50", "-c", "12", "--temp", "0", "--json"))
+    assert reply["usage"]["total_tokens"] <= 12
+    assert_one_error_line(qwen(env, "generate", "--no-chat", "ROMEO: and JULIET", "-c", "3"), "--ctx-size")

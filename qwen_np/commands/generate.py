@@ -66,6 +66,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                           "usage, timings, seed")
     _add_model_flags(gen)
     _add_generation_flags(gen)
+    common.add_context(gen, "KV cache positions, prompt and reply together (with several prompts, the longest's)")
     gen.add_argument("--no-chat", action="store_true",
                      help="plain completion: feed PROMPT as is, without the chat template")
     _add_inspection_flags(gen)
@@ -326,6 +327,11 @@ def run_generate(args: argparse.Namespace) -> int:
         params = resolve_sampling(opened.defaults, args.think, **explicit)
         ids = [prompt_ids(opened.tokenizer, text, chat=chat, enable_thinking=args.think,
                           system=args.system) for text in prompts]
+        if args.ctx_size is not None:       # prompt and reply together (several prompts: the longest one's)
+            longest = max(len(one) for one in ids)
+            if longest >= args.ctx_size:
+                raise QwenNPError(f"--ctx-size: {args.ctx_size} positions leave no room after a {longest}-token prompt")
+            max_new_tokens = min(max_new_tokens, args.ctx_size - longest)
         budget = max(context_budget(opened.config, len(one), max_new_tokens) for one in ids)
         trace = _tracer(args, opened.config)
         attention = _parse_attention(args.attention, opened.config) if args.attention else None
