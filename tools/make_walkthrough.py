@@ -463,6 +463,10 @@ reads KV head h // {group} (heads {sharing} share one each).
 
 ![Attention weights of every head of layer {ATTENTION_LAYER}](figures/attention.png)
 
+For any prompt you type, any layer and any head: `python -m qwen_np serve`, then open
+http://127.0.0.1:8000/ (README, "In a browser"). Its explorer draws these heatmaps with the tokens on
+both axes, and every head of a layer grouped by the KV head it reads.
+
 **Logit lens.** Section 5 turns the final residual stream into a prediction. Nothing stops us from
 applying the same final norm and LM head to the stream after *any* layer, which shows what the model
 would predict if it stopped there; the last row is by construction exactly the model's own

@@ -113,7 +113,10 @@ On this prompt's real distribution (`sampling.warp`, then `sampling.softmax`):
 Top-k keeps a fixed number however the probability is spread; top-p and min-p adapt: few tokens when
 the model is sure, many when it is not. (The model's defaults come from its `generation_config.json`.)
 
-![The 20 most likely next tokens, and which of them each filter keeps](figures/sampling.png)"""
+![The 20 most likely next tokens, and which of them each filter keeps](figures/sampling.png)
+
+The explorer of `python -m qwen_np serve` (http://127.0.0.1:8000/, its "Next token" view) moves these
+filters live on the distribution of any prompt, and samples and appends one token at a time."""
 
 
 def kv_cache_section(run: Run) -> str:
