@@ -67,7 +67,7 @@ from .loading import load_model, read_config, read_generation_defaults, read_tok
 from .model import Qwen3Model
 from .memory import DEFAULT_CONTEXT, format_size
 from .metrics import PROMETHEUS_TYPE, prometheus_text
-from .tokenizer import Message, Tokenizer
+from .tokenizer import THINK_OPEN, Message, ThinkingSplitter, Tokenizer, split_thinking
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_BATCH = "127.0.0.1", 8000, 8
 # Our finish reasons -> OpenAI's: the model ended or a stop string was met -> "stop"; a token limit -> "length".
@@ -102,7 +102,8 @@ LOOPBACK_HOST = re.compile(r"(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.IG
 
 def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = DEFAULT_MAX_BATCH,
           context: int = DEFAULT_CONTEXT, memory: str = "auto", kv_memory: int | None = None, kv_dtype: str = "fp32",
-          api_key: str | None = None, log: bool = True, announce: Callable[[str], None] = lambda line: None) -> None:
+          api_key: str | None = None, log: bool = True, split_reasoning: bool = True,
+          announce: Callable[[str], None] = lambda line: None) -> None:
     """Load the model in `folder` (clients ask for it as `name`) and serve it on `listener` until Ctrl-C or
     SIGTERM. context: prompt and reply together, at most the model's; kv_memory: bytes of the KV cache's
     block pool, shared by every request (None: what RAM has left after the weights, at most max_batch full
@@ -123,7 +124,7 @@ def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = 
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
                                context=context, pool=pool)
     service = Service(name, tokenizer, defaults, BatchRunner(generator), context,
-                      context * LENGTH_FACTOR * longest_token(tokenizer))
+                      context * LENGTH_FACTOR * longest_token(tokenizer), split_reasoning)
     host, port = listener.getsockname()[:2]
     warning = exposure_warning(host, api_key)
     if warning:
@@ -183,6 +184,7 @@ class Service:
     runner: BatchRunner
     context: int
     max_prompt_chars: int
+    split_reasoning: bool = True         # a chat reply's <think> part apart, as reasoning_content and reasoning
     created: int = int(time.time())
 
     def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Request:
@@ -575,7 +577,7 @@ class Reply:
             if finish is None and self.row is not None:
                 self.service.runner.cancel(self.row)
         text, reason = "".join(pieces), FINISH[finish]
-        choice = ({"message": {"role": "assistant", "content": text}, "finish_reason": reason} if self.chat
+        choice = ({"message": assistant_message(text, self.service.split_reasoning), "finish_reason": reason} if self.chat
                   else {"text": text, "finish_reason": reason})
         return self._object("chat.completion" if self.chat else "text_completion", choice, usage=self.usage())
 
@@ -584,9 +586,12 @@ class Reply:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         extra = {"usage": None} if include_usage else {}
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+        splitter = ThinkingSplitter() if self.chat and self.service.split_reasoning else None
+
+        def chunk(text: str | None, finish: str | None = None, role: bool = False, field: str = "content") -> str:
             if self.chat:
-                delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
+                names = ("reasoning_content", "reasoning") if field == "reasoning" else ("content",)
+                delta = {"role": "assistant", "content": ""} if role else dict.fromkeys(names, text) if text else {}
                 choice = {"delta": delta, "finish_reason": finish}
             else:
                 choice = {"text": text or "", "finish_reason": finish}
@@ -596,7 +601,10 @@ class Reply:
             if self.chat:
                 yield chunk(None, role=True)
             async for event in self._events():
-                if event.text:
+                if event.text and splitter is not None:
+                    for field, text in splitter.feed(event.text):
+                        yield chunk(text, field=field)
+                elif event.text:
                     yield chunk(event.text)
                 if event.finish_reason:
                     yield chunk(None, FINISH[event.finish_reason])
@@ -605,6 +613,16 @@ class Reply:
         except APIError as problem:            # the stream has begun: the error goes in the stream
             yield _sse(problem.body())
         yield "data: [DONE]\n\n"
+
+
+def assistant_message(text: str, split_reasoning: bool) -> dict[str, Any]:
+    """The assistant message of a whole chat reply: Qwen3's thinking apart from its answer, under both names
+    clients read (reasoning_content: llama-server's and DeepSeek's; reasoning: vLLM's), unless the server
+    leaves replies as generated (--reasoning-format raw). Streamed replies split alike (ThinkingSplitter)."""
+    if not split_reasoning or not text.startswith(THINK_OPEN):
+        return {"role": "assistant", "content": text}
+    reasoning, answer = split_thinking(text)
+    return {"role": "assistant", "content": answer, "reasoning_content": reasoning, "reasoning": reasoning}
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -354,3 +354,46 @@ def split_thinking(text: str) -> tuple[str, str]:
     if THINK_OPEN in text:
         return text.split(THINK_OPEN)[-1].strip("\n"), ""
     return "", text
+
+
+class ThinkingSplitter:
+    """A reply streamed apart, piece by piece, exactly as split_thinking reads it whole: what lies inside
+    <think>...</think> (without its surrounding newlines) as reasoning, what follows (without its leading
+    newlines) as content; a reply that does not open with <think> is all content.
+
+    feed(piece) returns the (field, text) parts the piece completes, field "reasoning" or "content".
+    Newlines at the end of the reasoning so far are held back until the next piece shows whether the
+    think block closes after them (the whole-reply reading drops them there)."""
+
+    def __init__(self) -> None:
+        self.state = "start"          # start -> reasoning -> answer_lead -> answer, or start -> answer_lead
+        self.held = ""                # reasoning's trailing newlines, not yet sent
+        self.reasoned = False         # whether any reasoning text was sent (its leading newlines are dropped)
+
+    def feed(self, piece: str) -> list[tuple[str, str]]:
+        parts: list[tuple[str, str]] = []
+        while piece:
+            if self.state == "start":
+                opened = piece.startswith(THINK_OPEN)
+                self.state, piece = ("reasoning", piece[len(THINK_OPEN):]) if opened else ("answer", piece)
+            elif self.state == "reasoning":
+                inside, closed, piece = piece.partition(THINK_CLOSE)
+                text = self.held + inside
+                if not self.reasoned:
+                    text = text.lstrip("\n")
+                kept = text.rstrip("\n")
+                self.held = "" if closed else text[len(kept):]
+                if kept:
+                    parts.append(("reasoning", kept))
+                    self.reasoned = True
+                if closed:
+                    self.state = "answer_lead"
+            elif self.state == "answer_lead":
+                piece = piece.lstrip("\n")
+                if piece:
+                    self.state = "answer"
+            else:
+                parts.append(("content", piece))
+                piece = ""
+        return parts
+

@@ -529,3 +529,13 @@ def test_a_bad_kv_memory_is_one_line_naming_the_flag(env) -> None:
                                 cwd=ROOT, env=env, capture_output=True, timeout=120)
         assert result.returncode == 2 and result.stderr.decode().count("\n") == 1, result.stderr
         assert result.stderr.decode().startswith("error: --kv-memory: ")
+
+
+def test_a_chat_reply_gives_its_thinking_apart_under_both_names_unless_raw() -> None:
+    from qwen_np.serve import assistant_message
+
+    reply = "<think>\nLet me think.\n</think>\n\nFour."
+    assert assistant_message(reply, True) == {"role": "assistant", "content": "Four.",
+                                              "reasoning_content": "Let me think.", "reasoning": "Let me think."}
+    assert assistant_message(reply, False) == {"role": "assistant", "content": reply}
+    assert assistant_message("Four.", True) == {"role": "assistant", "content": "Four."}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -310,3 +311,40 @@ def test_the_random_fixture_weights_are_the_same_bytes_every_run(tmp_path: Path)
     write_fixture(tmp_path)
     assert hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest() == QWEN3_RANDOM_WEIGHTS_SHA256
     assert hashlib.sha256((QWEN3_RANDOM / "model.safetensors").read_bytes()).hexdigest() == QWEN3_RANDOM_WEIGHTS_SHA256
+
+
+THINKING_REPLIES = ["<think>\nLet me think.\n\n</think>\n\nThe answer is 4.", "plain answer\n", "<think>\n\n</think>\n\nHi",
+                    "<think>\nstill thinking\n", "<think>a\n\nb</think>c\n\nd", "\n\nnot thinking", "<think></think>x"]
+
+
+def _pieces(text: str, rng: Any) -> list[str]:
+    """Random pieces of a reply as a model streams it: <think> and </think> whole (each is one token)."""
+    from qwen_np.tokenizer import THINK_CLOSE, THINK_OPEN
+
+    pieces, i = [], 0
+    while i < len(text):
+        tag = next((t for t in (THINK_OPEN, THINK_CLOSE) if text.startswith(t, i)), None)
+        if tag:
+            pieces.append(tag)
+            i += len(tag)
+            continue
+        following = [j for j in (text.find(THINK_OPEN, i), text.find(THINK_CLOSE, i)) if j > i]
+        n = min(rng.randint(1, 3), min(following or [len(text)]) - i)
+        pieces.append(text[i:i + n])
+        i += n
+    return pieces
+
+
+@pytest.mark.parametrize("text", THINKING_REPLIES)
+def test_a_streamed_reply_splits_into_reasoning_and_content_as_the_whole_reply_does(text: str) -> None:
+    import random
+
+    from qwen_np.tokenizer import ThinkingSplitter, split_thinking
+
+    rng = random.Random(0)
+    for _ in range(30):
+        splitter, parts = ThinkingSplitter(), {"reasoning": "", "content": ""}
+        for piece in _pieces(text, rng):
+            for field, part in splitter.feed(piece):
+                parts[field] += part
+        assert (parts["reasoning"], parts["content"]) == split_thinking(text)

@@ -39,6 +39,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=os.environ.get(serve.API_KEY_ENV), metavar="KEY",
                         help=f"require `Authorization: Bearer KEY` on every request but /health (default: "
                              f"${serve.API_KEY_ENV}, else none)")
+    parser.add_argument("--reasoning-format", choices=("parsed", "raw"), default="parsed",
+                        help="parsed: a chat reply's <think> part comes apart from its content, as reasoning_content "
+                             "and reasoning (streamed deltas too); raw: the reply as generated, tags in the content "
+                             "(default: parsed)")
     common.add_quiet(parser, "do not log each request on stderr")
     parser.set_defaults(run=run)
 
@@ -58,6 +62,6 @@ def run(args: argparse.Namespace) -> int:
         raise QwenNPError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror})") from None
     serve.serve(name, folder, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
                 memory=args.memory, kv_memory=kv_memory, kv_dtype=args.kv_dtype, api_key=args.api_key,
-                log=not args.quiet,
+                log=not args.quiet, split_reasoning=args.reasoning_format == "parsed",
                 announce=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
