@@ -10,6 +10,7 @@ import pytest
 
 from qwen_np.checkpoint import save_checkpoint
 from qwen_np.config import expected_tensors
+from qwen_np.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # The bundled default model: a tiny Qwen3 trained on Shakespeare, its own 2,048-token BPE, no chat template.
@@ -79,6 +80,12 @@ def no_weight_cache_in_home() -> Iterator[None]:
     patch.setenv(CACHE_ENV, "off")
     yield
     patch.undo()
+
+
+@pytest.fixture(scope="session")
+def tok() -> Tokenizer:
+    """The real Qwen3 tokenizer and chat template (QWEN3_RANDOM's), for every test that needs one."""
+    return Tokenizer.from_folder(QWEN3_RANDOM)
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,6 @@ from qwen_np.batching import BatchGenerator, BatchRunner, Request
 from qwen_np.errors import QwenNPError
 from qwen_np.generate import StopStrings, TokenEvent, generate
 from qwen_np.sampling import SamplingParams
-from qwen_np.tokenizer import Tokenizer
 from conftest import QWEN3_RANDOM
 
 GREEDY = SamplingParams(temperature=0)
@@ -24,11 +23,6 @@ PROMPTS = ["The quick brown fox", "Hello", "Once upon a time, in a land far away
 @pytest.fixture(scope="module", params=["fast", "readable"])
 def model(request: pytest.FixtureRequest):
     return load_model(QWEN3_RANDOM, fast=request.param == "fast")
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(QWEN3_RANDOM)
 
 
 def alone(model, tok, ids, params, n, stop=()) -> list[TokenEvent]:

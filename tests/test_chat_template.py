@@ -59,11 +59,6 @@ TOOL_CHAT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(QWEN3_RANDOM)
-
-
 def render_ids(tok: Tokenizer, messages: list[dict], **kwargs) -> list[int]:
     return tok.encode(tok.apply_chat_template(messages, **kwargs))
 

@@ -48,11 +48,6 @@ def ids_line(lines: list[str], label: str) -> list[int]:
 QWEN3 = ("-m", str(QWEN3_RANDOM))      # the flags that run a command on the Qwen3 fixture
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(QWEN3_RANDOM)
-
-
 def test_greedy_completion_streams_valid_utf8_equal_to_the_decoded_ids(env, tok) -> None:
     result = qwen(env, "generate", *QWEN3, "--no-chat", "--temperature", "0", "-n", "24", "--verbose", "猫日本")
     assert result.returncode == 0, result.stderr.decode()

@@ -29,11 +29,6 @@ def model(request: pytest.FixtureRequest):
     return load_model(QWEN3_RANDOM, fast=request.param == "fast")
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(QWEN3_RANDOM)
-
-
 def _close(a: np.ndarray, b: np.ndarray, rel: float = 1e-5) -> bool:
     return np.abs(a - b).max() <= rel * max(1.0, np.abs(b).max())
 

@@ -187,11 +187,6 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(QWEN3_RANDOM)
-
-
 def test_fixture_tokenizer_json_is_official() -> None:
     path = QWEN3_RANDOM / "tokenizer.json"
     assert path.stat().st_size == 11_422_654
