@@ -46,10 +46,12 @@ from .tokenizer import Tokenizer
 class Served(Protocol):
     """What the explorer needs of serve.Service (serve builds the explorer over its Service)."""
 
-    model_id: str
     tokenizer: Tokenizer
     defaults: GenerationDefaults
     runner: Any                                                   # batching.BatchRunner: .generator.model
+
+    @property
+    def model_id(self) -> str: ...
 
     def completion_prompt(self, body: dict[str, Any]) -> list[int]: ...
 

@@ -14,7 +14,10 @@ web page at / with an explorer of the forward pass and a playground (explorer.py
 completions and completions); Qwen3's
 thinking switch comes as vLLM takes it, `chat_template_kwargs: {"enable_thinking": false}`, and the
 sampling fields vLLM adds (top_k, min_p, repetition_penalty) are accepted too. Defaults come from the
-checkpoint's generation_config.json, as in vLLM; max_tokens defaults to what the context has left.
+checkpoint's generation_config.json, as in vLLM; max_tokens defaults to --default-max-tokens (2,048:
+a client that forgets it cannot keep a row busy for an hour), or what the context has left if less.
+--served-model-name gives the model the names clients ask for (several: aliases, as vLLM's; the
+first answers in responses); a request without `model` gets the served one.
 A model whose tokenizer has no chat template (the bundled Shakespeare model) serves completions, and
 answers chat requests with a 400 that says so.
 
@@ -55,7 +58,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from .batching import BatchGenerator, BatchRunner, Request, Row
 from .errors import APIError, QwenNPError
@@ -70,6 +73,9 @@ from .metrics import PROMETHEUS_TYPE, prometheus_text
 from .tokenizer import THINK_OPEN, Message, ThinkingSplitter, Tokenizer, split_thinking
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_BATCH = "127.0.0.1", 8000, 8
+# max_tokens of a request that gives none: 2,048 tokens are ~30 minutes of Qwen3-8B decode on two cores,
+# where "what the context has left" (32,768 - prompt) would keep a row busy for hours.
+DEFAULT_MAX_TOKENS = 2048
 # Our finish reasons -> OpenAI's: the model ended or a stop string was met -> "stop"; a token limit -> "length".
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -100,14 +106,17 @@ LOOPBACK_HOST = re.compile(r"(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.IG
 
 # --- running the server ----------------------------------------------------------------------------
 
-def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = DEFAULT_MAX_BATCH,
+def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_batch: int = DEFAULT_MAX_BATCH,
           context: int = DEFAULT_CONTEXT, memory: str = "auto", kv_memory: int | None = None, kv_dtype: str = "fp32",
           api_key: str | None = None, log: bool = True, split_reasoning: bool = True,
+          default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
           announce: Callable[[str], None] = lambda line: None) -> None:
-    """Load the model in `folder` (clients ask for it as `name`) and serve it on `listener` until Ctrl-C or
-    SIGTERM. context: prompt and reply together, at most the model's; kv_memory: bytes of the KV cache's
-    block pool, shared by every request (None: what RAM has left after the weights, at most max_batch full
-    contexts); kv_dtype: how it stores keys and values; announce(line) gets the start lines."""
+    """Load the model in `folder` (clients ask for it by any of `names`, the first its own) and serve it on
+    `listener` until Ctrl-C or SIGTERM. context: prompt and reply together, at most the model's; kv_memory:
+    bytes of the KV cache's block pool, shared by every request (None: what RAM has left after the weights,
+    at most max_batch full contexts); kv_dtype: how it stores keys and values; default_max_tokens: a
+    request's max_tokens when it gives none (None: what the context has left); announce(line) gets the
+    start lines."""
     try:
         import uvicorn
     except ImportError:
@@ -123,8 +132,8 @@ def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = 
     pool = BlockPool(config, budget // per_block, kv_dtype, prefix_caching=True)
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
                                context=context, pool=pool)
-    service = Service(name, tokenizer, defaults, BatchRunner(generator), context,
-                      context * LENGTH_FACTOR * longest_token(tokenizer), split_reasoning)
+    service = Service(tuple(names), tokenizer, defaults, BatchRunner(generator), context,
+                      context * LENGTH_FACTOR * longest_token(tokenizer), split_reasoning, default_max_tokens)
     host, port = listener.getsockname()[:2]
     warning = exposure_warning(host, api_key)
     if warning:
@@ -133,8 +142,9 @@ def serve(name: str, folder: Path, listener: socket.socket, *, max_batch: int = 
              f"{pool.block_size} positions, {generator.capacity} positions for all requests together"
              + (" (default: the RAM left after the weights, with a margin, at most --max-batch full contexts)"
                 if default else ""))
-    announce(f"serving {name} on http://{'[' + host + ']' if ':' in host else host}:{port}/v1 (max batch {max_batch}, "
-             f"context {context}); Ctrl-C stops")
+    address = f"{'[' + host + ']' if ':' in host else host}:{port}"
+    announce(f"serving {', '.join(names)} on http://{address}/v1 (max batch {max_batch}, context {context}); "
+             "Ctrl-C stops")
     app = create_app(service, api_key=api_key, loopback_only=_is_loopback(host), log=log)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
                                            timeout_keep_alive=KEEP_ALIVE_SECONDS))
@@ -178,14 +188,19 @@ class Service:
     """What every request needs: the model's name, its tokenizer and defaults, the batch runner, and the
     longest prompt text (in characters) that could still fit the context."""
 
-    model_id: str
+    model_ids: tuple[str, ...]           # the names clients may ask for; the first answers in responses
     tokenizer: Tokenizer
     defaults: GenerationDefaults
     runner: BatchRunner
     context: int
     max_prompt_chars: int
     split_reasoning: bool = True         # a chat reply's <think> part apart, as reasoning_content and reasoning
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS     # max_tokens of a request without one (None: no cap)
     created: int = int(time.time())
+
+    @property
+    def model_id(self) -> str:
+        return self.model_ids[0]
 
     def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Request:
         """The batch request for an OpenAI body whose prompt is already tokenised."""
@@ -213,7 +228,8 @@ class Service:
             message = str(bad).lstrip("-")
             raise APIError(400, message, message.split(":")[0].replace("-", "_")) from None
         generator = self.runner.generator
-        request = Request(prompt, params, max_tokens or max(1, min(room, generator.capacity - len(prompt))), _stops(body))
+        fits = max(1, min(room, generator.capacity - len(prompt), self.default_max_tokens or room))
+        request = Request(prompt, params, max_tokens or fits, _stops(body))
         try:
             generator.check(request)          # what is left to check: the KV cache's capacity; here, not at
                                               # submit, so that a stream's refusal is a 4xx too
@@ -315,8 +331,9 @@ def _message(message: Any, index: int) -> Message:
 
 # --- the HTTP layer -------------------------------------------------------------------------------
 
-def parse_body(raw: bytes, model_id: str) -> dict[str, Any]:
-    """The JSON object of a request body, checked as far as every endpoint needs (model, stream)."""
+def parse_body(raw: bytes, model_ids: Sequence[str]) -> dict[str, Any]:
+    """The JSON object of a request body, checked as far as every endpoint needs (model: one of `model_ids`,
+    or none, as vLLM takes it; stream)."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as bad:
@@ -330,9 +347,9 @@ def parse_body(raw: bytes, model_id: str) -> dict[str, Any]:
         if not all(_encodable(text) for text in _strings([name, value])):
             field = name if _encodable(name) else None
             raise APIError(400, f"{field or 'a field name'}: not valid Unicode (a lone surrogate)", field)
-    if body.get("model") != model_id:
-        raise APIError(404, f"The model `{body.get('model')}` does not exist (this server has `{model_id}`).",
-                       "model", "model_not_found")
+    if body.get("model") is not None and body.get("model") not in model_ids:
+        raise APIError(404, f"The model `{body.get('model')}` does not exist (this server has "
+                            f"{', '.join(f'`{name}`' for name in model_ids)}).", "model", "model_not_found")
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise APIError(400, "stream: must be true or false", "stream")
@@ -426,7 +443,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
             raw = await asyncio.wait_for(read_raw(http), BODY_SECONDS)
         except asyncio.TimeoutError:
             raise APIError(408, f"request body: not received within {BODY_SECONDS:g}s") from None
-        return await run_in_threadpool(parse_body, raw, service.model_id)
+        return await run_in_threadpool(parse_body, raw, service.model_ids)
 
     def endpoint(chat: bool) -> Callable[[HTTPRequest], Any]:
         async def handle(http: HTTPRequest) -> Response:
@@ -458,8 +475,8 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         return handle
 
     async def models(http: HTTPRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": service.model_id, "object": "model",
-                                                         "created": service.created, "owned_by": "qwen_np"}]})
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": service.created,
+                                                         "owned_by": "qwen_np"} for name in service.model_ids]})
 
     async def health(http: HTTPRequest) -> Response:
         generator = service.runner.generator

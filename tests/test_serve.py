@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from qwen_np import serve
@@ -539,3 +540,84 @@ def test_a_chat_reply_gives_its_thinking_apart_under_both_names_unless_raw() -> 
                                               "reasoning_content": "Let me think.", "reasoning": "Let me think."}
     assert assistant_message(reply, False) == {"role": "assistant", "content": reply}
     assert assistant_message("Four.", True) == {"role": "assistant", "content": "Four."}
+
+
+# --- a scripted model: the real tokenizer and template, weights that make greedy decoding a fixed chain ----
+
+SCRIPT = ["\n", "<think>", "Hmm", "</think>", "Four", ".", "<|im_end|>"]     # each token -> the next, greedy
+SCRIPTED_NAMES = ("qwen3-scripted", "alias")
+
+
+def write_scripted_checkpoint(folder: Path) -> Path:
+    """A Qwen3 that greedily continues the chat generation prompt (which ends in "\\n") with SCRIPT:
+    o_proj and down_proj are zero, so the last hidden state is the current token's embedding; SCRIPT's
+    tokens embed as one-hot vectors and lm_head maps each to the next one's logit (80 against 0), so a
+    reply with thinking comes out of a real server, through the real template and tokenizer."""
+    import shutil
+
+    from qwen_np.checkpoint import save_checkpoint
+    from qwen_np.config import Qwen3Config, expected_tensors
+    from qwen_np.tokenizer import Tokenizer
+
+    config_json = {**json.loads((ROOT / MODEL / "config.json").read_text()), "tie_word_embeddings": False}
+    config = Qwen3Config.from_dict(config_json)
+    tensors = {name: (np.ones(shape) if len(shape) == 1 else np.zeros(shape)).astype(np.float32)
+               for name, shape in expected_tensors(config).items()}
+    tokenizer = Tokenizer.from_folder(ROOT / MODEL)
+    ids = [tokenizer.encode(token) for token in SCRIPT]
+    assert all(len(one) == 1 for one in ids), ids
+    for k, (token, following) in enumerate(zip(ids, ids[1:])):
+        tensors["model.embed_tokens.weight"][token[0], k] = 1.0
+        tensors["lm_head.weight"][following[0], k] = 10.0
+    save_checkpoint(folder, config_json, [tensors])
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(ROOT / MODEL / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def scripted(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+    """A server of the scripted model, under two names, requests without max_tokens capped at 6."""
+    folder = write_scripted_checkpoint(tmp_path_factory.mktemp("scripted"))
+    with serving(env, str(folder), "--served-model-name", *SCRIPTED_NAMES, "--default-max-tokens", "6") as running:
+        yield running
+
+
+def test_the_official_client_reads_a_replys_thinking_apart_whole_and_streamed(scripted) -> None:
+    client = openai.OpenAI(base_url=scripted.url, api_key="none", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "What is two and two?"}]
+    reply = client.chat.completions.create(model=SCRIPTED_NAMES[0], messages=messages, temperature=0).choices[0]
+    assert reply.message.content == "Four." and reply.finish_reason == "stop"
+    assert reply.message.reasoning_content == reply.message.reasoning == "Hmm"       # llama-server's and vLLM's
+    chunks = list(client.chat.completions.create(model=SCRIPTED_NAMES[0], messages=messages, temperature=0,
+                                                 stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(delta.content or "" for delta in deltas) == "Four."
+    for field_name in ("reasoning_content", "reasoning"):
+        assert "".join(getattr(delta, field_name, None) or "" for delta in deltas) == "Hmm"
+
+
+def test_aliases_answer_under_the_first_name_and_a_request_without_model_gets_the_served_one(scripted) -> None:
+    client = openai.OpenAI(base_url=scripted.url, api_key="none", max_retries=0, timeout=60)
+    assert [model.id for model in client.models.list().data] == list(SCRIPTED_NAMES)
+    for name in SCRIPTED_NAMES:
+        answer = client.completions.create(model=name, prompt="Hello", max_tokens=2, temperature=0)
+        assert answer.model == SCRIPTED_NAMES[0] and answer.usage.completion_tokens == 2
+    code, answer = post(scripted.url + "/completions", {"prompt": "Hello", "max_tokens": 2})
+    assert code == 200 and answer["model"] == SCRIPTED_NAMES[0]
+    with pytest.raises(openai.NotFoundError, match="qwen3-scripted"):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+
+
+def test_a_request_without_max_tokens_stops_at_the_servers_default(scripted) -> None:
+    code, answer = post(scripted.url + "/completions", {"model": "alias", "prompt": "Hello", "temperature": 0})
+    assert code == 200 and answer["usage"]["completion_tokens"] == 6 and answer["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("flags", [["--default-max-tokens", "0"], ["--served-model-name", "a", "a"],
+                                   ["--served-model-name", " "]])
+def test_bad_names_and_default_max_tokens_are_one_line_naming_the_flag(env, flags) -> None:
+    result = subprocess.run([sys.executable, "-m", "qwen_np", "serve", "--model", MODEL, "--port", "0", *flags],
+                            cwd=ROOT, env=env, capture_output=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.decode().count("\n") == 1, result.stderr
+    assert result.stderr.decode().startswith(f"error: {flags[0]}: ")

@@ -29,6 +29,12 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help=f"requests decoded together in one batch; more wait for a free row "
                              f"(default: {serve.DEFAULT_MAX_BATCH})")
     common.add_context(parser, "context of each request, prompt and reply together")
+    parser.add_argument("--default-max-tokens", type=int, default=serve.DEFAULT_MAX_TOKENS, metavar="N",
+                        help=f"max_tokens of a request that gives none (default: {serve.DEFAULT_MAX_TOKENS}; or what "
+                             "the context has left, if less; -1: always what the context has left)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="the name(s) clients ask for in `model` and /v1/models lists; several are aliases, the "
+                             "first answers in responses (default: --model as given, else the bundled model's name)")
     common.add_memory(parser)
     parser.add_argument("--kv-memory", metavar="SIZE",
                         help="memory for the KV cache, shared by all requests, e.g. 512MiB or 2GiB; requests wait for "
@@ -54,14 +60,20 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key == "":
         raise QwenNPError(f"--api-key: empty (give a key, or unset {serve.API_KEY_ENV} for none)")
     kv_memory = parse_size(args.kv_memory, "--kv-memory") if args.kv_memory is not None else None
+    if args.default_max_tokens == 0 or args.default_max_tokens < -1:
+        raise QwenNPError(f"--default-max-tokens: must be at least 1, or -1 for what the context has left, "
+                          f"got {args.default_max_tokens}")
+    names = args.served_model_name or [args.model or common.BUNDLED_NAME]
+    if any(not name.strip() for name in names) or len(set(names)) < len(names):
+        raise QwenNPError(f"--served-model-name: names must be non-empty and distinct, got {names}")
     folder = common.model_folder(args.model)
-    name = args.model or common.BUNDLED_NAME
     try:
         listener = socket.create_server((args.host, args.port))
     except OSError as error:
         raise QwenNPError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror})") from None
-    serve.serve(name, folder, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
+    serve.serve(names, folder, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
                 memory=args.memory, kv_memory=kv_memory, kv_dtype=args.kv_dtype, api_key=args.api_key,
                 log=not args.quiet, split_reasoning=args.reasoning_format == "parsed",
+                default_max_tokens=None if args.default_max_tokens == -1 else args.default_max_tokens,
                 announce=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
