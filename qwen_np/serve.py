@@ -98,8 +98,9 @@ MAX_STOPS, MAX_STOP_CHARS = 4, 256
 LENGTH_FACTOR = 8
 # A client must send its whole body within this (408 otherwise), so a half-sent request does not hold
 # its connection and handler open forever. Between requests, uvicorn closes a kept-alive connection
-# that stays idle for timeout_keep_alive seconds.
-BODY_SECONDS, KEEP_ALIVE_SECONDS = 10.0, 5
+# that stays idle for timeout_keep_alive seconds; and a connection gets HEADER_SECONDS for each request's
+# headers, from its opening or its last response (header_deadline_protocol), so none is held half-open.
+BODY_SECONDS, KEEP_ALIVE_SECONDS, HEADER_SECONDS = 10.0, 5, 10.0
 API_KEY_ENV = "QWEN_NP_API_KEY"
 LOOPBACK_HOST = re.compile(r"(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.IGNORECASE)
 
@@ -147,12 +148,56 @@ def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_ba
              "Ctrl-C stops")
     app = create_app(service, api_key=api_key, loopback_only=_is_loopback(host), log=log)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
-                                           timeout_keep_alive=KEEP_ALIVE_SECONDS))
+                                           timeout_keep_alive=KEEP_ALIVE_SECONDS, http=header_deadline_protocol()))
     service.runner.start()
     try:
         server.run(sockets=[listener])
     finally:
         service.runner.stop()
+
+
+def header_deadline_protocol() -> type:
+    """uvicorn's HTTP/1.1 protocol (h11), with a deadline for each request's headers: uvicorn times out a
+    kept-alive connection only while it is idle, so one that sends nothing, or half a header, would hold
+    its socket forever. Hand-written because uvicorn has no such setting (its `timeout_keep_alive` timer
+    is cancelled by any byte received); this arms one timer of our own while headers are awaited."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:     # type: ignore[override]
+            super().connection_made(transport)
+            self._await_headers()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._await_headers()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE and self.deadline is not None:     # the headers are in
+                self.deadline.cancel()
+                self.deadline = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+            super().connection_lost(exc)
+
+        def _await_headers(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+            waiting = self.conn.their_state is h11.IDLE       # not when a pipelined request's headers are in
+            self.deadline = self.loop.call_later(HEADER_SECONDS, self._headers_late) if waiting else None
+
+        def _headers_late(self) -> None:
+            self.deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
 
 
 def default_kv_memory(model: Qwen3Model, full: int) -> int:

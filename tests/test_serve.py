@@ -332,6 +332,18 @@ def test_a_half_sent_body_times_out_with_408(server) -> None:
     assert_openai_error(408, json.loads(body), 408)
 
 
+def test_a_connection_that_never_finishes_its_headers_is_closed_and_the_server_keeps_serving(server) -> None:
+    port = int(server.split(":")[2].split("/")[0])
+    silent = socket.create_connection(("127.0.0.1", port))                        # sends nothing at all
+    opened = time.monotonic()
+    head, body = send_raw(server, b"GET /health HTTP/1.1\r\nHost: 127.0", timeout=serve.HEADER_SECONDS + 5)
+    assert head == body == b"" and serve.HEADER_SECONDS - 1 < time.monotonic() - opened < serve.HEADER_SECONDS + 5
+    silent.settimeout(5)
+    assert silent.recv(1) == b""                                                  # closed by the server too
+    silent.close()
+    assert health(server)["status"] == "ok"
+
+
 def test_every_request_is_logged_in_one_line(running, client) -> None:
     client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3)
     deadline = time.monotonic() + 5
