@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from . import memory, runtime
 from .data import END_OF_TEXT
 from .divergence import log_softmax
 from .errors import QwenNPError
@@ -78,17 +79,31 @@ def encoded_documents(tokenizer: Any, text: str) -> tuple[list[np.ndarray], int]
 
 
 def score_text(logits_of: Callable[[np.ndarray], np.ndarray], docs: list[np.ndarray], characters: int,
-               context: int, progress: Callable[[int], None] = lambda n: None) -> TextScore:
-    """Score documents window by window. logits_of maps ids [T] to logits [T, V] (e.g. model.forward)."""
+               context: int, progress: Callable[[int], None] = lambda n: None, jobs: int = 1) -> TextScore:
+    """Score documents window by window. logits_of maps ids [T] to logits [T, V] (e.g. model.forward);
+    jobs: windows scored at once, on threads of their own (runtime.independent_jobs); the sum is taken
+    in window order, so the score does not depend on it."""
+    def window_nats(window: np.ndarray) -> tuple[float, int]:
+        nll = token_nll(logits_of(window[:-1]), window[1:])                          # [T]
+        progress(len(nll))
+        return float(nll.sum()), len(nll)
+
     score = TextScore(characters=characters)
-    for ids in docs:
-        for window in windows(ids, context):
-            nll = token_nll(logits_of(window[:-1]), window[1:])                      # [T]
-            score.add(float(nll.sum()), len(nll))
-            progress(len(nll))
+    for nats, tokens in runtime.independent_jobs(window_nats, [w for ids in docs for w in windows(ids, context)], jobs):
+        score.add(nats, tokens)
     if score.tokens == 0:
         raise QwenNPError("--text: too short to score (needs at least two tokens)")
     return score
+
+
+def window_jobs(model: Any, context: int) -> int:
+    """How many windows to score at once: one per thread, fewer when RAM left after the weights cannot
+    hold another window's activations (its logits, in float64 for the log-softmax too: at Qwen3's
+    vocabulary a 1,024-token window's are 1.9 GB)."""
+    config, plan = model.config, model.plan
+    one_window = memory.working_bytes(config, context, chunk=context) + context * config.vocab_size * 8
+    room = plan.room_for_kv_cache if plan is not None else one_window * runtime.usable_cores()
+    return max(1, min(runtime.threads_wanted(), 1 + max(0, room) // one_window))
 
 
 def read_eval_text(path: Path | None, split: str | None) -> tuple[str, str]:

@@ -205,7 +205,7 @@ class FastQwen3Model(Qwen3Model):
     def __init__(self, config: Qwen3Config, embed_tokens: Weight, decoder_layers: list[LayerWeights],
                  norm: np.ndarray, lm_head: Weight, plan: MemoryPlan | None = None) -> None:
         super().__init__(config, embed_tokens, decoder_layers, norm, lm_head, plan)
-        self._decode_buffers: dict[int, _Buffers] = {}
+        self._decode_buffers = threading.local()              # .by_size: {T: _Buffers}, per thread
         self._fused: list[_Fused | None] = [None] * len(self.layers)
 
     def fused_weights(self, i: int) -> tuple[Weight | None, Weight | None]:
@@ -256,9 +256,10 @@ class FastQwen3Model(Qwen3Model):
         fresh for a prompt (whose size changes from call to call)."""
         if T > MAX_KEPT_TOKENS:
             return _Buffers(self.config, T)
-        if T not in self._decode_buffers:
-            self._decode_buffers[T] = _Buffers(self.config, T)
-        return self._decode_buffers[T]
+        kept = self._decode_buffers.__dict__.setdefault("by_size", {})      # this thread's own: threads that
+        if T not in kept:                                                    # run forwards at once (eval's
+            kept[T] = _Buffers(self.config, T)                               # windows) must not share them
+        return kept[T]
 
     def _streams_weights(self) -> bool:
         """Whether any matrix is kept as stored (BF16/F16) or int8, and so is upcast block by block on use."""

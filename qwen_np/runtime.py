@@ -16,10 +16,11 @@ import mmap
 import os
 import resource
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -33,11 +34,18 @@ _threads = usable_cores()          # the most threads we may use (set_threads, t
 _active = _threads                 # the threads we use now: fewer while other processes want the cores
 _pool: ThreadPoolExecutor | None = None
 _blas: Any = None        # threadpoolctl controller for the BLAS libraries, created on first use
+_job = threading.local()           # .running: this thread runs one of independent_jobs' jobs
 
 
 def threads() -> int:
-    """Threads the fast path splits work between now (at most set_threads'; see adapt_to_load)."""
-    return _active
+    """Threads the fast path splits work between now (at most set_threads'; see adapt_to_load); 1 inside
+    one of independent_jobs' jobs, which are already spread over the threads."""
+    return 1 if getattr(_job, "running", False) else _active
+
+
+def threads_wanted() -> int:
+    """The most threads we may use: set_threads' (the CLI's --threads), else one per usable core."""
+    return _threads
 
 
 def set_threads(count: int | None) -> None:
@@ -194,6 +202,27 @@ def split(n: int, parts: int, job: Callable[[slice], object]) -> None:
     job(slice(bounds[0], bounds[1]))
     for done in pending:
         done.result()
+
+
+def independent_jobs(job: Callable[[Any], Any], items: Sequence[Any], most: int | None = None) -> list[Any]:
+    """[job(item) for item in items], the items shared out between up to `most` threads (None: all of
+    set_threads', whatever the load), each thread taking the next item as it finishes one, every job
+    single-threaded (its products on one core, BLAS too).
+
+    For work made of independent pieces (eval's windows): no thread waits for another, so when the
+    scheduler takes a core away from one, the others go on taking items, where splitting each product
+    in fixed halves makes every product wait for the slowest half (see "sharing a busy machine").
+    Results come in the items' order, so a sum over them rounds the same for any thread count."""
+    count = min(threads_wanted() if most is None else most, len(items))
+    if count <= 1:
+        return [job(item) for item in items]
+
+    def run(item: Any) -> Any:
+        _job.running = True
+        return job(item)
+
+    with single_threaded_blas(), ThreadPoolExecutor(count, thread_name_prefix="qwen_np-job") as pool:
+        return list(pool.map(run, items))
 
 
 def peak_rss_bytes() -> int:

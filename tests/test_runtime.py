@@ -80,3 +80,20 @@ def test_inside_single_threaded_blas_the_load_changes_nothing(adaptive: list[int
         assert blas_threads() == {1} and runtime.threads() == 1
     runtime.adapt_to_load()
     assert runtime.threads() == 2 and blas_threads() == {2}
+
+
+def test_independent_jobs_share_the_items_out_between_threads_each_single_threaded_in_order(adaptive) -> None:
+    import threading
+    import time
+
+    seen: list[tuple[str, int, set[int]]] = []
+
+    def job(item: int) -> int:
+        seen.append((threading.current_thread().name, runtime.threads(), blas_threads()))
+        time.sleep(0.01 * (item % 3))                  # uneven jobs: a thread takes the next as it finishes
+        return item * item
+
+    assert runtime.independent_jobs(job, list(range(12))) == [i * i for i in range(12)]
+    assert len({name for name, _, _ in seen}) == 2 and {(t, tuple(b)) for _, t, b in seen} == {(1, (1,))}
+    assert runtime.threads() == 2 and blas_threads() == {2}               # all given back afterwards
+    assert runtime.independent_jobs(job, [5], most=4) == [25]             # one item: on this thread

@@ -476,3 +476,16 @@ def test_a_library_run_with_an_unknown_precision_is_refused_naming_the_flag() ->
 
     with pytest.raises(training.QwenNPError, match="--precision: expected one of fp32, bf16, fp16, fp8, got 'fp4'"):
         resolve_settings({"precision": "fp4"}, "tiny", None)
+
+
+@pytest.mark.parametrize("memory", ["fp32", "bf16", "int8"])
+def test_eval_scores_the_same_with_windows_on_several_threads(memory: str) -> None:
+    """eval scores windows on threads of their own (runtime.independent_jobs): the same sum as one by one."""
+    from qwen_np import evaluation
+
+    model = load_model(FIXTURES / "tied_mha", memory=memory)
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, model.config.vocab_size, n) for n in (70, 33, 129)]
+    one, several = (evaluation.score_text(model.forward, docs, 100, 16, jobs=jobs) for jobs in (1, 2))
+    assert one.tokens == several.tokens == sum(len(d) - 1 for d in docs)
+    assert several.nats == pytest.approx(one.nats, rel=1e-6)

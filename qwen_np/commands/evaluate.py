@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(folder, memory=args.memory, max_tokens=context)
     with tqdm(total=sum(len(d) - 1 for d in docs), unit="tok", file=sys.stderr, disable=None, leave=False) as bar:
         result = evaluation.score_text(lambda ids: check_finite(model, ids, model.forward(ids)), docs, characters,
-                                       context, bar.update).summary()
+                                       context, bar.update, evaluation.window_jobs(model, context)).summary()
     result.update(model=str(args.model or folder), text=text_name, context=context)
     if args.json and not args.compare:
         print(json.dumps(result))
