@@ -77,7 +77,7 @@ class GenerationStats:
 
     def count(self, sequence: Continuation) -> None:
         """Take the step and speculation counts of a generation."""
-        self.target_steps, self.drafted_tokens = sequence.steps, sequence.drafted_tokens
+        self.target_steps, self.drafted_tokens = sequence.target_steps, sequence.drafted_tokens
         self.accepted_tokens = sequence.accepted_tokens
 
     @property
@@ -269,7 +269,7 @@ class Continuation:
         self.generated: list[int] = []
         self.decoder = StreamDecoder(tokenizer)
         self.stops = StopStrings(stop)
-        self.steps = 0               # target forward passes whose logits chose tokens (the prompt's included)
+        self.target_steps = 0        # target forward passes whose logits chose tokens (the prompt's included)
         self.drafted_tokens = 0      # drafted tokens judged ...
         self.accepted_tokens = 0     # ... and kept
 
@@ -301,7 +301,7 @@ class Continuation:
             events.append(self._emit(token))
             if events[-1].finish_reason or token != drafted:
                 break
-        self.steps += 1
+        self.target_steps += 1
         return events
 
     def _emit(self, token: int) -> TokenEvent:
@@ -369,8 +369,9 @@ class ChatSession:
 
     def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, params: SamplingParams, *,
                  eos_token_ids: Sequence[int] = (), system: str | None = None,
-                 enable_thinking: bool | None = None, max_tokens: int | None = None, kv_dtype: str = "fp32") -> None:
-        self.model, self.tokenizer, self.params = model, tokenizer, params
+                 enable_thinking: bool | None = None, max_tokens: int | None = None, kv_dtype: str = "fp32",
+                 speculation: Speculation | None = None) -> None:
+        self.model, self.tokenizer, self.params, self.speculation = model, tokenizer, params, speculation
         self.eos_token_ids = tuple(eos_token_ids)
         self.enable_thinking = enable_thinking
         self.system = system
@@ -426,7 +427,8 @@ class ChatSession:
         answered = False     # True once the model has produced anything, even an immediate EOS
         try:
             for event in generate(self.model, self.tokenizer, ids, self.params, max_new_tokens,
-                                  eos_token_ids=self.eos_token_ids, cache=self.cache, rng=self.rng, stats=stats):
+                                  eos_token_ids=self.eos_token_ids, cache=self.cache, rng=self.rng, stats=stats,
+                                  speculation=self.speculation):
                 answered = True
                 if event.finish_reason != "eos":
                     reply.append(event.token_id)

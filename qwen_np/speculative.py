@@ -196,6 +196,17 @@ def draft_speculation(draft: Qwen3Model, tokens: int = DEFAULT_DRAFT_TOKENS,
     return Speculation(k, new_drafter, "draft")
 
 
+def usage_fields(target_steps: int, drafted: int, accepted: int, completion_tokens: int) -> dict[str, object]:
+    """What a reply's `usage` adds when decoding speculatively: OpenAI's completion_tokens_details for
+    predicted tokens (the draft is the prediction), and `speculative_decoding` with the rates."""
+    return {"completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted},
+            "speculative_decoding": {"drafted_tokens": drafted, "accepted_tokens": accepted,
+                                     "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+                                     "target_steps": target_steps,
+                                     "tokens_per_step": round(completion_tokens / target_steps, 4) if target_steps else None}}
+
+
 def _checked_tokens(tokens: int) -> int:
     if tokens < 1:
         raise QwenNPError(f"--draft-tokens: must be >= 1, got {tokens}")

@@ -9,7 +9,9 @@ import sys
 
 from .. import serve
 from ..errors import QwenNPError
+from ..loading import read_config, read_tokenizer
 from ..memory import DEFAULT_CONTEXT, parse_size
+from ..speculative import DEFAULT_DRAFT_TOKENS
 from . import common
 
 
@@ -35,6 +37,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "free blocks, and one that could never fit is refused (default: what RAM has left after "
                              "the weights, with a margin, at most --max-batch full contexts; printed at start)")
     common.add_kv_dtype(parser)
+    common.add_speculation(parser)
     common.add_threads(parser)
     parser.add_argument("--api-key", default=os.environ.get(serve.API_KEY_ENV), metavar="KEY",
                         help=f"require `Authorization: Bearer KEY` on every request but /health (default: "
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise QwenNPError(f"--api-key: empty (give a key, or unset {serve.API_KEY_ENV} for none)")
     kv_memory = parse_size(args.kv_memory, "--kv-memory") if args.kv_memory is not None else None
     folder = common.model_folder(args.model)
+    draft = common.check_speculation(args, read_config(folder), read_tokenizer(folder))
     name = args.model or common.BUNDLED_NAME
     try:
         listener = socket.create_server((args.host, args.port))
@@ -63,5 +67,6 @@ def run(args: argparse.Namespace) -> int:
     serve.serve(name, folder, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
                 memory=args.memory, kv_memory=kv_memory, kv_dtype=args.kv_dtype, api_key=args.api_key,
                 log=not args.quiet, split_reasoning=args.reasoning_format == "parsed",
+                draft=draft, lookup=args.lookup, draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS,
                 announce=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
