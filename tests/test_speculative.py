@@ -16,9 +16,12 @@ from scipy import stats as scipy_stats
 from qwen_np import cli
 from qwen_np.batching import BatchGenerator, Request
 from qwen_np.checkpoint import bundled_model_path
+from qwen_np.errors import QwenNPError
+from qwen_np.fast import FastQwen3Model
 from qwen_np.generate import GenerationStats, generate
 from qwen_np.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache
 from qwen_np.loading import load_model, read_tokenizer
+from qwen_np.model import Qwen3Model
 from qwen_np.sampling import SamplingParams, processed_logits, softmax
 from qwen_np.speculative import PromptLookup, accept, draft_speculation, lookup_speculation
 
@@ -160,7 +163,8 @@ def test_batched_speculative_rows_equal_plain_rows_with_preemption(fixtures, tok
     plain = run(None, 12)
     for speculation in _drafters(target, draft).values():
         assert run(speculation, 12)[:3] == plain[:3]
-        assert run(speculation, 6)[:3] == plain[:3]               # too few blocks for all: rows are preempted
+        preempted = run(speculation, 6)                           # too few blocks for all: rows are preempted
+        assert preempted[:3] == plain[:3] and preempted[3][0] > 0
 
 
 def test_rolling_back_into_a_named_block_unnames_it_so_no_other_sequence_reuses_it(random_pair) -> None:
@@ -190,6 +194,20 @@ def test_the_json_output_has_the_speculation_usage(capsys) -> None:
                      "--json", "-q"]) == 0
     reply = json.loads(capsys.readouterr().out)
     usage = reply["usage"]["speculative_decoding"]
-    assert usage["target_steps"] * usage["tokens_per_step"] == pytest.approx(20)
+    assert usage["target_steps"] * usage["tokens_per_step"] == pytest.approx(20, rel=1e-3)
     assert reply["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == usage["accepted_tokens"]
 
+
+
+@pytest.mark.parametrize("path", [FastQwen3Model.forward_batch, Qwen3Model.forward_batch], ids=["fast", "readable"])
+def test_forward_batch_tails_are_those_rows_of_the_full_logits(random_pair, path) -> None:
+    target, _ = random_pair
+    batch = [[3, 14, 15, 9], [26, 5], [7, 7, 7, 7, 7]]
+
+    def run(**kwargs) -> np.ndarray:
+        return path(target, batch, [target.new_cache(16) for _ in batch], **kwargs)
+
+    full = run()                                                                   # [11, V]
+    assert np.array_equal(run(tails=[2, 1, 3]), full[[2, 3, 5, 8, 9, 10]])
+    with pytest.raises(QwenNPError, match="tails"):
+        run(tails=[3, 3, 1])
