@@ -131,7 +131,8 @@ class PromptLookup:
 class DraftModel:
     """Drafts with a smaller model over its own `cache`: k tokens picked from its processed distributions
     (the target's sampling settings), one forward pass each. Each proposal first cuts the cache back to
-    the longest prefix it shares with the sequence (the target rejected the rest) and feeds the remainder."""
+    the longest prefix it shares with the sequence (the target rejected the rest) and feeds the remainder.
+    When the cache's pool (shared by a batch's rows) has no blocks for that, it proposes nothing."""
 
     def __init__(self, model: Qwen3Model, params: SamplingParams, cache: PagedKVCache) -> None:
         self.model, self.params, self.cache = model, params, cache
@@ -145,6 +146,8 @@ class DraftModel:
             return NO_DRAFT
         self.cache.truncate(min(_common_prefix(self.cache.tokens, sequence), len(sequence) - 1))
         pending = list(sequence[self.cache.length:])
+        if self.cache.blocks_needed(len(pending) + k - 1) > self.cache.pool.free_blocks:
+            return NO_DRAFT                  # a draft pool shared by a batch is full: this step goes undrafted
         for start in range(0, len(pending), PREFILL_CHUNK):
             logits = self.model.forward(pending[start:start + PREFILL_CHUNK], self.cache, last_only=True)[-1]  # [V]
         tokens: list[int] = []
