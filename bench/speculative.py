@@ -57,44 +57,46 @@ def few_layer_checkpoint(model: str, layers: int) -> Path:
     return folder
 
 
-def step_seconds(model: Qwen3Model, tokens: int, layers: int, repeats: int) -> float:
-    """Median seconds of one forward pass of `tokens` tokens after CACHED cached positions, on the model's
-    first `layers` layers (and its head)."""
+def step_costs(model: Qwen3Model, counts: tuple[int, ...], layers: int, repeats: int) -> dict[int, float]:
+    """Median seconds of one forward pass of each token count after CACHED cached positions, on the model's
+    first `layers` layers (and its head), measured round-robin (one pass of each count per round), so a
+    neighbour's load shifts every count alike."""
     everything = model.layers
     model.layers = everything[:layers]
     try:
-        cache = model.new_cache(CACHED + max(KS) + 1)
+        cache = model.new_cache(CACHED + max(counts))
         model.forward(list(range(CACHED)), cache, last_only=True)
-        times = []
-        for _ in range(repeats + 1):                                 # the first call warms the buffers
-            started = time.perf_counter()
-            model.forward(list(range(1, tokens + 1)), cache)
-            times.append(time.perf_counter() - started)
-            cache.truncate(CACHED)
-        return statistics.median(times[1:])
+        times: dict[int, list[float]] = {tokens: [] for tokens in counts}
+        for lap in range(repeats + 1):                               # lap 0 warms the buffers
+            for tokens in counts:
+                started = time.perf_counter()
+                model.forward(list(range(1, tokens + 1)), cache)
+                if lap:
+                    times[tokens].append(time.perf_counter() - started)
+                cache.truncate(CACHED)
+        return {tokens: statistics.median(seconds) for tokens, seconds in times.items()}
     finally:
         model.layers = everything
 
 
 def verify_costs(models: list[str], memories: list[str], repeats: int) -> None:
     print(f"1. verify cost: a forward of k+1 tokens / one decode step, {CACHED} cached positions (medians of {repeats})")
-    print(f"   {'shape':<22} {'weights':<7} {'decode step':>11} " + " ".join(f"{f'k={k}':>7}" for k in KS))
+    print(f"   {'shape':<26} {'weights':<7} {'decode step':>11} " + " ".join(f"{f'k={k}':>7}" for k in KS))
+    counts = (1, *(k + 1 for k in KS))
     for name in models:
         whole = name == "0.6b"
         folder = ensure_checkpoint(name) if whole else few_layer_checkpoint(name, FEW_LAYERS)
         real_layers = PRESETS[MODELS[name]].num_hidden_layers
         for memory in memories:
-            model = load_model(folder, memory=memory, max_tokens=CACHED + max(KS) + 1)
-            costs = {}
-            for tokens in (1, *(k + 1 for k in KS)):
-                if whole:
-                    costs[tokens] = step_seconds(model, tokens, real_layers, repeats)
-                else:                     # rest + L * layer, from 1 and FEW_LAYERS layers
-                    one, few = (step_seconds(model, tokens, n, repeats) for n in (1, FEW_LAYERS))
-                    layer = (few - one) / (FEW_LAYERS - 1)
-                    costs[tokens] = one - layer + real_layers * layer
+            model = load_model(folder, memory=memory, max_tokens=CACHED + max(counts))
+            if whole:
+                costs = step_costs(model, counts, real_layers, repeats)
+            else:                         # rest + L * layer, from 1 and FEW_LAYERS layers
+                one, few = (step_costs(model, counts, n, repeats) for n in (1, FEW_LAYERS))
+                layer = {t: (few[t] - one[t]) / (FEW_LAYERS - 1) for t in counts}
+                costs = {t: one[t] + (real_layers - 1) * layer[t] for t in counts}
             label = f"Qwen3-{name.upper()}" + ("" if whole else f" ({FEW_LAYERS} layers -> {real_layers})")
-            print(f"   {label:<22} {memory:<7} {costs[1] * 1e3:>9.1f}ms "
+            print(f"   {label:<26} {memory:<7} {costs[1] * 1e3:>9.1f}ms "
                   + " ".join(f"{costs[k + 1] / costs[1]:>6.2f}x" for k in KS), flush=True)
             del model
 
