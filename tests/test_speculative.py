@@ -18,7 +18,7 @@ from qwen_np.batching import BatchGenerator, Request
 from qwen_np.checkpoint import bundled_model_path
 from qwen_np.errors import QwenNPError
 from qwen_np.fast import FastQwen3Model
-from qwen_np.generate import GenerationStats, generate
+from qwen_np.generate import ChatSession, GenerationStats, generate
 from qwen_np.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache
 from qwen_np.loading import load_model, read_tokenizer
 from qwen_np.model import Qwen3Model
@@ -211,3 +211,12 @@ def test_forward_batch_tails_are_those_rows_of_the_full_logits(random_pair, path
     assert np.array_equal(run(tails=[2, 1, 3]), full[[2, 3, 5, 8, 9, 10]])
     with pytest.raises(QwenNPError, match="tails"):
         run(tails=[3, 3, 1])
+
+
+def test_a_speculative_chat_replies_as_the_plain_one_turn_after_turn(tok) -> None:
+    model = load_model(QWEN3_RANDOM)
+    sessions = [ChatSession(model, tok, GREEDY, max_tokens=256, speculation=speculation)
+                for speculation in (None, lookup_speculation(2, 3), draft_speculation(model, 2))]
+    for message in ("Hello there", "And again, hello there"):
+        replies = [[e.token_id for e in session.send(message, 12)] for session in sessions]
+        assert replies[1] == replies[0] and replies[2] == replies[0]
