@@ -191,14 +191,6 @@ def processed_logits(logits: np.ndarray, params: SamplingParams, context_ids: Se
         return require_distribution(logits, params) if params.greedy else warp(logits, params)
 
 
-def probabilities(processed: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution [V] (float64) a token is picked from, given processed_logits: one-hot at the
-    argmax when greedy, else their softmax."""
-    if params.greedy:
-        return np.eye(1, processed.size, int(np.argmax(processed)), dtype=np.float64)[0]
-    return softmax(processed)
-
-
 def pick(processed: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """The token chosen from processed_logits: their argmax when greedy (no random number used), else one draw."""
     return int(np.argmax(processed)) if params.greedy else draw(processed, rng)
