@@ -108,7 +108,6 @@ class Qwen3Model:
         if len(token_ids) != len(caches) or not token_ids:
             raise QwenNPError(f"forward_batch: {len(token_ids)} sequences of token ids for {len(caches)} caches")
         ids, positions, rows = self._pack(token_ids, caches)                             # [T], [T], B slices
-        picked = output_rows(rows, last_only, tails)           # checked before any work
         runtime.adapt_to_load()                  # fewer BLAS threads while other processes want the cores
         note = trace or layers.ignore
         cos, sin = layers.rope_angles(self.inv_freq, positions)                        # [T, Dh] each
@@ -119,8 +118,9 @@ class Qwen3Model:
             x = self.decoder_layer(i, layer, x, positions, rows, cos, sin, caches, note)   # [T, D]
         x = layers.rms_norm(x, self.norm, self.config.rms_norm_eps)                    # [T, D]
         note("model.norm", x)
+        picked = output_rows(rows, last_only, tails)        # the rows whose logits are asked for (None: all)
         if picked is not None:
-            x = x[picked]                                                              # [sum(tails), D]
+            x = x[picked]                                                              # [B, D] or [sum(tails), D]
         logits = layers.linear(x, self.lm_head)                                        # [T, V]
         note("lm_head", logits)
         advance(caches, ids, rows)

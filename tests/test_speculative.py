@@ -220,3 +220,13 @@ def test_a_speculative_chat_replies_as_the_plain_one_turn_after_turn(tok) -> Non
     for message in ("Hello there", "And again, hello there"):
         replies = [[e.token_id for e in session.send(message, 12)] for session in sessions]
         assert replies[1] == replies[0] and replies[2] == replies[0]
+
+
+def test_speculative_greedy_stops_where_plain_greedy_does_when_the_context_fills(random_pair, tok) -> None:
+    target, draft = random_pair
+    prompt = [3, 14, 15, 9, 26, 5, 3, 14]
+    plain = events(target, tok, prompt, GREEDY, 100, cache=target.new_cache(21))
+    assert plain[-1][2] == "context" and len(plain) == 13
+    for drafter, speculation in _drafters(target, draft).items():
+        assert events(target, tok, prompt, GREEDY, 100, cache=target.new_cache(21), speculation=speculation) == plain, \
+            drafter
