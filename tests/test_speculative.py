@@ -20,10 +20,10 @@ from qwen_np.errors import QwenNPError
 from qwen_np.fast import FastQwen3Model
 from qwen_np.generate import ChatSession, GenerationStats, generate
 from qwen_np.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache
-from qwen_np.loading import load_model, read_tokenizer
+from qwen_np.loading import load_model, read_config, read_tokenizer
 from qwen_np.model import Qwen3Model
 from qwen_np.sampling import SamplingParams, processed_logits, softmax
-from qwen_np.speculative import PromptLookup, accept, draft_speculation, lookup_speculation
+from qwen_np.speculative import PromptLookup, accept, check_draft, draft_speculation, lookup_speculation
 
 from conftest import QWEN3_RANDOM, write_random_checkpoint
 
@@ -230,3 +230,10 @@ def test_speculative_greedy_stops_where_plain_greedy_does_when_the_context_fills
     for drafter, speculation in _drafters(target, draft).items():
         assert events(target, tok, prompt, GREEDY, 100, cache=target.new_cache(21), speculation=speculation) == plain, \
             drafter
+
+
+def test_a_draft_whose_tokenizer_maps_ids_otherwise_is_refused_even_at_the_same_vocabulary_size(tok) -> None:
+    bundled = read_config(BUNDLED)
+    with pytest.raises(QwenNPError, match="^--draft: its tokenizer maps tokens to other ids"):
+        check_draft(bundled, read_tokenizer(BUNDLED), bundled, tok)
+    check_draft(bundled, read_tokenizer(BUNDLED), read_config(BUNDLED / "draft"), read_tokenizer(BUNDLED / "draft"))
