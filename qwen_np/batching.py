@@ -41,6 +41,7 @@ from .kv_cache import BlockPool, PagedKVCache, blocks_for
 from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .model import Qwen3Model
 from .sampling import SamplingParams
+from .speculative import NO_DRAFT, Draft, Drafter, Speculation
 from .tokenizer import Tokenizer
 
 # A row's listener receives each of its TokenEvents, or the exception that ended the row.
@@ -66,6 +67,8 @@ class Row:
     listener: Listener | None = None
     cache: PagedKVCache | None = None             # while in the batch: its block table
     continuation: Continuation | None = None      # from its first join on (a preempted row keeps it)
+    drafter: Drafter | None = None                # when speculating: its drafter, from its first join on
+    draft: Draft = NO_DRAFT                       # the tokens it drafted for this step
     cached_tokens: int = 0                        # prompt tokens the prefix cache held when it first joined
     cancelled: bool = False
     finish_reason: str | None = None              # "error" when `error` ended it
@@ -92,18 +95,25 @@ class Row:
         assert self.cache is not None
         return self.tokens[self.cache.length:]
 
+    @property
+    def decoding(self) -> bool:
+        """Whether its next feed is its last sampled token (else a chunk of prompt, or recomputed reply)."""
+        return bool(self.generated) and len(self.pending()) == 1
+
 
 class BatchGenerator:
     """Up to `max_batch` generations advanced together, one forward pass per step(), their keys and values
-    in `pool` (default: FP32 with prefix caching, room for max_batch rows at the memory plan's context)."""
+    in `pool` (default: FP32 with prefix caching, room for max_batch rows at the memory plan's context).
+    With a `speculation`, each decoding row feeds its last token and the tokens its own drafter proposes,
+    and keeps what Continuation.verify accepts (speculative.py); the draft model, if any, runs row by row."""
 
     def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, *, eos_token_ids: Sequence[int] = (),
                  max_batch: int = 8, context: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 pool: BlockPool | None = None) -> None:
+                 pool: BlockPool | None = None, speculation: Speculation | None = None) -> None:
         if max_batch < 1:
             raise QwenNPError(f"--max-batch: must be >= 1, got {max_batch}")
         self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, tuple(eos_token_ids)
-        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.max_batch, self.prefill_chunk, self.speculation = max_batch, prefill_chunk, speculation
         self.context = min(context or model.config.max_position_embeddings, model.config.max_position_embeddings)
         # The default pool: every row at the context the memory plan reserved (not the model's whole
         # context: 40960 positions of Qwen3-8B are 5.6 GiB of FP32 cache per row).
@@ -176,45 +186,53 @@ class BatchGenerator:
         """One forward pass for every row that has something to feed; returns the new tokens' events, and
         for a row whose sampling raised, the exception that ended it (that row only)."""
         self._admit()
-        feeds = self._schedule()
-        if not feeds:
-            return []
-        self.batch_sizes.append(len(feeds))
-        logits = self.model.forward_batch([ids for _, ids in feeds], [row.cache for row, _ in feeds],
-                                          last_only=True)                                          # [B, V]
         events: list[tuple[Row, TokenEvent | BaseException]] = []
-        for (row, _), row_logits in zip(feeds, logits):
+        feeds = self._schedule(events)
+        if not feeds:
+            return events
+        self.batch_sizes.append(len(feeds))
+        tails = [1 + len(row.draft.tokens) for row, _ in feeds]       # logits of the last token and the drafted ones
+        logits = self.model.forward_batch([ids for _, ids in feeds], [row.cache for row, _ in feeds],
+                                          tails=tails)                                             # [sum(tails), V]
+        for (row, _), row_logits in zip(feeds, np.split(logits, np.cumsum(tails)[:-1])):
             if row.pending():
                 continue                                              # more prompt to read first
-            assert row.continuation is not None
+            assert row.continuation is not None and row.cache is not None
             try:
-                event = row.continuation.advance(row_logits)
+                verified = row.continuation.verify(row_logits, row.draft)
             except Exception as error:                                # this row's settings or stop strings
                 events.extend((failed, error) for failed in self.fail(error, [row]))
                 continue
-            self.generated_tokens += 1
+            row.draft = NO_DRAFT
+            row.cache.truncate(len(row.tokens) - 1)                   # roll back the rejected drafted tokens
+            self.generated_tokens += len(verified)
             if row.first_token is None:
                 row.first_token = time.perf_counter()
-            if event.finish_reason:
-                row.finish_reason, row.finished = event.finish_reason, time.perf_counter()
+            if verified[-1].finish_reason:
+                row.finish_reason, row.finished = verified[-1].finish_reason, time.perf_counter()
                 _free(row)
-            events.append((row, event))
+            events.extend((row, event) for event in verified)
         self.rows = [row for row in self.rows if not row.done]
         return events
 
-    def _schedule(self) -> list[tuple[Row, Sequence[int]]]:
-        """What each row feeds this step, its blocks allocated: decoding rows their last token, prefilling rows
-        chunks of their prompt within the step's prefill budget. Rows are served oldest first; when the pool
-        is out of blocks, the newest rows are preempted to make room (possibly the row asking)."""
+    def _schedule(self, failures: list[tuple[Row, TokenEvent | BaseException]]) -> list[tuple[Row, Sequence[int]]]:
+        """What each row feeds this step, its blocks allocated: decoding rows their last token (and what their
+        drafter proposes), prefilling rows chunks of their prompt within the step's prefill budget. Rows are
+        served oldest first; when the pool is out of blocks, the newest rows are preempted to make room
+        (possibly the row asking). A row whose drafting raised ends, with its error in `failures`."""
         feeds: list[tuple[Row, Sequence[int]]] = []
         budget = self.prefill_chunk
         for row in list(self.rows):
             if row not in self.rows:                                  # preempted for an older row
                 continue
             assert row.cache is not None
-            pending = row.pending()
-            decoding = bool(row.generated) and len(pending) == 1
-            ids = pending if decoding else pending[:budget]
+            pending, decoding = row.pending(), row.decoding
+            try:
+                row.draft = self._draft(row) if decoding else NO_DRAFT
+            except Exception as error:                                # e.g. the draft's logits not finite
+                failures.extend((failed, error) for failed in self.fail(error, [row]))
+                continue
+            ids = [*pending, *row.draft.tokens] if decoding else pending[:budget]
             if not ids or not self._make_room(row, len(ids)):
                 continue
             row.cache.reserve(len(ids))
@@ -223,6 +241,14 @@ class BatchGenerator:
                 self.prefilled_tokens += len(ids)
             feeds.append((row, ids))
         return feeds
+
+    def _draft(self, row: Row) -> Draft:
+        """The tokens a decoding row's drafter proposes for this step (none without speculation)."""
+        assert row.continuation is not None
+        k = row.continuation.room(self.speculation.tokens) if self.speculation is not None else 0
+        if row.drafter is None or not k:
+            return NO_DRAFT
+        return row.drafter.propose(row.continuation.sequence, row.continuation.generated, k)
 
     def _make_room(self, row: Row, new_tokens: int) -> bool:
         """Preempt the newest rows until `row` can have blocks for `new_tokens` more positions; False if
@@ -283,15 +309,20 @@ class BatchGenerator:
             row.continuation = Continuation(self.tokenizer, request.prompt, request.params, request.max_new_tokens,
                                             size, eos_token_ids=self.eos_token_ids, stop=request.stop,
                                             rng=np.random.default_rng(request.params.seed))
+            if self.speculation is not None:
+                row.drafter = self.speculation.new_drafter(request.params, size)
         self.rows.append(row)
         return True
 
 
 def _free(row: Row) -> None:
-    """Give a row's blocks back to the pool (its full blocks stay in the prefix cache until evicted)."""
+    """Give a row's blocks back to the pool (its full blocks stay in the prefix cache until evicted), and its
+    drafter's (a preempted row's draft cache is rebuilt when it drafts again)."""
     if row.cache is not None:
         row.cache.free()
         row.cache = None
+    if row.drafter is not None:
+        row.drafter.reset()
 
 
 class BatchRunner:

@@ -46,7 +46,7 @@ from . import layers, runtime
 from .config import LAYER_MATRICES, Qwen3Config
 from .memory import MemoryPlan
 from .kv_cache import PagedKVCache
-from .model import LayerWeights, Qwen3Model, Trace, advance
+from .model import LayerWeights, Qwen3Model, Trace, advance, output_rows
 from .numerics import Int8Rows, Weight
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
@@ -217,14 +217,16 @@ class FastQwen3Model(Qwen3Model):
         return fused.qkv, fused.gate_up
 
     def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[PagedKVCache | None],
-                      trace: Trace | None = None, last_only: bool = False) -> np.ndarray:
-        """Qwen3Model.forward_batch (and so forward): logits [T, V] ([B, V] if last_only). A traced call
-        runs the readable path."""
+                      trace: Trace | None = None, last_only: bool = False,
+                      tails: Sequence[int] | None = None) -> np.ndarray:
+        """Qwen3Model.forward_batch (and so forward): logits [T, V] ([B, V] if last_only, the last tails[b]
+        rows of each sequence with tails). A traced call runs the readable path."""
         if trace is not None:
-            return super().forward_batch(token_ids, caches, trace, last_only)
+            return super().forward_batch(token_ids, caches, trace, last_only, tails)
         if len(token_ids) != len(caches) or not token_ids:
             return super().forward_batch(token_ids, caches)       # which says what is wrong
         ids, positions, rows = self._pack(token_ids, caches)                          # [T], [T], B slices
+        picked = output_rows(rows, last_only, tails)           # checked before any work
         runtime.adapt_to_load()                  # fewer threads while other processes want the cores
         config, T = self.config, len(ids)
         cos, sin = layers.rope_angles(self.inv_freq, positions)                       # [T, Dh] each
@@ -243,7 +245,7 @@ class FastQwen3Model(Qwen3Model):
             for i, weights in enumerate(self.layers):
                 self._layer(i, weights, x, positions, rows, cos, sin, caches, buffers, parts)
             _rms_norm(x, self.norm, config.rms_norm_eps, out=buffers.h)
-            h = buffers.h[[row.stop - 1 for row in rows]] if last_only else buffers.h
+            h = buffers.h if picked is None else buffers.h[picked]
             # A prefill's last rows of a few sequences: a small product, split like a decode step's.
             head_blas = runtime.single_threaded_blas() if few_rows(len(h)) and not streamed else nullcontext()
             with head_blas:

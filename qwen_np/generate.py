@@ -32,7 +32,8 @@ from .finite import check_finite
 from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .kv_cache import PagedKVCache
 from .model import Qwen3Model, Trace
-from .sampling import SamplingParams, next_token
+from .sampling import SamplingParams, pick, processed_logits, softmax
+from .speculative import NO_DRAFT, Draft, Speculation, accept
 from .tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
 
 GENERATION_CONFIG = "generation_config.json"
@@ -69,6 +70,23 @@ class GenerationStats:
     decode_seconds: float = 0.0   # sampling every new token and running all but the last through the model
     finish_reason: str | None = None
     seed: int | None = None       # shown in the summary: the seed drawn for a run that was given none
+    speculation: str | None = None   # the drafter when decoding speculatively (speculative.Speculation.describe)
+    target_steps: int = 0         # the model's forward passes that chose tokens (the prompt's prefill included)
+    drafted_tokens: int = 0       # drafted tokens the model judged ...
+    accepted_tokens: int = 0      # ... and kept
+
+    def count(self, sequence: Continuation) -> None:
+        """Take the step and speculation counts of a generation."""
+        self.target_steps, self.drafted_tokens = sequence.target_steps, sequence.drafted_tokens
+        self.accepted_tokens = sequence.accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return self.new_tokens / self.target_steps if self.target_steps else None
 
     def summary(self, model_name: str) -> str:
         """The one-line report printed after every run."""
@@ -77,7 +95,15 @@ class GenerationStats:
                 f"prefill={_rate(self.prompt_tokens, self.prefill_seconds)} "
                 f"decode={_rate(self.new_tokens, self.decode_seconds)} "
                 f"peak_rss={peak_rss_bytes() / 2**20:.0f}MiB finish={self.finish_reason or 'none'}"
-                + (f" seed={self.seed}" if self.seed is not None else ""))
+                + (f" seed={self.seed}" if self.seed is not None else "") + self._speculation())
+
+    def _speculation(self) -> str:
+        if self.speculation is None:
+            return ""
+        rate, per_step = self.acceptance_rate, self.tokens_per_step
+        return (f" speculative={self.speculation} accepted={self.accepted_tokens}/{self.drafted_tokens}"
+                f"({'n/a' if rate is None else f'{rate:.0%}'}) "
+                f"tokens_per_step={'n/a' if per_step is None else f'{per_step:.2f}'}")
 
 
 def _rate(tokens: int, seconds: float) -> str:
@@ -167,7 +193,7 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
              max_new_tokens: int, *, eos_token_ids: Sequence[int] = (), cache: PagedKVCache | None = None,
              rng: np.random.Generator | None = None, trace: Trace | None = None,
              stats: GenerationStats | None = None, stop: Sequence[str] = (),
-             kv_dtype: str = "fp32") -> Iterator[TokenEvent]:
+             kv_dtype: str = "fp32", speculation: Speculation | None = None) -> Iterator[TokenEvent]:
     """Yield one TokenEvent per generated token until an EOS id, a stop string, max_new_tokens or the
     context limit.
 
@@ -175,6 +201,8 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     the rest of the prompt is prefilled; without one, a cache storing `kv_dtype` (kv_cache.KV_DTYPES) is
     made for it. `rng` defaults to one seeded with params.seed. `trace`
     sees the prompt prefill and the first decode step. `stats`, when given, is updated as it runs.
+    With a `speculation` (speculative.py), each target step verifies the tokens its drafter proposes; the
+    output is plain decoding's (greedy: the same tokens; sampled: the same distribution).
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -198,18 +226,31 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
 
     sequence = Continuation(tokenizer, prompt, params, max_new_tokens, limit, eos_token_ids=eos_token_ids,
                             stop=stop, rng=rng)
-    while True:
-        started = time.perf_counter()
-        event = sequence.advance(logits)
-        stats.new_tokens, stats.finish_reason = len(sequence.generated), event.finish_reason
-        stats.decode_seconds += time.perf_counter() - started
-        yield event                              # before the next forward pass: print as soon as known
-        if event.finish_reason:
-            return
-        started = time.perf_counter()
-        logits = model.forward([event.token_id], cache, trace if len(sequence.generated) == 1 else None)[-1]
-        check_finite(model, sequence.sequence, logits)
-        stats.decode_seconds += time.perf_counter() - started
+    drafter = speculation.new_drafter(params, limit) if speculation is not None else None
+    stats.speculation = speculation.describe if speculation is not None else None
+    rows, draft = logits[None], NO_DRAFT                      # [1, V]: the prompt's last position
+    try:
+        while True:
+            started = time.perf_counter()
+            events = sequence.verify(rows, draft)
+            cache.truncate(len(sequence.sequence) - 1)        # roll back the rejected drafted tokens' positions
+            stats.decode_seconds += time.perf_counter() - started
+            for shown, event in enumerate(events, len(sequence.generated) - len(events) + 1):
+                stats.new_tokens, stats.finish_reason = shown, event.finish_reason
+                yield event                       # before the next forward pass: print as soon as known
+            if events[-1].finish_reason:
+                return
+            started = time.perf_counter()
+            k = sequence.room(speculation.tokens) if speculation is not None else 0
+            draft = drafter.propose(sequence.sequence, sequence.generated, k) if drafter is not None and k else NO_DRAFT
+            fed = [events[-1].token_id, *draft.tokens]
+            rows = model.forward(fed, cache, trace if len(sequence.generated) == 1 else None)     # [k+1, V]
+            check_finite(model, sequence.sequence + draft.tokens, rows)
+            stats.decode_seconds += time.perf_counter() - started
+    finally:
+        stats.count(sequence)
+        if drafter is not None:
+            drafter.reset()
 
 
 class Continuation:
@@ -228,10 +269,43 @@ class Continuation:
         self.generated: list[int] = []
         self.decoder = StreamDecoder(tokenizer)
         self.stops = StopStrings(stop)
+        self.target_steps = 0        # target forward passes whose logits chose tokens (the prompt's included)
+        self.drafted_tokens = 0      # drafted tokens judged ...
+        self.accepted_tokens = 0     # ... and kept
 
     def advance(self, logits: np.ndarray) -> TokenEvent:
         """Sample the next token from its logits [V]; the event's text is what may be shown now."""
-        token = next_token(logits, self.params, self.rng, self.sequence, self.generated)
+        return self.verify(logits[None], NO_DRAFT)[0]
+
+    def room(self, k: int) -> int:
+        """How many tokens a step may draft: at most k, leaving room in max_new_tokens for the target's own
+        token after them and, in the context, for the k + 1 positions the target is fed."""
+        return max(0, min(k, self.max_new_tokens - len(self.generated) - 1, self.limit - len(self.sequence)))
+
+    def verify(self, logits: np.ndarray, draft: Draft) -> list[TokenEvent]:
+        """The tokens one target step gives (speculative's rule), from the logits [k+1, V] of its fed tokens:
+        the last token, then the k drafted ones. Row i judges drafted token i: kept, or replaced by the
+        target's choice, which ends the step; row k gives a bonus token when every drafted one was kept. Ends
+        early when a token finishes the sequence. Plain decoding is the step with no draft: one row, one token."""
+        events: list[TokenEvent] = []
+        for i, row in enumerate(logits):
+            drafted = draft.tokens[i] if i < len(draft.tokens) else None
+            processed = processed_logits(row, self.params, self.sequence, self.generated)    # [V]
+            if drafted is None or self.params.greedy:      # greedy: kept when it is the argmax
+                token = pick(processed, self.params, self.rng)
+            else:
+                token = accept(softmax(processed), draft.distribution(i), drafted, self.rng)
+            if drafted is not None:
+                self.drafted_tokens += 1
+                self.accepted_tokens += token == drafted
+            events.append(self._emit(token))
+            if events[-1].finish_reason or token != drafted:
+                break
+        self.target_steps += 1
+        return events
+
+    def _emit(self, token: int) -> TokenEvent:
+        """Append a chosen token; its event says what text it completes and whether the sequence ends."""
         self.sequence.append(token)
         self.generated.append(token)
         finish = ("eos" if token in self.eos else "length" if len(self.generated) == self.max_new_tokens
@@ -295,8 +369,9 @@ class ChatSession:
 
     def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, params: SamplingParams, *,
                  eos_token_ids: Sequence[int] = (), system: str | None = None,
-                 enable_thinking: bool | None = None, max_tokens: int | None = None, kv_dtype: str = "fp32") -> None:
-        self.model, self.tokenizer, self.params = model, tokenizer, params
+                 enable_thinking: bool | None = None, max_tokens: int | None = None, kv_dtype: str = "fp32",
+                 speculation: Speculation | None = None) -> None:
+        self.model, self.tokenizer, self.params, self.speculation = model, tokenizer, params, speculation
         self.eos_token_ids = tuple(eos_token_ids)
         self.enable_thinking = enable_thinking
         self.system = system
@@ -352,7 +427,8 @@ class ChatSession:
         answered = False     # True once the model has produced anything, even an immediate EOS
         try:
             for event in generate(self.model, self.tokenizer, ids, self.params, max_new_tokens,
-                                  eos_token_ids=self.eos_token_ids, cache=self.cache, rng=self.rng, stats=stats):
+                                  eos_token_ids=self.eos_token_ids, cache=self.cache, rng=self.rng, stats=stats,
+                                  speculation=self.speculation):
                 answered = True
                 if event.finish_reason != "eos":
                     reply.append(event.token_id)

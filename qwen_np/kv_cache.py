@@ -184,6 +184,10 @@ class BlockPool:
             self._cached[digest] = block
             self._digest[block] = digest
 
+    def forget(self, block: int) -> None:
+        """Take a held block out of the prefix cache (its contents are about to change)."""
+        del self._cached[self._digest.pop(block)]
+
     def cached(self, block: int) -> bool:
         return block in self._digest
 
@@ -316,11 +320,18 @@ class PagedKVCache:
             self.pool.release(block)
         del self.table[keep:], self.tokens[length:], self.digests[length // self.pool.block_size:]
         last = self.table[-1] if self.table else None
-        if last is not None and length % self.pool.block_size and (self.pool.refs[last] > 1 or self.pool.cached(last)):
-            copy = self.pool.allocate()       # the next append writes into this block: never into a shared one
+        if last is None or not length % self.pool.block_size:
+            return
+        # The next append writes into this partly kept block. Held by another sequence too: copy it first,
+        # never write a shared one. Held by this one only but named in the prefix cache (e.g. it was filled
+        # by speculative tokens that were then rejected): drop its name, so no sequence finds it after.
+        if self.pool.refs[last] > 1:
+            copy = self.pool.allocate()
             self.pool.keys[:, copy], self.pool.values[:, copy] = self.pool.keys[:, last], self.pool.values[:, last]
             self.pool.release(last)
             self.table[-1] = copy
+        elif self.pool.cached(last):
+            self.pool.forget(last)
 
     def free(self) -> None:
         """Give every block back (cached ones stay findable until evicted); the cache is empty after."""

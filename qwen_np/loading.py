@@ -13,6 +13,7 @@ import numpy as np
 
 from .checkpoint import Checkpoint, resolve_model_path
 from .config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, load_config
+from .errors import QwenNPError
 from .fast import FastQwen3Model
 from .formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
 from . import gguf_file
@@ -23,6 +24,7 @@ from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
 from .numerics import Int8Rows, Weight, upcast
 from .runtime import allocate, split, threads
+from .speculative import check_draft
 from .tokenizer import Tokenizer
 from .weight_cache import load_fp32
 
@@ -46,6 +48,16 @@ def read_generation_defaults(path: str | Path, config: Qwen3Config) -> Generatio
     if is_gguf(path):
         return generation_defaults(gguf_file.read_sampling(path), config, Path(path))
     return folder_generation_defaults(resolve_model_path(path), config)
+
+
+def check_draft_folder(path: str | Path, config: Qwen3Config, tokenizer: Tokenizer) -> None:
+    """Raise QwenNPError (naming --draft) unless the checkpoint at `path` can draft for a model of `config`
+    and `tokenizer` (speculative.check_draft), reading only its small files."""
+    try:
+        draft_config, draft_tokenizer = read_config(path), read_tokenizer(path)
+    except QwenNPError as problem:
+        raise QwenNPError(f"--draft: {problem}") from None
+    check_draft(config, tokenizer, draft_config, draft_tokenizer)
 
 
 def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None,

@@ -96,10 +96,12 @@ class Qwen3Model:
         return self.forward_batch([token_ids], [cache], trace, last_only)
 
     def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[PagedKVCache | None],
-                      trace: Trace | None = None, last_only: bool = False) -> np.ndarray:
+                      trace: Trace | None = None, last_only: bool = False,
+                      tails: Sequence[int] | None = None) -> np.ndarray:
         """`forward` for B sequences at once: sequence b's tokens continue caches[b] (or start at
         position 0 when it is None). Logits [T, V] for the T tokens of all sequences, one sequence
-        after another; with `last_only`, [B, V]: each sequence's last position.
+        after another; with `last_only`, [B, V]: each sequence's last position; with `tails`, the last
+        tails[b] positions of each sequence b, one after another (a speculative row verifies several).
 
         Each sequence gets the logits it would get alone (up to the rounding of BLAS sums).
         """
@@ -116,8 +118,9 @@ class Qwen3Model:
             x = self.decoder_layer(i, layer, x, positions, rows, cos, sin, caches, note)   # [T, D]
         x = layers.rms_norm(x, self.norm, self.config.rms_norm_eps)                    # [T, D]
         note("model.norm", x)
-        if last_only:
-            x = x[[row.stop - 1 for row in rows]]                                      # [B, D]
+        picked = output_rows(rows, last_only, tails)        # the rows whose logits are asked for (None: all)
+        if picked is not None:
+            x = x[picked]                                                              # [B, D] or [sum(tails), D]
         logits = layers.linear(x, self.lm_head)                                        # [T, V]
         note("lm_head", logits)
         advance(caches, ids, rows)
@@ -206,6 +209,16 @@ class Qwen3Model:
         if bad.size:
             raise QwenNPError(f"token_ids: id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
         return ids.astype(np.int64)
+
+
+def output_rows(rows: list[slice], last_only: bool, tails: Sequence[int] | None) -> list[int] | None:
+    """The packed rows whose logits a forward_batch call returns (None: all): each sequence's last
+    tails[b] rows, or its last one with last_only."""
+    if tails is None:
+        return [row.stop - 1 for row in rows] if last_only else None
+    if len(tails) != len(rows) or not all(1 <= tail <= row.stop - row.start for tail, row in zip(tails, rows)):
+        raise QwenNPError(f"forward_batch: tails {list(tails)} do not fit sequences of {[r.stop - r.start for r in rows]} tokens")
+    return [i for tail, row in zip(tails, rows) for i in range(row.stop - tail, row.stop)]
 
 
 def advance(caches: Sequence[PagedKVCache | None], ids: np.ndarray, rows: list[slice]) -> None:

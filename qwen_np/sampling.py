@@ -175,9 +175,10 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return warp_stages(logits, params)[-1][1]
 
 
-def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-               context_ids: Sequence[int], generated_ids: Sequence[int]) -> int:
-    """The next token id from one position's logits [V].
+def processed_logits(logits: np.ndarray, params: SamplingParams, context_ids: Sequence[int],
+                     generated_ids: Sequence[int]) -> np.ndarray:
+    """One position's logits [V] as the sampler sees them: penalised, then (unless greedy) warped; a draw
+    samples from their softmax, greedy takes their argmax. Raises QwenNPError when they make no distribution.
 
     context_ids: every token of the sequence so far (prompt + generated), for the repetition penalty;
     generated_ids: only the generated ones, for the presence penalty.
@@ -187,6 +188,15 @@ def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         logits = apply_repetition_penalty(logits, context_ids, params.repetition_penalty)
         logits = apply_presence_penalty(logits, generated_ids, params.presence_penalty)
-        if params.greedy:
-            return int(np.argmax(require_distribution(logits, params)))
-        return draw(warp(logits, params), rng)
+        return require_distribution(logits, params) if params.greedy else warp(logits, params)
+
+
+def pick(processed: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The token chosen from processed_logits: their argmax when greedy (no random number used), else one draw."""
+    return int(np.argmax(processed)) if params.greedy else draw(processed, rng)
+
+
+def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+               context_ids: Sequence[int], generated_ids: Sequence[int]) -> int:
+    """The next token id from one position's logits [V] (context_ids, generated_ids: as processed_logits)."""
+    return pick(processed_logits(logits, params, context_ids, generated_ids), params, rng)

@@ -65,11 +65,12 @@ from .errors import APIError, QwenNPError
 from .explorer import Explorer, is_page
 from .finite import check_weights_finite
 from .generate import GenerationDefaults, TokenEvent, resolve_sampling
-from .kv_cache import BlockPool, block_bytes, blocks_for
-from .loading import load_model, read_config, read_generation_defaults, read_tokenizer
+from .kv_cache import BlockPool, PagedKVCache, block_bytes, blocks_for
+from .loading import check_draft_folder, load_model, read_config, read_generation_defaults, read_tokenizer
 from .model import Qwen3Model
 from .memory import DEFAULT_CONTEXT, format_size
 from .metrics import PROMETHEUS_TYPE, prometheus_text
+from .speculative import DEFAULT_DRAFT_TOKENS, Speculation, draft_speculation, lookup_speculation, usage_fields
 from .tokenizer import THINK_OPEN, Message, ThinkingSplitter, Tokenizer, split_thinking
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_BATCH = "127.0.0.1", 8000, 8
@@ -111,13 +112,15 @@ def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_ba
           context: int = DEFAULT_CONTEXT, memory: str = "auto", kv_memory: int | None = None, kv_dtype: str = "fp32",
           api_key: str | None = None, log: bool = True, split_reasoning: bool = True,
           default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+          draft: Path | None = None, lookup: int | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
           announce: Callable[[str], None] = lambda line: None) -> None:
     """Load the model in `folder` (clients ask for it by any of `names`, the first its own) and serve it on
     `listener` until Ctrl-C or SIGTERM. context: prompt and reply together, at most the model's; kv_memory:
     bytes of the KV cache's block pool, shared by every request (None: what RAM has left after the weights,
     at most max_batch full contexts); kv_dtype: how it stores keys and values; default_max_tokens: a
-    request's max_tokens when it gives none (None: what the context has left); announce(line) gets the
-    start lines."""
+    request's max_tokens when it gives none (None: what the context has left); draft (a checkpoint folder)
+    or lookup (the n-gram size): every row decodes speculatively, draft_tokens drafted per step;
+    announce(line) gets the start lines."""
     try:
         import uvicorn
     except ImportError:
@@ -125,14 +128,18 @@ def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_ba
     config = read_config(folder)
     context = min(context, config.max_position_embeddings)
     tokenizer, defaults = read_tokenizer(folder), read_generation_defaults(folder, config)
+    if draft is not None:
+        check_draft_folder(draft, config, tokenizer)
     model = load_model(folder, memory=memory, max_tokens=context)
     check_weights_finite(model)                  # NaN/Inf weights: one line naming the layer, before listening
     per_block = block_bytes(config, kv_dtype)
     default = kv_memory is None
     budget = default_kv_memory(model, max_batch * blocks_for(context) * per_block) if kv_memory is None else kv_memory
     pool = BlockPool(config, budget // per_block, kv_dtype, prefix_caching=True)
+    speculation = (speculation_over(pool, draft, memory, max_batch, context, draft_tokens) if draft is not None
+                   else lookup_speculation(lookup, draft_tokens) if lookup is not None else None)
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
-                               context=context, pool=pool)
+                               context=context, pool=pool, speculation=speculation)
     service = Service(tuple(names), tokenizer, defaults, BatchRunner(generator), context,
                       context * LENGTH_FACTOR * longest_token(tokenizer), split_reasoning, default_max_tokens)
     host, port = listener.getsockname()[:2]
@@ -143,6 +150,8 @@ def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_ba
              f"{pool.block_size} positions, {generator.capacity} positions for all requests together"
              + (" (default: the RAM left after the weights, with a margin, at most --max-batch full contexts)"
                 if default else ""))
+    if speculation is not None:
+        announce(f"speculative decoding: {speculation.describe}, {speculation.tokens} tokens drafted per step")
     address = f"{'[' + host + ']' if ':' in host else host}:{port}"
     announce(f"serving {', '.join(names)} on http://{address}/v1 (max batch {max_batch}, context {context}); "
              "Ctrl-C stops")
@@ -198,6 +207,17 @@ def header_deadline_protocol() -> type:
                 self.transport.close()
 
     return HeaderDeadline
+
+
+def speculation_over(pool: BlockPool, draft: Path, memory: str, max_batch: int, context: int,
+                     tokens: int) -> Speculation:
+    """Drafting with the checkpoint `draft` for a batch over `pool`: every row's draft cache comes from one
+    pool of the draft's own, as many positions as `pool` has plus the k drafted ones of every row (a row's
+    draft cache holds at most its sequence and k - 1 drafted tokens, and a row that leaves frees it)."""
+    model = load_model(draft, memory=memory, max_tokens=context + tokens)
+    blocks = pool.num_blocks + max_batch * (blocks_for(tokens) + 1)
+    draft_pool = BlockPool(model.config, blocks, pool.dtype)
+    return draft_speculation(model, tokens, lambda positions: PagedKVCache(draft_pool, positions))
 
 
 def default_kv_memory(model: Qwen3Model, full: int) -> int:
@@ -613,8 +633,13 @@ class Reply:
     def usage(self) -> dict[str, Any]:
         prompt = len(self.request.prompt)
         cached = self.row.cached_tokens if self.row is not None else 0      # reused from the prefix cache
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                 "total_tokens": prompt + self.completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+        sequence = self.row.continuation if self.row is not None else None
+        if self.service.runner.generator.speculation is not None and sequence is not None:
+            usage |= usage_fields(sequence.target_steps, sequence.drafted_tokens, sequence.accepted_tokens,
+                                  self.completion_tokens)
+        return usage
 
     def _object(self, kind: str, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.service.model_id,

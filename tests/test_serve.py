@@ -633,3 +633,26 @@ def test_bad_names_and_default_max_tokens_are_one_line_naming_the_flag(env, flag
                             cwd=ROOT, env=env, capture_output=True, timeout=120)
     assert result.returncode == 2 and result.stderr.decode().count("\n") == 1, result.stderr
     assert result.stderr.decode().startswith(f"error: {flags[0]}: ")
+
+
+@pytest.mark.parametrize("flags", [("--lookup", "2"), ("--draft", MODEL, "--draft-tokens", "3")],
+                         ids=["lookup", "draft"])
+def test_a_speculating_servers_concurrent_greedy_streams_equal_the_plain_ones_with_usage(client, env, flags) -> None:
+    plain = [chat(client, p, max_tokens=24, temperature=0).choices[0].message.content for p in PROMPTS]
+
+    def stream(spec_client, prompt: str) -> tuple[str, object]:
+        chunks = list(chat(spec_client, prompt, max_tokens=24, temperature=0, stream=True,
+                           stream_options={"include_usage": True}))
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+
+    with serving(env, MODEL, *flags) as speculating:
+        spec_client = openai.OpenAI(base_url=speculating.url, api_key="none", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            replies = [reply.result(timeout=120) for reply in [pool.submit(stream, spec_client, p) for p in PROMPTS]]
+    assert [text for text, _ in replies] == plain
+    for _, usage in replies:
+        spec = usage.model_extra["speculative_decoding"]
+        assert spec["target_steps"] * spec["tokens_per_step"] == pytest.approx(usage.completion_tokens, rel=1e-3)
+        assert usage.completion_tokens_details.accepted_prediction_tokens == spec["accepted_tokens"]
+    if flags[0] == "--draft":                           # the model drafting for itself: every guess is right
+        assert all(usage.model_extra["speculative_decoding"]["acceptance_rate"] == 1.0 for _, usage in replies)

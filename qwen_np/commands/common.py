@@ -10,7 +10,11 @@ from typing import Callable
 from .. import runtime
 from ..checkpoint import bundled_model_path, resolve_model_path
 from ..errors import QwenNPError
-from ..kv_cache import KV_DTYPES
+from ..config import Qwen3Config
+from ..kv_cache import KV_DTYPES, PagedKVCache
+from ..loading import check_draft_folder, load_model
+from ..speculative import DEFAULT_DRAFT_TOKENS, Speculation, draft_speculation, lookup_speculation
+from ..tokenizer import Tokenizer
 from ..memory import DEFAULT_CONTEXT, MODES
 
 EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIGINT, as shells report it)
@@ -62,6 +66,43 @@ def add_threads(parser: argparse.ArgumentParser) -> None:
 def add_context(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("-c", "--ctx-size", type=at_least(2), metavar="N",
                         help=f"{what} (default: {DEFAULT_CONTEXT}, or the model's if smaller)")
+
+
+def add_speculation(parser: argparse.ArgumentParser) -> None:
+    """--draft MODEL | --lookup N, and --draft-tokens K: speculative decoding (qwen_np/speculative.py)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--draft", metavar="MODEL",
+                       help="speculative decoding: a smaller Qwen3 with the same tokenizer (folder, GGUF or hub id, e.g. "
+                            "Qwen/Qwen3-0.6B for Qwen3-8B) drafts --draft-tokens tokens, the model checks them in one "
+                            "forward pass; the output is the same (greedy: the same tokens; sampled: the same "
+                            "distribution)")
+    group.add_argument("--lookup", type=at_least(1), metavar="N",
+                       help="speculative decoding without a second model: draft the tokens that followed the last "
+                            "N (down to 1) tokens where they occur earlier in the prompt or reply (prompt lookup)")
+    parser.add_argument("--draft-tokens", type=at_least(1), metavar="K",
+                        help=f"tokens drafted per step with --draft or --lookup (default: {DEFAULT_DRAFT_TOKENS})")
+
+
+def check_speculation(args: argparse.Namespace, config: Qwen3Config, tokenizer: Tokenizer) -> Path | None:
+    """The --draft checkpoint (fetched if need be), checked against the model's config and tokenizer; None
+    without --draft. Called before the model's weights load."""
+    if args.draft_tokens is not None and args.draft is None and args.lookup is None:
+        raise QwenNPError("--draft-tokens: drafts only with --draft MODEL or --lookup N")
+    if args.draft is None:
+        return None
+    folder = resolve_model_path(args.draft)
+    check_draft_folder(folder, config, tokenizer)
+    return folder
+
+
+def speculation(args: argparse.Namespace, draft: Path | None, max_tokens: int,
+                new_cache: Callable[[int], PagedKVCache] | None = None) -> Speculation | None:
+    """The speculation --draft (its checkpoint `draft`, loaded now) or --lookup asks for, or None."""
+    tokens = args.draft_tokens or DEFAULT_DRAFT_TOKENS
+    if draft is not None:
+        model = load_model(draft, memory=args.memory, max_tokens=max_tokens + tokens)
+        return draft_speculation(model, tokens, new_cache)
+    return lookup_speculation(args.lookup, tokens) if args.lookup is not None else None
 
 
 def add_json(parser: argparse.ArgumentParser, what: str = "the table") -> None:

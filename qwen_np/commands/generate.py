@@ -22,12 +22,13 @@ from ..kv_cache import BlockPool, blocks_for
 from ..config import Qwen3Config
 from ..errors import QwenNPError
 from ..finite import check_weights_finite
-from ..generate import (ChatSession, GenerationDefaults, GenerationStats, TokenEvent, context_budget, generate,
-                        prompt_ids, resolve_sampling)
+from ..generate import (ChatSession, Continuation, GenerationDefaults, GenerationStats, TokenEvent, context_budget,
+                        generate, prompt_ids, resolve_sampling)
 from ..loading import load_model, read_config, read_generation_defaults, read_tokenizer
 from ..memory import DEFAULT_CONTEXT
 from ..model import Qwen3Model, Trace
 from ..sampling import SamplingParams
+from ..speculative import Speculation, usage_fields
 from ..tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer, split_thinking
 from . import common
 
@@ -87,6 +88,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     common.add_model(parser)
     common.add_memory(parser)
     common.add_kv_dtype(parser)
+    common.add_speculation(parser)
     common.add_threads(parser)
     parser.add_argument("--verbose", action="store_true",
                         help="print the memory plan and token-level details (prompt and generated ids, cache "
@@ -335,10 +337,12 @@ def run_generate(args: argparse.Namespace) -> int:
         budget = max(context_budget(opened.config, len(one), max_new_tokens) for one in ids)
         trace = _tracer(args, opened.config)
         attention = _parse_attention(args.attention, opened.config) if args.attention else None
+        draft = common.check_speculation(args, opened.config, opened.tokenizer)
         if not (chat or args.no_chat):      # no template: said only now that every input has been checked
             if not args.quiet:
                 print(NO_CHAT_TEMPLATE_NOTICE, file=sys.stderr)
         model = _load_weights(opened, args, budget)
+        speculation = common.speculation(args, draft, budget)
         stats.load_seconds = time.perf_counter() - started
         if args.verbose:
             for one in ids:
@@ -348,12 +352,13 @@ def run_generate(args: argparse.Namespace) -> int:
             replies.append(PromptReply(len(ids[0]), params.seed))
             for event in generate(model, opened.tokenizer, ids[0], params, max_new_tokens, stop=args.stop,
                                   eos_token_ids=opened.defaults.eos_token_ids, trace=trace, stats=stats,
-                                  kv_dtype=args.kv_dtype):
+                                  kv_dtype=args.kv_dtype, speculation=speculation):
                 replies[0].add(event, None if args.json else writer)
             replies[0].prefill_seconds, replies[0].decode_seconds = stats.prefill_seconds, stats.decode_seconds
+            replies[0].count(stats, speculation)
         else:
             check_weights_finite(model)      # generate() checks every step's logits; the batch does not
-            replies = _generate_batch(model, opened, ids, params, max_new_tokens, args, writer, stats)
+            replies = _generate_batch(model, opened, ids, params, max_new_tokens, args, writer, stats, speculation)
     except KeyboardInterrupt:
         stats.finish_reason = "interrupted"
     writer.end()
@@ -390,6 +395,13 @@ class PromptReply:
     finish_reason: str | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    speculation: dict[str, object] = field(default_factory=dict)     # speculative.usage_fields, when speculating
+
+    def count(self, counts: GenerationStats | Continuation, speculation: Speculation | None) -> None:
+        """Take the speculation counts of its generation (none without speculation)."""
+        if speculation is not None:
+            self.speculation = usage_fields(counts.target_steps, counts.drafted_tokens, counts.accepted_tokens,
+                                            len(self.token_ids))
 
     def add(self, event: TokenEvent, writer: ReplyWriter | None) -> None:
         self.token_ids.append(event.token_id)
@@ -403,7 +415,7 @@ class PromptReply:
         return {"prompt": prompt, "text": split_thinking(self.text)[1] if hide_think else self.text,
                 "token_ids": self.token_ids, "finish_reason": self.finish_reason or "interrupted",
                 "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": new,
-                          "total_tokens": self.prompt_tokens + new},
+                          "total_tokens": self.prompt_tokens + new, **self.speculation},
                 "timings": {"load_s": round(load_seconds, 4), "prefill_s": round(self.prefill_seconds, 4),
                             "decode_s": round(self.decode_seconds, 4),
                             "decode_tok_s": round(new / self.decode_seconds, 2) if self.decode_seconds else None},
@@ -412,14 +424,14 @@ class PromptReply:
 
 def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], params: SamplingParams,
                     max_new_tokens: int, args: argparse.Namespace, writer: ReplyWriter,
-                    stats: GenerationStats) -> list[PromptReply]:
+                    stats: GenerationStats, speculation: Speculation | None) -> list[PromptReply]:
     """Several prompts as one batch (batching.BatchGenerator). Each reply prints when those before it
     have: the first streams live, the others show what they have so far when their turn comes."""
     context = model.config.max_position_embeddings
     pool = BlockPool(model.config, sum(blocks_for(min(len(one) + max_new_tokens, context)) for one in ids),
                      args.kv_dtype, prefix_caching=True)          # room for every row at once: none waits
     generator = BatchGenerator(model, opened.tokenizer, eos_token_ids=opened.defaults.eos_token_ids,
-                               max_batch=len(ids), pool=pool)
+                               max_batch=len(ids), pool=pool, speculation=speculation)
     seeds = [None if params.seed is None else params.seed + i for i in range(len(ids))]
     rows = [generator.submit(Request(one, replace(params, seed=seed), max_new_tokens, args.stop))
             for one, seed in zip(ids, seeds)]
@@ -449,10 +461,18 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
             first = row.first_token or time.perf_counter()
             reply.prefill_seconds = first - started
             reply.decode_seconds = (row.finished or time.perf_counter()) - first
+            if row.continuation is not None:
+                reply.count(row.continuation, speculation)
         firsts = [row.first_token for row in rows if row.first_token]
         stats.prefill_seconds = (max(firsts) - started) if firsts else 0.0
         stats.decode_seconds = time.perf_counter() - started - stats.prefill_seconds
         stats.finish_reason = ",".join(sorted({reply.finish_reason or "interrupted" for reply in replies}))
+        if speculation is not None:           # every row's steps together: tokens per row and target step
+            stats.speculation = speculation.describe
+            counted = [row.continuation for row in rows if row.continuation is not None]
+            stats.target_steps = sum(one.target_steps for one in counted)
+            stats.drafted_tokens = sum(one.drafted_tokens for one in counted)
+            stats.accepted_tokens = sum(one.accepted_tokens for one in counted)
     return replies
 
 
@@ -484,12 +504,14 @@ def run_chat(args: argparse.Namespace) -> int:
         if not opened.tokenizer.has_chat_template:
             raise QwenNPError("chat: this model has no chat template: use generate, which continues text")
         context = min(args.ctx_size or DEFAULT_CONTEXT, opened.config.max_position_embeddings)
+        draft = common.check_speculation(args, opened.config, opened.tokenizer)
         model = _load_weights(opened, args, context)
         check_weights_finite(model)        # else every turn would end in the same error, and the chat go on
         session = ChatSession(model, opened.tokenizer,
                               resolve_sampling(opened.defaults, args.think, **explicit),
                               eos_token_ids=opened.defaults.eos_token_ids, system=args.system,
-                              enable_thinking=args.think, max_tokens=context, kv_dtype=args.kv_dtype)
+                              enable_thinking=args.think, max_tokens=context, kv_dtype=args.kv_dtype,
+                              speculation=common.speculation(args, draft, context))
     except KeyboardInterrupt:
         return common.EXIT_INTERRUPTED
     load_seconds = time.perf_counter() - started

@@ -9,7 +9,9 @@ import sys
 
 from .. import serve
 from ..errors import QwenNPError
+from ..loading import read_config, read_tokenizer
 from ..memory import DEFAULT_CONTEXT, parse_size
+from ..speculative import DEFAULT_DRAFT_TOKENS
 from . import common
 
 
@@ -41,6 +43,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "free blocks, and one that could never fit is refused (default: what RAM has left after "
                              "the weights, with a margin, at most --max-batch full contexts; printed at start)")
     common.add_kv_dtype(parser)
+    common.add_speculation(parser)
     common.add_threads(parser)
     parser.add_argument("--api-key", default=os.environ.get(serve.API_KEY_ENV), metavar="KEY",
                         help=f"require `Authorization: Bearer KEY` on every request but /health (default: "
@@ -67,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if any(not name.strip() for name in names) or len(set(names)) < len(names):
         raise QwenNPError(f"--served-model-name: names must be non-empty and distinct, got {names}")
     folder = common.model_folder(args.model)
+    draft = common.check_speculation(args, read_config(folder), read_tokenizer(folder))
     try:
         listener = socket.create_server((args.host, args.port))
     except OSError as error:
@@ -75,5 +79,6 @@ def run(args: argparse.Namespace) -> int:
                 memory=args.memory, kv_memory=kv_memory, kv_dtype=args.kv_dtype, api_key=args.api_key,
                 log=not args.quiet, split_reasoning=args.reasoning_format == "parsed",
                 default_max_tokens=None if args.default_max_tokens == -1 else args.default_max_tokens,
+                draft=draft, lookup=args.lookup, draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS,
                 announce=lambda line: print(line, file=sys.stderr, flush=True))
     return 0

@@ -1,0 +1,239 @@
+"""Speculative decoding (qwen_np/speculative.py): greedy output is plain greedy's on every fixture, whatever
+the drafter (another random model, the model itself, prompt lookup) and wherever the sequence ends (EOS,
+a stop string, max_new_tokens in the middle of an accepted draft); sampled output keeps the target's
+distribution (the rejection rule on hand-made p and q, and whole generations against the exact
+marginals); the batcher's speculative rows equal plain ones; the CLI refuses a draft of another vocabulary."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from qwen_np import cli
+from qwen_np.batching import BatchGenerator, Request
+from qwen_np.checkpoint import bundled_model_path
+from qwen_np.errors import QwenNPError
+from qwen_np.fast import FastQwen3Model
+from qwen_np.generate import ChatSession, GenerationStats, generate
+from qwen_np.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache
+from qwen_np.loading import load_model, read_config, read_tokenizer
+from qwen_np.model import Qwen3Model
+from qwen_np.sampling import SamplingParams, processed_logits, softmax
+from qwen_np.speculative import PromptLookup, accept, check_draft, draft_speculation, lookup_speculation
+
+from conftest import QWEN3_RANDOM, write_random_checkpoint
+
+BUNDLED = bundled_model_path()
+GREEDY = SamplingParams(temperature=0.0)
+# The significance below which a fixed-seed chi-square test fails: its seeds are fixed, so it passes or
+# fails the same way every run; 1e-3 leaves room for an unlucky but correct seed.
+ALPHA = 1e-3
+
+
+def events(model, tokenizer, prompt, params, n, **kwargs):
+    return [(e.token_id, e.text, e.finish_reason) for e in generate(model, tokenizer, prompt, params, n, **kwargs)]
+
+
+@pytest.fixture(scope="module")
+def random_pair(tmp_path_factory):
+    """A random tiny Qwen3 and a different random one of the same vocabulary (a poor draft)."""
+    folder = tmp_path_factory.mktemp("spec")
+    return (load_model(write_random_checkpoint(folder / "target", seed=0)),
+            load_model(write_random_checkpoint(folder / "draft", seed=1, num_hidden_layers=1)))
+
+
+@pytest.fixture(scope="module")
+def fixtures(random_pair, tmp_path_factory):
+    """(name, target, draft, tokenizer, prompt ids) for every fixture: the bundled model with a random draft
+    of its vocabulary, the random checkpoints with the real tokenizer, the Qwen3 fixture with a random draft."""
+    folder = tmp_path_factory.mktemp("spec_drafts")
+    bundled, bundled_tok = load_model(BUNDLED), read_tokenizer(BUNDLED)
+    qwen, qwen_tok = load_model(QWEN3_RANDOM), read_tokenizer(QWEN3_RANDOM)
+    target, draft = random_pair
+    return [("bundled", bundled, load_model(write_random_checkpoint(folder / "b", seed=2, vocab_size=2048)),
+             bundled_tok, bundled_tok.encode("ROMEO:\nWhat light is this?\n")),
+            ("random", target, draft, None, [3, 14, 15, 9, 26, 5, 3, 14]),
+            ("qwen3_tokenizer_random", qwen,
+             load_model(write_random_checkpoint(folder / "q", seed=3, vocab_size=qwen.config.vocab_size)),
+             qwen_tok, qwen_tok.encode("The quick brown fox jumps over the lazy dog. The quick brown"))]
+
+
+def _drafters(target, draft):
+    return {"other model": draft_speculation(draft, 4), "same model": draft_speculation(target, 3),
+            "lookup": lookup_speculation(3, 4), "lookup k=1": lookup_speculation(1, 1)}
+
+
+def test_speculative_greedy_equals_plain_greedy_on_every_fixture_and_drafter(fixtures, tok) -> None:
+    for name, target, draft, tokenizer, prompt in fixtures:
+        tokenizer = tokenizer or tok
+        for n in (1, 2, 7, 40):             # 7: max_new_tokens reached inside an accepted draft of 4
+            plain = events(target, tokenizer, prompt, GREEDY, n)
+            for drafter, speculation in _drafters(target, draft).items():
+                assert events(target, tokenizer, prompt, GREEDY, n, speculation=speculation) == plain, (name, drafter, n)
+
+
+def test_speculative_greedy_ends_at_the_same_eos_and_stop_string(fixtures, tok) -> None:
+    for name, target, draft, tokenizer, prompt in fixtures:
+        tokenizer = tokenizer or tok
+        plain = events(target, tokenizer, prompt, GREEDY, 30)
+        eos = [plain[9][0]]                                       # its 10th token ends the sequence
+        text = "".join(t for _, t, _ in plain)
+        stop = [text[len(text) // 2:len(text) // 2 + 3]] if len(text) > 8 else []
+        for drafter, speculation in _drafters(target, draft).items():
+            for kwargs in ({"eos_token_ids": eos}, {"stop": stop}):
+                expected = events(target, tokenizer, prompt, GREEDY, 30, **kwargs)
+                assert events(target, tokenizer, prompt, GREEDY, 30, speculation=speculation, **kwargs) == expected, \
+                    (name, drafter, kwargs)
+
+
+def test_the_model_drafting_for_itself_is_always_accepted_and_the_stats_say_so(random_pair, tok) -> None:
+    target, _ = random_pair
+    stats = GenerationStats()
+    out = events(target, tok, [3, 14, 15], GREEDY, 21, speculation=draft_speculation(target, 4), stats=stats)
+    assert len(out) == 21 and stats.acceptance_rate == 1.0
+    assert stats.target_steps == 5 and stats.tokens_per_step == 21 / 5      # prefill's token, then 4 steps of 4 + 1
+    assert "speculative=draft accepted=16/16(100%) tokens_per_step=4.20" in stats.summary("m")
+
+
+def test_prompt_lookup_drafts_what_followed_the_earliest_match_of_the_longest_ngram() -> None:
+    lookup = PromptLookup(3)
+    assert lookup.propose([1, 2, 3, 9, 8, 2, 3, 7, 5, 1, 2, 3], [], 4).tokens == [9, 8, 2, 3]   # 3-gram 1 2 3
+    assert lookup.propose([5, 2, 3, 9, 4, 1, 2, 3], [], 2).tokens == [9, 4]                     # 2-gram 2 3
+    assert lookup.propose([4, 1, 4], [], 3).tokens == [1, 4]                                    # 1-gram 4, to the end
+    assert lookup.propose([1, 2, 3], [], 4).tokens == []                                        # nothing repeats
+    assert lookup.propose([7], [], 4).tokens == []
+
+
+def _chi_square_p(counts: np.ndarray, expected: np.ndarray) -> float:
+    """The p-value of observed counts against expected probabilities (cells of no probability must stay empty)."""
+    assert counts[expected == 0].sum() == 0
+    keep = expected > 0
+    return float(scipy_stats.chisquare(counts[keep], expected[keep] * counts.sum()).pvalue)
+
+
+@pytest.mark.parametrize("q", [np.array([0.6, 0.1, 0.1, 0.2, 0.0]), None], ids=["model draft", "one-hot draft"])
+def test_the_rejection_rule_emits_tokens_distributed_as_p(q) -> None:
+    """x ~ q, then accept(p, q, x): the token is distributed as p (and a token p rules out never comes)."""
+    p = np.array([0.1, 0.4, 0.0, 0.2, 0.3])
+    rng, draws = np.random.default_rng(0), 20000
+    drafted = rng.choice(5, size=draws, p=q) if q is not None else np.full(draws, 3)   # lookup's one guess
+    counts = np.bincount([accept(p, q, int(x), rng) for x in drafted], minlength=5)
+    assert _chi_square_p(counts, p) > ALPHA
+
+
+def test_sampled_speculative_tokens_follow_the_targets_distribution(tmp_path, tok) -> None:
+    """The 2nd and 3rd generated tokens (the first a step drafts and the one after it) over many seeds,
+    drafted by a deliberately different model, against their exact marginals under the target's
+    processed distributions (temperature, top-k, repetition penalty: computed here position by position)."""
+    target = load_model(write_random_checkpoint(tmp_path / "t", seed=4, vocab_size=8))
+    draft = load_model(write_random_checkpoint(tmp_path / "d", seed=5, vocab_size=8))
+    params, prompt, V = SamplingParams(temperature=1.0, top_k=6, repetition_penalty=1.3), [1, 2], 8
+
+    def p(context: list[int]) -> np.ndarray:
+        logits = target.forward(context)[-1]
+        return softmax(processed_logits(logits, params, context, context[len(prompt):]))
+
+    first = p(prompt)
+    second = {a: p([*prompt, a]) for a in range(V) if first[a] > 0}
+    marginal2 = sum(first[a] * second[a] for a in second)
+    marginal3 = sum(first[a] * second[a][b] * p([*prompt, a, b]) for a in second for b in range(V) if second[a][b] > 0)
+    speculation = draft_speculation(draft, 3)
+    tokens = np.array([[e.token_id for e in generate(target, tok, prompt, replace(params, seed=seed), 3,
+                                                     speculation=speculation)] for seed in range(1500)])   # [N, 3]
+    assert _chi_square_p(np.bincount(tokens[:, 1], minlength=V), marginal2) > ALPHA
+    assert _chi_square_p(np.bincount(tokens[:, 2], minlength=V), marginal3) > ALPHA
+
+
+def test_batched_speculative_rows_equal_plain_rows_with_preemption(fixtures, tok) -> None:
+    _, target, draft, _, _ = fixtures[1]
+    prompts = [[3, 14, 15, 9, 26, 5, 3, 14], [1, 2, 3, 1, 2, 3, 1, 2], list(range(40, 60))]
+
+    def run(speculation, blocks: int) -> list[list[int]]:
+        generator = BatchGenerator(target, tok, max_batch=3, speculation=speculation,
+                                   pool=BlockPool(target.config, blocks, prefix_caching=True))
+        rows = [generator.submit(Request(prompt, GREEDY, 40)) for prompt in prompts]
+        while not generator.idle:
+            generator.step()
+        return [row.generated for row in rows] + [[generator.preemptions]]
+
+    plain = run(None, 12)
+    for speculation in _drafters(target, draft).values():
+        assert run(speculation, 12)[:3] == plain[:3]
+        preempted = run(speculation, 6)                           # too few blocks for all: rows are preempted
+        assert preempted[:3] == plain[:3] and preempted[3][0] > 0
+
+
+def test_rolling_back_into_a_named_block_unnames_it_so_no_other_sequence_reuses_it(random_pair) -> None:
+    target, _ = random_pair
+    pool = BlockPool(target.config, 4, prefix_caching=True)
+    cache = PagedKVCache(pool, 64)
+    rejected = list(range(BLOCK_SIZE + 1))
+    target.forward(rejected, cache)                      # fills block 0 and names it by these tokens
+    assert pool.cached(cache.table[0])
+    cache.truncate(5)                                    # speculation rolls back: positions 5.. get rewritten
+    assert not pool.cached(cache.table[0]) and cache.digests == []
+    target.forward([7] * BLOCK_SIZE, cache)
+    assert PagedKVCache(pool, 64).reuse_prefix(rejected) == 0
+
+
+def test_a_draft_with_another_vocabulary_or_with_lookup_is_refused_in_one_line(capsys) -> None:
+    assert cli.main(["generate", "--no-chat", "ROMEO:", "--draft", str(QWEN3_RANDOM)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --draft: its vocabulary has 151936 ids, the model's 2048: a draft needs the model's tokenizer"]
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["generate", "ROMEO:", "--draft", str(QWEN3_RANDOM), "--lookup", "2"])
+    assert refused.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_the_json_output_has_the_speculation_usage(capsys) -> None:
+    assert cli.main(["generate", "--no-chat", "ROMEO:", "-n", "20", "--temperature", "0", "--lookup", "2",
+                     "--json", "-q"]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    usage = reply["usage"]["speculative_decoding"]
+    assert usage["target_steps"] * usage["tokens_per_step"] == pytest.approx(20, rel=1e-3)
+    assert reply["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == usage["accepted_tokens"]
+
+
+
+@pytest.mark.parametrize("path", [FastQwen3Model.forward_batch, Qwen3Model.forward_batch], ids=["fast", "readable"])
+def test_forward_batch_tails_are_those_rows_of_the_full_logits(random_pair, path) -> None:
+    target, _ = random_pair
+    batch = [[3, 14, 15, 9], [26, 5], [7, 7, 7, 7, 7]]
+
+    def run(**kwargs) -> np.ndarray:
+        return path(target, batch, [target.new_cache(16) for _ in batch], **kwargs)
+
+    full = run()                                                                   # [11, V]
+    assert np.array_equal(run(tails=[2, 1, 3]), full[[2, 3, 5, 8, 9, 10]])
+    with pytest.raises(QwenNPError, match="tails"):
+        run(tails=[3, 3, 1])
+
+
+def test_a_speculative_chat_replies_as_the_plain_one_turn_after_turn(tok) -> None:
+    model = load_model(QWEN3_RANDOM)
+    sessions = [ChatSession(model, tok, GREEDY, max_tokens=256, speculation=speculation)
+                for speculation in (None, lookup_speculation(2, 3), draft_speculation(model, 2))]
+    for message in ("Hello there", "And again, hello there"):
+        replies = [[e.token_id for e in session.send(message, 12)] for session in sessions]
+        assert replies[1] == replies[0] and replies[2] == replies[0]
+
+
+def test_speculative_greedy_stops_where_plain_greedy_does_when_the_context_fills(random_pair, tok) -> None:
+    target, draft = random_pair
+    prompt = [3, 14, 15, 9, 26, 5, 3, 14]
+    plain = events(target, tok, prompt, GREEDY, 100, cache=target.new_cache(21))
+    assert plain[-1][2] == "context" and len(plain) == 13
+    for drafter, speculation in _drafters(target, draft).items():
+        assert events(target, tok, prompt, GREEDY, 100, cache=target.new_cache(21), speculation=speculation) == plain, \
+            drafter
+
+
+def test_a_draft_whose_tokenizer_maps_ids_otherwise_is_refused_even_at_the_same_vocabulary_size(tok) -> None:
+    bundled = read_config(BUNDLED)
+    with pytest.raises(QwenNPError, match="^--draft: its tokenizer maps tokens to other ids"):
+        check_draft(bundled, read_tokenizer(BUNDLED), bundled, tok)
+    check_draft(bundled, read_tokenizer(BUNDLED), read_config(BUNDLED / "draft"), read_tokenizer(BUNDLED / "draft"))
