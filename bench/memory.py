@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (default 3)")
     parser.add_argument("--repeats", type=int, default=2, help="processes per configuration, interleaved (default 2)")
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the table's numbers here (bytes, tokens/s)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=16, help=argparse.SUPPRESS)
     parser.add_argument("--grad-accum", type=int, default=1, help=argparse.SUPPRESS)
@@ -111,6 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, (default_peak, fixed_peak, estimate, rate) in best.items():
         print(f"| {name} | {default_peak / 2**20:.0f} MiB | {fixed_peak / 2**20:.0f} MiB | {estimate / 2**20:.0f} MiB "
               f"| {rate:.0f} | {fixed_peak / base[1]:.2f}x | {base[3] / rate:.2f}x |")
+    if args.json:
+        keys = ("peak_above_baseline", "peak_fixed_threshold", "estimate", "tokens_per_s")
+        args.json.write_text(json.dumps({"context": args.context, "steps": args.steps, "repeats": args.repeats,
+                                         "rows": {name: dict(zip(keys, row)) for name, row in best.items()}},
+                                        indent=1) + "\n", encoding="utf-8")
 
 
 def _best(runs: list[list[dict[str, float]]]) -> tuple[float, float, float, float]:
