@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"shakespeare-preset model, batch 16 x {args.context}, 1 thread, {args.steps} timed steps per configuration, "
           f"best of {args.repeats} interleaved processes")
     results: dict[str, list[list[dict[str, float]]]] = {name: [] for name in CONFIGS}
+    started_load = list(os.getloadavg())
     for _ in range(args.repeats):              # repeat 1 of every configuration, then repeat 2, ...
         for name, config in CONFIGS.items():
             command = [sys.executable, "-m", "bench.memory", "--worker", "--context", str(args.context),
@@ -114,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
               f"| {rate:.0f} | {fixed_peak / base[1]:.2f}x | {base[3] / rate:.2f}x |")
     if args.json:
         keys = ("peak_above_baseline", "peak_fixed_threshold", "estimate", "tokens_per_s")
+        # the machine's load while it ran, beside the speeds it disturbs (the peaks it does not)
         args.json.write_text(json.dumps({"context": args.context, "steps": args.steps, "repeats": args.repeats,
+                                         "load_average": {"start": started_load, "end": list(os.getloadavg())},
                                          "rows": {name: dict(zip(keys, row)) for name, row in best.items()}},
                                         indent=1) + "\n", encoding="utf-8")
 

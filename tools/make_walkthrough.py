@@ -55,9 +55,11 @@ with a {c.vocab_size:,}-token byte-level BPE vocabulary learned from the same te
 **What you will see**: that prompt going through every step of the forward pass (sections 1 to 6:
 tokens, embeddings, attention, the MLP, the prediction, the KV cache), each with the code that does it,
 the real shapes and numbers it produces and a short reason for the design; what number formats and
-memory bandwidth do to it (7, 8); one training step on it (9) and what training holds in memory (10);
-then a model like it trained by you from random weights in a few minutes (11): the data, the loss
-falling, words appearing, validation, early stopping, batch size, checkpoints and the test split.
+memory bandwidth do to it, with this machine's caches measured (7, 8); one training step on it (9) and
+what training holds in memory, with the remedies and mixed precision measured (10); then a model like
+it trained by you from random weights in a few minutes (11): the data, the loss falling, words
+appearing, validation, early stopping, batch size, checkpoints and the test split; last, what a
+serving engine adds to run many requests at once (12).
 
 The dimensions (symbols used everywhere in qwen_np's shape comments):
 
@@ -156,9 +158,9 @@ Real values: the vector of `{token_text(run.tokenizer, run.ids[0])}` starts {val
 lengths (L2 norms) of the {len(run.ids)} vectors are {norms}."""
 
 
-def next_steps_section(run: Run) -> str:
+def next_steps_section(run: Run, number: int) -> str:
     prompt = shell_quote(run.prompt)
-    return f"""## 12. Try it yourself
+    return f"""## {number}. Try it yourself
 
 ```bash
 python -m qwen_np inspect --preset qwen3-8b          # every shape and count above at full size, and its memory
@@ -197,6 +199,7 @@ class Page:
 def render_page(model_dir: Path | None = None) -> Page:
     """The whole walkthrough, from a real run on the model in `model_dir` (default: BUNDLED_MODEL)."""
     model_dir = model_dir or BUNDLED_MODEL
+    from walkthrough_chapter_serving import serving_section
     from walkthrough_chapter_train import chapter_section, load_record
     from walkthrough_training import memory_section, training_step_section
 
@@ -210,7 +213,8 @@ def render_page(model_dir: Path | None = None) -> Page:
         sections = [intro(run), tokens_section(run), embedding_section(run, shown), layer_section(run, shown),
                     remaining_layers_section(run), prediction_section(run, shown), kv_cache_section(run),
                     formats_section(run), bandwidth_section(run), training_step_section(model_dir, num, code_block, facts),
-                    memory_section(model_dir, num, run.figures), chapter_section(11), next_steps_section(run)]
+                    memory_section(model_dir, num, run.figures), chapter_section(11), serving_section(run, 12, facts),
+                    next_steps_section(run, 13)]
     return Page("\n\n".join(sections) + "\n", sections, run.figures, model_dir, run, facts)
 
 
