@@ -257,7 +257,6 @@ seed, data order and {record['steps']} steps in each precision, validated in FP3
 {RECORDS['mixed_precision']}
 ```
 
-
 | precision | final validation loss | vs FP32 | skipped steps |
 |---|---:|---:|---:|
 {table}

@@ -29,7 +29,7 @@ LATE_REQUEST, LATE_STEP = ("KING LEAR:\n", 6), 3
 MAX_BATCH = 4
 # The block-table example: two sequences growing side by side in one small pool.
 POOL_BLOCKS, FIRST_CHUNK, GROWN = 8, 20, 38
-OTHER_TEXT = "\n\n".join(PASSAGES)          # the second sequence's text
+OTHER_TEXT = PASSAGES[2] + "\n\n" + PASSAGES[4]          # the second sequence's text (38 tokens)
 WATCHED_POSITION = 20
 
 
@@ -199,7 +199,8 @@ def notebook_code() -> str:
     return f'''from qwen_np.kv_cache import BlockPool, PagedKVCache
 pool = BlockPool(model.config, num_blocks={POOL_BLOCKS})
 first, second = PagedKVCache(pool, {GROWN}), PagedKVCache(pool, {GROWN})
-text_ids, other_ids = tokenizer.encode(TEXT), tokenizer.encode({OTHER_TEXT!r})
+OTHER = {OTHER_TEXT!r}
+text_ids, other_ids = tokenizer.encode(TEXT), tokenizer.encode(OTHER)
 model.forward(text_ids[:{FIRST_CHUNK}], cache=first)                     # prefill the first sequence
 model.forward(other_ids[:{FIRST_CHUNK}], cache=second)                  # then a second one
 model.forward(text_ids[{FIRST_CHUNK}:{GROWN}], cache=first)                    # the first grows: a new block

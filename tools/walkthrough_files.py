@@ -25,8 +25,13 @@ FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens"
            "precision_kld", "hardware", "training_memory", "training_remedies", "mixed_precision", "training_run")
 
 
+# Figures whose data is a measurement recorded by its own command (walkthrough_chapter_measured.RECORDS): written
+# back as recorded, since rounding them would change the digits the page prints from them.
+RECORDED = ("hardware", "training_remedies", "mixed_precision")
+
+
 def figure_data(page: Any) -> dict[str, Any]:
-    return {name: rounded(page.figures[name]) for name in FIGURES}
+    return {name: page.figures[name] if name in RECORDED else rounded(page.figures[name]) for name in FIGURES}
 
 
 # --- Figures ----------------------------------------------------------------------------------------
@@ -342,11 +347,10 @@ print(cache.keys.shape, float(np.abs(step[-1] - full[-1]).max()))''',
 stored = model.layers[0].q_proj[0, :3]
 bits = f32_to_bf16_bits(stored)
 print([hex(b) for b in bits], bf16_bits_to_f32(bits))''',
-    8: '''from qwen_np import preset
+    8: '''from qwen_np import hardware, preset
 from qwen_np.inspection import forward_flops, weight_bytes_read_per_token
 real = preset("qwen3-8b")
 print(weight_bytes_read_per_token(real, 2) / 1e9, "GB read,", forward_flops(real, 1, 1001) / 1e9, "GFLOP per token")
-from qwen_np import hardware
 topology = hardware.read_topology()                            # this machine, as the OS describes it
 print([(cache.name, cache.size_bytes // 1024, "KiB") for cache in topology.caches])
 for size in (16 * 1024, 256 * 1024 ** 2):                      # inside L1, far beyond any L3
