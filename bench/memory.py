@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (default 3)")
     parser.add_argument("--repeats", type=int, default=2, help="processes per configuration, interleaved (default 2)")
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the table's numbers here (bytes, tokens/s)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=16, help=argparse.SUPPRESS)
     parser.add_argument("--grad-accum", type=int, default=1, help=argparse.SUPPRESS)
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"shakespeare-preset model, batch 16 x {args.context}, 1 thread, {args.steps} timed steps per configuration, "
           f"best of {args.repeats} interleaved processes")
     results: dict[str, list[list[dict[str, float]]]] = {name: [] for name in CONFIGS}
+    started_load = list(os.getloadavg())
     for _ in range(args.repeats):              # repeat 1 of every configuration, then repeat 2, ...
         for name, config in CONFIGS.items():
             command = [sys.executable, "-m", "bench.memory", "--worker", "--context", str(args.context),
@@ -111,6 +113,13 @@ def main(argv: list[str] | None = None) -> None:
     for name, (default_peak, fixed_peak, estimate, rate) in best.items():
         print(f"| {name} | {default_peak / 2**20:.0f} MiB | {fixed_peak / 2**20:.0f} MiB | {estimate / 2**20:.0f} MiB "
               f"| {rate:.0f} | {fixed_peak / base[1]:.2f}x | {base[3] / rate:.2f}x |")
+    if args.json:
+        keys = ("peak_above_baseline", "peak_fixed_threshold", "estimate", "tokens_per_s")
+        # the machine's load while it ran, beside the speeds it disturbs (the peaks it does not)
+        args.json.write_text(json.dumps({"context": args.context, "steps": args.steps, "repeats": args.repeats,
+                                         "load_average": {"start": started_load, "end": list(os.getloadavg())},
+                                         "rows": {name: dict(zip(keys, row)) for name, row in best.items()}},
+                                        indent=1) + "\n", encoding="utf-8")
 
 
 def _best(runs: list[list[dict[str, float]]]) -> tuple[float, float, float, float]:

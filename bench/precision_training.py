@@ -12,6 +12,7 @@ update of 2e-4 cannot move if they are held in BF16). --png draws the runs' vali
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,13 @@ def row(name: str, meta: dict[str, Any]) -> str:
             f"{history[-1]['loss']:.4f} | {skipped} | {rate:.0f} |")
 
 
-def bundled_measurements() -> None:
-    """FP16's underflow without loss scaling and BF16's stalled weights, on the bundled model."""
+LOSS_SCALES = (1.0, 2.0 ** 8, 2.0 ** 16)     # FP16 without loss scaling, and at two fixed scales
+UPDATES = (1e-4, 2e-4, 1e-3)                 # update sizes tried on weights held in BF16
+
+
+def bundled_measurements() -> dict[str, dict[float, float]]:
+    """On the bundled model: the share of nonzero gradient values FP16 flushes to 0 at each loss scale, and the
+    share of weights held in BF16 that an update of each size cannot move."""
     import numpy as np
 
     from qwen_np import data, mixed, training
@@ -59,13 +65,16 @@ def bundled_measurements() -> None:
     model = load_model(BUNDLED, memory="fp32")
     ids = np.array(Tokenizer.from_folder(BUNDLED).encode(data.shakespeare_split("validation")[:40_000]))
     batch = ids[:8 * 129].reshape(8, 129)                                          # [B, T+1]
-    for scale in (1.0, 2.0 ** 8, 2.0 ** 16):
-        share = training.fp16_underflow(model, batch, scale)
-        print(f"FP16 at loss scale {scale:>7g}: {100 * share:.2f}% of the nonzero gradient values flush to 0")
     weights = np.concatenate([p.ravel() for p in training.named_parameters(model).values()])
-    for update in (1e-4, 2e-4, 1e-3):
-        print(f"weights held in BF16: an update of {update:g} cannot move "
-              f"{100 * mixed.stalled_by_update(weights, update):.1f}% of them")
+    return {"underflow": {scale: training.fp16_underflow(model, batch, scale) for scale in LOSS_SCALES},
+            "stalled": {update: mixed.stalled_by_update(weights, update) for update in UPDATES}}
+
+
+def print_bundled(measured: dict[str, dict[float, float]]) -> None:
+    for scale, share in measured["underflow"].items():
+        print(f"FP16 at loss scale {scale:>7g}: {100 * share:.2f}% of the nonzero gradient values flush to 0")
+    for update, share in measured["stalled"].items():
+        print(f"weights held in BF16: an update of {update:g} cannot move {100 * share:.1f}% of them")
 
 
 def plot(metas: dict[str, dict[str, Any]], path: Path) -> None:
@@ -92,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--png", type=Path, help="draw the validation curves here")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write each run's losses and the bundled "
+                                                                  "model's measurements here")
     args = parser.parse_args(argv)
     print(f"train --preset tiny --steps {args.steps} --eval-every {args.eval_every} --threads 1, per precision")
     print("| precision | final validation loss | best | last training loss | skipped steps | tokens/s |")
@@ -99,7 +110,23 @@ def main(argv: list[str] | None = None) -> None:
     metas = train_each(args.steps, args.eval_every)
     if args.png:
         plot(metas, args.png)
-    bundled_measurements()
+    measured = bundled_measurements()
+    print_bundled(measured)
+    if args.json:
+        args.json.write_text(json.dumps(record(args.steps, args.eval_every, metas, measured), indent=1) + "\n",
+                             encoding="utf-8")
+
+
+def record(steps: int, eval_every: int, metas: dict[str, dict[str, Any]],
+           measured: dict[str, dict[float, float]]) -> dict[str, Any]:
+    """What --json writes: each run's per-step training loss and validation losses, and the bundled measurements."""
+    runs = {name: {"loss": [h["loss"] for h in meta["history"]],
+                   "evals": [{"step": e["step"], "loss": e["loss_per_token"]} for e in meta["evals"]],
+                   "best_loss": meta["best_loss"], "skipped": sum(1 for h in meta["history"] if h.get("skipped"))}
+            for name, meta in metas.items()}
+    return {"preset": "tiny", "steps": steps, "eval_every": eval_every, "runs": runs,
+            "underflow": {f"{k:g}": v for k, v in measured["underflow"].items()},
+            "stalled": {f"{k:g}": v for k, v in measured["stalled"].items()}}
 
 
 if __name__ == "__main__":

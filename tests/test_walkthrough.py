@@ -16,6 +16,7 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "tools"))
 
 import make_walkthrough  # noqa: E402
+import walkthrough_chapter_measured  # noqa: E402
 import walkthrough_chapter_train  # noqa: E402
 import walkthrough_files  # noqa: E402
 
@@ -79,6 +80,12 @@ def _assert_close(committed, fresh, where: str) -> None:
 def test_recorded_training_run_repeats_its_first_steps():
     """The chapter's run is recorded (too slow to repeat here): its first steps must still come out of the code."""
     walkthrough_chapter_train.check_first_steps(walkthrough_chapter_train.load_record())   # raises naming the step
+
+
+def test_recorded_mixed_precision_runs_repeat_their_first_steps():
+    """The precision curves are recorded (minutes of training): the first steps of the FP8 run must still come out
+    of `train --precision fp8`."""
+    walkthrough_chapter_measured.check_precision_steps()          # raises naming the run and its losses
 
 
 def test_every_figure_draws_from_its_committed_data(tmp_path):

@@ -22,11 +22,16 @@ import numpy as np
 from walkthrough_training import rounded
 
 FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "formats",
-           "training_memory", "training_run")
+           "precision_kld", "hardware", "training_memory", "training_remedies", "mixed_precision", "training_run")
+
+
+# Figures whose data is a measurement recorded by its own command (walkthrough_chapter_measured.RECORDS): written
+# back as recorded, since rounding them would change the digits the page prints from them.
+RECORDED = ("hardware", "training_remedies", "mixed_precision")
 
 
 def figure_data(page: Any) -> dict[str, Any]:
-    return {name: rounded(page.figures[name]) for name in FIGURES}
+    return {name: page.figures[name] if name in RECORDED else rounded(page.figures[name]) for name in FIGURES}
 
 
 # --- Figures ----------------------------------------------------------------------------------------
@@ -35,11 +40,16 @@ def draw(name: str, data: dict[str, Any]) -> Any:
     """The matplotlib Figure `name`, drawn from its data only."""
     import matplotlib
     matplotlib.use("Agg")
+    from walkthrough_chapter_measured import hardware_figure, mixed_precision_figure, remedies_figure
+
+    from qwen_np.commands.precision import kld_figure
     from walkthrough_chapter_train import figure as training_run
 
     return {"decoder_layer": _decoder_layer, "rope": _rope, "attention": _attention, "logit_lens": _logit_lens,
             "sampling": _sampling, "formats": _formats, "residual_stream": _residual_stream,
-            "training_memory": _training_memory, "training_run": training_run}[name](data)
+            "training_memory": _training_memory, "training_run": training_run, "hardware": hardware_figure,
+            "training_remedies": remedies_figure, "mixed_precision": mixed_precision_figure,
+            "precision_kld": kld_figure}[name](data)
 
 
 # Where each step of a decoder layer sits in the drawing (column, row), and what feeds it: q, k and v are three
@@ -137,8 +147,10 @@ def _rope(data: dict[str, Any]) -> Any:
         circle.scatter(np.cos(a), np.sin(a), c=np.arange(len(a)), cmap="viridis", s=18, zorder=3)
         named = (0, 1, 2, len(a) - 1) if period < len(a) else (0, len(a) - 1)   # the colour orders the rest
         for position in named:
+            # A slow pair's first and last dots nearly coincide: the first one's label goes below.
+            below_it = position == 0 and period >= len(a)
             circle.annotate(str(data["positions"][position]), (np.cos(a[position]), np.sin(a[position])),
-                            textcoords="offset points", xytext=(5, 3), fontsize=7)
+                            textcoords="offset points", xytext=(5, -10 if below_it else 3), fontsize=7)
         circle.set_aspect("equal")
         circle.set_xlim(-1.35, 1.35)
         circle.set_ylim(-1.35, 1.35)
@@ -182,6 +194,7 @@ def _logit_lens(data: dict[str, Any]) -> Any:
 
 def _sampling(data: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     labels, kept = data["tokens"], data["kept"]
     fig, (bars, table) = plt.subplots(2, 1, figsize=(10, 5.6), dpi=100, sharex=True,
@@ -201,6 +214,10 @@ def _sampling(data: dict[str, Any]) -> Any:
     table.set_yticks(range(len(kept)), [name.split(":")[0] for name in kept], fontsize=7)
     table.set_ylabel("filter", fontsize=8)
     table.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+    shades = plt.get_cmap("Blues")(np.array([1 / 1.4, 0.0]))                        # kept, dropped (vmax 1.4)
+    table.legend(handles=[Patch(facecolor=shades[0], label="kept"), Patch(facecolor=shades[1], edgecolor="#999999",
+                                                                          label="dropped")],
+                 fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
@@ -330,10 +347,14 @@ print(cache.keys.shape, float(np.abs(step[-1] - full[-1]).max()))''',
 stored = model.layers[0].q_proj[0, :3]
 bits = f32_to_bf16_bits(stored)
 print([hex(b) for b in bits], bf16_bits_to_f32(bits))''',
-    8: '''from qwen_np import preset
+    8: '''from qwen_np import hardware, preset
 from qwen_np.inspection import forward_flops, weight_bytes_read_per_token
 real = preset("qwen3-8b")
-print(weight_bytes_read_per_token(real, 2) / 1e9, "GB read,", forward_flops(real, 1, 1001) / 1e9, "GFLOP per token")''',
+print(weight_bytes_read_per_token(real, 2) / 1e9, "GB read,", forward_flops(real, 1, 1001) / 1e9, "GFLOP per token")
+topology = hardware.read_topology()                            # this machine, as the OS describes it
+print([(cache.name, cache.size_bytes // 1024, "KiB") for cache in topology.caches])
+for size in (16 * 1024, 256 * 1024 ** 2):                      # inside L1, far beyond any L3
+    print(size // 1024, "KiB:", round(hardware.read_rate(size, threads=1), 1), "GB/s")''',
     9: '''TEXT = """{train_text}"""
 tokens = np.array(tokenizer.encode(TEXT), dtype=np.int64)
 batch = trainer.WindowOrder(len(tokens), {context}, seed=0).next_batch(tokens, {batch})    # [B, T+1]
@@ -346,20 +367,24 @@ optimizer.update(params, grads, lr)                            # the model's wei
 print(batch.shape, round(loss, 4), round(norm, 4), lr, round(training.loss_and_gradients(model, batch)[0], 4))''',
     10: '''estimate = memory.training_memory(model.config, rows=16, context=256)
 for key, value in estimate.items():
-    print(f"{key:<22} {value / 2**20:10.2f} MiB")''',
+    print(f"{key:<22} {value / 2**20:10.2f} MiB")
+for precision in ("fp32", "bf16", "fp16", "fp8"):   # the matrix products' inputs rounded; master weights FP32
+    print(precision, round(training.loss_and_gradients(model, batch, precision=precision)[0], 4))''',
 }
 
 
 def notebook_checks(page: Any) -> dict[str, Any]:
     """Expressions over the notebook's variables, and the values the page shows for them."""
+    from walkthrough_chapter_serving import notebook_checks as serving_checks
     from walkthrough_chapter_train import notebook_checks as chapter_checks
 
     return {"ids": page.run.ids, "top[0]": page.run.answer, "round(loss, 4)": round(page.facts["training loss"], 4),
-            **chapter_checks()}
+            **chapter_checks(), **serving_checks(page)}
 
 
 def notebook_cells(page: Any) -> list[tuple[str, str]]:
     """(kind, source) of every cell: the setup, then each section's markdown and its code."""
+    from walkthrough_chapter_serving import notebook_code as serving_code
     from walkthrough_chapter_train import notebook_code as chapter_code
     from walkthrough_training import BATCH, CONTEXT, PRESET, TRAIN_TEXT
 
@@ -368,7 +393,7 @@ def notebook_cells(page: Any) -> list[tuple[str, str]]:
     settings = trainer.PRESET_SETTINGS[PRESET]
     fill = {"train_text": TRAIN_TEXT, "context": CONTEXT, "batch": BATCH, "warmup": settings["warmup"],
             "peak": settings["lr"], "steps": settings["steps"]}
-    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code()}
+    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code(), 12: serving_code()}
     cells = [("markdown", page.sections[0]), ("code", SETUP.format(prompt=page.run.prompt))]
     for number, section in enumerate(page.sections[1:], start=1):
         cells.append(("markdown", section))
@@ -424,7 +449,7 @@ GLOSSARY = (
     ("epoch / 轮次", "one pass over every training window: N / B steps", "qwen_np.trainer.WindowOrder", "--steps", 11),
     ("shuffle / 打乱", "each epoch visits the windows in a new random order, from a new random offset",
      "qwen_np.trainer.WindowOrder", "--seed", 11),
-    ("train / validation / test split / 训练集·验证集·测试集",
+    ("train / validation / test split / 训练集 / 验证集 / 测试集",
      "fixed sets of plays: train changes the weights, validation picks the step and the settings, test is "
      "scored once at the end", "qwen_np.data.shakespeare_split", "--split", 11),
     ("early stopping / 早停", "stop when validation has not improved for a number of evaluations, keep the best step",
@@ -439,12 +464,17 @@ GLOSSARY = (
      "update, 1/N of the activations", "qwen_np.training.loss_and_accumulated_gradients", "--grad-accum", 11),
     ("paged KV cache / block table", "the KV cache in fixed-size blocks from one pool; a sequence's block table says "
      "which block holds which positions, so a server's requests share one memory budget",
-     "qwen_np.kv_cache.PagedKVCache", "--kv-memory", 6),
+     "qwen_np.kv_cache.PagedKVCache", "--kv-memory", 12),
     ("prefix caching", "reusing the KV blocks of a prompt's longest prefix seen before (named by a hash of their "
      "tokens), so a shared system prompt or a resent conversation is prefilled once",
-     "qwen_np.kv_cache.BlockPool.lookup", "--kv-memory", 6),
+     "qwen_np.kv_cache.BlockPool.lookup", "--kv-memory", 12),
+    ("continuous batching", "one forward pass for every running request, which join and leave between any two steps: "
+     "each weight read serves every row", "qwen_np.batching.BatchGenerator", "--max-batch", 12),
     ("activations / 激活", "the intermediate arrays of a forward pass; training keeps them for the backward pass",
      "qwen_np.memory.training_memory", "--grad-accum", 10),
+    ("recomputation (activation checkpointing)", "keep only each layer's input and run the layer again in the "
+     "backward pass: the same gradients for a fraction of the activations, one more forward pass of time",
+     "qwen_np.training.loss_and_gradients", "--recompute", 10),
     ("memory / 显存 (here: RAM)", "what a run holds: weights, gradients, optimizer state, activations; on a GPU "
      "this is its memory", "qwen_np.memory.training_memory", "--batch-size", 10),
     ("mixed precision / 混合精度", "training with every matrix product's inputs rounded to a narrow format (BF16, "
@@ -454,8 +484,9 @@ GLOSSARY = (
      "qwen_np.numerics.Int8Rows", "--memory", 7),
     ("KV cache / 缓存", "every layer's keys and values of the tokens so far, so a new token computes only its own",
      "qwen_np.model.KVCache", "--ctx-size", 6),
-    ("CPU cache / 缓存", "small fast memory beside the cores; the weights stream past it, an upcast block stays in it",
-     "qwen_np.layers.linear", "--memory", 8),
+    ("CPU cache / 缓存", "small fast memory beside the cores (L1 and L2 each core's own, L3 shared), read several "
+     "times faster than RAM; the weights stream past it, an upcast block stays in it", "qwen_np.hardware.read_rate",
+     "", 8),
     ("logits", "one score per vocabulary entry; softmax turns them into probabilities",
      "qwen_np.layers.softmax", "--temperature", 5),
     ("sampling / 采样", "drawing the next token from the (filtered) probabilities",

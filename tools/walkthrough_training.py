@@ -15,6 +15,7 @@ from qwen_np import load_model, memory, preset, trainer, training
 from qwen_np.config import Qwen3Config, parameter_count
 from qwen_np.precision import PASSAGE
 from qwen_np.tokenizer import Tokenizer
+from walkthrough_chapter_measured import mixed_precision_part, remedies_part
 
 # The text the training step reads: the start of Hamlet's soliloquy, in the training text's layout
 # (the passage `precision` scores when no text is given).
@@ -204,6 +205,8 @@ Measured: one `loss_and_gradients` call on a batch of {measured_rows} × {measur
 most {mib(peak)} of NumPy arrays at once (`tracemalloc`), against {mib(predicted)} predicted for its gradients
 and activations.
 
+{remedies_part(figures)}
+
 **A checkpoint to resume training** (`last.safetensors`, `trainer.save_state`) must hold what the
 next step needs: the FP32 weights and both AdamW moments, **12 bytes per parameter**, plus the step,
 the data position and the random number generator's state (small). Measured: {checkpoint_bytes:,} bytes for
@@ -216,7 +219,9 @@ smaller. For Qwen3-8B:
 Large runs train in **mixed precision**: matrix products in BF16 from a BF16 copy of the weights,
 with FP32 master weights for the update (many updates are smaller than a BF16 step, section 7, and
 would round away): 2 + 4 bytes of weights, BF16 gradients (2) and FP32 moments (4 + 4), 16 bytes per
-parameter in memory; the checkpoint still needs the 12 of master weights and moments."""
+parameter in memory; the checkpoint still needs the 12 of master weights and moments.
+
+{mixed_precision_part(figures)}"""
 
 
 def attention_share(config: Qwen3Config, context: int) -> float:

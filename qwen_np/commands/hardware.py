@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from .. import hardware
 from ..config import preset
@@ -86,6 +87,15 @@ def render(topology: hardware.Topology, sizes: list[int], rates: dict[int, list[
 
 
 def draw(path: str, topology: hardware.Topology, sizes: list[int], rates: dict[int, list[float]]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(topology.caches, sizes, rates)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def figure(caches: list[hardware.Cache], sizes: list[int], rates: dict[int, list[float]], title: str = "") -> Any:
+    """The read rate against working-set size, one line per thread count, each data cache's size marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -93,14 +103,16 @@ def draw(path: str, topology: hardware.Topology, sizes: list[int], rates: dict[i
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100, constrained_layout=True)
     for n, r in rates.items():
         ax.plot(sizes, r, marker="o", label=f"{n} thread{'s' * (n > 1)}")
-    for cache in topology.caches:
+    top = ax.get_ylim()[1]
+    for cache in caches:
         if cache.kind != "Instruction":
             ax.axvline(cache.size_bytes, color="grey", linestyle=":")
-            ax.text(cache.size_bytes, ax.get_ylim()[1] * 0.95, f" {cache.name}", color="grey", fontsize=8)
+            ax.text(cache.size_bytes, top * 0.95, f" {cache.name} {_size(cache.size_bytes)}", color="grey", fontsize=8)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("working set (bytes)")
+    ax.set_xticks(sizes, [_size(s) for s in sizes], rotation=45, fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel("working set: the matrix's size")
     ax.set_ylabel("read rate (GB/s)")
-    ax.set_title("matrix-vector product: read rate against the matrix's size")
-    ax.legend()
-    fig.savefig(path)
-    plt.close(fig)
+    ax.set_title(title or "matrix-vector product: read rate against the matrix's size", fontsize=9)
+    ax.legend(loc="lower left")
+    return fig

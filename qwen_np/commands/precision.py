@@ -92,7 +92,17 @@ def render_report(report: dict[str, Any]) -> str:
 
 
 def plot_report(report: dict[str, Any], path: Path) -> None:
-    """KLD mean against bits per weight, one labelled point per format (log scale; FP32's 0 left out)."""
+    """KLD mean against bits per weight (kld_figure), written to `path`."""
+    import matplotlib.pyplot as plt
+
+    figure = kld_figure(report)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def kld_figure(report: dict[str, Any]) -> Any:
+    """KLD mean against bits per weight, one labelled point per format (log scale; FP32's 0 left out).
+    Needs only report's "model", "text" and its rows' "format", "bits_per_weight" and "kld_mean"."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,8 +127,7 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     axes.set_ylabel("mean KL(FP32 || format), nats")
     axes.set_title(f"{Path(report['model']).name}: next-token KLD against FP32 ({report['text']})", fontsize=9)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    return figure
 
 
 def _size(n: int) -> str:
