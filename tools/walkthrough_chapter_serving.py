@@ -3,21 +3,24 @@
 each run on the bundled model with greedy decoding. The page prints counts only (rows, blocks, tokens),
 which are the same on every machine; timings are the machine's, and bench/ measures them.
 
-Speculative decoding's part is speculation_part(): a marked placeholder, to be written from its own runs.
+and speculative decoding (qwen_np/speculative.py) with both drafters: its counts of drafted and kept tokens.
 """
 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from qwen_np.batching import BatchGenerator, Request, Row
-from qwen_np.generate import generate
+from qwen_np import load_model
+from qwen_np.generate import GenerationStats, generate
 from qwen_np.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache, block_runs
 from qwen_np.model import Qwen3Model
 from qwen_np.sampling import SamplingParams
+from qwen_np.speculative import DEFAULT_DRAFT_TOKENS, draft_speculation, lookup_speculation
 from qwen_np.tokenizer import Tokenizer
 from walkthrough_common import CACHE_TOLERANCE, PASSAGES, Run, code_block
 from walkthrough_training import TRAIN_TEXT, below
@@ -31,6 +34,9 @@ MAX_BATCH = 4
 POOL_BLOCKS, FIRST_CHUNK, GROWN = 8, 20, 38
 OTHER_TEXT = PASSAGES[2] + "\n\n" + PASSAGES[4]          # the second sequence's text (38 tokens)
 WATCHED_POSITION = 20
+# Speculative decoding: greedy tokens after a prompt, with each drafter (the draft ships in weights/draft).
+SPECULATION_PROMPT, SPECULATION_TOKENS, LOOKUP_NGRAM = "ROMEO:\n", 64, 3
+BUNDLED_DRAFT = Path(__file__).resolve().parents[1] / "weights" / "draft"
 
 
 def claim(holds: bool, what: str) -> None:
@@ -171,15 +177,41 @@ and the hit rate in `GET /metrics`."""
 
 
 def speculation_part(run: Run) -> str:
-    """PLACEHOLDER, kept for the lead (issue 21): speculative decoding's part of this section.
+    model, tokenizer = run.model, run.tokenizer
+    draft = load_model(BUNDLED_DRAFT)
+    ids = tokenizer.encode(SPECULATION_PROMPT)
+    plain = [event.token_id for event in generate(model, tokenizer, ids, GREEDY, SPECULATION_TOKENS)]
+    rows = []
+    for what, speculation in ((f"`--lookup {LOOKUP_NGRAM}`: the last 1-{LOOKUP_NGRAM} tokens looked up earlier in the text",
+                               lookup_speculation(LOOKUP_NGRAM)),
+                              ("`--draft weights/draft`: a 1-layer Qwen3 trained by `train`", draft_speculation(draft))):
+        stats = GenerationStats()
+        tokens = [event.token_id for event in generate(model, tokenizer, ids, GREEDY, SPECULATION_TOKENS, stats=stats,
+                                                       speculation=speculation)]
+        claim(tokens == plain, "speculative greedy decoding writes plain greedy decoding's tokens")
+        decode_steps = stats.target_steps - 1                      # the first step is the prompt's prefill
+        rows.append(f"| {what} | {stats.drafted_tokens} | {stats.accepted_tokens} | {decode_steps} | "
+                    f"{(SPECULATION_TOKENS - 1) / decode_steps:.2f} | yes |")
+    table = "\n".join(rows)
+    return f"""**Speculative decoding.** A decode step reads every weight to make one token; a forward pass over
+k + 1 tokens reads them once too. So a cheap drafter guesses the next k tokens, the model scores the
+last token and the k guesses in one pass (`generate.Continuation.verify`), and keeps the guesses up to
+the first it would not have chosen, then its own choice there: 1 to k + 1 tokens per step. Greedy, the
+text is exactly plain decoding's; sampled, each guess is kept with probability min(1, p/q) and a
+rejection draws from what is left of p (`speculative.accept`), so the text keeps the model's
+distribution whatever the drafter. {SPECULATION_TOKENS} greedy tokens after `{SPECULATION_PROMPT!r}` on the bundled model,
+k = {DEFAULT_DRAFT_TOKENS}:
 
-    To be written when `--draft MODEL` / `--lookup N` exist, from runs of that code (acceptance rate and
-    tokens per target step, counted; speedups only as measured bounds). Until then this says only what the
-    technique is and that qwen_np does not have it: no numbers."""
-    return """**Speculative decoding** (not in qwen_np yet; this part will show it running when it is). A small
-draft model, or a lookup in the prompt, proposes a few tokens; the model checks them all in one
-forward pass, which costs about what one token's pass costs because the weights are read once either
-way, and keeps the proposals up to the first it would not have chosen."""
+| drafter | drafted | kept | decode steps | tokens per step | same text as plain |
+|---|---:|---:|---:|---:|---|
+| none (plain decoding) | 0 | 0 | {SPECULATION_TOKENS - 1} | 1.00 | |
+{table}
+
+It pays where a step is dominated by reading the weights and a pass over k + 1 tokens costs about
+one token's; on a model as small as this one a step is mostly Python's own work, and the draft's k
+steps cost more than the verify saves (bench/README.md measures both: `python -m bench.speculative`).
+`generate`, `chat` and `serve` take `--draft MODEL` or `--lookup N`; the stats line and `usage` give
+the acceptance rate and tokens per step."""
 
 
 def serving_section(run: Run, number: int, facts: dict[str, Any]) -> str:
