@@ -48,7 +48,7 @@ def product_names(config) -> dict[tuple[int, int], str]:
             (2 * F, D): "gate|up", (F, D): "gate|up", (D, F): "down", (V, D): "lm_head"}
 
 
-def install_timers(model, totals: dict[str, float]) -> None:
+def install_timers(model, totals: dict[str, float], clock) -> None:
     """Wrap fast.py's steps (and the KV cache's methods) so that each adds its seconds to totals[name]."""
     from qwen_np import fast, kv_cache
 
@@ -60,13 +60,13 @@ def install_timers(model, totals: dict[str, float]) -> None:
             if depth[0]:
                 return function(*args, **kwargs)
             depth[0] += 1
-            start = time.perf_counter()
+            start = clock()
             try:
                 return function(*args, **kwargs)
             finally:
                 depth[0] -= 1
                 name = name_of(args)
-                totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+                totals[name] = totals.get(name, 0.0) + clock() - start
         return wrapper
 
     fast.linear = timed(fast.linear, lambda args: names.get(tuple(args[1].shape), "other products"))
@@ -79,12 +79,13 @@ def install_timers(model, totals: dict[str, float]) -> None:
         setattr(cls, method, timed(getattr(cls, method), lambda args: "kv cache"))
 
 
-def worker(folder: str, memory: str, ks: list[int], context: int, repeats: int) -> dict:
+def worker(folder: str, memory: str, ks: list[int], context: int, repeats: int, cpu: bool = False) -> dict:
     """Median ms of forward(k new tokens, cache) per k, and a per-step breakdown (ms) per k."""
     import numpy as np
 
     from qwen_np import load_model, runtime
 
+    clock = time.thread_time if cpu else time.perf_counter
     model = load_model(folder, memory=memory)
     steady = runtime.steady_threads()      # all threads throughout: the ratios at a fixed thread count
     steady.__enter__()
@@ -94,9 +95,9 @@ def worker(folder: str, memory: str, ks: list[int], context: int, repeats: int) 
 
     def run(k: int) -> float:
         ids = rng.integers(0, 50000, k)
-        start = time.perf_counter()
+        start = clock()
         model.forward(ids, cache)
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         cache.truncate(context)
         return seconds
 
@@ -107,7 +108,7 @@ def worker(folder: str, memory: str, ks: list[int], context: int, repeats: int) 
         for k in ks:
             times[k].append(run(k))
     totals: dict[str, float] = {}
-    install_timers(model, totals)
+    install_timers(model, totals, clock)
     steps: dict[int, list[dict[str, float]]] = {k: [] for k in ks}
     for _ in range(repeats):
         for k in ks:
@@ -123,11 +124,11 @@ def worker(folder: str, memory: str, ks: list[int], context: int, repeats: int) 
 
 
 def run_worker(tree: Path, env: dict[str, str], folder: Path, memory: str, ks: list[int], context: int,
-               repeats: int, threads: int | None) -> dict:
+               repeats: int, threads: int | None, cpu: bool = False) -> dict:
     """worker() in a fresh process importing qwen_np from `tree`, with the OpenBLAS variables `env`."""
     clean = {name: value for name, value in os.environ.items() if not name.startswith("OPENBLAS_")}
     args = [sys.executable, str(Path(__file__).resolve()), "--worker", str(folder), memory, str(context),
-            str(repeats), ",".join(map(str, ks)), str(threads or 0)]
+            str(repeats), ",".join(map(str, ks)), str(threads or 0), "cpu" if cpu else "wall"]
     done = subprocess.run(args, env={**clean, **env, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
                           cwd=tree)
     if done.returncode:
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=5, help="timed calls per k in each process (median)")
     parser.add_argument("--threads", type=int, help="threads for qwen_np (default: all cores)")
     parser.add_argument("--baseline", type=Path, help="another checkout whose qwen_np runs alongside")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this thread's CPU time instead of wall time, which a busy machine's "
+                             "time slices do not inflate (meaningful with --threads 1 only)")
     parser.add_argument("--wait-quiet", type=float, default=20, metavar="S",
                         help="wait up to S seconds for other processes to go quiet before each process")
     args = parser.parse_args(argv)
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
             wait_for_quiet(args.wait_quiet)
             busy, ours, start = busy_cpu_seconds(), children_cpu_seconds(), time.monotonic()
             result = run_worker(trees[tree], KERNELS[kernel], folders[m], MODELS[m][1], args.k, args.context,
-                                args.calls, args.threads)
+                                args.calls, args.threads, args.clock == "cpu")
             others = (busy_cpu_seconds() - busy - (children_cpu_seconds() - ours)) / (time.monotonic() - start)
             result["others"] = max(0.0, others)
             results[(m, kernel, tree)].append(result)
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                   + ", ".join(f"k={k} {ms[str(k)]:.1f} ms" for k in args.k), file=sys.stderr, flush=True)
 
     print(f"forward(k new tokens, cache) / forward(1 token), {args.context} cached positions, all k logits; "
-          f"median of {args.repeats} processes x {args.calls} calls\n")
+          f"median of {args.repeats} processes x {args.calls} calls, {args.clock} time\n")
     print("| model | BLAS kernel | code | other processes (cores) | 1 token ms | "
           + " | ".join(f"k={k}" for k in args.k[1:]) + " |")
     print("|---|---|---|---|---|" + "---|" * len(args.k[1:]))
@@ -219,9 +223,10 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        folder, memory, context, calls, ks, threads = sys.argv[2:8]
+        folder, memory, context, calls, ks, threads, clock = sys.argv[2:9]
         from qwen_np import runtime
         runtime.set_threads(int(threads) or None)
-        print(json.dumps(worker(folder, memory, [int(k) for k in ks.split(",")], int(context), int(calls))))
+        print(json.dumps(worker(folder, memory, [int(k) for k in ks.split(",")], int(context), int(calls),
+                                clock == "cpu")))
     else:
         main()
