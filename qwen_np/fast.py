@@ -56,10 +56,10 @@ BLOCK_BYTES = 8 * 1024 ** 2
 # sequence) costs OpenBLAS far more than its FLOPs: its GEMM packs the whole weight first, which a GEMV
 # never does. Where BLAS has a small-matrix kernel (M*N*K <= 100^3, no packing) x [M, in] with
 # 2 <= M <= SMALL_M_MAX is multiplied by slices of W small enough for it (when those are at least
-# SMALL_ROWS_MIN rows: a very wide W does not become thousands of calls), as W_slice x^T: that kernel
-# runs x W_slice^T (its "TN" case) up to 1.8x slower. Qwen3-0.6B's gate|up [6144, 1024] at M = 5, one
-# thread, weights not in cache, SkylakeX kernel: 5.9 ms in one call, 1.9 ms as x W_s^T slices, 1.75 ms
-# as W_s x^T, a GEMV 1.25 ms (bench/README.md, few new tokens).
+# SMALL_ROWS_MIN rows: a very wide W does not become thousands of calls). Qwen3-0.6B's gate|up
+# [6144, 1024] at M = 5, one thread, weights not in cache, SkylakeX kernel: 5.9 ms in one call, 1.9 ms
+# in slices, a GEMV 1.25 ms: the kernel runs at ~35 GFLOP/s, so 5 rows cost ~1.5x a GEMV, 9 rows ~1.8x
+# (bench/README.md, few new tokens; W_s x^T slices were no faster in a whole forward).
 SMALL_PRODUCT = 100 ** 3
 SMALL_M_MAX = 16
 SMALL_ROWS_MIN = 16
@@ -123,18 +123,19 @@ def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
 
 
 def _products(x: np.ndarray, weight: np.ndarray, out: np.ndarray, step: int | None) -> None:
-    """out = x weight^T (FP32): in one BLAS call, or in slices of `step` rows of weight (few_rows): W_s x^T
-    into a transposed output for the small-matrix kernel, else a GEMV per row of x (np.matvec)."""
+    """out = x weight^T (FP32): in one BLAS call, or in slices of `step` rows of weight (few_rows): a
+    small-matrix GEMM each where BLAS has that kernel, else a GEMV per row of x (np.matvec)."""
     if step is None:
         np.matmul(x, weight.T, out=out)
-    elif runtime.blas_has_small_matrix_kernel():
-        transposed = np.empty(out.shape[::-1], np.float32)          # [rows, M]: BLAS writes C-ordered slices
-        for start in range(0, weight.shape[0], step):
-            np.matmul(weight[start:start + step], x.T, out=transposed[start:start + step])
-        out[...] = transposed.T
-    else:
-        for start in range(0, weight.shape[0], step):
-            np.matvec(weight[start:start + step], x, out=out[:, start:start + step])
+        return
+    product = np.matmul if runtime.blas_has_small_matrix_kernel() else _matvecs
+    for start in range(0, weight.shape[0], step):
+        product(x, weight[start:start + step].T, out=out[:, start:start + step])
+
+
+def _matvecs(x: np.ndarray, weight_t: np.ndarray, out: np.ndarray) -> None:
+    """out = x weight_t as one GEMV per row of x, weight_t [in, rows] (a slice of W, transposed)."""
+    np.matvec(weight_t.T, x, out=out)
 
 
 def _block_rows(columns: int) -> int:

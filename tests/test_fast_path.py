@@ -211,7 +211,7 @@ def test_few_row_products_in_weight_slices_give_the_same_logits(checkpoint: Path
     slices: list[int] = []
     for name in ("matmul", "matvec"):
         original = getattr(np, name)
-        monkeypatch.setattr(fast.np, name, lambda a, b, original=original, **kw: (slices.append(len(a)),
+        monkeypatch.setattr(fast.np, name, lambda a, b, original=original, **kw: (slices.extend((len(a), b.shape[-1])),
                                                                                   original(a, b, **kw))[1])
     fast_model, plain_model = load_pair(checkpoint, memory)
     before = runtime.threads()
@@ -225,7 +225,7 @@ def test_few_row_products_in_weight_slices_give_the_same_logits(checkpoint: Path
                                f"{memory}, {threads} threads, tokens {a}-{b}")
     finally:
         runtime.set_threads(before)
-    assert 5 in slices                                            # weight slices of 5 rows were multiplied
+    assert 5 in slices                              # weight slices of 5 rows (x W_s^T, or W_s's GEMVs) were multiplied
 
 
 def test_small_product_rows_slices_only_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
