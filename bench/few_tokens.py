@@ -44,8 +44,12 @@ def product_names(config) -> dict[tuple[int, int], str]:
     """Each matrix product's name by its weight's shape [out, in] (Qwen3's shapes tell them apart)."""
     D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     H, KVH, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    return {((H + 2 * KVH) * Dh, D): "qkv", (H * Dh, D): "q", (KVH * Dh, D): "k|v", (D, H * Dh): "o",
-            (2 * F, D): "gate|up", (F, D): "gate|up", (D, F): "down", (V, D): "lm_head"}
+    names: dict[tuple[int, int], str] = {}
+    for shape, name in ((((H + 2 * KVH) * Dh, D), "qkv"), ((H * Dh, D), "q"), ((KVH * Dh, D), "k|v"),
+                        ((D, H * Dh), "o"), ((2 * F, D), "gate|up"), ((F, D), "gate|up"), ((D, F), "down"),
+                        ((V, D), "lm_head")):
+        names[shape] = name if names.get(shape, name) == name else f"{names[shape]}|{name}"   # 8B: q and o alike
+    return names
 
 
 def install_timers(model, totals: dict[str, float], clock) -> None:

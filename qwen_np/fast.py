@@ -67,7 +67,10 @@ SMALL_ROWS_MIN = 16
 # over slices of W of MATVEC_SLICE_BYTES, which stay in L2 between the rows (np.matvec: one call per
 # slice): only the first row reads the slice from memory. gate|up, same conditions, Haswell kernel,
 # GEMV 1.22 ms: M = 2 1.60 ms (one GEMM 3.7), M = 5 2.45 (4.05), M = 9 3.56 (4.41), M = 16 5.44 (4.65).
+# A block of a stored (BF16, int8) weight is already in cache once widened, where the GEMM packs it
+# cheaply: GEMVs win there up to M = 5 only (Qwen3-0.6B BF16 forward of 9 tokens: 1.2x slower).
 MATVEC_M_MAX = 9
+MATVEC_M_MAX_WIDENED = 5
 MATVEC_SLICE_BYTES = 512 * 1024
 
 
@@ -92,14 +95,14 @@ def few_rows(M: int) -> bool:
     return 1 < M <= (SMALL_M_MAX if runtime.blas_has_small_matrix_kernel() else MATVEC_M_MAX)
 
 
-def small_product_rows(M: int, columns: int) -> int | None:
+def small_product_rows(M: int, columns: int, widened: bool = False) -> int | None:
     """Rows of W per BLAS call for x [M, columns]: a slice for the small-matrix kernel, or one that stays in
     L2 for the GEMVs; None (one call per thread's rows) for many rows of x, or when a small-matrix
-    slice would be under SMALL_ROWS_MIN rows."""
+    slice would be under SMALL_ROWS_MIN rows. widened: W is a block just widened (see MATVEC_M_MAX_WIDENED)."""
     if not few_rows(M):
         return None
     if not runtime.blas_has_small_matrix_kernel():
-        return max(1, MATVEC_SLICE_BYTES // (4 * columns))
+        return max(1, MATVEC_SLICE_BYTES // (4 * columns)) if M <= MATVEC_M_MAX_WIDENED or not widened else None
     rows = SMALL_PRODUCT // (M * columns)
     return rows if rows >= SMALL_ROWS_MIN else None
 
@@ -107,7 +110,7 @@ def small_product_rows(M: int, columns: int) -> int | None:
 def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
     """out[:, part] = x W[part]^T: FP32 W in slices of small_product_rows; a stored (BF16 / int8) W
     upcast a cache-sized block of rows at a time, each block multiplied in those slices too."""
-    step = small_product_rows(*x.shape)
+    step = small_product_rows(*x.shape, widened=not isinstance(weight, np.ndarray))
     if isinstance(weight, np.ndarray):                                  # FP32: as it is
         _products(x, weight[part], out[:, part], step)
         return

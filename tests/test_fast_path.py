@@ -243,6 +243,7 @@ def test_without_a_small_matrix_kernel_few_rows_are_gemvs_over_slices_that_fit_l
     assert fast.small_product_rows(5, 1024) == fast.MATVEC_SLICE_BYTES // 4096
     assert fast.small_product_rows(5, 10 ** 6) == 1               # a very wide W: a row at a time, not zero
     assert fast.small_product_rows(fast.MATVEC_M_MAX + 1, 1024) is None
+    assert fast.small_product_rows(fast.MATVEC_M_MAX_WIDENED + 1, 1024, widened=True) is None   # a BF16 block: a GEMM
 
 
 def test_small_matrix_kernel_is_read_from_the_blas_architecture(monkeypatch: pytest.MonkeyPatch) -> None:
