@@ -110,7 +110,7 @@ def small_product_rows(M: int, columns: int, widened: bool = False) -> int | Non
 def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
     """out[:, part] = x W[part]^T: FP32 W in slices of small_product_rows; a stored (BF16 / int8) W
     upcast a cache-sized block of rows at a time, each block multiplied in those slices too."""
-    step = small_product_rows(*x.shape, widened=not isinstance(weight, np.ndarray))
+    step = small_product_rows(x.shape[0], x.shape[1], widened=not isinstance(weight, np.ndarray))
     if isinstance(weight, np.ndarray):                                  # FP32: as it is
         _products(x, weight[part], out[:, part], step)
         return
