@@ -25,6 +25,7 @@ breakdown predicts for all 36 layers: every step but the LM head scaled by 36 / 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[tuple[str, str, str], list[dict]] = {c: [] for c in configs}
     for repeat in range(args.repeats):
         for m, kernel, tree in configs:
-            wait_for_quiet(args.wait_quiet)
+            with contextlib.redirect_stdout(sys.stderr):     # its notes are progress, not the tables
+                wait_for_quiet(args.wait_quiet)
             busy, ours, start = busy_cpu_seconds(), children_cpu_seconds(), time.monotonic()
             result = run_worker(trees[tree], KERNELS[kernel], folders[m], MODELS[m][1], args.k, args.context,
                                 args.calls, args.threads, args.clock == "cpu")
