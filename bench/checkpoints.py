@@ -10,6 +10,7 @@ Norm weights are 1.0, as at initialisation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -45,15 +46,18 @@ def config_json(config: Qwen3Config) -> dict[str, object]:
             "attention_bias": False, "use_sliding_window": False, **fields}
 
 
-def ensure_checkpoint(model: str, log=print) -> Path:
-    """The folder of the cached random checkpoint for `model` ('0.6b' or '8b'), generated if missing."""
-    folder = cache_dir() / f"{MODELS[model]}-random-v{FORMAT_VERSION}"
+def ensure_checkpoint(model: str, log=print, layers: int | None = None) -> Path:
+    """The folder of the cached random checkpoint for `model` ('0.6b' or '8b'), generated if missing;
+    `layers` keeps only that many decoder layers (the real shapes of each, a fraction of the bytes)."""
+    folder = cache_dir() / f"{MODELS[model]}{f'-{layers}layers' if layers else ''}-random-v{FORMAT_VERSION}"
     if (folder / "config.json").exists():
         return folder
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     config = PRESETS[MODELS[model]]
+    if layers:
+        config = dataclasses.replace(config, num_hidden_layers=layers)
     log(f"generating {folder} (random BF16 weights, written shard by shard) ...")
     write_random_checkpoint(partial, config)
     partial.rename(folder)     # config.json appears under the real name only when every shard is complete

@@ -52,16 +52,26 @@ from .numerics import Int8Rows, Weight
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
 # cache between its upcast and its product (block sizes measured: bench/README.md).
 BLOCK_BYTES = 8 * 1024 ** 2
-# A product of a few rows (a batched decode step: one token per sequence) costs OpenBLAS far more than
-# its FLOPs: past M*N*K = 100^3 its GEMM packs the whole weight first, which a GEMV never does, and
-# below that its small-matrix kernel reads the weight where it lies. So x [M, in] with
-# 2 <= M <= SMALL_M_MAX is multiplied by slices of W small enough for that kernel (when those are
-# at least SMALL_ROWS_MIN rows: a very wide W does not become thousands of calls). Qwen3-0.6B's gate|up at
-# M = 8, one thread, SkylakeX kernel: 5.9 ms in one call, 2.0 ms in 64-96-row slices, a GEMV 1.1 ms;
-# at M = 32 slices no longer help (bench/README.md, concurrent streams).
+# A product of a few rows (a batched decode step: one token per sequence; a few new tokens of one
+# sequence) costs OpenBLAS far more than its FLOPs: its GEMM packs the whole weight first, which a GEMV
+# never does. Where BLAS has a small-matrix kernel (M*N*K <= 100^3, no packing) x [M, in] with
+# 2 <= M <= SMALL_M_MAX is multiplied by slices of W small enough for it (when those are at least
+# SMALL_ROWS_MIN rows: a very wide W does not become thousands of calls). Qwen3-0.6B's gate|up
+# [6144, 1024] at M = 5, one thread, weights not in cache, SkylakeX kernel: 5.9 ms in one call, 1.9 ms
+# in slices, a GEMV 1.25 ms: the kernel runs at ~35 GFLOP/s, so 5 rows cost ~1.5x a GEMV, 9 rows ~1.8x
+# (bench/README.md, few new tokens; W_s x^T slices were no faster in a whole forward).
 SMALL_PRODUCT = 100 ** 3
 SMALL_M_MAX = 16
 SMALL_ROWS_MIN = 16
+# Without that kernel (OpenBLAS's Haswell one, Zen's) up to MATVEC_M_MAX rows are one GEMV per row of x
+# over slices of W of MATVEC_SLICE_BYTES, which stay in L2 between the rows (np.matvec: one call per
+# slice): only the first row reads the slice from memory. gate|up, same conditions, Haswell kernel,
+# GEMV 1.22 ms: M = 2 1.60 ms (one GEMM 3.7), M = 5 2.45 (4.05), M = 9 3.56 (4.41), M = 16 5.44 (4.65).
+# A block of a stored (BF16, int8) weight is already in cache once widened, where the GEMM packs it
+# cheaply: GEMVs win there up to M = 5 only (Qwen3-0.6B BF16 forward of 9 tokens: 1.2x slower).
+MATVEC_M_MAX = 9
+MATVEC_M_MAX_WIDENED = 5
+MATVEC_SLICE_BYTES = 512 * 1024
 
 
 # --- matrix products -------------------------------------------------------------------------------
@@ -81,22 +91,26 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
 
 
 def few_rows(M: int) -> bool:
-    """Whether a product with M rows of x is multiplied in slices of W (see SMALL_PRODUCT): only where
-    BLAS has the small-matrix kernel; elsewhere slices only repeat the packing (bench/README.md)."""
-    return 1 < M <= SMALL_M_MAX and runtime.blas_has_small_matrix_kernel()
+    """Whether a product with M rows of x is multiplied in slices of W (see SMALL_PRODUCT, MATVEC_M_MAX)."""
+    return 1 < M <= (SMALL_M_MAX if runtime.blas_has_small_matrix_kernel() else MATVEC_M_MAX)
 
 
-def small_product_rows(M: int, columns: int) -> int | None:
-    """Rows of W per BLAS call for x [M, columns]: a slice the small-matrix kernel takes, or None (one
-    call per thread's rows) for many rows of x, or when such a slice would be under SMALL_ROWS_MIN rows."""
+def small_product_rows(M: int, columns: int, widened: bool = False) -> int | None:
+    """Rows of W per BLAS call for x [M, columns]: a slice for the small-matrix kernel, or one that stays in
+    L2 for the GEMVs; None (one call per thread's rows) for many rows of x, or when a small-matrix
+    slice would be under SMALL_ROWS_MIN rows. widened: W is a block just widened (see MATVEC_M_MAX_WIDENED)."""
+    if not few_rows(M):
+        return None
+    if not runtime.blas_has_small_matrix_kernel():
+        return max(1, MATVEC_SLICE_BYTES // (4 * columns)) if M <= MATVEC_M_MAX_WIDENED or not widened else None
     rows = SMALL_PRODUCT // (M * columns)
-    return rows if few_rows(M) and rows >= SMALL_ROWS_MIN else None
+    return rows if rows >= SMALL_ROWS_MIN else None
 
 
 def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
     """out[:, part] = x W[part]^T: FP32 W in slices of small_product_rows; a stored (BF16 / int8) W
     upcast a cache-sized block of rows at a time, each block multiplied in those slices too."""
-    step = small_product_rows(*x.shape)
+    step = small_product_rows(x.shape[0], x.shape[1], widened=not isinstance(weight, np.ndarray))
     if isinstance(weight, np.ndarray):                                  # FP32: as it is
         _products(x, weight[part], out[:, part], step)
         return
@@ -112,12 +126,19 @@ def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
 
 
 def _products(x: np.ndarray, weight: np.ndarray, out: np.ndarray, step: int | None) -> None:
-    """out = x weight^T (FP32), in one BLAS call or in slices of `step` rows of weight."""
+    """out = x weight^T (FP32): in one BLAS call, or in slices of `step` rows of weight (few_rows): a
+    small-matrix GEMM each where BLAS has that kernel, else a GEMV per row of x (np.matvec)."""
     if step is None:
         np.matmul(x, weight.T, out=out)
         return
+    product = np.matmul if runtime.blas_has_small_matrix_kernel() else _matvecs
     for start in range(0, weight.shape[0], step):
-        np.matmul(x, weight[start:start + step].T, out=out[:, start:start + step])
+        product(x, weight[start:start + step].T, out=out[:, start:start + step])
+
+
+def _matvecs(x: np.ndarray, weight_t: np.ndarray, out: np.ndarray) -> None:
+    """out = x weight_t as one GEMV per row of x, weight_t [in, rows] (a slice of W, transposed)."""
+    np.matvec(weight_t.T, x, out=out)
 
 
 def _block_rows(columns: int) -> int:

@@ -147,7 +147,8 @@ def blas_info() -> list[dict[str, Any]]:
 
 # OpenBLAS kernels that have a small-matrix GEMM path (for M*N*K <= 100^3 it multiplies without
 # packing the operands first): the AVX-512 x86_64 ones. Haswell's (also Zen's) has none; there a
-# product of a few rows goes to BLAS whole (fast.few_rows; measured: bench/README.md).
+# product of a few rows is a GEMV per row over slices of W that stay in L2 (fast.few_rows; measured:
+# bench/README.md).
 SMALL_MATRIX_KERNELS = ("skylakex", "cooperlake", "sapphirerapids")
 
 

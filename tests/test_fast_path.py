@@ -196,29 +196,36 @@ def test_prefill_steps_split_by_rows_give_the_same_logits(checkpoint: Path, thre
     assert 23 in splits and 9 in splits          # row splits happened (the others split weight rows)
 
 
+@pytest.mark.parametrize("small_kernel", [True, False], ids=["small-matrix kernel", "GEMVs"])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("memory", MODES)
 def test_few_row_products_in_weight_slices_give_the_same_logits(checkpoint: Path, memory: str, threads: int,
+                                                               small_kernel: bool,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batched decode step (2..SMALL_M_MAX tokens) multiplies W a few rows at a time, on every thread."""
-    monkeypatch.setattr(runtime, "blas_has_small_matrix_kernel", lambda: True)   # whatever kernel runs here
+    """A few tokens (2..SMALL_M_MAX, or MATVEC_M_MAX) multiply W a few rows at a time, on every thread:
+    W_s x^T where BLAS has a small-matrix kernel, else one GEMV per row of x (whatever kernel runs here)."""
+    monkeypatch.setattr(runtime, "blas_has_small_matrix_kernel", lambda: small_kernel)
     monkeypatch.setattr(fast, "SMALL_PRODUCT", 3 * 32 * 5)        # M = 3, 32 columns: 5-row slices; else 1 call
     monkeypatch.setattr(fast, "SMALL_ROWS_MIN", 5)                # several per thread, a short last one
-    calls: list[int] = []
-    original = np.matmul
-    monkeypatch.setattr(fast.np, "matmul", lambda a, b, **kw: (calls.append(b.shape[-1]), original(a, b, **kw))[1])
+    monkeypatch.setattr(fast, "MATVEC_SLICE_BYTES", 4 * 32 * 5)   # 32 columns: 5-row slices
+    slices: list[int] = []
+    for name in ("matmul", "matvec"):
+        original = getattr(np, name)
+        monkeypatch.setattr(fast.np, name, lambda a, b, original=original, **kw: (slices.extend((len(a), b.shape[-1])),
+                                                                                  original(a, b, **kw))[1])
     fast_model, plain_model = load_pair(checkpoint, memory)
     before = runtime.threads()
     try:
         runtime.set_threads(threads)
         fast_cache, plain_cache = fast_model.new_cache(32), plain_model.new_cache(32)
-        for a, b in ((0, 3), (3, 4), (4, 20)):                  # 3 rows, 1 row (a GEMV), 16 rows
+        chunks = ((0, 3), (3, 4), (4, 20)) if small_kernel else ((0, 3), (3, 4), (4, 13), (13, 20))
+        for a, b in chunks:                           # 3 rows, 1 row (a GEMV), 16 (or 9 and 7) rows
             chunk = np.resize(PROMPT, 20)[a:b]
             assert_same_logits(fast_model.forward(chunk, fast_cache), plain_model.forward(chunk, plain_cache),
                                f"{memory}, {threads} threads, tokens {a}-{b}")
     finally:
         runtime.set_threads(before)
-    assert 5 in calls                                             # weight slices of 5 rows were multiplied
+    assert 5 in slices                              # weight slices of 5 rows (x W_s^T, or W_s's GEMVs) were multiplied
 
 
 def test_small_product_rows_slices_only_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -229,9 +236,14 @@ def test_small_product_rows_slices_only_few_rows(monkeypatch: pytest.MonkeyPatch
     assert fast.small_product_rows(16, 10 ** 6) is None           # slices too thin: one call per thread
 
 
-def test_few_rows_go_to_blas_whole_without_a_small_matrix_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_small_matrix_kernel_few_rows_are_gemvs_over_slices_that_fit_l2(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime, "blas_has_small_matrix_kernel", lambda: False)
-    assert not fast.few_rows(8) and fast.small_product_rows(8, 1024) is None
+    assert fast.few_rows(fast.MATVEC_M_MAX) and not fast.few_rows(fast.MATVEC_M_MAX + 1) and not fast.few_rows(1)
+    assert fast.small_product_rows(5, 1024) == fast.MATVEC_SLICE_BYTES // 4096
+    assert fast.small_product_rows(5, 10 ** 6) == 1               # a very wide W: a row at a time, not zero
+    assert fast.small_product_rows(fast.MATVEC_M_MAX + 1, 1024) is None
+    assert fast.small_product_rows(fast.MATVEC_M_MAX_WIDENED + 1, 1024, widened=True) is None   # a BF16 block: a GEMM
 
 
 def test_small_matrix_kernel_is_read_from_the_blas_architecture(monkeypatch: pytest.MonkeyPatch) -> None:
