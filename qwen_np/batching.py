@@ -219,7 +219,8 @@ class BatchGenerator:
         """What each row feeds this step, its blocks allocated: decoding rows their last token (and what their
         drafter proposes), prefilling rows chunks of their prompt within the step's prefill budget. Rows are
         served oldest first; when the pool is out of blocks, the newest rows are preempted to make room
-        (possibly the row asking). A row whose drafting raised ends, with its error in `failures`."""
+        (possibly the row asking), but never for drafted positions: a row without room for its draft decodes
+        without it. A row whose drafting raised ends, with its error in `failures`."""
         feeds: list[tuple[Row, Sequence[int]]] = []
         budget = self.prefill_chunk
         for row in list(self.rows):
@@ -232,6 +233,8 @@ class BatchGenerator:
             except Exception as error:                                # e.g. the draft's logits not finite
                 failures.extend((failed, error) for failed in self.fail(error, [row]))
                 continue
+            if row.draft.tokens and row.cache.blocks_needed(len(pending) + len(row.draft.tokens)) > self.pool.free_blocks:
+                row.draft = NO_DRAFT                # drafted positions are rolled back at once: not worth a preemption
             ids = [*pending, *row.draft.tokens] if decoding else pending[:budget]
             if not ids or not self._make_room(row, len(ids)):
                 continue

@@ -97,13 +97,16 @@ def score_text(logits_of: Callable[[np.ndarray], np.ndarray], docs: list[np.ndar
 
 
 def window_jobs(model: Any, context: int) -> int:
-    """How many windows to score at once: one per thread, fewer when RAM left after the weights cannot
-    hold another window's activations (its logits, in float64 for the log-softmax too: at Qwen3's
-    vocabulary a 1,024-token window's are 1.9 GB)."""
+    """How many windows to score at once: one per thread, fewer when the RAM left after the weights cannot
+    hold that many windows' activations: each its forward's, and its logits' log-softmax, which holds two
+    float64 [T, V] arrays beside the float32 logits (20 bytes a logit: 3.1 GB for a 1,024-token window at
+    Qwen3's vocabulary)."""
     config, plan = model.config, model.plan
-    one_window = memory.working_bytes(config, context, chunk=context) + context * config.vocab_size * 8
-    room = plan.room_for_kv_cache if plan is not None else one_window * runtime.usable_cores()
-    return max(1, min(runtime.threads_wanted(), 1 + max(0, room) // one_window))
+    one_window = memory.working_bytes(config, context, chunk=context) + context * config.vocab_size * 16
+    if plan is None:
+        return runtime.threads_wanted()
+    room = plan.room_for_kv_cache + plan.working_bytes          # the plan's working set is one chunk's
+    return max(1, min(runtime.threads_wanted(), room // one_window))
 
 
 def read_eval_text(path: Path | None, split: str | None) -> tuple[str, str]:

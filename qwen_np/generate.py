@@ -255,8 +255,9 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
 
 class Continuation:
     """One sequence's generation between forward passes: its tokens so far, its sampler's random
-    stream, its streaming detokeniser and its stop strings. `advance(logits)` picks the next token and
-    says what text it completes. generate() drives one; batching.BatchGenerator drives one per row.
+    stream, its streaming detokeniser and its stop strings. `verify(logits, draft)` picks the next token(s)
+    of one target step and says what text each completes. generate() drives one; batching.BatchGenerator
+    drives one per row.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], params: SamplingParams, max_new_tokens: int,
@@ -272,10 +273,6 @@ class Continuation:
         self.target_steps = 0        # target forward passes whose logits chose tokens (the prompt's included)
         self.drafted_tokens = 0      # drafted tokens judged ...
         self.accepted_tokens = 0     # ... and kept
-
-    def advance(self, logits: np.ndarray) -> TokenEvent:
-        """Sample the next token from its logits [V]; the event's text is what may be shown now."""
-        return self.verify(logits[None], NO_DRAFT)[0]
 
     def room(self, k: int) -> int:
         """How many tokens a step may draft: at most k, leaving room in max_new_tokens for the target's own

@@ -15,6 +15,7 @@ from .checkpoint import Checkpoint, resolve_model_path
 from .config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, load_config
 from .errors import QwenNPError
 from .fast import FastQwen3Model
+from .finite import check_weights_finite
 from .formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
 from . import gguf_file
 from .checkpoint import is_gguf
@@ -58,6 +59,18 @@ def check_draft_folder(path: str | Path, config: Qwen3Config, tokenizer: Tokeniz
     except QwenNPError as problem:
         raise QwenNPError(f"--draft: {problem}") from None
     check_draft(config, tokenizer, draft_config, draft_tokenizer)
+
+
+def load_draft(path: str | Path, memory: str = "auto", max_tokens: int | None = None) -> Qwen3Model:
+    """The draft model of --draft (its folder checked first by check_draft_folder), loaded like the model,
+    its weights checked to be finite, so that NaN weights are reported as the draft's, not as a request's
+    sampling settings that the drafter's NaN logits would seem to break."""
+    model = load_model(path, memory=memory, max_tokens=max_tokens)
+    try:
+        check_weights_finite(model)
+    except QwenNPError as problem:
+        raise QwenNPError(f"--draft: {problem}") from None
+    return model
 
 
 def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None,

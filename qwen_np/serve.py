@@ -66,7 +66,7 @@ from .explorer import Explorer, is_page
 from .finite import check_weights_finite
 from .generate import GenerationDefaults, TokenEvent, resolve_sampling
 from .kv_cache import BlockPool, PagedKVCache, block_bytes, blocks_for
-from .loading import check_draft_folder, load_model, read_config, read_generation_defaults, read_tokenizer
+from .loading import check_draft_folder, load_draft, load_model, read_config, read_generation_defaults, read_tokenizer
 from .model import Qwen3Model
 from .memory import DEFAULT_CONTEXT, format_size
 from .metrics import PROMETHEUS_TYPE, prometheus_text
@@ -125,6 +125,10 @@ def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_ba
         import uvicorn
     except ImportError:
         raise QwenNPError("serve: needs the `serve` extra (pip install 'qwen_np[serve]': starlette, uvicorn)") from None
+    if isinstance(names, str) or not names:
+        raise QwenNPError(f"serve: names must be a non-empty list of model names, got {names!r}")
+    if default_max_tokens is not None and default_max_tokens < 1:
+        raise QwenNPError(f"--default-max-tokens: must be at least 1, got {default_max_tokens}")
     config = read_config(folder)
     context = min(context, config.max_position_embeddings)
     tokenizer, defaults = read_tokenizer(folder), read_generation_defaults(folder, config)
@@ -132,11 +136,16 @@ def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_ba
         check_draft_folder(draft, config, tokenizer)
     model = load_model(folder, memory=memory, max_tokens=context)
     check_weights_finite(model)                  # NaN/Inf weights: one line naming the layer, before listening
+    drafter = load_draft(draft, memory, context + draft_tokens) if draft is not None else None
+    # Every row's draft cache holds as many positions as its target cache (plus the drafted ones), so a
+    # draft's block costs its bytes beside each target block: the budget buys pairs of blocks.
     per_block = block_bytes(config, kv_dtype)
+    per_pair = per_block + (block_bytes(drafter.config, kv_dtype) if drafter is not None else 0)
     default = kv_memory is None
-    budget = default_kv_memory(model, max_batch * blocks_for(context) * per_block) if kv_memory is None else kv_memory
-    pool = BlockPool(config, budget // per_block, kv_dtype, prefix_caching=True)
-    speculation = (speculation_over(pool, draft, memory, max_batch, context, draft_tokens) if draft is not None
+    budget = (default_kv_memory(model, max_batch * blocks_for(context) * per_pair, drafter) if kv_memory is None
+              else kv_memory)
+    pool = BlockPool(config, budget // per_pair, kv_dtype, prefix_caching=True)
+    speculation = (speculation_over(pool, drafter, max_batch, draft_tokens) if drafter is not None
                    else lookup_speculation(lookup, draft_tokens) if lookup is not None else None)
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
                                context=context, pool=pool, speculation=speculation)
@@ -146,8 +155,9 @@ def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_ba
     warning = exposure_warning(host, api_key)
     if warning:
         announce(warning)
-    announce(f"KV cache: {format_size(pool.num_blocks * per_block)} ({kv_dtype}), {pool.num_blocks} blocks of "
+    announce(f"KV cache: {format_size(pool.num_blocks * per_pair)} ({kv_dtype}), {pool.num_blocks} blocks of "
              f"{pool.block_size} positions, {generator.capacity} positions for all requests together"
+             + (f" (the draft's {format_size(pool.num_blocks * (per_pair - per_block))} included)" if drafter else "")
              + (" (default: the RAM left after the weights, with a margin, at most --max-batch full contexts)"
                 if default else ""))
     if speculation is not None:
@@ -209,21 +219,23 @@ def header_deadline_protocol() -> type:
     return HeaderDeadline
 
 
-def speculation_over(pool: BlockPool, draft: Path, memory: str, max_batch: int, context: int,
-                     tokens: int) -> Speculation:
-    """Drafting with the checkpoint `draft` for a batch over `pool`: every row's draft cache comes from one
+def speculation_over(pool: BlockPool, model: Qwen3Model, max_batch: int, tokens: int) -> Speculation:
+    """Drafting with the draft `model` for a batch over `pool`: every row's draft cache comes from one
     pool of the draft's own, as many positions as `pool` has plus the k drafted ones of every row (a row's
     draft cache holds at most its sequence and k - 1 drafted tokens, and a row that leaves frees it)."""
-    model = load_model(draft, memory=memory, max_tokens=context + tokens)
     blocks = pool.num_blocks + max_batch * (blocks_for(tokens) + 1)
     draft_pool = BlockPool(model.config, blocks, pool.dtype)
     return draft_speculation(model, tokens, lambda positions: PagedKVCache(draft_pool, positions))
 
 
-def default_kv_memory(model: Qwen3Model, full: int) -> int:
+def default_kv_memory(model: Qwen3Model, full: int, draft: Qwen3Model | None = None) -> int:
     """The KV cache's bytes when --kv-memory is not given: what the memory plan leaves of the available RAM
-    after the weights, with its margin, and no more than `full` (every row of the batch at its full context)."""
-    return min(max(model.plan.room_for_kv_cache, 0), full) if model.plan is not None else full
+    after the weights (the draft's too), with its margin, and no more than `full` (every row of the batch at
+    its full context)."""
+    if model.plan is None:
+        return full
+    drafts = draft.plan.held_weight_bytes if draft is not None and draft.plan is not None else 0
+    return min(max(model.plan.room_for_kv_cache - drafts, 0), full)
 
 
 def _is_loopback(host: str) -> bool:

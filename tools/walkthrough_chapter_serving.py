@@ -1,9 +1,8 @@
 """The walkthrough's section on what a serving engine adds to the model: continuous batching
-(qwen_np/batching.py), the paged KV cache's blocks and block table, and prefix reuse (qwen_np/kv_cache.py),
-each run on the bundled model with greedy decoding. The page prints counts only (rows, blocks, tokens),
-which are the same on every machine; timings are the machine's, and bench/ measures them.
-
-and speculative decoding (qwen_np/speculative.py) with both drafters: its counts of drafted and kept tokens.
+(qwen_np/batching.py), the paged KV cache's blocks and block table, prefix reuse (qwen_np/kv_cache.py),
+and speculative decoding (qwen_np/speculative.py) with both drafters, each run on the bundled model with
+greedy decoding. The page prints counts only (rows, blocks, tokens, drafted and kept tokens), which are
+the same on every machine; timings are the machine's, and bench/ measures them.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from .. import runtime
 from ..checkpoint import bundled_model_path, resolve_model_path
 from ..errors import QwenNPError
 from ..config import Qwen3Config
-from ..kv_cache import KV_DTYPES, PagedKVCache
-from ..loading import check_draft_folder, load_model
+from ..kv_cache import KV_DTYPES
+from ..loading import check_draft_folder, load_draft
 from ..speculative import DEFAULT_DRAFT_TOKENS, Speculation, draft_speculation, lookup_speculation
 from ..tokenizer import Tokenizer
 from ..memory import DEFAULT_CONTEXT, MODES
@@ -90,18 +90,18 @@ def check_speculation(args: argparse.Namespace, config: Qwen3Config, tokenizer: 
         raise QwenNPError("--draft-tokens: drafts only with --draft MODEL or --lookup N")
     if args.draft is None:
         return None
-    folder = resolve_model_path(args.draft)
+    folder = resolve_model_path(args.draft, "--draft")
     check_draft_folder(folder, config, tokenizer)
     return folder
 
 
-def speculation(args: argparse.Namespace, draft: Path | None, max_tokens: int,
-                new_cache: Callable[[int], PagedKVCache] | None = None) -> Speculation | None:
-    """The speculation --draft (its checkpoint `draft`, loaded now) or --lookup asks for, or None."""
+def speculation(args: argparse.Namespace, draft: Path | None, max_tokens: int) -> Speculation | None:
+    """The speculation --draft (its checkpoint `draft`, loaded now; its cache stores --kv-dtype like the
+    model's) or --lookup asks for, or None."""
     tokens = args.draft_tokens or DEFAULT_DRAFT_TOKENS
     if draft is not None:
-        model = load_model(draft, memory=args.memory, max_tokens=max_tokens + tokens)
-        return draft_speculation(model, tokens, new_cache)
+        model = load_draft(draft, memory=args.memory, max_tokens=max_tokens + tokens)
+        return draft_speculation(model, tokens, lambda positions: model.new_cache(positions, args.kv_dtype))
     return lookup_speculation(args.lookup, tokens) if args.lookup is not None else None
 
 
