@@ -17,10 +17,10 @@ Layout, as the reader and writer see it:
   transformers' GGUF loader, which un-permutes only "llama" (modeling_gguf_pytorch_utils.py).
 
 Weights are held as the safetensors loader holds them: F32, F16 and BF16 tensors
-are zero-copy views of the memory-mapped file, read through checkpoint.Checkpoint. Quantized tensors
-(Q8_0, Q4_0, the K-quants, ...) have no such view: they are dequantized to FP32 at load with
-gguf.quants.dequantize, so they cost 4 bytes per weight in memory (a Q4_0 file is ~7x smaller than
-the model it becomes: 4.5 bits per weight on disk, 32 in memory).
+are zero-copy views of the memory-mapped file, read through checkpoint.Checkpoint. Q8_0 and Q4_0
+tensors kept as stored are zero-copy views too: their blocks' scales and codes (formats.FormatRows),
+dequantized block of rows by block of rows on use. The other quantized types (the K-quants, ...) are
+dequantized to FP32 at load with gguf.quants.dequantize, so they cost 4 bytes per weight in memory.
 """
 
 from __future__ import annotations
@@ -260,8 +260,9 @@ class GGUFCheckpoint(Checkpoint):
                 f"memory for {stored / 2 ** 30:.3f} GiB in the file")
 
     def held(self, name: str) -> Weight:
-        """Q8_0 and Q4_0 tensors as their blocks (formats.FormatRows: the file's scales and codes, split
-        apart); the rest as Checkpoint holds them (K-quants dequantized to FP32)."""
+        """Q8_0 and Q4_0 tensors as their blocks (formats.FormatRows: the file's scales and codes as two
+        strided views of its memory-mapped blocks); the rest as Checkpoint holds them (K-quants
+        dequantized to FP32)."""
         tensor = self._quantized.get(name)
         fmt = BLOCK_FORMATS.get(tensor.tensor_type) if tensor is not None else None
         if tensor is None or fmt is None:
@@ -269,7 +270,9 @@ class GGUFCheckpoint(Checkpoint):
         rows, columns = self.tensors[name].shape
         blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, columns // 32, -1)   # [out, in/32, bytes]
         scales = blocks[..., :2].view(np.float16)[..., 0]                                  # [out, in/32] FP16
-        codes = np.ascontiguousarray(blocks[..., 2:]).reshape(rows, -1)                    # q8_0: int8, q4_0: nibbles
+        # Views of the mapped file, never copies: a copy of the codes would sit in memory beside the file's
+        # pages, which the scales keep mapped (Qwen3-32B in Q4_0: 16 GiB of codes next to an 18 GiB file).
+        codes = blocks[..., 2:]                                # [out, in/32, 32 | 16]: q8_0 int8, q4_0 nibbles
         return FormatRows(fmt, (codes.view(np.int8) if fmt == "q8_0" else codes, scales), columns)
 
     def held_bytes_per_value(self) -> float:
