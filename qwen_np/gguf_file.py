@@ -29,7 +29,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -387,8 +387,23 @@ def write_gguf(path: str | Path, checkpoint: Checkpoint, tokenizer: Tokenizer, s
     """Write the checkpoint as a GGUF llama.cpp loads: metadata, tokenizer, chat template, tensors
     (streamed: one tensor converted at a time). Atomic: written under a temporary name in the same
     folder and renamed at the end, so an error leaves no file at `path`. Returns notes for the user."""
+    def encoded(hf: str, gguf_name: str, shape: tuple[int, ...], kind: GGML) -> np.ndarray:
+        return _encoded(upcast(checkpoint.read(hf)), kind, gguf_name)
+
+    return write_gguf_tensors(path, checkpoint.config, tokenizer, sampling, encoded, file_type, name)
+
+
+# (Hugging Face name, GGUF name, NumPy shape, ggml type) -> the tensor's data as GGUFWriter takes it: an
+# F32/F16 array of that shape, or for a quantized type the uint8 array of gguf.quants.quant_shape_to_byte_shape.
+TensorData = Callable[[str, str, tuple[int, ...], GGML], np.ndarray]
+
+
+def write_gguf_tensors(path: str | Path, config: Qwen3Config, tokenizer: Tokenizer, sampling: SamplingParams,
+                       tensor_data: TensorData, file_type: str = "f16", name: str = "qwen3") -> list[str]:
+    """write_gguf with each tensor's data from tensor_data(...), called once per tensor in file order and
+    written at once (so the model never has to be in memory: bench/big_models.py writes random blocks)."""
     path = Path(path)
-    config, (matrix_type, llama_file_type) = checkpoint.config, FILE_TYPES[file_type]
+    matrix_type, llama_file_type = FILE_TYPES[file_type]
     layout = {hf: (_gguf_name(hf, config.num_hidden_layers), shape, _tensor_type(shape, matrix_type))
               for hf, shape in expected_tensors(config).items()}
     notes = [f"{gguf_name} stays F16: its rows ({shape[-1]} values) are not whole {matrix_type.name} blocks"
@@ -403,8 +418,8 @@ def write_gguf(path: str | Path, checkpoint: Checkpoint, tokenizer: Tokenizer, s
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for hf, (gguf_name, _, kind) in layout.items():
-            writer.write_tensor_data(_encoded(upcast(checkpoint.read(hf)), kind, gguf_name))
+        for hf, (gguf_name, shape, kind) in layout.items():
+            writer.write_tensor_data(tensor_data(hf, gguf_name, shape, kind))
         writer.close()
         os.replace(temporary, path)
     finally:
