@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -185,6 +186,12 @@ def weights_per_token(config: Qwen3Config) -> tuple[int, int]:
     return layer, config.num_hidden_layers * layer + config.vocab_size * config.hidden_size
 
 
+def major_faults() -> int:
+    """Page faults of this process that had to read from disk: mapped weights the kernel reclaimed under
+    memory pressure are read again on the next use (one per 4 KiB page, or per readahead window)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
 def current_rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -213,11 +220,12 @@ def worker(path: str, size: str, weights: str, decode: int, threads: int) -> dic
     started = time.perf_counter()
     token = int(model.forward(prompt, cache, last_only=True)[-1].argmax())
     prefill_s = time.perf_counter() - started
-    steps = []
+    steps, faults = [], major_faults()
     for _ in range(decode):
         started = time.perf_counter()
         token = int(model.forward([token], cache)[-1].argmax())
         steps.append(time.perf_counter() - started)
+    faults = major_faults() - faults
     peak = peak_rss_bytes()              # before the second limit measurement's test layer adds to it
     # Measured again after decoding, the faster of the two kept: on a shared machine the cores other
     # processes leave change within seconds, so one short measurement can fall in a busier spell than the run.
@@ -226,7 +234,7 @@ def worker(path: str, size: str, weights: str, decode: int, threads: int) -> dic
     return {"weights_gb": sum(f.stat().st_size for f in files) / 1e9, "mode": plan.mode,
             "limit_weights_per_s": rate, "limit_tps": rate / per_token, "limit_spread": max(layer_s) / min(layer_s),
             "load_s": load_s, "prefill_s": prefill_s, "decode_tps": len(steps) / sum(steps),
-            "first_step_s": steps[0], "median_step_s": float(np.median(steps)),
+            "first_step_s": steps[0], "median_step_s": float(np.median(steps)), "decode_major_faults": faults,
             "peak_rss_bytes": peak, "baseline_rss_bytes": baseline,
             "predicted_bytes": plan.total_bytes, "predicted_weight_bytes": plan.held_weight_bytes}
 
@@ -279,7 +287,7 @@ def measure(run: Run, path: Path, args: argparse.Namespace, log: Callable[[str],
         log(f"  FAILED {run.label} ({why}): {done.stderr.strip().splitlines()[-1:]}")
         return None
     result = {**json.loads(lines[-1]), "others_cores": max(others, 0.0), "decode_tokens": decode}
-    log(f"  {run.label}: {row(run, result)}")
+    log(f"  {run.label}: {row(run, result)}\n  {json.dumps(result)}")
     return result
 
 
@@ -291,7 +299,7 @@ def row(run: Run, r: dict[str, Any]) -> str:
 
 
 HEADER = ("| model | weights | files GB | plan predicts GiB | peak RSS GiB | load s | decode tok/s (tokens) "
-          "| limit tok/s | x limit | limit G weights/s (slower / faster) | other processes, cores |\n"
+          "| limit tok/s | x limit | limit G weights/s (the other measurement: x slower) | other processes, cores |\n"
           + "|---" * 11 + "|")
 
 
