@@ -32,6 +32,9 @@ SHARD_BYTES = 2 * 1024 ** 3    # like the hub's ~4 GB shards, smaller so one sha
 CHUNK_VALUES = 1 << 23         # values drawn per call (the generator's stream defines the checkpoint)
 WEIGHT_STD = 0.02
 MODELS = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b"}
+# The real Qwen3 tokenizer (the test fixture's): generated checkpoints have random weights, but the tools
+# that read them (llama.cpp's converter, a GGUF) need a vocabulary of the model's size.
+TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3_tokenizer_random"
 
 
 def cache_dir() -> Path:
@@ -46,10 +49,16 @@ def config_json(config: Qwen3Config) -> dict[str, object]:
             "attention_bias": False, "use_sliding_window": False, **fields}
 
 
+def checkpoint_folder(model: str, layers: int | None = None) -> Path:
+    """Where the random checkpoint for `model` ('0.6b' or '8b'; `layers`: only that many decoder layers) is
+    cached (whether or not it exists yet)."""
+    return cache_dir() / f"{MODELS[model]}{f'-{layers}layers' if layers else ''}-random-v{FORMAT_VERSION}"
+
+
 def ensure_checkpoint(model: str, log=print, layers: int | None = None) -> Path:
     """The folder of the cached random checkpoint for `model` ('0.6b' or '8b'), generated if missing;
     `layers` keeps only that many decoder layers (the real shapes of each, a fraction of the bytes)."""
-    folder = cache_dir() / f"{MODELS[model]}{f'-{layers}layers' if layers else ''}-random-v{FORMAT_VERSION}"
+    folder = checkpoint_folder(model, layers)
     if (folder / "config.json").exists():
         return folder
     partial = folder.with_name(folder.name + ".partial")
@@ -116,9 +125,8 @@ def ensure_gguf(folder: Path, mode: str, convert_script: Path | None, log=print)
     """The GGUF file llama.cpp runs for this checkpoint, converted with llama.cpp's own
     convert_hf_to_gguf.py when missing (None when it is missing and no script was given).
 
-    The converter needs a tokenizer next to the weights: the real Qwen3 tokenizer of the test fixture
-    tests/fixtures/qwen3_tokenizer_random is linked in (the weights are random, so any valid vocabulary of
-    the right size would do).
+    The converter needs a tokenizer next to the weights: TOKENIZER's files are linked in (the weights are
+    random, so any valid vocabulary of the right size would do).
     """
     target = gguf_path(folder, mode)
     if target.exists():
@@ -128,8 +136,7 @@ def ensure_gguf(folder: Path, mode: str, convert_script: Path | None, log=print)
     staging = target.with_name(target.name + ".source")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    tokenizer = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3_tokenizer_random"
-    for source in [*folder.iterdir(), tokenizer / "tokenizer.json", tokenizer / "tokenizer_config.json"]:
+    for source in [*folder.iterdir(), TOKENIZER / "tokenizer.json", TOKENIZER / "tokenizer_config.json"]:
         (staging / source.name).symlink_to(source)
     partial = target.with_name(target.name + ".partial")
     log(f"converting {folder.name} to {target.name} with {convert_script} ...")

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from qwen_np.formats import dequantize_int8_rows, dequantize_q8_0, quantize_int8_rows, quantize_q8_0
+from qwen_np.formats import (dequantize_int8_rows, dequantize_q4_0, dequantize_q8_0, quantize_int8_rows, quantize_q4_0,
+                             quantize_q8_0)
 from qwen_np.numerics import bf16_bits_to_f32, f32_to_bf16_bits
 
 try:  # the cast qwen_np.fast uses for BF16; shown for comparison when installed
@@ -46,6 +47,9 @@ def configurations(w: np.ndarray, block_rows: int) -> dict[str, tuple[float, GEM
     bits = f32_to_bf16_bits(w)
     q_rows, row_scale = quantize_int8_rows(w)
     q_blocks, block_scale = quantize_q8_0(w)
+    nibbles, nibble_scale = quantize_q4_0(w)
+    views = {fmt: file_blocks(codes, scale) for fmt, (codes, scale) in
+             {"q8_0": (q_blocks, block_scale), "q4_0": (nibbles, nibble_scale)}.items()}
 
     def fp32(x: np.ndarray, y: np.ndarray) -> None:
         np.matmul(x, w.T, out=y)
@@ -66,8 +70,10 @@ def configurations(w: np.ndarray, block_rows: int) -> dict[str, tuple[float, GEM
         np.matmul(x, buffer.T, out=y[:, block])
         y[:, block] *= row_scale[block]
 
-    def q8_0(block, buffer, x, y):
-        np.matmul(x, dequantize_q8_0(q_blocks[block], block_scale[block], out=buffer).T, out=y[:, block])
+    def blocked(dequantize: Callable[..., np.ndarray], codes: np.ndarray, scale: np.ndarray):
+        def product(block, buffer, x, y):
+            np.matmul(x, dequantize(codes[block], scale[block], out=buffer).T, out=y[:, block])
+        return streamed(rows, block_rows, columns, product)
 
     found = {"fp32 (no dequantize)": (4.0, fp32),
              "bf16 bit shift": (2.0, streamed(rows, block_rows, columns, bf16_upcast))}
@@ -75,8 +81,20 @@ def configurations(w: np.ndarray, block_rows: int) -> dict[str, tuple[float, GEM
         found["bf16 ml_dtypes cast"] = (2.0, streamed(rows, block_rows, columns, bf16_ml_dtypes))
     found["int8 rows"] = (1.0 + 4 / columns, streamed(rows, block_rows, columns, int8_rows))
     found["int8 rows, scale after"] = (1.0 + 4 / columns, streamed(rows, block_rows, columns, int8_rows_scale_after))
-    found["q8_0"] = (34 / 32, streamed(rows, block_rows, columns, q8_0))
+    found["q8_0"] = (34 / 32, blocked(dequantize_q8_0, q_blocks, block_scale))
+    found["q8_0 GGUF block views"] = (34 / 32, blocked(dequantize_q8_0, *views["q8_0"]))
+    found["q4_0"] = (18 / 32, blocked(dequantize_q4_0, nibbles, nibble_scale))
+    found["q4_0 GGUF block views"] = (18 / 32, blocked(dequantize_q4_0, *views["q4_0"]))
     return found
+
+
+def file_blocks(codes: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Codes [out, in/2 | in] and FP16 scales [out, in/32] laid out as ggml's blocks (scale, then codes),
+    returned as the strided views a GGUF kept as stored is held as (gguf_file.GGUFCheckpoint.held)."""
+    rows, blocks = scale.shape
+    raw = np.concatenate([scale.view(np.uint8).reshape(rows, blocks, 2),
+                          codes.view(np.uint8).reshape(rows, blocks, -1)], axis=-1)     # [out, in/32, 2 + bytes]
+    return raw[..., 2:].view(codes.dtype), raw[..., :2].view(np.float16)[..., 0]
 
 
 def measure(gemvs: dict[str, tuple[float, GEMV]], x: np.ndarray, rows: int, seconds: float) -> dict[str, list[float]]:

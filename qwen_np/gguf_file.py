@@ -17,10 +17,10 @@ Layout, as the reader and writer see it:
   transformers' GGUF loader, which un-permutes only "llama" (modeling_gguf_pytorch_utils.py).
 
 Weights are held as the safetensors loader holds them: F32, F16 and BF16 tensors
-are zero-copy views of the memory-mapped file, read through checkpoint.Checkpoint. Quantized tensors
-(Q8_0, Q4_0, the K-quants, ...) have no such view: they are dequantized to FP32 at load with
-gguf.quants.dequantize, so they cost 4 bytes per weight in memory (a Q4_0 file is ~7x smaller than
-the model it becomes: 4.5 bits per weight on disk, 32 in memory).
+are zero-copy views of the memory-mapped file, read through checkpoint.Checkpoint. Q8_0 and Q4_0
+tensors kept as stored are zero-copy views too: their blocks' scales and codes (formats.FormatRows),
+dequantized block of rows by block of rows on use. The other quantized types (the K-quants, ...) are
+dequantized to FP32 at load with gguf.quants.dequantize, so they cost 4 bytes per weight in memory.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -260,8 +260,9 @@ class GGUFCheckpoint(Checkpoint):
                 f"memory for {stored / 2 ** 30:.3f} GiB in the file")
 
     def held(self, name: str) -> Weight:
-        """Q8_0 and Q4_0 tensors as their blocks (formats.FormatRows: the file's scales and codes, split
-        apart); the rest as Checkpoint holds them (K-quants dequantized to FP32)."""
+        """Q8_0 and Q4_0 tensors as their blocks (formats.FormatRows: the file's scales and codes as two
+        strided views of its memory-mapped blocks); the rest as Checkpoint holds them (K-quants
+        dequantized to FP32)."""
         tensor = self._quantized.get(name)
         fmt = BLOCK_FORMATS.get(tensor.tensor_type) if tensor is not None else None
         if tensor is None or fmt is None:
@@ -269,7 +270,9 @@ class GGUFCheckpoint(Checkpoint):
         rows, columns = self.tensors[name].shape
         blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, columns // 32, -1)   # [out, in/32, bytes]
         scales = blocks[..., :2].view(np.float16)[..., 0]                                  # [out, in/32] FP16
-        codes = np.ascontiguousarray(blocks[..., 2:]).reshape(rows, -1)                    # q8_0: int8, q4_0: nibbles
+        # Views of the mapped file, never copies: a copy of the codes would sit in memory beside the file's
+        # pages, which the scales keep mapped (Qwen3-32B in Q4_0: 16 GiB of codes next to an 18 GiB file).
+        codes = blocks[..., 2:]                                # [out, in/32, 32 | 16]: q8_0 int8, q4_0 nibbles
         return FormatRows(fmt, (codes.view(np.int8) if fmt == "q8_0" else codes, scales), columns)
 
     def held_bytes_per_value(self) -> float:
@@ -384,8 +387,23 @@ def write_gguf(path: str | Path, checkpoint: Checkpoint, tokenizer: Tokenizer, s
     """Write the checkpoint as a GGUF llama.cpp loads: metadata, tokenizer, chat template, tensors
     (streamed: one tensor converted at a time). Atomic: written under a temporary name in the same
     folder and renamed at the end, so an error leaves no file at `path`. Returns notes for the user."""
+    def encoded(hf: str, gguf_name: str, shape: tuple[int, ...], kind: GGML) -> np.ndarray:
+        return _encoded(upcast(checkpoint.read(hf)), kind, gguf_name)
+
+    return write_gguf_tensors(path, checkpoint.config, tokenizer, sampling, encoded, file_type, name)
+
+
+# (Hugging Face name, GGUF name, NumPy shape, ggml type) -> the tensor's data as GGUFWriter takes it: an
+# F32/F16 array of that shape, or for a quantized type the uint8 array of gguf.quants.quant_shape_to_byte_shape.
+TensorData = Callable[[str, str, tuple[int, ...], GGML], np.ndarray]
+
+
+def write_gguf_tensors(path: str | Path, config: Qwen3Config, tokenizer: Tokenizer, sampling: SamplingParams,
+                       tensor_data: TensorData, file_type: str = "f16", name: str = "qwen3") -> list[str]:
+    """write_gguf with each tensor's data from tensor_data(...), called once per tensor in file order and
+    written at once (so the model never has to be in memory: bench/big_models.py writes random blocks)."""
     path = Path(path)
-    config, (matrix_type, llama_file_type) = checkpoint.config, FILE_TYPES[file_type]
+    matrix_type, llama_file_type = FILE_TYPES[file_type]
     layout = {hf: (_gguf_name(hf, config.num_hidden_layers), shape, _tensor_type(shape, matrix_type))
               for hf, shape in expected_tensors(config).items()}
     notes = [f"{gguf_name} stays F16: its rows ({shape[-1]} values) are not whole {matrix_type.name} blocks"
@@ -400,8 +418,8 @@ def write_gguf(path: str | Path, checkpoint: Checkpoint, tokenizer: Tokenizer, s
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for hf, (gguf_name, _, kind) in layout.items():
-            writer.write_tensor_data(_encoded(upcast(checkpoint.read(hf)), kind, gguf_name))
+        for hf, (gguf_name, shape, kind) in layout.items():
+            writer.write_tensor_data(tensor_data(hf, gguf_name, shape, kind))
         writer.close()
         os.replace(temporary, path)
     finally:

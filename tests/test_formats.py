@@ -182,6 +182,23 @@ def test_llama_cpp_blocks_match_gguf_bit_exactly(gguf, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_dequantizing_views_of_a_files_blocks_matches_gguf_bit_exactly(gguf, fmt):
+    """Codes and scales as strided views of ggml's block bytes (how a GGUF's tensors are held), every
+    code and every finite FP16 scale, row slices too: the same bits as gguf's dequantizer."""
+    qtype = gguf.GGMLQuantizationType.Q8_0 if fmt == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+    rows, blocks, size = 8, 64, {"q8_0": 34, "q4_0": 18}[fmt]
+    raw = np.random.default_rng(3).integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
+    scales = raw[..., :2].view(np.float16)[..., 0]                    # [rows, in/32], a strided view
+    scales[~np.isfinite(scales)] = 1.0                                # a file's scales are finite
+    codes = raw[..., 2:].view(np.int8) if fmt == "q8_0" else raw[..., 2:]
+    reference = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)  # [rows, in]
+    dequantize = get_format(fmt).dequantize
+    assert not codes.flags.c_contiguous
+    assert same_bits(dequantize(codes, scales), reference)
+    assert same_bits(dequantize(codes[2:5], scales[2:5], out=np.empty((3, 32 * blocks), np.float32)), reference[2:5])
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_all_subnormal_block_dequantizes_to_zero_where_gguf_overflows_its_reciprocal(gguf, fmt):
     x = np.full((1, 32), 1e-40, dtype=np.float32) * np.linspace(-1, 1, 32, dtype=np.float32)
     qtype = gguf.GGMLQuantizationType.Q8_0 if fmt == "q8_0" else gguf.GGMLQuantizationType.Q4_0

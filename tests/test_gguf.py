@@ -20,7 +20,7 @@ import gguf
 from qwen_np import QwenNPError, Qwen3Model, load_model
 from qwen_np.config import LAYER_TENSORS, MODEL_TENSORS
 from qwen_np.formats import round_trip
-from qwen_np.gguf_file import GGUFCheckpoint, _gguf_name, write_gguf
+from qwen_np.gguf_file import GGUFCheckpoint, _gguf_name, write_gguf, write_gguf_tensors
 from qwen_np.loading import open_checkpoint, read_config, read_generation_defaults, read_tokenizer
 from qwen_np.numerics import upcast
 from qwen_np.sampling import SamplingParams
@@ -336,7 +336,7 @@ def test_a_bad_gguf_on_the_cli_is_one_error_line_and_exit_2(tmp_path) -> None:
 
 @pytest.mark.parametrize("file_type", ["q8_0", "q4_0"])
 def test_a_q8_0_or_q4_0_gguf_kept_as_stored_holds_its_blocks_not_fp32(source: Path, tmp_path: Path, file_type: str) -> None:
-    """--memory bf16 ("as stored") on a Q8_0/Q4_0 file: the file's blocks, the same parts and logits as
+    """--memory bf16 ("as stored") on a Q8_0/Q4_0 file: the file's blocks (views, not copies), the same parts and logits as
     quantizing the source checkpoint at load (--memory q8_0/q4_0), and the plan counts the file's bytes."""
     from qwen_np.formats import FormatRows
 
@@ -345,6 +345,33 @@ def test_a_q8_0_or_q4_0_gguf_kept_as_stored_holds_its_blocks_not_fp32(source: Pa
     at_load = load_model(source, memory=file_type)
     for ours, theirs in zip(from_file.layers, at_load.layers):
         assert isinstance(ours.q_proj, FormatRows) and ours.q_proj.fmt == file_type
-        assert all(np.array_equal(a, b) for a, b in zip(ours.q_proj.parts, theirs.q_proj.parts))
+        assert np.may_share_memory(*ours.q_proj.parts)    # codes and scales interleave: views of the blocks, no copy
+        assert all(np.array_equal(a.reshape(b.shape), b) for a, b in zip(ours.q_proj.parts, theirs.q_proj.parts))
     assert np.array_equal(from_file.forward(np.arange(1, 12)), at_load.forward(np.arange(1, 12)))
     assert from_file.plan.stored_weight_bytes < 0.6 * load_model(source, memory="bf16").plan.stored_weight_bytes
+
+
+def test_tensors_written_as_given_blocks_are_held_as_those_bytes(tmp_path: Path) -> None:
+    """write_gguf_tensors writes whatever bytes it is handed (bench/big_models.py's random Q4_0 blocks,
+    without any model in memory): the file holds them, and a load keeps them as they are."""
+    config = read_config(tiny_checkpoint(tmp_path / "src"))
+    given: dict[str, np.ndarray] = {}
+
+    def tensor_data(hf: str, gguf_name: str, shape: tuple[int, ...], kind: GGML) -> np.ndarray:
+        rng = np.random.default_rng(len(given))
+        if len(shape) == 1:
+            given[hf] = rng.standard_normal(shape).astype(np.float32)
+        else:
+            blocks = rng.integers(0, 256, size=(shape[0], shape[1] // 32, 18), dtype=np.uint8)
+            blocks[..., :2] = np.float16(0.01).reshape(1).view(np.uint8)      # finite scales
+            given[hf] = blocks.reshape(gguf.quants.quant_shape_to_byte_shape(shape, kind))
+        return given[hf]
+
+    path = tmp_path / "blocks.gguf"
+    write_gguf_tensors(path, config, read_tokenizer(tmp_path / "src"), SamplingParams(), tensor_data, "q4_0")
+    model = load_model(path, memory="bf16")
+    held = model.layers[1].down_proj
+    codes, scales = held.parts
+    blocks = given[LAYER_TENSORS["down_proj"].name.format(i=1)].reshape(*scales.shape, 18)
+    assert np.array_equal(codes, blocks[..., 2:]) and np.array_equal(scales, blocks[..., :2].view(np.float16)[..., 0])
+    assert np.array_equal(model.layers[1].input_layernorm, given[LAYER_TENSORS["input_layernorm"].name.format(i=1)])
