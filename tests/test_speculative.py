@@ -107,10 +107,12 @@ def test_speculative_greedy_with_penalties_equals_plain_greedy_position_by_posit
     for name, target, _, tokenizer, prompt in fixtures:
         tokenizer = tokenizer or tok
         plain = events(target, tokenizer, prompt, penalised, 25)
-        for speculation in (draft_speculation(target, 4), lookup_speculation(2, 4)):
-            stats = GenerationStats()
-            assert events(target, tokenizer, prompt, penalised, 25, speculation=speculation, stats=stats) == plain, name
-            assert stats.drafted_tokens > 0, (name, speculation.describe)
+        stats = GenerationStats()
+        assert events(target, tokenizer, prompt, penalised, 25, speculation=draft_speculation(target, 4),
+                      stats=stats) == plain, name
+        # Its guesses are the target's own choices only if both count the drafted tokens before each position.
+        assert stats.accepted_tokens == stats.drafted_tokens and stats.target_steps == 6, (name, stats)   # 1 + 5 x 4 + 4
+        assert events(target, tokenizer, prompt, penalised, 25, speculation=lookup_speculation(2, 4)) == plain, name
 
 
 def test_prompt_lookup_drafts_what_followed_the_earliest_match_of_the_longest_ngram() -> None:
@@ -213,7 +215,7 @@ def test_a_draft_with_nan_weights_is_refused_naming_draft_not_the_sampling(capsy
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((BUNDLED / name).read_bytes())
     assert cli.main(["generate", "--no-chat", "ROMEO:", "--draft", str(folder), "-n", "3"]) == 2
-    err = capsys.readouterr().err.splitlines()
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note: ")]
     assert len(err) == 1 and err[0].startswith("error: --draft: ") and "finite" in err[0], err
 
 
