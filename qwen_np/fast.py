@@ -68,9 +68,11 @@ SMALL_ROWS_MIN = 16
 # slice): only the first row reads the slice from memory. gate|up, same conditions, Haswell kernel,
 # GEMV 1.22 ms: M = 2 1.60 ms (one GEMM 3.7), M = 5 2.45 (4.05), M = 9 3.56 (4.41), M = 16 5.44 (4.65).
 # A block of a stored (BF16, int8) weight is already in cache once widened, where the GEMM packs it
-# cheaply: GEMVs win there up to M = 5 only (Qwen3-0.6B BF16 forward of 9 tokens: 1.2x slower).
+# cheaply: GEMVs win there up to M = 3 only (forwards of 5 tokens, 2 threads, quiet: Qwen3-0.6B BF16
+# 1.93x one token with GEMVs, 1.97x without; Qwen3-8B BF16 shapes 3.57x against 2.32x; 9 tokens of 0.6B
+# BF16 1.2x slower with them).
 MATVEC_M_MAX = 9
-MATVEC_M_MAX_WIDENED = 5
+MATVEC_M_MAX_WIDENED = 3
 MATVEC_SLICE_BYTES = 512 * 1024
 
 
