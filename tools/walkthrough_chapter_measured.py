@@ -31,6 +31,7 @@ RECORDS = {
                        "--png bench/figures/mixed_precision_loss.png",
 }
 SHARED_MACHINE = "a 2-core machine shared with other jobs"
+RECORDED_MACHINE = "a 2-core virtual machine, nothing else running"          # the hardware record's
 BENCH_PRESET = "shakespeare"                   # the model shape bench.memory trains
 # The recorded run whose first steps the tests repeat: FP8 goes through the trainer's data, schedule and every
 # rounding path (tiles, blocks); the formats' rounding itself is tested bit for bit in tests/test_mixed_precision.py.
@@ -98,7 +99,7 @@ def hardware_part(figures: dict[str, Any]) -> str:
     largest = hardware_command._size(last.size_bytes)
     return f"""**This machine's caches, measured.** `python -m qwen_np hardware` reads what the OS says about
 the CPU (`/sys/devices/system/cpu`, `/proc/cpuinfo`) and then measures a matrix-vector product's read
-rate against the matrix's size, from 16 KiB to 1 GiB. Recorded on {SHARED_MACHINE}, in
+rate against the matrix's size, from 16 KiB to 1 GiB. Recorded on {RECORDED_MACHINE}, in
 `docs/figures/hardware.json` (`{RECORDS['hardware']}`): {t['model'] or 'an unnamed CPU'}, {len(t['usable'])} logical CPUs,
 {t['cores']} cores, {smt}, NUMA nodes: {t['numa_nodes']}; the OS does not say: {'; '.join(t['unknown']) or 'nothing missing'}.
 
@@ -116,9 +117,9 @@ times slower, and the rate decode lives on, since the weights are far larger tha
 
 Two threads read a cache-sized matrix faster than one: each core reads its half from its own L1 and
 L2, up to {two_digits(max(two_cached))} GB/s here. Beyond the L3 every thread reads through the one memory bus,
-shared with whatever else the machine runs; while this was recorded, other jobs were streaming large
-models through it, so this record's RAM rate is far below what the machine reads when it is quiet
-(bench/README.md, "The numbers"). At this record's rate, reading every weight once per token would allow
+shared with whatever else the machine runs, so a record's RAM rate is that of its moment (on this
+virtual machine it varies between processes too: bench/README.md, "The numbers"). At this record's rate,
+reading every weight once per token would allow
 {limits['qwen3-0.6b']['fp32']:.2g} tokens/s for Qwen3-0.6B in FP32 and {limits[REAL]['bf16']:.2g} for Qwen3-8B in BF16
 (the command's decode limits): a limit of that moment, not of the machine. Run `python -m qwen_np hardware` on yours.
 More BLAS threads than cores (`-t`) add no core to read with, only switching between threads."""
@@ -127,7 +128,7 @@ More BLAS threads than cores (`-t`) add no core to read with, only switching bet
 def hardware_figure(record: dict[str, Any]) -> Any:
     return hardware_command.figure(caches_of(record), record["sizes"], rates_of(record),
                                    f"{record['topology']['model'] or 'this CPU'}: a matrix-vector product's read "
-                                   f"rate against the matrix's size\n(recorded on {SHARED_MACHINE})")
+                                   f"rate against the matrix's size\n(recorded on {RECORDED_MACHINE})")
 
 
 # --- Section 10: memory remedies and mixed precision -------------------------------------------------
