@@ -68,7 +68,7 @@ from .generate import GenerationDefaults, TokenEvent, resolve_sampling
 from .kv_cache import BlockPool, PagedKVCache, block_bytes, blocks_for
 from .loading import check_draft_folder, load_draft, load_model, read_config, read_generation_defaults, read_tokenizer
 from .model import Qwen3Model
-from .memory import DEFAULT_CONTEXT, format_size
+from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK, format_size
 from .metrics import PROMETHEUS_TYPE, prometheus_text
 from .speculative import DEFAULT_DRAFT_TOKENS, Speculation, draft_speculation, lookup_speculation, usage_fields
 from .tokenizer import THINK_OPEN, Message, ThinkingSplitter, Tokenizer, split_thinking
@@ -225,7 +225,7 @@ def speculation_over(pool: BlockPool, model: Qwen3Model, max_batch: int, tokens:
     draft cache holds at most its sequence and k - 1 drafted tokens, and a row that leaves frees it)."""
     blocks = pool.num_blocks + max_batch * (blocks_for(tokens) + 1)
     draft_pool = BlockPool(model.config, blocks, pool.dtype)
-    return draft_speculation(model, tokens, lambda positions: PagedKVCache(draft_pool, positions))
+    return draft_speculation(model, tokens, lambda positions: PagedKVCache(draft_pool, positions), PREFILL_CHUNK)
 
 
 def default_kv_memory(model: Qwen3Model, full: int, draft: Qwen3Model | None = None) -> int:

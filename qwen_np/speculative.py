@@ -134,8 +134,10 @@ class DraftModel:
     the longest prefix it shares with the sequence (the target rejected the rest) and feeds the remainder.
     When the cache's pool (shared by a batch's rows) has no blocks for that, it proposes nothing."""
 
-    def __init__(self, model: Qwen3Model, params: SamplingParams, cache: PagedKVCache) -> None:
+    def __init__(self, model: Qwen3Model, params: SamplingParams, cache: PagedKVCache,
+                 catch_up: int | None = None) -> None:
         self.model, self.params, self.cache = model, params, cache
+        self.catch_up = catch_up       # at most this many tokens fed to catch up per proposal (None: all)
         self.rng = np.random.default_rng(None if params.seed is None else [params.seed, DRAFT_STREAM])
 
     def propose(self, sequence: Sequence[int], generated: Sequence[int], k: int) -> Draft:
@@ -146,6 +148,12 @@ class DraftModel:
             return NO_DRAFT
         self.cache.truncate(min(_common_prefix(self.cache.tokens, sequence), len(sequence) - 1))
         pending = list(sequence[self.cache.length:])
+        if self.catch_up is not None and len(pending) > self.catch_up:
+            # In a batch, a row's draft cache catches up (its prompt, or after a preemption) a chunk a step, as
+            # prompts prefill, so that no other row's step waits for a whole prompt; undrafted until then.
+            if self.cache.blocks_needed(self.catch_up) <= self.cache.pool.free_blocks:
+                self.model.forward(pending[:self.catch_up], self.cache, last_only=True)
+            return NO_DRAFT
         if self.cache.blocks_needed(len(pending) + k - 1) > self.cache.pool.free_blocks:
             return NO_DRAFT                  # a draft pool shared by a batch is full: this step goes undrafted
         for start in range(0, len(pending), PREFILL_CHUNK):
@@ -187,14 +195,15 @@ def lookup_speculation(max_ngram: int, tokens: int = DEFAULT_DRAFT_TOKENS) -> Sp
 
 
 def draft_speculation(draft: Qwen3Model, tokens: int = DEFAULT_DRAFT_TOKENS,
-                      new_cache: Callable[[int], PagedKVCache] | None = None) -> Speculation:
+                      new_cache: Callable[[int], PagedKVCache] | None = None, catch_up: int | None = None) -> Speculation:
     """Drafting with `draft`; each sequence's draft cache from new_cache(positions) (default: its own pool,
-    draft.new_cache), with room for the k - 1 drafted tokens it feeds past the sequence."""
+    draft.new_cache), with room for the k - 1 drafted tokens it feeds past the sequence; catch_up: see
+    DraftModel (a batch's rows: its prefill chunk)."""
     k = _checked_tokens(tokens)
     make = new_cache or draft.new_cache
 
     def new_drafter(params: SamplingParams, max_tokens: int) -> Drafter:
-        return DraftModel(draft, params, make(max_tokens + k))
+        return DraftModel(draft, params, make(max_tokens + k), catch_up)
 
     return Speculation(k, new_drafter, "draft")
 

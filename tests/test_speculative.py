@@ -177,10 +177,21 @@ def test_batched_speculative_rows_equal_plain_rows_with_preemption(fixtures, tok
         return [row.generated for row in rows] + [[generator.preemptions]]
 
     plain = run(None, 12)
-    for speculation in _drafters(target, draft).values():
+    # catch_up=6: a row's draft cache catches up 6 tokens a step (serve's rows: a prefill chunk), undrafted till then.
+    for speculation in [*_drafters(target, draft).values(), draft_speculation(draft, 4, catch_up=6)]:
         assert run(speculation, 12)[:3] == plain[:3]
         preempted = run(speculation, 6)                           # too few blocks for all: rows are preempted
         assert preempted[:3] == plain[:3] and preempted[3][0] > 0
+
+
+def test_a_draft_that_catches_up_a_chunk_a_step_drafts_only_once_it_has(random_pair) -> None:
+    from qwen_np.speculative import DraftModel
+
+    target, _ = random_pair
+    drafter = DraftModel(target, GREEDY, target.new_cache(64), catch_up=4)
+    sequence = list(range(3, 13))                                   # 10 tokens: 4 + 4 fed, then drafts
+    assert [drafter.propose(sequence, [], 3).tokens for _ in range(2)] == [[], []]
+    assert drafter.cache.length == 8 and len(drafter.propose(sequence, [], 3).tokens) == 3
 
 
 def test_rolling_back_into_a_named_block_unnames_it_so_no_other_sequence_reuses_it(random_pair) -> None:
