@@ -13,6 +13,7 @@ text, separators excluded) compare models with different tokenizers.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -83,9 +84,12 @@ def score_text(logits_of: Callable[[np.ndarray], np.ndarray], docs: list[np.ndar
     """Score documents window by window. logits_of maps ids [T] to logits [T, V] (e.g. model.forward);
     jobs: windows scored at once, on threads of their own (runtime.independent_jobs); the sum is taken
     in window order, so the score does not depend on it."""
+    shown = threading.Lock()                     # progress (a tqdm bar) is called from the jobs' threads
+
     def window_nats(window: np.ndarray) -> tuple[float, int]:
         nll = token_nll(logits_of(window[:-1]), window[1:])                          # [T]
-        progress(len(nll))
+        with shown:
+            progress(len(nll))
         return float(nll.sum()), len(nll)
 
     score = TextScore(characters=characters)
