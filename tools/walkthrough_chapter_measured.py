@@ -20,6 +20,7 @@ import numpy as np
 from qwen_np import hardware, layers, preset, trainer
 from qwen_np.commands import hardware as hardware_command
 from qwen_np.inspection.report import _render_memory, memory_breakdown
+import walkthrough_common
 from walkthrough_common import DOCS, REAL, code_block
 
 FIGURES_DIR = DOCS / "figures"
@@ -49,9 +50,7 @@ def load(name: str) -> dict[str, Any]:
 
 
 def claim(holds: bool, what: str) -> None:
-    """A sentence the record must bear out (else the generator stops: re-record, then rewrite)."""
-    if not holds:
-        raise AssertionError(f"walkthrough: the recorded measurement no longer shows that {what}")
+    walkthrough_common.claim(holds, what, "recorded measurements")
 
 
 def two_digits(x: float) -> str:

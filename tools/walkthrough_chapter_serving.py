@@ -21,6 +21,7 @@ from qwen_np.model import Qwen3Model
 from qwen_np.sampling import SamplingParams
 from qwen_np.speculative import DEFAULT_DRAFT_TOKENS, draft_speculation, lookup_speculation
 from qwen_np.tokenizer import Tokenizer
+import walkthrough_common
 from walkthrough_common import CACHE_TOLERANCE, PASSAGES, Run, code_block
 from walkthrough_training import TRAIN_TEXT, below
 
@@ -39,9 +40,7 @@ BUNDLED_DRAFT = Path(__file__).resolve().parents[1] / "weights" / "draft"
 
 
 def claim(holds: bool, what: str) -> None:
-    """A sentence of the section that the run must bear out (else the generator stops)."""
-    if not holds:
-        raise AssertionError(f"serving section: the run no longer shows that {what}")
+    walkthrough_common.claim(holds, what, "serving section")
 
 
 def solo(model: Qwen3Model, tokenizer: Tokenizer, request: Request) -> list[int]:

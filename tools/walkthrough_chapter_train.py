@@ -34,6 +34,7 @@ from qwen_np.model import Qwen3Model  # noqa: E402
 from qwen_np.sampling import SamplingParams  # noqa: E402
 from qwen_np.tokenizer import Tokenizer  # noqa: E402
 from walkthrough_training import below, mib, rounded  # noqa: E402
+import walkthrough_common  # noqa: E402
 
 RECORD = REPO_ROOT / "docs" / "figures" / "training_run.json"
 # The chapter's model: the bundled model's shape, shrunk until 1,000 steps take about a minute on 2 cores.
@@ -319,9 +320,7 @@ def load_record() -> dict[str, Any]:
 
 
 def claim(holds: bool, what: str) -> None:
-    """A sentence of the chapter that the record must bear out (else the generator stops)."""
-    if not holds:
-        raise AssertionError(f"training chapter: the record no longer shows that {what}; re-record and rewrite")
+    walkthrough_common.claim(holds, what, "training chapter")
 
 
 def two(x: float) -> str:

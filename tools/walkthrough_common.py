@@ -215,3 +215,10 @@ def step_code(step: Step, shown: set[str]) -> str:
             parts.append(f"`layers.{function}`, from `qwen_np/layers.py`:\n\n"
                          + code_block(inspect.getsource(getattr(layers, function))))
     return "\n\n".join(parts)
+
+
+def claim(holds: bool, what: str, where: str) -> None:
+    """A sentence of the page that the run or record behind `where` (a section) must bear out: else the
+    generator stops, so that text cannot drift from what the code or the measurement shows."""
+    if not holds:
+        raise AssertionError(f"{where}: the run or record no longer shows that {what}; re-run or re-record, then rewrite")
