@@ -39,8 +39,8 @@ WORKLOADS = ("decode-0.6b", "decode-bundled", "train-step", "eval", "precision")
 
 DECODE = """
 import json, sys, time
+from qwen_np import load_model, runtime          # before NumPy, as the CLI (qwen_np/__init__.py)
 import numpy as np
-from qwen_np import load_model, runtime
 folder, seconds = sys.argv[1], float(sys.argv[2])
 runtime.set_threads(None)
 model = load_model(folder)
@@ -64,6 +64,7 @@ print(json.dumps({"rate": steps / (time.perf_counter() - start)}))
 
 TRAIN_STEP = """
 import json, sys, time
+import qwen_np                                   # before NumPy, as the CLI (qwen_np/__init__.py)
 import numpy as np
 from bench.training import MODEL
 from qwen_np import runtime, training

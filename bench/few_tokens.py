@@ -86,9 +86,9 @@ def install_timers(model, totals: dict[str, float], clock) -> None:
 
 def worker(folder: str, memory: str, ks: list[int], context: int, repeats: int, cpu: bool = False) -> dict:
     """Median ms of forward(k new tokens, cache) per k, and a per-step breakdown (ms) per k."""
-    import numpy as np
+    from qwen_np import load_model, runtime      # before NumPy, as the CLI (qwen_np/__init__.py)
 
-    from qwen_np import load_model, runtime
+    import numpy as np
 
     clock = time.thread_time if cpu else time.perf_counter
     model = load_model(folder, memory=memory)

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SINGLE_STREAM = """
 import json, sys, time
+from qwen_np import load_model, runtime          # before NumPy, as the CLI (qwen_np/__init__.py)
 import numpy as np
-from qwen_np import load_model, runtime
 folder, memory, prompt_len, decode, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 runtime.set_threads(threads)
 model = load_model(folder, memory=memory)

@@ -74,6 +74,14 @@ SMALL_ROWS_MIN = 16
 MATVEC_M_MAX = 9
 MATVEC_M_MAX_WIDENED = 3
 MATVEC_SLICE_BYTES = 512 * 1024
+# The trap under both: NumPy's gufunc loops (np.matmul, np.matvec) let go of the GIL only when their
+# output has more than 500 elements (NPY_BEGIN_THREADS_THRESHOLDED), np.dot's BLAS path always. A
+# slice's product x [M, in] W_s^T has M x rows outputs: Qwen3-0.6B's down and o at M = 5-8 have
+# 320-490, so with np.matmul our two threads took turns (down [1024, 3072] at M = 8, 2 threads:
+# 1.16 ms with np.matmul, 0.79 with np.dot, one GEMV 0.41). So the small-matrix slices go through
+# np.dot (into a contiguous scratch: np.dot writes only there), and the GEMV slices are made wide
+# enough for their M (GIL_FREE_OUTPUT).
+GIL_FREE_OUTPUT = 501
 
 
 # --- matrix products -------------------------------------------------------------------------------
@@ -104,7 +112,8 @@ def small_product_rows(M: int, columns: int, widened: bool = False) -> int | Non
     if not few_rows(M):
         return None
     if not runtime.blas_has_small_matrix_kernel():
-        return max(1, MATVEC_SLICE_BYTES // (4 * columns)) if M <= MATVEC_M_MAX_WIDENED or not widened else None
+        rows = max(1, MATVEC_SLICE_BYTES // (4 * columns), -(-GIL_FREE_OUTPUT // M))
+        return rows if M <= MATVEC_M_MAX_WIDENED or not widened else None
     rows = SMALL_PRODUCT // (M * columns)
     return rows if rows >= SMALL_ROWS_MIN else None
 
@@ -117,7 +126,7 @@ def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
         _products(x, weight[part], out[:, part], step)
         return
     rows, hi = _block_rows(weight.shape[1]), part.stop
-    buffer = _thread_buffer(rows * weight.shape[1])
+    buffer = _thread_buffer("block", rows * weight.shape[1])
     for start in range(part.start, hi, rows):
         stop = min(start + rows, hi)
         block = buffer[:(stop - start) * weight.shape[1]].reshape(stop - start, weight.shape[1])
@@ -129,18 +138,21 @@ def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
 
 def _products(x: np.ndarray, weight: np.ndarray, out: np.ndarray, step: int | None) -> None:
     """out = x weight^T (FP32): in one BLAS call, or in slices of `step` rows of weight (few_rows): a
-    small-matrix GEMM each where BLAS has that kernel, else a GEMV per row of x (np.matvec)."""
+    small-matrix GEMM each where BLAS has that kernel (np.dot, see GIL_FREE_OUTPUT), else a GEMV per
+    row of x (np.matvec: one call per slice)."""
     if step is None:
         np.matmul(x, weight.T, out=out)
         return
-    product = np.matmul if runtime.blas_has_small_matrix_kernel() else _matvecs
+    small = runtime.blas_has_small_matrix_kernel()
+    scratch = _thread_buffer("slice", x.shape[0] * step) if small else None
     for start in range(0, weight.shape[0], step):
-        product(x, weight[start:start + step].T, out=out[:, start:start + step])
-
-
-def _matvecs(x: np.ndarray, weight_t: np.ndarray, out: np.ndarray) -> None:
-    """out = x weight_t as one GEMV per row of x, weight_t [in, rows] (a slice of W, transposed)."""
-    np.matvec(weight_t.T, x, out=out)
+        part, columns = weight[start:start + step], slice(start, start + step)
+        if scratch is None:
+            np.matvec(part, x, out=out[:, columns])
+            continue
+        product = scratch[:x.shape[0] * len(part)].reshape(x.shape[0], len(part))
+        np.dot(x, part.T, out=product)
+        out[:, columns] = product
 
 
 def _block_rows(columns: int) -> int:
@@ -153,11 +165,13 @@ def _block_rows(columns: int) -> int:
 _local = threading.local()
 
 
-def _thread_buffer(size: int) -> np.ndarray:
-    """This thread's reused FP32 scratch (allocating per block would fault in fresh pages each time)."""
-    buffer = getattr(_local, "buffer", None)
+def _thread_buffer(name: str, size: int) -> np.ndarray:
+    """This thread's reused FP32 scratch called `name`, at least `size` values (allocating per block
+    would fault in fresh pages each time)."""
+    buffer = getattr(_local, name, None)
     if buffer is None or buffer.size < size:
-        buffer = _local.buffer = np.empty(size, dtype=np.float32)
+        buffer = np.empty(size, dtype=np.float32)
+        setattr(_local, name, buffer)
     return buffer
 
 

@@ -208,8 +208,9 @@ def test_few_row_products_in_weight_slices_give_the_same_logits(checkpoint: Path
     monkeypatch.setattr(fast, "SMALL_PRODUCT", 3 * 32 * 5)        # M = 3, 32 columns: 5-row slices; else 1 call
     monkeypatch.setattr(fast, "SMALL_ROWS_MIN", 5)                # several per thread, a short last one
     monkeypatch.setattr(fast, "MATVEC_SLICE_BYTES", 4 * 32 * 5)   # 32 columns: 5-row slices
+    monkeypatch.setattr(fast, "GIL_FREE_OUTPUT", 1)               # (not widened to let go of the GIL)
     slices: list[int] = []
-    for name in ("matmul", "matvec"):
+    for name in ("matmul", "matvec", "dot"):
         original = getattr(np, name)
         monkeypatch.setattr(fast.np, name, lambda a, b, original=original, **kw: (slices.extend((len(a), b.shape[-1])),
                                                                                   original(a, b, **kw))[1])
@@ -241,7 +242,8 @@ def test_without_a_small_matrix_kernel_few_rows_are_gemvs_over_slices_that_fit_l
     monkeypatch.setattr(runtime, "blas_has_small_matrix_kernel", lambda: False)
     assert fast.few_rows(fast.MATVEC_M_MAX) and not fast.few_rows(fast.MATVEC_M_MAX + 1) and not fast.few_rows(1)
     assert fast.small_product_rows(5, 1024) == fast.MATVEC_SLICE_BYTES // 4096
-    assert fast.small_product_rows(5, 10 ** 6) == 1               # a very wide W: a row at a time, not zero
+    assert fast.small_product_rows(5, 10 ** 6) == 101             # a very wide W: 5 x 101 outputs (GIL_FREE_OUTPUT)
+    assert fast.small_product_rows(2, 3072) == 251                # so that np.matvec lets go of the GIL
     assert fast.small_product_rows(fast.MATVEC_M_MAX + 1, 1024) is None
     assert fast.small_product_rows(fast.MATVEC_M_MAX_WIDENED + 1, 1024, widened=True) is None   # a BF16 block: a GEMM
 
