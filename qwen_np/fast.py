@@ -141,18 +141,26 @@ def _products(x: np.ndarray, weight: np.ndarray, out: np.ndarray, step: int | No
     small-matrix GEMM each where BLAS has that kernel (np.dot, see GIL_FREE_OUTPUT), else a GEMV per
     row of x (np.matvec: one call per slice)."""
     if step is None:
-        np.matmul(x, weight.T, out=out)
+        if x.shape[0] * weight.shape[0] >= GIL_FREE_OUTPUT:
+            np.matmul(x, weight.T, out=out)
+        else:                                       # Qwen3-8B's down_proj: 128-row BF16 blocks
+            _dot(x, weight, out)
         return
     small = runtime.blas_has_small_matrix_kernel()
-    scratch = _thread_buffer("slice", x.shape[0] * step) if small else None
     for start in range(0, weight.shape[0], step):
         part, columns = weight[start:start + step], slice(start, start + step)
-        if scratch is None:
+        if small:
+            _dot(x, part, out[:, columns])
+        else:
             np.matvec(part, x, out=out[:, columns])
-            continue
-        product = scratch[:x.shape[0] * len(part)].reshape(x.shape[0], len(part))
-        np.dot(x, part.T, out=product)
-        out[:, columns] = product
+
+
+def _dot(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
+    """out = x weight^T by np.dot, which lets go of the GIL whatever the size (GIL_FREE_OUTPUT), into this
+    thread's contiguous scratch (the only `out` np.dot takes), then copied to `out`."""
+    product = _thread_buffer("product", out.size)[:out.size].reshape(out.shape)
+    np.dot(x, weight.T, out=product)
+    out[...] = product
 
 
 def _block_rows(columns: int) -> int:
