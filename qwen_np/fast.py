@@ -60,9 +60,18 @@ BLOCK_BYTES = 8 * 1024 ** 2
 # [6144, 1024] at M = 5, one thread, weights not in cache, SkylakeX kernel: 5.9 ms in one call, 1.9 ms
 # in slices, a GEMV 1.25 ms: the kernel runs at ~35 GFLOP/s, so 5 rows cost ~1.5x a GEMV, 9 rows ~1.8x
 # (bench/README.md, few new tokens; W_s x^T slices were no faster in a whole forward).
+# The kernel has a second condition for our layout (W^T transposed, OpenBLAS's "TN" case): it is
+# used only while the slice's output has at most 1200 values (M x rows). 1e6 / 1024 = 976 met it for
+# Qwen3-0.6B's products by luck; the bundled model's [1536, 256] at M = 5 took 270 us in 781-row
+# slices (the packing GEMM) against 35 us in one GEMV.
 SMALL_PRODUCT = 100 ** 3
+SMALL_TN_OUTPUT = 1200
 SMALL_M_MAX = 16
 SMALL_ROWS_MIN = 16
+# A few rows' product of a weight under this many bytes stays on the calling thread: handing half of
+# it to a worker thread (~50-100 us) costs more than it saves (the bundled model's [256, 768] at M = 2:
+# 10 us on one thread, 114 us split over two).
+SPLIT_MIN_BYTES = 4 * 1024 ** 2
 # Without that kernel (OpenBLAS's Haswell one, Zen's) up to MATVEC_M_MAX rows are one GEMV per row of x
 # over slices of W of MATVEC_SLICE_BYTES, which stay in L2 between the rows (np.matvec: one call per
 # slice): only the first row reads the slice from memory. gate|up, same conditions, Haswell kernel,
@@ -96,7 +105,8 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     """
     if isinstance(weight, np.ndarray) and not few_rows(x.shape[0]):
         return np.matmul(x, weight.T, out=out)
-    runtime.split(weight.shape[0], runtime.threads(), lambda rows: _rows(x, weight, out, rows))
+    small = weight.nbytes < SPLIT_MIN_BYTES and x.shape[0] <= SMALL_M_MAX
+    runtime.split(weight.shape[0], 1 if small else runtime.threads(), lambda rows: _rows(x, weight, out, rows))
     return out
 
 
@@ -114,7 +124,7 @@ def small_product_rows(M: int, columns: int, widened: bool = False) -> int | Non
     if not runtime.blas_has_small_matrix_kernel():
         rows = max(1, MATVEC_SLICE_BYTES // (4 * columns), -(-GIL_FREE_OUTPUT // M))
         return rows if M <= MATVEC_M_MAX_WIDENED or not widened else None
-    rows = SMALL_PRODUCT // (M * columns)
+    rows = min(SMALL_PRODUCT // (M * columns), SMALL_TN_OUTPUT // M)
     return rows if rows >= SMALL_ROWS_MIN else None
 
 

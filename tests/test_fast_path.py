@@ -16,7 +16,7 @@ import pytest
 
 import qwen_np
 from qwen_np import fast, runtime
-from qwen_np.numerics import StoredRows
+from qwen_np.numerics import StoredRows, held, upcast
 
 RTOL = 1e-5
 # (name, config overrides): GQA groups 1/2/4, head_dim above and below D/H, tied and untied heads.
@@ -235,6 +235,25 @@ def test_small_product_rows_slices_only_few_rows(monkeypatch: pytest.MonkeyPatch
     assert fast.small_product_rows(fast.SMALL_M_MAX + 1, 1024) is None
     assert fast.small_product_rows(8, 1024) == fast.SMALL_PRODUCT // (8 * 1024)
     assert fast.small_product_rows(16, 10 ** 6) is None           # slices too thin: one call per thread
+    assert fast.small_product_rows(5, 256) == fast.SMALL_TN_OUTPUT // 5   # a narrow W: at most 1200 outputs a call
+
+
+def test_a_few_rows_of_a_small_weight_stay_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    parts: list[int] = []
+    original = runtime.split
+    monkeypatch.setattr(runtime, "split", lambda n, count, job: (parts.append(count), original(n, count, job))[1])
+    before = runtime.threads()
+    try:
+        runtime.set_threads(2)
+        rng = np.random.default_rng(0)
+        for rows, M in ((256, 5), (fast.SPLIT_MIN_BYTES // (4 * 256), 5), (256, fast.SMALL_M_MAX + 1)):
+            w, x = rng.standard_normal((rows, 256), dtype=np.float32), rng.standard_normal((M, 256), dtype=np.float32)
+            stored = held(w.astype(ml_dtypes.bfloat16)) if M > fast.SMALL_M_MAX else w    # many rows: FP32 takes BLAS
+            out = fast.linear(x, stored, np.empty((M, rows), np.float32))
+            np.testing.assert_allclose(out, x @ upcast(stored).T, rtol=1e-5, atol=1e-4)   # 256 terms ~25: FP32 order
+    finally:
+        runtime.set_threads(before)
+    assert parts == [1, 2, 2]          # 256 KB at 5 rows: one thread; 4 MiB, or a prompt's rows: both
 
 
 def test_without_a_small_matrix_kernel_few_rows_are_gemvs_over_slices_that_fit_l2(
