@@ -3,6 +3,9 @@ when they stop; steady_threads() holds the count for work that must repeat bit f
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Iterator
 
 import pytest
@@ -97,3 +100,15 @@ def test_independent_jobs_share_the_items_out_between_threads_each_single_thread
     assert len({name for name, _, _ in seen}) == 2 and {(t, tuple(b)) for _, t, b in seen} == {(1, (1,))}
     assert runtime.threads() == 2 and blas_threads() == {2}               # all given back afterwards
     assert runtime.independent_jobs(job, [5], most=4) == [25]             # one item: on this thread
+
+
+@pytest.mark.parametrize("given, kept", [(None, "18"), ("28", "28")])
+def test_openblas_idle_threads_spin_briefly_unless_the_user_said_otherwise(given: str | None, kept: str) -> None:
+    """qwen_np sets OPENBLAS_THREAD_TIMEOUT before NumPy loads OpenBLAS (which reads it once), so that
+    OpenBLAS's idle threads do not take the cores from the few-row products that follow (bench/README.md)."""
+    env = {name: value for name, value in os.environ.items() if name != "OPENBLAS_THREAD_TIMEOUT"}
+    if given is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = given
+    code = "import os, qwen_np, numpy; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == kept
