@@ -469,18 +469,19 @@ def _decode_attention(q: np.ndarray, runs: list[tuple[np.ndarray, np.ndarray]], 
     H, Dh = q.shape
     KVH = runs[0][0].shape[1]
     queries = q.reshape(KVH, H // KVH, Dh)                                         # [KVH, group, Dh]
-    scores = np.concatenate([np.matvec(k.transpose(1, 0, 2)[:, None], queries) for k, _ in runs], axis=-1)
+    by_run = [np.matvec(k.transpose(1, 0, 2)[:, None], queries) for k, _ in runs]    # [KVH, group, S_i] each
+    scores = by_run[0] if len(by_run) == 1 else np.concatenate(by_run, axis=-1)
     scores *= np.float32(Dh ** -0.5)                                               # [KVH, group, S]
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
     mixed, start = out.reshape(KVH, H // KVH, Dh), 0
     for j, (_, v) in enumerate(runs):
-        part = np.vecmat(scores[..., start:start + len(v)], v.transpose(1, 0, 2)[:, None])   # [KVH, group, Dh]
+        weights, values = scores[..., start:start + len(v)], v.transpose(1, 0, 2)[:, None]
         if j:
-            mixed += part
+            mixed += np.vecmat(weights, values)                                   # [KVH, group, Dh]
         else:
-            mixed[...] = part
+            np.vecmat(weights, values, out=mixed)
         start += len(v)
 
 
