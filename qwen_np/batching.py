@@ -41,7 +41,7 @@ from .kv_cache import BlockPool, PagedKVCache, blocks_for
 from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .model import Qwen3Model
 from .sampling import SamplingParams
-from .speculative import NO_DRAFT, Draft, Drafter, Speculation
+from .speculative import NO_DRAFT, Draft, Drafter, Job, Speculation, propose_together
 from .tokenizer import Tokenizer
 
 # A row's listener receives each of its TokenEvents, or the exception that ended the row.
@@ -105,7 +105,7 @@ class BatchGenerator:
     """Up to `max_batch` generations advanced together, one forward pass per step(), their keys and values
     in `pool` (default: FP32 with prefix caching, room for max_batch rows at the memory plan's context).
     With a `speculation`, each decoding row feeds its last token and the tokens its own drafter proposes,
-    and keeps what Continuation.verify accepts (speculative.py); the draft model, if any, runs row by row."""
+    and keeps what Continuation.verify accepts (speculative.py); the rows draft together (propose_together)."""
 
     def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, *, eos_token_ids: Sequence[int] = (),
                  max_batch: int = 8, context: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
@@ -223,16 +223,12 @@ class BatchGenerator:
         without it. A row whose drafting raised ends, with its error in `failures`."""
         feeds: list[tuple[Row, Sequence[int]]] = []
         budget = self.prefill_chunk
+        self._draft_all(failures)
         for row in list(self.rows):
-            if row not in self.rows:                                  # preempted for an older row
+            if row not in self.rows:                                  # preempted for an older row, or failed
                 continue
             assert row.cache is not None
             pending, decoding = row.pending(), row.decoding
-            try:
-                row.draft = self._draft(row) if decoding else NO_DRAFT
-            except Exception as error:                                # e.g. the draft's logits not finite
-                failures.extend((failed, error) for failed in self.fail(error, [row]))
-                continue
             if row.draft.tokens and row.cache.blocks_needed(len(pending) + len(row.draft.tokens)) > self.pool.free_blocks:
                 row.draft = NO_DRAFT                # drafted positions are rolled back at once: not worth a preemption
             ids = [*pending, *row.draft.tokens] if decoding else pending[:budget]
@@ -245,13 +241,24 @@ class BatchGenerator:
             feeds.append((row, ids))
         return feeds
 
-    def _draft(self, row: Row) -> Draft:
-        """The tokens a decoding row's drafter proposes for this step (none without speculation)."""
-        assert row.continuation is not None
-        k = row.continuation.room(self.speculation.tokens) if self.speculation is not None else 0
-        if row.drafter is None or not k:
-            return NO_DRAFT
-        return row.drafter.propose(row.continuation.sequence, row.continuation.generated, k)
+    def _draft_all(self, failures: list[tuple[Row, TokenEvent | BaseException]]) -> None:
+        """Set each decoding row's draft for this step (none without speculation), the draft model's forward
+        passes shared by all of them (speculative.propose_together). A row whose drafting raised (e.g. the
+        draft's logits not finite) ends, with its error in `failures`."""
+        drafting: list[Row] = []
+        jobs: list[Job] = []
+        for row in self.rows:
+            row.draft = NO_DRAFT
+            k = row.continuation.room(self.speculation.tokens) if self.speculation and row.continuation else 0
+            if row.decoding and row.drafter is not None and k:
+                assert row.continuation is not None
+                drafting.append(row)
+                jobs.append((row.drafter, row.continuation.sequence, row.continuation.generated, k))
+        for row, outcome in zip(drafting, propose_together(jobs)):
+            if isinstance(outcome, Exception):
+                failures.extend((failed, outcome) for failed in self.fail(outcome, [row]))
+            else:
+                row.draft = outcome
 
     def _make_room(self, row: Row, new_tokens: int) -> bool:
         """Preempt the newest rows until `row` can have blocks for `new_tokens` more positions; False if

@@ -132,45 +132,113 @@ class DraftModel:
     """Drafts with a smaller model over its own `cache`: k tokens picked from its processed distributions
     (the target's sampling settings), one forward pass each. Each proposal first cuts the cache back to
     the longest prefix it shares with the sequence (the target rejected the rest) and feeds the remainder.
-    When the cache's pool (shared by a batch's rows) has no blocks for that, it proposes nothing."""
+    When the cache's pool (shared by a batch's rows) has no blocks for that, it proposes nothing.
+
+    A proposal is written once as steps (_begin, then _take per forward pass) that propose_together
+    drives for a whole batch's drafters at once; propose() drives it for this one alone."""
 
     def __init__(self, model: Qwen3Model, params: SamplingParams, cache: PagedKVCache,
                  catch_up: int | None = None) -> None:
         self.model, self.params, self.cache = model, params, cache
         self.catch_up = catch_up       # at most this many tokens fed to catch up per proposal (None: all)
         self.rng = np.random.default_rng(None if params.seed is None else [params.seed, DRAFT_STREAM])
+        self._sequence: list[int] = []              # the proposal under way: the sequence and reply so far,
+        self._generated: list[int] = []             # the tokens wanted (0: feeding only, no draft),
+        self._k = 0                                  # and the drafted tokens with their distributions
+        self._tokens: list[int] = []
+        self._q: list[np.ndarray] = []
 
     def propose(self, sequence: Sequence[int], generated: Sequence[int], k: int) -> Draft:
+        outcome = propose_together([(self, sequence, generated, k)])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _begin(self, sequence: Sequence[int], generated: Sequence[int], k: int) -> list[int]:
+        """Start a proposal of up to k tokens: the tokens to feed the draft model first (the part of the
+        sequence its cache lacks), or [] if it proposes nothing this time."""
+        self._sequence, self._generated, self._tokens, self._q = list(sequence), list(generated), [], []
         # It feeds the sequence and k - 1 drafted tokens: room for that many positions.
         room = min(self.cache.max_tokens, self.model.config.max_position_embeddings)
-        k = min(k, room - len(sequence) + 1)
-        if k < 1:
-            return NO_DRAFT
+        self._k = min(k, room - len(sequence) + 1)
+        if self._k < 1:
+            return []
         self.cache.truncate(min(_common_prefix(self.cache.tokens, sequence), len(sequence) - 1))
-        pending = list(sequence[self.cache.length:])
+        pending = self._sequence[self.cache.length:]
         if self.catch_up is not None and len(pending) > self.catch_up:
             # In a batch, a row's draft cache catches up (its prompt, or after a preemption) a chunk a step, as
             # prompts prefill, so that no other row's step waits for a whole prompt; undrafted until then.
-            if self.cache.blocks_needed(self.catch_up) <= self.cache.pool.free_blocks:
-                self.model.forward(pending[:self.catch_up], self.cache, last_only=True)
-            return NO_DRAFT
-        if self.cache.blocks_needed(len(pending) + k - 1) > self.cache.pool.free_blocks:
-            return NO_DRAFT                  # a draft pool shared by a batch is full: this step goes undrafted
-        for start in range(0, len(pending), PREFILL_CHUNK):
-            logits = self.model.forward(pending[start:start + PREFILL_CHUNK], self.cache, last_only=True)[-1]  # [V]
-        tokens: list[int] = []
-        q: list[np.ndarray] = []
-        for i in range(k):
-            processed = processed_logits(logits, self.params, [*sequence, *tokens], [*generated, *tokens])
-            tokens.append(pick(processed, self.params, self.rng))
-            if not self.params.greedy:
-                q.append(softmax(processed))
-            if i + 1 < k:
-                logits = self.model.forward([tokens[-1]], self.cache)[-1]                                   # [V]
-        return Draft(tokens, np.stack(q) if q else None)
+            self._k = 0
+            return pending[:self.catch_up] if self.cache.blocks_needed(self.catch_up) <= self.cache.pool.free_blocks else []
+        if self.cache.blocks_needed(len(pending) + self._k - 1) > self.cache.pool.free_blocks:
+            return []                        # a draft pool shared by a batch is full: this step goes undrafted
+        return pending
+
+    def _take(self, logits: np.ndarray) -> list[int]:
+        """The draft model's logits [V] after the last token fed: pick the next drafted token; the token to
+        feed next, or [] when the proposal is complete."""
+        if len(self._tokens) == self._k:                                # a catch-up chunk: nothing to draft
+            return []
+        so_far, reply = [*self._sequence, *self._tokens], [*self._generated, *self._tokens]
+        processed = processed_logits(logits, self.params, so_far, reply)
+        self._tokens.append(pick(processed, self.params, self.rng))
+        if not self.params.greedy:
+            self._q.append(softmax(processed))
+        return self._tokens[-1:] if len(self._tokens) < self._k else []
+
+    def _draft(self) -> Draft:
+        return Draft(self._tokens, np.stack(self._q) if self._q else None) if self._tokens else NO_DRAFT
 
     def reset(self) -> None:
         self.cache.free()
+
+
+Job = tuple[Drafter, Sequence[int], Sequence[int], int]      # a drafter, its sequence, its reply so far, k
+
+
+def propose_together(jobs: Sequence[Job]) -> list[Draft | Exception]:
+    """Every job's proposal, or the exception that ended it (that job only). The DraftModels' passes are
+    shared: each round feeds every drafter still drafting one forward_batch of the draft model (a batch's
+    rows draft k tokens in k passes, not in k passes per row; a few rows cost about one, fast.py)."""
+    outcomes: list[Draft | Exception] = [NO_DRAFT] * len(jobs)
+    feeding: dict[int, list[int]] = {}                    # job -> the tokens its draft model reads next
+    for i, (drafter, sequence, generated, k) in enumerate(jobs):
+        try:
+            if not isinstance(drafter, DraftModel):
+                outcomes[i] = drafter.propose(sequence, generated, k)
+                continue
+            ids = drafter._begin(sequence, generated, k)
+            while len(ids) > PREFILL_CHUNK:               # a whole prompt (generate's first proposal): chunks
+                drafter.model.forward(ids[:PREFILL_CHUNK], drafter.cache, last_only=True)
+                ids = ids[PREFILL_CHUNK:]
+        except Exception as error:                        # e.g. non-finite draft logits in its sampling
+            outcomes[i] = error
+            continue
+        if ids:
+            feeding[i] = ids
+    while feeding:
+        by_model: dict[int, list[int]] = {}
+        for i in feeding:
+            by_model.setdefault(id(_draft_model(jobs[i]).model), []).append(i)
+        for members in by_model.values():
+            drafters = [_draft_model(jobs[i]) for i in members]
+            logits = drafters[0].model.forward_batch([feeding[i] for i in members], [d.cache for d in drafters],
+                                                     last_only=True)                          # [B, V]
+            for i, drafter, row in zip(members, drafters, logits):
+                try:
+                    feeding[i] = drafter._take(row)
+                except Exception as error:
+                    outcomes[i], feeding[i] = error, []
+                if not feeding[i]:
+                    del feeding[i]
+                    if not isinstance(outcomes[i], Exception):
+                        outcomes[i] = drafter._draft()
+    return outcomes
+
+
+def _draft_model(job: Job) -> DraftModel:
+    assert isinstance(job[0], DraftModel)
+    return job[0]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

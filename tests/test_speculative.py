@@ -184,6 +184,20 @@ def test_batched_speculative_rows_equal_plain_rows_with_preemption(fixtures, tok
         assert preempted[:3] == plain[:3] and preempted[3][0] > 0
 
 
+def test_a_batchs_rows_draft_together_in_one_draft_pass_per_drafted_token(random_pair, tok, monkeypatch) -> None:
+    target, draft = random_pair
+    generator = BatchGenerator(target, tok, max_batch=3, speculation=draft_speculation(draft, 3))
+    rows = [generator.submit(Request(prompt, GREEDY, 20)) for prompt in ([3, 14, 15], [1, 2, 3, 4], [40, 41])]
+    while not all(row.generated for row in rows):
+        generator.step()                                            # prefill: every row has its first token
+    passes: list[int] = []
+    original = draft.forward_batch
+    monkeypatch.setattr(draft, "forward_batch", lambda ids, caches, **kw: (passes.append(len(ids)),
+                                                                          original(ids, caches, **kw))[1])
+    generator.step()
+    assert passes == [3, 3, 3]              # k = 3 drafted tokens: 3 passes of all 3 rows, not 9 of one
+
+
 def test_a_draft_that_catches_up_a_chunk_a_step_drafts_only_once_it_has(random_pair) -> None:
     from qwen_np.speculative import DraftModel
 
