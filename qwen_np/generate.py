@@ -33,7 +33,7 @@ from .memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from .kv_cache import PagedKVCache
 from .model import Qwen3Model, Trace
 from .sampling import SamplingParams, pick, processed_logits, softmax
-from .speculative import NO_DRAFT, Draft, Speculation, accept
+from .speculative import NO_DRAFT, Draft, Drafter, Speculation, accept
 from .tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
 
 GENERATION_CONFIG = "generation_config.json"
@@ -193,7 +193,8 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
              max_new_tokens: int, *, eos_token_ids: Sequence[int] = (), cache: PagedKVCache | None = None,
              rng: np.random.Generator | None = None, trace: Trace | None = None,
              stats: GenerationStats | None = None, stop: Sequence[str] = (),
-             kv_dtype: str = "fp32", speculation: Speculation | None = None) -> Iterator[TokenEvent]:
+             kv_dtype: str = "fp32", speculation: Speculation | None = None,
+             drafter: Drafter | None = None) -> Iterator[TokenEvent]:
     """Yield one TokenEvent per generated token until an EOS id, a stop string, max_new_tokens or the
     context limit.
 
@@ -202,7 +203,9 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     made for it. `rng` defaults to one seeded with params.seed. `trace`
     sees the prompt prefill and the first decode step. `stats`, when given, is updated as it runs.
     With a `speculation` (speculative.py), each target step verifies the tokens its drafter proposes; the
-    output is plain decoding's (greedy: the same tokens; sampled: the same distribution).
+    output is plain decoding's (greedy: the same tokens; sampled: the same distribution). `drafter`: one
+    the caller keeps (a chat's, whose draft cache then holds the conversation across turns) instead of a
+    new one from `speculation`, left as it is at the end.
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -226,7 +229,9 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
 
     sequence = Continuation(tokenizer, prompt, params, max_new_tokens, limit, eos_token_ids=eos_token_ids,
                             stop=stop, rng=rng)
-    drafter = speculation.new_drafter(params, limit) if speculation is not None else None
+    kept = drafter is not None
+    if drafter is None and speculation is not None:
+        drafter = speculation.new_drafter(params, limit)
     stats.speculation = speculation.describe if speculation is not None else None
     rows, draft = logits[None], NO_DRAFT                      # [1, V]: the prompt's last position
     try:
@@ -249,7 +254,7 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
             stats.decode_seconds += time.perf_counter() - started
     finally:
         stats.count(sequence)
-        if drafter is not None:
+        if drafter is not None and not kept:
             drafter.reset()
 
 
@@ -379,6 +384,9 @@ class ChatSession:
         self.cache = model.new_cache(max_tokens or min(default, model.config.max_position_embeddings), kv_dtype)
         self.rng = np.random.default_rng(params.seed)   # one stream across turns: a seed fixes the chat
         self.fed_ids: list[int] = []                     # the tokens whose keys/values the cache holds
+        # Kept across turns too: a draft model's cache then holds the conversation (cut back to what the
+        # next turn starts with), so a turn drafts after reading only its new tokens, as the target does.
+        self.drafter = speculation.new_drafter(params, self.cache.max_tokens) if speculation is not None else None
 
     def set_system(self, text: str | None) -> None:
         """Replace the system prompt (None: none); the conversation goes on under it from the next turn."""
@@ -425,7 +433,7 @@ class ChatSession:
         try:
             for event in generate(self.model, self.tokenizer, ids, self.params, max_new_tokens,
                                   eos_token_ids=self.eos_token_ids, cache=self.cache, rng=self.rng, stats=stats,
-                                  speculation=self.speculation):
+                                  speculation=self.speculation, drafter=self.drafter):
                 answered = True
                 if event.finish_reason != "eos":
                     reply.append(event.token_id)

@@ -222,9 +222,11 @@ def header_deadline_protocol() -> type:
 def speculation_over(pool: BlockPool, model: Qwen3Model, max_batch: int, tokens: int) -> Speculation:
     """Drafting with the draft `model` for a batch over `pool`: every row's draft cache comes from one
     pool of the draft's own, as many positions as `pool` has plus the k drafted ones of every row (a row's
-    draft cache holds at most its sequence and k - 1 drafted tokens, and a row that leaves frees it)."""
+    draft cache holds at most its sequence and k - 1 drafted tokens, and a row that leaves frees it). It
+    caches prefixes as the target's pool does: a chat client resending its conversation, or rows sharing a
+    system prompt, draft after reading only what is new."""
     blocks = pool.num_blocks + max_batch * (blocks_for(tokens) + 1)
-    draft_pool = BlockPool(model.config, blocks, pool.dtype)
+    draft_pool = BlockPool(model.config, blocks, pool.dtype, prefix_caching=True)
     return draft_speculation(model, tokens, lambda positions: PagedKVCache(draft_pool, positions), PREFILL_CHUNK)
 
 

@@ -163,6 +163,8 @@ class DraftModel:
         self._k = min(k, room - len(sequence) + 1)
         if self._k < 1:
             return []
+        if not self.cache.length and not self.cache.table:
+            self.cache.reuse_prefix(sequence)   # a pool with prefix caching (serve's): what an earlier row filled
         self.cache.truncate(min(_common_prefix(self.cache.tokens, sequence), len(sequence) - 1))
         pending = self._sequence[self.cache.length:]
         if self.catch_up is not None and len(pending) > self.catch_up:

@@ -198,6 +198,27 @@ def test_a_batchs_rows_draft_together_in_one_draft_pass_per_drafted_token(random
     assert passes == [3, 3, 3]              # k = 3 drafted tokens: 3 passes of all 3 rows, not 9 of one
 
 
+def test_a_served_draft_reuses_the_prefix_an_earlier_row_filled(random_pair, tok, monkeypatch) -> None:
+    from qwen_np.serve import speculation_over
+
+    target, draft = random_pair
+    pool = BlockPool(target.config, 32, prefix_caching=True)
+    generator = BatchGenerator(target, tok, max_batch=2, pool=pool, speculation=speculation_over(pool, draft, 2, 3))
+    shared = list(range(3, 3 + 3 * BLOCK_SIZE))                      # three whole blocks
+    first = generator.submit(Request(shared + [40], GREEDY, 6))
+    while not generator.idle:
+        generator.step()
+    fed: list[int] = []
+    original = draft.forward_batch
+    monkeypatch.setattr(draft, "forward_batch", lambda ids, caches, *args, **kw: (fed.extend(len(i) for i in ids),
+                                                                                 original(ids, caches, *args, **kw))[1])
+    second = generator.submit(Request(shared + [41, 42], GREEDY, 6))
+    while not generator.idle:
+        generator.step()
+    assert first.generated and second.generated and second.cached_tokens == 3 * BLOCK_SIZE
+    assert 0 < sum(fed) < 2 * BLOCK_SIZE              # the draft read the new tokens and its drafts, not the prefix
+
+
 def test_a_draft_that_catches_up_a_chunk_a_step_drafts_only_once_it_has(random_pair) -> None:
     from qwen_np.speculative import DraftModel
 
@@ -287,6 +308,21 @@ def test_a_speculative_chat_replies_as_the_plain_one_turn_after_turn(tok) -> Non
     for message in ("Hello there", "And again, hello there"):
         replies = [[e.token_id for e in session.send(message, 12)] for session in sessions]
         assert replies[1] == replies[0] and replies[2] == replies[0]
+
+
+def test_a_chats_draft_reads_only_each_turns_new_tokens(tok, monkeypatch) -> None:
+    target, draft = load_model(QWEN3_RANDOM), load_model(QWEN3_RANDOM)     # the draft: a second copy, counted
+    session = ChatSession(target, tok, GREEDY, max_tokens=256, speculation=draft_speculation(draft, 3))
+    list(session.send("Hello there, how are you today?", 30))
+    passes: list[int] = []
+    original = draft.forward_batch
+    monkeypatch.setattr(draft, "forward_batch", lambda ids, caches, *args, **kw: (passes.append(len(ids[0])),
+                                                                                 original(ids, caches, *args, **kw))[1])
+    stats = GenerationStats()
+    list(session.send("And again, hello there", 8, stats=stats))
+    # Its first pass reads what the target's prefill read (and the few last tokens of the reply it had not
+    # fed, at most k + 1), not the whole conversation again.
+    assert stats.cached_tokens > 30 and passes[0] <= stats.prompt_tokens + 4, (passes, stats)
 
 
 def test_speculative_greedy_stops_where_plain_greedy_does_when_the_context_fills(random_pair, tok) -> None:
