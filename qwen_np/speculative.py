@@ -142,9 +142,11 @@ class DraftModel:
         self.model, self.params, self.cache = model, params, cache
         self.catch_up = catch_up       # at most this many tokens fed to catch up per proposal (None: all)
         self.rng = np.random.default_rng(None if params.seed is None else [params.seed, DRAFT_STREAM])
-        self._sequence: list[int] = []              # the proposal under way: the sequence and reply so far,
-        self._generated: list[int] = []             # the tokens wanted (0: feeding only, no draft),
-        self._k = 0                                  # and the drafted tokens with their distributions
+        # The proposal under way (_begin to _draft): its sequence and reply so far, how many tokens it
+        # drafts (0: only catching up), and the drafted tokens with their distributions q.
+        self._sequence: list[int] = []
+        self._generated: list[int] = []
+        self._k = 0
         self._tokens: list[int] = []
         self._q: list[np.ndarray] = []
 
