@@ -206,8 +206,9 @@ k = {DEFAULT_DRAFT_TOKENS}:
 {table}
 
 It pays where a step is dominated by reading the weights and a pass over k + 1 tokens costs about
-one token's; on a model as small as this one a step is mostly Python's own work, and the draft's k
-steps cost more than the verify saves (bench/README.md measures both: `python -m bench.speculative`).
+one token's; on a model as small as this one a step is mostly Python's own work, so the draft's k
+steps cost about what its extra tokens save, while lookup's free guesses pay (bench/README.md
+measures both: `python -m bench.speculative`).
 `generate`, `chat` and `serve` take `--draft MODEL` or `--lookup N`; the stats line and `usage` give
 the acceptance rate and tokens per step."""
 
