@@ -56,7 +56,9 @@ BLOCK_BYTES = 8 * 1024 ** 2
 # sequence) costs OpenBLAS far more than its FLOPs: its GEMM packs the whole weight first, which a GEMV
 # never does. Where BLAS has a small-matrix kernel (M*N*K <= 100^3, no packing) x [M, in] with
 # 2 <= M <= SMALL_M_MAX is multiplied by slices of W small enough for it (when those are at least
-# SMALL_ROWS_MIN rows: a very wide W does not become thousands of calls). Qwen3-0.6B's gate|up
+# SMALL_ROWS_MIN rows: a very wide W does not become thousands of calls; even 4-10-row slices beat the
+# packing GEMM by 2-4x: Qwen3-8B's down_proj, a widened [128, 12288] block at M = 8, one thread, 1.6 ms
+# in one call, 0.43-0.46 ms in 8-10-row slices; [512, 4096] at M = 16: 2.4 ms, 0.9-1.0). Qwen3-0.6B's gate|up
 # [6144, 1024] at M = 5, one thread, weights not in cache, SkylakeX kernel: 5.9 ms in one call, 1.9 ms
 # in slices, a GEMV 1.25 ms: the kernel runs at ~35 GFLOP/s, so 5 rows cost ~1.5x a GEMV, 9 rows ~1.8x
 # (bench/README.md, few new tokens; W_s x^T slices were no faster in a whole forward).
@@ -67,7 +69,7 @@ BLOCK_BYTES = 8 * 1024 ** 2
 SMALL_PRODUCT = 100 ** 3
 SMALL_TN_OUTPUT = 1200
 SMALL_M_MAX = 16
-SMALL_ROWS_MIN = 16
+SMALL_ROWS_MIN = 4
 # A few rows' product of a weight under this many bytes stays on the calling thread: handing half of
 # it to a worker thread (~50-100 us) costs more than it saves (the bundled model's [256, 768] at M = 2:
 # 10 us on one thread, 114 us split over two).
