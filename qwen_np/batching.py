@@ -249,9 +249,9 @@ class BatchGenerator:
         jobs: list[Job] = []
         for row in self.rows:
             row.draft = NO_DRAFT
-            k = row.continuation.room(self.speculation.tokens) if self.speculation and row.continuation else 0
-            if row.decoding and row.drafter is not None and k:
-                assert row.continuation is not None
+            if self.speculation is None or row.drafter is None or row.continuation is None or not row.decoding:
+                continue
+            if k := row.continuation.room(self.speculation.tokens):
                 drafting.append(row)
                 jobs.append((row.drafter, row.continuation.sequence, row.continuation.generated, k))
         for row, outcome in zip(drafting, propose_together(jobs)):

@@ -198,6 +198,9 @@ def _workers() -> ThreadPoolExecutor:
 def split(n: int, parts: int, job: Callable[[slice], object]) -> None:
     """job(part) for `parts` consecutive slices of range(n) at once: the first on this thread, the
     others on the worker threads (NumPy releases the GIL inside its loops and BLAS calls)."""
+    if parts <= 1:                               # one part: no hand-off, no bounds to compute
+        job(slice(0, n))
+        return
     bounds = np.linspace(0, n, parts + 1).astype(int).tolist()
     pending = [_workers().submit(job, slice(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
     job(slice(bounds[0], bounds[1]))

@@ -176,6 +176,9 @@ class DraftModel:
             return pending[:self.catch_up] if self.cache.blocks_needed(self.catch_up) <= self.cache.pool.free_blocks else []
         if self.cache.blocks_needed(len(pending) + self._k - 1) > self.cache.pool.free_blocks:
             return []                        # a draft pool shared by a batch is full: this step goes undrafted
+        while len(pending) > PREFILL_CHUNK:  # a whole prompt (generate's first proposal): chunks, but the last
+            self.model.forward(pending[:PREFILL_CHUNK], self.cache, last_only=True)
+            pending = pending[PREFILL_CHUNK:]
         return pending
 
     def _take(self, logits: np.ndarray) -> list[int]:
@@ -205,44 +208,35 @@ def propose_together(jobs: Sequence[Job]) -> list[Draft | Exception]:
     shared: each round feeds every drafter still drafting one forward_batch of the draft model (a batch's
     rows draft k tokens in k passes, not in k passes per row; a few rows cost about one, fast.py)."""
     outcomes: list[Draft | Exception] = [NO_DRAFT] * len(jobs)
-    feeding: dict[int, list[int]] = {}                    # job -> the tokens its draft model reads next
+    feeding: dict[int, tuple[DraftModel, list[int]]] = {}      # job -> its drafter, the tokens it reads next
     for i, (drafter, sequence, generated, k) in enumerate(jobs):
         try:
             if not isinstance(drafter, DraftModel):
                 outcomes[i] = drafter.propose(sequence, generated, k)
-                continue
-            ids = drafter._begin(sequence, generated, k)
-            while len(ids) > PREFILL_CHUNK:               # a whole prompt (generate's first proposal): chunks
-                drafter.model.forward(ids[:PREFILL_CHUNK], drafter.cache, last_only=True)
-                ids = ids[PREFILL_CHUNK:]
+            elif ids := drafter._begin(sequence, generated, k):
+                feeding[i] = drafter, ids
         except Exception as error:                        # e.g. non-finite draft logits in its sampling
             outcomes[i] = error
-            continue
-        if ids:
-            feeding[i] = ids
     while feeding:
         by_model: dict[int, list[int]] = {}
-        for i in feeding:
-            by_model.setdefault(id(_draft_model(jobs[i]).model), []).append(i)
+        for i, (drafter, _) in feeding.items():
+            by_model.setdefault(id(drafter.model), []).append(i)
         for members in by_model.values():
-            drafters = [_draft_model(jobs[i]) for i in members]
-            logits = drafters[0].model.forward_batch([feeding[i] for i in members], [d.cache for d in drafters],
+            drafters = [feeding[i][0] for i in members]
+            logits = drafters[0].model.forward_batch([feeding[i][1] for i in members], [d.cache for d in drafters],
                                                      last_only=True)                          # [B, V]
             for i, drafter, row in zip(members, drafters, logits):
                 try:
-                    feeding[i] = drafter._take(row)
+                    ids = drafter._take(row)
                 except Exception as error:
-                    outcomes[i], feeding[i] = error, []
-                if not feeding[i]:
-                    del feeding[i]
-                    if not isinstance(outcomes[i], Exception):
-                        outcomes[i] = drafter._draft()
+                    outcomes[i], ids = error, []
+                if ids:
+                    feeding[i] = drafter, ids
+                    continue
+                del feeding[i]
+                if not isinstance(outcomes[i], Exception):
+                    outcomes[i] = drafter._draft()
     return outcomes
-
-
-def _draft_model(job: Job) -> DraftModel:
-    assert isinstance(job[0], DraftModel)
-    return job[0]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -63,6 +63,19 @@ def fixtures(random_pair, tmp_path_factory):
              qwen_tok, qwen_tok.encode("The quick brown fox jumps over the lazy dog. The quick brown"))]
 
 
+def _draft_passes(monkeypatch, draft) -> list[list[int]]:
+    """Each forward pass of `draft` from now on, as the number of tokens it fed each row."""
+    passes: list[list[int]] = []
+    original = draft.forward_batch
+
+    def counted(ids, caches, *args, **kwargs):
+        passes.append([len(row) for row in ids])
+        return original(ids, caches, *args, **kwargs)
+
+    monkeypatch.setattr(draft, "forward_batch", counted)
+    return passes
+
+
 def _drafters(target, draft):
     return {"other model": draft_speculation(draft, 4), "same model": draft_speculation(target, 3),
             "lookup": lookup_speculation(3, 4), "lookup k=1": lookup_speculation(1, 1)}
@@ -190,12 +203,9 @@ def test_a_batchs_rows_draft_together_in_one_draft_pass_per_drafted_token(random
     rows = [generator.submit(Request(prompt, GREEDY, 20)) for prompt in ([3, 14, 15], [1, 2, 3, 4], [40, 41])]
     while not all(row.generated for row in rows):
         generator.step()                                            # prefill: every row has its first token
-    passes: list[int] = []
-    original = draft.forward_batch
-    monkeypatch.setattr(draft, "forward_batch", lambda ids, caches, **kw: (passes.append(len(ids)),
-                                                                          original(ids, caches, **kw))[1])
+    passes = _draft_passes(monkeypatch, draft)
     generator.step()
-    assert passes == [3, 3, 3]              # k = 3 drafted tokens: 3 passes of all 3 rows, not 9 of one
+    assert [len(rows) for rows in passes] == [3, 3, 3]              # k = 3 drafted tokens: 3 passes of all 3 rows, not 9 of one
 
 
 def test_a_served_draft_reuses_the_prefix_an_earlier_row_filled(random_pair, tok, monkeypatch) -> None:
@@ -208,15 +218,12 @@ def test_a_served_draft_reuses_the_prefix_an_earlier_row_filled(random_pair, tok
     first = generator.submit(Request(shared + [40], GREEDY, 6))
     while not generator.idle:
         generator.step()
-    fed: list[int] = []
-    original = draft.forward_batch
-    monkeypatch.setattr(draft, "forward_batch", lambda ids, caches, *args, **kw: (fed.extend(len(i) for i in ids),
-                                                                                 original(ids, caches, *args, **kw))[1])
+    passes = _draft_passes(monkeypatch, draft)
     second = generator.submit(Request(shared + [41, 42], GREEDY, 6))
     while not generator.idle:
         generator.step()
     assert first.generated and second.generated and second.cached_tokens == 3 * BLOCK_SIZE
-    assert 0 < sum(fed) < 2 * BLOCK_SIZE              # the draft read the new tokens and its drafts, not the prefix
+    assert 0 < sum(map(sum, passes)) < 2 * BLOCK_SIZE              # the draft read the new tokens and its drafts, not the prefix
 
 
 def test_a_draft_that_catches_up_a_chunk_a_step_drafts_only_once_it_has(random_pair) -> None:
@@ -314,15 +321,12 @@ def test_a_chats_draft_reads_only_each_turns_new_tokens(tok, monkeypatch) -> Non
     target, draft = load_model(QWEN3_RANDOM), load_model(QWEN3_RANDOM)     # the draft: a second copy, counted
     session = ChatSession(target, tok, GREEDY, max_tokens=256, speculation=draft_speculation(draft, 3))
     list(session.send("Hello there, how are you today?", 30))
-    passes: list[int] = []
-    original = draft.forward_batch
-    monkeypatch.setattr(draft, "forward_batch", lambda ids, caches, *args, **kw: (passes.append(len(ids[0])),
-                                                                                 original(ids, caches, *args, **kw))[1])
+    passes = _draft_passes(monkeypatch, draft)
     stats = GenerationStats()
     list(session.send("And again, hello there", 8, stats=stats))
     # Its first pass reads what the target's prefill read (and the few last tokens of the reply it had not
     # fed, at most k + 1), not the whole conversation again.
-    assert stats.cached_tokens > 30 and passes[0] <= stats.prompt_tokens + 4, (passes, stats)
+    assert stats.cached_tokens > 30 and passes[0][0] <= stats.prompt_tokens + 4, (passes, stats)
 
 
 def test_speculative_greedy_stops_where_plain_greedy_does_when_the_context_fills(random_pair, tok) -> None:
