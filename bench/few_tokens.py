@@ -36,7 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"SkylakeX (unset)": {}, "Haswell": {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512"}}
-MODELS = {"0.6b-fp32": ("0.6b", "fp32"), "0.6b-bf16": ("0.6b", "bf16"), "8b-bf16": ("8b", "bf16")}
+# "0.6b-fp32" holds plain [out, in] arrays (memory="fp32" by name); "0.6b-auto" what load_model's
+# default holds when FP32 fits, numerics.Panels (the same values in the fast path's layout).
+MODELS = {"0.6b-auto": ("0.6b", "auto"), "0.6b-fp32": ("0.6b", "fp32"), "0.6b-bf16": ("0.6b", "bf16"),
+          "8b-bf16": ("8b", "bf16")}
 TIMED_STEPS = ("_attention", "_decode_attention", "_rms_norm", "_rope", "_silu_times")
 TIMED_CACHE = ("write", "append", "runs")
 

@@ -83,7 +83,8 @@ def batched(model, tokenizer, streams: int, prompt: int, decode: int, seed: int)
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.streams", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="0.6b", help="0.6b or 8b (random weights at the real shapes), or a folder")
-    parser.add_argument("--memory", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--memory", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="load_model's memory (default auto: FP32 as numerics.Panels where it fits)")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per stream (default 16)")
     parser.add_argument("--decode", type=int, default=34, help="new tokens per stream (default 34: 32 timed)")

@@ -47,7 +47,7 @@ from .config import LAYER_MATRICES, Qwen3Config
 from .memory import MemoryPlan
 from .kv_cache import PagedKVCache
 from .model import LayerWeights, Qwen3Model, Trace, advance, output_rows
-from .numerics import Int8Rows, Weight
+from .numerics import Int8Rows, Panels, Weight
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
 # cache between its upcast and its product (block sizes measured: bench/README.md).
@@ -107,8 +107,20 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     """
     if isinstance(weight, np.ndarray) and not few_rows(x.shape[0]):
         return np.matmul(x, weight.T, out=out)
+    if isinstance(weight, Panels):
+        return _panel_products(x, weight, out)
     small = weight.nbytes < SPLIT_MIN_BYTES and x.shape[0] <= SMALL_M_MAX
     runtime.split(weight.shape[0], 1 if small else runtime.threads(), lambda rows: _rows(x, weight, out, rows))
+    return out
+
+
+def _panel_products(x: np.ndarray, weight: Panels, out: np.ndarray) -> np.ndarray:
+    """out = x W^T for W held as Panels: x @ values, the panels split between runtime.threads() threads
+    (one NumPy call each), each panel's product written straight into its P columns of out."""
+    n, _, size = weight.values.shape
+    by_panel = np.reshape(out, (x.shape[0], n, size), copy=False).transpose(1, 0, 2)     # [n, T, P] view
+    parts = 1 if weight.nbytes < SPLIT_MIN_BYTES and x.shape[0] <= SMALL_M_MAX else runtime.threads()
+    runtime.split(n, parts, lambda p: np.matmul(x, weight.values[p], out=by_panel[p]))
     return out
 
 
@@ -234,6 +246,9 @@ def _joined(parts: list[Weight]) -> Weight | None:
         codes = _joined_arrays([part.codes for part in parts if isinstance(part, Int8Rows)])
         scale = _joined_arrays([part.scale for part in parts if isinstance(part, Int8Rows)])
         return None if codes is None or scale is None else Int8Rows(codes, scale)
+    if all(isinstance(part, Panels) for part in parts):
+        values = _joined_arrays([part.values for part in parts if isinstance(part, Panels)])
+        return None if values is None else Panels(values)
     arrays = [part for part in parts if isinstance(part, np.ndarray)]
     return _joined_arrays(arrays) if len(arrays) == len(parts) else None
 

@@ -23,7 +23,7 @@ from .generate import GenerationDefaults, folder_generation_defaults, generation
 from .gguf_file import GGUFCheckpoint
 from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
-from .numerics import Int8Rows, Weight, upcast
+from .numerics import Int8Rows, Panels, Weight, panel_shape, panels, upcast
 from .runtime import allocate, split, threads
 from .speculative import check_draft
 from .tokenizer import Tokenizer
@@ -82,7 +82,9 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     FP32 scale per row (formats.quantize_int8_rows; norm weights stay FP32), which changes the
     logits slightly; "q8_0" and "q4_0" quantize every matrix once to llama.cpp's blocks of 32
     (formats.FormatRows, bit for bit as gguf's quantizers); "auto" picks fp32 when it fits in RAM
-    with margin, else bf16.
+    with margin, else bf16. fp32 asked for by name holds plain [out, in] arrays (what training
+    updates in place); fp32 chosen by "auto" for a fast model holds them as numerics.Panels (the same
+    values in the layout in which a few rows' product costs about one row's).
     max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
     fast: a FastQwen3Model (qwen_np/fast.py: same logits, tuned for speed); False gives the readable
     Qwen3Model, every call on model.py's code.
@@ -100,19 +102,25 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     # fp32 with the weight cache (weight_cache.py): views of the FP32 file it maps, in that same layout.
     # bf16: zero-copy views of the mapped files.
     # A GGUF is never cached: the cache's spot check re-reads every tensor, i.e. dequantizes it again.
-    cached = load_fp32(checkpoint) if plan.mode == "fp32" and not isinstance(checkpoint, GGUFCheckpoint) else None
+    # "auto" holding FP32 in a fast model: every matrix whose rows split into whole panels is held as
+    # numerics.Panels, the layout in which a product of a few rows (a batch's decode step, a
+    # speculative check) costs about one row's. memory="fp32" by name keeps plain [out, in] arrays:
+    # what training updates in place and the precision lab rounds.
+    layout = "panels" if fast and memory == "auto" and plan.mode == "fp32" else "rows"
+    cached = (load_fp32(checkpoint, layout) if plan.mode == "fp32" and not isinstance(checkpoint, GGUFCheckpoint)
+              else None)
     largest = max(info.nbytes for info in checkpoint.tensors.values())
     quantized = plan.mode == "int8" or plan.mode in HELD_FORMATS
     buffer = allocate((largest,), np.uint8) if quantized or (plan.mode == "fp32" and cached is None) else None
 
     def matrices(names: list[str]) -> list[Weight]:
         if cached is not None:
-            return [cached[name] for name in names]
+            return [Panels(cached[name]) if cached[name].ndim == 3 else cached[name] for name in names]
         shapes = [checkpoint.tensors[name].shape for name in names]
         if buffer is None:
             return [checkpoint.held(name) for name in names]
         if plan.mode == "fp32":
-            return [upcast(checkpoint.read(name, buffer), out=kept)
+            return [fp32_matrix(checkpoint.read(name, buffer), kept, layout)
                     for name, kept in zip(names, back_to_back(shapes, np.float32))]
         if plan.mode in HELD_FORMATS:
             return [quantize_blocks(checkpoint.read(name, buffer), plan.mode) for name in names]
@@ -146,6 +154,15 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         return checkpoint
     folder = resolve_model_path(path)
     return Checkpoint(folder, load_config(folder))
+
+
+def fp32_matrix(stored: np.ndarray, out: np.ndarray, layout: str) -> Weight:
+    """A stored matrix upcast into `out` (its shape): as Panels (a view of the same memory) when the
+    layout is "panels" and its rows split into whole panels, else as a plain array."""
+    shape = panel_shape(stored.shape)
+    if layout == "panels" and shape is not None:
+        return panels(stored, out=out.reshape(shape))
+    return upcast(stored, out=out)
 
 
 def back_to_back(shapes: list[tuple[int, ...]], dtype: type = np.float32) -> list[np.ndarray]:

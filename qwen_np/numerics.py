@@ -4,8 +4,11 @@ A model holds each matrix as one of:
 * a NumPy array, always FULL_PRECISION (FP32; float64 for the gradient checks): used as it is;
 * StoredRows: the checkpoint's own 16-bit values, BF16 or F16, often a view of the memory-mapped file;
 * Int8Rows (`--memory int8`): int8 codes and one FP32 scale per row (formats.quantize_int8_rows at
-  load), so W ~ codes * scale[:, None].
-Every kind that is not FP32 has one way to make FP32 rows, `widen(out)`, which writes FP32 values
+  load), so W ~ codes * scale[:, None];
+* Panels: FP32 values in the fast path's layout (column panels of W^T), what load_model's "auto" holds
+  for a fast model when FP32 fits: the same numbers, arranged so that a product of a few rows costs
+  about what one row's does.
+Every kind that is not a plain FP32 array has one way to make FP32 rows, `widen(out)`, which writes FP32 values
 into `out` and returns the per-row scale still to be applied to the outputs of a product (None if
 none): layers.linear, the fast path and upcast() are written once against it, so a new kind of
 weight (a new memory mode) is one class here and the loader that makes it.
@@ -58,13 +61,14 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class StoredRows:
-    """A matrix [out, in] held as the checkpoint stores it: BF16 (ml_dtypes.bfloat16) or F16 values.
+    """A matrix [out, in] held as the checkpoint stores it: BF16 (ml_dtypes.bfloat16) or F16 values (or
+    FP32 rows gathered out of Panels).
 
     Indexing picks rows (a block of rows, or the embedding rows of some tokens). A product widens a
     block of rows at a time, exactly, so no FP32 copy of the whole matrix ever exists (an 8B model
     does not fit in RAM as FP32)."""
 
-    values: np.ndarray           # bfloat16 or float16 [out, in]
+    values: np.ndarray           # bfloat16 or float16 [out, in] (FP32 from Panels)
 
     @property
     def dtype(self) -> np.dtype:
@@ -123,6 +127,73 @@ class Int8Rows:
         """The codes as FP32 into out (exact: int8 fits in FP32); the rows' scales remain to be applied."""
         np.copyto(out, self.codes, casting="unsafe")
         return self.scale
+
+
+# Rows of W per panel of Panels (below): measured (bench/README.md, "Panels").
+PANEL = 32
+
+
+@dataclass(frozen=True)
+class Panels:
+    """An FP32 matrix W [out, in] held for the fast path as column panels of W^T: values [out/P, in, P],
+    panel j = W[jP:(j+1)P]^T (P = PANEL), each panel contiguous.
+
+    Why: a product of a few rows, x [M, in] W^T, is then one NumPy call, x @ values ([out/P, M, P]):
+    one small BLAS GEMM per panel, which OpenBLAS runs in its "NN" form (the panel's P outputs are
+    contiguous for each input: one broadcast of x and a vector multiply-add per input). On W's own
+    layout the same product is a dot product per output ("TN"), which both OpenBLAS kernels run at
+    about half the speed of reading W (bench/README.md, "Panels"). One token (a GEMV) and a prompt
+    (a GEMM per panel) cost about what they cost on W's layout.
+
+    Indexing picks rows: a slice of whole panels stays Panels; any other rows (the embedding rows
+    of some tokens) are gathered into FP32 rows, as StoredRows. widen() writes W's own layout."""
+
+    values: np.ndarray            # FP32 [out/P, in, P]
+
+    dtype = np.dtype(np.float32)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        n, columns, size = self.values.shape
+        return (n * size, columns)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes
+
+    def __getitem__(self, rows: Any) -> "Panels | StoredRows":
+        size = self.values.shape[2]
+        if isinstance(rows, slice) and rows.step in (None, 1):
+            start, stop, _ = rows.indices(self.shape[0])
+            if start % size == 0 and stop % size == 0:
+                return Panels(self.values[start // size:-(-stop // size)])
+        picked = np.arange(self.shape[0])[rows]
+        return StoredRows(self.values[picked // size, :, picked % size])      # [rows, in]
+
+    def widen(self, out: np.ndarray) -> None:
+        """W's rows [out, in] into out."""
+        np.copyto(out.reshape(self.values.shape[0], self.values.shape[2], -1), self.values.transpose(0, 2, 1))
+
+
+def panel_shape(shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """Panels' values shape for a matrix of `shape` [out, in]; None unless its rows split into whole panels."""
+    if len(shape) != 2 or shape[0] % PANEL:
+        return None
+    return (shape[0] // PANEL, shape[1], PANEL)
+
+
+def panels(weight: np.ndarray, out: np.ndarray | None = None) -> Panels:
+    """W [out, in] (any dtype upcast reads) as Panels, written into `out` (panel_shape) if given."""
+    shape = panel_shape(weight.shape)
+    if shape is None:
+        raise ValueError(f"a matrix of shape {weight.shape} does not split into panels of {PANEL} rows")
+    values = np.empty(shape, np.float32) if out is None else out
+    np.copyto(values, weight.reshape(shape[0], PANEL, shape[1]).transpose(0, 2, 1), casting="unsafe")
+    return Panels(values)
 
 
 class Held(Protocol):

@@ -12,6 +12,8 @@ the cache off (fp32 loads then convert into memory as before). Never inside the 
 One folder per checkpoint folder (named after it and a hash of its resolved path) holds:
 
     fp32-<identity>.safetensors   the cache: every tensor as F32, in config.expected_tensors order
+    fp32panels-<identity>.safetensors   the same for load_model's "auto" in a fast model: matrices
+                                  as numerics.Panels' values [out/P, in, P] (each layout its own file)
     lock                          held (flock) while a process builds, so two builders never race
     *.tmp                         a file being written; renamed to its real name only when complete
 
@@ -40,6 +42,7 @@ import json
 import math
 import mmap
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -53,7 +56,7 @@ import numpy as np
 from .checkpoint import Checkpoint, read_header
 from .config import expected_tensors
 from .errors import QwenNPError
-from .numerics import upcast
+from .numerics import panel_shape, panels, upcast
 from .runtime import usable_cores
 
 CACHE_ENV = "QWEN_NP_CACHE"
@@ -67,6 +70,7 @@ ALIGN = mmap.PAGESIZE         # the data starts on a page boundary (safetensors 
 CHUNK_VALUES = 4 * 1024 ** 2  # values upcast per write while building (a 16 MiB FP32 scratch)
 SPOT_VALUES = 16              # values compared with the source at each end of every tensor
 FREE_MARGIN = 1024 ** 3       # never fill the cache's disk closer than this
+PREFIX = {"rows": "fp32", "panels": "fp32panels"}   # the cache file's name by layout (load_fp32)
 
 
 def cache_root() -> Path | None:
@@ -79,27 +83,30 @@ def cache_root() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen_np"
 
 
-def cache_file(checkpoint: Checkpoint) -> Path | None:
-    """Where this checkpoint's FP32 cache lives (it may not exist yet); None when the cache is off."""
+def cache_file(checkpoint: Checkpoint, layout: str = "rows") -> Path | None:
+    """Where this checkpoint's FP32 cache in `layout` lives (it may not exist yet); None when the cache is off."""
     root = cache_root()
     if root is None:
         return None
     source = checkpoint.folder.resolve()
     name = source.parent.parent.name if source.parent.name == "snapshots" else source.name   # hub: models--Qwen--Qwen3-0.6B
-    return root / f"{name}-{_digest(str(source))}" / f"fp32-{_digest(json.dumps(_identity(checkpoint)))}.safetensors"
+    return root / f"{name}-{_digest(str(source))}" / f"{PREFIX[layout]}-{_digest(json.dumps(_identity(checkpoint)))}.safetensors"
 
 
-def load_fp32(checkpoint: Checkpoint) -> dict[str, np.ndarray] | None:
+def load_fp32(checkpoint: Checkpoint, layout: str = "rows") -> dict[str, np.ndarray] | None:
     """Every tensor of the checkpoint as FP32, name -> a copy-on-write view of the cache file mapped
-    in memory, building the file first when it is missing, stale or damaged.
+    in memory, building the file first when it is missing, stale or damaged. layout "panels": every
+    matrix whose rows split into whole panels is numerics.Panels' values [out/P, in, P] (a file of its
+    own beside the "rows" one, which holds every tensor in the checkpoint's shape).
 
     None when the cache is off, the model is below MIN_BYTES, or the cache folder cannot hold the
     file (unwritable, disk full): the caller then converts into memory. Each such case, and each
     build, is one line on stderr.
     """
-    shapes = expected_tensors(checkpoint.config)
+    shapes = {name: (panel_shape(shape) if layout == "panels" else None) or shape
+              for name, shape in expected_tensors(checkpoint.config).items()}
     nbytes = 4 * sum(math.prod(shape) for shape in shapes.values())
-    path = cache_file(checkpoint)
+    path = cache_file(checkpoint, layout)
     if path is None or nbytes < MIN_BYTES:
         return None
     weights = _open(path, checkpoint, shapes, quiet=True)
@@ -170,9 +177,18 @@ def _open(path: Path, checkpoint: Checkpoint, shapes: dict[str, tuple[int, ...]]
 
 
 def _agrees(cached: np.ndarray, stored: np.ndarray) -> bool:
-    """The first and last SPOT_VALUES of a tensor equal the stored ones upcast (NaN equal to NaN)."""
-    ends = [slice(0, SPOT_VALUES), slice(-SPOT_VALUES, None)]
-    return all(np.array_equal(cached.reshape(-1)[end], upcast(stored.reshape(-1)[end]), equal_nan=True) for end in ends)
+    """The first and last SPOT_VALUES of a tensor (of its first and last row for a matrix) equal the
+    stored ones upcast (NaN equal to NaN); `cached` may be a matrix's Panels values."""
+    return all(np.array_equal(mine, upcast(theirs), equal_nan=True) for mine, theirs in zip(_ends(cached), _ends(stored)))
+
+
+def _ends(tensor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first SPOT_VALUES of a tensor and its last: of its first and last row for a matrix, read from
+    Panels' values [out/P, in, P] where panel 0's column 0 is row 0."""
+    if tensor.ndim == 3:
+        return tensor[0, :SPOT_VALUES, 0], tensor[-1, -SPOT_VALUES:, -1]
+    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.ndim else tensor.reshape(1, 1)
+    return rows[0, :SPOT_VALUES], rows[-1, -SPOT_VALUES:]
 
 
 def _fault_in(mapped: mmap.mmap) -> None:
@@ -206,8 +222,9 @@ def _build(path: Path, checkpoint: Checkpoint, shapes: dict[str, tuple[int, ...]
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
-    for stale in folder.glob("fp32-*.safetensors"):   # caches of earlier versions of this checkpoint
-        if stale != path:
+    prefix = path.name.rsplit("-", 1)[0]
+    for stale in folder.glob(f"{prefix}-*.safetensors"):   # this layout's caches of earlier versions of the checkpoint
+        if stale != path and re.fullmatch(rf"{prefix}-[0-9a-f]{{16}}\.safetensors", stale.name):
             stale.unlink(missing_ok=True)
 
 
@@ -232,8 +249,16 @@ def _write(f: BinaryIO, checkpoint: Checkpoint, shapes: dict[str, tuple[int, ...
     scratch = np.empty(CHUNK_VALUES, np.float32)
     with tqdm(total=nbytes, unit="B", unit_scale=True, desc="FP32 cache", file=sys.stderr, leave=False,
               disable=not sys.stderr.isatty(), delay=1.0) as bar:
-        for name in shapes:
-            stored = checkpoint.mapped(name).reshape(-1)
+        for name, shape in shapes.items():
+            stored = checkpoint.mapped(name)
+            if len(shape) == 3:                   # Panels' values: whole panels of rows at a time
+                rows = max(shape[2], CHUNK_VALUES // shape[1] // shape[2] * shape[2])
+                for begin in range(0, stored.shape[0], rows):
+                    part = stored[begin:begin + rows]
+                    f.write(panels(part, out=scratch[:part.size].reshape(panel_shape(part.shape))).values.data)
+                    bar.update(4 * part.size)
+                continue
+            stored = stored.reshape(-1)
             for begin in range(0, stored.size, CHUNK_VALUES):
                 part = stored[begin:begin + CHUNK_VALUES]
                 f.write(upcast(part, out=scratch[:part.size]).data)

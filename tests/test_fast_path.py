@@ -16,7 +16,8 @@ import pytest
 
 import qwen_np
 from qwen_np import fast, runtime
-from qwen_np.numerics import StoredRows, held, upcast
+from qwen_np import numerics
+from qwen_np.numerics import Panels, StoredRows, held, panels, upcast
 
 RTOL = 1e-5
 # (name, config overrides): GQA groups 1/2/4, head_dim above and below D/H, tied and untied heads.
@@ -25,7 +26,7 @@ SHAPES = {
     "gqa2_wide_tied": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
     "gqa4_untied": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=12),
 }
-MODES = ("fp32", "bf16", "int8")
+MODES = ("auto", "fp32", "bf16", "int8")      # auto: FP32 as numerics.Panels in the fast model
 PROMPT = np.array([5, 17, 3, 88, 42, 9, 61, 0, 95, 33, 7, 70])
 
 
@@ -273,3 +274,63 @@ def test_small_matrix_kernel_is_read_from_the_blas_architecture(monkeypatch: pyt
         runtime.blas_has_small_matrix_kernel.cache_clear()
         assert runtime.blas_has_small_matrix_kernel() is has
     runtime.blas_has_small_matrix_kernel.cache_clear()
+
+
+# --- Panels: FP32 in the fast path's layout ------------------------------------------------------------
+
+def test_panels_hold_the_same_matrix_and_index_its_rows() -> None:
+    P = numerics.PANEL
+    w = np.random.default_rng(0).standard_normal((3 * P, 7), dtype=np.float32)
+    held_w = panels(w)
+    assert held_w.shape == w.shape and held_w.values.shape == (3, 7, P) and held_w.nbytes == w.nbytes
+    np.testing.assert_array_equal(upcast(held_w), w)                                   # widen: W's own rows
+    block = held_w[P:3 * P]                                                            # whole panels: still Panels
+    assert isinstance(block, Panels) and np.shares_memory(block.values, held_w.values)
+    np.testing.assert_array_equal(upcast(block), w[P:])
+    ids = np.array([5, 0, 3 * P - 1, 5])                                               # embedding rows of some tokens
+    np.testing.assert_array_equal(upcast(held_w[ids]), w[ids])
+    np.testing.assert_array_equal(upcast(held_w[1:P + 1]), w[1:P + 1])                  # rows across panels: gathered
+    assert numerics.panel_shape((P + 1, 7)) is None and numerics.panel_shape((P,)) is None
+    with pytest.raises(ValueError, match="panels"):
+        panels(w[1:])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 17, 70])
+def test_panel_products_equal_the_plain_product_for_any_row_count(M: int, threads: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fast, "SPLIT_MIN_BYTES", 0)               # split between the threads even when small
+    rng = np.random.default_rng(M)
+    w = rng.standard_normal((8 * numerics.PANEL, 96), dtype=np.float32)
+    x = rng.standard_normal((M, 96), dtype=np.float32)
+    wide = np.full((M, 3 * w.shape[0]), np.nan, np.float32)       # a column slice of a wider buffer, as q|k|v
+    before = runtime.threads()
+    try:
+        runtime.set_threads(threads)
+        with runtime.single_threaded_blas():
+            fast.linear(x, panels(w), wide[:, w.shape[0]:2 * w.shape[0]])
+    finally:
+        runtime.set_threads(before)
+    np.testing.assert_allclose(wide[:, w.shape[0]:2 * w.shape[0]], x @ w.T, rtol=1e-5, atol=1e-4)
+    assert np.isnan(wide[:, :w.shape[0]]).all() and np.isnan(wide[:, 2 * w.shape[0]:]).all()   # nothing else written
+
+
+def test_auto_holds_fp32_as_panels_in_a_fast_model_and_fp32_by_name_as_arrays(checkpoint: Path) -> None:
+    """memory="fp32" keeps plain [out, in] arrays (what training updates in place); the default holds
+    the matrices that split into whole panels as Panels, fused q|k|v and gate|up too, same logits."""
+    auto = qwen_np.load_model(checkpoint, max_tokens=64)
+    fp32, plain = load_pair(checkpoint, "fp32")
+    assert auto.plan.mode == fp32.plan.mode == "fp32"
+    for i, (w, v) in enumerate(zip(auto.layers, fp32.layers)):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            mine, theirs = getattr(w, name), getattr(v, name)
+            assert isinstance(theirs, np.ndarray)
+            assert isinstance(mine, Panels) == (numerics.panel_shape(theirs.shape) is not None)
+            np.testing.assert_array_equal(upcast(mine), theirs)
+        qkv, _ = auto.fused_weights(i)
+        if all(isinstance(getattr(w, n), Panels) for n in ("q_proj", "k_proj", "v_proj")):
+            assert isinstance(qkv, Panels) and np.shares_memory(qkv.values, w.q_proj.values)
+    assert not isinstance(qwen_np.load_model(checkpoint, max_tokens=64, fast=False).lm_head, Panels)
+    cache = auto.new_cache(32)
+    for a, b in ((0, 7), (7, 11), (11, 12)):                      # a prompt, a few tokens, one token
+        assert_same_logits(auto.forward(PROMPT[a:b], cache), plain.forward(PROMPT[:b])[a:], f"auto, tokens {a}-{b}")

@@ -27,7 +27,8 @@ FIXTURE_NAMES = sorted(p.parent.name for p in FIXTURES_DIR.glob("*/reference.npz
 
 # Every way qwen_np can run a checkpoint: the fast path (the default) and the readable path, with
 # weights upcast at load (fp32) or kept as stored and upcast per use (bf16).
-RUN_MODES = {"fast-fp32": dict(fast=True, memory="fp32"), "fast-bf16": dict(fast=True, memory="bf16"),
+RUN_MODES = {"fast-auto": dict(fast=True, memory="auto"),      # FP32 as numerics.Panels
+             "fast-fp32": dict(fast=True, memory="fp32"), "fast-bf16": dict(fast=True, memory="bf16"),
              "readable-fp32": dict(fast=False, memory="fp32"), "readable-bf16": dict(fast=False, memory="bf16")}
 CASES = [(name, mode) for name in FIXTURE_NAMES for mode in RUN_MODES]
 CASE_IDS = [f"{name}-{mode}" for name, mode in CASES]

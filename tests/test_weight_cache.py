@@ -204,3 +204,33 @@ def test_two_processes_building_at_once_build_once_and_agree(make_checkpoint, ca
     assert sum("converting" in err for err in errors) == 1                # one built, the other mapped its file
     assert np.array_equal(np.load(tmp_path / "0.npy"), np.load(tmp_path / "1.npy"))
     assert sorted(p.name for p in path.parent.iterdir()) == sorted(["lock", path.name])
+
+
+def test_the_panel_layout_has_a_cache_file_of_its_own_built_once_with_the_same_logits(make_checkpoint, cache,
+                                                                                     monkeypatch, capfd):
+    """load_model's default holds FP32 as numerics.Panels in a fast model: its cache file holds that
+    layout, beside the "rows" file of memory="fp32"; neither load deletes the other's file."""
+    from qwen_np.numerics import Panels
+
+    folder = make_checkpoint(seed=9)
+    with monkeypatch.context() as patch:
+        patch.setenv(weight_cache.CACHE_ENV, "off")
+        expected = load_model(folder).forward(IDS)
+    capfd.readouterr()
+    model = load_model(folder)
+    assert "converting" in capfd.readouterr().err
+    panels_file = weight_cache.cache_file(Checkpoint(folder, load_config(folder)), "panels")
+    assert panels_file is not None and panels_file.is_file() and not cache_path(folder).exists()
+    assert isinstance(model.layers[0].q_proj, Panels) and isinstance(model.layers[0].q_proj.values.base.base.obj, mmap.mmap)
+    assert np.array_equal(model.forward(IDS), expected)               # the same values, the same layout
+    load_model(folder, memory="fp32")                                 # builds the rows file beside it
+    assert cache_path(folder).is_file() and panels_file.is_file()
+    monkeypatch.setattr(weight_cache, "_build", lambda *args: pytest.fail("a valid cache was rebuilt"))
+    assert np.array_equal(load_model(folder).forward(IDS), expected)
+    monkeypatch.undo()
+    monkeypatch.setenv(weight_cache.CACHE_ENV, str(cache))
+    monkeypatch.setattr(weight_cache, "MIN_BYTES", 0)
+    _change_first_value(panels_file)                                  # W[0, 0]: panel 0's first value
+    capfd.readouterr()
+    assert np.array_equal(load_model(folder).forward(IDS), expected)
+    assert "damaged, rebuilding" in capfd.readouterr().err
