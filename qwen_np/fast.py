@@ -116,7 +116,16 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
 
 def _panel_products(x: np.ndarray, weight: Panels, out: np.ndarray) -> np.ndarray:
     """out = x W^T for W held as Panels: x @ values, the panels split between runtime.threads() threads
-    (one NumPy call each), each panel's product written straight into its P columns of out."""
+    (one NumPy call each), each panel's product written straight into its P columns of out.
+
+    One row is multiplied as two equal rows: OpenBLAS's GEMV over a panel's 32 columns ran slower than
+    its small GEMM of 2 rows (Qwen3-0.6B, one token: 107-125 ms against 100-108; bench/README.md,
+    "Panels"), and the second row costs no extra read of W."""
+    if x.shape[0] == 1:
+        twice = np.empty((2, out.shape[1]), np.float32)
+        _panel_products(np.concatenate([x, x]), weight, twice)
+        out[...] = twice[:1]
+        return out
     n, _, size = weight.values.shape
     by_panel = np.reshape(out, (x.shape[0], n, size), copy=False).transpose(1, 0, 2)     # [n, T, P] view
     parts = 1 if weight.nbytes < SPLIT_MIN_BYTES and x.shape[0] <= SMALL_M_MAX else runtime.threads()

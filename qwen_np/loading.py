@@ -24,6 +24,7 @@ from .gguf_file import GGUFCheckpoint
 from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
 from .numerics import Int8Rows, Panels, Weight, panel_shape, panels, upcast
+from . import runtime
 from .runtime import allocate, split, threads
 from .speculative import check_draft
 from .tokenizer import Tokenizer
@@ -84,7 +85,8 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     (formats.FormatRows, bit for bit as gguf's quantizers); "auto" picks fp32 when it fits in RAM
     with margin, else bf16. fp32 asked for by name holds plain [out, in] arrays (what training
     updates in place); fp32 chosen by "auto" for a fast model holds them as numerics.Panels (the same
-    values in the layout in which a few rows' product costs about one row's).
+    values in the layout in which a few rows' product costs about one row's) where BLAS has a
+    small-matrix kernel (OpenBLAS's SkylakeX one; not Haswell's).
     max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
     fast: a FastQwen3Model (qwen_np/fast.py: same logits, tuned for speed); False gives the readable
     Qwen3Model, every call on model.py's code.
@@ -102,11 +104,14 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     # fp32 with the weight cache (weight_cache.py): views of the FP32 file it maps, in that same layout.
     # bf16: zero-copy views of the mapped files.
     # A GGUF is never cached: the cache's spot check re-reads every tensor, i.e. dequantizes it again.
-    # "auto" holding FP32 in a fast model: every matrix whose rows split into whole panels is held as
-    # numerics.Panels, the layout in which a product of a few rows (a batch's decode step, a
-    # speculative check) costs about one row's. memory="fp32" by name keeps plain [out, in] arrays:
-    # what training updates in place and the precision lab rounds.
-    layout = "panels" if fast and memory == "auto" and plan.mode == "fp32" else "rows"
+    # "auto" holding FP32 in a fast model, where BLAS has a small-matrix kernel: every matrix whose
+    # rows split into whole panels is held as numerics.Panels, the layout in which a product of a few
+    # rows (a batch's decode step, a speculative check) costs about one row's. Without that kernel
+    # (OpenBLAS's Haswell one) a panel's few-row product is a packing GEMM, slower than GEMVs over W's
+    # rows (bench/README.md, "Panels"). memory="fp32" by name keeps plain [out, in] arrays: what
+    # training updates in place and the precision lab rounds.
+    panel_layout = fast and memory == "auto" and plan.mode == "fp32" and runtime.blas_has_small_matrix_kernel()
+    layout = "panels" if panel_layout else "rows"
     cached = (load_fp32(checkpoint, layout) if plan.mode == "fp32" and not isinstance(checkpoint, GGUFCheckpoint)
               else None)
     largest = max(info.nbytes for info in checkpoint.tensors.values())

@@ -6,12 +6,12 @@ A model holds each matrix as one of:
 * Int8Rows (`--memory int8`): int8 codes and one FP32 scale per row (formats.quantize_int8_rows at
   load), so W ~ codes * scale[:, None];
 * Panels: FP32 values in the fast path's layout (column panels of W^T), what load_model's "auto" holds
-  for a fast model when FP32 fits: the same numbers, arranged so that a product of a few rows costs
-  about what one row's does.
-Every kind that is not a plain FP32 array has one way to make FP32 rows, `widen(out)`, which writes FP32 values
-into `out` and returns the per-row scale still to be applied to the outputs of a product (None if
-none): layers.linear, the fast path and upcast() are written once against it, so a new kind of
-weight (a new memory mode) is one class here and the loader that makes it.
+  for a fast model when FP32 fits and BLAS has a small-matrix kernel: the same numbers, arranged so
+  that a product of a few rows costs about what one row's does.
+Every kind that is not a plain FP32 array has one way to make FP32 rows, `widen(out)`, which writes
+FP32 values into `out` and returns the per-row scale still to be applied to the outputs of a product
+(None if none): layers.linear, the fast path and upcast() are written once against it, so a new kind
+of weight (a new memory mode) is one class here and the loader that makes it.
 
 BF16 is the top half of an IEEE float32 (1 sign, 8 exponent, 7 mantissa bits), so widening it is
 exact: put the 16 bits in the high half of a uint32 and reinterpret (bf16_bits_to_f32 shows it;

@@ -315,9 +315,14 @@ def test_panel_products_equal_the_plain_product_for_any_row_count(M: int, thread
     assert np.isnan(wide[:, :w.shape[0]]).all() and np.isnan(wide[:, 2 * w.shape[0]:]).all()   # nothing else written
 
 
-def test_auto_holds_fp32_as_panels_in_a_fast_model_and_fp32_by_name_as_arrays(checkpoint: Path) -> None:
+def test_auto_holds_fp32_as_panels_in_a_fast_model_and_fp32_by_name_as_arrays(checkpoint: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """memory="fp32" keeps plain [out, in] arrays (what training updates in place); the default holds
-    the matrices that split into whole panels as Panels, fused q|k|v and gate|up too, same logits."""
+    the matrices that split into whole panels as Panels, fused q|k|v and gate|up too, same logits,
+    where BLAS has a small-matrix kernel (else plain arrays: a panel's few rows would take the packing GEMM)."""
+    monkeypatch.setattr(runtime, "blas_has_small_matrix_kernel", lambda: False)
+    assert isinstance(qwen_np.load_model(checkpoint, max_tokens=64).lm_head, np.ndarray)
+    monkeypatch.setattr(runtime, "blas_has_small_matrix_kernel", lambda: True)
     auto = qwen_np.load_model(checkpoint, max_tokens=64)
     fp32, plain = load_pair(checkpoint, "fp32")
     assert auto.plan.mode == fp32.plan.mode == "fp32"
