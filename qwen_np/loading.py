@@ -23,7 +23,7 @@ from .generate import GenerationDefaults, folder_generation_defaults, generation
 from .gguf_file import GGUFCheckpoint
 from .memory import DEFAULT_CONTEXT, plan_memory
 from .model import LayerWeights, Qwen3Model
-from .numerics import Int8Rows, Panels, Weight, panel_shape, panels, upcast
+from .numerics import PANEL, Int8Rows, Panels, Weight, panel_shape, panels, upcast
 from . import runtime
 from .runtime import allocate, split, threads
 from .speculative import check_draft
@@ -165,8 +165,10 @@ def fp32_matrix(stored: np.ndarray, out: np.ndarray, layout: str) -> Weight:
     """A stored matrix upcast into `out` (its shape): as Panels (a view of the same memory) when the
     layout is "panels" and its rows split into whole panels, else as a plain array."""
     shape = panel_shape(stored.shape)
-    if layout == "panels" and shape is not None:
-        return panels(stored, out=out.reshape(shape))
+    if layout == "panels" and shape is not None:      # NumPy's transposing copy runs ~1.3 GB/s a thread
+        values = out.reshape(shape)
+        split(shape[0], threads(), lambda p: panels(stored[p.start * PANEL:p.stop * PANEL], out=values[p]))
+        return Panels(values)
     return upcast(stored, out=out)
 
 
