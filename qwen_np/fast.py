@@ -22,6 +22,11 @@ and Python time:
   NumPy's BF16 upcast is single-threaded, so splitting rows between threads is what lets every core
   convert. The norms, RoPE, attention and SiLU of a prompt are then split by token rows between the
   same threads.
+* A weight held as numerics.Panels (load_model's default for FP32, where BLAS has a small-matrix
+  kernel) is multiplied as x @ panels: one NumPy call per thread, a small GEMM per panel of 32 rows
+  of W, which OpenBLAS runs at about the speed of reading W for a few rows of x as for one. On W's
+  own [out, in] layout the same few rows are dot products per output (OpenBLAS's "TN" case), which
+  ran at half that speed: 5 tokens cost 1.5-1.7x one token there, 1.2-1.3x on panels.
 * Prefill for generation asks for the last position's logits only (forward(last_only=True)).
 
 The weights are the model's own arrays, read on every call: updating them in place (training) is
@@ -35,6 +40,7 @@ step's time goes, and the measurements behind each choice, are in bench/README.m
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from contextlib import nullcontext
@@ -389,16 +395,19 @@ class FastQwen3Model(Qwen3Model):
         k = b.qkv[:, q_end:k_end].reshape(T, KVH, Dh)
         v = b.qkv[:, k_end:].reshape(T, KVH, Dh)
 
-        def attend(row: slice, cache: PagedKVCache | None) -> None:
+        def attend(keys: np.ndarray, values: np.ndarray, r: slice) -> None:
+            _attention(q[r], keys, values, positions[r], b.mixed[r])
+
+        decoding: list[tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = []   # (row, its cache's runs)
+        for row, cache in zip(rows, caches):            # each sequence attends over its own keys only
             if cache is not None and row.stop - row.start == 1 and cache.pool.keys.dtype == np.float32:
                 cache.write(i, k[row], v[row])          # a decode step: over the blocks where they lie
-                _decode_attention(q[row.start], cache.runs(i, cache.length + 1), b.mixed[row.start])
-                return
+                decoding.append((row.start, cache.runs(i, cache.length + 1)))
+                continue
             keys, values = (k[row], v[row]) if cache is None else cache.append(i, k[row], v[row])  # [S, KVH, Dh]
-            by_rows(lambda r: _attention(q[r], keys, values, positions[r], b.mixed[r]), row)
-
-        for row, cache in zip(rows, caches):            # each sequence attends over its own keys only
-            attend(row, cache)
+            by_rows(functools.partial(attend, keys, values), row)
+        if decoding:                                    # every decoding sequence's softmax in one go
+            _decode_attention(q, decoding, b.mixed)
         linear(b.mixed, w.o_proj, b.block_out)
 
         def add_and_norm(r: slice) -> None:
@@ -469,7 +478,7 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarra
     S, KVH = k.shape[0], k.shape[1]
     group = H // KVH
     if T == 1 and positions[0] + 1 == S:
-        return _decode_attention(q[0], [(k, v)], out[0])
+        return _decode_attention(q, [(0, [(k, v)])], out)
     queries = q.reshape(T, KVH, group, Dh).transpose(1, 2, 0, 3).reshape(KVH, group * T, Dh)
     scores = np.matmul(queries, k.transpose(1, 2, 0))                            # [KVH, group*T, S]
     scores *= np.float32(Dh ** -0.5)
@@ -482,33 +491,42 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarra
     out.reshape(T, KVH, group, Dh)[...] = mixed.reshape(KVH, group, T, Dh).transpose(2, 0, 1, 3)
 
 
-def _decode_attention(q: np.ndarray, runs: list[tuple[np.ndarray, np.ndarray]], out: np.ndarray) -> None:
-    """One new token at the end of the cache (it sees every key): q [H, Dh], out [H*Dh]; the keys and values
-    in runs of positions, in order, k/v [S_i, KVH, Dh] each (cache views: a paged cache's runs of
-    consecutive blocks, so scattered blocks are read where they lie, not gathered into a copy first).
+def _decode_attention(q: np.ndarray, rows: list[tuple[int, list[tuple[np.ndarray, np.ndarray]]]],
+                      out: np.ndarray) -> None:
+    """One new token at the end of its cache (it sees every key), for each of several sequences: q [T, H, Dh],
+    out [T, H*Dh]; rows: (row of q and out, that sequence's keys and values in runs of positions, in order,
+    k/v [S_i, KVH, Dh] each): cache views, a paged cache's runs of consecutive blocks, so scattered blocks
+    are read where they lie, not gathered into a copy first.
 
     Per KV head this is a matrix-vector product per query of its group, so NumPy's matvec/vecmat
     (one BLAS GEMV per query, no batching machinery) beat a batched matmul of [group, Dh] x [Dh, S]
-    matrices (measured: bench/README.md). The softmax runs over all runs' scores at once, then each
-    run's share of the weighted sum is added (one run: exactly one vecmat, as before paging).
+    matrices (measured: bench/README.md). Each sequence's scores go into one [B, KVH, group, S_max]
+    array (-inf past its own keys, exp(-inf) = 0), so the softmax is a few NumPy calls for all B
+    sequences of a batch's decode step rather than a few per sequence (~30 us each); then each run's
+    share of the weighted sum is added (one run: exactly one vecmat).
     """
-    H, Dh = q.shape
-    KVH = runs[0][0].shape[1]
-    queries = q.reshape(KVH, H // KVH, Dh)                                         # [KVH, group, Dh]
-    by_run = [np.matvec(k.transpose(1, 0, 2)[:, None], queries) for k, _ in runs]    # [KVH, group, S_i] each
-    scores = by_run[0] if len(by_run) == 1 else np.concatenate(by_run, axis=-1)
-    scores *= np.float32(Dh ** -0.5)                                               # [KVH, group, S]
+    H, Dh = q.shape[1:]
+    KVH = rows[0][1][0][0].shape[1]
+    lengths = [sum(len(k) for k, _ in runs) for _, runs in rows]
+    scores = np.full((len(rows), KVH, H // KVH, max(lengths)), -np.inf, np.float32)    # [B, KVH, group, S]
+    for b, (row, runs) in enumerate(rows):
+        queries, start = q[row].reshape(KVH, H // KVH, Dh), 0                         # [KVH, group, Dh]
+        for k, _ in runs:
+            np.matvec(k.transpose(1, 0, 2)[:, None], queries, out=scores[b, ..., start:start + len(k)])
+            start += len(k)
+    scores *= np.float32(Dh ** -0.5)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    mixed, start = out.reshape(KVH, H // KVH, Dh), 0
-    for j, (_, v) in enumerate(runs):
-        weights, values = scores[..., start:start + len(v)], v.transpose(1, 0, 2)[:, None]
-        if j:
-            mixed += np.vecmat(weights, values)                                   # [KVH, group, Dh]
-        else:
-            np.vecmat(weights, values, out=mixed)
-        start += len(v)
+    for b, (row, runs) in enumerate(rows):
+        mixed, start = out[row].reshape(KVH, H // KVH, Dh), 0
+        for j, (_, v) in enumerate(runs):
+            weights, values = scores[b, ..., start:start + len(v)], v.transpose(1, 0, 2)[:, None]
+            if j:
+                mixed += np.vecmat(weights, values)                                   # [KVH, group, Dh]
+            else:
+                np.vecmat(weights, values, out=mixed)
+            start += len(v)
 
 
 def _silu_times(gate: np.ndarray, up: np.ndarray, scratch: np.ndarray) -> None:
