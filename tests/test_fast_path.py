@@ -339,3 +339,24 @@ def test_auto_holds_fp32_as_panels_in_a_fast_model_and_fp32_by_name_as_arrays(ch
     cache = auto.new_cache(32)
     for a, b in ((0, 7), (7, 11), (11, 12)):                      # a prompt, a few tokens, one token
         assert_same_logits(auto.forward(PROMPT[a:b], cache), plain.forward(PROMPT[:b])[a:], f"auto, tokens {a}-{b}")
+
+
+def test_one_decode_attention_for_sequences_of_different_lengths_in_runs_gives_each_its_own() -> None:
+    """A batch's decoding sequences share one softmax array, padded past each one's keys: every row must
+    still get layers.attention over its own keys, whatever their lengths and however they are split in runs."""
+    from qwen_np import layers
+
+    rng = np.random.default_rng(5)
+    H, KVH, Dh = 8, 2, 16
+    lengths, rows = (1, 23, 7, 40), []
+    q = rng.standard_normal((len(lengths), H, Dh), dtype=np.float32)
+    expected = []
+    for b, S in enumerate(lengths):
+        k, v = (rng.standard_normal((S, KVH, Dh), dtype=np.float32) for _ in range(2))
+        cuts = sorted({0, S, *rng.integers(1, S + 1, 2).tolist()})                  # 1-3 runs of positions
+        rows.append((b, [(k[a:z], v[a:z]) for a, z in zip(cuts[:-1], cuts[1:])]))
+        expected.append(layers.attention(q[b:b + 1], k, v, np.array([S - 1]))[0])   # [H*Dh]
+    out = np.full((len(lengths), H * Dh), np.nan, np.float32)
+    fast._decode_attention(q, rows, out)
+    for b in range(len(lengths)):
+        np.testing.assert_allclose(out[b], expected[b], rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
