@@ -141,9 +141,11 @@ class Panels:
     Why: a product of a few rows, x [M, in] W^T, is then one NumPy call, x @ values ([out/P, M, P]):
     one small BLAS GEMM per panel, which OpenBLAS runs in its "NN" form (the panel's P outputs are
     contiguous for each input: one broadcast of x and a vector multiply-add per input). On W's own
-    layout the same product is a dot product per output ("TN"), which both OpenBLAS kernels run at
-    about half the speed of reading W (bench/README.md, "Panels"). One token (a GEMV) and a prompt
-    (a GEMM per panel) cost about what they cost on W's layout.
+    layout the same product is a dot product per output ("TN"), which OpenBLAS's small-matrix kernel
+    runs at about half the speed of reading W (bench/README.md, "Panels"); where there is no such
+    kernel (OpenBLAS's Haswell one) a panel's few rows take the packing GEMM, so load_model holds
+    Panels only where there is. One token and a prompt (a GEMM per panel) cost about what they cost
+    on W's layout.
 
     Indexing picks rows: a slice of whole panels stays Panels; any other rows (the embedding rows
     of some tokens) are gathered into FP32 rows, as StoredRows. widen() writes W's own layout."""
@@ -170,13 +172,14 @@ class Panels:
         if isinstance(rows, slice) and rows.step in (None, 1):
             start, stop, _ = rows.indices(self.shape[0])
             if start % size == 0 and stop % size == 0:
-                return Panels(self.values[start // size:-(-stop // size)])
+                return Panels(self.values[start // size:stop // size])
         picked = np.arange(self.shape[0])[rows]
         return StoredRows(self.values[picked // size, :, picked % size])      # [rows, in]
 
     def widen(self, out: np.ndarray) -> None:
         """W's rows [out, in] into out."""
-        np.copyto(out.reshape(self.values.shape[0], self.values.shape[2], -1), self.values.transpose(0, 2, 1))
+        n, columns, size = self.values.shape
+        np.copyto(np.reshape(out, (n, size, columns), copy=False), self.values.transpose(0, 2, 1))
 
 
 def panel_shape(shape: tuple[int, ...]) -> tuple[int, int, int] | None:
