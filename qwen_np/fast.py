@@ -115,9 +115,13 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
         return np.matmul(x, weight.T, out=out)
     if isinstance(weight, Panels):
         return _panel_products(x, weight, out)
-    small = weight.nbytes < SPLIT_MIN_BYTES and x.shape[0] <= SMALL_M_MAX
-    runtime.split(weight.shape[0], 1 if small else runtime.threads(), lambda rows: _rows(x, weight, out, rows))
+    runtime.split(weight.shape[0], _parts(x, weight), lambda rows: _rows(x, weight, out, rows))
     return out
+
+
+def _parts(x: np.ndarray, weight: Weight) -> int:
+    """Threads a product's weight is split between: one for a few rows of a small weight (SPLIT_MIN_BYTES)."""
+    return 1 if weight.nbytes < SPLIT_MIN_BYTES and x.shape[0] <= SMALL_M_MAX else runtime.threads()
 
 
 def _panel_products(x: np.ndarray, weight: Panels, out: np.ndarray) -> np.ndarray:
@@ -128,14 +132,13 @@ def _panel_products(x: np.ndarray, weight: Panels, out: np.ndarray) -> np.ndarra
     its small GEMM of 2 rows (Qwen3-0.6B, one token: 107-125 ms against 100-108; bench/README.md,
     "Panels"), and the second row costs no extra read of W."""
     if x.shape[0] == 1:
-        twice = np.empty((2, out.shape[1]), np.float32)
+        twice = _thread_buffer("twice", 2 * out.shape[1])[:2 * out.shape[1]].reshape(2, -1)
         _panel_products(np.concatenate([x, x]), weight, twice)
         out[...] = twice[:1]
         return out
     n, _, size = weight.values.shape
     by_panel = np.reshape(out, (x.shape[0], n, size), copy=False).transpose(1, 0, 2)     # [n, T, P] view
-    parts = 1 if weight.nbytes < SPLIT_MIN_BYTES and x.shape[0] <= SMALL_M_MAX else runtime.threads()
-    runtime.split(n, parts, lambda p: np.matmul(x, weight.values[p], out=by_panel[p]))
+    runtime.split(n, _parts(x, weight), lambda p: np.matmul(x, weight.values[p], out=by_panel[p]))
     return out
 
 

@@ -255,7 +255,7 @@ def _write(f: BinaryIO, checkpoint: Checkpoint, shapes: dict[str, tuple[int, ...
                 rows = max(shape[2], CHUNK_VALUES // shape[1] // shape[2] * shape[2])
                 for begin in range(0, stored.shape[0], rows):
                     part = stored[begin:begin + rows]
-                    f.write(panels(part, out=scratch[:part.size].reshape(panel_shape(part.shape))).values.data)
+                    f.write(panels(part, out=scratch[:part.size].reshape(-1, *shape[1:])).values.data)
                     bar.update(4 * part.size)
                 continue
             stored = stored.reshape(-1)
