@@ -13,7 +13,7 @@ safetensors checkpoint of bench/checkpoints.py (16.4 GB).
 Each configuration runs in its own process, one at a time, under `nice -n 5`, after waiting until the
 memory it needs is available (other processes share this machine). The process first measures its
 limit: one layer's matrices at the model's shapes, in the same weight kind (random Q4_0/Q8_0 blocks laid
-out as in the file, BF16 values or int8 rows), through qwen_np.fast.linear back to back; the limit is
+out as in the file, BF16 values or int8 rows), through qwen_np.engine.fast.linear back to back; the limit is
 the tok/s if every weight a token reads went through that product once (measured before loading and
 again after decoding; the faster kept). In between it reads the files into the page cache, loads the
 model (timed), prefills a short prompt and decodes greedily; peak RSS is taken before the second
@@ -40,8 +40,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as GGML
 
-from qwen_np.config import LAYER_MATRICES, PRESETS, Qwen3Config, expected_tensors
-from qwen_np.memory import available_memory, weight_bytes
+from qwen_np.core.config import LAYER_MATRICES, PRESETS, Qwen3Config, expected_tensors
+from qwen_np.engine.memory import available_memory, weight_bytes
 
 from .checkpoints import FORMAT_VERSION, TOKENIZER, WEIGHT_STD, cache_dir, checkpoint_folder, ensure_checkpoint
 from .run import busy_cpu_seconds, children_cpu_seconds, wait_for_quiet
@@ -85,9 +85,9 @@ def complete(path: Path, config: Qwen3Config, file_type: str) -> bool:
 
 def ensure_random_gguf(size: str, file_type: str, log: Callable[[str], None] = print) -> Path:
     """The cached random GGUF of Qwen3-{size} in file_type, written tensor by tensor when missing."""
-    from qwen_np.gguf_file import write_gguf_tensors
-    from qwen_np.sampling import SamplingParams
-    from qwen_np.tokenizer import Tokenizer
+    from qwen_np.files.gguf_file import write_gguf_tensors
+    from qwen_np.core.sampling import SamplingParams
+    from qwen_np.files.tokenizer import Tokenizer
 
     path, config = gguf_checkpoint_path(size, file_type), PRESETS[SIZES[size]]
     if complete(path, config, file_type):
@@ -147,8 +147,8 @@ def random_weight(rng: np.random.Generator, shape: tuple[int, int], weights: str
     a GGUF's (strided views, as gguf_file.GGUFCheckpoint.held makes them), BF16 StoredRows or Int8Rows."""
     import ml_dtypes
 
-    from qwen_np.formats import FormatRows
-    from qwen_np.numerics import Int8Rows, StoredRows
+    from qwen_np.numbers.formats import FormatRows
+    from qwen_np.numbers.numerics import Int8Rows, StoredRows
 
     if weights in BLOCK_TYPES:
         blocks = random_blocks(rng, shape, BLOCK_TYPES[weights])
@@ -160,9 +160,9 @@ def random_weight(rng: np.random.Generator, shape: tuple[int, int], weights: str
 
 
 def layer_seconds(config: Qwen3Config, weights: str) -> float:
-    """Best of 3: one layer's matrices (random, in the run's weight kind) through qwen_np.fast.linear for
+    """Best of 3: one layer's matrices (random, in the run's weight kind) through qwen_np.engine.fast.linear for
     one token, back to back, on runtime.threads() threads (the arrays are freed on return)."""
-    from qwen_np import fast, runtime
+    from qwen_np.engine import fast, runtime
 
     from .worker import best_seconds
 
@@ -200,8 +200,8 @@ def current_rss_bytes() -> int:
 def worker(path: str, size: str, weights: str, decode: int, threads: int) -> dict[str, Any]:
     """Measure one configuration in this process: its limit, then load, prefill and greedy decode."""
     import qwen_np
-    from qwen_np import runtime
-    from qwen_np.runtime import peak_rss_bytes
+    from qwen_np.engine import runtime
+    from qwen_np.engine.runtime import peak_rss_bytes
 
     from .worker import read_into_page_cache
 
@@ -249,8 +249,8 @@ def checkpoint_for(run: Run, log: Callable[[str], None]) -> Path:
 
 def predicted_bytes(run: Run, path: Path, decode: int) -> int:
     """The memory plan's total for this run (the preflight load_model does), before anything is loaded."""
-    from qwen_np.loading import open_checkpoint
-    from qwen_np.memory import candidate_plans
+    from qwen_np.files.model_files import open_checkpoint
+    from qwen_np.engine.memory import candidate_plans
 
     checkpoint = open_checkpoint(path)
     plans = candidate_plans(checkpoint.config, PROMPT_TOKENS + decode, checkpoint.held_bytes_per_value())

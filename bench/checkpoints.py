@@ -22,9 +22,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from qwen_np.checkpoint import save_safetensors, write_index
-from qwen_np.config import expected_tensors
-from qwen_np.config import PRESETS, Qwen3Config
+from qwen_np.files.checkpoint import save_safetensors, write_index
+from qwen_np.core.config import expected_tensors
+from qwen_np.core.config import PRESETS, Qwen3Config
 
 CACHE_ENV = "QWEN_NP_BENCH_CACHE"
 FORMAT_VERSION = 1             # bump to invalidate cached checkpoints when the generator changes

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         from bench.checkpoints import ensure_checkpoint
 
         folder_06b = ensure_checkpoint("0.6b", log=lambda *a: print(*a, file=sys.stderr))
-    from qwen_np.precision import PASSAGE
+    from qwen_np.precision.lab import PASSAGE
 
     checkouts = {"this checkout": ROOT} | ({f"baseline {args.baseline}": args.baseline.resolve()} if args.baseline else {})
     loads = [0, *args.competitors]

@@ -58,7 +58,8 @@ def product_names(config) -> dict[tuple[int, int], str]:
 
 def install_timers(model, totals: dict[str, float], clock) -> None:
     """Wrap fast.py's steps (and the KV cache's methods) so that each adds its seconds to totals[name]."""
-    from qwen_np import fast, kv_cache
+    from qwen_np.engine import fast
+    from qwen_np.core import kv_cache
 
     depth = [0]
     names = product_names(model.config)
@@ -89,7 +90,8 @@ def install_timers(model, totals: dict[str, float], clock) -> None:
 
 def worker(folder: str, memory: str, ks: list[int], context: int, repeats: int, cpu: bool = False) -> dict:
     """Median ms of forward(k new tokens, cache) per k, and a per-step breakdown (ms) per k."""
-    from qwen_np import load_model, runtime      # before NumPy, as the CLI (qwen_np/__init__.py)
+    from qwen_np import load_model  # before NumPy, as the CLI (qwen_np/__init__.py)
+    from qwen_np.engine import runtime
 
     import numpy as np
 
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--k: the first k must be 1 (the ratios are over it)")
 
     from bench.checkpoints import ensure_checkpoint
-    from qwen_np.config import PRESETS
+    from qwen_np.core.config import PRESETS
 
     trees = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     folders = {name: ensure_checkpoint(model, layers=args.layers if model == "8b" else None)
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         folder, memory, context, calls, ks, threads, clock = sys.argv[2:9]
-        from qwen_np import runtime
+        from qwen_np.engine import runtime
         runtime.set_threads(int(threads) or None)
         print(json.dumps(worker(folder, memory, [int(k) for k in ks.split(",")], int(context), int(calls),
                                 clock == "cpu")))

@@ -17,11 +17,11 @@ from collections.abc import Callable
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from qwen_np.formats import (dequantize_int8_rows, dequantize_q4_0, dequantize_q8_0, quantize_int8_rows, quantize_q4_0,
-                             quantize_q8_0)
-from qwen_np.numerics import bf16_bits_to_f32, f32_to_bf16_bits
+from qwen_np.numbers.formats import (dequantize_int8_rows, dequantize_q4_0, dequantize_q8_0, quantize_int8_rows,
+                                     quantize_q4_0, quantize_q8_0)
+from qwen_np.numbers.numerics import bf16_bits_to_f32, f32_to_bf16_bits
 
-try:  # the cast qwen_np.fast uses for BF16; shown for comparison when installed
+try:  # the cast qwen_np.engine.fast uses for BF16; shown for comparison when installed
     import ml_dtypes
 except ImportError:
     ml_dtypes = None

@@ -13,7 +13,7 @@
    the contiguous cache before paging was). Interleaved repeats, medians.
 4. KV cache precision: the KL divergence of the predictions with a BF16 or FP16 cache from those with
    an FP32 cache, on the bundled Shakespeare model (trained: its predictions are peaked like a real
-   model's), with the precision lab's statistics (qwen_np.divergence.Comparison).
+   model's), with the precision lab's statistics (qwen_np.precision.divergence.Comparison).
 
     python -m bench.kv_cache                      # the bundled model (a 256-token context: a short prefix)
     python -m bench.kv_cache --model 0.6b         # random weights at Qwen3-0.6B's shapes (bench/checkpoints.py)
@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from qwen_np import load_model
-from qwen_np.batching import BatchGenerator, Request
-from qwen_np.divergence import Comparison
-from qwen_np.kv_cache import BlockPool, PagedKVCache, block_runs, blocks_for
-from qwen_np.sampling import SamplingParams
-from qwen_np.tokenizer import Tokenizer
+from qwen_np.generation.batching import BatchGenerator, Request
+from qwen_np.precision.divergence import Comparison
+from qwen_np.core.kv_cache import BlockPool, PagedKVCache, block_runs, blocks_for
+from qwen_np.core.sampling import SamplingParams
+from qwen_np.files.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "weights"

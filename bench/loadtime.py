@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(trial(*args.trial)))
         return
 
-    from qwen_np.checkpoint import Checkpoint
-    from qwen_np.config import load_config
-    from qwen_np.weight_cache import CACHE_ENV, cache_file
+    from qwen_np.files.checkpoint import Checkpoint
+    from qwen_np.core.config import load_config
+    from qwen_np.engine.weight_cache import CACHE_ENV, cache_file
 
     folder = ensure_checkpoint("0.6b")
     cache = cache_dir() / "weight-cache"
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                        cwd=Path(__file__).resolve().parents[1])
     files = sorted({info.path for info in checkpoint.tensors.values()}) + [cache_path]
     if args.decode_rounds:
-        from qwen_np import runtime
+        from qwen_np.engine import runtime
 
         runtime.set_threads(args.threads)
         result = decode_side_by_side(folder, cache, args.decode_rounds, args.decode_tokens)

@@ -46,10 +46,11 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
     """One process: `args.steps` timed training steps after one warm-up; peak RSS and median tokens/s."""
     import numpy as np
 
-    from qwen_np import memory, training
-    from qwen_np.config import Qwen3Config
-    from qwen_np.runtime import peak_rss_bytes, steady_threads
-    from qwen_np.trainer import PRESET_CONFIGS, hf_config, init_parameters, model_from_parameters
+    from qwen_np.engine import memory
+    from qwen_np.training import step as training
+    from qwen_np.core.config import Qwen3Config
+    from qwen_np.engine.runtime import peak_rss_bytes, steady_threads
+    from qwen_np.training.trainer import PRESET_CONFIGS, hf_config, init_parameters, model_from_parameters
 
     config = Qwen3Config.from_dict(hf_config(PRESET_CONFIGS["shakespeare"]))
     params = init_parameters(config, seed=0)

@@ -29,7 +29,7 @@ BUNDLED = Path(__file__).parents[1] / "weights"
 
 def train_each(steps: int, eval_every: int) -> dict[str, dict[str, Any]]:
     """The run's meta (history, evals) per precision."""
-    from qwen_np import trainer
+    from qwen_np.training import trainer
 
     metas = {}
     with tempfile.TemporaryDirectory() as folder:
@@ -58,9 +58,9 @@ def bundled_measurements() -> dict[str, dict[float, float]]:
     share of weights held in BF16 that an update of each size cannot move."""
     import numpy as np
 
-    from qwen_np import data, mixed, training
-    from qwen_np.loading import load_model
-    from qwen_np.tokenizer import Tokenizer
+    from qwen_np.training import data, mixed, step as training
+    from qwen_np.engine.loading import load_model
+    from qwen_np.files.tokenizer import Tokenizer
 
     model = load_model(BUNDLED, memory="fp32")
     ids = np.array(Tokenizer.from_folder(BUNDLED).encode(data.shakespeare_split("validation")[:40_000]))

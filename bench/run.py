@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qwen_np.config import PRESETS, Qwen3Config, parameter_count
+from qwen_np.core.config import PRESETS, Qwen3Config, parameter_count
 from qwen_np.inspection import weight_bytes_read_per_token
-from qwen_np.memory import available_memory
+from qwen_np.engine.memory import available_memory
 
 from .checkpoints import MODELS, ensure_checkpoint, ensure_gguf
 

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Callable
 
 from qwen_np import load_model
-from qwen_np.config import PRESETS
-from qwen_np.generate import GenerationStats, generate
-from qwen_np.loading import read_tokenizer
-from qwen_np.model import Qwen3Model
-from qwen_np.sampling import SamplingParams
-from qwen_np.speculative import Speculation, draft_speculation, lookup_speculation
+from qwen_np.core.config import PRESETS
+from qwen_np.generation.generate import GenerationStats, generate
+from qwen_np.files.model_files import read_tokenizer
+from qwen_np.core.model import Qwen3Model
+from qwen_np.core.sampling import SamplingParams
+from qwen_np.generation.speculative import Speculation, draft_speculation, lookup_speculation
 
 from bench.checkpoints import FORMAT_VERSION, MODELS, cache_dir, ensure_checkpoint, write_random_checkpoint
 

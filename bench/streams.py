@@ -1,7 +1,7 @@
 """`python -m bench.streams`: aggregate decode tokens/s with 1, 2, 4, 8 concurrent streams, side by side.
 
 Decoding is memory-bound: a step for 8 sequences reads every weight once, like a step for one, so
-batching the streams' decode steps (qwen_np.batching.BatchGenerator, what `serve` runs) should turn
+batching the streams' decode steps (qwen_np.generation.batching.BatchGenerator, what `serve` runs) should turn
 the same memory traffic into several times the tokens. Each configuration runs N greedy requests with
 different random prompts together in one BatchGenerator (max_batch N) and times the decode steps
 only (after every stream has its first token): aggregate tok/s = N x decode steps / seconds.
@@ -50,7 +50,7 @@ print(json.dumps({"tok_s": (decode - 1) / (time.perf_counter() - start)}))
 
 def single_stream(tree: Path, folder: Path, memory: str, prompt: int, decode: int) -> float:
     """generate()'s loop, one stream, in a fresh process importing qwen_np from `tree`."""
-    from qwen_np import runtime
+    from qwen_np.engine import runtime
 
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run([sys.executable, "-c", SINGLE_STREAM, str(folder), memory, str(prompt), str(decode),
@@ -61,8 +61,8 @@ def single_stream(tree: Path, folder: Path, memory: str, prompt: int, decode: in
 
 def batched(model, tokenizer, streams: int, prompt: int, decode: int, seed: int) -> float:
     """Aggregate decode tok/s of `streams` greedy requests sharing one BatchGenerator."""
-    from qwen_np.batching import BatchGenerator, Request
-    from qwen_np.sampling import SamplingParams
+    from qwen_np.generation.batching import BatchGenerator, Request
+    from qwen_np.core.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
     generator = BatchGenerator(model, tokenizer, max_batch=streams, prefill_chunk=streams * prompt)
@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from bench.checkpoints import MODELS, ensure_checkpoint
-    from qwen_np import load_model, runtime
-    from qwen_np.tokenizer import Tokenizer
+    from qwen_np import load_model
+    from qwen_np.engine import runtime
+    from qwen_np.files.tokenizer import Tokenizer
 
     folder = ensure_checkpoint(args.model) if args.model in MODELS else Path(args.model)
     runtime.set_threads(args.threads)

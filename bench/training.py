@@ -32,10 +32,11 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from qwen_np import runtime, training
-    from qwen_np.trainer import hf_config, init_parameters, model_from_parameters
-    from qwen_np.checkpoint import save_checkpoint
-    from qwen_np.config import Qwen3Config
+    from qwen_np.engine import runtime
+    from qwen_np.training import step as training
+    from qwen_np.training.trainer import hf_config, init_parameters, model_from_parameters
+    from qwen_np.files.checkpoint import save_checkpoint
+    from qwen_np.core.config import Qwen3Config
 
     runtime.set_threads(args.threads)
     torch.set_num_threads(args.threads)

@@ -28,8 +28,8 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
-from qwen_np.runtime import peak_rss_bytes
-from qwen_np.numerics import Int8Rows, StoredRows
+from qwen_np.engine.runtime import peak_rss_bytes
+from qwen_np.numbers.numerics import Int8Rows, StoredRows
 
 GiB = 1024 ** 3
 
@@ -46,7 +46,7 @@ def best_seconds(run: Callable[[], object], repeats: int = 3) -> float:
 
 def machine_rates(hidden: int, intermediate: int, prefill: int) -> dict[str, float]:
     """This process's read bandwidth, FP32 GEMM rate, and the fused BF16 upcast+GEMV and int8 cast+GEMV rates
-    (qwen_np.fast.linear over 1 GiB of stored weights, in stored bytes per second). Each test array is
+    (qwen_np.engine.fast.linear over 1 GiB of stored weights, in stored bytes per second). Each test array is
     freed before the next is made, so none of them adds to the peak RSS the worker reports."""
     rng = np.random.default_rng(0)
     return {"read_gbs": _read_rate(rng),
@@ -58,8 +58,8 @@ def machine_rates(hidden: int, intermediate: int, prefill: int) -> dict[str, flo
 
 
 def _stream_rate(weight: StoredRows | Int8Rows) -> float:
-    """GB/s (stored bytes) of qwen_np.fast.linear's streaming GEMV over `weight`, on runtime.threads() threads."""
-    from qwen_np import fast, runtime
+    """GB/s (stored bytes) of qwen_np.engine.fast.linear's streaming GEMV over `weight`, on runtime.threads() threads."""
+    from qwen_np.engine import fast, runtime
 
     x = np.ones((1, weight.shape[1]), np.float32)
     y = np.empty((1, weight.shape[0]), np.float32)
@@ -128,7 +128,7 @@ def kld_against_stored(folder: str, prompt: np.ndarray, logits: np.ndarray) -> d
     the FP32 model's logits) - an FP32 copy of Qwen3-8B would not fit in RAM.
     """
     import qwen_np
-    from qwen_np.divergence import Comparison
+    from qwen_np.precision.divergence import Comparison
 
     reference = qwen_np.load_model(folder, memory="bf16", max_tokens=len(prompt))
     comparison = Comparison()
@@ -138,13 +138,13 @@ def kld_against_stored(folder: str, prompt: np.ndarray, logits: np.ndarray) -> d
 
 
 def weight_stream_seconds(model: Any) -> float:
-    """One token's products alone: every weight matrix through qwen_np.fast.linear, back to back.
+    """One token's products alone: every weight matrix through qwen_np.engine.fast.linear, back to back.
 
     Bandwidth depends on where in physical memory an array lands (it varies from allocation to
     allocation in this VM, 48-73 GB/s), so the 1 GiB test matrix can read slower or faster than the
     model's own weights; this measures the weights where they actually are.
     """
-    from qwen_np import fast, runtime
+    from qwen_np.engine import fast, runtime
 
     matrices = [w for layer in model.layers for w in vars(layer).values() if w.ndim == 2] + [model.lm_head]
     inputs = {n: np.ones((1, n), np.float32) for n in {w.shape[1] for w in matrices}}
@@ -212,8 +212,8 @@ def run_llama_cpp(gguf: Path, prefill: int, decode: int, threads: int) -> dict[s
 
 def main(argv: list[str]) -> None:
     engine, folder, mode, prefill, decode, threads = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5])
-    from qwen_np import runtime
-    from qwen_np.config import load_config
+    from qwen_np.engine import runtime
+    from qwen_np.core.config import load_config
 
     from .checkpoints import gguf_path
 
@@ -223,8 +223,8 @@ def main(argv: list[str]) -> None:
     gguf = gguf_path(Path(folder), mode)
     read_into_page_cache([gguf] if engine == "llama.cpp" else sorted(Path(folder).glob("*.safetensors")))
     if engine.startswith("qwen_np") and mode == "fp32":
-        from qwen_np.checkpoint import Checkpoint
-        from qwen_np.weight_cache import load_fp32
+        from qwen_np.files.checkpoint import Checkpoint
+        from qwen_np.engine.weight_cache import load_fp32
 
         load_fp32(Checkpoint(folder, config))      # builds the FP32 weight cache if missing, and leaves it in the page cache
     result["blas"] = [{key: info.get(key) for key in ("internal_api", "architecture", "num_threads", "version")}

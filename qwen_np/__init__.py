@@ -1,7 +1,27 @@
-"""qwen_np: the Qwen3 dense decoder in pure NumPy, exact to transformers' Qwen3ForCausalLM in FP32."""
+"""qwen_np: the Qwen3 dense decoder in pure NumPy, exact to transformers' Qwen3ForCausalLM in FP32.
+
+The package by concern, from what a student reads first to what a user types (imports run one way,
+down this list's reverse: commands may import everything, numbers nothing of qwen_np but errors):
+
+    core/        Qwen3 itself: config, layers (the math), model (the network), kv_cache, sampling
+    numbers/     weight kinds (numerics) and number formats (formats)
+    files/       checkpoints, GGUF files, the tokenizer and chat template, one opened model's files
+    engine/      running it fast: threads, the memory plan, the fast twin, load_model
+    generation/  the decode loop, speculative decoding, continuous batching
+    training/    the backward pass, a training step, runs, data, evaluation
+    precision/   the precision lab and its KL statistics
+    inspection/  shapes, traces, lens, attention views, the machine's topology and bandwidth
+    serving/     the OpenAI-compatible HTTP API and the web explorer
+    commands/    the CLI, one module per command (cli.py assembles them)
+
+The public names below are imported when first used (PEP 562), so `python -m qwen_np --help` does not
+pay for NumPy, ml_dtypes and the model code it never runs.
+"""
 
 import os
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 # Before NumPy loads OpenBLAS, which reads this once: its idle threads spin for 2^28 cycles (~0.1 s)
 # after each call it threads before they sleep, and while they spin they take the cores from what
@@ -11,14 +31,30 @@ from importlib.metadata import PackageNotFoundError, version
 # NumPy was imported first (a library user's script) it stays OpenBLAS's default; the CLI imports us first.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "18")
 
+from .errors import QwenNPError  # noqa: E402, F401  (light: no NumPy; in __all__ below)
 
-from .config import PRESETS, Qwen3Config, load_config, parameter_count, preset
-from .errors import QwenNPError
-from .loading import load_model
-from .model import KVCache, Qwen3Model
+# public name -> the module that defines it
+_PUBLIC = {
+    "KVCache": "qwen_np.core.kv_cache", "PRESETS": "qwen_np.core.config", "Qwen3Config": "qwen_np.core.config",
+    "Qwen3Model": "qwen_np.core.model", "load_config": "qwen_np.core.config", "parameter_count": "qwen_np.core.config",
+    "preset": "qwen_np.core.config", "load_model": "qwen_np.engine.loading",
+    "loss_and_gradients": "qwen_np.training.step",
+}
 
-__all__ = ["KVCache", "PRESETS", "Qwen3Config", "Qwen3Model", "QwenNPError", "load_config", "load_model",
-           "parameter_count", "preset"]
+__all__ = sorted([*_PUBLIC, "QwenNPError"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(import_module(_PUBLIC[name]), name)
+        globals()[name] = value          # found once, then a plain attribute
+        return value
+    raise AttributeError(f"module 'qwen_np' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
+
 
 try:
     __version__ = version("qwen_np")      # pyproject.toml's, the one place it is written

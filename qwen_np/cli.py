@@ -15,7 +15,8 @@ from typing import NoReturn
 
 import numpy as np
 
-from . import __version__, runtime
+from . import __version__
+from .engine import runtime
 from .commands import evaluate, export, generate, hardware, inspect, precision, serve, train
 from .commands.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from .errors import QwenNPError

@@ -8,9 +8,9 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from qwen_np.checkpoint import save_checkpoint
-from qwen_np.config import expected_tensors
-from qwen_np.tokenizer import Tokenizer
+from qwen_np.files.checkpoint import save_checkpoint
+from qwen_np.core.config import expected_tensors
+from qwen_np.files.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # The bundled default model: a tiny Qwen3 trained on Shakespeare, its own 2,048-token BPE, no chat template.
@@ -46,7 +46,7 @@ TINY_CONFIG = {
 def write_random_checkpoint(folder: Path, seed: int = 0, shards: int = 1, dtype: str = "BF16",
                             **overrides: object) -> Path:
     """A Qwen3 checkpoint with random weights (norm weights random too, so q/k norm bugs show)."""
-    from qwen_np.config import Qwen3Config
+    from qwen_np.core.config import Qwen3Config
 
     config_json = {**TINY_CONFIG, **overrides}
     config = Qwen3Config.from_dict(config_json)
@@ -74,7 +74,7 @@ def make_checkpoint(tmp_path: Path) -> Callable[..., Path]:
 def no_weight_cache_in_home() -> Iterator[None]:
     """No test writes an FP32 weight cache into the user's cache folder (a full-width test model is
     2.5 GB in FP32): the cache is off unless a test turns it on in a folder of its own."""
-    from qwen_np.weight_cache import CACHE_ENV
+    from qwen_np.engine.weight_cache import CACHE_ENV
 
     patch = pytest.MonkeyPatch()
     patch.setenv(CACHE_ENV, "off")
@@ -92,7 +92,7 @@ def tok() -> Tokenizer:
 def steady_threads() -> Iterator[None]:
     """Every test runs with the thread count it sets, however busy the machine is (runtime.adapt_to_load
     would use fewer while other processes run: tests/test_runtime.py tests that)."""
-    from qwen_np import runtime
+    from qwen_np.engine import runtime
 
     with runtime.steady_threads():
         yield

@@ -9,10 +9,10 @@ import threading
 import pytest
 
 from qwen_np import load_model
-from qwen_np.batching import BatchGenerator, BatchRunner, Request
+from qwen_np.generation.batching import BatchGenerator, BatchRunner, Request
 from qwen_np.errors import QwenNPError
-from qwen_np.generate import StopStrings, TokenEvent, generate
-from qwen_np.sampling import SamplingParams
+from qwen_np.generation.generate import StopStrings, TokenEvent, generate
+from qwen_np.core.sampling import SamplingParams
 from conftest import QWEN3_RANDOM
 
 GREEDY = SamplingParams(temperature=0)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import qwen_np
-from qwen_np import precision
-from qwen_np.config import LAYER_MATRICES
-from qwen_np.formats import HELD_FORMATS, FormatRows
-from qwen_np.memory import plan_memory, weight_bytes
+from qwen_np.precision import lab as precision
+from qwen_np.core.config import LAYER_MATRICES
+from qwen_np.numbers.formats import HELD_FORMATS, FormatRows
+from qwen_np.engine.memory import plan_memory, weight_bytes
 
 gguf = pytest.importorskip("gguf")            # ggml's own Python library: the reference quantizers
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qwen_np.errors import QwenNPError
-from qwen_np.tokenizer import ChatDelta, Tokenizer, chat_delta, split_thinking
+from qwen_np.files.tokenizer import ChatDelta, Tokenizer, chat_delta, split_thinking
 from conftest import QWEN3_RANDOM
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from qwen_np import QwenNPError, load_model
-from qwen_np.checkpoint import read_header
-from qwen_np.numerics import bf16_bits_to_f32, f32_to_bf16_bits
+from qwen_np.files.checkpoint import read_header
+from qwen_np.numbers.numerics import bf16_bits_to_f32, f32_to_bf16_bits
 
 
 def test_bf16_upcast_is_exact_for_all_65536_bit_patterns():
@@ -184,8 +184,8 @@ def test_index_naming_a_tensor_its_shard_lacks_is_reported(make_checkpoint):
 def test_pickled_checkpoints_are_never_loaded(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04 not really a pickle")
-    from qwen_np.checkpoint import Checkpoint
-    from qwen_np.config import Qwen3Config
+    from qwen_np.files.checkpoint import Checkpoint
+    from qwen_np.core.config import Qwen3Config
     with pytest.raises(QwenNPError, match="only safetensors checkpoints are read"):
         Checkpoint(tmp_path, Qwen3Config())
 

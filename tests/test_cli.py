@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qwen_np.commands.generate import ReplyWriter
-from qwen_np.tokenizer import Tokenizer
+from qwen_np.files.tokenizer import Tokenizer
 from conftest import BUNDLED, QWEN3_RANDOM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,9 +242,9 @@ def test_a_config_with_more_layers_than_its_weights_is_one_line_before_anything_
 
 def poisoned_checkpoint(folder: Path, tensor: str, value: float) -> Path:
     """The Qwen3 fixture with the first weight of `tensor` set to `value` (NaN or Inf)."""
-    from qwen_np.checkpoint import Checkpoint, save_checkpoint
-    from qwen_np.config import load_config
-    from qwen_np.numerics import upcast
+    from qwen_np.files.checkpoint import Checkpoint, save_checkpoint
+    from qwen_np.core.config import load_config
+    from qwen_np.numbers.numerics import upcast
 
     stored = Checkpoint(QWEN3_RANDOM, load_config(QWEN3_RANDOM))
     tensors = {name: upcast(stored.read(name)) for name in stored.tensors}

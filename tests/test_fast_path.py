@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import qwen_np
-from qwen_np import fast, runtime
-from qwen_np import numerics
-from qwen_np.numerics import Panels, StoredRows, held, panels, upcast
+from qwen_np.engine import fast, runtime
+from qwen_np.numbers import numerics
+from qwen_np.numbers.numerics import Panels, StoredRows, held, panels, upcast
 
 RTOL = 1e-5
 # (name, config overrides): GQA groups 1/2/4, head_dim above and below D/H, tied and untied heads.
@@ -344,7 +344,7 @@ def test_auto_holds_fp32_as_panels_in_a_fast_model_and_fp32_by_name_as_arrays(ch
 def test_one_decode_attention_for_sequences_of_different_lengths_in_runs_gives_each_its_own() -> None:
     """A batch's decoding sequences share one softmax array, padded past each one's keys: every row must
     still get layers.attention over its own keys, whatever their lengths and however they are split in runs."""
-    from qwen_np import layers
+    from qwen_np.core import layers
 
     rng = np.random.default_rng(5)
     H, KVH, Dh = 8, 2, 16

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 from qwen_np import QwenNPError
-from qwen_np.formats import (
-    FORMATS, bits_per_weight, storage_bytes, dequantize_int8_rows, dequantize_q4_0, dequantize_q8_0, get_format,
-    quantize_fp8_e4m3, quantize_int8_rows, quantize_mxfp4, quantize_q4_0, quantize_q8_0, round_trip,
-)
+from qwen_np.numbers.formats import (FORMATS, bits_per_weight, storage_bytes, dequantize_int8_rows, dequantize_q4_0,
+                                     dequantize_q8_0, get_format, quantize_fp8_e4m3, quantize_int8_rows, quantize_mxfp4,
+                                     quantize_q4_0, quantize_q8_0, round_trip)
 
 SCALED = [f for f in FORMATS if f not in ("fp32", "fp16", "bf16")]
 BLOCKED = ["q8_0", "q4_0", "mxfp4"]

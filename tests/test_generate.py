@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 
-import qwen_np.generate as generation
+import qwen_np.generation.generate as generation
 from qwen_np import load_model
 from qwen_np.errors import QwenNPError
-from qwen_np.generate import ChatSession, GenerationStats, context_budget, generate, prompt_ids, resolve_sampling
-from qwen_np.loading import read_generation_defaults
-from qwen_np.sampling import SamplingParams
-from qwen_np.tokenizer import Tokenizer, chat_delta
+from qwen_np.generation.generate import ChatSession, GenerationStats, context_budget, generate, prompt_ids, resolve_sampling
+from qwen_np.files.model_files import read_generation_defaults
+from qwen_np.core.sampling import SamplingParams
+from qwen_np.files.tokenizer import Tokenizer, chat_delta
 from conftest import QWEN3_RANDOM
 
 GREEDY = SamplingParams(temperature=0)
@@ -223,7 +223,7 @@ class ScriptedModel:
         self.config, self.prompt_length, self.script = config, prompt_length, script
 
     def new_cache(self, max_tokens: int, dtype: str = "fp32"):
-        from qwen_np.model import KVCache
+        from qwen_np.core.model import KVCache
         return KVCache(self.config, max_tokens, dtype)
 
     def forward(self, ids, cache, trace=None, last_only=False):
@@ -244,7 +244,7 @@ def test_streamed_text_never_splits_a_character(model, tok) -> None:
 
 def test_the_start_check_passes_finite_weights_and_names_the_layer_of_a_nan(make_checkpoint) -> None:
     """finite.check_weights_finite, what serve runs before it listens: one token through every layer."""
-    from qwen_np.finite import check_weights_finite
+    from qwen_np.engine.finite import check_weights_finite
 
     model = load_model(make_checkpoint(), memory="fp32")
     check_weights_finite(model)

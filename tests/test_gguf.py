@@ -18,12 +18,12 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, TokenType
 import gguf
 
 from qwen_np import QwenNPError, Qwen3Model, load_model
-from qwen_np.config import LAYER_TENSORS, MODEL_TENSORS
-from qwen_np.formats import round_trip
-from qwen_np.gguf_file import GGUFCheckpoint, _gguf_name, write_gguf, write_gguf_tensors
-from qwen_np.loading import open_checkpoint, read_config, read_generation_defaults, read_tokenizer
-from qwen_np.numerics import upcast
-from qwen_np.sampling import SamplingParams
+from qwen_np.core.config import LAYER_TENSORS, MODEL_TENSORS
+from qwen_np.numbers.formats import round_trip
+from qwen_np.files.gguf_file import GGUFCheckpoint, _gguf_name, write_gguf, write_gguf_tensors
+from qwen_np.files.model_files import open_checkpoint, read_config, read_generation_defaults, read_tokenizer
+from qwen_np.numbers.numerics import upcast
+from qwen_np.core.sampling import SamplingParams
 from conftest import BUNDLED, QWEN3_RANDOM, ROOT, write_random_checkpoint
 
 PROMPT = [5, 17, 300, 42, 1999, 7, 7, 64, 1024, 3]
@@ -338,7 +338,7 @@ def test_a_bad_gguf_on_the_cli_is_one_error_line_and_exit_2(tmp_path) -> None:
 def test_a_q8_0_or_q4_0_gguf_kept_as_stored_holds_its_blocks_not_fp32(source: Path, tmp_path: Path, file_type: str) -> None:
     """--memory bf16 ("as stored") on a Q8_0/Q4_0 file: the file's blocks (views, not copies), the same parts and logits as
     quantizing the source checkpoint at load (--memory q8_0/q4_0), and the plan counts the file's bytes."""
-    from qwen_np.formats import FormatRows
+    from qwen_np.numbers.formats import FormatRows
 
     path = export(source, tmp_path / f"m-{file_type}.gguf", file_type)
     from_file = load_model(path, memory="bf16")

@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen_np import gradients, layers
-from qwen_np.config import Qwen3Config
-from qwen_np.loading import load_model
-from qwen_np.trainer import init_parameters, model_from_parameters
-from qwen_np.training import loss_and_gradients
+from qwen_np.training import gradients
+from qwen_np.core import layers
+from qwen_np.core.config import Qwen3Config
+from qwen_np.engine.loading import load_model
+from qwen_np.training.trainer import init_parameters, model_from_parameters
+from qwen_np.training.step import loss_and_gradients
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gradients"
 GRADIENT_FIXTURES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())

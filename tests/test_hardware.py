@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_np import hardware
+from qwen_np.inspection import hardware
 from qwen_np.cli import main
 
 

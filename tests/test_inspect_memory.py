@@ -10,7 +10,7 @@ from qwen_np import preset
 from qwen_np.cli import main
 from qwen_np.errors import QwenNPError
 from qwen_np.inspection import inspect_report
-from qwen_np.memory import attention_probabilities, kv_cache_bytes_per_token, training_memory, training_total
+from qwen_np.engine.memory import attention_probabilities, kv_cache_bytes_per_token, training_memory, training_total
 
 BANDWIDTH = 10e9
 

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ROOT
 from qwen_np import PRESETS, QwenNPError, load_config, load_model, preset
-from qwen_np.config import expected_tensors
+from qwen_np.core.config import expected_tensors
 from qwen_np.inspection import (STEPS, Tracer, attention_view, attention_weights, dimensions, forward_flops,
                                 inspect_command, inspect_report, lens_probabilities, logit_lens, resolve,
                                 weight_tensors)
@@ -132,7 +132,7 @@ def test_inspect_json_parses_and_holds_the_same_data():
     report = json.loads(inspect_command(preset("qwen3-0.6b"), 3, True, "qwen3-0.6b"))
     assert report["parameters"]["total"] == 596_049_920
     assert [s["name"] for s in report["steps"]] == [step.name for step in STEPS]
-    assert report["steps"][0]["code"] == "qwen_np.layers.embed"
+    assert report["steps"][0]["code"] == "qwen_np.core.layers.embed"
     assert report["this_machine"]["bandwidth_bytes_per_s"] > 0
     assert set(report["this_machine"]["plans"]) == {"fp32", "bf16", "int8", "q8_0", "q4_0"}
 
@@ -279,7 +279,7 @@ def test_presets_all_inspect_in_text_and_json():
 def test_token_text_shows_the_bytes_of_a_token_that_is_part_of_a_character():
     from qwen_np.inspection import token_text
     from qwen_np.inspection.text import token_bytes
-    from qwen_np.tokenizer import Tokenizer
+    from qwen_np.files.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random")
     ids = tokenizer.encode("𓀀")                        # one character (4 UTF-8 bytes), 3 byte-level tokens

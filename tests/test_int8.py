@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 import qwen_np
-from qwen_np import QwenNPError, fast, loading, preset
-from qwen_np.config import LAYER_MATRICES, expected_tensors
-from qwen_np.formats import quantize_int8_rows, round_trip
-from qwen_np.memory import GiB, plan_memory
-from qwen_np.model import Qwen3Model
-from qwen_np.numerics import Int8Rows
+from qwen_np import QwenNPError, preset
+from qwen_np.engine import fast, loading
+from qwen_np.core.config import LAYER_MATRICES, expected_tensors
+from qwen_np.numbers.formats import quantize_int8_rows, round_trip
+from qwen_np.engine.memory import GiB, plan_memory
+from qwen_np.core.model import Qwen3Model
+from qwen_np.numbers.numerics import Int8Rows
 
 PROMPT = np.array([5, 17, 3, 88, 42, 9, 61, 0, 95, 33, 7, 70])
 
@@ -94,11 +95,11 @@ def test_quantizing_blocks_of_rows_on_threads_equals_the_whole(threads: int, mon
     monkeypatch.setattr(loading, "QUANTIZE_BLOCK_ROWS", 7)        # 40 rows over 3 threads: parts of 13-14 rows
     w = np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32)
     codes, scale = np.empty((40, 64), np.int8), np.empty(40, np.float32)
-    qwen_np.runtime.set_threads(threads)
+    qwen_np.engine.runtime.set_threads(threads)
     try:
         loading.quantize_int8_into(w, codes, scale)
     finally:
-        qwen_np.runtime.set_threads(None)
+        qwen_np.engine.runtime.set_threads(None)
     want_codes, want_scale = quantize_int8_rows(w)
     np.testing.assert_array_equal(codes, want_codes)
     np.testing.assert_array_equal(scale, want_scale)
@@ -111,12 +112,12 @@ def test_fast_int8_product_splits_rows_and_scales_outputs(threads: int, monkeypa
     weight = Int8Rows(*quantize_int8_rows(rng.standard_normal((37, 64)).astype(np.float32)))
     x = rng.standard_normal((3, 64)).astype(np.float32)
     out = np.empty((3, 37), np.float32)
-    qwen_np.runtime.set_threads(threads)
+    qwen_np.engine.runtime.set_threads(threads)
     try:
-        with qwen_np.runtime.single_threaded_blas():
+        with qwen_np.engine.runtime.single_threaded_blas():
             fast.linear(x, weight, out)
     finally:
-        qwen_np.runtime.set_threads(None)
+        qwen_np.engine.runtime.set_threads(None)
     want = x.astype(np.float64) @ (weight.codes * weight.scale[:, None].astype(np.float64)).T
     assert np.abs(out - want).max() < 1e-5 * np.abs(want).max()
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from qwen_np import load_model
-from qwen_np.batching import BatchGenerator, Request
-from qwen_np.divergence import Comparison
+from qwen_np.generation.batching import BatchGenerator, Request
+from qwen_np.precision.divergence import Comparison
 from qwen_np.errors import QwenNPError
-from qwen_np.generate import generate
-from qwen_np.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache, block_bytes
-from qwen_np.memory import parse_size
-from qwen_np.sampling import SamplingParams
-from qwen_np.tokenizer import Tokenizer
+from qwen_np.generation.generate import generate
+from qwen_np.core.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache, block_bytes
+from qwen_np.engine.memory import parse_size
+from qwen_np.core.sampling import SamplingParams
+from qwen_np.files.tokenizer import Tokenizer
 from conftest import BUNDLED, QWEN3_RANDOM
 
 GREEDY = SamplingParams(temperature=0)

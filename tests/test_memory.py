@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from qwen_np import QwenNPError, preset
-from qwen_np.memory import GiB, kv_cache_bytes_per_token, plan_memory
-from qwen_np.runtime import allocate
+from qwen_np.engine.memory import GiB, kv_cache_bytes_per_token, plan_memory
+from qwen_np.engine.runtime import allocate
 
 QWEN3_8B = preset("qwen3-8b")
 

@@ -8,10 +8,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qwen_np import gradients, layers, mixed, training
+from qwen_np.training import gradients, mixed, step as training
+from qwen_np.core import layers
 from qwen_np.errors import QwenNPError
-from qwen_np.formats import round_trip
-from qwen_np.loading import load_model
+from qwen_np.numbers.formats import round_trip
+from qwen_np.engine.loading import load_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gradients"
 BUNDLED = Path(__file__).parent.parent / "weights"

@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from qwen_np import QwenNPError, layers, load_model
-from qwen_np.numerics import StoredRows
+from qwen_np import QwenNPError, load_model
+from qwen_np.core import layers
+from qwen_np.numbers.numerics import StoredRows
 
 IDS = np.array([5, 17, 42, 3, 3, 88, 61, 0, 95, 12, 7, 30, 64, 2, 9, 50])
 
@@ -183,7 +184,7 @@ def test_layer_weights_hold_exactly_the_tensors_of_the_one_table() -> None:
     """model.LayerWeights and config.LAYER_TENSORS name the same tensors, in the same order."""
     from dataclasses import fields
 
-    from qwen_np.config import LAYER_TENSORS
-    from qwen_np.model import LayerWeights
+    from qwen_np.core.config import LAYER_TENSORS
+    from qwen_np.core.model import LayerWeights
 
     assert [f.name for f in fields(LayerWeights)] == list(LAYER_TENSORS)

@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 
 import qwen_np
-from qwen_np import QwenNPError, divergence, memory, precision, preset
+from qwen_np import QwenNPError, preset
+from qwen_np.precision import divergence, lab as precision
+from qwen_np.engine import memory
 from qwen_np.cli import main
 from qwen_np.commands.comparison import compare_formats_text
-from qwen_np.config import expected_tensors, load_config, parameter_count
-from qwen_np.divergence import Comparison
-from qwen_np.evaluation import encoded_documents
-from qwen_np.formats import round_trip
-from qwen_np.tokenizer import Tokenizer
+from qwen_np.core.config import expected_tensors, load_config, parameter_count
+from qwen_np.precision.divergence import Comparison
+from qwen_np.training.evaluation import encoded_documents
+from qwen_np.numbers.formats import round_trip
+from qwen_np.files.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [np.array([1, 5, 17, 3, 88, 42, 9, 61, 0, 95, 33, 7, 70, 12, 64, 31, 2, 8]), np.array([1, 40, 41, 42, 43, 44])]
@@ -110,7 +112,7 @@ def test_unknown_format_and_a_shape_the_format_cannot_hold_name_the_flag(base, m
 
 
 def test_a_model_too_big_to_hold_twice_in_fp32_is_refused_before_loading(make_checkpoint, monkeypatch) -> None:
-    monkeypatch.setattr("qwen_np.memory.available_memory", lambda: 1024)
+    monkeypatch.setattr("qwen_np.engine.memory.available_memory", lambda: 1024)
     with pytest.raises(QwenNPError, match=r"--compare: comparing holds the model in FP32 twice"):
         precision.load_reference(make_checkpoint(), context=16)
 

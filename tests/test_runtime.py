@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from qwen_np import runtime
+from qwen_np.engine import runtime
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from qwen_np.errors import QwenNPError
-from qwen_np.sampling import (SamplingParams, apply_presence_penalty, apply_repetition_penalty, draw, min_p_filter,
-                              next_token, softmax, top_k_filter, top_p_filter, warp)
+from qwen_np.core.sampling import (SamplingParams, apply_presence_penalty, apply_repetition_penalty, draw, min_p_filter,
+                                   next_token, softmax, top_k_filter, top_p_filter, warp)
 
 V = 1000
 

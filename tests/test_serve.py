@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen_np import serve
+from qwen_np.serving import server as serve
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -501,9 +501,9 @@ def test_a_resent_conversation_reports_its_cached_tokens_and_answers_as_a_cold_r
 def generate_cli_messages(messages: list[dict]) -> list[str]:
     """The greedy reply to `messages` from generate() in this process: no cache shared with the server."""
     from qwen_np import load_model
-    from qwen_np.generate import generate, resolve_sampling
-    from qwen_np.loading import read_generation_defaults
-    from qwen_np.tokenizer import Tokenizer
+    from qwen_np.generation.generate import generate, resolve_sampling
+    from qwen_np.files.model_files import read_generation_defaults
+    from qwen_np.files.tokenizer import Tokenizer
 
     folder = ROOT / MODEL
     model, tok = load_model(folder), Tokenizer.from_folder(folder)
@@ -545,7 +545,7 @@ def test_a_bad_kv_memory_is_one_line_naming_the_flag(env) -> None:
 
 
 def test_a_chat_reply_gives_its_thinking_apart_under_both_names_unless_raw() -> None:
-    from qwen_np.serve import assistant_message
+    from qwen_np.serving.server import assistant_message
 
     reply = "<think>\nLet me think.\n</think>\n\nFour."
     assert assistant_message(reply, True) == {"role": "assistant", "content": "Four.",
@@ -567,9 +567,9 @@ def write_scripted_checkpoint(folder: Path) -> Path:
     reply with thinking comes out of a real server, through the real template and tokenizer."""
     import shutil
 
-    from qwen_np.checkpoint import save_checkpoint
-    from qwen_np.config import Qwen3Config, expected_tensors
-    from qwen_np.tokenizer import Tokenizer
+    from qwen_np.files.checkpoint import save_checkpoint
+    from qwen_np.core.config import Qwen3Config, expected_tensors
+    from qwen_np.files.tokenizer import Tokenizer
 
     config_json = {**json.loads((ROOT / MODEL / "config.json").read_text()), "tie_word_embeddings": False}
     config = Qwen3Config.from_dict(config_json)

@@ -14,16 +14,17 @@ import pytest
 from scipy import stats as scipy_stats
 
 from qwen_np import cli
-from qwen_np.batching import BatchGenerator, Request
-from qwen_np.checkpoint import bundled_model_path
+from qwen_np.generation.batching import BatchGenerator, Request
+from qwen_np.files.checkpoint import bundled_model_path
 from qwen_np.errors import QwenNPError
-from qwen_np.fast import FastQwen3Model
-from qwen_np.generate import ChatSession, GenerationStats, generate
-from qwen_np.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache
-from qwen_np.loading import load_model, read_config, read_tokenizer
-from qwen_np.model import Qwen3Model
-from qwen_np.sampling import SamplingParams, processed_logits, softmax
-from qwen_np.speculative import PromptLookup, accept, check_draft, draft_speculation, lookup_speculation
+from qwen_np.engine.fast import FastQwen3Model
+from qwen_np.generation.generate import ChatSession, GenerationStats, generate
+from qwen_np.core.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache
+from qwen_np.engine.loading import load_model
+from qwen_np.files.model_files import read_config, read_tokenizer
+from qwen_np.core.model import Qwen3Model
+from qwen_np.core.sampling import SamplingParams, processed_logits, softmax
+from qwen_np.generation.speculative import PromptLookup, accept, check_draft, draft_speculation, lookup_speculation
 
 from conftest import QWEN3_RANDOM, write_random_checkpoint
 from reference.logit_match import assert_logits_match
@@ -209,7 +210,7 @@ def test_a_batchs_rows_draft_together_in_one_draft_pass_per_drafted_token(random
 
 
 def test_a_served_draft_reuses_the_prefix_an_earlier_row_filled(random_pair, tok, monkeypatch) -> None:
-    from qwen_np.serve import speculation_over
+    from qwen_np.serving.server import speculation_over
 
     target, draft = random_pair
     pool = BlockPool(target.config, 32, prefix_caching=True)
@@ -227,7 +228,7 @@ def test_a_served_draft_reuses_the_prefix_an_earlier_row_filled(random_pair, tok
 
 
 def test_a_draft_that_catches_up_a_chunk_a_step_drafts_only_once_it_has(random_pair) -> None:
-    from qwen_np.speculative import DraftModel
+    from qwen_np.generation.speculative import DraftModel
 
     target, _ = random_pair
     drafter = DraftModel(target, GREEDY, target.new_cache(64), catch_up=4)

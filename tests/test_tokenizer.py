@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from qwen_np.errors import QwenNPError
-from qwen_np.tokenizer import StreamDecoder, Tokenizer
+from qwen_np.files.tokenizer import StreamDecoder, Tokenizer
 from conftest import QWEN3_RANDOM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -314,7 +314,7 @@ THINKING_REPLIES = ["<think>\nLet me think.\n\n</think>\n\nThe answer is 4.", "p
 
 def _pieces(text: str, rng: Any) -> list[str]:
     """Random pieces of a reply as a model streams it: <think> and </think> whole (each is one token)."""
-    from qwen_np.tokenizer import THINK_CLOSE, THINK_OPEN
+    from qwen_np.files.tokenizer import THINK_CLOSE, THINK_OPEN
 
     pieces, i = [], 0
     while i < len(text):
@@ -334,7 +334,7 @@ def _pieces(text: str, rng: Any) -> list[str]:
 def test_a_streamed_reply_splits_into_reasoning_and_content_as_the_whole_reply_does(text: str) -> None:
     import random
 
-    from qwen_np.tokenizer import ThinkingSplitter, split_thinking
+    from qwen_np.files.tokenizer import ThinkingSplitter, split_thinking
 
     rng = random.Random(0)
     for _ in range(30):

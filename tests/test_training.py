@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen_np import training
+from qwen_np.training import step as training
 from qwen_np.cli import main
-from qwen_np.config import Qwen3Config
-from qwen_np.loading import load_model
-from qwen_np.trainer import (WindowOrder, hf_config, init_parameters, load_state, model_from_parameters, save_state)
+from qwen_np.core.config import Qwen3Config
+from qwen_np.engine.loading import load_model
+from qwen_np.training.trainer import WindowOrder, hf_config, init_parameters, load_state, model_from_parameters, save_state
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gradients"
 SMALL = dict(vocab_size=300, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
@@ -232,7 +232,7 @@ def test_exported_model_gives_transformers_the_same_logits(tmp_path: Path, run_i
         theirs = reference(input_ids=torch.from_numpy(ids)[None]).logits[0].numpy()
     assert np.abs(ours - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    from qwen_np.tokenizer import Tokenizer
+    from qwen_np.files.tokenizer import Tokenizer
     assert tokenizer.encode("Good night, sweet prince.") == Tokenizer.from_folder(folder).encode("Good night, sweet prince.")
 
 
@@ -351,7 +351,7 @@ def test_a_run_stopped_anywhere_and_resumed_is_the_run_never_stopped(
         tmp_path: Path, run_inputs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, where: str, call: int) -> None:
     """8 steps, evaluations at 3, 6 and 8: stopped in the second or the last evaluation, or in the middle of
     an AdamW update, then resumed, the run ends exactly as one that was never stopped."""
-    import qwen_np.trainer as trainer
+    import qwen_np.training.trainer as trainer
 
     data, config = run_inputs
     assert train(tmp_path / "straight", data, config, "--steps", "8") == 0
@@ -458,7 +458,7 @@ def test_an_fp16_overflow_skips_the_step_halves_the_scale_and_is_logged(tmp_path
     each halving the scale, until the gradients fit; then AdamW steps."""
     import functools
 
-    from qwen_np import mixed
+    from qwen_np.training import mixed
 
     data, config = run_inputs
     monkeypatch.setattr(mixed, "LossScaler", functools.partial(mixed.LossScaler, scale=2.0 ** 40))
@@ -472,7 +472,7 @@ def test_an_fp16_overflow_skips_the_step_halves_the_scale_and_is_logged(tmp_path
 
 
 def test_a_library_run_with_an_unknown_precision_is_refused_naming_the_flag() -> None:
-    from qwen_np.trainer import resolve_settings
+    from qwen_np.training.trainer import resolve_settings
 
     with pytest.raises(training.QwenNPError, match="--precision: expected one of fp32, bf16, fp16, fp8, got 'fp4'"):
         resolve_settings({"precision": "fp4"}, "tiny", None)
@@ -481,7 +481,7 @@ def test_a_library_run_with_an_unknown_precision_is_refused_naming_the_flag() ->
 @pytest.mark.parametrize("memory", ["fp32", "bf16", "int8"])
 def test_eval_scores_the_same_with_windows_on_several_threads(memory: str) -> None:
     """eval scores windows on threads of their own (runtime.independent_jobs): the same sum as one by one."""
-    from qwen_np import evaluation
+    from qwen_np.training import evaluation
 
     model = load_model(FIXTURES / "tied_mha", memory=memory)
     rng = np.random.default_rng(5)

@@ -20,13 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen_np import explorer, load_model
-from qwen_np.explorer import filter_stages
+from qwen_np.serving import explorer
+from qwen_np import load_model
+from qwen_np.serving.explorer import filter_stages
 from qwen_np.inspection import STEPS, attention_weights, lens_probabilities
 from qwen_np.inspection.steps import source_line
 from qwen_np.inspection.trace import statistics
-from qwen_np.sampling import SamplingParams, apply_repetition_penalty, warp
-from qwen_np.tokenizer import Tokenizer
+from qwen_np.core.sampling import SamplingParams, apply_repetition_penalty, warp
+from qwen_np.files.tokenizer import Tokenizer
 from test_serve import ROOT, MODEL, assert_openai_error, get, post, serving
 
 pytest.importorskip("starlette")

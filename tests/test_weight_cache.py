@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen_np import load_config, load_model, weight_cache
-from qwen_np.checkpoint import Checkpoint
+from qwen_np import load_config, load_model
+from qwen_np.engine import weight_cache
+from qwen_np.files.checkpoint import Checkpoint
 
 IDS = [3, 17, 5, 60, 2, 41, 9]
 
@@ -210,8 +211,8 @@ def test_the_panel_layout_has_a_cache_file_of_its_own_built_once_with_the_same_l
                                                                                      monkeypatch, capfd):
     """load_model's default holds FP32 as numerics.Panels in a fast model: its cache file holds that
     layout, beside the "rows" file of memory="fp32"; neither load deletes the other's file."""
-    from qwen_np import runtime
-    from qwen_np.numerics import Panels
+    from qwen_np.engine import runtime
+    from qwen_np.numbers.numerics import Panels
 
     monkeypatch.setattr(runtime, "blas_has_small_matrix_kernel", lambda: True)   # Panels on any BLAS kernel
     folder = make_checkpoint(seed=9)

@@ -1,12 +1,12 @@
 """Compression of the Shakespeare BPE at several vocabulary sizes: tokens per character.
 
-For each size, trains ``qwen_np.data.train_tokenizer`` on the train split only and encodes the
+For each size, trains ``qwen_np.training.data.train_tokenizer`` on the train split only and encodes the
 train and validation splits. Fewer tokens per character means shorter sequences (cheaper training,
 more text per context window) but a larger embedding and LM head and rarer tokens to learn; the
 choice itself is by validation loss per character, which needs trained models (this tool only
 reports the compression side).
 
-Per-character figures use ``qwen_np.data.characters`` (separators excluded); the token counts
+Per-character figures use ``qwen_np.training.data.characters`` (separators excluded); the token counts
 include the ``<|endoftext|>`` separators.
 
 Usage: python tools/choose_vocab.py [--sizes 512 1024 2048 4096 8192]
@@ -21,7 +21,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))   # run from a checkout without installing the package
 
-from qwen_np.data import characters, encode_corpus, shakespeare_split, train_tokenizer  # noqa: E402
+from qwen_np.training.data import characters, encode_corpus, shakespeare_split, train_tokenizer  # noqa: E402
 
 
 def main() -> None:

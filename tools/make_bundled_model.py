@@ -26,8 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random"
 sys.path.insert(0, str(REPO_ROOT))   # run from a checkout without installing the package
 
-from qwen_np.checkpoint import save_checkpoint  # noqa: E402
-from qwen_np.config import Qwen3Config, expected_tensors  # noqa: E402
+from qwen_np.files.checkpoint import save_checkpoint  # noqa: E402
+from qwen_np.core.config import Qwen3Config, expected_tensors  # noqa: E402
 
 SEED = 20250429   # Qwen3's release date
 # Norm weights are 1 + spread * N(0, 1) rather than all ones, so every norm affects the output.

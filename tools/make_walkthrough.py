@@ -31,10 +31,10 @@ from walkthrough_common import (BUNDLED_MODEL, DOCS, LAYER, MODEL_CODE, QWEN3_TO
                                 shape_of, shell_quote, step_code, values)
 
 from qwen_np import preset
-from qwen_np.config import parameter_count
+from qwen_np.core.config import parameter_count
 from qwen_np.errors import QwenNPError
 from qwen_np.inspection import STEPS, STEPS_BY_NAME, SYMBOL_MEANINGS, dimensions, token_text  # noqa: F401
-from qwen_np.tokenizer import Tokenizer
+from qwen_np.files.tokenizer import Tokenizer
 from walkthrough_chapter_layers import decoder_layer_data, layer_section, remaining_layers_section, rope_figure_data
 from walkthrough_chapter_numbers import bandwidth_section, formats_section
 from walkthrough_chapter_prediction import kv_cache_section, prediction_section

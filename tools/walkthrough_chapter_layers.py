@@ -7,8 +7,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from qwen_np import layers, preset
-from qwen_np.config import PRESETS, Qwen3Config
+from qwen_np.core import layers
+from qwen_np import preset
+from qwen_np.core.config import PRESETS, Qwen3Config
 from qwen_np.inspection import STEPS, Step, attention_weights, lens_probabilities, token_text
 from walkthrough_common import (ATTENTION_LAYER, LAYER, MODEL_CODE, REAL, Run, code_block, command_stderr,
                                 generate_command, matrix, num, rms, shape_of, step_code, values)

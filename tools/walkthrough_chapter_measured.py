@@ -17,7 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from qwen_np import hardware, layers, preset, trainer
+from qwen_np.inspection import hardware
+from qwen_np.core import layers
+from qwen_np import preset
+from qwen_np.training import trainer
 from qwen_np.commands import hardware as hardware_command
 from qwen_np.inspection.report import _render_memory, memory_breakdown
 import walkthrough_common

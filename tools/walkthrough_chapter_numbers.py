@@ -8,11 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from qwen_np import layers, precision, preset
-from qwen_np.config import parameter_count
-from qwen_np.formats import FORMATS
+from qwen_np.core import layers
+from qwen_np.precision import lab as precision
+from qwen_np import preset
+from qwen_np.core.config import parameter_count
+from qwen_np.numbers.formats import FORMATS
 from qwen_np.inspection import forward_flops, weight_bytes_read_per_token
-from qwen_np.numerics import BYTES_PER_VALUE, bf16_bits_to_f32, f32_to_bf16_bits
+from qwen_np.numbers.numerics import BYTES_PER_VALUE, bf16_bits_to_f32, f32_to_bf16_bits
 from walkthrough_chapter_measured import hardware_part
 from walkthrough_training import below
 from walkthrough_common import EXAMPLE_BANDWIDTH, EXAMPLE_FLOPS, LAYER, REAL, Run, code_block, num, values
@@ -59,7 +61,7 @@ mantissa (the precision).
   does to this model's predictions.
 
 The bits of each floating-point format, and one block of {QUANTIZED_BLOCK} real weights (layer 0's `q_proj`, row 0)
-stored in three of them, with what each loses (`qwen_np.formats`): the largest error is
+stored in three of them, with what each loses (`qwen_np.numbers.formats`): the largest error is
 {", ".join(f"{num(e, 2)} in {fmt}" for fmt, e in errors.items())}, of weights up to
 {num(max(abs(w) for w in run.figures["formats"]["weights"]), 2)}:
 
@@ -119,7 +121,7 @@ BIT_LAYOUTS = {"FP32": (1, 8, 23), "BF16": (1, 8, 7), "FP16": (1, 5, 10), "FP8 E
 def formats_figure_data(run: Run) -> dict[str, Any]:
     """Sign/exponent/mantissa bits per format, and one block of real weights through fp8_e4m3, q8_0 and q4_0.
     No BLAS: quantizing is elementwise, so these digits are the same on every machine."""
-    from qwen_np.formats import get_format
+    from qwen_np.numbers.formats import get_format
 
     weights = np.asarray(run.model.layers[LAYER].q_proj[0, :QUANTIZED_BLOCK], dtype=np.float32)[None, :]  # [1, 32]
     stored = {}

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from qwen_np import layers, preset, sampling
-from qwen_np.config import Qwen3Config, parameter_count
+from qwen_np.core import layers, sampling
+from qwen_np import preset
+from qwen_np.core.config import Qwen3Config, parameter_count
 from qwen_np.inspection import STEPS_BY_NAME, forward_flops, token_text
-from qwen_np.loading import read_generation_defaults
-from qwen_np.memory import kv_cache_bytes_per_token
+from qwen_np.files.model_files import read_generation_defaults
+from qwen_np.engine.memory import kv_cache_bytes_per_token
 from walkthrough_common import (CACHE_TOLERANCE, FIGURE_TEMPERATURES, MODEL_CODE, REAL, SMALL_REAL, Run,
                                 code_block, num, shape_of, step_code)
 

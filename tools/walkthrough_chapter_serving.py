@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from qwen_np.batching import BatchGenerator, Request, Row
+from qwen_np.generation.batching import BatchGenerator, Request, Row
 from qwen_np import load_model
-from qwen_np.generate import GenerationStats, generate
-from qwen_np.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache, block_runs
-from qwen_np.model import Qwen3Model
-from qwen_np.sampling import SamplingParams
-from qwen_np.speculative import DEFAULT_DRAFT_TOKENS, draft_speculation, lookup_speculation
-from qwen_np.tokenizer import Tokenizer
+from qwen_np.generation.generate import GenerationStats, generate
+from qwen_np.core.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache, block_runs
+from qwen_np.core.model import Qwen3Model
+from qwen_np.core.sampling import SamplingParams
+from qwen_np.generation.speculative import DEFAULT_DRAFT_TOKENS, draft_speculation, lookup_speculation
+from qwen_np.files.tokenizer import Tokenizer
 import walkthrough_common
 from walkthrough_common import CACHE_TOLERANCE, PASSAGES, Run, code_block
 from walkthrough_training import TRAIN_TEXT, below
@@ -227,7 +227,7 @@ on the bundled model and prints counts only (no timings: those are the machine's
 
 def notebook_code() -> str:
     """The section's notebook cell: a block table, as a reader builds it."""
-    return f'''from qwen_np.kv_cache import BlockPool, PagedKVCache
+    return f'''from qwen_np.core.kv_cache import BlockPool, PagedKVCache
 pool = BlockPool(model.config, num_blocks={POOL_BLOCKS})
 first, second = PagedKVCache(pool, {GROWN}), PagedKVCache(pool, {GROWN})
 OTHER = {OTHER_TEXT!r}

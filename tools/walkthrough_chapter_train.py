@@ -27,12 +27,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
-from qwen_np import data, evaluation, memory, trainer, training  # noqa: E402
-from qwen_np.config import Qwen3Config, parameter_count  # noqa: E402
-from qwen_np.generate import generate  # noqa: E402
-from qwen_np.model import Qwen3Model  # noqa: E402
-from qwen_np.sampling import SamplingParams  # noqa: E402
-from qwen_np.tokenizer import Tokenizer  # noqa: E402
+from qwen_np.training import data, evaluation, trainer, step as training  # noqa: E402
+from qwen_np.engine import memory  # noqa: E402
+from qwen_np.core.config import Qwen3Config, parameter_count  # noqa: E402
+from qwen_np.generation.generate import generate  # noqa: E402
+from qwen_np.core.model import Qwen3Model  # noqa: E402
+from qwen_np.core.sampling import SamplingParams  # noqa: E402
+from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
 from walkthrough_training import below, mib, rounded  # noqa: E402
 import walkthrough_common  # noqa: E402
 

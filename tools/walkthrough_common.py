@@ -20,11 +20,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))   # run from a checkout without installing the package
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
-from qwen_np import layers, load_model  # noqa: E402
+from qwen_np.core import layers  # noqa: E402
+from qwen_np import load_model  # noqa: E402
 from qwen_np.errors import QwenNPError  # noqa: E402
 from qwen_np.inspection import Step, dimensions, format_shape, resolve, token_text  # noqa: E402
-from qwen_np.model import Qwen3Model  # noqa: E402
-from qwen_np.tokenizer import Tokenizer  # noqa: E402
+from qwen_np.core.model import Qwen3Model  # noqa: E402
+from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
 
 BUNDLED_MODEL = REPO_ROOT / "weights"
 DOCS = REPO_ROOT / "docs"

@@ -343,7 +343,7 @@ model.forward(ids, cache=cache)                                # prefill fills t
 step = model.forward([top[0]], cache=cache)                    # one decode step: T = 1
 full = model.forward(ids + [top[0]])                           # re-running everything
 print(cache.keys.shape, float(np.abs(step[-1] - full[-1]).max()))''',
-    7: '''from qwen_np.numerics import bf16_bits_to_f32, f32_to_bf16_bits
+    7: '''from qwen_np.numbers.numerics import bf16_bits_to_f32, f32_to_bf16_bits
 stored = model.layers[0].q_proj[0, :3]
 bits = f32_to_bf16_bits(stored)
 print([hex(b) for b in bits], bf16_bits_to_f32(bits))''',
@@ -388,7 +388,7 @@ def notebook_cells(page: Any) -> list[tuple[str, str]]:
     from walkthrough_chapter_train import notebook_code as chapter_code
     from walkthrough_training import BATCH, CONTEXT, PRESET, TRAIN_TEXT
 
-    from qwen_np import trainer
+    from qwen_np.training import trainer
 
     settings = trainer.PRESET_SETTINGS[PRESET]
     fill = {"train_text": TRAIN_TEXT, "context": CONTEXT, "batch": BATCH, "warmup": settings["warmup"],
@@ -443,56 +443,56 @@ def notebook_json(page: Any) -> str:
 GLOSSARY = (
     ("batch / 批次", "the B windows one optimizer step averages the gradients of: a [B, T+1] array of token ids; "
      "larger B, steadier gradient, more memory",
-     "qwen_np.trainer.WindowOrder.next_batch", "--batch-size", 11),
+     "qwen_np.training.trainer.WindowOrder.next_batch", "--batch-size", 11),
     ("step / 训练步数", "one optimizer update: batch -> loss -> gradients -> clip -> AdamW; a run is a number of steps",
-     "qwen_np.training.AdamW.update", "--steps", 9),
-    ("epoch / 轮次", "one pass over every training window: N / B steps", "qwen_np.trainer.WindowOrder", "--steps", 11),
+     "qwen_np.training.step.AdamW.update", "--steps", 9),
+    ("epoch / 轮次", "one pass over every training window: N / B steps", "qwen_np.training.trainer.WindowOrder", "--steps", 11),
     ("shuffle / 打乱", "each epoch visits the windows in a new random order, from a new random offset",
-     "qwen_np.trainer.WindowOrder", "--seed", 11),
+     "qwen_np.training.trainer.WindowOrder", "--seed", 11),
     ("train / validation / test split / 训练集 / 验证集 / 测试集",
      "fixed sets of plays: train changes the weights, validation picks the step and the settings, test is "
-     "scored once at the end", "qwen_np.data.shakespeare_split", "--split", 11),
+     "scored once at the end", "qwen_np.training.data.shakespeare_split", "--split", 11),
     ("early stopping / 早停", "stop when validation has not improved for a number of evaluations, keep the best step",
-     "qwen_np.trainer.run", "--patience", 11),
+     "qwen_np.training.trainer.run", "--patience", 11),
     ("overfitting / 过拟合", "training loss falls while validation loss rises: the model memorises its text",
-     "qwen_np.trainer.validate", "--eval-every", 11),
+     "qwen_np.training.trainer.validate", "--eval-every", 11),
     ("checkpoint / 检查点", "a saved state: the weights to run (2 B/parameter, BF16) or everything to resume "
-     "training (12 B/parameter)", "qwen_np.trainer.save_state", "--resume", 11),
+     "training (12 B/parameter)", "qwen_np.training.trainer.save_state", "--resume", 11),
     ("optimizer state / 优化器状态", "AdamW's two moments per parameter and its step count; saved to resume, "
-     "not needed to run", "qwen_np.training.AdamW", "--resume", 11),
+     "not needed to run", "qwen_np.training.step.AdamW", "--resume", 11),
     ("gradient accumulation / 梯度累积", "a batch computed as N micro-batches whose gradients are averaged: the same "
-     "update, 1/N of the activations", "qwen_np.training.loss_and_accumulated_gradients", "--grad-accum", 11),
+     "update, 1/N of the activations", "qwen_np.training.step.loss_and_accumulated_gradients", "--grad-accum", 11),
     ("paged KV cache / block table", "the KV cache in fixed-size blocks from one pool; a sequence's block table says "
      "which block holds which positions, so a server's requests share one memory budget",
-     "qwen_np.kv_cache.PagedKVCache", "--kv-memory", 12),
+     "qwen_np.core.kv_cache.PagedKVCache", "--kv-memory", 12),
     ("prefix caching", "reusing the KV blocks of a prompt's longest prefix seen before (named by a hash of their "
      "tokens), so a shared system prompt or a resent conversation is prefilled once",
-     "qwen_np.kv_cache.BlockPool.lookup", "--kv-memory", 12),
+     "qwen_np.core.kv_cache.BlockPool.lookup", "--kv-memory", 12),
     ("continuous batching", "one forward pass for every running request, which join and leave between any two steps: "
-     "each weight read serves every row", "qwen_np.batching.BatchGenerator", "--max-batch", 12),
+     "each weight read serves every row", "qwen_np.generation.batching.BatchGenerator", "--max-batch", 12),
     ("activations / 激活", "the intermediate arrays of a forward pass; training keeps them for the backward pass",
-     "qwen_np.memory.training_memory", "--grad-accum", 10),
+     "qwen_np.engine.memory.training_memory", "--grad-accum", 10),
     ("recomputation (activation checkpointing)", "keep only each layer's input and run the layer again in the "
      "backward pass: the same gradients for a fraction of the activations, one more forward pass of time",
-     "qwen_np.training.loss_and_gradients", "--recompute", 10),
+     "qwen_np.training.step.loss_and_gradients", "--recompute", 10),
     ("memory / 显存 (here: RAM)", "what a run holds: weights, gradients, optimizer state, activations; on a GPU "
-     "this is its memory", "qwen_np.memory.training_memory", "--batch-size", 10),
+     "this is its memory", "qwen_np.engine.memory.training_memory", "--batch-size", 10),
     ("mixed precision / 混合精度", "training with every matrix product's inputs rounded to a narrow format (BF16, "
-     "FP16, FP8) while the master weights and AdamW stay FP32", "qwen_np.training.loss_and_gradients",
+     "FP16, FP8) while the master weights and AdamW stay FP32", "qwen_np.training.step.loss_and_gradients",
      "--precision", 10),
     ("quantization / 量化", "storing weights in fewer bits (INT8, Q4_0, FP8) with scale factors",
-     "qwen_np.numerics.Int8Rows", "--memory", 7),
+     "qwen_np.numbers.numerics.Int8Rows", "--memory", 7),
     ("KV cache / 缓存", "every layer's keys and values of the tokens so far, so a new token computes only its own",
-     "qwen_np.model.KVCache", "--ctx-size", 6),
+     "qwen_np.core.model.KVCache", "--ctx-size", 6),
     ("CPU cache / 缓存", "small fast memory beside the cores (L1 and L2 each core's own, L3 shared), read several "
-     "times faster than RAM; the weights stream past it, an upcast block stays in it", "qwen_np.hardware.read_rate",
+     "times faster than RAM; the weights stream past it, an upcast block stays in it", "qwen_np.inspection.hardware.read_rate",
      "", 8),
     ("logits", "one score per vocabulary entry; softmax turns them into probabilities",
-     "qwen_np.layers.softmax", "--temperature", 5),
+     "qwen_np.core.layers.softmax", "--temperature", 5),
     ("sampling / 采样", "drawing the next token from the (filtered) probabilities",
-     "qwen_np.sampling.warp", "--top-p", 5),
+     "qwen_np.core.sampling.warp", "--top-p", 5),
     ("chat template / 对话模板", "the layout a chat model's prompt must follow; `--no-chat` skips it",
-     "qwen_np.tokenizer.Tokenizer.apply_chat_template", "--no-chat", 1),
+     "qwen_np.files.tokenizer.Tokenizer.apply_chat_template", "--no-chat", 1),
 )
 
 

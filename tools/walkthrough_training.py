@@ -1,5 +1,5 @@
 """The walkthrough's training chapters: one optimizer step on the bundled model, and what training holds
-in memory and in a checkpoint. Every number comes from running qwen_np.training / qwen_np.trainer."""
+in memory and in a checkpoint. Every number comes from running qwen_np.training.step / qwen_np.training.trainer."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from qwen_np import load_model, memory, preset, trainer, training
-from qwen_np.config import Qwen3Config, parameter_count
-from qwen_np.precision import PASSAGE
-from qwen_np.tokenizer import Tokenizer
+from qwen_np import load_model, preset
+from qwen_np.engine import memory
+from qwen_np.training import trainer, step as training
+from qwen_np.core.config import Qwen3Config, parameter_count
+from qwen_np.precision.lab import PASSAGE
+from qwen_np.files.tokenizer import Tokenizer
 from walkthrough_chapter_measured import mixed_precision_part, remedies_part
 
 # The text the training step reads: the start of Hamlet's soliloquy, in the training text's layout

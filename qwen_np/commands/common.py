@@ -7,15 +7,15 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
-from .. import runtime
-from ..checkpoint import bundled_model_path, resolve_model_path
+from ..engine import runtime
+from ..files.checkpoint import bundled_model_path, resolve_model_path
 from ..errors import QwenNPError
-from ..config import Qwen3Config
-from ..kv_cache import KV_DTYPES
-from ..loading import check_draft_folder, load_draft
-from ..speculative import DEFAULT_DRAFT_TOKENS, Speculation, draft_speculation, lookup_speculation
-from ..tokenizer import Tokenizer
-from ..memory import DEFAULT_CONTEXT, MODES
+from ..core.config import Qwen3Config
+from ..core.kv_cache import KV_DTYPES
+from ..generation.speculative import check_draft_folder, load_draft
+from ..generation.speculative import DEFAULT_DRAFT_TOKENS, Speculation, draft_speculation, lookup_speculation
+from ..files.tokenizer import Tokenizer
+from ..engine.memory import DEFAULT_CONTEXT, MODES
 
 EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIGINT, as shells report it)
 BUNDLED_MODEL = bundled_model_path()

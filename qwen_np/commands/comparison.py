@@ -10,8 +10,8 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from .. import precision
-from ..formats import FORMATS
+from ..precision import lab as precision
+from ..numbers.formats import FORMATS
 
 
 def add_compare_argument(parser: argparse.ArgumentParser) -> None:

@@ -10,10 +10,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .. import evaluation, precision
+from ..training import evaluation
+from ..precision import lab as precision
 from ..errors import QwenNPError
-from ..finite import check_finite
-from ..loading import load_model, read_config, read_tokenizer
+from ..engine.finite import check_finite
+from ..engine.loading import load_model
+from ..files.model_files import read_config, read_tokenizer
 from . import common
 from .comparison import add_compare_argument, compare_formats_text
 

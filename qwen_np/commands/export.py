@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from ..errors import QwenNPError
-from ..gguf_file import FILE_TYPES, write_gguf
-from ..loading import open_checkpoint, read_generation_defaults, read_tokenizer
+from ..files.gguf_file import FILE_TYPES, write_gguf
+from ..files.model_files import open_checkpoint, read_generation_defaults, read_tokenizer
 from . import common
 
 

@@ -17,19 +17,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
-from ..batching import BatchGenerator, Request
-from ..kv_cache import BlockPool, blocks_for
-from ..config import Qwen3Config
+from ..generation.batching import BatchGenerator, Request
+from ..core.kv_cache import BlockPool, blocks_for
+from ..core.config import Qwen3Config
 from ..errors import QwenNPError
-from ..finite import check_weights_finite
-from ..generate import (ChatSession, Continuation, GenerationDefaults, GenerationStats, TokenEvent, context_budget,
-                        generate, prompt_ids, resolve_sampling)
-from ..loading import load_model, read_config, read_generation_defaults, read_tokenizer
-from ..memory import DEFAULT_CONTEXT
-from ..model import Qwen3Model, Trace
-from ..sampling import SamplingParams
-from ..speculative import Speculation, usage_fields
-from ..tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer, split_thinking
+from ..engine.finite import check_weights_finite
+from ..generation.generate import (ChatSession, Continuation, GenerationStats, TokenEvent, context_budget, generate,
+                                   prompt_ids, resolve_sampling)
+from ..files.model_files import GenerationDefaults
+from ..engine.loading import load_model
+from ..files.model_files import read_config, read_generation_defaults, read_tokenizer
+from ..engine.memory import DEFAULT_CONTEXT
+from ..core.model import Qwen3Model, Trace
+from ..core.sampling import SamplingParams
+from ..generation.speculative import Speculation, usage_fields
+from ..files.tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer, split_thinking
 from . import common
 
 BUNDLED_NOTICE = ("note: using the bundled model, a tiny Qwen3 that qwen_np trained on Shakespeare's plays: it continues "

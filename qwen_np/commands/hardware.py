@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from .. import hardware
-from ..config import preset
+from ..inspection import hardware
+from ..core.config import preset
 from ..errors import QwenNPError
 
 MODELS = ("qwen3-0.6b", "qwen3-8b")

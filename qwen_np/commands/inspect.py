@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, download
-from ..config import Qwen3Config, preset
-from ..loading import read_config
+from ..files.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, download
+from ..core.config import Qwen3Config, preset
+from ..files.model_files import read_config
 from . import common
 
 

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import precision
+from ..precision import lab as precision
 from ..errors import QwenNPError
-from ..formats import FORMATS
-from ..memory import GiB
+from ..numbers.formats import FORMATS
+from ..engine.memory import GiB
 from . import common
 from .comparison import progress_bar
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise QwenNPError("--png: needs matplotlib (pip install 'qwen_np[plot]')")
     folder = common.model_folder(args.model)
     if args.text:
-        from ..data import read_text
+        from ..training.data import read_text
 
         text, text_name = read_text(args.text), args.text
     else:

@@ -7,11 +7,11 @@ import os
 import socket
 import sys
 
-from .. import serve
+from ..serving import server as serve
 from ..errors import QwenNPError
-from ..loading import read_config, read_tokenizer
-from ..memory import DEFAULT_CONTEXT, parse_size
-from ..speculative import DEFAULT_DRAFT_TOKENS
+from ..files.model_files import read_config, read_tokenizer
+from ..engine.memory import DEFAULT_CONTEXT, parse_size
+from ..generation.speculative import DEFAULT_DRAFT_TOKENS
 from . import common
 
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import trainer
-from ..mixed import PRECISIONS, LossScaler
-from ..memory import training_total
-from ..runtime import peak_rss_bytes
+from ..training import trainer
+from ..training.mixed import PRECISIONS, LossScaler
+from ..engine.memory import training_total
+from ..engine.runtime import peak_rss_bytes
 
 
 # The help of Settings' on/off fields (their flags come with a --no- form).

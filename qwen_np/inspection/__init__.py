@@ -14,8 +14,8 @@ from them, so the three can never disagree about what the model does.
     figures.py    labelled heatmaps (matplotlib)
 """
 
-from ..config import DIMENSIONS as SYMBOL_MEANINGS
-from ..config import dimensions, evaluate, resolve
+from ..core.config import DIMENSIONS as SYMBOL_MEANINGS
+from ..core.config import dimensions, evaluate, resolve
 from .attention import attention_view, attention_weights
 from .bandwidth import measure_bandwidth
 from .figures import attention_figure, heatmap_pixels, save_attention_png

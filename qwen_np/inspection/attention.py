@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import QwenNPError
-from ..model import Qwen3Model
+from ..core.model import Qwen3Model
 from .figures import save_attention_png
 from .text import pad, token_text
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..runtime import usable_cores
+from ..engine.runtime import usable_cores
 
 
 def measure_bandwidth(seconds: float = 0.5, nbytes: int = 256 * 1024 ** 2, threads: int | None = None) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import Qwen3Config, dimensions, evaluate, parameter_count, resolve
+from ..core.config import Qwen3Config, dimensions, evaluate, parameter_count, resolve
 from .steps import STEPS, Step
 
 

@@ -6,8 +6,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import layers
-from ..model import Qwen3Model
+from ..core import layers
+from ..core.model import Qwen3Model
 from .text import pad, token_text
 
 

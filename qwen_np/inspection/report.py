@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..config import DIMENSIONS, Qwen3Config, dimensions, evaluate, resolve
+from ..core.config import DIMENSIONS, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
-from ..formats import HELD_FORMATS, bits_per_weight
-from ..memory import (DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
-                      attention_probabilities, kv_cache_bytes_per_token, training_remedies, weight_bytes,
-                      working_bytes)
-from ..numerics import BYTES_PER_VALUE
+from ..numbers.formats import HELD_FORMATS, bits_per_weight
+from ..engine.memory import (DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
+                             attention_probabilities, kv_cache_bytes_per_token, training_remedies, weight_bytes,
+                             working_bytes)
+from ..numbers.numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
 from .steps import STEPS, STEPS_BY_NAME, Shape, Step, format_shape

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .. import layers, model
-from ..config import LAYER_TENSORS, MODEL_TENSORS, Shape
-from ..model import Qwen3Model
+from ..core import layers, model
+from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Shape
+from ..core.model import Qwen3Model
 
 # Trace name of the step that reads a tensor -> that tensor's symbolic shape.
 _WEIGHT_SHAPES = {spec.name.removesuffix(".weight"): spec.shape

@@ -9,7 +9,7 @@ Each folder holds the BF16 checkpoint (config.json, model.safetensors; the weigh
 the FP32 model is the same function) and `reference.npz` with `batch` int64 [B, T+1], `loss` (the
 FP32 loss of Qwen3ForCausalLM(input_ids=batch, labels=batch)) and one `grad/<tensor name>` per
 parameter. Feeding all T+1 tokens with labels gives the same loss and gradients as feeding the first
-T and predicting the last T (causality), which is what qwen_np.training.loss_and_gradients does.
+T and predicting the last T (causality), which is what qwen_np.training.step.loss_and_gradients does.
 """
 
 import shutil
@@ -61,7 +61,7 @@ def make_fixture(name: str, fields: dict, rows: int, length: int, seed: int) -> 
 
 def make_adamw_fixture(path: Path, steps: int = 10) -> None:
     """torch.optim.AdamW's trajectory on two tensors (a decayed matrix, an undecayed vector) over
-    `steps` steps with a changing learning rate: what qwen_np.training.AdamW must reproduce."""
+    `steps` steps with a changing learning rate: what qwen_np.training.step.AdamW must reproduce."""
     import torch
 
     rng = np.random.default_rng(7)

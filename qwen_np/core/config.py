@@ -1,0 +1,294 @@
+"""Qwen3 hyper-parameters: a dataclass read from a checkpoint's config.json, named presets, and the
+one table of the checkpoint's tensors (names and shapes).
+
+Shape comments throughout qwen_np use one dimension vocabulary, defined once here in DIMENSIONS:
+T tokens, S cached positions, D hidden size, H query heads, KVH key/value heads, Dh head_dim,
+F MLP width, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import QwenNPError
+
+DIMENSIONS = {
+    "T": "tokens in this forward call",
+    "S": "positions attended to (cached + new; = T without a cache)",
+    "D": "hidden_size: the width of the residual stream",
+    "H": "num_attention_heads: query heads",
+    "KVH": "num_key_value_heads: key/value heads",
+    "Dh": "head_dim: the width of one head (read from config, not D/H)",
+    "F": "intermediate_size: the MLP width",
+    "V": "vocab_size: one logit per token id",
+    "L": "num_hidden_layers: decoder layers",
+}
+Shape = tuple[str, ...]   # a shape in those symbols, e.g. ("H*Dh", "D"); a bare integer string is a constant
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """The fields of config.json that change the forward pass (and a few that describe the model)."""
+
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 151643
+    eos_token_id: int | list[int] | None = 151645
+    torch_dtype: str = "bfloat16"
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that share one key/value head (GQA): query head h reads KV head h // group_size."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """eos_token_id as a list (config.json may hold one id or several)."""
+        return id_list(self.eos_token_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "Qwen3Config":
+        """Validate a config.json dict, in either the original Qwen3 style or the newer transformers style."""
+        _check_supported(raw, source)
+        try:
+            config = cls(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=int(raw["num_attention_heads"]),
+                num_key_value_heads=int(_given(raw, "num_key_value_heads", raw["num_attention_heads"])),
+                # transformers' Qwen3Config defaults head_dim to 128 (not hidden/heads) when absent.
+                head_dim=int(_given(raw, "head_dim", 128)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=_rope_theta(raw, source),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),   # transformers' default
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_id=raw.get("eos_token_id"),
+                # Old files write torch_dtype, transformers >= 4.56 writes dtype.
+                torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
+            )
+        except KeyError as missing:
+            raise QwenNPError(f"{source}: missing required field {missing}") from None
+        except (TypeError, ValueError) as bad:
+            raise QwenNPError(f"{source}: bad value ({bad})") from None
+        config.validate(source)
+        return config
+
+    def validate(self, source: str = "config") -> None:
+        """Reject shapes the network cannot run; every message names the field."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise QwenNPError(f"{source}: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise QwenNPError(f"{source}: num_attention_heads ({self.num_attention_heads}) is not divisible "
+                              f"by num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise QwenNPError(f"{source}: head_dim must be even for RoPE, got {self.head_dim}")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise QwenNPError(f"{source}: rms_norm_eps and rope_theta must be positive")
+
+
+def id_list(ids: int | list[int] | None) -> list[int]:
+    """A token id field of a config file (absent, one id, or a list of ids) as a list."""
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+
+def _given(raw: dict[str, Any], key: str, default: Any) -> Any:
+    """raw[key], or the default when the key is absent or null (0 is a value, and validate() sees it)."""
+    value = raw.get(key)
+    return default if value is None else value
+
+
+def _check_supported(raw: dict[str, Any], source: str) -> None:
+    """Refuse what this implementation does not compute, rather than compute it wrongly."""
+    model_type = raw.get("model_type")
+    if model_type != "qwen3":
+        raise QwenNPError(f"{source}: model_type {model_type!r} is not supported (only dense 'qwen3'; "
+                          "Qwen3-MoE, Qwen2 and others are different networks)")
+    if raw.get("use_sliding_window"):
+        raise QwenNPError(f"{source}: use_sliding_window=true is not supported (every released Qwen3 uses full attention)")
+    layer_types = raw.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise QwenNPError(f"{source}: layer_types must be a list, got {layer_types!r}")
+    if any(kind != "full_attention" for kind in layer_types):
+        raise QwenNPError(f"{source}: layer_types other than 'full_attention' are not supported")
+    if raw.get("attention_bias"):
+        raise QwenNPError(f"{source}: attention_bias=true is not supported (Qwen3 has no q/k/v/o bias)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise QwenNPError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (Qwen3 uses silu)")
+
+
+TRANSFORMERS_DEFAULT_ROPE_THETA = 10000.0
+
+
+def _rope_theta(raw: dict[str, Any], source: str) -> float:
+    """RoPE base from `rope_theta` (Qwen3 as released) or `rope_parameters` (transformers >= 5)."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise QwenNPError(f"{source}: rope_parameters / rope_scaling must be an object or null, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise QwenNPError(f"{source}: rope scaling {rope_type!r} is not supported (only default RoPE; "
+                          "remove rope_scaling to run at the native context length)")
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    # Absent everywhere, transformers falls back to its standard RoPE base 10000 (not Qwen3's 1e6).
+    return float(TRANSFORMERS_DEFAULT_ROPE_THETA if theta is None else theta)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object (config.json, generation_config.json, tokenizer_config.json)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QwenNPError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as bad:     # RecursionError: [[[[...
+        raise QwenNPError(f"{path}: not valid JSON ({bad})") from None
+    if not isinstance(raw, dict):
+        raise QwenNPError(f"{path}: expected a JSON object")
+    return raw
+
+
+def load_config(folder: str | Path) -> Qwen3Config:
+    """Read and validate `folder/config.json` (loading.read_config also reads a GGUF file's)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise QwenNPError(f"{path}: config.json not found (is this a Hugging Face checkpoint folder?)")
+    return Qwen3Config.from_dict(read_json_object(path), source=str(path))
+
+
+# Published shapes of the dense Qwen3 family (the model cards' config.json files), so shapes, parameter counts and memory can be
+# computed with no weights at all.
+PRESETS: dict[str, Qwen3Config] = {
+    "qwen3-0.6b": Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-1.7b": Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-4b": Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-8b": Qwen3Config(),
+    "qwen3-14b": Qwen3Config(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                             num_attention_heads=40, num_key_value_heads=8),
+    "qwen3-32b": Qwen3Config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                             num_attention_heads=64, num_key_value_heads=8),
+}
+
+
+def preset(name: str) -> Qwen3Config:
+    """A named preset ('qwen3-8b', ...); the error lists the known names."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise QwenNPError(f"--preset: unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+# --- The checkpoint's tensors ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor: its Hugging Face name ("{i}" stands for the layer index) and its shape."""
+
+    name: str
+    shape: Shape
+
+
+# Every tensor of one decoder layer, keyed by the attribute name model.LayerWeights gives it. Linear
+# weights are [out, in], as nn.Linear stores them. load_model lays a layer's matrices out in memory
+# in this order, so q|k|v and gate|up lie back to back (the fast path multiplies each as one matrix).
+LAYER_TENSORS: dict[str, TensorSpec] = {
+    "input_layernorm": TensorSpec("model.layers.{i}.input_layernorm.weight", ("D",)),
+    "q_proj": TensorSpec("model.layers.{i}.self_attn.q_proj.weight", ("H*Dh", "D")),
+    "k_proj": TensorSpec("model.layers.{i}.self_attn.k_proj.weight", ("KVH*Dh", "D")),
+    "v_proj": TensorSpec("model.layers.{i}.self_attn.v_proj.weight", ("KVH*Dh", "D")),
+    "q_norm": TensorSpec("model.layers.{i}.self_attn.q_norm.weight", ("Dh",)),   # one weight shared by every head
+    "k_norm": TensorSpec("model.layers.{i}.self_attn.k_norm.weight", ("Dh",)),
+    "o_proj": TensorSpec("model.layers.{i}.self_attn.o_proj.weight", ("D", "H*Dh")),
+    "post_attention_layernorm": TensorSpec("model.layers.{i}.post_attention_layernorm.weight", ("D",)),
+    "gate_proj": TensorSpec("model.layers.{i}.mlp.gate_proj.weight", ("F", "D")),
+    "up_proj": TensorSpec("model.layers.{i}.mlp.up_proj.weight", ("F", "D")),
+    "down_proj": TensorSpec("model.layers.{i}.mlp.down_proj.weight", ("D", "F")),
+}
+# The tensors outside the layers, keyed by the Qwen3Model attribute that holds them. A checkpoint
+# with tie_word_embeddings has no lm_head: the LM head is the embedding table itself.
+MODEL_TENSORS: dict[str, TensorSpec] = {
+    "embed_tokens": TensorSpec("model.embed_tokens.weight", ("V", "D")),
+    "norm": TensorSpec("model.norm.weight", ("D",)),
+    "lm_head": TensorSpec("lm_head.weight", ("V", "D")),
+}
+
+# Derived from the two tables, each named once: the 2-D weights of a layer, in memory order (q, k, v,
+# o, gate, up, down), and the full names of the tensors outside the layers.
+LAYER_MATRICES: tuple[str, ...] = tuple(key for key, spec in LAYER_TENSORS.items() if len(spec.shape) == 2)
+LAYER_TENSOR_NAMES: dict[str, str] = {key: spec.name for key, spec in LAYER_TENSORS.items()}   # key -> "{i}" template
+EMBED_TOKENS = MODEL_TENSORS["embed_tokens"].name
+FINAL_NORM = MODEL_TENSORS["norm"].name
+LM_HEAD = MODEL_TENSORS["lm_head"].name
+_MATRIX_NAMES = re.compile("|".join(re.escape(spec.name).replace(re.escape("{i}"), r"\d+")
+                                    for spec in [*LAYER_TENSORS.values(), *MODEL_TENSORS.values()] if len(spec.shape) == 2))
+
+
+def is_matrix(name: str) -> bool:
+    """Whether a checkpoint tensor name is a 2-D weight: a layer's projection, the embedding or the LM head."""
+    return _MATRIX_NAMES.fullmatch(name) is not None
+
+
+def dimensions(config: Qwen3Config, tokens: int = 1, positions: int | None = None) -> dict[str, int]:
+    """The value of every symbol for `tokens` new tokens attending to `positions` (default: tokens)."""
+    return {"T": tokens, "S": tokens if positions is None else positions, "D": config.hidden_size,
+            "H": config.num_attention_heads, "KVH": config.num_key_value_heads, "Dh": config.head_dim,
+            "F": config.intermediate_size, "V": config.vocab_size, "L": config.num_hidden_layers}
+
+
+def evaluate(expression: str, dims: dict[str, int]) -> int:
+    """The value of a product of symbols and integers, e.g. "2*T*H*Dh" -> 2 * T * H * Dh."""
+    return math.prod(int(f) if f.isdigit() else dims[f] for f in expression.split("*"))
+
+
+def resolve(shape: Shape, dims: dict[str, int]) -> list[int]:
+    """A symbolic shape in numbers: ("H*Dh", "D") -> [H * Dh, D]."""
+    return [evaluate(axis, dims) for axis in shape]
+
+
+def expected_tensors(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the config implies, with its shape, in model order: the embedding, layer by
+    layer, the final norm, then lm_head (absent when it is tied)."""
+    dims = dimensions(config)
+    specs = [MODEL_TENSORS["embed_tokens"]]
+    specs += [TensorSpec(spec.name.format(i=i), spec.shape)
+              for i in range(config.num_hidden_layers) for spec in LAYER_TENSORS.values()]
+    specs += [MODEL_TENSORS["norm"]] + ([] if config.tie_word_embeddings else [MODEL_TENSORS["lm_head"]])
+    return {spec.name: tuple(resolve(spec.shape, dims)) for spec in specs}
+
+
+def tensor_shapes(config: Qwen3Config) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, how many tensors have it) for each entry of MODEL_TENSORS and LAYER_TENSORS: what counting
+    needs, without a name per layer (a config is counted before its layers are checked against a header)."""
+    dims = dimensions(config)
+    own = [MODEL_TENSORS["embed_tokens"], MODEL_TENSORS["norm"]] + ([] if config.tie_word_embeddings
+                                                                     else [MODEL_TENSORS["lm_head"]])
+    return ([(tuple(resolve(spec.shape, dims)), 1) for spec in own] +
+            [(tuple(resolve(spec.shape, dims)), config.num_hidden_layers) for spec in LAYER_TENSORS.values()])
+
+
+def parameter_count(config: Qwen3Config) -> int:
+    """Parameters in the checkpoint (the LM head counted only when it is not tied to the embedding)."""
+    return sum(math.prod(shape) * count for shape, count in tensor_shapes(config))

@@ -1,0 +1,204 @@
+"""The math of one Qwen3 decoder, as small pure NumPy functions (FP32 in, FP32 out).
+
+Shapes use the vocabulary defined in config.py: T tokens, S cached positions, D width, H query heads,
+KVH key/value heads, Dh head_dim, F MLP width, V vocab. Every function also takes a leading batch
+axis B (shapes written "[..., T, D]"): inference runs one sequence, training a batch [B, T]. Each function mirrors one piece of
+transformers' modeling_qwen3.py; comments record where the numerics could silently drift.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Callable
+
+import numpy as np
+
+from ..numbers.numerics import Weight, upcast
+
+# note(name, value) receives each intermediate when someone watches (a trace); by default nobody does.
+Note = Callable[[str, np.ndarray], None]
+
+
+def ignore(name: str, value: np.ndarray) -> None:
+    """The note used when nobody is watching: does nothing."""
+
+# The mixed-precision hook (qwen_np/mixed.py): round(a, kind, axis) rounds one operand of a linear
+# layer's product, kind "activation", "weight" or "gradient" (the backward's dy), as a tensor core would
+# read it; `axis` is the axis the product sums over (FP8's scale tiles run along it). linear() and
+# gradients.linear_backward round both operands when it is set; the product stays FP32.
+# Why a context variable and not a copy of the network or a flag on the model: there is one readable
+# forward, and what training sets in its thread (training.loss_and_gradients) reaches every linear()
+# of that forward and its backward, while inference, the server and the other shards' threads, which
+# never set it, see None: FP32, untouched.
+MatmulInputs = Callable[[np.ndarray, str, int], np.ndarray]
+MATMUL_INPUTS: ContextVar[MatmulInputs | None] = ContextVar("matmul_inputs", default=None)
+
+# How many weight rows to widen at a time when a weight is not held in FP32: small enough that the
+# FP32 block stays in the CPU's last-level cache between being written and being multiplied.
+UPCAST_BLOCK_ROWS = 512
+
+
+def linear(x: np.ndarray, weight: Weight) -> np.ndarray:
+    """y = x W^T, as nn.Linear without bias.  x [..., in], weight [out, in] -> [..., out].
+
+    An FP32 weight is used as is. Any other kind (numerics: the stored BF16/F16 values, int8 rows)
+    is widened to FP32 a block of rows at a time, so the full FP32 copy never exists (an 8B model
+    does not fit in RAM as FP32). int8 rows leave their per-row scale for after the product: it
+    factors out of each output, y[o] = scale[o] (x . codes[o]). Under MATMUL_INPUTS (mixed-precision
+    training, which holds FP32 weights) both operands are first rounded to the training's format.
+    """
+    rounding = MATMUL_INPUTS.get()
+    if rounding is not None and isinstance(weight, np.ndarray):
+        x, weight = rounding(x, "activation", -1), rounding(weight, "weight", -1)
+    if isinstance(weight, np.ndarray):                                                # FP32: as it is
+        return x @ weight.T
+    out = np.empty((*x.shape[:-1], weight.shape[0]), dtype=np.float32)
+    for start in range(0, weight.shape[0], UPCAST_BLOCK_ROWS):
+        rows = slice(start, start + UPCAST_BLOCK_ROWS)
+        block = weight[rows]
+        widened = np.empty(block.shape, dtype=np.float32)                              # [rows, in]
+        scale = block.widen(widened)
+        out[..., rows] = x @ widened.T
+        if scale is not None:
+            out[..., rows] *= scale
+    return out
+
+
+def embed(token_ids: np.ndarray, embed_tokens: Weight) -> np.ndarray:
+    """Look up rows of the embedding table: [..., T] -> [..., T, D]. A plain gather: no sqrt(D) scaling."""
+    rows = embed_tokens[token_ids]
+    return rows if isinstance(rows, np.ndarray) else upcast(rows)                     # only the rows used
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Qwen3RMSNorm over the last axis: weight * x / sqrt(mean(x^2) + eps).
+
+    The weight multiplies (it is not 1 + weight as in Gemma). Used for the D-wide layer norms and,
+    per head, for q_norm/k_norm over Dh.
+    """
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return weight * (x * (np.float32(1.0) / np.sqrt(variance + np.float32(eps))))
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:
+    """inv_freq[i] = 1 / theta^(2i/Dh) for i < Dh/2, rounded exactly as torch computes it in FP32.
+
+    Trap: a 1-ulp error in a fast frequency becomes a visible phase error thousands of positions
+    later. torch forms the exponent in FP32, raises theta to it in FP32, then takes an FP32
+    reciprocal. We do the power in float64 and round once (correctly rounded); torch's FP32 pow is
+    not always, so for Dh=128, theta=1e6 one of 64 entries (index 37, a slow frequency) differs by
+    1 ulp, a phase error of about 1e-6 rad at position 40959. All the fast frequencies match.
+    """
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)   # [Dh/2] FP32
+    power = (np.float64(theta) ** exponent.astype(np.float64)).astype(np.float32)
+    return np.float32(1.0) / power
+
+
+def rope_angles(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables for the given absolute positions: [T] -> two [T, Dh].
+
+    The angle is one FP32 product position * inv_freq (as torch forms it); cos/sin are then taken in
+    float64 and rounded, i.e. correctly rounded, which torch's FP32 kernels match almost always.
+    Both Dh/2-wide halves are the same because RoPE here pairs dimension i with i + Dh/2.
+    """
+    angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]               # [T, Dh/2]
+    angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)            # [T, Dh]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotary position embedding, half-split ("rotate_half", NeoX) layout.  x [..., T, heads, Dh].
+
+    Dimension i rotates with dimension i + Dh/2; NOT the interleaved (2i, 2i+1) layout of GPT-J/Meta.
+    """
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)               # rotate_half
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def attention_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Scaled dot products of queries with keys: q [..., T, H, Dh], k [..., S, KVH, Dh] -> [..., H, T, S].
+
+    GQA: query head h reads key head h // (H / KVH). np.repeat gives exactly that (it is
+    repeat_interleave, like transformers' repeat_kv); np.tile would wrongly give h % KVH.
+    The scale Dh^-0.5 is applied after the product, as transformers' eager attention does.
+    """
+    group = q.shape[-2] // k.shape[-2]
+    k = np.repeat(k, group, axis=-2)                                                 # [..., S, H, Dh]
+    scores = heads_first(q) @ np.swapaxes(heads_first(k), -1, -2)                    # [..., H, T, S]
+    return scores * np.float32(q.shape[-1] ** -0.5)
+
+
+def heads_first(x: np.ndarray) -> np.ndarray:
+    """[..., T, H, Dh] -> [..., H, T, Dh]: a view, so each head's rows are one matrix for matmul."""
+    return np.swapaxes(x, -3, -2)
+
+
+def causal_mask(scores: np.ndarray, q_positions: np.ndarray) -> np.ndarray:
+    """Hide the future: query at position p sees keys at positions 0..p.  scores [..., H, T, S].
+
+    -inf instead of transformers' finfo(float32).min: both make exp() exactly 0.
+    """
+    key_positions = np.arange(scores.shape[-1])
+    future = key_positions[None, :] > q_positions[:, None]                           # [T, S]
+    return np.where(future, -np.inf, scores).astype(scores.dtype, copy=False)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, shifted by the max so exp() cannot overflow."""
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def weighted_sum(probs: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Mix the values by the attention weights: probs [..., H, T, S], v [..., S, KVH, Dh] -> [..., T, H*Dh].
+
+    Heads are concatenated head-major (feature f of o_proj's input is head f // Dh).
+    """
+    H, T = probs.shape[-3:-1]
+    v = np.repeat(v, H // v.shape[-2], axis=-2)                                      # [..., S, H, Dh]
+    out = probs @ heads_first(v)                                                     # [..., H, T, Dh]
+    return heads_first(out).reshape(*out.shape[:-3], T, -1)                          # [..., T, H*Dh]
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,
+              note: Note = ignore) -> np.ndarray:
+    """Causal grouped-query attention: q [..., T, H, Dh], k/v [..., S, KVH, Dh] (all keys so far) -> [..., T, H*Dh].
+
+    `note(step, value)` receives each intermediate (the trace and the walkthrough use it).
+    """
+    scores = causal_mask(attention_scores(q, k), q_positions)                         # [..., H, T, S]
+    note("scores", scores)
+    probs = softmax(scores)                                                           # [..., H, T, S]
+    note("softmax", probs)
+    return weighted_sum(probs, v)                                                     # [..., T, H*Dh]
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x). Written as x / (1 + exp(-x)): exp overflows to inf for x << 0 and x/inf = -0."""
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1.0) + np.exp(-x))
+
+
+def swiglu(x: np.ndarray, gate_proj: Weight, up_proj: Weight, down_proj: Weight,
+           note: Note = ignore) -> np.ndarray:
+    """Qwen3MLP: down(silu(gate(x)) * up(x)).  x [..., T, D] -> [..., T, F] -> [..., T, D]."""
+    gate = linear(x, gate_proj)                                                       # [..., T, F]
+    note("gate_proj", gate)
+    up = linear(x, up_proj)                                                           # [..., T, F]
+    note("up_proj", up)
+    act = silu(gate) * up                                                             # [..., T, F]
+    note("act_fn", act)
+    return linear(act, down_proj)                                                     # [..., T, D]
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """[N, V] logits (any float) -> [N, V] log-probabilities in float64.
+
+    The max shift keeps exp from overflowing (logits of 100+ are common); float64 keeps the sum over
+    151,936 terms and the KL's cancellations (log p_base - log p_other, both near -20) accurate.
+    """
+    x = logits.astype(np.float64)                                        # [N, V]
+    with np.errstate(invalid="ignore"):                                  # an inf logit: a NaN row
+        x -= np.max(x, axis=-1, keepdims=True)
+    x -= np.log(np.sum(np.exp(x), axis=-1, keepdims=True))
+    return x

@@ -1,0 +1,154 @@
+"""A model's files, whatever holds them (a checkpoint folder, a GGUF file or a hub id): its config,
+tokenizer, generation defaults and tensors (the one place that tells a GGUF file from a folder), and
+load_model: those files -> a Qwen3Model, its weights held as the memory plan says."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..core.config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS
+from .fast import FastQwen3Model
+from ..numbers.formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
+from ..files.gguf_file import GGUFCheckpoint
+from .memory import DEFAULT_CONTEXT, plan_memory
+from ..core.model import LayerWeights, Qwen3Model
+from ..numbers.numerics import PANEL, Int8Rows, Panels, Weight, panel_shape, panels, upcast
+from . import runtime
+from .runtime import allocate, split, threads
+from .weight_cache import load_fp32
+from ..files.model_files import open_checkpoint
+
+# Rows quantized at a time in the int8 mode: the FP32 copy of a whole large tensor (Qwen3-8B's
+# embedding table: 2.5 GB) never exists, only this many of its rows.
+QUANTIZE_BLOCK_ROWS = 1024
+
+
+def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None,
+               fast: bool = True) -> Qwen3Model:
+    """Load a Qwen3 checkpoint folder, GGUF file (gguf_file.py) or hub id for inference.
+
+    memory: "fp32" upcasts every weight once; "bf16" keeps the stored weights memory-mapped and
+    upcasts them block by block on use; "int8" quantizes every matrix once to int8 codes with an
+    FP32 scale per row (formats.quantize_int8_rows; norm weights stay FP32), which changes the
+    logits slightly; "q8_0" and "q4_0" quantize every matrix once to llama.cpp's blocks of 32
+    (formats.FormatRows, bit for bit as gguf's quantizers); "auto" picks fp32 when it fits in RAM
+    with margin, else bf16. fp32 asked for by name holds plain [out, in] arrays (what training
+    updates in place); fp32 chosen by "auto" for a fast model holds them as numerics.Panels (the same
+    values in the layout in which a few rows' product costs about one row's) where BLAS has a
+    small-matrix kernel (OpenBLAS's SkylakeX one; not Haswell's).
+    max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
+    fast: a FastQwen3Model (qwen_np/fast.py: same logits, tuned for speed); False gives the readable
+    Qwen3Model, every call on model.py's code.
+    """
+    checkpoint = open_checkpoint(path)
+    config = checkpoint.config
+    context = max_tokens or min(config.max_position_embeddings, DEFAULT_CONTEXT)
+    plan = plan_memory(config, context, memory, stored_bytes_per_value=checkpoint.held_bytes_per_value())
+
+    # fp32 and int8: each stored tensor is read with plain file I/O into one reused buffer and upcast
+    # (or quantized) into memory the model keeps, so the peak is the model plus the largest stored
+    # tensor. A layer's matrices share one allocation, back to back in config.LAYER_TENSORS order (q,
+    # k, v, o, gate, up, down): the fast path then multiplies q|k|v and gate|up as one matrix each
+    # without copying them (int8: the codes share one allocation, the scales another).
+    # fp32 with the weight cache (weight_cache.py): views of the FP32 file it maps, in that same layout.
+    # bf16: zero-copy views of the mapped files.
+    # A GGUF is never cached: the cache's spot check re-reads every tensor, i.e. dequantizes it again.
+    # "auto" holding FP32 in a fast model, where BLAS has a small-matrix kernel: every matrix whose
+    # rows split into whole panels is held as numerics.Panels, the layout in which a product of a few
+    # rows (a batch's decode step, a speculative check) costs about one row's. Without that kernel
+    # (OpenBLAS's Haswell one) a panel's few-row product is a packing GEMM, slower than GEMVs over W's
+    # rows (bench/README.md, "Panels"). memory="fp32" by name keeps plain [out, in] arrays: what
+    # training updates in place and the precision lab rounds.
+    panel_layout = fast and memory == "auto" and plan.mode == "fp32" and runtime.blas_has_small_matrix_kernel()
+    layout = "panels" if panel_layout else "rows"
+    cached = (load_fp32(checkpoint, layout) if plan.mode == "fp32" and not isinstance(checkpoint, GGUFCheckpoint)
+              else None)
+    largest = max(info.nbytes for info in checkpoint.tensors.values())
+    quantized = plan.mode == "int8" or plan.mode in HELD_FORMATS
+    buffer = allocate((largest,), np.uint8) if quantized or (plan.mode == "fp32" and cached is None) else None
+
+    def matrices(names: list[str]) -> list[Weight]:
+        if cached is not None:
+            return [Panels(cached[name]) if cached[name].ndim == 3 else cached[name] for name in names]
+        shapes = [checkpoint.tensors[name].shape for name in names]
+        if buffer is None:
+            return [checkpoint.held(name) for name in names]
+        if plan.mode == "fp32":
+            return [fp32_matrix(checkpoint.read(name, buffer), kept, layout)
+                    for name, kept in zip(names, back_to_back(shapes, np.float32))]
+        if plan.mode in HELD_FORMATS:
+            return [quantize_blocks(checkpoint.read(name, buffer), plan.mode) for name in names]
+        codes, scales = back_to_back(shapes, np.int8), back_to_back([shape[:1] for shape in shapes], np.float32)
+        for name, q, scale in zip(names, codes, scales):
+            quantize_int8_into(checkpoint.read(name, buffer), q, scale)
+        return [Int8Rows(q, scale) for q, scale in zip(codes, scales)]
+
+    def vector(name: str) -> np.ndarray:
+        return cached[name] if cached is not None else upcast(checkpoint.read(name))   # norms: always FP32
+
+    decoder_layers = []
+    for i in range(config.num_hidden_layers):
+        names = {key: spec.name.format(i=i) for key, spec in LAYER_TENSORS.items()}
+        weights: dict[str, Any] = {key: vector(name) for key, name in names.items() if key not in LAYER_MATRICES}
+        weights.update(zip(LAYER_MATRICES, matrices([names[key] for key in LAYER_MATRICES])))
+        decoder_layers.append(LayerWeights(**weights))
+    embed_tokens, = matrices([MODEL_TENSORS["embed_tokens"].name])
+    lm_head = embed_tokens if config.tie_word_embeddings else matrices([MODEL_TENSORS["lm_head"].name])[0]
+    kind = FastQwen3Model if fast else Qwen3Model
+    return kind(config, embed_tokens, decoder_layers, vector(MODEL_TENSORS["norm"].name), lm_head, plan)
+
+
+def fp32_matrix(stored: np.ndarray, out: np.ndarray, layout: str) -> Weight:
+    """A stored matrix upcast into `out` (its shape): as Panels (a view of the same memory) when the
+    layout is "panels" and its rows split into whole panels, else as a plain array."""
+    shape = panel_shape(stored.shape)
+    if layout == "panels" and shape is not None:      # NumPy's transposing copy runs ~1.3 GB/s a thread
+        values = out.reshape(shape)
+        split(shape[0], threads(), lambda p: panels(stored[p.start * PANEL:p.stop * PANEL], out=values[p]))
+        return Panels(values)
+    return upcast(stored, out=out)
+
+
+def back_to_back(shapes: list[tuple[int, ...]], dtype: type = np.float32) -> list[np.ndarray]:
+    """Arrays of these shapes carved one after another out of one new allocation (fast.py fuses
+    consecutive ones into one matrix)."""
+    block, start, arrays = allocate((sum(math.prod(shape) for shape in shapes),), dtype), 0, []
+    for shape in shapes:
+        arrays.append(block[start:start + math.prod(shape)].reshape(shape))
+        start += math.prod(shape)
+    return arrays
+
+
+def quantize_blocks(stored: np.ndarray, fmt: str) -> FormatRows:
+    """A stored matrix [out, in] quantized to a block format (formats.HELD_FORMATS), a block of rows at a
+    time into parts allocated once (their per-row shapes from quantizing the first row): rows are
+    independent, so the parts equal quantizing the whole matrix at once; split between the threads."""
+    quantize = get_format(fmt).quantize
+    sample = quantize(upcast(stored[:1]))
+    parts = tuple(np.empty((stored.shape[0], *part.shape[1:]), part.dtype) for part in sample)
+
+    def fill(part: slice) -> None:
+        for start in range(part.start, part.stop, QUANTIZE_BLOCK_ROWS):
+            rows = slice(start, min(start + QUANTIZE_BLOCK_ROWS, part.stop))
+            for kept, made in zip(parts, quantize(upcast(stored[rows]))):
+                kept[rows] = made
+
+    split(stored.shape[0], threads(), fill)
+    return FormatRows(fmt, parts, stored.shape[1])
+
+
+def quantize_int8_into(stored: np.ndarray, codes: np.ndarray, scale: np.ndarray) -> None:
+    """formats.quantize_int8_rows of a stored matrix [out, in] (any dtype numerics.upcast reads) into
+    codes [out, in] and scale [out], a block of rows at a time: rows are independent, so the result
+    is the same as quantizing the whole matrix at once. The rows are split between runtime.threads()
+    threads (NumPy's loops are single-threaded and release the GIL), each taking blocks of its part."""
+    def quantize(part: slice) -> None:
+        for start in range(part.start, part.stop, QUANTIZE_BLOCK_ROWS):
+            rows = slice(start, min(start + QUANTIZE_BLOCK_ROWS, part.stop))
+            codes[rows], scale[rows] = quantize_int8_rows(upcast(stored[rows]))
+
+    split(stored.shape[0], threads(), quantize)

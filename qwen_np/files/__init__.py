@@ -1,0 +1,6 @@
+"""Files: safetensors checkpoints (`checkpoint`), GGUF files (`gguf_file`), the tokenizer and chat template
+(`tokenizer`), and one opened model's files, whatever holds them (`model_files`: config, tokenizer, generation
+defaults, tensors; the one place that tells a GGUF file from a folder).
+
+May import: core/, numbers/, qwen_np.errors.
+"""

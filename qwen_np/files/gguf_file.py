@@ -1,0 +1,538 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio): a Qwen3's config, weights, tokenizer and chat template
+in one file, read with ggml's own `gguf` package and written with its GGUFWriter.
+
+Layout, as the reader and writer see it:
+* Metadata is key/value pairs: `general.architecture` ("qwen3"), the shape under `qwen3.*`, the
+  tokenizer under `tokenizer.ggml.*` and `tokenizer.chat_template`. The vocabulary size is the length
+  of the token list; the LM head is tied when there is no `output.weight` tensor (llama.cpp then
+  uses `token_embd.weight` for both, as transformers does with tie_word_embeddings).
+* Tensor names are llama.cpp's (`blk.N.attn_q.weight`), mapped to the Hugging Face names of
+  config.LAYER_TENSORS / MODEL_TENSORS by gguf's own TensorNameMap for the QWEN3 architecture.
+* Dimensions are listed in ggml order, the contiguous axis first (ne[0]), i.e. reversed from the NumPy
+  shape: an HF [out, in] matrix is stored with dims [in, out] and the same bytes, so it is read as
+  the NumPy shape reversed(dims) with no transpose. Quantization blocks run along ne[0] (a row).
+* Q and K rows are stored exactly as in the HF checkpoint: llama.cpp's convert_hf_to_gguf.py permutes
+  them only in LlamaModel (conversion/llama.py), which Qwen3Model(Qwen2Model) does not inherit, and
+  llama.cpp runs QWEN2/QWEN3 with NEOX RoPE, HF's rotate-half pairing (src/llama-model.cpp); so does
+  transformers' GGUF loader, which un-permutes only "llama" (modeling_gguf_pytorch_utils.py).
+
+Weights are held as the safetensors loader holds them: F32, F16 and BF16 tensors
+are zero-copy views of the memory-mapped file, read through checkpoint.Checkpoint. Q8_0 and Q4_0
+tensors kept as stored are zero-copy views too: their blocks' scales and codes (formats.FormatRows),
+dequantized block of rows by block of rows on use. The other quantized types (the K-quants, ...) are
+dequantized to FP32 at load with gguf.quants.dequantize, so they cost 4 bytes per weight in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import tokenizers
+from gguf import GGMLQuantizationType as GGML
+from gguf import GGUFReader, GGUFWriter, Keys, LlamaFileType, TokenType
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
+
+from .checkpoint import Checkpoint, TensorInfo
+from ..core.config import MODEL_TENSORS, Qwen3Config, expected_tensors
+from ..errors import QwenNPError
+from ..numbers.formats import FormatRows
+from ..numbers.numerics import Weight, upcast
+from ..core.sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+ARCHITECTURE = "qwen3"
+# Held as stored (views of the file): ggml type -> the safetensors dtype name Checkpoint reads.
+STORED_TYPES = {GGML.F32: "F32", GGML.F16: "F16", GGML.BF16: "BF16"}
+# Held as their blocks when the weights are kept as stored (--memory bf16, or auto when FP32 does not fit):
+# ggml type -> the formats.HELD_FORMATS name whose parts hold the same scales and codes.
+BLOCK_FORMATS = {GGML.Q8_0: "q8_0", GGML.Q4_0: "q4_0"}
+# Qwen2's pre-tokenizer regex (tokenizer.ggml.pre = "qwen2"), as in llama.cpp's src/llama-vocab.cpp and
+# in the Split of every Qwen2/Qwen3 tokenizer.json.
+QWEN2_PRE = "qwen2"
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp also ends generation at these tokens whatever eos_token_id says (llama-vocab.cpp finds its
+# end-of-generation set by token text); Qwen3's generation_config.json lists both too.
+END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>")
+
+
+# --- Reading -------------------------------------------------------------------------------------
+
+class _Reader(GGUFReader):
+    """gguf's reader with two changes, both through its internals (gguf >= 0.19):
+
+    * it parses a plain ndarray view of the file rather than the np.memmap itself: the reader slices
+      the map once or twice per string, and np.memmap's bookkeeping on every slice was 4/5 of parsing
+      Qwen3's 151,936 tokens and 151,387 merges (measured: 10.5 s -> 2.9 s on this machine);
+    * it checks that every tensor's data lies inside the file before building the tensors: on a
+      truncated file gguf fails with a bare NumPy error ("cannot reshape array of size 0 into shape
+      (32,64)") that names no tensor. Tensor-info fields are (name length, name, n_dims, dims, type, offset).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        super().__init__(path)
+
+    @property                                   # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._bytes
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._bytes = mapped.view(np.ndarray)   # the same pages; the view keeps the map alive
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        for field in fields:
+            _, name_bytes, _, dims, raw_type, offset = field.parts
+            name = bytes(name_bytes).decode("utf-8", errors="replace")
+            try:
+                kind = GGML(int(raw_type[0]))
+            except ValueError:
+                raise ValueError(f"tensor {name!r} has unknown ggml type {int(raw_type[0])}") from None
+            block, type_bytes = gguf.GGML_QUANT_SIZES[kind]
+            end = start_offs + int(offset[0]) + math.prod(int(n) for n in dims) * type_bytes // block
+            if end > len(self.data):
+                raise ValueError(f"tensor {name!r} runs to byte {end}, past the end of the {len(self.data)}-byte "
+                                 "file (truncated?)")
+        super()._build_tensors(start_offs, fields)
+
+
+def open_reader(path: str | Path) -> _Reader:
+    """The parsed file; parsed once per file version (the config, tokenizer and weights all read it)."""
+    path = Path(path).expanduser()
+    stat = path.stat()
+    return _parse(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parse(path: Path, size: int, mtime_ns: int) -> _Reader:
+    try:
+        reader = _Reader(path)
+    except IndexError:        # gguf indexed past the end of the mapped bytes
+        raise QwenNPError(f"{path}: truncated GGUF file (it ends inside its metadata or tensor list)") from None
+    except (ValueError, KeyError, OverflowError) as bad:
+        raise QwenNPError(f"{path}: not a valid GGUF file ({bad})") from None
+    if reader.byte_order == "S":     # Checkpoint maps tensors as little-endian, as llama.cpp writes them
+        raise QwenNPError(f"{path}: a big-endian GGUF; qwen_np reads little-endian files (llama.cpp's default)")
+    return reader
+
+
+def _get(reader: _Reader, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    """Metadata value `key`, checked to be of `kind`; `default` when absent (absent and no default: error)."""
+    field = reader.get_field(key)
+    if field is None:
+        if default is ...:
+            raise QwenNPError(f"{reader.path}: metadata key {key!r} is missing")
+        return default
+    value = field.contents()
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise QwenNPError(f"{reader.path}: metadata key {key!r} has the wrong type ({value!r:.60})")
+    return value
+
+
+def _arch(name: str) -> str:
+    return name.format(arch=ARCHITECTURE)
+
+
+def read_config(path: str | Path) -> Qwen3Config:
+    """The Qwen3Config a GGUF's metadata describes (llama.cpp's convert_hf_to_gguf.py wrote it from config.json)."""
+    reader = open_reader(path)
+    source = str(reader.path)
+    architecture = _get(reader, Keys.General.ARCHITECTURE, str)
+    if architecture != ARCHITECTURE:
+        raise QwenNPError(f"{source}: general.architecture is {architecture!r}; qwen_np runs only dense "
+                          f"{ARCHITECTURE!r} models (Qwen3-MoE, Qwen2, Llama and others are different networks)")
+    scaling = _get(reader, _arch(Keys.Rope.SCALING_TYPE), str, "none")
+    if scaling != "none":
+        raise QwenNPError(f"{source}: {_arch(Keys.Rope.SCALING_TYPE)} is {scaling!r}; only default RoPE is supported")
+    heads = _get(reader, _arch(Keys.Attention.HEAD_COUNT), int)
+    hidden = _get(reader, _arch(Keys.LLM.EMBEDDING_LENGTH), int)
+    head_dim = _get(reader, _arch(Keys.Attention.KEY_LENGTH), int, hidden // max(heads, 1))   # llama.cpp's default
+    if _get(reader, _arch(Keys.Attention.VALUE_LENGTH), int, head_dim) != head_dim:
+        raise QwenNPError(f"{source}: {_arch(Keys.Attention.VALUE_LENGTH)} differs from key_length; Qwen3 uses one head_dim")
+    tokens = _get(reader, Keys.Tokenizer.LIST, list)
+    eos = _end_of_generation(reader, tokens)
+    config = Qwen3Config(
+        vocab_size=len(tokens),
+        hidden_size=hidden,
+        intermediate_size=_get(reader, _arch(Keys.LLM.FEED_FORWARD_LENGTH), int),
+        num_hidden_layers=_get(reader, _arch(Keys.LLM.BLOCK_COUNT), int),
+        num_attention_heads=heads,
+        num_key_value_heads=_get(reader, _arch(Keys.Attention.HEAD_COUNT_KV), int, heads),
+        head_dim=head_dim,
+        rms_norm_eps=_f32_decimal(_get(reader, _arch(Keys.Attention.LAYERNORM_RMS_EPS), (int, float))),
+        rope_theta=_f32_decimal(_get(reader, _arch(Keys.Rope.FREQ_BASE), (int, float), 10000.0)),   # llama.cpp's default
+        max_position_embeddings=_get(reader, _arch(Keys.LLM.CONTEXT_LENGTH), int),
+        tie_word_embeddings=_gguf_name(MODEL_TENSORS["lm_head"].name) not in _tensors_by_name(reader),
+        bos_token_id=_get(reader, Keys.Tokenizer.BOS_ID, int, None),
+        eos_token_id=eos[0] if len(eos) == 1 else eos or None,
+        torch_dtype="float32",     # what a GGUF's weights compute in here, whatever they are stored as
+    )
+    config.validate(source)
+    return config
+
+
+def _f32_decimal(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it: GGUF stores eps, freq_base and
+    the sampling settings as f32, so config.json's 1e-6 comes back as 9.999999974752427e-07 (the same
+    float32, which is what the forward pass adds) and top_p 0.95 as 0.949999988; this gives 1e-06 and 0.95."""
+    return float(str(np.float32(value)))
+
+
+def _end_of_generation(reader: _Reader, tokens: list[str]) -> list[int]:
+    """eos_token_id (and an EOT id, if any), then the END_OF_GENERATION tokens the vocabulary has."""
+    ids = [_get(reader, key, int, None) for key in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID)]
+    by_text = {token: i for i, token in enumerate(tokens) if token in END_OF_GENERATION}
+    return list(dict.fromkeys([i for i in ids if i is not None] + [by_text[t] for t in END_OF_GENERATION if t in by_text]))
+
+
+@functools.lru_cache(maxsize=1)
+def _name_map(layers: int) -> gguf.TensorNameMap:
+    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, layers)
+
+
+def _gguf_name(hf_name: str, layers: int = 1) -> str:
+    """The llama.cpp name of a Hugging Face tensor name (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight)."""
+    name = _name_map(layers).get_name(hf_name, try_suffixes=(".weight",))
+    if name is None:     # every name of config's tensor table has one (tests/test_gguf.py checks)
+        raise QwenNPError(f"gguf: no GGUF name for tensor {hf_name!r}")
+    return name
+
+
+def _tensors_by_name(reader: _Reader) -> dict[str, Any]:
+    return {tensor.name: tensor for tensor in reader.tensors}
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF's tensors under their Hugging Face names, read as Checkpoint reads safetensors.
+
+    F32/F16/BF16 tensors are described by the same TensorInfo (file, dtype, absolute byte span), so
+    Checkpoint.mapped / read serve them unchanged. Quantized ones are described as the F32 tensor
+    they become, and read/mapped dequantize them (a new FP32 array each call; read's buffer is not
+    used for them, since gguf.quants.dequantize allocates its result).
+    """
+
+    def __init__(self, path: str | Path) -> None:   # no super().__init__: that one indexes a folder of safetensors
+        self.folder = Path(path).expanduser()
+        self.config = read_config(self.folder)
+        self._maps = {}
+        self._quantized: dict[str, Any] = {}
+        self.tensors = self._index()
+
+    def _index(self) -> dict[str, TensorInfo]:
+        reader = open_reader(self.folder)
+        stored = _tensors_by_name(reader)
+        tensors = {}
+        for name, shape in expected_tensors(self.config).items():
+            gguf_name = _gguf_name(name, self.config.num_hidden_layers)
+            tensor = stored.get(gguf_name)
+            if tensor is None:
+                raise QwenNPError(f"{self.folder}: tensor {gguf_name!r} ({name}) is missing")
+            numpy_shape = tuple(reversed([int(n) for n in tensor.shape]))      # ggml lists ne[0] first
+            if numpy_shape != shape:
+                raise QwenNPError(f"{self.folder}: tensor {gguf_name!r} has shape {list(numpy_shape)} (NumPy order) "
+                                  f"but the metadata implies {list(shape)}")
+            dtype = STORED_TYPES.get(tensor.tensor_type)
+            if dtype is None:
+                self._quantized[name] = tensor
+            tensors[name] = TensorInfo(self.folder, name, dtype or "F32", shape, int(tensor.data_offset),
+                                       int(tensor.n_bytes) if dtype else 4 * math.prod(shape))
+        return tensors
+
+    def dequantization_note(self) -> str | None:
+        """What holding the tensors no weight kind holds (the K-quants, ...) as FP32 costs, against their size
+        in the file (None: there are none; Q8_0 and Q4_0 are held as their blocks unless --memory asks for FP32)."""
+        dequantized = {name: t for name, t in self._quantized.items() if t.tensor_type not in BLOCK_FORMATS}
+        if not dequantized:
+            return None
+        kinds = "/".join(sorted({tensor.tensor_type.name for tensor in dequantized.values()}))
+        fp32 = sum(self.tensors[name].nbytes for name in dequantized)
+        stored = sum(int(tensor.n_bytes) for tensor in dequantized.values())
+        return (f"{self.folder}: its {kinds} tensors are dequantized to FP32 at load: {fp32 / 2 ** 30:.3f} GiB in "
+                f"memory for {stored / 2 ** 30:.3f} GiB in the file")
+
+    def held(self, name: str) -> Weight:
+        """Q8_0 and Q4_0 tensors as their blocks (formats.FormatRows: the file's scales and codes as two
+        strided views of its memory-mapped blocks); the rest as Checkpoint holds them (K-quants
+        dequantized to FP32)."""
+        tensor = self._quantized.get(name)
+        fmt = BLOCK_FORMATS.get(tensor.tensor_type) if tensor is not None else None
+        if tensor is None or fmt is None:
+            return super().held(name)
+        rows, columns = self.tensors[name].shape
+        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, columns // 32, -1)   # [out, in/32, bytes]
+        scales = blocks[..., :2].view(np.float16)[..., 0]                                  # [out, in/32] FP16
+        # Views of the mapped file, never copies: a copy of the codes would sit in memory beside the file's
+        # pages, which the scales keep mapped (Qwen3-32B in Q4_0: 16 GiB of codes next to an 18 GiB file).
+        codes = blocks[..., 2:]                                # [out, in/32, 32 | 16]: q8_0 int8, q4_0 nibbles
+        return FormatRows(fmt, (codes.view(np.int8) if fmt == "q8_0" else codes, scales), columns)
+
+    def held_bytes_per_value(self) -> float:
+        """As held "as stored": the file's bytes for F32/F16/BF16 and the Q8_0/Q4_0 blocks; 4 a value for the
+        tensors dequantized to FP32 (their TensorInfo counts them so)."""
+        def held_bytes(name: str, info: TensorInfo) -> int:
+            tensor = self._quantized.get(name)
+            return int(tensor.n_bytes) if tensor is not None and tensor.tensor_type in BLOCK_FORMATS else info.nbytes
+
+        values = sum(math.prod(info.shape) for info in self.tensors.values())
+        return sum(held_bytes(name, info) for name, info in self.tensors.items()) / values
+
+    def mapped(self, name: str) -> np.ndarray:
+        return self._dequantized(name) if name in self._quantized else super().mapped(name)
+
+    def read(self, name: str, buffer: np.ndarray | None = None) -> np.ndarray:
+        return self._dequantized(name) if name in self._quantized else super().read(name, buffer)
+
+    def _dequantized(self, name: str) -> np.ndarray:
+        tensor = self._quantized[name]
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise QwenNPError(f"{self.folder}: tensor {tensor.name!r} is {tensor.tensor_type.name}, which "
+                              "gguf.quants cannot dequantize") from None
+        return values.astype(np.float32, copy=False).reshape(self.tensors[name].shape)
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer and chat template of a GGUF, giving the same ids as the Hugging Face tokenizer it came from.
+
+    `tokenizer.huggingface.json` (the whole tokenizer.json, written by export for tokenizers that are not
+    Qwen2's) is used as is when present; otherwise the byte-level BPE is rebuilt from tokenizer.ggml.*
+    the way transformers' GGUF loader does (CONTROL tokens special, USER_DEFINED ones plain added tokens),
+    with Qwen2's pre-tokenizer.
+    """
+    reader = open_reader(path)
+    source = reader.path
+    tokens = _get(reader, Keys.Tokenizer.LIST, list)
+    embedded = _get(reader, Keys.Tokenizer.HF_JSON, str, None)
+    if embedded is not None:
+        backend = tokenizers.Tokenizer.from_str(embedded)
+    else:
+        model = _get(reader, Keys.Tokenizer.MODEL, str)
+        pre = _get(reader, Keys.Tokenizer.PRE, str, None)
+        if model != "gpt2" or pre != QWEN2_PRE:
+            raise QwenNPError(f"{source}: tokenizer.ggml.model {model!r} with tokenizer.ggml.pre {pre!r} is not "
+                              f"supported (qwen_np rebuilds only Qwen2's byte-level BPE: 'gpt2' with {QWEN2_PRE!r})")
+        types = _get(reader, Keys.Tokenizer.TOKEN_TYPE, list)
+        if len(types) != len(tokens):
+            raise QwenNPError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        backend = _qwen2_backend(tokens, types, _get(reader, Keys.Tokenizer.MERGES, list))
+    names = {"bos_token": Keys.Tokenizer.BOS_ID, "eos_token": Keys.Tokenizer.EOS_ID, "pad_token": Keys.Tokenizer.PAD_ID}
+    special = {}
+    for name, key in names.items():
+        token_id = _get(reader, key, int, None)
+        if token_id is not None:
+            if not 0 <= token_id < len(tokens):
+                raise QwenNPError(f"{source}: {key} {token_id} is not a token id (the vocabulary has {len(tokens)})")
+            special[name] = tokens[token_id]
+    return Tokenizer(backend, special, _get(reader, Keys.Tokenizer.CHAT_TEMPLATE, str, None))
+
+
+def _qwen2_backend(tokens: list[str], types: list[int], merges: list[str]) -> tokenizers.Tokenizer:
+    """Qwen2's tokenizer.json, rebuilt: byte-level BPE, NFC (GGUF has no normalizer key, and Qwen's
+    tokenizer.json applies NFC), Qwen2's split regex; CONTROL tokens become special added tokens,
+    USER_DEFINED ones plain added tokens (e.g. <think>), UNUSED padding ([PAD151669]...) is left out."""
+    vocab = {token: i for i, (token, kind) in enumerate(zip(tokens, types)) if kind != TokenType.UNUSED}
+    pairs = [(left, right) for left, _, right in (merge.partition(" ") for merge in merges)]
+    backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, dropout=None, unk_token=None, continuing_subword_prefix="",
+                                              end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    added = {kind: [AddedToken(token, special=kind == TokenType.CONTROL, normalized=False)
+                    for token, token_kind in zip(tokens, types) if token_kind == kind]
+             for kind in (TokenType.CONTROL, TokenType.USER_DEFINED)}
+    backend.add_special_tokens(added[TokenType.CONTROL])
+    backend.add_tokens(added[TokenType.USER_DEFINED])
+    return backend
+
+
+def read_sampling(path: str | Path) -> dict[str, Any]:
+    """The general.sampling.* defaults as generation_config.json keys (absent keys left out)."""
+    reader = open_reader(path)
+    keys = {"temperature": Keys.General.SAMPLING_TEMP, "top_k": Keys.General.SAMPLING_TOP_K,
+            "top_p": Keys.General.SAMPLING_TOP_P, "min_p": Keys.General.SAMPLING_MIN_P,
+            "repetition_penalty": Keys.General.SAMPLING_PENALTY_REPEAT}
+    raw = {name: _get(reader, key, (int, float), None) for name, key in keys.items()}
+    raw = {name: value if isinstance(value, int) else _f32_decimal(value) for name, value in raw.items() if value is not None}
+    if "temperature" in raw:
+        raw["do_sample"] = raw["temperature"] > 0
+    return raw
+
+
+# --- Writing -------------------------------------------------------------------------------------
+
+# --type -> (the ggml type of every matrix, llama.cpp's general.file_type). Norm weights (1-D) are always
+# F32, as llama.cpp's converter writes them.
+FILE_TYPES = {"f32": (GGML.F32, LlamaFileType.ALL_F32), "f16": (GGML.F16, LlamaFileType.MOSTLY_F16),
+              "bf16": (GGML.BF16, LlamaFileType.MOSTLY_BF16), "q8_0": (GGML.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+              "q4_0": (GGML.Q4_0, LlamaFileType.MOSTLY_Q4_0)}
+# The types GGUFWriter takes as NumPy element arrays; it takes every other type as bytes.
+PLAIN_NUMPY: dict[GGML, np.dtype] = {GGML.F32: np.dtype(np.float32), GGML.F16: np.dtype(np.float16)}
+
+
+def write_gguf(path: str | Path, checkpoint: Checkpoint, tokenizer: Tokenizer, sampling: SamplingParams,
+               file_type: str = "f16", name: str = "qwen3") -> list[str]:
+    """Write the checkpoint as a GGUF llama.cpp loads: metadata, tokenizer, chat template, tensors
+    (streamed: one tensor converted at a time). Atomic: written under a temporary name in the same
+    folder and renamed at the end, so an error leaves no file at `path`. Returns notes for the user."""
+    def encoded(hf: str, gguf_name: str, shape: tuple[int, ...], kind: GGML) -> np.ndarray:
+        return _encoded(upcast(checkpoint.read(hf)), kind, gguf_name)
+
+    return write_gguf_tensors(path, checkpoint.config, tokenizer, sampling, encoded, file_type, name)
+
+
+# (Hugging Face name, GGUF name, NumPy shape, ggml type) -> the tensor's data as GGUFWriter takes it: an
+# F32/F16 array of that shape, or for a quantized type the uint8 array of gguf.quants.quant_shape_to_byte_shape.
+TensorData = Callable[[str, str, tuple[int, ...], GGML], np.ndarray]
+
+
+def write_gguf_tensors(path: str | Path, config: Qwen3Config, tokenizer: Tokenizer, sampling: SamplingParams,
+                       tensor_data: TensorData, file_type: str = "f16", name: str = "qwen3") -> list[str]:
+    """write_gguf with each tensor's data from tensor_data(...), called once per tensor in file order and
+    written at once (so the model never has to be in memory: bench/big_models.py writes random blocks)."""
+    path = Path(path)
+    matrix_type, llama_file_type = FILE_TYPES[file_type]
+    layout = {hf: (_gguf_name(hf, config.num_hidden_layers), shape, _tensor_type(shape, matrix_type))
+              for hf, shape in expected_tensors(config).items()}
+    notes = [f"{gguf_name} stays F16: its rows ({shape[-1]} values) are not whole {matrix_type.name} blocks"
+             for gguf_name, shape, kind in layout.values() if len(shape) == 2 and kind != matrix_type]
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    writer = GGUFWriter(temporary, ARCHITECTURE)
+    try:
+        _add_metadata(writer, config, llama_file_type, name, sampling)
+        notes += _add_vocabulary(writer, tokenizer, config)
+        for gguf_name, shape, kind in layout.values():
+            writer.add_tensor_info(gguf_name, *_stored_layout(shape, kind), raw_dtype=kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for hf, (gguf_name, shape, kind) in layout.items():
+            writer.write_tensor_data(tensor_data(hf, gguf_name, shape, kind))
+        writer.close()
+        os.replace(temporary, path)
+    finally:
+        writer.close()
+        temporary.unlink(missing_ok=True)
+    return notes
+
+
+def _encoded(values: np.ndarray, kind: GGML, name: str) -> np.ndarray:
+    """FP32 values in `kind` (gguf.quants.quantize), refusing F16 overflow: a cast past 65504 would write inf."""
+    with np.errstate(over="ignore"):
+        encoded = gguf.quants.quantize(values, kind)
+    if kind == GGML.F16 and not np.isfinite(encoded).all() and np.isfinite(values).all():
+        raise QwenNPError(f"export: tensor {name!r} has values beyond F16's largest (65504, it holds "
+                          f"{float(np.max(np.abs(values))):.4g}); use --type bf16 or f32")
+    return encoded
+
+
+def _tensor_type(shape: tuple[int, ...], matrix_type: GGML) -> GGML:
+    """F32 for 1-D tensors; the asked type for matrices, or F16 where a row is not whole blocks of the
+    quantized type (llama.cpp's converter falls back to F16 the same way)."""
+    if len(shape) == 1:
+        return GGML.F32
+    block, _ = gguf.GGML_QUANT_SIZES[matrix_type]
+    return matrix_type if shape[-1] % block == 0 else GGML.F16
+
+
+def _stored_layout(shape: tuple[int, ...], kind: GGML) -> tuple[Sequence[int], np.dtype, int]:
+    """(shape, dtype, bytes) as GGUFWriter.add_tensor_info takes them: elements for F32/F16, bytes for the rest."""
+    if kind in PLAIN_NUMPY:
+        return shape, PLAIN_NUMPY[kind], math.prod(shape) * PLAIN_NUMPY[kind].itemsize
+    byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, kind)
+    return byte_shape, np.dtype(np.uint8), math.prod(byte_shape)
+
+
+def _add_metadata(writer: GGUFWriter, config: Qwen3Config, file_type: int, name: str, sampling: SamplingParams) -> None:
+    """The keys llama.cpp's convert_hf_to_gguf.py writes for Qwen3 (TextModel.set_gguf_parameters), plus
+    the sampling defaults (general.sampling.*, which llama.cpp reads as its defaults)."""
+    writer.add_name(name)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_sampling_temp(sampling.temperature)
+    writer.add_sampling_top_k(sampling.top_k)
+    writer.add_sampling_top_p(sampling.top_p)
+    writer.add_sampling_min_p(sampling.min_p)
+    writer.add_sampling_penalty_repeat(sampling.repetition_penalty)
+
+
+def _add_vocabulary(writer: GGUFWriter, tokenizer: Tokenizer, config: Qwen3Config) -> list[str]:
+    """tokenizer.ggml.* as llama.cpp's converter writes a byte-level BPE (get_vocab_base): the token list
+    padded to the model's vocab_size with [PAD{i}] (UNUSED), merges as "A B", the special ids and the
+    chat template. A tokenizer that is not Qwen2's also gets its whole tokenizer.json (returns a note)."""
+    spec = json.loads(tokenizer.backend.to_str())
+    added = {entry["id"]: entry for entry in spec["added_tokens"]}
+    by_id = {i: token for token, i in spec["model"]["vocab"].items()} | {i: e["content"] for i, e in added.items()}
+    if max(by_id) >= config.vocab_size:
+        raise QwenNPError(f"export: the tokenizer has token id {max(by_id)} but the model only {config.vocab_size} embeddings")
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(config.vocab_size)]
+    types = [_token_type(i, by_id, added) for i in range(config.vocab_size)]
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in spec["model"]["merges"]]
+    qwen2 = _is_qwen2(spec)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(QWEN2_PRE if qwen2 else "gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for token_id, add in ((_special_id(tokenizer, "bos_token", config.bos_token_id), writer.add_bos_token_id),
+                          (_special_id(tokenizer, "eos_token", next(iter(config.eos_token_ids), None)), writer.add_eos_token_id),
+                          (_special_id(tokenizer, "pad_token", None), writer.add_pad_token_id)):
+        if token_id is not None:
+            add(token_id)
+    writer.add_add_bos_token(False)              # Qwen3 adds no BOS (tokenizer_config.json: add_bos_token false)
+    if tokenizer.chat_template is not None:
+        writer.add_chat_template(tokenizer.chat_template)
+    if qwen2:
+        return []
+    writer.add_string(Keys.Tokenizer.HF_JSON, tokenizer.backend.to_str())
+    return ["the tokenizer is not Qwen2's: llama.cpp will split text with GPT-2's regex (tokenizer.ggml.pre "
+            "'gpt-2'); qwen_np reads the exact tokenizer back from tokenizer.huggingface.json"]
+
+
+def _token_type(token_id: int, by_id: dict[int, str], added: dict[int, Any]) -> int:
+    """NORMAL, UNUSED padding, or for an added token CONTROL when it is special or looks like <|...|>
+    (llama.cpp's does_token_look_special), else USER_DEFINED (Qwen3's <think>, <tool_call>)."""
+    if token_id not in by_id:
+        return TokenType.UNUSED
+    if token_id not in added:
+        return TokenType.NORMAL
+    token = by_id[token_id]
+    special = added[token_id]["special"] or token.startswith("<|") and token.endswith("|>")
+    return TokenType.CONTROL if special else TokenType.USER_DEFINED
+
+
+def _special_id(tokenizer: Tokenizer, name: str, fallback: int | None) -> int | None:
+    """The id of a named special token, else the config's id (Qwen3 names no bos_token: config.json's
+    bos_token_id is used, as llama.cpp's converter does)."""
+    token = tokenizer.special_token(name)
+    return fallback if token is None else tokenizer.token_to_id(token)
+
+
+def _is_qwen2(spec: dict[str, Any]) -> bool:
+    """Whether tokenizer.json is Qwen2's byte-level BPE: NFC, then Split on QWEN2_PATTERN, then ByteLevel."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    return (spec.get("normalizer") == {"type": "NFC"} and len(steps) == 2
+            and steps[0].get("pattern") == {"Regex": QWEN2_PATTERN} and steps[1].get("type") == "ByteLevel")

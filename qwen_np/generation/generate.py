@@ -1,0 +1,408 @@
+"""Generating text: prefill the prompt, then sample one token at a time through the KV cache.
+
+    from qwen_np import load_model
+    from qwen_np.checkpoint import resolve_model_path
+    from qwen_np.generate import generate, prompt_ids, resolve_sampling
+    from qwen_np.loading import read_generation_defaults, read_tokenizer
+
+    folder = resolve_model_path("Qwen/Qwen3-0.6B")
+    model, tokenizer = load_model(folder), read_tokenizer(folder)
+    defaults = read_generation_defaults(folder, model.config)
+    params = resolve_sampling(defaults, enable_thinking=False, seed=0)
+    ids = prompt_ids(tokenizer, "Why is the sky blue?", enable_thinking=False)
+    for event in generate(model, tokenizer, ids, params, 200, eos_token_ids=defaults.eos_token_ids):
+        print(event.text, end="", flush=True)
+
+`ChatSession` holds a multi-turn conversation whose KV cache survives between turns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ..core.config import Qwen3Config
+from ..errors import QwenNPError
+from ..engine.runtime import peak_rss_bytes
+from ..engine.finite import check_finite
+from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK
+from ..core.kv_cache import PagedKVCache
+from ..core.model import Qwen3Model, Trace
+from ..core.sampling import SamplingParams, pick, processed_logits, softmax
+from .speculative import NO_DRAFT, Draft, Drafter, Speculation, accept
+from ..files.tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
+from ..files.model_files import GenerationDefaults
+
+# The Qwen3 model card's settings for non-thinking mode, used with enable_thinking=False.
+NON_THINKING_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token and the text it completes ("" while a multi-byte character is unfinished).
+
+    The last event carries `finish_reason`: "eos" (its token is the end-of-sequence id, whose own
+    text is not included), "stop" (the text reached one of the stop strings, which is not included),
+    "length" (max_new_tokens reached) or "context" (the context is full).
+    """
+
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of one generation, kept current while it runs (so Ctrl-C can still report)."""
+
+    prompt_tokens: int = 0        # prompt tokens run through the model in this call
+    cached_tokens: int = 0        # prompt tokens whose keys/values were already in the cache
+    new_tokens: int = 0
+    load_seconds: float = 0.0     # filled in by whoever loads the model
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0   # sampling every new token and running all but the last through the model
+    finish_reason: str | None = None
+    seed: int | None = None       # shown in the summary: the seed drawn for a run that was given none
+    speculation: str | None = None   # the drafter when decoding speculatively (speculative.Speculation.describe)
+    target_steps: int = 0         # the model's forward passes that chose tokens (the prompt's prefill included)
+    drafted_tokens: int = 0       # drafted tokens the model judged ...
+    accepted_tokens: int = 0      # ... and kept
+
+    def count(self, sequence: Continuation) -> None:
+        """Take the step and speculation counts of a generation."""
+        self.target_steps, self.drafted_tokens = sequence.target_steps, sequence.drafted_tokens
+        self.accepted_tokens = sequence.accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return self.new_tokens / self.target_steps if self.target_steps else None
+
+    def summary(self, model_name: str) -> str:
+        """The one-line report printed after every run."""
+        return (f"stats: model={model_name} prompt_tokens={self.prompt_tokens} cached_tokens={self.cached_tokens} "
+                f"new_tokens={self.new_tokens} load={self.load_seconds:.2f}s "
+                f"prefill={_rate(self.prompt_tokens, self.prefill_seconds)} "
+                f"decode={_rate(self.new_tokens, self.decode_seconds)} "
+                f"peak_rss={peak_rss_bytes() / 2**20:.0f}MiB finish={self.finish_reason or 'none'}"
+                + (f" seed={self.seed}" if self.seed is not None else "") + self._speculation())
+
+    def _speculation(self) -> str:
+        if self.speculation is None:
+            return ""
+        rate, per_step = self.acceptance_rate, self.tokens_per_step
+        return (f" speculative={self.speculation} accepted={self.accepted_tokens}/{self.drafted_tokens}"
+                f"({'n/a' if rate is None else f'{rate:.0%}'}) "
+                f"tokens_per_step={'n/a' if per_step is None else f'{per_step:.2f}'}")
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.1f}tok/s" if seconds > 0 and tokens else "n/a"
+
+
+def resolve_sampling(defaults: GenerationDefaults, enable_thinking: bool | None = None,
+                     **explicit: float | int | None) -> SamplingParams:
+    """The sampling settings to use: explicit values (None = not given) win over the model card's
+    non-thinking settings when enable_thinking is False, which win over the checkpoint's defaults."""
+    chosen: dict[str, Any] = {**(NON_THINKING_SAMPLING if enable_thinking is False else {}),
+              **{key: value for key, value in explicit.items() if value is not None}}
+    return replace(defaults.sampling, **chosen)
+
+
+def chat_messages(user: str, system: str | None = None) -> list[Message]:
+    """A conversation's opening messages: the optional system prompt, then the user's."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool = True, enable_thinking: bool | None = None,
+               system: str | None = None) -> list[int]:
+    """Token ids for `prompt`: rendered as a user message with the chat template, or as plain text."""
+    if not prompt.strip():
+        raise QwenNPError("prompt: empty (give the text to continue or the question to ask)")
+    if not chat:
+        if system is not None:
+            raise QwenNPError("--system: a system prompt needs the chat template (drop --no-chat)")
+        return tokenizer.encode(prompt)
+    text = tokenizer.apply_chat_template(chat_messages(prompt, system), add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
+    return tokenizer.encode(text)
+
+
+def context_budget(config: Qwen3Config, prompt_tokens: int, max_new_tokens: int) -> int:
+    """KV cache positions one generation needs: prompt + new tokens, capped at the model's context.
+
+    Raises when the prompt leaves no room for a single new token (checked before loading weights).
+    """
+    context = config.max_position_embeddings
+    where = f"the model's {context}-token context (max_position_embeddings)"
+    _check_room(prompt_tokens, max_new_tokens, context, where)
+    return min(prompt_tokens + max_new_tokens, context)
+
+
+def _check_room(prompt_tokens: int, max_new_tokens: int, limit: int, where: str) -> None:
+    if max_new_tokens < 0:
+        raise QwenNPError(f"--max-new-tokens: must be >= 0, got {max_new_tokens}")
+    if prompt_tokens + min(max_new_tokens, 1) > limit:
+        raise QwenNPError(f"prompt: {prompt_tokens} tokens leave no room for new tokens in {where}")
+
+
+def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
+             max_new_tokens: int, *, eos_token_ids: Sequence[int] = (), cache: PagedKVCache | None = None,
+             rng: np.random.Generator | None = None, trace: Trace | None = None,
+             stats: GenerationStats | None = None, stop: Sequence[str] = (),
+             kv_dtype: str = "fp32", speculation: Speculation | None = None,
+             drafter: Drafter | None = None) -> Iterator[TokenEvent]:
+    """Yield one TokenEvent per generated token until an EOS id, a stop string, max_new_tokens or the
+    context limit.
+
+    With a `cache`, its first `cache.length` positions must hold `prompt_ids[:cache.length]`; only
+    the rest of the prompt is prefilled; without one, a cache storing `kv_dtype` (kv_cache.KV_DTYPES) is
+    made for it. `rng` defaults to one seeded with params.seed. `trace`
+    sees the prompt prefill and the first decode step. `stats`, when given, is updated as it runs.
+    With a `speculation` (speculative.py), each target step verifies the tokens its drafter proposes; the
+    output is plain decoding's (greedy: the same tokens; sampled: the same distribution). `drafter`: one
+    the caller keeps (a chat's, whose draft cache then holds the conversation across turns) instead of a
+    new one from `speculation`, left as it is at the end.
+    """
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise QwenNPError("prompt: no tokens")
+    if cache is None:
+        cache = model.new_cache(context_budget(model.config, len(prompt), max_new_tokens), kv_dtype)
+    limit = min(cache.max_tokens, model.config.max_position_embeddings)
+    if cache.length >= len(prompt):
+        raise QwenNPError(f"cache: holds {cache.length} positions, the whole {len(prompt)}-token prompt; "
+                          "at least one prompt token must be new")
+    _check_room(len(prompt), max_new_tokens, limit, f"a {limit}-token context")
+    stats = stats if stats is not None else GenerationStats()
+    stats.cached_tokens, stats.prompt_tokens = cache.length, len(prompt) - cache.length
+
+    started = time.perf_counter()
+    logits = check_finite(model, prompt, _prefill(model, prompt[cache.length:], cache, trace))   # [V]
+    stats.prefill_seconds = time.perf_counter() - started
+    if max_new_tokens == 0:
+        stats.finish_reason = "length"
+        return
+
+    sequence = Continuation(tokenizer, prompt, params, max_new_tokens, limit, eos_token_ids=eos_token_ids,
+                            stop=stop, rng=rng)
+    kept = drafter is not None
+    if drafter is None and speculation is not None:
+        drafter = speculation.new_drafter(params, limit)
+    stats.speculation = speculation.describe if speculation is not None else None
+    rows, draft = logits[None], NO_DRAFT                      # [1, V]: the prompt's last position
+    try:
+        while True:
+            started = time.perf_counter()
+            events = sequence.verify(rows, draft)
+            cache.truncate(len(sequence.sequence) - 1)        # roll back the rejected drafted tokens' positions
+            stats.decode_seconds += time.perf_counter() - started
+            for shown, event in enumerate(events, len(sequence.generated) - len(events) + 1):
+                stats.new_tokens, stats.finish_reason = shown, event.finish_reason
+                yield event                       # before the next forward pass: print as soon as known
+            if events[-1].finish_reason:
+                return
+            started = time.perf_counter()
+            k = sequence.room(speculation.tokens) if speculation is not None else 0
+            draft = drafter.propose(sequence.sequence, sequence.generated, k) if drafter is not None and k else NO_DRAFT
+            fed = [events[-1].token_id, *draft.tokens]
+            rows = model.forward(fed, cache, trace if len(sequence.generated) == 1 else None)     # [k+1, V]
+            check_finite(model, sequence.sequence + draft.tokens, rows)
+            stats.decode_seconds += time.perf_counter() - started
+    finally:
+        stats.count(sequence)
+        if drafter is not None and not kept:
+            drafter.reset()
+
+
+class Continuation:
+    """One sequence's generation between forward passes: its tokens so far, its sampler's random
+    stream, its streaming detokeniser and its stop strings. `verify(logits, draft)` picks the next token(s)
+    of one target step and says what text each completes. generate() drives one; batching.BatchGenerator
+    drives one per row.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], params: SamplingParams, max_new_tokens: int,
+                 limit: int, *, eos_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
+                 rng: np.random.Generator | None = None) -> None:
+        self.params, self.max_new_tokens, self.limit = params, max_new_tokens, limit
+        self.eos = set(eos_token_ids)
+        self.rng = rng if rng is not None else np.random.default_rng(params.seed)
+        self.sequence = [int(t) for t in prompt]        # prompt + generated: the repetition penalty's context
+        self.generated: list[int] = []
+        self.decoder = StreamDecoder(tokenizer)
+        self.stops = StopStrings(stop)
+        self.target_steps = 0        # target forward passes whose logits chose tokens (the prompt's included)
+        self.drafted_tokens = 0      # drafted tokens judged ...
+        self.accepted_tokens = 0     # ... and kept
+
+    def room(self, k: int) -> int:
+        """How many tokens a step may draft: at most k, leaving room in max_new_tokens for the target's own
+        token after them and, in the context, for the k + 1 positions the target is fed."""
+        return max(0, min(k, self.max_new_tokens - len(self.generated) - 1, self.limit - len(self.sequence)))
+
+    def verify(self, logits: np.ndarray, draft: Draft) -> list[TokenEvent]:
+        """The tokens one target step gives (speculative's rule), from the logits [k+1, V] of its fed tokens:
+        the last token, then the k drafted ones. Row i judges drafted token i: kept, or replaced by the
+        target's choice, which ends the step; row k gives a bonus token when every drafted one was kept. Ends
+        early when a token finishes the sequence. Plain decoding is the step with no draft: one row, one token."""
+        events: list[TokenEvent] = []
+        for i, row in enumerate(logits):
+            drafted = draft.tokens[i] if i < len(draft.tokens) else None
+            processed = processed_logits(row, self.params, self.sequence, self.generated)    # [V]
+            if drafted is None or self.params.greedy:      # greedy: kept when it is the argmax
+                token = pick(processed, self.params, self.rng)
+            else:
+                token = accept(softmax(processed), draft.distribution(i), drafted, self.rng)
+            if drafted is not None:
+                self.drafted_tokens += 1
+                self.accepted_tokens += token == drafted
+            events.append(self._emit(token))
+            if events[-1].finish_reason or token != drafted:
+                break
+        self.target_steps += 1
+        return events
+
+    def _emit(self, token: int) -> TokenEvent:
+        """Append a chosen token; its event says what text it completes and whether the sequence ends."""
+        self.sequence.append(token)
+        self.generated.append(token)
+        finish = ("eos" if token in self.eos else "length" if len(self.generated) == self.max_new_tokens
+                  else "context" if len(self.sequence) >= self.limit else None)
+        text = self.decoder.flush() if finish == "eos" else self.decoder.push(token) + (self.decoder.flush() if finish else "")
+        text, stopped = self.stops.push(text)
+        if stopped:
+            return TokenEvent(token, text, "stop")
+        return TokenEvent(token, text + self.stops.flush() if finish else text, finish)
+
+
+class StopStrings:
+    """Streamed text with stop strings: releases text as it comes, except a tail that could still grow
+    into a stop string (a stop string may straddle tokens, e.g. "\n\n" from two "\n" tokens), and
+    ends the text just before the first stop string found.
+
+    Hand-written: tokenizers and the sampling libraries have nothing for text-level stops.
+    """
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self.stops = [stop for stop in stops if stop]
+        self.held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text that can be shown now, whether a stop string was reached)."""
+        self.held += text
+        found = [index for index in (self.held.find(stop) for stop in self.stops) if index >= 0]
+        if found:
+            released, self.held = self.held[:min(found)], ""
+            return released, True
+        keep = max((size for stop in self.stops for size in range(1, min(len(stop), len(self.held) + 1))
+                    if self.held.endswith(stop[:size])), default=0)
+        released, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return released, False
+
+    def flush(self) -> str:
+        """The held-back tail, when the text ends without reaching a stop string."""
+        released, self.held = self.held, ""
+        return released
+
+
+def _prefill(model: Qwen3Model, ids: list[int], cache: PagedKVCache, trace: Trace | None) -> np.ndarray:
+    """Run the prompt through the model in chunks; return the last position's logits [V].
+
+    Only the last position's logits are needed, so the LM head runs on one row, except under a
+    trace, which shows every step for every prompt position ([T, V] logits, as `inspect` lists them).
+    """
+    for start in range(0, len(ids), PREFILL_CHUNK):
+        logits = model.forward(ids[start:start + PREFILL_CHUNK], cache, trace, last_only=trace is None)
+    return logits[-1]
+
+
+class ChatSession:
+    """A multi-turn conversation that keeps the KV cache between turns.
+
+    Each turn renders the whole conversation with the chat template, but only the tokens the cache
+    does not hold yet are run through the model. Qwen3's template drops the thinking of earlier
+    turns, so a new turn may differ from what was fed inside the last reply: the cache is then cut
+    back to the common prefix (tokenizer.chat_delta), never rebuilt from scratch.
+    """
+
+    def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, params: SamplingParams, *,
+                 eos_token_ids: Sequence[int] = (), system: str | None = None,
+                 enable_thinking: bool | None = None, max_tokens: int | None = None, kv_dtype: str = "fp32",
+                 speculation: Speculation | None = None) -> None:
+        self.model, self.tokenizer, self.params, self.speculation = model, tokenizer, params, speculation
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.enable_thinking = enable_thinking
+        self.system = system
+        self.messages: list[Message] = []
+        # Default: the context the memory plan reserved (not the model's full context, which for
+        # Qwen3 would be 40960 positions, ~11 GiB of FP32 cache at 8B).
+        default = model.plan.max_tokens if model.plan is not None else DEFAULT_CONTEXT
+        self.cache = model.new_cache(max_tokens or min(default, model.config.max_position_embeddings), kv_dtype)
+        self.rng = np.random.default_rng(params.seed)   # one stream across turns: a seed fixes the chat
+        self.fed_ids: list[int] = []                     # the tokens whose keys/values the cache holds
+        # Kept across turns too: a draft model's cache then holds the conversation (cut back to what the
+        # next turn starts with), so a turn drafts after reading only its new tokens, as the target does.
+        self.drafter = speculation.new_drafter(params, self.cache.max_tokens) if speculation is not None else None
+
+    def set_system(self, text: str | None) -> None:
+        """Replace the system prompt (None: none); the conversation goes on under it from the next turn."""
+        self.system = text
+        turns = [message for message in self.messages if message["role"] != "system"]
+        self.messages = chat_messages("", text)[:-1] + turns if turns else []
+
+    def clear(self) -> None:
+        """Forget every turn (the system prompt stays); the cache is cut back on the next turn."""
+        self.messages = []
+
+    def make_room(self, text: str, max_new_tokens: int) -> int:
+        """Drop the oldest turns (a user message and its reply) until the conversation with `text`
+        leaves room for a reply of min(max_new_tokens, a quarter of the context) tokens; returns how
+        many turns went. The system prompt always stays. send() calls it too."""
+        reserve = max(1, min(max_new_tokens, self.cache.max_tokens // 4))
+        dropped = 0
+        while True:
+            rendered = self.tokenizer.apply_chat_template(self._with(text), add_generation_prompt=True,
+                                                          enable_thinking=self.enable_thinking)
+            users = [i for i, message in enumerate(self.messages) if message["role"] == "user"]
+            if len(self.tokenizer.encode(rendered)) + reserve <= self.cache.max_tokens or not users:
+                return dropped
+            end = users[1] if len(users) > 1 else len(self.messages)
+            del self.messages[users[0]:end]
+            dropped += 1
+
+    def _with(self, text: str) -> list[Message]:
+        return self.messages + chat_messages(text, self.system if not self.messages else None)
+
+    def send(self, text: str, max_new_tokens: int, stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
+        """Add a user message and yield the reply's tokens; the reply joins the history when it ends
+        (or is interrupted, e.g. by Ctrl-C: the part generated so far is kept). When the context is
+        too full, the oldest turns are dropped first (make_room)."""
+        if not text.strip():
+            raise QwenNPError("chat: empty message")
+        self.make_room(text, max_new_tokens)
+        messages = self._with(text)
+        delta = chat_delta(self.tokenizer, self.fed_ids, messages, enable_thinking=self.enable_thinking)
+        self.cache.truncate(delta.keep)
+        ids = self.fed_ids[:delta.keep] + delta.ids
+        reply: list[int] = []
+        answered = False     # True once the model has produced anything, even an immediate EOS
+        try:
+            for event in generate(self.model, self.tokenizer, ids, self.params, max_new_tokens,
+                                  eos_token_ids=self.eos_token_ids, cache=self.cache, rng=self.rng, stats=stats,
+                                  speculation=self.speculation, drafter=self.drafter):
+                answered = True
+                if event.finish_reason != "eos":
+                    reply.append(event.token_id)
+                yield event
+        finally:
+            # The cache holds a prefix of prompt + reply (an interrupted forward pass adds nothing).
+            self.fed_ids = (ids + reply)[:self.cache.length]
+            if answered:
+                self.messages = messages + [{"role": "assistant", "content": self.tokenizer.decode(reply)}]

@@ -1,0 +1,267 @@
+"""The explorer behind `serve`'s web page (qwen_np/serving/web/): one traced forward pass of a prompt, as JSON.
+
+    GET  /                    the page (index.html; its scripts and styles under /web/)
+    GET  /explorer/model      the config's dimensions, the STEPS table with each step's source line
+    POST /explorer/analyze    tokens (ids and bytes), every step's statistics, the logit lens
+    POST /explorer/attention  one layer's softmax weights [H, T, T] and which KV head each query head reads
+    POST /explorer/filter     the next token's distribution after each sampling filter (sampling.py's own)
+    POST /explorer/sample     one next token drawn as generate draws it
+
+The numbers are the CLI's: statistics are trace.statistics of the values `Qwen3Model.forward` reports to a
+trace (what `--trace-layers` prints), the lens is lens.lens_rows over the same residual stream
+(`--lens`), attention the same softmax step `--attention` reads, the filters sampling.py's functions in
+sampling.py's order. One forward pass serves all of them: its results are kept for the last few prompts
+(CACHE_SIZE), so moving a sampling slider or picking another layer runs no model.
+
+A POST body is serve's: the checks of serve.create_app (loopback Host, application/json, API key, body
+limit, `model` naming the served model) apply, and the prompt is serve's too (`prompt`: text or token ids,
+completion_prompt's checks), at most MAX_TOKENS tokens, since the trace holds every step of every layer
+for each of them. The sampling fields are /v1/completions' (Service.request checks them).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Protocol
+
+import numpy as np
+
+from ..core.config import DIMENSIONS, dimensions
+from ..errors import APIError, QwenNPError
+from ..files.model_files import GenerationDefaults
+from ..inspection.lens import is_lens_step, lens_labels, lens_rows
+from ..inspection.steps import STEPS, source_line
+from ..inspection.trace import layer_of, statistics, step_shape, step_template
+from ..core.model import Qwen3Model
+from ..core.sampling import SamplingParams, apply_repetition_penalty, next_token, require_distribution, softmax, warp_stages
+from ..files.tokenizer import Tokenizer
+
+
+
+class Served(Protocol):
+    """What the explorer needs of serve.Service (serve builds the explorer over its Service)."""
+
+    tokenizer: Tokenizer
+    defaults: GenerationDefaults
+    runner: Any                                                   # batching.BatchRunner: .generator.model
+
+    @property
+    def model_id(self) -> str: ...
+
+    def completion_prompt(self, body: dict[str, Any]) -> list[int]: ...
+
+    def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Any: ...
+
+WEB = Path(__file__).parent / "web"          # the page: plain HTML, CSS and JS, no build step, nothing fetched
+PAGE_PATHS = ("/", "/web/")                  # served without an API key: the page holds none (it asks for one)
+MAX_TOKENS = 64                              # a prompt's tokens the explorer traces
+CACHE_SIZE = 4                               # prompts whose forward pass is kept
+LENS_TOP = 5                                 # tokens per row of the logit lens
+LISTED = 40                                  # tokens the filter view lists, the most likely first
+
+
+def is_page(path: str) -> bool:
+    """Whether `path` is the page itself (open to a browser without the API key the page then asks for)."""
+    return path == PAGE_PATHS[0] or path.startswith(PAGE_PATHS[1])
+
+
+@dataclass(frozen=True)
+class Run:
+    """One traced forward pass of a prompt: what every view reads."""
+
+    ids: tuple[int, ...]
+    steps: list[dict[str, Any]]        # one per traced step, in the order forward reports them
+    attention: list[np.ndarray]        # L x [H, T, T] softmax weights
+    lens: np.ndarray                   # [L+1, V] lens probabilities at the last position
+    logits: np.ndarray                 # [V] the model's logits at the last position
+
+
+def traced_run(model: Qwen3Model, ids: list[int]) -> Run:
+    """Run `ids` through the model once, noting every step's statistics, each layer's attention
+    weights and the residual stream the lens reads."""
+    steps: list[dict[str, Any]] = []
+    attention: list[np.ndarray] = []
+    residuals: list[np.ndarray] = []
+
+    def watch(name: str, value: np.ndarray) -> None:
+        mean, std, largest, masked = statistics(value)
+        steps.append({"name": name, "step": step_template(name), "layer": layer_of(name), "shape": list(value.shape),
+                      "symbols": step_shape(name, value), "mean": _finite(mean), "std": _finite(std),
+                      "max_abs": _finite(largest), "masked": masked})
+        if name.endswith(".self_attn.softmax"):
+            attention.append(value.copy())                                       # [H, T, T]
+        if is_lens_step(name):
+            residuals.append(value[-1].copy())                                   # [D]
+
+    logits = model.forward(ids, trace=watch)                                     # [T, V]
+    return Run(tuple(ids), steps, attention, lens_rows(model, np.stack(residuals)), logits[-1])
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no NaN: a statistic of no finite value is null."""
+    return x if math.isfinite(x) else None
+
+
+def filter_stages(logits: np.ndarray, params: SamplingParams, context_ids: list[int]) -> list[tuple[str, np.ndarray]]:
+    """The next token's logits [V] after each step of sampling.next_token, named: the model's, after the
+    repetition penalty (every context token counts, as in next_token), then warp's stages, or the argmax
+    alone when greedy. The explorer's context is all prompt, so the presence penalty (generated tokens
+    only) has nothing to act on. Raises QwenNPError as next_token does."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):     # overflow is caught as an error
+        penalised = apply_repetition_penalty(logits, context_ids, params.repetition_penalty)
+        stages = [("model", logits), ("repetition penalty", penalised)]
+        if params.greedy:
+            best = int(np.argmax(require_distribution(penalised, params)))
+            return stages + [("greedy", np.where(np.arange(logits.size) == best, penalised, -np.inf))]
+        return stages + warp_stages(penalised, params)
+
+
+class Explorer:
+    """The explorer's endpoints over a serve.Service: its model, tokenizer, prompt and sampling checks."""
+
+    def __init__(self, service: Served) -> None:
+        self.service = service
+        self.model: Qwen3Model = service.runner.generator.model
+        self.tokenizer = service.tokenizer
+        self.runs: OrderedDict[tuple[int, ...], Run] = OrderedDict()
+        self.lock = threading.Lock()                 # handlers run on worker threads
+
+    # --- the prompt and its run ---
+
+    def prompt(self, body: dict[str, Any]) -> list[int]:
+        ids = self.service.completion_prompt(body)
+        if len(ids) > MAX_TOKENS:
+            raise APIError(400, f"prompt: the explorer traces at most {MAX_TOKENS} tokens, this prompt has {len(ids)}",
+                           "prompt", "context_length_exceeded")
+        return ids
+
+    def run(self, ids: list[int]) -> Run:
+        """The traced run of `ids`, from the cache when one of the last CACHE_SIZE prompts."""
+        key = tuple(ids)
+        with self.lock:
+            if key in self.runs:
+                self.runs.move_to_end(key)
+                return self.runs[key]
+        run = traced_run(self.model, ids)           # outside the lock: other prompts need not wait
+        with self.lock:
+            self.runs[key] = run
+            while len(self.runs) > CACHE_SIZE:
+                self.runs.popitem(last=False)
+        return run
+
+    def token(self, token_id: int) -> dict[str, Any]:
+        """A token as the page shows it: its id, its bytes in hex, and its text when the bytes are whole
+        UTF-8 (a byte-level token may hold part of a character; then text is null)."""
+        raw = self.tokenizer.token_bytes(token_id)
+        try:
+            text: str | None = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        return {"id": token_id, "bytes": raw.hex(" "), "text": text}
+
+    def _top(self, probs: np.ndarray, k: int) -> list[dict[str, Any]]:
+        top = np.argsort(-probs, kind="stable")[:k]
+        return [{**self.token(int(i)), "p": float(probs[i])} for i in top]
+
+    # --- the endpoints ---
+
+    def describe(self) -> dict[str, Any]:
+        """The model's dimensions and the STEPS table, each step with the line of code that computes it."""
+        config = self.model.config
+        steps = []
+        for step in STEPS:
+            file, line, code = source_line(step)
+            steps.append({"name": step.name, "what": step.what, "function": step.code.__qualname__,
+                          "inputs": [[what, list(shape)] for what, shape in step.inputs], "output": list(step.output),
+                          "weight": list(step.weight) if step.weight else None, "flops": step.flops,
+                          "source": {"file": file, "line": line, "code": code}})
+        return {"model": self.service.model_id, "dimensions": dimensions(config), "symbols": DIMENSIONS,
+                "group_size": config.group_size, "steps": steps, "max_tokens": MAX_TOKENS,
+                "chat": self.tokenizer.has_chat_template, "defaults": vars(self.service.defaults.sampling)}
+
+    def analyze(self, body: dict[str, Any]) -> dict[str, Any]:
+        ids = self.prompt(body)
+        run = self.run(ids)
+        lens = [{"label": label, "top": self._top(row, LENS_TOP)} for label, row in zip(lens_labels(self.model), run.lens)]
+        return {"tokens": [self.token(i) for i in ids], "text": self.tokenizer.decode(ids), "steps": run.steps,
+                "lens": lens, "model_top": self._top(softmax(run.logits), LENS_TOP)}
+
+    def attention(self, body: dict[str, Any]) -> dict[str, Any]:
+        ids, L = self.prompt(body), self.model.config.num_hidden_layers
+        layer = body.get("layer")
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < L:
+            raise APIError(400, f"layer: must be an integer in [0, {L})", "layer")
+        weights = self.run(ids).attention[layer]                                 # [H, T, T]
+        group = self.model.config.group_size
+        return {"layer": layer, "weights": weights.tolist(),
+                "kv_head": [h // group for h in range(weights.shape[0])]}
+
+    def filter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The LISTED most likely tokens (after the repetition penalty) with their probability after each
+        stage (null: filtered out), and how many tokens each stage keeps."""
+        ids = self.prompt(body)
+        stages = filter_stages(self.run(ids).logits, self._params(body, ids), ids)
+        probs = [softmax(logits) for _, logits in stages]                        # stages x [V]
+        listed = np.argsort(-probs[1], kind="stable")[:LISTED]
+        tokens = [{**self.token(int(i)), "p": [float(p[i]) if np.isfinite(logits[i]) else None
+                                               for p, (_, logits) in zip(probs, stages)]} for i in listed]
+        return {"stages": [{"name": name, "kept": int(np.isfinite(logits).sum())} for name, logits in stages],
+                "tokens": tokens}
+
+    def sample(self, body: dict[str, Any]) -> dict[str, Any]:
+        ids = self.prompt(body)
+        params = self._params(body, ids)
+        chosen = next_token(self.run(ids).logits, params, np.random.default_rng(params.seed), ids, [])
+        return self.token(chosen)
+
+    def _params(self, body: dict[str, Any], ids: list[int]) -> SamplingParams:
+        """The sampling settings of `body`, checked and defaulted as /v1/completions does."""
+        return self.service.request(body, ids, None).params
+
+    # --- mounting ---
+
+    def routes(self, read_body: Callable[[Any], Awaitable[dict[str, Any]]],
+               error: Callable[[Any], Any]) -> list[Any]:
+        """Starlette routes for the page and the endpoints; read_body and error are create_app's (its
+        body limit and parse_body, OpenAI's error JSON)."""
+        from starlette.concurrency import run_in_threadpool
+        from starlette.responses import FileResponse, JSONResponse, Response
+        from starlette.routing import Mount, Route
+        from starlette.staticfiles import StaticFiles
+
+
+        def posted(method: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[Any], Awaitable[Response]]:
+            async def handle(http: Any) -> Response:
+                try:
+                    body = await read_body(http)
+                    return JSONResponse(await run_in_threadpool(method, body))
+                except APIError as problem:
+                    return error(problem)
+                except QwenNPError as problem:           # sampling settings that make no distribution
+                    return error(APIError(400, str(problem)))
+                except Exception as problem:             # a bug: say so in one line, keep serving
+                    print(f"explorer: internal error: {type(problem).__name__}: {problem}", file=sys.stderr)
+                    return error(APIError(500, f"internal error: {type(problem).__name__}", kind="server_error"))
+            return handle
+
+        async def describe(http: Any) -> Response:
+            return JSONResponse(await run_in_threadpool(self.describe))
+
+        async def page(http: Any) -> Response:
+            return FileResponse(WEB / "index.html", headers=PAGE_HEADERS)
+
+        return [Route("/", page, methods=["GET"]), Mount("/web", StaticFiles(directory=WEB), name="web"),
+                Route("/explorer/model", describe, methods=["GET"]),
+                *[Route(f"/explorer/{name}", posted(getattr(self, name)), methods=["POST"])
+                  for name in ("analyze", "attention", "filter", "sample")]]
+
+
+# The page loads nothing from elsewhere, and says so to the browser: it runs offline, and a script
+# injected through a model's output (shown as text, never as HTML) could not call out either.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff"}

@@ -1,0 +1,15 @@
+"""Training and evaluation: `gradients` (the backward pass by hand, op by op), `step` (loss_and_gradients,
+clipping, the schedule, AdamW), `mixed` (mixed precision), `trainer` (a run: checkpoints, resume, validation),
+`data` (corpora and the tokenizer trainer), `evaluation` (loss per token of a text).
+
+May import: engine/, files/, core/, numbers/, qwen_np.errors.
+"""
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """`qwen_np.training.loss_and_gradients`, the public name, found in step.py when first asked for."""
+    if name == "loss_and_gradients":
+        from .step import loss_and_gradients
+        return loss_and_gradients
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,351 @@
+"""The backward pass of Qwen3 by hand: the gradient of every op of layers.py, then of the whole network.
+
+Read it next to layers.py: each `<op>_backward` takes dOut (the loss's gradient with respect to the op's
+output, same shape) and what the forward saw, and returns the gradients of the op's inputs. "dX" always
+means dLoss/dX and has X's shape. Shapes as in layers.py, with the batch axis written out: a training
+batch is [B, T] token ids.
+
+The network's forward for training (`forward_with_tape`) is model.py's forward, with no KV cache and a
+trace that records the activations each layer's backward needs (the tape). `backward` walks the tape in reverse
+and returns one FP32 gradient per checkpoint tensor name. Everything is FP32, like the reference
+(transformers + torch autograd in FP32), which tests/test_gradients.py checks tensor by tensor; in
+mixed-precision training (mixed.py) only the linear layers' operands are rounded, through the hook
+layers.MATMUL_INPUTS that layers.linear and linear_backward read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeGuard
+
+import numpy as np
+
+from ..core import layers
+from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, Qwen3Config
+from ..errors import QwenNPError
+from ..numbers.numerics import FULL_PRECISION, Weight
+
+if TYPE_CHECKING:
+    from ..core.model import LayerWeights, Qwen3Model
+
+def trainable(weight: Weight) -> TypeGuard[np.ndarray]:
+    """Whether training can update a weight in place: FULL_PRECISION arrays (FP32; float64 for the gradient
+    checks). Not a bf16- or int8-loaded model's weights, which a product would not even read as numbers."""
+    return isinstance(weight, np.ndarray) and weight.dtype in FULL_PRECISION
+
+
+# --- One op at a time, in layers.py's order ----------------------------------------------------------
+
+
+def linear_backward(d_out: np.ndarray, x: np.ndarray, weight: Weight) -> tuple[np.ndarray, np.ndarray]:
+    """y = x W^T.  d_out [..., out], x [..., in], W [out, in] -> dx [..., in], dW [out, in].
+
+    dx = dy W;  dW = dy^T x, summed over every row of the batch (one GEMM over the B*T rows).
+    Under layers.MATMUL_INPUTS (mixed precision) each product reads its operands rounded, as the
+    forward's did: dx = round(dy) round(W), dW = round(dy)^T round(x). dy is rounded twice, once per
+    product, because the two sum over different axes (dx over `out`, dW over the rows), which FP8's
+    1x128 scale tiles follow; x is the forward's FP32 input, rounded again to the same values.
+    """
+    if not trainable(weight):
+        raise QwenNPError("training needs FP32 weights in memory; load the model with memory='fp32'")
+    d_rows, x_rows = d_out.reshape(-1, d_out.shape[-1]), x.reshape(-1, x.shape[-1])   # [B*T, out], [B*T, in]
+    rounding = layers.MATMUL_INPUTS.get()
+    if rounding is None:
+        return d_out @ weight, d_rows.T @ x_rows                                     # [..., in], [out, in]
+    dx = rounding(d_out, "gradient", -1) @ rounding(weight, "weight", 0)             # [..., in]
+    d_weight = rounding(d_rows, "gradient", 0).T @ rounding(x_rows, "activation", 0)   # [out, in]
+    return dx, d_weight
+
+
+def embed_backward(d_out: np.ndarray, token_ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Row lookup, reversed: scatter-add each position's gradient into its token's row.
+
+    d_out [B, T, D], token_ids [B, T] -> d_embed_tokens [V, D]. A token seen twice gets both
+    gradients: np.add.at accumulates repeated indices, where `d[ids] += rows` would keep only one.
+    """
+    d_table = np.zeros((vocab_size, d_out.shape[-1]), dtype=d_out.dtype)             # [V, D]
+    np.add.at(d_table, token_ids.reshape(-1), d_out.reshape(-1, d_out.shape[-1]))
+    return d_table
+
+
+def rms_norm_backward(d_out: np.ndarray, x: np.ndarray, weight: np.ndarray,
+                      eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """y = w * x_hat, x_hat = x * r, r = 1 / sqrt(mean(x^2) + eps), over the last axis of size n.
+
+    dw = sum over all rows of dy * x_hat (the per-head q/k norms share one [Dh] weight across heads
+    and positions, so their sum runs over those too).  With g = dy * w:
+    dx = r * (g - x_hat * mean(g * x_hat)): the second term is r's own dependence on x.
+    """
+    r = np.float32(1.0) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))  # [..., 1]
+    x_hat = x * r                                                                    # [..., n]
+    d_weight = (d_out * x_hat).reshape(-1, x.shape[-1]).sum(axis=0)                  # [n]
+    g = d_out * weight                                                               # [..., n]
+    dx = r * (g - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True))                # [..., n]
+    return dx, d_weight
+
+
+def rope_backward(d_out: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """RoPE rotates each (i, i + Dh/2) pair by the angle theta; its transpose rotates by -theta.
+
+    So the backward is the forward with sin negated: dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin.
+    d_out [B, T, heads, Dh] -> dx [B, T, heads, Dh].
+    """
+    return layers.rope(d_out, cos, -sin)
+
+
+def softmax_backward(d_probs: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """p = softmax(s) over the last axis:  ds = p * (dp - sum_j dp_j p_j).
+
+    Masked (future) positions have p = 0 exactly, so their ds is 0: the causal mask needs no
+    backward of its own.
+    """
+    d_scores = d_probs * probs                                                      # [..., S]
+    d_scores -= probs * np.sum(d_scores, axis=-1, keepdims=True)                     # p*dp - p*sum(dp*p)
+    return d_scores
+
+
+def sum_over_groups(d_repeated: np.ndarray, kv_heads: int) -> np.ndarray:
+    """Undo GQA's np.repeat: [B, H, S, Dh] (one per query head) -> [B, S, KVH, Dh] (one per KV head).
+
+    Query head h read KV head h // group, so heads kv*group .. kv*group + group-1 sum into head kv.
+    """
+    B, H, S, Dh = d_repeated.shape
+    summed = d_repeated.reshape(B, kv_heads, H // kv_heads, S, Dh).sum(axis=2)       # [B, KVH, S, Dh]
+    return layers.heads_first(summed)                                                # [B, S, KVH, Dh]
+
+
+def contiguous_heads(x: np.ndarray) -> np.ndarray:
+    """[B, T, H, Dh] -> [B, H, T, Dh] copied contiguous. Trap: np.matmul of a transposed stack by a
+    strided one falls back to a loop without BLAS, ~40x slower here (see bench/README.md)."""
+    return np.ascontiguousarray(layers.heads_first(x))
+
+
+def weighted_sum_backward(d_out: np.ndarray, probs: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """out = probs @ v per head.  d_out [B, T, H*Dh], probs [B, H, T, S], v [B, S, KVH, Dh].
+
+    dprobs = dout v^T;  dv = probs^T dout, summed over the query heads sharing each KV head.
+    """
+    B, H, T, _ = probs.shape
+    KVH, Dh = v.shape[-2:]
+    d_heads = contiguous_heads(d_out.reshape(B, T, H, Dh))                          # [B, H, T, Dh]
+    v_heads = layers.heads_first(np.repeat(v, H // KVH, axis=-2))                    # [B, H, S, Dh]
+    d_probs = d_heads @ np.swapaxes(v_heads, -1, -2)                                 # [B, H, T, S]
+    dv = sum_over_groups(np.swapaxes(probs, -1, -2) @ d_heads, KVH)                  # [B, S, KVH, Dh]
+    return d_probs, dv
+
+
+def attention_scores_backward(d_scores: np.ndarray, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """scores = q k^T * s, s = Dh^-0.5.  d_scores [B, H, T, S], q [B, T, H, Dh], k [B, S, KVH, Dh].
+
+    dq = ds k * s;  dk = ds^T q * s, summed over the query heads sharing each KV head.
+    """
+    H, KVH, Dh = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = np.float32(Dh ** -0.5)                  # applied to the [.., Dh] products, not the [.., T, S] scores
+    k_heads = layers.heads_first(np.repeat(k, H // KVH, axis=-2))                    # [B, H, S, Dh]
+    dq = layers.heads_first(d_scores @ k_heads) * scale                              # [B, T, H, Dh]
+    dk = sum_over_groups(np.swapaxes(d_scores, -1, -2) @ contiguous_heads(q), KVH) * scale   # [B, S, KVH, Dh]
+    return dq, dk
+
+
+def attention_backward(d_out: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                       probs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """layers.attention reversed: weighted sum, softmax (the mask passes nothing back), scores.
+
+    d_out [B, T, H*Dh] -> dq [B, T, H, Dh], dk and dv [B, S, KVH, Dh].
+    """
+    d_probs, dv = weighted_sum_backward(d_out, probs, v)                             # [B, H, T, S]
+    d_scores = softmax_backward(d_probs, probs)                                      # [B, H, T, S]
+    dq, dk = attention_scores_backward(d_scores, q, k)
+    return dq, dk, dv
+
+
+def silu_backward(d_out: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """d/dx [x * sigmoid(x)] = sigmoid(x) * (1 + x * (1 - sigmoid(x)))."""
+    with np.errstate(over="ignore"):                  # exp(-x) = inf for x << 0 gives sigmoid 0: right
+        sig = np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+    return d_out * sig * (np.float32(1.0) + x * (np.float32(1.0) - sig))
+
+
+def swiglu_backward(d_out: np.ndarray, x: np.ndarray, gate: np.ndarray, up: np.ndarray, gate_proj: Weight,
+                    up_proj: Weight, down_proj: Weight) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """down(silu(gate) * up) reversed.  d_out [B, T, D]; x [B, T, D]; gate, up [B, T, F] from the forward.
+
+    Returns dx [B, T, D] and the three weights' gradients. x feeds both gate_proj and up_proj, so
+    its gradient is the sum of the two paths.
+    """
+    silu_gate = layers.silu(gate)                                                    # [B, T, F]
+    d_act, d_down = linear_backward(d_out, silu_gate * up, down_proj)                # [B, T, F]
+    d_gate = silu_backward(d_act * up, gate)                                         # [B, T, F]
+    d_up = d_act * silu_gate                                                         # [B, T, F]
+    dx_gate, d_gate_proj = linear_backward(d_gate, x, gate_proj)                     # [B, T, D]
+    dx_up, d_up_proj = linear_backward(d_up, x, up_proj)                             # [B, T, D]
+    return dx_gate + dx_up, {"gate_proj": d_gate_proj, "up_proj": d_up_proj, "down_proj": d_down}
+
+
+def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.ndarray]:
+    """Mean next-token cross-entropy and its gradient, with the log-softmax fused in.
+
+    logits [B, T, V], targets [B, T] -> loss (mean over the B*T positions, as transformers' loss with
+    labels) and dlogits = (softmax(logits) - onehot(target)) / (B*T). Shifting by the row max keeps
+    exp() finite; the mean is accumulated in float64 so a long batch does not lose digits.
+    """
+    shifted = logits - logits.max(axis=-1, keepdims=True)                            # [B, T, V]
+    exp = np.exp(shifted)                                                            # [B, T, V]
+    total = exp.sum(axis=-1, keepdims=True)                                          # [B, T, 1]
+    picked = np.take_along_axis(shifted, targets[..., None], axis=-1) - np.log(total)   # log p(target) [B, T, 1]
+    n = targets.size
+    loss = -float(picked.sum(dtype=np.float64)) / n
+    d_logits = exp / total                                                           # softmax [B, T, V]
+    np.add.at(d_logits, (*np.indices(targets.shape), targets), np.float32(-1.0))     # - onehot
+    d_logits *= np.float32(1.0 / n)
+    return loss, d_logits
+
+
+# --- The whole network -------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerTape:
+    """What one decoder layer's backward needs from its forward (all [B, T, ...] FP32)."""
+
+    x: np.ndarray          # layer input (the residual stream)           [B, T, D]
+    h: np.ndarray          # input_layernorm(x)                           [B, T, D]
+    q: np.ndarray          # q_proj(h), before q_norm                     [B, T, H, Dh]
+    k: np.ndarray          # k_proj(h), before k_norm                     [B, T, KVH, Dh]
+    v: np.ndarray          # v_proj(h)                                    [B, T, KVH, Dh]
+    q_rot: np.ndarray      # rope(q_norm(q))                              [B, T, H, Dh]
+    k_rot: np.ndarray      # rope(k_norm(k))                              [B, T, KVH, Dh]
+    probs: np.ndarray      # softmax(masked scores)                       [B, H, T, T]
+    mixed: np.ndarray      # attention output, o_proj's input             [B, T, H*Dh]
+    x_mid: np.ndarray      # x + o_proj(mixed)                            [B, T, D]
+    h_mlp: np.ndarray      # post_attention_layernorm(x_mid)              [B, T, D]
+    gate: np.ndarray       # gate_proj(h_mlp)                             [B, T, F]
+    up: np.ndarray         # up_proj(h_mlp)                               [B, T, F]
+
+
+@dataclass
+class Tape:
+    """The whole forward's saved activations."""
+
+    token_ids: np.ndarray          # [B, T]
+    cos: np.ndarray                # [T, Dh]
+    sin: np.ndarray                # [T, Dh]
+    inputs: list[np.ndarray]       # each layer's input, the residual stream  L x [B, T, D]
+    layers: list[LayerTape] | None   # each layer's activations; None: recomputed in the backward
+    x_final: np.ndarray            # the residual stream before the final norm  [B, T, D]
+    h_final: np.ndarray            # norm(x_final), the LM head's input          [B, T, D]
+
+
+def decoder_layer_backward(d_out: np.ndarray, w: LayerWeights, tape: LayerTape, cos: np.ndarray, sin: np.ndarray,
+                           config: Qwen3Config) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """model.py's decoder layer (as Recorder notes it) reversed.  d_out [B, T, D] -> dx [B, T, D] and the layer's 11 gradients.
+
+    Each residual connection passes its gradient straight through and adds the branch's.
+    """
+    B, T, _ = d_out.shape
+    eps = config.rms_norm_eps
+    # --- MLP block: out = x_mid + mlp(norm(x_mid)) ---
+    d_h_mlp, grads = swiglu_backward(d_out, tape.h_mlp, tape.gate, tape.up, w.gate_proj, w.up_proj, w.down_proj)
+    dx_mid, grads["post_attention_layernorm"] = rms_norm_backward(d_h_mlp, tape.x_mid, w.post_attention_layernorm, eps)
+    dx_mid += d_out                                                                  # [B, T, D]
+    # --- attention block: x_mid = x + o_proj(attention(...)) ---
+    d_mixed, grads["o_proj"] = linear_backward(dx_mid, tape.mixed, w.o_proj)         # [B, T, H*Dh]
+    dq_rot, dk_rot, dv = attention_backward(d_mixed, tape.q_rot, tape.k_rot, tape.v, tape.probs)
+    dq, grads["q_norm"] = rms_norm_backward(rope_backward(dq_rot, cos, sin), tape.q, w.q_norm, eps)  # [B, T, H, Dh]
+    dk, grads["k_norm"] = rms_norm_backward(rope_backward(dk_rot, cos, sin), tape.k, w.k_norm, eps)  # [B, T, KVH, Dh]
+    dh_q, grads["q_proj"] = linear_backward(dq.reshape(B, T, -1), tape.h, w.q_proj)  # [B, T, D]
+    dh_k, grads["k_proj"] = linear_backward(dk.reshape(B, T, -1), tape.h, w.k_proj)
+    dh_v, grads["v_proj"] = linear_backward(dv.reshape(B, T, -1), tape.h, w.v_proj)
+    dx, grads["input_layernorm"] = rms_norm_backward(dh_q + dh_k + dh_v, tape.x, w.input_layernorm, eps)
+    return dx + dx_mid, grads
+
+
+# The trace notes of model.py's decoder layer that its backward reads: LayerTape's field -> step name.
+# Every other note of the forward (scores, act_fn, ...) is dropped as it is made.
+TAPE_STEPS = {"h": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+              "q_rot": "self_attn.rope_q", "k_rot": "self_attn.rope_k", "probs": "self_attn.softmax",
+              "mixed": "self_attn.weighted_sum", "x_mid": "residual_attn", "h_mlp": "post_attention_layernorm",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
+
+
+class Recorder:
+    """A trace for model.py's forward that keeps what the backward needs: the tape is the trace.
+
+    The forward packs the B sequences one after another as rows [B*T, ...]; attention runs one sequence
+    at a time, so its softmax is noted B times, [H, T, T] each. `layers`: the layers whose activations
+    are kept (all of them; none with recomputation, which keeps only each layer's input)."""
+
+    def __init__(self, layers: range) -> None:
+        self.wanted = {f"model.layers.{i}.{step}": (i, field) for i in layers for field, step in TAPE_STEPS.items()}
+        self.layers: dict[int, dict[str, list[np.ndarray]]] = {i: {} for i in layers}
+        self.outputs: dict[str, np.ndarray] = {}            # the embedding, each layer's output, the final norm
+
+    def __call__(self, name: str, value: np.ndarray) -> None:
+        if name in self.wanted:
+            i, field = self.wanted[name]
+            self.layers[i].setdefault(field, []).append(value)
+        elif name == "model.embed_tokens" or name == "model.norm" or name.endswith(".residual_mlp"):
+            self.outputs[name] = value
+
+    def layer_tape(self, i: int, x: np.ndarray, B: int, T: int) -> LayerTape:
+        """Layer i's record, rows [B*T, ...] as [B, T, ...] and the softmaxes stacked; x: its input [B, T, D]."""
+        fields = {field: np.stack(values) if field == "probs" else values[0].reshape(B, T, *values[0].shape[1:])
+                  for field, values in self.layers[i].items()}                           # probs [B, H, T, T]
+        return LayerTape(x=x, **fields)
+
+    def tape(self, token_ids: np.ndarray, config: Qwen3Config, inv_freq: np.ndarray) -> Tape:
+        """The record as the backward reads it."""
+        B, T = token_ids.shape
+        cos, sin = layers.rope_angles(inv_freq, np.arange(T))                        # [T, Dh] each
+        names = ["model.embed_tokens"] + [f"model.layers.{i}.residual_mlp" for i in range(config.num_hidden_layers)]
+        inputs = [self.outputs[name].reshape(B, T, -1) for name in names]            # L + 1 x [B, T, D]
+        kept = [self.layer_tape(i, inputs[i], B, T) for i in self.layers] if self.layers else None
+        return Tape(token_ids, cos, sin, inputs[:-1], kept, inputs[-1], self.outputs["model.norm"].reshape(B, T, -1))
+
+
+def forward_with_tape(model: Qwen3Model, token_ids: np.ndarray, recompute: bool = False) -> tuple[np.ndarray, Tape]:
+    """Logits [B, T, V] for a batch of sequences that all start at position 0, and the tape.
+
+    This is model.py's forward itself (the readable path, which every traced call runs), with a
+    Recorder as its trace: there is one copy of the network, and the backward reads what it noted.
+    recompute (activation checkpointing): keep only each layer's input; the backward runs each layer
+    again, just before it needs it, so one layer's activations are alive at a time instead of L."""
+    B, T = token_ids.shape
+    record = Recorder(range(0 if recompute else model.config.num_hidden_layers))
+    logits = model.forward_batch(list(token_ids), [None] * B, trace=record)          # [B*T, V]
+    return logits.reshape(B, T, -1), record.tape(token_ids, model.config, model.inv_freq)
+
+
+def recomputed_layer(model: Qwen3Model, i: int, tape: Tape) -> LayerTape:
+    """Layer i's activations, by running model.decoder_layer on its saved input again: the same function on
+    the same values, so the same bits as the forward's."""
+    B, T = tape.token_ids.shape
+    record = Recorder(range(i, i + 1))
+    rows = [slice(b * T, (b + 1) * T) for b in range(B)]
+    cos, sin = np.tile(tape.cos, (B, 1)), np.tile(tape.sin, (B, 1))                  # [B*T, Dh]: the packed rows'
+    model.decoder_layer(i, model.layers[i], tape.inputs[i].reshape(B * T, -1), np.tile(np.arange(T), B), rows,
+                        cos, sin, [None] * B, record)
+    return record.layer_tape(i, tape.inputs[i], B, T)
+
+
+def backward(model: Qwen3Model, tape: Tape, d_logits: np.ndarray) -> dict[str, np.ndarray]:
+    """Every parameter's gradient, keyed by checkpoint tensor name.  d_logits [B, T, V].
+
+    A tied LM head is the embedding table itself: its gradient adds into model.embed_tokens.weight
+    and there is no lm_head.weight.
+    """
+    config = model.config
+    grads: dict[str, np.ndarray] = {}
+    d_h, d_head = linear_backward(d_logits, tape.h_final, model.lm_head)             # [B, T, D], [V, D]
+    dx, grads[FINAL_NORM] = rms_norm_backward(d_h, tape.x_final, model.norm, config.rms_norm_eps)
+    for i in reversed(range(config.num_hidden_layers)):
+        layer_tape = tape.layers[i] if tape.layers is not None else recomputed_layer(model, i, tape)
+        dx, layer_grads = decoder_layer_backward(dx, model.layers[i], layer_tape, tape.cos, tape.sin, config)
+        del layer_tape                                   # recomputed: freed before the next layer's
+        grads.update({LAYER_TENSOR_NAMES[key].format(i=i): g for key, g in layer_grads.items()})
+    d_embed = embed_backward(dx, tape.token_ids, config.vocab_size)                  # [V, D]
+    if config.tie_word_embeddings:
+        grads[EMBED_TOKENS] = d_embed + d_head
+    else:
+        grads[EMBED_TOKENS], grads[LM_HEAD] = d_embed, d_head
+    return grads

@@ -1,0 +1,242 @@
+"""Training a Qwen3 with the hand-written backward pass (gradients.py).
+
+One optimizer step, top to bottom:
+
+    batch [B, T+1] token ids, cut from the shuffled training text
+      -> loss_and_gradients        forward with a tape, cross-entropy, backward  (per micro-batch)
+      -> accumulate                micro-batches of B / grad_accum add up to the batch's mean gradient
+      -> clip_gradients            scale every gradient so their global L2 norm is at most 1
+      -> learning_rate(step)       linear warmup, then cosine decay
+      -> AdamW.update              decoupled weight decay, bias-corrected moments, in place
+
+The parameters are the model's own arrays (`named_parameters`), updated in place, so the model that is
+trained is the model that generates. They stay FP32 in every precision: mixed precision (mixed.py)
+rounds only what the linear layers' products read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import gradients, mixed
+from ..core import layers
+from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, is_matrix
+from ..errors import QwenNPError
+from ..core.layers import MatmulInputs
+from ..core.model import Qwen3Model
+from ..numbers.numerics import Weight
+
+
+def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = False,
+                       precision: str | MatmulInputs = "fp32",
+                       loss_scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
+    """Mean next-token cross-entropy of a batch and every parameter's FP32 gradient.
+
+    batch: int array [B, T+1]; the model reads batch[:, :-1] and predicts batch[:, 1:], the loss
+    transformers' Qwen3ForCausalLM computes with labels=input_ids. grads maps each checkpoint tensor
+    name to an array of that tensor's shape. recompute: activation checkpointing (keep each layer's
+    input only, run the layer again in the backward): less memory, one more forward, the same bits.
+    precision (mixed.PRECISIONS): the format every linear layer's product reads its operands in,
+    forward and backward (mixed.py); the weights stay the model's FP32 arrays (or a rounding function
+    itself, for a measurement such as fp16_underflow's). loss_scale: the loss's gradient is multiplied
+    by it before the backward (FP16's loss scaling), so the gradients come back scaled by it too
+    (mixed.LossScaler.unscale divides them again). The loss itself is not scaled.
+    """
+    batch = check_batch(batch, model.config.vocab_size)
+    named_parameters(model)             # raises, naming the tensor, unless every weight is a float array
+    hook = layers.MATMUL_INPUTS.set(mixed.operands(precision))     # this thread's forward and backward only
+    try:
+        logits, tape = gradients.forward_with_tape(model, batch[:, :-1], recompute)  # [B, T, V]
+        loss, d_logits = gradients.cross_entropy(logits, batch[:, 1:])
+        if loss_scale == 1.0:
+            return loss, gradients.backward(model, tape, d_logits)
+        # A scaled backward may overflow FP16: loss scaling expects that now and then and checks the
+        # gradients for inf (mixed.LossScaler.unscale), so NumPy's warnings would only be noise.
+        with np.errstate(over="ignore", invalid="ignore"):
+            return loss, gradients.backward(model, tape, d_logits * np.float32(loss_scale))
+    finally:
+        layers.MATMUL_INPUTS.reset(hook)
+
+
+def fp16_underflow(model: Qwen3Model, batch: np.ndarray, loss_scale: float = 1.0) -> float:
+    """The share of the nonzero gradient values entering the backward's products (each linear layer's
+    dy) that an FP16 step with this loss scale flushes to zero: what loss scaling is there to prevent."""
+    count = mixed.UnderflowCount()
+    loss_and_gradients(model, batch, precision=count, loss_scale=loss_scale)
+    return count.flushed / max(1, count.nonzero)
+
+
+def check_batch(batch: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A [B, T+1] integer batch with T >= 1 and every id inside the vocabulary."""
+    batch = np.asarray(batch)
+    if batch.ndim != 2 or batch.shape[1] < 2 or not np.issubdtype(batch.dtype, np.integer):
+        raise QwenNPError(f"batch: expected integer token ids [B, T+1] with T >= 1, got shape {batch.shape} {batch.dtype}")
+    if batch.min() < 0 or batch.max() >= vocab_size:
+        raise QwenNPError(f"batch: token ids must lie in [0, {vocab_size})")
+    return batch.astype(np.int64)
+
+
+def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
+    """The model's trainable arrays by checkpoint tensor name (the arrays themselves, not copies).
+
+    A tied LM head is the embedding table, so it appears once, as model.embed_tokens.weight.
+    """
+    params: dict[str, Weight] = {EMBED_TOKENS: model.embed_tokens}
+    for i, layer in enumerate(model.layers):
+        params.update({template.format(i=i): getattr(layer, key) for key, template in LAYER_TENSOR_NAMES.items()})
+    params[FINAL_NORM] = model.norm
+    if not model.config.tie_word_embeddings:
+        params[LM_HEAD] = model.lm_head
+    for name, array in params.items():
+        if not gradients.trainable(array):
+            raise QwenNPError(f"{name}: training needs FP32 weights in memory; load the model with memory='fp32'")
+    return {name: array for name, array in params.items() if isinstance(array, np.ndarray)}
+
+
+def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_batches: int,
+                                   threads: int = 1, shards: int | None = None, recompute: bool = False,
+                                   precision: str = "fp32",
+                                   loss_scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
+    """Gradient accumulation: the batch's loss and gradient from `micro_batches` equal slices of its rows.
+
+    Each slice's mean loss and gradient are averaged, which equals the whole batch's mean (equal-sized
+    slices); only one slice's activations are alive at a time, so memory drops by the same factor.
+    Each slice is cut again into `shards` equal pieces (default: as many as divide its rows and
+    `threads`), computed `threads` at a time with BLAS single-threaded and summed in shard order: the
+    result is the same mean, and bit for bit the same for any thread count (it depends on `shards`).
+    recompute, precision, loss_scale: as loss_and_gradients, for every slice.
+    """
+    B = batch.shape[0]
+    if micro_batches < 1 or B % micro_batches:
+        raise QwenNPError(f"--grad-accum: {micro_batches} does not divide the batch size {B}")
+    rows = B // micro_batches
+    shards = math.gcd(rows, max(1, threads)) if shards is None else shards
+    if shards < 1 or rows % shards:
+        raise QwenNPError(f"--shards: {shards} does not divide the {rows} rows of a micro-batch")
+
+    def step(part: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        return loss_and_gradients(model, part, recompute, precision, loss_scale)
+
+    total_loss, total = 0.0, dict[str, np.ndarray]()
+    for start in range(0, B, rows):
+        loss, grads = _loss_and_gradients_in_shards(batch[start:start + rows], shards, threads, step)
+        total_loss += loss / micro_batches
+        for g in grads.values():
+            g *= np.float32(1.0 / micro_batches)
+        _add(total, grads)
+    return total_loss, total
+
+
+def _loss_and_gradients_in_shards(batch: np.ndarray, shards: int, threads: int,
+                                  step: Callable[[np.ndarray], tuple[float, dict[str, np.ndarray]]]
+                                  ) -> tuple[float, dict[str, np.ndarray]]:
+    """step (a loss_and_gradients) of `shards` equal row slices, up to `threads` at once, averaged in shard order.
+
+    Why threads: NumPy runs every elementwise pass (softmax, SiLU, norms, the cross-entropy) on one
+    core, and OpenBLAS's threads wait on each other between the many small attention products; one
+    whole slice per core keeps both cores busy. Measured in bench/README.md (training section).
+    Why BLAS single-threaded even for one shard: a shard then sums in the same order whatever the
+    thread count, so a run resumed with another --threads continues the same run.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..engine.runtime import single_threaded_blas
+
+    rows = batch.shape[0] // shards
+    slices = [batch[i * rows:(i + 1) * rows] for i in range(shards)]
+    loss, grads = 0.0, dict[str, np.ndarray]()
+    with single_threaded_blas(), ThreadPoolExecutor(max(1, min(shards, threads))) as pool:
+        for part_loss, part in pool.map(step, slices):   # in order
+            loss += part_loss
+            _add(grads, part)
+    for g in grads.values():
+        g *= np.float32(1.0 / shards)
+    return loss / shards, grads
+
+
+def _add(total: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+    """total += grads, name by name (the first arrays are taken over, not copied)."""
+    for name, g in grads.items():
+        if name in total:
+            total[name] += g
+        else:
+            total[name] = g
+
+
+def global_norm(grads: dict[str, np.ndarray]) -> float:
+    """The L2 norm of all gradients together, as if they were one vector (accumulated in float64)."""
+    return math.sqrt(sum(float(np.vdot(g, g)) for g in grads.values()))
+
+
+def clip_gradients(grads: dict[str, np.ndarray], max_norm: float) -> float:
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_. Returns the norm before."""
+    norm = global_norm(grads)
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1.0:
+        for g in grads.values():
+            g *= np.float32(scale)
+    return norm
+
+
+def learning_rate(step: int, peak: float, warmup: int, total: int, final_fraction: float = 0.1) -> float:
+    """Linear warmup to `peak` over `warmup` steps, then cosine decay to final_fraction * peak at `total`.
+
+    step counts from 0 (the first update). Warmup keeps the first updates small while AdamW's second
+    moments are still poor estimates.
+    """
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    floor = final_fraction * peak
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class AdamW:
+    """torch.optim.AdamW's update (its single-tensor CPU path), step for step.
+
+    Weight decay is decoupled (it shrinks the weight, not the gradient) and applies only to the names
+    in `decay`: here every matrix, embeddings included (as nanoGPT), never the RMSNorm weights, whose
+    natural value is 1, not 0.
+    """
+
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay: set[str] = field(default_factory=set)
+    m: dict[str, np.ndarray] = field(default_factory=dict)      # first moments, like the parameters
+    v: dict[str, np.ndarray] = field(default_factory=dict)      # second moments
+    step: int = 0                                               # updates done
+
+    @staticmethod
+    def decay_matrices(params: dict[str, np.ndarray]) -> set[str]:
+        """The names weight decay applies to: every matrix (config.is_matrix), not the norms."""
+        return {name for name in params if is_matrix(name)}
+
+    def update(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray], lr: float) -> None:
+        """One step: every parameter moves in place."""
+        self.step += 1
+        t = self.step
+        step_size = lr / (1 - self.beta1 ** t)
+        bias_correction2_sqrt = (1 - self.beta2 ** t) ** 0.5
+        for name, p in params.items():
+            g = grads[name]
+            m = self.m.setdefault(name, np.zeros_like(p))
+            v = self.v.setdefault(name, np.zeros_like(p))
+            if name in self.decay:
+                p *= 1 - lr * self.weight_decay                 # decoupled decay, applied first
+            m += (1 - self.beta1) * (g - m)                      # torch's lerp form of b1*m + (1-b1)*g
+            v *= self.beta2
+            v += (1 - self.beta2) * g * g
+            denom = np.sqrt(v) / bias_correction2_sqrt + self.eps
+            p -= step_size * m / denom
+
+
+def adamw_for(params: dict[str, np.ndarray], **settings: Any) -> AdamW:
+    """An AdamW whose weight decay covers the matrices of `params`."""
+    return AdamW(decay=AdamW.decay_matrices(params), **settings)
