@@ -53,7 +53,7 @@ def test_the_wheel_holds_every_module_the_bundled_model_and_serve_s_page_but_no_
     assert modules <= names, f"modules missing from the wheel (list the package in pyproject.toml): {modules - names}"
     assert {f"qwen_np/weights/{name}" for name in MODEL_FILES} <= names
     assert {f"qwen_np/weights/draft/{name}" for name in MODEL_FILES} <= names          # the bundled draft
-    page = {path.relative_to(ROOT).as_posix() for path in (ROOT / "qwen_np" / "web").iterdir()}
+    page = {path.relative_to(ROOT).as_posix() for path in (ROOT / "qwen_np" / "serving" / "web").iterdir()}
     assert page and page <= names, f"serve's page missing from the wheel (package-data): {page - names}"
     assert zipfile.ZipFile(wheel).read("qwen_np/weights/model.safetensors") == (BUNDLED / "model.safetensors").read_bytes()
     assert not [name for name in names if name.startswith(("tests/", "weights/")) or "LICENSE-tokenizer" in name]
