@@ -59,7 +59,7 @@ def product_names(config) -> dict[tuple[int, int], str]:
 def install_timers(model, totals: dict[str, float], clock) -> None:
     """Wrap fast.py's steps (and the KV cache's methods) so that each adds its seconds to totals[name]."""
     from qwen_np.engine import fast
-    from qwen_np.core import kv_cache
+    from qwen_np.engine import paged as kv_cache
 
     depth = [0]
     names = product_names(model.config)

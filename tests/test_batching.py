@@ -1,4 +1,4 @@
-"""Continuous batching (qwen_np/batching.py) and stop strings, on the random-weight Qwen3 fixture (real
+"""Continuous batching (qwen_np/generation/batching.py) and stop strings, on the random-weight Qwen3 fixture (real
 Qwen3 tokenizer): each request in a shared batch gets what it gets alone, rows join and leave between
 steps, cancelled rows leave."""
 

@@ -1,4 +1,4 @@
-"""The fast path (qwen_np/fast.py) gives the readable path's logits, in every memory mode and cache use.
+"""The fast path (qwen_np/engine/fast.py) gives the readable path's logits, in every memory mode and cache use.
 
 Both paths run the same math; only the FP32 rounding of BLAS sums may differ, so logits must agree
 to 1e-5 relative (of the largest logit) and pick the same token at every position.

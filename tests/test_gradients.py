@@ -1,4 +1,4 @@
-"""The hand-written backward pass (qwen_np/gradients.py) against torch autograd and finite differences."""
+"""The hand-written backward pass (qwen_np/training/gradients.py) against torch autograd and finite differences."""
 
 from __future__ import annotations
 

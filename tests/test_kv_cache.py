@@ -1,6 +1,7 @@
-"""The paged KV cache (qwen_np/kv_cache.py) and what the batcher builds on it: block tables that scatter a
-sequence over the pool give the logits of a full forward pass, a small budget preempts and recomputes
-rows without changing a single text, prefix caching prefills only what is new and answers as a cold
+"""The KV caches (qwen_np/core/kv_cache.py, contiguous; qwen_np/engine/paged.py, paged) and what the batcher
+builds on the paged one: both caches hold the same keys, block tables that scatter a sequence over the pool
+give the logits of a full forward pass, a small budget preempts and recomputes rows without changing a
+single text, prefix caching prefills only what is new and answers as a cold
 run does, unheld cached blocks are evicted least recently used first, and BF16/FP16 caches move the
 predictions by a bounded KL divergence."""
 
@@ -14,7 +15,8 @@ from qwen_np.generation.batching import BatchGenerator, Request
 from qwen_np.precision.divergence import Comparison
 from qwen_np.errors import QwenNPError
 from qwen_np.generation.generate import generate
-from qwen_np.core.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache, block_bytes
+from qwen_np.core.kv_cache import KVCache
+from qwen_np.engine.paged import BLOCK_SIZE, BlockPool, PagedKVCache, block_bytes
 from qwen_np.engine.memory import parse_size
 from qwen_np.core.sampling import SamplingParams
 from qwen_np.files.tokenizer import Tokenizer
@@ -65,6 +67,26 @@ def test_decode_over_scattered_blocks_equals_the_full_forward(model, kv) -> None
     steps = [model.forward(ids[:20], cache)] + [model.forward(ids[i:i + 1], cache) for i in range(20, 50)]
     assert cache.table == ([0, 2, 4, 6] if kv == "scattered" else [0, 1, 2, 3])
     assert _close(np.concatenate(steps), full)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_contiguous_and_the_paged_cache_hold_the_same_keys_and_give_the_same_logits(model, dtype) -> None:
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 40)
+    contiguous, paged = KVCache(model.config, 48, dtype), PagedKVCache(BlockPool(model.config, 3, dtype), 48)
+    logits = {}
+    for name, cache in (("contiguous", contiguous), ("paged", paged)):
+        steps = [model.forward(ids[:17], cache)] + [model.forward(ids[i:i + 1], cache) for i in range(17, 40)]
+        logits[name] = np.concatenate(steps)
+        cache.truncate(30)                         # both forget the same positions ...
+        logits[name + " again"] = model.forward(ids[30:], cache)       # ... and continue alike
+    for name in ("", " again"):              # the fast path reads the two differently: equal up to BLAS sums
+        assert _close(logits["contiguous" + name], logits["paged" + name])
+    for layer in range(model.config.num_hidden_layers):
+        keys, values = paged.append(layer, np.zeros((1, *contiguous.keys.shape[2:]), np.float32),
+                                    np.zeros((1, *contiguous.keys.shape[2:]), np.float32))
+        assert _close(keys[:40], contiguous.keys[layer, :40].astype(np.float32))
+        assert _close(values[:40], contiguous.values[layer, :40].astype(np.float32))
+    assert contiguous.length == paged.length == 40
 
 
 def run_batch(generator: BatchGenerator, watch=lambda: None) -> dict[int, list]:

@@ -1,4 +1,4 @@
-"""Mixed precision (qwen_np/mixed.py): the operand rounding, FP16's loss scaling, FP32 master weights."""
+"""Mixed precision (qwen_np/training/mixed.py): the operand rounding, FP16's loss scaling, FP32 master weights."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The precision lab (qwen_np/precision.py): format models, the FP32 comparison, and the `precision` command."""
+"""The precision lab (qwen_np/precision/lab.py): format models, the FP32 comparison, and the `precision` command."""
 
 from __future__ import annotations
 

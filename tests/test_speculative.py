@@ -1,4 +1,4 @@
-"""Speculative decoding (qwen_np/speculative.py): greedy output is plain greedy's on every fixture, whatever
+"""Speculative decoding (qwen_np/generation/speculative.py): greedy output is plain greedy's on every fixture, whatever
 the drafter (another random model, the model itself, prompt lookup) and wherever the sequence ends (EOS,
 a stop string, max_new_tokens in the middle of an accepted draft); sampled output keeps the target's
 distribution (the rejection rule on hand-made p and q, and whole generations against the exact
@@ -19,7 +19,7 @@ from qwen_np.files.checkpoint import bundled_model_path
 from qwen_np.errors import QwenNPError
 from qwen_np.engine.fast import FastQwen3Model
 from qwen_np.generation.generate import ChatSession, GenerationStats, generate
-from qwen_np.core.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache
+from qwen_np.engine.paged import BLOCK_SIZE, BlockPool, PagedKVCache
 from qwen_np.engine.loading import load_model
 from qwen_np.files.model_files import read_config, read_tokenizer
 from qwen_np.core.model import Qwen3Model

@@ -81,7 +81,7 @@ def ask(base: str, path: str, model: str = BUNDLED, **body: object) -> tuple[int
 def test_every_step_points_at_the_line_of_model_or_layers_that_computes_it(step) -> None:
     file, line, code = source_line(step)
     text = (ROOT / "qwen_np" / file).read_text().splitlines()[line - 1]
-    assert file in ("model.py", "layers.py") and text.strip() == code and "=" in code
+    assert file in ("core/model.py", "core/layers.py") and text.strip() == code and "=" in code
 
 
 @pytest.mark.parametrize("folder", [BUNDLED, MODEL])

@@ -1,4 +1,4 @@
-"""The FP32 weight cache (qwen_np/weight_cache.py): built once, mapped after, never stale, damaged or half
+"""The FP32 weight cache (qwen_np/engine/weight_cache.py): built once, mapped after, never stale, damaged or half
 written, never changed by writes to the loaded weights, and the same logits as loading without it."""
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def test_a_damaged_cache_is_rebuilt_never_used(make_checkpoint, cache, monkeypat
     assert np.array_equal(logits(folder), expected)
 
 
-CRASH = ("import os, sys; from qwen_np import load_model, weight_cache; weight_cache.MIN_BYTES = 0; write = weight_cache._write\n"
+CRASH = ("import os, sys; from qwen_np import load_model; from qwen_np.engine import weight_cache\n"
+         "weight_cache.MIN_BYTES = 0; write = weight_cache._write\n"
          "def write_then_die(f, *args):\n    write(f, *args); f.flush(); os._exit(9)\n"
          "weight_cache._write = write_then_die; load_model(sys.argv[1], memory='fp32')")
 
@@ -185,7 +186,8 @@ def test_an_unwritable_cache_folder_falls_back_to_memory(make_checkpoint, cache,
     assert "cache unavailable" in capfd.readouterr().err
 
 
-LOAD = ("import sys, numpy as np; from qwen_np import load_model, weight_cache; weight_cache.MIN_BYTES = 0; "
+LOAD = ("import sys, numpy as np; from qwen_np import load_model; from qwen_np.engine import weight_cache; "
+        "weight_cache.MIN_BYTES = 0; "
         "m = load_model(sys.argv[1], memory='fp32'); np.save(sys.argv[2], m.forward([3, 17, 5]))")
 
 

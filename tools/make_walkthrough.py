@@ -82,7 +82,7 @@ def tokens_section(run: Run) -> str:
     rows = "\n".join(f"| {p} | {i} | `{token_text(run.tokenizer, i, width=40)}` |" for p, i in enumerate(run.ids))
     return f"""## 1. Prompt → token ids
 
-The tokenizer (byte-level BPE, `qwen_np/tokenizer.py`) cuts the text into pieces from a fixed
+The tokenizer (byte-level BPE, `qwen_np/files/tokenizer.py`) cuts the text into pieces from a fixed
 vocabulary of {run.model.config.vocab_size:,} entries and replaces each piece by its id. A leading
 space belongs to the word after it. No start-of-text token is added: Qwen3 never adds one.
 
@@ -149,7 +149,7 @@ The lines of `Qwen3Model.forward_batch` (which `forward` calls with one sequence
 several sequences' tokens one after another) up to this point check the ids and find their
 positions, build the RoPE angle tables once for all layers (step 3.7 uses them), and look up the
 embeddings. (This is the readable path, which every traced pass like this one runs; untraced calls
-go to `qwen_np/fast.py`'s `FastQwen3Model.forward_batch`, the same math arranged for speed, unless
+go to `qwen_np/engine/fast.py`'s `FastQwen3Model.forward_batch`, the same math arranged for speed, unless
 the model was loaded with `fast=False`.)
 
 {step_code(step, shown)}
@@ -176,7 +176,7 @@ forward pass can be traced:
 ```python
 from qwen_np import load_model
 from qwen_np.inspection import Tracer
-from qwen_np.tokenizer import Tokenizer
+from qwen_np.files.tokenizer import Tokenizer
 model, tokenizer = load_model("weights"), Tokenizer.from_folder("weights")
 model.forward(tokenizer.encode({run.prompt!r}), trace=Tracer())
 ```

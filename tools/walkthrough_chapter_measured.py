@@ -254,7 +254,7 @@ def mixed_precision_part(figures: dict[str, Any]) -> str:
     stalled = record["stalled"]
     return f"""**Mixed precision, measured.** `train --precision bf16|fp16|fp8` runs exactly that recipe: the
 master weights and AdamW's moments stay FP32, and the inputs of every matrix product, forward and
-backward, are rounded to the format as a tensor core is fed them (`qwen_np/mixed.py`; NumPy then
+backward, are rounded to the format as a tensor core is fed them (`qwen_np/training/mixed.py`; NumPy then
 multiplies in FP32, what an FP32-accumulating tensor core computes). RMSNorm, RoPE, softmax, the loss
 and the optimizer stay FP32. FP16 scales the loss dynamically (skip the step and halve the scale on an
 overflow, double it after 200 clean steps); FP8 follows DeepSeek-V3: E4M3 with one scale per 1 × 128

@@ -100,7 +100,7 @@ def sampling_section(run: Run) -> str:
                                                 for t in FIGURE_TEMPERATURES},
                                "kept": {label: [bool(i in kept[label]) for i in order] for label, _ in settings[3:]}}
     return f"""**Sampling: temperature, top-k, top-p, min-p.** `generate` samples by default, from the
-probabilities above reshaped by `qwen_np/sampling.py` in transformers' order: the **temperature**
+probabilities above reshaped by `qwen_np/core/sampling.py` in transformers' order: the **temperature**
 divides the logits (below 1 sharpens the distribution, above 1 flattens it, 0 means greedy), **top-k**
 keeps the k most likely tokens, **top-p** the fewest most likely whose probabilities reach p, and
 **min-p** drops every token less likely than min-p × the top token's probability. Each is there to

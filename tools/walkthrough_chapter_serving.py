@@ -1,6 +1,6 @@
 """The walkthrough's section on what a serving engine adds to the model: continuous batching
-(qwen_np/batching.py), the paged KV cache's blocks and block table, prefix reuse (qwen_np/kv_cache.py),
-and speculative decoding (qwen_np/speculative.py) with both drafters, each run on the bundled model with
+(qwen_np/generation/batching.py), the paged KV cache's blocks and block table, prefix reuse (qwen_np/engine/paged.py),
+and speculative decoding (qwen_np/generation/speculative.py) with both drafters, each run on the bundled model with
 greedy decoding. The page prints counts only (rows, blocks, tokens, drafted and kept tokens), which are
 the same on every machine; timings are the machine's, and bench/ measures them.
 """
@@ -16,7 +16,7 @@ import numpy as np
 from qwen_np.generation.batching import BatchGenerator, Request, Row
 from qwen_np import load_model
 from qwen_np.generation.generate import GenerationStats, generate
-from qwen_np.core.kv_cache import BLOCK_SIZE, BlockPool, PagedKVCache, block_runs
+from qwen_np.engine.paged import BLOCK_SIZE, BlockPool, PagedKVCache, block_runs
 from qwen_np.core.model import Qwen3Model
 from qwen_np.core.sampling import SamplingParams
 from qwen_np.generation.speculative import DEFAULT_DRAFT_TOKENS, draft_speculation, lookup_speculation
@@ -108,7 +108,7 @@ def block_table_part(run: Run, facts: dict[str, Any]) -> str:
     runs = block_runs(first.table)
     claim(len(runs) == 2 and first.table[:2] == [0, 1], "the first sequence's third block is not after its second")
     return f"""**Paged KV blocks.** Section 6's cache is one array per sequence, sized for its whole context up
-front. A server cannot afford that for many sequences of unknown length, so `qwen_np/kv_cache.py`
+front. A server cannot afford that for many sequences of unknown length, so `qwen_np/engine/paged.py`
 keeps every sequence's keys and values in blocks of {BLOCK_SIZE} positions taken from one `BlockPool` as
 the sequence grows; the sequence's **block table** lists its blocks in order, and position p lives in
 slot p % {BLOCK_SIZE} of block table[p // {BLOCK_SIZE}]. Run here: a pool of {POOL_BLOCKS} blocks, a first sequence
@@ -160,7 +160,7 @@ def prefix_part(run: Run) -> str:
         ("the first request, its reply and a new turn (a chat client resends it all)", turn, resent)))
     return f"""**Prefix reuse.** A key or value depends only on the tokens up to its position, so two requests
 that start alike need the same first blocks. With prefix caching, every full block is named by a hash
-of its tokens and all tokens before it (`kv_cache.block_digest`); a new request takes the blocks of its
+of its tokens and all tokens before it (`paged.block_digest`); a new request takes the blocks of its
 longest named prefix (`BlockPool.lookup`) and prefills only the rest, and blocks no request holds stay
 cached until the pool needs them, least recently used first. Run on the bundled model:
 

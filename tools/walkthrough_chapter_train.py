@@ -569,7 +569,7 @@ def figure(data_: dict[str, Any]) -> Any:
 def notebook_code() -> str:
     """The chapter's notebook cell: the run's first CHECKED_STEPS steps, as a reader types them."""
     return f'''import tempfile
-from qwen_np.config import Qwen3Config
+from qwen_np.core.config import Qwen3Config
 
 CONFIG = {pformat(CONFIG, width=100, sort_dicts=False)}
 config = Qwen3Config.from_dict(trainer.hf_config(CONFIG))

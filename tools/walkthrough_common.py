@@ -213,7 +213,7 @@ def step_code(step: Step, shown: set[str]) -> str:
     for function in dict.fromkeys(re.findall(r"(?<![\w.])(?:layers\.)?(\w+)\(", lines)):
         if function not in shown and inspect.isfunction(getattr(layers, function, None)):
             shown.add(function)
-            parts.append(f"`layers.{function}`, from `qwen_np/layers.py`:\n\n"
+            parts.append(f"`layers.{function}`, from `qwen_np/core/layers.py`:\n\n"
                          + code_block(inspect.getsource(getattr(layers, function))))
     return "\n\n".join(parts)
 

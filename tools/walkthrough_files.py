@@ -305,9 +305,12 @@ from pathlib import Path
 
 import numpy as np
 
-from qwen_np import layers, load_model, memory, sampling, trainer, training
+from qwen_np import load_model
+from qwen_np.core import layers, sampling
+from qwen_np.engine import memory
+from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.inspection import Tracer, attention_weights, lens_probabilities
-from qwen_np.tokenizer import Tokenizer
+from qwen_np.training import step as training, trainer
 
 MODEL = Path("..") / "weights"          # the bundled model, seen from docs/
 model = load_model(MODEL, memory="fp32", fast=False)     # the readable path, weights in FP32
@@ -347,7 +350,8 @@ print(cache.keys.shape, float(np.abs(step[-1] - full[-1]).max()))''',
 stored = model.layers[0].q_proj[0, :3]
 bits = f32_to_bf16_bits(stored)
 print([hex(b) for b in bits], bf16_bits_to_f32(bits))''',
-    8: '''from qwen_np import hardware, preset
+    8: '''from qwen_np import preset
+from qwen_np.inspection import hardware
 from qwen_np.inspection import forward_flops, weight_bytes_read_per_token
 real = preset("qwen3-8b")
 print(weight_bytes_read_per_token(real, 2) / 1e9, "GB read,", forward_flops(real, 1, 1001) / 1e9, "GFLOP per token")
@@ -464,10 +468,10 @@ GLOSSARY = (
      "update, 1/N of the activations", "qwen_np.training.step.loss_and_accumulated_gradients", "--grad-accum", 11),
     ("paged KV cache / block table", "the KV cache in fixed-size blocks from one pool; a sequence's block table says "
      "which block holds which positions, so a server's requests share one memory budget",
-     "qwen_np.core.kv_cache.PagedKVCache", "--kv-memory", 12),
+     "qwen_np.engine.paged.PagedKVCache", "--kv-memory", 12),
     ("prefix caching", "reusing the KV blocks of a prompt's longest prefix seen before (named by a hash of their "
      "tokens), so a shared system prompt or a resent conversation is prefilled once",
-     "qwen_np.core.kv_cache.BlockPool.lookup", "--kv-memory", 12),
+     "qwen_np.engine.paged.BlockPool.lookup", "--kv-memory", 12),
     ("continuous batching", "one forward pass for every running request, which join and leave between any two steps: "
      "each weight read serves every row", "qwen_np.generation.batching.BatchGenerator", "--max-batch", 12),
     ("activations / 激活", "the intermediate arrays of a forward pass; training keeps them for the backward pass",

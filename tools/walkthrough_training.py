@@ -91,7 +91,7 @@ def training_step_section(model_dir: Path, num: Any, code_block: Any, facts: dic
 
 `python -m qwen_np train` made the bundled model by repeating one step {total:,} times (its
 `{PRESET}` preset: batches of {settings['batch_size']} × {settings['context']} tokens, peak learning rate
-{peak:g}). Here is one such step, run with the same functions (`qwen_np/training.py`) on the trained
+{peak:g}). Here is one such step, run with the same functions (`qwen_np/training/step.py`) on the trained
 weights and a short fixed text (the start of Hamlet's soliloquy) instead of the whole corpus, with
 B = {BATCH} and T = {CONTEXT}.
 
@@ -106,7 +106,7 @@ predicts the token after it, so one row gives T training examples.
 
 **The loss.** `training.loss_and_gradients` runs the forward pass with a tape (the activations the
 backward pass needs, `gradients.forward_with_tape`), the cross-entropy of the [B, T, V] logits
-against the targets, then the hand-written backward pass (`qwen_np/gradients.py`):
+against the targets, then the hand-written backward pass (`qwen_np/training/gradients.py`):
 
 {code_block(inspect.getsource(training.loss_and_gradients))}
 

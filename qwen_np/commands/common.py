@@ -9,6 +9,7 @@ from typing import Callable
 
 from ..engine import runtime
 from ..files.checkpoint import bundled_model_path, resolve_model_path
+from ..engine.paged import OwnPoolCache
 from ..errors import QwenNPError
 from ..core.config import Qwen3Config
 from ..core.kv_cache import KV_DTYPES
@@ -69,7 +70,7 @@ def add_context(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def add_speculation(parser: argparse.ArgumentParser) -> None:
-    """--draft MODEL | --lookup N, and --draft-tokens K: speculative decoding (qwen_np/speculative.py)."""
+    """--draft MODEL | --lookup N, and --draft-tokens K: speculative decoding (qwen_np/generation/speculative.py)."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--draft", metavar="MODEL",
                        help="speculative decoding: a smaller Qwen3 with the same tokenizer (folder, GGUF or hub id, e.g. "
@@ -101,7 +102,7 @@ def speculation(args: argparse.Namespace, draft: Path | None, max_tokens: int) -
     tokens = args.draft_tokens or DEFAULT_DRAFT_TOKENS
     if draft is not None:
         model = load_draft(draft, memory=args.memory, max_tokens=max_tokens + tokens)
-        return draft_speculation(model, tokens, lambda positions: model.new_cache(positions, args.kv_dtype))
+        return draft_speculation(model, tokens, lambda positions: OwnPoolCache(model.config, positions, args.kv_dtype))
     return lookup_speculation(args.lookup, tokens) if args.lookup is not None else None
 
 

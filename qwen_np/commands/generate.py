@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..generation.batching import BatchGenerator, Request
-from ..core.kv_cache import BlockPool, blocks_for
+from ..engine.paged import BlockPool, blocks_for
 from ..core.config import Qwen3Config
 from ..errors import QwenNPError
 from ..engine.finite import check_weights_finite

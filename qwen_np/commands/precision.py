@@ -1,4 +1,4 @@
-"""`python -m qwen_np precision`: the precision lab's table, figure and flags (the lab is qwen_np/precision.py)."""
+"""`python -m qwen_np precision`: the precision lab's table, figure and flags (the lab is qwen_np/precision/lab.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m qwen_np serve`: the OpenAI-compatible HTTP API (qwen_np/serve.py), its flags and start lines."""
+"""`python -m qwen_np serve`: the OpenAI-compatible HTTP API (qwen_np/serving/server.py), its flags and start lines."""
 
 from __future__ import annotations
 

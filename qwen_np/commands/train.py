@@ -1,5 +1,5 @@
 """`python -m qwen_np train`: the flags, progress bar, loss figure and report of a training run
-(the run itself is qwen_np/trainer.py)."""
+(the run itself is qwen_np/training/trainer.py)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ Note = Callable[[str, np.ndarray], None]
 def ignore(name: str, value: np.ndarray) -> None:
     """The note used when nobody is watching: does nothing."""
 
-# The mixed-precision hook (qwen_np/mixed.py): round(a, kind, axis) rounds one operand of a linear
+# The mixed-precision hook (qwen_np/training/mixed.py): round(a, kind, axis) rounds one operand of a linear
 # layer's product, kind "activation", "weight" or "gradient" (the backward's dy), as a tensor core would
 # read it; `axis` is the axis the product sums over (FP8's scale tiles run along it). linear() and
 # gradients.linear_backward round both operands when it is set; the product stays FP32.

@@ -7,10 +7,9 @@
            x = x + swiglu(post_attention_layernorm(x))
       -> norm -> lm_head                                [T, V] logits at every position
 
-The KV cache keeps the post-RoPE keys and the values of every position seen so far, so a decode step
-only computes the new token's q/k/v and attends over the cache instead of re-running the prompt.
-The cache is paged (kv_cache.py): fixed-size blocks of positions from a pool, found through the
-sequence's block table; model.KVCache is one sequence's cache over a pool of its own.
+The KV cache (kv_cache.py) keeps the post-RoPE keys and the values of every position seen so far, so
+a decode step only computes the new token's q/k/v and attends over the cache instead of re-running
+the prompt.
 
 Several sequences run as one batch (`forward_batch`), each with its own cache, length and positions.
 Every step but attention treats tokens one at a time, so the batch's tokens are packed one sequence
@@ -27,14 +26,20 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..errors import QwenNPError
+from ..numbers.numerics import Weight
 from . import layers
 from .config import Qwen3Config
-from ..errors import QwenNPError
-from .kv_cache import KVCache, PagedKVCache
-from ..numbers.numerics import Weight
+from .kv_cache import KVCache, SequenceCache
 
-# trace(name, value) is called with every intermediate of the forward pass when given (see inspection).
+# trace(name, value) is called with every intermediate of the forward pass when given (see inspection),
+# each under one of these names, in this order (a decoder layer's prefixed "model.layers.{i}."):
 Trace = layers.Note
+LAYER_STEPS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_norm",
+               "self_attn.k_norm", "self_attn.rope_q", "self_attn.rope_k", "self_attn.scores", "self_attn.softmax",
+               "self_attn.weighted_sum", "self_attn.o_proj", "residual_attn", "post_attention_layernorm",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.act_fn", "mlp.down_proj", "residual_mlp")
+TRACE_STEPS = ("model.embed_tokens", *(f"model.layers.{{i}}.{step}" for step in LAYER_STEPS), "model.norm", "lm_head")
 
 
 @dataclass
@@ -81,11 +86,11 @@ class Qwen3Model:
         self.plan = plan
         self.inv_freq = layers.rope_inverse_frequencies(config.head_dim, config.rope_theta)   # [Dh/2]
 
-    def new_cache(self, max_tokens: int, dtype: str = "fp32") -> KVCache:
+    def new_cache(self, max_tokens: int, dtype: str = "fp32") -> SequenceCache:
         """An empty KV cache for up to `max_tokens` positions, stored as `dtype` (kv_cache.KV_DTYPES)."""
         return KVCache(self.config, max_tokens, dtype)
 
-    def forward(self, token_ids: Sequence[int] | np.ndarray, cache: PagedKVCache | None = None,
+    def forward(self, token_ids: Sequence[int] | np.ndarray, cache: SequenceCache | None = None,
                 trace: Trace | None = None, last_only: bool = False) -> np.ndarray:
         """Logits [T, V] (FP32) for every position of `token_ids`; [1, V] for the last one if `last_only`.
 
@@ -96,7 +101,7 @@ class Qwen3Model:
         """
         return self.forward_batch([token_ids], [cache], trace, last_only)
 
-    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[PagedKVCache | None],
+    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],
                       trace: Trace | None = None, last_only: bool = False,
                       tails: Sequence[int] | None = None) -> np.ndarray:
         """`forward` for B sequences at once: sequence b's tokens continue caches[b] (or start at
@@ -106,100 +111,67 @@ class Qwen3Model:
 
         Each sequence gets the logits it would get alone (up to the rounding of BLAS sums).
         """
-        if len(token_ids) != len(caches) or not token_ids:
-            raise QwenNPError(f"forward_batch: {len(token_ids)} sequences of token ids for {len(caches)} caches")
-        ids, positions, rows = self._pack(token_ids, caches)                             # [T], [T], B slices
-        note = trace or layers.ignore
-        cos, sin = layers.rope_angles(self.inv_freq, positions)                        # [T, Dh] each
+        batch = self.pack(token_ids, caches)
+        t = Notes(trace or layers.ignore, "")
 
-        x = layers.embed(ids, self.embed_tokens)                                       # [T, D]
-        note("model.embed_tokens", x)
-        for i, layer in enumerate(self.layers):
-            x = self.decoder_layer(i, layer, x, positions, rows, cos, sin, caches, note)   # [T, D]
-        x = layers.rms_norm(x, self.norm, self.config.rms_norm_eps)                    # [T, D]
-        note("model.norm", x)
-        picked = output_rows(rows, last_only, tails)        # the rows whose logits are asked for (None: all)
+        x = t("model.embed_tokens", layers.embed(batch.ids, self.embed_tokens))         # [T, D]
+        for i in range(len(self.layers)):
+            x = self.decoder_layer(i, x, batch, trace or layers.ignore)                  # [T, D]
+        x = t("model.norm", layers.rms_norm(x, self.norm, self.config.rms_norm_eps))    # [T, D]
+        picked = output_rows(batch.rows, last_only, tails)  # the rows whose logits are asked for (None: all)
         if picked is not None:
             x = x[picked]                                                              # [B, D] or [sum(tails), D]
-        logits = layers.linear(x, self.lm_head)                                        # [T, V]
-        note("lm_head", logits)
-        advance(caches, ids, rows)
+        logits = t("lm_head", layers.linear(x, self.lm_head))                          # [T, V]
+        advance(caches, batch.ids, batch.rows)
         return logits
 
-    def decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
-                      cos: np.ndarray, sin: np.ndarray, caches: Sequence[PagedKVCache | None], note: Trace) -> np.ndarray:
-        """x + attention(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).  [T, D] -> [T, D].
+    def decoder_layer(self, i: int, x: np.ndarray, batch: Batch, note: Trace) -> np.ndarray:
+        """Layer i: x + attention(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).  [T, D] -> [T, D].
 
-        Layer i with weights w, on the packed rows of forward_batch: x [T, D] holds the sequences one
-        after another (rows[b] is sequence b's slice), at positions [T] with their RoPE tables cos/sin
-        [T, Dh]; caches[b] (or None) receives sequence b's keys and values. `note` sees every step.
-        The one place a decoder layer is written: the extension point for code that runs the network
-        a layer at a time (the precision lab rounds its input, training recomputes it in the backward,
-        the inspection steps point at its lines)."""
-        c, T, name = self.config, x.shape[0], f"model.layers.{i}"
-        eps = c.rms_norm_eps
-
+        x holds the packed tokens of `batch` (their positions, RoPE tables and caches); `note` sees every
+        step, named as LAYER_STEPS. The one place a decoder layer is written: the precision lab rounds its
+        input, training recomputes it in the backward, the inspection steps point at its lines."""
+        c, w, eps, t = self.config, self.layers[i], self.config.rms_norm_eps, Notes(note, f"model.layers.{i}.")
+        H, KVH, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         # --- self-attention block ---
-        h = layers.rms_norm(x, w.input_layernorm, eps)                                  # [T, D]
-        note(f"{name}.input_layernorm", h)
-        q = layers.linear(h, w.q_proj).reshape(T, c.num_attention_heads, c.head_dim)    # [T, H, Dh]
-        note(f"{name}.self_attn.q_proj", q)
-        k = layers.linear(h, w.k_proj).reshape(T, c.num_key_value_heads, c.head_dim)    # [T, KVH, Dh]
-        note(f"{name}.self_attn.k_proj", k)
-        v = layers.linear(h, w.v_proj).reshape(T, c.num_key_value_heads, c.head_dim)    # [T, KVH, Dh]
-        note(f"{name}.self_attn.v_proj", v)
-        q = layers.rms_norm(q, w.q_norm, eps)          # per head, over Dh, BEFORE RoPE    [T, H, Dh]
-        note(f"{name}.self_attn.q_norm", q)
-        k = layers.rms_norm(k, w.k_norm, eps)          # v gets no norm                    [T, KVH, Dh]
-        note(f"{name}.self_attn.k_norm", k)
-        q = layers.rope(q, cos, sin)                                                     # [T, H, Dh]
-        note(f"{name}.self_attn.rope_q", q)
-        k = layers.rope(k, cos, sin)                                                     # [T, KVH, Dh]
-        note(f"{name}.self_attn.rope_k", k)
-        heads = []                                     # each sequence attends over its own keys only
-        for row, cache in zip(rows, caches):
-            keys, values = (k[row], v[row]) if cache is None else cache.append(i, k[row], v[row])  # [S, KVH, Dh]
-            heads.append(layers.attention(q[row], keys, values, positions[row], _scoped(note, f"{name}.self_attn.")))
-        mixed = np.concatenate(heads)                                                    # [T, H*Dh]
-        note(f"{name}.self_attn.weighted_sum", mixed)
-        attn_out = layers.linear(mixed, w.o_proj)                                        # [T, D]
-        note(f"{name}.self_attn.o_proj", attn_out)
-        x = x + attn_out
-        note(f"{name}.residual_attn", x)
-
+        h = t("input_layernorm", layers.rms_norm(x, w.input_layernorm, eps))                       # [T, D]
+        q = t("self_attn.q_proj", layers.linear(h, w.q_proj).reshape(-1, H, Dh))                  # [T, H, Dh]
+        k = t("self_attn.k_proj", layers.linear(h, w.k_proj).reshape(-1, KVH, Dh))                # [T, KVH, Dh]
+        v = t("self_attn.v_proj", layers.linear(h, w.v_proj).reshape(-1, KVH, Dh))                # [T, KVH, Dh]
+        q = t("self_attn.q_norm", layers.rms_norm(q, w.q_norm, eps))      # per head, over Dh, BEFORE RoPE
+        k = t("self_attn.k_norm", layers.rms_norm(k, w.k_norm, eps))      # v gets no norm
+        q = t("self_attn.rope_q", layers.rope(q, batch.cos, batch.sin))                           # [T, H, Dh]
+        k = t("self_attn.rope_k", layers.rope(k, batch.cos, batch.sin))                           # [T, KVH, Dh]
+        mixed = t("self_attn.weighted_sum", batch.attention(i, q, k, v, t.inside("self_attn.")))  # [T, H*Dh]
+        attn_out = t("self_attn.o_proj", layers.linear(mixed, w.o_proj))                          # [T, D]
+        x = t("residual_attn", x + attn_out)
         # --- MLP block (SwiGLU) ---
-        h = layers.rms_norm(x, w.post_attention_layernorm, eps)                         # [T, D]
-        note(f"{name}.post_attention_layernorm", h)
-        mlp_out = layers.swiglu(h, w.gate_proj, w.up_proj, w.down_proj, _scoped(note, f"{name}.mlp."))  # [T, D]
-        note(f"{name}.mlp.down_proj", mlp_out)
-        x = x + mlp_out
-        note(f"{name}.residual_mlp", x)
+        h = t("post_attention_layernorm", layers.rms_norm(x, w.post_attention_layernorm, eps))    # [T, D]
+        mlp_out = t("mlp.down_proj", layers.swiglu(h, w.gate_proj, w.up_proj, w.down_proj, t.inside("mlp.")))  # [T, D]
+        x = t("residual_mlp", x + mlp_out)
         return x
 
-    def _pack(self, token_ids: Sequence[Sequence[int] | np.ndarray],
-              caches: Sequence[PagedKVCache | None]) -> tuple[np.ndarray, np.ndarray, list[slice]]:
-        """The sequences' checked ids [T] and positions [T], one sequence after another, and the
-        slice of those T rows that belongs to each sequence."""
+    def pack(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None]) -> Batch:
+        """The sequences' checked ids, one sequence after another, as a Batch; their caches reserve room
+        for them (every row checked first: nothing half-done)."""
+        if len(token_ids) != len(caches) or not token_ids:
+            raise QwenNPError(f"forward_batch: {len(token_ids)} sequences of token ids for {len(caches)} caches")
         held = [id(cache) for cache in caches if cache is not None]
         if len(set(held)) < len(held):
             raise QwenNPError("forward_batch: the same KV cache is given for two sequences")
-        checked = [self._ids_and_positions(ids, cache) for ids, cache in zip(token_ids, caches)]
-        for (ids, _), cache in zip(checked, caches):             # every row checked first: nothing half-done
+        ids = [self._check_ids(one) for one in token_ids]
+        starts = [cache.length if cache is not None else 0 for cache in caches]
+        for one, start, cache in zip(ids, starts, caches):
+            if cache is not None and start + len(one) > cache.max_tokens:
+                raise QwenNPError(f"cache: {start} cached + {len(one)} new tokens exceed its {cache.max_tokens} positions")
+        for one, cache in zip(ids, caches):
             if cache is not None:
-                cache.reserve(len(ids))
-        ends = np.cumsum([len(ids) for ids, _ in checked]).tolist()
-        rows = [slice(end - len(ids), end) for end, (ids, _) in zip(ends, checked)]
-        return (np.concatenate([ids for ids, _ in checked]), np.concatenate([positions for _, positions in checked]),
-                rows)
-
-    def _ids_and_positions(self, token_ids: Sequence[int] | np.ndarray,
-                           cache: PagedKVCache | None) -> tuple[np.ndarray, np.ndarray]:
-        """The checked token ids [T] and their positions [T]: after the cache's `length` positions, or from 0."""
-        ids = self._check_ids(token_ids)
-        start = cache.length if cache is not None else 0
-        if cache is not None and start + len(ids) > cache.max_tokens:
-            raise QwenNPError(f"cache: {start} cached + {len(ids)} new tokens exceed its {cache.max_tokens} positions")
-        return ids, np.arange(start, start + len(ids))
+                cache.reserve(len(one))
+        ends = np.cumsum([len(one) for one in ids]).tolist()
+        positions = np.concatenate([np.arange(start, start + len(one)) for one, start in zip(ids, starts)])
+        cos, sin = layers.rope_angles(self.inv_freq, positions)                          # [T, Dh] each
+        return Batch(np.concatenate(ids), positions, [slice(end - len(one), end) for end, one in zip(ends, ids)],
+                     list(caches), cos, sin)
 
     def _check_ids(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(token_ids)
@@ -221,16 +193,48 @@ def output_rows(rows: list[slice], last_only: bool, tails: Sequence[int] | None)
     return [i for tail, row in zip(tails, rows) for i in range(row.stop - tail, row.stop)]
 
 
-def advance(caches: Sequence[PagedKVCache | None], ids: np.ndarray, rows: list[slice]) -> None:
+def advance(caches: Sequence[SequenceCache | None], ids: np.ndarray, rows: list[slice]) -> None:
     """After a forward pass: each cache counts its sequence's tokens (ids[rows[b]]) as held."""
     for row, cache in zip(rows, caches):
         if cache is not None:
             cache.advance(ids[row])
 
 
-def _scoped(note: Trace, prefix: str) -> Trace:
-    """A note that puts `prefix` before each step name (layers.attention says "scores", the trace
-    shows "model.layers.3.self_attn.scores")."""
-    if note is layers.ignore:
-        return layers.ignore
-    return lambda step, value: note(prefix + step, value)
+@dataclass
+class Batch:
+    """The tokens of forward_batch's sequences packed one after another: T rows, rows[b] sequence b's."""
+
+    ids: np.ndarray                           # [T] token ids
+    positions: np.ndarray                     # [T] each token's position in its own sequence
+    rows: list[slice]                         # B slices of the T rows
+    caches: list[SequenceCache | None]        # B caches (None: a sequence from position 0, not kept)
+    cos: np.ndarray                           # [T, Dh] RoPE tables at those positions
+    sin: np.ndarray                           # [T, Dh]
+
+    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, note: Trace) -> np.ndarray:
+        """Each sequence attends over its own keys only: its cached ones and these.  q [T, H, Dh],
+        k/v [T, KVH, Dh] -> [T, H*Dh]. Appends this layer's k, v to each sequence's cache."""
+        heads = []
+        for row, cache in zip(self.rows, self.caches):
+            keys, values = (k[row], v[row]) if cache is None else cache.append(layer, k[row], v[row])  # [S, KVH, Dh]
+            heads.append(layers.attention(q[row], keys, values, self.positions[row], note))
+        return np.concatenate(heads)                                                   # [T, H*Dh]
+
+
+class Notes:
+    """A trace's note under a name prefix that hands the value back, so that a step and its report are
+    one line: `h = t("input_layernorm", layers.rms_norm(x, ...))`. Untraced, note is layers.ignore."""
+
+    def __init__(self, note: Trace, prefix: str) -> None:
+        self.note, self.prefix = note, prefix
+
+    def __call__(self, step: str, value: np.ndarray) -> np.ndarray:
+        self.note(self.prefix + step, value)
+        return value
+
+    def inside(self, scope: str) -> Trace:
+        """The note for a function of layers.py that reports its own steps ("scores" in "self_attn.")."""
+        if self.note is layers.ignore:
+            return layers.ignore
+        prefix = self.prefix + scope
+        return lambda step, value: self.note(prefix + step, value)

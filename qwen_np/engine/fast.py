@@ -52,8 +52,9 @@ from ..core import layers
 from . import runtime
 from ..core.config import LAYER_MATRICES, Qwen3Config
 from .memory import MemoryPlan
-from ..core.kv_cache import PagedKVCache
+from ..core.kv_cache import SequenceCache
 from ..core.model import LayerWeights, Qwen3Model, Trace, advance, output_rows
+from .paged import OwnPoolCache, PagedKVCache
 from ..numbers.numerics import Int8Rows, Panels, Weight
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
@@ -307,20 +308,22 @@ class FastQwen3Model(Qwen3Model):
             fused = self._fused[i] = _Fused(w)
         return fused.qkv, fused.gate_up
 
-    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[PagedKVCache | None],
+    def new_cache(self, max_tokens: int, dtype: str = "fp32") -> OwnPoolCache:
+        """A paged cache over a pool of its own (decode steps read its blocks in place: _decode_attention)."""
+        return OwnPoolCache(self.config, max_tokens, dtype)
+
+    def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],
                       trace: Trace | None = None, last_only: bool = False,
                       tails: Sequence[int] | None = None) -> np.ndarray:
         """Qwen3Model.forward_batch (and so forward): logits [T, V] ([B, V] if last_only, the last tails[b]
         rows of each sequence with tails). A traced call runs the readable path."""
         if trace is not None:
             return super().forward_batch(token_ids, caches, trace, last_only, tails)
-        if len(token_ids) != len(caches) or not token_ids:
-            return super().forward_batch(token_ids, caches)       # which says what is wrong
-        ids, positions, rows = self._pack(token_ids, caches)                          # [T], [T], B slices
+        batch = self.pack(token_ids, caches)
+        ids, positions, rows, cos, sin = batch.ids, batch.positions, batch.rows, batch.cos, batch.sin
         picked = output_rows(rows, last_only, tails)           # checked before any work
         runtime.adapt_to_load()                  # fewer threads while other processes want the cores
         config, T = self.config, len(ids)
-        cos, sin = layers.rope_angles(self.inv_freq, positions)                       # [T, Dh] each
         buffers = self._buffers(T)
         x = layers.embed(ids, self.embed_tokens)                                     # [T, D]
         # Stored (BF16) weights are streamed by our threads with single-threaded BLAS; the steps
@@ -360,7 +363,7 @@ class FastQwen3Model(Qwen3Model):
         return not all(isinstance(m, np.ndarray) for m in matrices)
 
     def _layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
-               cos: np.ndarray, sin: np.ndarray, caches: Sequence[PagedKVCache | None], b: _Buffers, parts: int) -> None:
+               cos: np.ndarray, sin: np.ndarray, caches: Sequence[SequenceCache | None], b: _Buffers, parts: int) -> None:
         """x += attention(input_layernorm(x)); x += mlp(post_attention_layernorm(x)), in place.  x [T, D],
         the tokens of every sequence of the batch (`rows` says which are whose).
 
@@ -404,7 +407,7 @@ class FastQwen3Model(Qwen3Model):
 
         decoding: list[tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = []   # (row, its cache's runs)
         for row, cache in zip(rows, caches):            # each sequence attends over its own keys only
-            if cache is not None and row.stop - row.start == 1 and cache.pool.keys.dtype == np.float32:
+            if isinstance(cache, PagedKVCache) and row.stop - row.start == 1 and cache.pool.dtype == "fp32":
                 cache.write(i, k[row], v[row])          # a decode step: over the blocks where they lie
                 decoding.append((row.start, cache.runs(i, cache.length + 1)))
                 continue

@@ -41,7 +41,7 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     values in the layout in which a few rows' product costs about one row's) where BLAS has a
     small-matrix kernel (OpenBLAS's SkylakeX one; not Haswell's).
     max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
-    fast: a FastQwen3Model (qwen_np/fast.py: same logits, tuned for speed); False gives the readable
+    fast: a FastQwen3Model (qwen_np/engine/fast.py: same logits, tuned for speed); False gives the readable
     Qwen3Model, every call on model.py's code.
     """
     checkpoint = open_checkpoint(path)

@@ -5,7 +5,7 @@ too (Qwen3Model.forward_batch packs the sequences' tokens into one matrix). So a
 its requests' decode steps together turns the same memory traffic into several times the tokens.
 
 A BatchGenerator holds up to `max_batch` sequences ("rows"), each with its own sampler and stop
-strings and a block table into the generator's one kv_cache.BlockPool. Each `step()` is one forward pass:
+strings and a block table into the generator's one paged.BlockPool. Each `step()` is one forward pass:
 
 1. requests that were submitted join while there is room in the batch and blocks for their prompt
    (a prompt whose first blocks are in the prefix cache takes those and prefills only the rest);
@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import QwenNPError
 from .generate import Continuation, TokenEvent
-from ..core.kv_cache import BlockPool, PagedKVCache, blocks_for
+from ..engine.paged import BlockPool, PagedKVCache, blocks_for
 from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from ..core.model import Qwen3Model
 from ..core.sampling import SamplingParams

@@ -1,9 +1,9 @@
 """Generating text: prefill the prompt, then sample one token at a time through the KV cache.
 
     from qwen_np import load_model
-    from qwen_np.checkpoint import resolve_model_path
-    from qwen_np.generate import generate, prompt_ids, resolve_sampling
-    from qwen_np.loading import read_generation_defaults, read_tokenizer
+    from qwen_np.files.checkpoint import resolve_model_path
+    from qwen_np.generation.generate import generate, prompt_ids, resolve_sampling
+    from qwen_np.files.model_files import read_generation_defaults, read_tokenizer
 
     folder = resolve_model_path("Qwen/Qwen3-0.6B")
     model, tokenizer = load_model(folder), read_tokenizer(folder)
@@ -29,7 +29,7 @@ from ..errors import QwenNPError
 from ..engine.runtime import peak_rss_bytes
 from ..engine.finite import check_finite
 from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK
-from ..core.kv_cache import PagedKVCache
+from ..core.kv_cache import SequenceCache
 from ..core.model import Qwen3Model, Trace
 from ..core.sampling import SamplingParams, pick, processed_logits, softmax
 from .speculative import NO_DRAFT, Draft, Drafter, Speculation, accept
@@ -153,7 +153,7 @@ def _check_room(prompt_tokens: int, max_new_tokens: int, limit: int, where: str)
 
 
 def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
-             max_new_tokens: int, *, eos_token_ids: Sequence[int] = (), cache: PagedKVCache | None = None,
+             max_new_tokens: int, *, eos_token_ids: Sequence[int] = (), cache: SequenceCache | None = None,
              rng: np.random.Generator | None = None, trace: Trace | None = None,
              stats: GenerationStats | None = None, stop: Sequence[str] = (),
              kv_dtype: str = "fp32", speculation: Speculation | None = None,
@@ -312,7 +312,7 @@ class StopStrings:
         return released
 
 
-def _prefill(model: Qwen3Model, ids: list[int], cache: PagedKVCache, trace: Trace | None) -> np.ndarray:
+def _prefill(model: Qwen3Model, ids: list[int], cache: SequenceCache, trace: Trace | None) -> np.ndarray:
     """Run the prompt through the model in chunks; return the last position's logits [V].
 
     Only the last position's logits are needed, so the LM head runs on one row, except under a

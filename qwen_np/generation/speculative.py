@@ -50,7 +50,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ..core.config import Qwen3Config
 from ..errors import QwenNPError
-from ..core.kv_cache import PagedKVCache
+from ..engine.paged import OwnPoolCache, PagedKVCache
 from ..engine.memory import PREFILL_CHUNK
 from ..core.model import Qwen3Model
 from ..core.sampling import SamplingParams, draw, pick, processed_logits, softmax
@@ -266,11 +266,11 @@ def lookup_speculation(max_ngram: int, tokens: int = DEFAULT_DRAFT_TOKENS) -> Sp
 
 def draft_speculation(draft: Qwen3Model, tokens: int = DEFAULT_DRAFT_TOKENS,
                       new_cache: Callable[[int], PagedKVCache] | None = None, catch_up: int | None = None) -> Speculation:
-    """Drafting with `draft`; each sequence's draft cache from new_cache(positions) (default: its own pool,
-    draft.new_cache), with room for the k - 1 drafted tokens it feeds past the sequence; catch_up: see
+    """Drafting with `draft`; each sequence's draft cache from new_cache(positions) (default: a pool of its
+    own, OwnPoolCache), with room for the k - 1 drafted tokens it feeds past the sequence; catch_up: see
     DraftModel (a batch's rows: its prefill chunk)."""
     k = _checked_tokens(tokens)
-    make = new_cache or draft.new_cache
+    make = new_cache or (lambda positions: OwnPoolCache(draft.config, positions))
 
     def new_drafter(params: SamplingParams, max_tokens: int) -> Drafter:
         return DraftModel(draft, params, make(max_tokens + k), catch_up)

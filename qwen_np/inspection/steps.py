@@ -1,19 +1,25 @@
 """STEPS: the steps of a forward pass in the order `Qwen3Model.forward` runs them, each with its trace
 name, the qwen_np function that does the math, and its input/output shapes in the dimension
 vocabulary of config.py. A step's weight shape comes from config's tensor table (LAYER_TENSORS,
-MODEL_TENSORS), so the two cannot disagree.
+MODEL_TENSORS), and its name and place from model.TRACE_STEPS, the names the network reports its
+steps under: this table describes them and cannot add, drop or reorder one (checked at import).
 """
 
 from __future__ import annotations
 
-import inspect
+import functools
+import linecache
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from ..core import layers, model
-from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Shape
-from ..core.model import Qwen3Model
+from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, Shape, dimensions, resolve
+from ..core.model import LayerWeights, Qwen3Model
 
 # Trace name of the step that reads a tensor -> that tensor's symbolic shape.
 _WEIGHT_SHAPES = {spec.name.removesuffix(".weight"): spec.shape
@@ -57,7 +63,7 @@ def _norm(name: str, what: str, x: tuple[str, Shape]) -> Step:
 
 _LAYER = "model.layers.{i}"
 _X, _H = ("x", ("T", "D")), ("h", ("T", "D"))
-STEPS: tuple[Step, ...] = (
+_DESCRIBED: tuple[Step, ...] = (
     Step("model.embed_tokens", "one row of the embedding table per token id (no scaling)",
          layers.embed, (("token ids", ("T",)),), ("T", "D")),
     _norm(f"{_LAYER}.input_layernorm", "RMSNorm over D, before attention", _X),
@@ -94,7 +100,10 @@ STEPS: tuple[Step, ...] = (
     _norm("model.norm", "final RMSNorm over D", _X),
     _linear("lm_head", "one score (logit) per vocabulary entry, at every position", _H, ("T", "V")),
 )
-STEPS_BY_NAME = {step.name: step for step in STEPS}
+STEPS_BY_NAME = {step.name: step for step in _DESCRIBED}
+if tuple(STEPS_BY_NAME) != model.TRACE_STEPS:          # a step of the network undescribed, or out of order
+    raise ImportError(f"inspection.steps describes {tuple(STEPS_BY_NAME)}, the network traces {model.TRACE_STEPS}")
+STEPS = tuple(STEPS_BY_NAME.values())
 
 
 def format_shape(shape: Shape, numbers: Sequence[int] | None = None) -> str:
@@ -104,15 +113,49 @@ def format_shape(shape: Shape, numbers: Sequence[int] | None = None) -> str:
 
 
 def source_line(step: Step) -> tuple[str, int, str]:
-    """(file name, line number, code) of the line that computes `step`: the statement just before the
-    note(...) that reports it, in model.py, or in layers.py for the steps that layers.attention and
-    layers.swiglu report under their short names ("scores", "gate_proj")."""
-    in_model = f'note(f"{{name}}.{step.short_name}"' if step.in_layer else f'note("{step.name}"'
-    in_layers = f'note("{step.name.rsplit(".", 1)[-1]}"'
-    for module, key in ((model, in_model), (layers, in_layers)):
-        lines = inspect.getsource(module).splitlines()
-        for number, line in enumerate(lines):
-            if key in line:
-                before = next(n for n in range(number - 1, -1, -1) if lines[n].strip() and not lines[n].lstrip().startswith("#"))
-                return Path(inspect.getfile(module)).name, before + 1, lines[before].strip()
-    raise LookupError(f"no note(...) reports the step {step.name}")
+    """(file within qwen_np/, line number, code) of the line that computes `step` ("core/model.py", 137,
+    "h = t(...)"), as found by running it (_reporters)."""
+    return _reporters()[step.name]
+
+
+@functools.cache
+def _reporters() -> dict[str, tuple[str, int, str]]:
+    """Every step's computing line: one traced forward pass of a one-layer toy network on the readable path,
+    whose trace looks up the stack for the line that reported each step, in model.py or layers.py. In
+    model.py a step and its report are one line (`h = t("input_layernorm", ...)`); in layers.py the report
+    is a `note(...)` statement after the line that computes it, which is taken instead."""
+    found: dict[str, tuple[str, int, str]] = {}
+    ours = {model.__file__, layers.__file__}
+
+    def record(name: str, value: np.ndarray) -> None:
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename not in ours or frame.f_code.co_name in _PLUMBING):
+            frame = frame.f_back
+        assert frame is not None, name
+        path, number = frame.f_code.co_filename, frame.f_lineno
+        if linecache.getline(path, number).lstrip().startswith("note("):
+            number = max(n for n in range(1, number) if linecache.getline(path, n).strip()
+                         and not linecache.getline(path, n).lstrip().startswith("#"))
+        found.setdefault(name.replace("model.layers.0.", "model.layers.{i}."),
+                         (Path(path).relative_to(_PACKAGE).as_posix(), number, linecache.getline(path, number).strip()))
+
+    _toy_model().forward([1, 2], trace=record)
+    return found
+
+
+_PACKAGE = Path(model.__file__).parents[1]        # qwen_np/
+_PLUMBING = {"__call__", "<lambda>"}             # model.Notes hands a step's value on; inside() scopes a name
+
+
+def _toy_model() -> Qwen3Model:
+    """A Qwen3 of one tiny layer, zero weights: enough to run every step once."""
+    config = Qwen3Config(vocab_size=4, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+    dims = dimensions(config)
+
+    def zeros(shape: Shape) -> np.ndarray:
+        return np.zeros(tuple(resolve(shape, dims)), np.float32)
+
+    layer = LayerWeights(**{key: zeros(spec.shape) for key, spec in LAYER_TENSORS.items()})
+    table = zeros(MODEL_TENSORS["embed_tokens"].shape)
+    return Qwen3Model(config, table, [layer], zeros(MODEL_TENSORS["norm"].shape), table)

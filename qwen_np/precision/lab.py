@@ -38,8 +38,7 @@ from ..generation.generate import generate
 from ..engine.loading import back_to_back, load_model
 from ..files.model_files import read_config, read_tokenizer
 from ..engine.memory import GiB, SAFETY_FRACTION, candidate_plans, weight_bytes
-from ..core.kv_cache import PagedKVCache
-from ..core.model import LayerWeights, Qwen3Model, Trace
+from ..core.model import Batch, Qwen3Model, Trace
 from ..numbers.numerics import Weight
 from ..core.sampling import SamplingParams
 from ..files.tokenizer import Tokenizer
@@ -145,10 +144,9 @@ class RoundedResidual(Qwen3Model):
         self.nonfinite += int(rounded.size - np.count_nonzero(np.isfinite(rounded)))
         return rounded
 
-    def decoder_layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
-                      cos: np.ndarray, sin: np.ndarray, caches: Sequence[PagedKVCache | None], note: Trace) -> np.ndarray:
+    def decoder_layer(self, i: int, x: np.ndarray, batch: Batch, note: Trace) -> np.ndarray:
         with np.errstate(over="ignore", invalid="ignore"):       # an overflowed stream is what is measured
-            x = super().decoder_layer(i, w, self._round(x), positions, rows, cos, sin, caches, note)
+            x = super().decoder_layer(i, self._round(x), batch, note)
             return self._round(x) if i == len(self.layers) - 1 else x
 
 

@@ -24,7 +24,7 @@ answers chat requests with a 400 that says so.
 Every request becomes a row of one batching.BatchGenerator, run by a BatchRunner on its own thread:
 concurrent requests share decode steps, a new one starts its prefill at the next step, and a client
 that disconnects frees its row. Every row's keys and values are blocks of one pool of --kv-memory
-bytes (kv_cache.py): a request joins while blocks are free, one that could never fit is refused
+bytes (engine/paged.py): a request joins while blocks are free, one that could never fit is refused
 with a 400, and a prompt reuses the blocks of a prefix seen before (the response's
 usage.prompt_tokens_details.cached_tokens says how many tokens). Bad requests get OpenAI's error
 JSON with a 4xx status; nothing answers with a traceback. One request cannot hurt another: its
@@ -66,7 +66,7 @@ from .explorer import Explorer, is_page
 from ..engine.finite import check_weights_finite
 from ..files.model_files import GenerationDefaults
 from ..generation.generate import TokenEvent, resolve_sampling
-from ..core.kv_cache import BlockPool, PagedKVCache, block_bytes, blocks_for
+from ..engine.paged import BlockPool, PagedKVCache, block_bytes, blocks_for
 from ..generation.speculative import check_draft_folder, load_draft
 from ..engine.loading import load_model
 from ..files.model_files import read_config, read_generation_defaults, read_tokenizer

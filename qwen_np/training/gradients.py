@@ -321,10 +321,8 @@ def recomputed_layer(model: Qwen3Model, i: int, tape: Tape) -> LayerTape:
     the same values, so the same bits as the forward's."""
     B, T = tape.token_ids.shape
     record = Recorder(range(i, i + 1))
-    rows = [slice(b * T, (b + 1) * T) for b in range(B)]
-    cos, sin = np.tile(tape.cos, (B, 1)), np.tile(tape.sin, (B, 1))                  # [B*T, Dh]: the packed rows'
-    model.decoder_layer(i, model.layers[i], tape.inputs[i].reshape(B * T, -1), np.tile(np.arange(T), B), rows,
-                        cos, sin, [None] * B, record)
+    batch = model.pack(list(tape.token_ids), [None] * B)                  # the forward's packed rows, again
+    model.decoder_layer(i, tape.inputs[i].reshape(B * T, -1), batch, record)
     return record.layer_tape(i, tape.inputs[i], B, T)
 
 
