@@ -227,7 +227,7 @@ on the bundled model and prints counts only (no timings: those are the machine's
 
 def notebook_code() -> str:
     """The section's notebook cell: a block table, as a reader builds it."""
-    return f'''from qwen_np.core.kv_cache import BlockPool, PagedKVCache
+    return f'''from qwen_np.engine.paged import BlockPool, PagedKVCache
 pool = BlockPool(model.config, num_blocks={POOL_BLOCKS})
 first, second = PagedKVCache(pool, {GROWN}), PagedKVCache(pool, {GROWN})
 OTHER = {OTHER_TEXT!r}

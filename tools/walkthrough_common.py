@@ -23,8 +23,9 @@ sys.path.insert(0, str(REPO_ROOT / "tools"))
 from qwen_np.core import layers  # noqa: E402
 from qwen_np import load_model  # noqa: E402
 from qwen_np.errors import QwenNPError  # noqa: E402
-from qwen_np.inspection import Step, dimensions, format_shape, resolve, token_text  # noqa: E402
-from qwen_np.core.model import Qwen3Model  # noqa: E402
+from qwen_np.inspection import STEPS, Step, dimensions, format_shape, resolve, token_text  # noqa: E402
+from qwen_np.inspection.steps import source_line  # noqa: E402
+from qwen_np.core.model import Batch, Qwen3Model  # noqa: E402
 from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
 
 BUNDLED_MODEL = REPO_ROOT / "weights"
@@ -175,46 +176,41 @@ def command_stderr(run: Run, *flags: str) -> str:
 
 # --- The code that does each step ----------------------------------------------------------------
 
-NOTE = re.compile(r'note\(f?"(?:\{name\}\.)?([\w.]+)"')
 
 
 def model_code_by_step() -> dict[str, str]:
-    """Step name -> the lines that compute it: those since the previous note() call.
-
-    Qwen3Model (and the layers.attention / layers.swiglu it calls) report each step to the trace with
-    note(name, value) right after computing it, so the source between two note() calls is exactly
-    the code of the step noted second.
-    """
-    code: dict[str, str] = {}
-    for function, prefix in ((Qwen3Model.forward_batch, ""), (Qwen3Model.decoder_layer, "model.layers.{i}."),
-                             (layers.attention, "model.layers.{i}.self_attn."),
-                             (layers.swiglu, "model.layers.{i}.mlp.")):
-        body = inspect.getsource(function).split('"""')[-1].splitlines()[1:]   # skip the docstring
-        pending: list[str] = []
-        for line in body:
-            noted = NOTE.findall(line)
-            if not noted:
-                pending.append(line)
-                continue
-            lines = "\n".join(kept for kept in pending if kept.strip())
-            for suffix in noted:
-                code[suffix if not prefix or suffix.startswith("model.") else prefix + suffix] = lines
-            pending = []
-    return code
+    """Step name -> the line that computes it, as inspection.steps.source_line finds it by running the
+    network (Qwen3Model reports a step on the line that computes it; layers.attention and layers.swiglu
+    report theirs right after it)."""
+    return {step.name: source_line(step)[2] for step in STEPS}
 
 
 MODEL_CODE = model_code_by_step()
 
 
+# Functions a step's line uses through the batch: RoPE's tables come from Qwen3Model.pack, once a pass.
+ALSO_SHOWN = {"model.layers.{i}.self_attn.rope_q": " layers.rope_angles("}
+
+
 def step_code(step: Step, shown: set[str]) -> str:
-    """The lines of a step, then the source of each layers.py function they call (once per page)."""
-    lines = MODEL_CODE[step.name]
-    parts = [code_block(lines)]
-    for function in dict.fromkeys(re.findall(r"(?<![\w.])(?:layers\.)?(\w+)\(", lines)):
-        if function not in shown and inspect.isfunction(getattr(layers, function, None)):
-            shown.add(function)
-            parts.append(f"`layers.{function}`, from `qwen_np/core/layers.py`:\n\n"
-                         + code_block(inspect.getsource(getattr(layers, function))))
+    """The line of a step, then the source of each function of layers.py or method of model.Batch it
+    calls (once per page), and of the layers.py functions those methods call."""
+    parts, sources = [code_block(MODEL_CODE[step.name])], [MODEL_CODE[step.name] + ALSO_SHOWN.get(step.name, "")]
+    while sources:
+        for called in dict.fromkeys(re.findall(r"(?<![\w.])((?:layers\.|batch\.)?\w+)\(", sources.pop(0))):
+            owner, _, name = called.rpartition(".")
+            where = Batch if owner == "batch" else layers
+            function = getattr(where, name, None)
+            key = f"{where.__name__}.{name}"
+            if key in shown or not inspect.isfunction(function):
+                continue
+            shown.add(key)
+            source = textwrap.dedent(inspect.getsource(function))
+            title = f"`Batch.{name}`, from `qwen_np/core/model.py`" if where is Batch else \
+                f"`layers.{name}`, from `qwen_np/core/layers.py`"
+            parts.append(f"{title}:\n\n" + code_block(source))
+            if where is Batch:                                  # the layers.py functions it calls, in turn
+                sources.append(source.split('"""')[-1])
     return "\n\n".join(parts)
 
 
