@@ -192,9 +192,36 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
 
     sequence = Continuation(tokenizer, prompt, params, max_new_tokens, limit, eos_token_ids=eos_token_ids,
                             stop=stop, rng=rng)
+    if speculation is not None or drafter is not None:
+        yield from _speculative_decode(model, sequence, cache, logits, stats, speculation, drafter, trace)
+        return
+    # The decode loop: choose a token from the last position's logits, show it, run it through the model.
+    try:
+        while True:
+            started = time.perf_counter()
+            event, = sequence.verify(logits[None], NO_DRAFT)                   # one row, one token
+            stats.decode_seconds += time.perf_counter() - started
+            stats.new_tokens, stats.finish_reason = len(sequence.generated), event.finish_reason
+            yield event                           # before the next forward pass: print as soon as known
+            if event.finish_reason:
+                return
+            started = time.perf_counter()
+            step = model.forward([event.token_id], cache, trace if len(sequence.generated) == 1 else None)
+            logits = check_finite(model, sequence.sequence, step[-1])                            # [V]
+            stats.decode_seconds += time.perf_counter() - started
+    finally:
+        stats.count(sequence)
+
+
+def _speculative_decode(model: Qwen3Model, sequence: Continuation, cache: SequenceCache, logits: np.ndarray,
+                        stats: GenerationStats, speculation: Speculation | None, drafter: Drafter | None,
+                        trace: Trace | None) -> Iterator[TokenEvent]:
+    """generate()'s decode loop when each step verifies drafted tokens: the drafter proposes k, the model
+    runs the last token and the k drafted ones in one forward pass, and Continuation.verify keeps the
+    drafted tokens the model agrees with (speculative.py's rule), then its own next token."""
     kept = drafter is not None
     if drafter is None and speculation is not None:
-        drafter = speculation.new_drafter(params, limit)
+        drafter = speculation.new_drafter(sequence.params, sequence.limit)
     stats.speculation = speculation.describe if speculation is not None else None
     rows, draft = logits[None], NO_DRAFT                      # [1, V]: the prompt's last position
     try:
