@@ -14,7 +14,7 @@ from ..core.config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS
 from .fast import FastQwen3Model
 from ..numbers.formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
 from ..files.gguf_file import GGUFCheckpoint
-from .memory import DEFAULT_CONTEXT, plan_memory
+from .memory import effective_context, plan_memory
 from ..core.model import LayerWeights, Qwen3Model
 from ..numbers.numerics import PANEL, Int8Rows, Panels, Weight, panel_shape, panels, upcast
 from . import runtime
@@ -46,7 +46,7 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     """
     checkpoint = open_checkpoint(path)
     config = checkpoint.config
-    context = max_tokens or min(config.max_position_embeddings, DEFAULT_CONTEXT)
+    context = effective_context(config, max_tokens)
     plan = plan_memory(config, context, memory, stored_bytes_per_value=checkpoint.held_bytes_per_value())
 
     # fp32 and int8: each stored tensor is read with plain file I/O into one reused buffer and upcast

@@ -29,6 +29,12 @@ PREFILL_CHUNK = 512
 DEFAULT_CONTEXT = 4096   # KV cache positions the plan reserves when the caller does not say
 
 
+def effective_context(config: Qwen3Config, asked: int | None = None) -> int:
+    """The positions a run keeps KV cache for: what the caller asked (--ctx-size, max_tokens), else
+    DEFAULT_CONTEXT, and never more than the model's own context (max_position_embeddings). The one rule."""
+    return min(asked or DEFAULT_CONTEXT, config.max_position_embeddings)
+
+
 def available_memory() -> int:
     """Bytes this process can still use: the kernel's MemAvailable (or physical RAM), and no more
     than a container's cgroup limit leaves (a container sees the host's MemAvailable)."""

@@ -327,17 +327,18 @@ def chat_delta(
         messages, add_generation_prompt=True, enable_thinking=enable_thinking, tools=tools
     )
     ids = tokenizer.encode(prompt)
-    keep = min(_common_prefix_len(fed_ids, ids), len(ids) - 1)
+    keep = min(common_prefix(fed_ids, ids), len(ids) - 1)
     return ChatDelta(keep=keep, ids=ids[keep:])
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids two sequences share (a cache holding `a` keeps that many for `b`). In NumPy:
+    a speculative step asks it of a whole conversation's ids at every proposal."""
+    import numpy as np               # here: the tokenizer alone (the CLI's start) never needs NumPy
+
+    n = min(len(a), len(b))
+    differs = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differs[0]) if differs.size else n
 
 
 def split_thinking(text: str) -> tuple[str, str]:

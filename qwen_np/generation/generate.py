@@ -28,7 +28,7 @@ from ..core.config import Qwen3Config
 from ..errors import QwenNPError
 from ..engine.runtime import peak_rss_bytes
 from ..engine.finite import check_finite
-from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK
+from ..engine.memory import PREFILL_CHUNK, effective_context
 from ..core.kv_cache import SequenceCache
 from ..core.model import Qwen3Model, Trace
 from ..core.sampling import SamplingParams, pick, processed_logits, softmax
@@ -370,8 +370,8 @@ class ChatSession:
         self.messages: list[Message] = []
         # Default: the context the memory plan reserved (not the model's full context, which for
         # Qwen3 would be 40960 positions, ~11 GiB of FP32 cache at 8B).
-        default = model.plan.max_tokens if model.plan is not None else DEFAULT_CONTEXT
-        self.cache = model.new_cache(max_tokens or min(default, model.config.max_position_embeddings), kv_dtype)
+        planned = model.plan.max_tokens if model.plan is not None else None
+        self.cache = model.new_cache(effective_context(model.config, max_tokens or planned), kv_dtype)
         self.rng = np.random.default_rng(params.seed)   # one stream across turns: a seed fixes the chat
         self.fed_ids: list[int] = []                     # the tokens whose keys/values the cache holds
         # Kept across turns too: a draft model's cache then holds the conversation (cut back to what the

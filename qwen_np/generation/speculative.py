@@ -54,7 +54,7 @@ from ..engine.paged import OwnPoolCache, PagedKVCache
 from ..engine.memory import PREFILL_CHUNK
 from ..core.model import Qwen3Model
 from ..core.sampling import SamplingParams, draw, pick, processed_logits, softmax
-from ..files.tokenizer import Tokenizer
+from ..files.tokenizer import Tokenizer, common_prefix
 from ..engine.finite import check_weights_finite
 from ..engine.loading import load_model
 from ..files.model_files import read_config, read_tokenizer
@@ -171,7 +171,7 @@ class DraftModel:
             return []
         if not self.cache.length and not self.cache.table:
             self.cache.reuse_prefix(sequence)   # a pool with prefix caching (serve's): what an earlier row filled
-        self.cache.truncate(min(_common_prefix(self.cache.tokens, sequence), len(sequence) - 1))
+        self.cache.truncate(min(common_prefix(self.cache.tokens, sequence), len(sequence) - 1))
         pending = self._sequence[self.cache.length:]
         if self.catch_up is not None and len(pending) > self.catch_up:
             # In a batch, a row's draft cache catches up (its prompt, or after a preemption) a chunk a step, as
@@ -241,12 +241,6 @@ def propose_together(jobs: Sequence[Job]) -> list[Draft | Exception]:
                 if not isinstance(outcomes[i], Exception):
                     outcomes[i] = drafter._draft()
     return outcomes
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    differs = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differs[0]) if differs.size else n
 
 
 @dataclass(frozen=True)
