@@ -20,14 +20,14 @@ from ..numbers.numerics import PANEL, Int8Rows, Panels, Weight, panel_shape, pan
 from . import runtime
 from .runtime import allocate, split, threads
 from .weight_cache import load_fp32
-from ..files.model_files import open_checkpoint
+from ..files.model_files import ModelFiles, open_model
 
 # Rows quantized at a time in the int8 mode: the FP32 copy of a whole large tensor (Qwen3-8B's
 # embedding table: 2.5 GB) never exists, only this many of its rows.
 QUANTIZE_BLOCK_ROWS = 1024
 
 
-def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = None,
+def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: int | None = None,
                fast: bool = True) -> Qwen3Model:
     """Load a Qwen3 checkpoint folder, GGUF file (gguf_file.py) or hub id for inference.
 
@@ -44,7 +44,7 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     fast: a FastQwen3Model (qwen_np/engine/fast.py: same logits, tuned for speed); False gives the readable
     Qwen3Model, every call on model.py's code.
     """
-    checkpoint = open_checkpoint(path)
+    checkpoint = open_model(path).checkpoint()
     config = checkpoint.config
     context = effective_context(config, max_tokens)
     plan = plan_memory(config, context, memory, stored_bytes_per_value=checkpoint.held_bytes_per_value())

@@ -3,6 +3,7 @@ tokenizer, generation defaults and tensors. The one place that tells a GGUF file
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ class GenerationDefaults:
 
 def folder_generation_defaults(folder: str | Path, config: Qwen3Config) -> GenerationDefaults:
     """Sampling defaults from `folder/generation_config.json`, read the way transformers reads them
-    (loading.read_generation_defaults also reads a GGUF's general.sampling.* keys).
+    (ModelFiles.generation_defaults also reads a GGUF's general.sampling.* keys).
 
     Keys the file leaves out take transformers' defaults; do_sample false (transformers' default)
     means greedy, i.e. temperature 0. The EOS ids are the file's and config.json's together.
@@ -55,30 +56,65 @@ def generation_defaults(raw: dict[str, Any], config: Qwen3Config, path: Path) ->
     return GenerationDefaults(sampling, eos)
 
 
-def read_config(path: str | Path) -> Qwen3Config:
-    """The Qwen3Config of a checkpoint folder (config.json), a GGUF file (its metadata) or a hub id."""
-    return gguf_file.read_config(path) if is_gguf(path) else load_config(resolve_model_path(path))
+class ModelFiles:
+    """One model's files, opened once: where they are (`path`: a checkpoint folder or a GGUF file; a hub id
+    is fetched into the Hugging Face cache first) and what they say, each read on first use and kept, so
+    that whoever holds it never asks "is it a GGUF, where is it, what is its config" again."""
 
+    def __init__(self, source: str | Path, flag: str = "--model") -> None:
+        self.source = str(source)                          # as given: a folder, a GGUF file or a hub id
+        self.path = resolve_model_path(source, flag)       # `flag` names where it came from in the error
+        self.gguf = is_gguf(self.path)                      # by its magic: Ollama's blobs have no suffix
 
-def read_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer of a checkpoint folder, a GGUF file (built from its vocabulary) or a hub id."""
-    return gguf_file.read_tokenizer(path) if is_gguf(path) else Tokenizer.from_folder(resolve_model_path(path))
+    @functools.cached_property
+    def config(self) -> Qwen3Config:
+        """config.json, or a GGUF file's metadata."""
+        return gguf_file.read_config(self.path) if self.gguf else load_config(self.path)
 
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The folder's tokenizer files, or one built from a GGUF file's vocabulary."""
+        return gguf_file.read_tokenizer(self.path) if self.gguf else Tokenizer.from_folder(self.path)
 
-def read_generation_defaults(path: str | Path, config: Qwen3Config) -> GenerationDefaults:
-    """Sampling defaults and end ids: generation_config.json, or a GGUF's general.sampling.* keys."""
-    if is_gguf(path):
-        return generation_defaults(gguf_file.read_sampling(path), config, Path(path))
-    return folder_generation_defaults(resolve_model_path(path), config)
+    @functools.cached_property
+    def generation_defaults(self) -> GenerationDefaults:
+        """Sampling defaults and end ids: generation_config.json, or a GGUF's general.sampling.* keys."""
+        return self.generation_defaults_for(self.config)
 
+    def generation_defaults_for(self, config: Qwen3Config) -> GenerationDefaults:
+        """generation_defaults with the end ids of `config` (a config the caller already holds)."""
+        if self.gguf:
+            return generation_defaults(gguf_file.read_sampling(self.path), config, self.path)
+        return folder_generation_defaults(self.path, config)
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """The tensors of a GGUF file, a checkpoint folder or a hub id, validated against their config."""
-    if is_gguf(path):
-        checkpoint = GGUFCheckpoint(path)
+    def checkpoint(self) -> Checkpoint:
+        """The tensors, validated against the config (memory-mapped; a new one each call)."""
+        if not self.gguf:
+            return Checkpoint(self.path, self.config)
+        checkpoint = GGUFCheckpoint(self.path)
         note = checkpoint.dequantization_note()
         if note:
             print(f"qwen_np: {note}", file=sys.stderr)
         return checkpoint
-    folder = resolve_model_path(path)
-    return Checkpoint(folder, load_config(folder))
+
+
+def open_model(source: str | Path | ModelFiles, flag: str = "--model") -> ModelFiles:
+    """The ModelFiles of a folder, GGUF file or hub id (one already opened is handed back as it is)."""
+    return source if isinstance(source, ModelFiles) else ModelFiles(source, flag)
+
+
+# One question each, for a caller that needs only that one.
+def read_config(path: str | Path) -> Qwen3Config:
+    return open_model(path).config
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer:
+    return open_model(path).tokenizer
+
+
+def read_generation_defaults(path: str | Path, config: Qwen3Config) -> GenerationDefaults:
+    return open_model(path).generation_defaults_for(config)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    return open_model(path).checkpoint()

@@ -57,7 +57,7 @@ from ..core.sampling import SamplingParams, draw, pick, processed_logits, softma
 from ..files.tokenizer import Tokenizer, common_prefix
 from ..engine.finite import check_weights_finite
 from ..engine.loading import load_model
-from ..files.model_files import read_config, read_tokenizer
+from ..files.model_files import ModelFiles, open_model
 
 DEFAULT_DRAFT_TOKENS = 4
 # Keeps the draft model's random stream apart from the target's: the rejection rule needs the drafted
@@ -300,17 +300,18 @@ def check_draft(target: Qwen3Config, target_tokenizer: Tokenizer, draft: Qwen3Co
                           "model's tokenizer")
 
 
-def check_draft_folder(path: str | Path, config: Qwen3Config, tokenizer: Tokenizer) -> None:
+def check_draft_folder(path: str | Path | ModelFiles, config: Qwen3Config, tokenizer: Tokenizer) -> None:
     """Raise QwenNPError (naming --draft) unless the checkpoint at `path` can draft for a model of `config`
     and `tokenizer` (speculative.check_draft), reading only its small files."""
     try:
-        draft_config, draft_tokenizer = read_config(path), read_tokenizer(path)
+        draft = open_model(path, "--draft")
+        draft_config, draft_tokenizer = draft.config, draft.tokenizer
     except QwenNPError as problem:
         raise QwenNPError(f"--draft: {problem}") from None
     check_draft(config, tokenizer, draft_config, draft_tokenizer)
 
 
-def load_draft(path: str | Path, memory: str = "auto", max_tokens: int | None = None) -> Qwen3Model:
+def load_draft(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: int | None = None) -> Qwen3Model:
     """The draft model of --draft (its folder checked first by check_draft_folder), loaded like the model,
     its weights checked to be finite, so that NaN weights are reported as the draft's, not as a request's
     sampling settings that the drafter's NaN logits would seem to break."""
