@@ -1,5 +1,5 @@
 """`python -m qwen_np train`: the flags, progress bar, loss figure and report of a training run
-(the run itself is qwen_np/trainer.py)."""
+(the run itself is qwen_np/training/trainer.py)."""
 
 from __future__ import annotations
 
@@ -100,13 +100,13 @@ def run(args: argparse.Namespace) -> int:
         result = trainer.run(spec, events)
     finally:
         events.close()
-    meta = result.meta
+    state = result.state
     if result.interrupted:
-        print(f"\ninterrupted at step {len(meta['history'])}: saved {result.last}; continue with --resume", file=sys.stderr)
+        print(f"\ninterrupted at step {state.step}: saved {result.last}; continue with --resume", file=sys.stderr)
         return 130
-    plot_losses(meta, args.out / "loss.png")
-    print(f"{result.stopped or 'done'} at step {len(meta['history'])}; best validation loss {meta['best_loss']:.4f} per "
-          f"token ({meta['evals'][-1]['nats_per_character']:.4f} nats/char last); exported {result.exported}",
+    plot_losses(state, args.out / "loss.png")
+    print(f"{result.stopped or 'done'} at step {state.step}; best validation loss {state.best_loss:.4f} per "
+          f"token ({state.evals[-1]['nats_per_character']:.4f} nats/char last); exported {result.exported}",
           file=sys.stderr)
     print("memory:\n" + memory_report(result.estimate, result.baseline), file=sys.stderr)
     return 0
@@ -122,7 +122,7 @@ def memory_report(estimate: dict[str, int], baseline: int) -> str:
     return "\n".join(lines)
 
 
-def plot_losses(meta: dict[str, Any], path: Path) -> None:
+def plot_losses(state: trainer.RunState, path: Path) -> None:
     """loss.png: training loss per step (and its running mean) and validation loss per evaluation."""
     try:
         import matplotlib
@@ -131,14 +131,14 @@ def plot_losses(meta: dict[str, Any], path: Path) -> None:
     except ImportError:
         print("note: no loss.png (pip install 'qwen_np[plot]' for matplotlib)", file=sys.stderr)
         return
-    steps = [h["step"] for h in meta["history"]]
-    losses = np.array([h["loss"] for h in meta["history"]])
+    steps = [h["step"] for h in state.history]
+    losses = np.array([h["loss"] for h in state.history])
     smooth = np.convolve(losses, np.ones(25) / 25, mode="valid") if len(losses) >= 25 else losses
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train (each step)")
     ax.plot(steps[len(steps) - len(smooth):], smooth, color="tab:blue", label="train (mean of 25 steps)")
-    if meta["evals"]:
-        ax.plot([e["step"] for e in meta["evals"]], [e["loss_per_token"] for e in meta["evals"]], "o-",
+    if state.evals:
+        ax.plot([e["step"] for e in state.evals], [e["loss_per_token"] for e in state.evals], "o-",
                 color="tab:orange", label="validation")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats per token)")

@@ -10,7 +10,7 @@ qwen_np/commands/train.py: its flags, progress bar, figure and printing).
 
 --out DIR holds everything: last.safetensors (resumable: weights, AdamW moments, step, data position,
 RNG state, history), best.safetensors (the same, at the best validation loss), tokenizer files,
-log.jsonl, loss.png, and model/ (the exported checkpoint that `generate --model DIR/model` runs).
+config.json, loss.png, and model/ (the exported checkpoint that `generate --model DIR/model` runs).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -201,7 +201,58 @@ def export_model(folder: Path, config_json: dict[str, Any], params: dict[str, np
     return folder
 
 
-# --- Memory -----------------------------------------------------------------------------------------
+# --- The run's state --------------------------------------------------------------------------------
+
+
+@dataclass
+class RunState:
+    """Everything a run has done and needs to go on, besides its tensors: what a checkpoint's header holds
+    (as JSON: to_json, from_json), so that a resumed run continues bit for bit."""
+
+    config: dict[str, Any]                      # the model's config.json
+    settings: Settings
+    data: str                                   # --data: "shakespeare" or a text file
+    history: list[dict[str, Any]] = field(default_factory=list)   # one record per optimizer step (_train_step)
+    evals: list[dict[str, Any]] = field(default_factory=list)     # one per validation: step and TextScore.summary()
+    best_loss: float | None = None              # the lowest validation loss per token so far
+    bad_evals: int = 0                          # validations since it was reached (--patience)
+    epoch: int = 0                              # the data order's place (WindowOrder) at the last checkpoint:
+    position: int = 0                           # its epoch and the windows of it used
+    loss_scaler: mixed.LossScaler | None = None     # fp16 with loss scaling: a resumed run goes on with its scale
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (skipped FP16 steps included)."""
+        return len(self.history)
+
+    def evaluated(self, step: int) -> bool:
+        """Whether the validation after `step` steps is recorded."""
+        return bool(self.evals) and self.evals[-1]["step"] == step
+
+    def record_evaluation(self, step: int, result: dict[str, Any]) -> bool:
+        """Add a validation after `step` steps; returns whether it is the best so far."""
+        self.evals.append({"step": step, **result})
+        improved = self.best_loss is None or result["loss_per_token"] < self.best_loss
+        self.bad_evals = 0 if improved else self.bad_evals + 1
+        if improved:
+            self.best_loss = result["loss_per_token"]
+        return improved
+
+    def to_json(self) -> dict[str, Any]:
+        meta = {"history": self.history, "evals": self.evals, "best_loss": self.best_loss, "bad_evals": self.bad_evals,
+                "order": {"epoch": self.epoch, "position": self.position}, "data": self.data,
+                "settings": asdict(self.settings), "config": self.config}
+        if self.loss_scaler is not None:
+            meta["loss_scaler"] = asdict(self.loss_scaler)
+        return meta
+
+    @classmethod
+    def from_json(cls, meta: dict[str, Any]) -> "RunState":
+        """The state to_json wrote (save_state's "optimizer_step", the optimizer's, is left to the caller)."""
+        scaler = meta.get("loss_scaler")
+        return cls(meta["config"], Settings(**meta["settings"]), meta["data"], meta["history"], meta["evals"],
+                   meta["best_loss"], meta["bad_evals"], meta["order"]["epoch"], meta["order"]["position"],
+                   None if scaler is None else mixed.LossScaler(**scaler))
 
 
 # --- The run ----------------------------------------------------------------------------------------
@@ -303,7 +354,7 @@ class RunEvents:
 
 @dataclass
 class RunResult:
-    meta: dict[str, Any]                    # history, evals, best_loss, ... (what last.safetensors holds)
+    state: RunState                         # history, evals, best_loss, ... (what last.safetensors holds)
     stopped: str                            # why it stopped early ("" if it ran every step)
     exported: Path | None                   # the exported model, None when interrupted
     last: Path
@@ -326,61 +377,72 @@ def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
         raise
 
 
+@dataclass
+class Run:
+    """A run in memory: its state and what a step acts on. The model's weights are `params` (the same
+    arrays, updated in place by the optimizer)."""
+
+    state: RunState
+    params: dict[str, np.ndarray]
+    model: Qwen3Model                       # model_from_parameters(params)
+    optimizer: training.AdamW
+    order: WindowOrder
+    corpus: Corpus
+    out: Path                               # where save() writes
+
+    def save(self, name: str) -> Path:
+        """The run as it stands (weights, AdamW, state, the data order's place) into out/name."""
+        self.state.epoch, self.state.position = self.order.epoch, self.order.position
+        save_state(self.out / name, self.params, self.optimizer, self.state.to_json())
+        return self.out / name
+
+
 def _run(spec: RunSpec, events: RunEvents) -> RunResult:
     out = spec.out
     last, best = out / LAST, out / BEST
     if spec.resume:
         params, adam_m, adam_v, meta = load_state(last)
-        config_json = meta["config"]
-        settings = resolve_settings(spec.overrides, None, meta["settings"])
-        if spec.overrides.get("decay_steps") is None and not meta["settings"]["decay_steps"]:
-            settings.decay_steps = 0                     # the schedule stretches to the new --steps
+        state = RunState.from_json(meta)
+        # decay_steps 0 (not given to the first run): the schedule stretches to the new --steps
+        state.settings = resolve_settings(spec.overrides, None, asdict(state.settings))
     else:
         if last.exists():
             raise QwenNPError(f"--out: {out} already holds a run ({LAST}); pass --resume or another folder")
-        config_json = hf_config(_model_config(spec))
-        settings = resolve_settings(spec.overrides, spec.preset, None)
-        meta = {"history": [], "evals": [], "best_loss": None, "bad_evals": 0,
-                "order": {"epoch": 0, "position": 0}, "data": spec.data}
-    config = Qwen3Config.from_dict(config_json, source="--config")
+        state = RunState(hf_config(_model_config(spec)), resolve_settings(spec.overrides, spec.preset, None), spec.data)
+    settings = state.settings
+    config = Qwen3Config.from_dict(state.config, source="--config")
     if settings.context > config.max_position_embeddings:
         raise QwenNPError(f"--context {settings.context} exceeds the model's max_position_embeddings "
                           f"({config.max_position_embeddings})")
     out.mkdir(parents=True, exist_ok=True)
-    corpus = load_corpus(meta["data"], out, config.vocab_size, spec.resume)
+    corpus = load_corpus(state.data, out, config.vocab_size, spec.resume)
     if not spec.resume:
         params = init_parameters(config, settings.seed)
-        (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-    model = model_from_parameters(config, params)
+        (out / "config.json").write_text(json.dumps(state.config, indent=2) + "\n")
     optimizer = training.adamw_for(params, weight_decay=settings.weight_decay)
     if spec.resume:
         optimizer.m, optimizer.v, optimizer.step = adam_m, adam_v, meta["optimizer_step"]
-    order = WindowOrder(len(corpus.train), settings.context, settings.seed, **meta["order"])
+    scaling = settings.precision == "fp16" and settings.loss_scaling
+    state.loss_scaler = (state.loss_scaler or mixed.LossScaler()) if scaling else None
+    order = WindowOrder(len(corpus.train), settings.context, settings.seed, state.epoch, state.position)
+    run = Run(state, params, model_from_parameters(config, params), optimizer, order, corpus, out)
     baseline = peak_rss_bytes()
     # The tape is FP32 arrays whatever the precision (NumPy keeps the rounded values as FP32).
     estimate = training_memory(config, settings.batch_size // settings.grad_accum, settings.context,
                                recompute=settings.recompute)
-    scaling = settings.precision == "fp16" and settings.loss_scaling
-    scaler = mixed.LossScaler(**meta.get("loss_scaler", {})) if scaling else None
-
-    def checkpoint(path: Path) -> None:
-        meta.update(settings=asdict(settings), config=config_json, order={"epoch": order.epoch, "position": order.position})
-        save_state(path, params, optimizer, meta)
-
-    events.started(settings, len(meta["history"]),
+    events.started(settings, state.step,
                    f"training {sum(p.size for p in params.values()):,} parameters on {len(corpus.train):,} tokens "
                    f"({settings.batch_size}x{settings.context} tokens a step) -> {out}")
     try:
         with Stops() as stops:
-            stopped = _loop(model, params, optimizer, order, corpus, settings, meta, stops, events,
-                            lambda kind: checkpoint(out / f"{kind}.safetensors"), scaler)
+            stopped = _loop(run, stops, events)
             # The loop ends on an evaluation it has saved (the last step always evaluates), so best
             # and last hold it; a stop from here on re-exports on resuming.
-            exported = export_model(out / "model", config_json, load_state(best)[0], out)
+            exported = export_model(out / "model", state.config, load_state(best)[0], out)
     except KeyboardInterrupt:
-        checkpoint(last)
-        return RunResult(meta, "", None, last, estimate, baseline, interrupted=True)
-    return RunResult(meta, stopped, exported, last, estimate, baseline)
+        run.save(LAST)
+        return RunResult(state, "", None, last, estimate, baseline, interrupted=True)
+    return RunResult(state, stopped, exported, last, estimate, baseline)
 
 
 class Stops:
@@ -428,52 +490,47 @@ def _model_config(spec: RunSpec) -> dict[str, Any]:
     return dict(PRESET_CONFIGS[spec.preset])
 
 
-def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW, order: WindowOrder,
-          corpus: Corpus, settings: Settings, meta: dict[str, Any], stops: Stops, events: RunEvents,
-          save: Callable[[str], None], scaler: mixed.LossScaler | None) -> str:
+def _loop(run: Run, stops: Stops, events: RunEvents) -> str:
     """Optimizer steps up to settings.steps, with evaluation, best-keeping and early stopping; returns
     why it stopped early ("" if it did not).
 
     Each round first evaluates the step just taken if that is due and not yet recorded: a run stopped
     during an evaluation saved the step without it, and runs it on resuming, as the unstopped run did.
     """
+    state, settings = run.state, run.state.settings
     with steady_threads():           # every step and evaluation repeats bit for bit on a resumed run
         while True:
-            step = len(meta["history"])
-            if step and (step % settings.eval_every == 0 or step >= settings.steps) and \
-                    not (meta["evals"] and meta["evals"][-1]["step"] == step):
-                result = validate(model, corpus, settings.context)
+            step = state.step
+            if step and (step % settings.eval_every == 0 or step >= settings.steps) and not state.evaluated(step):
+                result = validate(run.model, run.corpus, settings.context)
                 with stops.held():
-                    improved = _record_evaluation(meta, step, result)
+                    improved = state.record_evaluation(step, result)
                     if improved:
-                        save("best")
-                    save("last")
-                events.evaluated(step, meta["history"][-1]["loss"], result, improved)
-            if settings.patience and meta["bad_evals"] >= settings.patience:
+                        run.save(BEST)
+                    run.save(LAST)
+                events.evaluated(step, state.history[-1]["loss"], result, improved)
+            if settings.patience and state.bad_evals >= settings.patience:
                 return f"early stop ({settings.patience} evaluations without improvement)"
             if step >= settings.steps:
                 return ""
             with stops.held():          # half an update could not be resumed: a stop waits for the step's end
-                record = _train_step(model, params, optimizer, order, corpus, settings, step, scaler)
-                meta["history"].append(record)
-                if scaler is not None:                      # resuming continues with the same scale
-                    meta["loss_scaler"] = asdict(scaler)
-            events.stepped(record, order.epoch)
+                state.history.append(_train_step(run))
+            events.stepped(state.history[-1], run.order.epoch)
 
 
-def _train_step(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW, order: WindowOrder,
-                corpus: Corpus, settings: Settings, step: int, scaler: mixed.LossScaler | None) -> dict[str, Any]:
-    """One optimizer step (the step-th, from 0); returns its record for the history.
+def _train_step(run: Run) -> dict[str, Any]:
+    """The run's next optimizer step; returns its record for the history.
 
-    FP16 with loss scaling (scaler given): the gradients come back multiplied by the loss scale and are
-    divided again before clipping; a step whose gradients overflowed is skipped (no update, its record
-    says so) and the scale adapts. The record keeps the scale used and the scaler's event, if any.
+    FP16 with loss scaling (the state's loss_scaler): the gradients come back multiplied by the loss scale
+    and are divided again before clipping; a step whose gradients overflowed is skipped (no update, its
+    record says so) and the scale adapts. The record keeps the scale used and the scaler's event, if any.
     """
     started = time.perf_counter()
+    settings, scaler, step = run.state.settings, run.state.loss_scaler, run.state.step
     lr = training.learning_rate(step, settings.lr, settings.warmup, settings.schedule_steps)
-    batch = order.next_batch(corpus.train, settings.batch_size)              # [B, T+1]
+    batch = run.order.next_batch(run.corpus.train, settings.batch_size)              # [B, T+1]
     scale = scaler.scale if scaler is not None else 1.0
-    loss, grads = training.loss_and_accumulated_gradients(model, batch, settings.grad_accum,
+    loss, grads = training.loss_and_accumulated_gradients(run.model, batch, settings.grad_accum,
                                                           settings.threads or usable_cores(), settings.shards,
                                                           settings.recompute, settings.precision, scale)
     record: dict[str, Any] = {"step": step + 1, "loss": loss, "lr": lr}
@@ -485,21 +542,11 @@ def _train_step(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: tra
             record["loss_scale_event"] = event
     if finite:
         record["grad_norm"] = training.clip_gradients(grads, settings.clip)
-        optimizer.update(params, grads, lr)
+        run.optimizer.update(run.params, grads, lr)
     else:                                           # overflow: this step's gradients are unusable
         record.update(grad_norm=None, skipped=True)
     record["tokens_per_s"] = settings.batch_size * settings.context / (time.perf_counter() - started)
     return record
-
-
-def _record_evaluation(meta: dict[str, Any], step: int, result: dict[str, Any]) -> bool:
-    """Add an evaluation to the run's state; returns whether it is the best so far."""
-    meta["evals"].append({"step": step, **result})
-    improved = meta["best_loss"] is None or result["loss_per_token"] < meta["best_loss"]
-    meta["bad_evals"] = 0 if improved else meta["bad_evals"] + 1
-    if improved:
-        meta["best_loss"] = result["loss_per_token"]
-    return improved
 
 
 def validate(model: Qwen3Model, corpus: Corpus, context: int) -> dict[str, Any]:
