@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..training import trainer
+from ..training import run_folder, trainer
 from ..training.mixed import PRECISIONS, LossScaler
 from ..engine.memory import training_total
 from ..engine.runtime import peak_rss_bytes
@@ -29,11 +29,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("train", help="train a Qwen3 from scratch on text, in NumPy",
                                  description="Train a Qwen3 (a preset or a config.json) on Shakespeare or a text "
                                              "file; checkpoints resume bit-exactly; the best model is exported "
-                                             "to DIR/model.")
+                                             "to DIR/model.", epilog=RESUME_HELP)
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
                         help="folder for checkpoints, the tokenizer, logs and the exported model (DIR/model)")
-    parser.add_argument("--data", default="shakespeare", metavar="shakespeare|FILE",
-                        help="Shakespeare's plays (fixed by-play splits) or a UTF-8 text file (last 5%% of lines validate)")
+    parser.add_argument("--data", metavar="shakespeare|FILE",
+                        help="Shakespeare's plays (fixed by-play splits) or a UTF-8 text file (last 5%% of lines "
+                             "validate) (default: shakespeare; resuming, the run's own text)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=sorted(trainer.PRESET_CONFIGS),
                         help="model and run defaults: tiny trains in seconds, shakespeare (the bundled model) takes "
@@ -55,8 +56,24 @@ def register(commands: argparse._SubParsersAction) -> None:
             short = ["-t"] if flag.name == "threads" else []      # -t/--threads, as in every other command
             parser.add_argument(*short, name, type=float if flag.type == "float" else int, default=None,
                                 metavar="N", help=default)
-    parser.add_argument("--resume", action="store_true", help="continue from DIR/last.safetensors up to --steps")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from DIR/last.safetensors up to --steps (flags given again: see below)")
     parser.set_defaults(run=run)
+
+
+def _flags(names: tuple[str, ...] | list[str]) -> str:
+    return ", ".join("--" + name.replace("_", "-") for name in names)
+
+
+# train --help's last paragraph: what --resume does with each flag given again (trainer.NOT_BIT_EXACT, KEPT_ON_RESUME).
+RESUME_HELP = (
+    "--resume continues the run in DIR bit for bit as if it had never stopped. Flags given again with another "
+    "value than the run's: --steps, --eval-every, --patience, -t/--threads and --recompute apply and keep it so "
+    "(--steps changes the learning-rate schedule when the run has no --decay-steps: noted); "
+    f"{_flags(trainer.NOT_BIT_EXACT)} apply, with a one-line note that the run is no longer bit-exact; "
+    f"{_flags(list(trainer.KEPT_ON_RESUME))}, a --preset or --config of another model and a --data of another text "
+    "are refused (the text is checked by its SHA-256, so an edited file is noticed, a moved one may be named). "
+    f"One train at a time uses DIR (it holds DIR/{run_folder.LOCK}; a second is refused, a dead one's lock taken over).")
 
 
 class ProgressBar(trainer.RunEvents):
@@ -64,6 +81,9 @@ class ProgressBar(trainer.RunEvents):
 
     def __init__(self) -> None:
         self.bar: Any = None
+
+    def noted(self, line: str) -> None:
+        print(line, file=sys.stderr)
 
     def started(self, settings: trainer.Settings, done: int, description: str) -> None:
         from tqdm import tqdm

@@ -9,12 +9,18 @@ qwen_np/commands/train.py: its flags, progress bar, figure and printing).
     end:   export the best weights (BF16 safetensors + config + tokenizer + generation_config), loss.png
 
 --out DIR holds everything: last.safetensors (resumable: weights, AdamW moments, step, data position,
-RNG state, history), best.safetensors (the same, at the best validation loss), tokenizer files,
-config.json, loss.png, and model/ (the exported checkpoint that `generate --model DIR/model` runs).
+RNG state, history, the text's SHA-256), best.safetensors (the same, at the best validation loss),
+tokenizer files, config.json, loss.png, model/ (the exported checkpoint that `generate --model DIR/model`
+runs), and train.lock while a trainer runs there (run_folder.py: one at a time).
+
+Resuming (RunSpec.resume) continues the run bit for bit from last.safetensors; a flag given again is kept,
+applied with a notice, or refused (NOT_BIT_EXACT, KEPT_ON_RESUME); a damaged checkpoint (its SHA-256) or
+an edited text is one line saying what is there.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -27,7 +33,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import evaluation, mixed, step as training
+from . import evaluation, mixed, run_folder, step as training
 from ..files.checkpoint import save_checkpoint, write_atomically
 from ..core.config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors
 from .data import END_OF_TEXT_ID
@@ -157,37 +163,76 @@ def hf_config(model_config: dict[str, Any]) -> dict[str, Any]:
 # --- Checkpoints ------------------------------------------------------------------------------------
 
 
+# The safetensors header's metadata: the run's state (JSON), and a SHA-256 of it and of every tensor.
+STATE_KEY, DIGEST_KEY = "qwen_np_training", "qwen_np_sha256"
+
+
 def save_state(path: Path, params: dict[str, np.ndarray], optimizer: training.AdamW, meta: dict[str, Any]) -> None:
     """Weights, AdamW moments and the run's state (JSON in the safetensors header) in one file.
 
-    Written atomically (checkpoint.write_atomically): a crash or a full disk leaves the previous
-    checkpoint or the new one, never half of one.
+    Written atomically (checkpoint.write_atomically): a crash, a full disk or a power loss leaves the
+    previous checkpoint or the new one, never half of one. The header also holds a SHA-256 of the state
+    and of every tensor, so that load_state tells a damaged file (one flipped bit, in a weight or in a
+    loss of the history) from the one written.
     """
     from safetensors.numpy import save_file
 
     tensors = {f"param/{n}": p for n, p in params.items()}
     tensors.update({f"adam_m/{n}": m for n, m in optimizer.m.items()})
     tensors.update({f"adam_v/{n}": v for n, v in optimizer.v.items()})
-    meta = {**meta, "optimizer_step": optimizer.step}
-    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"qwen_np_training": json.dumps(meta)}))
+    state = json.dumps({**meta, "optimizer_step": optimizer.step})
+    metadata = {STATE_KEY: state, DIGEST_KEY: _digest(state, tensors)}
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
-    """(params, adam_m, adam_v, meta) from a file written by save_state."""
-    from safetensors import safe_open
+    """(params, adam_m, adam_v, meta) from a file written by save_state. A QwenNPError naming the file if it
+    is missing, is not such a checkpoint, or is damaged: unreadable, or not byte for byte what was written
+    (its SHA-256; a file written before checkpoints kept one is only checked for its format)."""
+    from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
-        raise QwenNPError(f"--resume: {path} not found (no earlier run in this --out folder)")
-    groups: dict[str, dict[str, np.ndarray]] = {"param": {}, "adam_m": {}, "adam_v": {}}
+        raise QwenNPError(f"{path}: not found")
+    tensors: dict[str, np.ndarray] = {}
     try:
         with safe_open(str(path), framework="numpy") as f:
-            meta = json.loads((f.metadata() or {})["qwen_np_training"])
+            metadata = f.metadata() or {}
             for key in f.keys():
-                group, name = key.split("/", 1)
-                groups[group][name] = f.get_tensor(key)
-    except (KeyError, ValueError, RecursionError, OSError) as bad:
-        raise QwenNPError(f"{path}: not a qwen_np training checkpoint ({bad})") from None
+                tensors[key] = f.get_tensor(key)
+        state = metadata[STATE_KEY]
+        meta = json.loads(state)
+    except KeyError:
+        raise QwenNPError(f"{path}: damaged, or not a qwen_np training checkpoint (its header holds no run "
+                          "state)") from None
+    except (SafetensorError, ValueError, RecursionError, OSError) as bad:
+        raise QwenNPError(f"{path}: damaged, not a readable checkpoint ({_first_line(bad)})") from None
+    # Checkpoints written before the digest was kept have none, and no data_sha256 in their state either.
+    written = metadata.get(DIGEST_KEY) or (None if isinstance(meta, dict) and "data_sha256" not in meta else "")
+    if written is not None and written != _digest(state, tensors):
+        raise QwenNPError(f"{path}: damaged: its bytes are not those written (their SHA-256 differs from the one "
+                          "saved with them)")
+    groups: dict[str, dict[str, np.ndarray]] = {"param": {}, "adam_m": {}, "adam_v": {}}
+    for key, tensor in tensors.items():
+        group, _, name = key.partition("/")
+        if group not in groups or not isinstance(meta, dict):
+            raise QwenNPError(f"{path}: not a qwen_np training checkpoint (tensor {key!r})")
+        groups[group][name] = tensor
     return groups["param"], groups["adam_m"], groups["adam_v"], meta
+
+
+def _digest(state: str, tensors: dict[str, np.ndarray]) -> str:
+    """SHA-256 of a checkpoint's state (its JSON) and of its tensors in name order (name, dtype, shape, bytes)."""
+    digest = hashlib.sha256(state.encode())
+    for name in sorted(tensors):
+        tensor = np.ascontiguousarray(tensors[name])
+        digest.update(f"\0{name}\0{tensor.dtype.str}\0{tensor.shape}\0".encode())
+        digest.update(tensor.reshape(-1).view(np.uint8).data)
+    return digest.hexdigest()
+
+
+def _first_line(bad: Exception) -> str:
+    text = str(bad).strip()
+    return text.splitlines()[0] if text else type(bad).__name__
 
 
 def export_model(folder: Path, config_json: dict[str, Any], params: dict[str, np.ndarray], tokenizer_folder: Path) -> Path:
@@ -212,6 +257,8 @@ class RunState:
     config: dict[str, Any]                      # the model's config.json
     settings: Settings
     data: str                                   # --data: "shakespeare" or a text file
+    data_sha256: str | None = None              # of the text it trains and validates on (Corpus.sha256); None in
+                                                # checkpoints written before it was kept
     history: list[dict[str, Any]] = field(default_factory=list)   # one record per optimizer step (_train_step)
     evals: list[dict[str, Any]] = field(default_factory=list)     # one per validation: step and TextScore.summary()
     best_loss: float | None = None              # the lowest validation loss per token so far
@@ -241,7 +288,7 @@ class RunState:
     def to_json(self) -> dict[str, Any]:
         meta = {"history": self.history, "evals": self.evals, "best_loss": self.best_loss, "bad_evals": self.bad_evals,
                 "order": {"epoch": self.epoch, "position": self.position}, "data": self.data,
-                "settings": asdict(self.settings), "config": self.config}
+                "data_sha256": self.data_sha256, "settings": asdict(self.settings), "config": self.config}
         if self.loss_scaler is not None:
             meta["loss_scaler"] = asdict(self.loss_scaler)
         return meta
@@ -250,8 +297,8 @@ class RunState:
     def from_json(cls, meta: dict[str, Any]) -> "RunState":
         """The state to_json wrote (save_state's "optimizer_step", the optimizer's, is left to the caller)."""
         scaler = meta.get("loss_scaler")
-        return cls(meta["config"], Settings(**meta["settings"]), meta["data"], meta["history"], meta["evals"],
-                   meta["best_loss"], meta["bad_evals"], meta["order"]["epoch"], meta["order"]["position"],
+        return cls(meta["config"], Settings(**meta["settings"]), meta["data"], meta.get("data_sha256"), meta["history"],
+                   meta["evals"], meta["best_loss"], meta["bad_evals"], meta["order"]["epoch"], meta["order"]["position"],
                    None if scaler is None else mixed.LossScaler(**scaler))
 
 
@@ -265,13 +312,15 @@ class Corpus:
     train: np.ndarray                    # token ids of the training text
     validation: list[np.ndarray]         # documents, each starting with <|endoftext|>
     validation_characters: int
+    sha256: str                          # of the training and validation text (corpus_sha256)
 
 
-def load_corpus(data: str, out: Path, vocab_size: int, resume: bool) -> Corpus:
+def load_corpus(data: str, out: Path, vocab_size: int, resume: bool, sha256: str | None = None) -> Corpus:
     """Train (or, resuming, reload) the tokenizer in `out`, and encode the training and validation text.
 
     --data shakespeare uses data.py's fixed by-play splits. A text FILE is split at a line boundary:
-    the last 5% of its lines validate, the rest train.
+    the last 5% of its lines validate, the rest train. sha256 (a resumed run's): the text must be the
+    one the run began on, or a QwenNPError names --data before any work is done.
     """
     import tokenizers
 
@@ -286,6 +335,11 @@ def load_corpus(data: str, out: Path, vocab_size: int, resume: bool) -> Corpus:
         train_text, valid_text = "".join(lines[:cut]), "".join(lines[cut:])
         if not train_text.strip() or not valid_text.strip():
             raise QwenNPError(f"--data: {data} is too short to split into training and validation text")
+    digest = corpus_sha256(train_text, valid_text)
+    if sha256 is not None and digest != sha256:
+        raise QwenNPError(f"--data: {data} is not the text the run in {out} began on (SHA-256 {digest[:16]}..., the "
+                          f"checkpoint's {sha256[:16]}...: edited or replaced since); resuming would train on other "
+                          "text with the old text's tokenizer: put the original back, or start a new run")
     if not resume:
         corpora.save_tokenizer(corpora.train_tokenizer(train_text, vocab_size), out)
     tokenizer = Tokenizer.from_folder(out)
@@ -297,7 +351,12 @@ def load_corpus(data: str, out: Path, vocab_size: int, resume: bool) -> Corpus:
     train_docs = [corpora.encode_corpus(bpe, doc) for doc in evaluation.documents(train_text)]
     train = np.concatenate([part for doc in train_docs for part in (separator, doc)])
     valid, characters = evaluation.encoded_documents(tokenizer, valid_text)
-    return Corpus(train, valid, characters)
+    return Corpus(train, valid, characters, digest)
+
+
+def corpus_sha256(train_text: str, validation_text: str) -> str:
+    """The SHA-256 of a run's text, its training and validation parts (as normalised: what is trained on)."""
+    return hashlib.sha256(f"{len(train_text)}\0{train_text}{validation_text}".encode()).hexdigest()
 
 
 def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[str, Any] | None) -> Settings:
@@ -325,6 +384,20 @@ def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[
 
 LAST, BEST = "last.safetensors", "best.safetensors"
 
+# What a resumed run does with a flag given again, with another value than the run's own (the same value
+# changes nothing). Applied, the run stays bit for bit the one never stopped: --steps (with --decay-steps
+# fixed: else the schedule, which then spans --steps, changes), --eval-every and --patience (when it
+# evaluates, not the weights), --threads (the speed), --recompute (the same bits). Applied with a notice
+# that it no longer is (each changes the updates from here on; the run goes on from its weights, moments
+# and data position):
+NOT_BIT_EXACT = ("lr", "batch_size", "grad_accum", "warmup", "decay_steps", "weight_decay", "clip", "shards",
+                 "precision", "loss_scaling")
+# Refused (the state saved would not fit: the run would not be a continuation), and so are a --preset or
+# --config of another model and a --data of another text:
+KEPT_ON_RESUME = {"seed": "it orders the data: another seed would repeat some windows of this epoch and skip others",
+                  "context": "the data order is over windows of --context + 1 tokens: another length would repeat "
+                             "some and skip others"}
+
 
 @dataclass
 class RunSpec:
@@ -334,12 +407,17 @@ class RunSpec:
     resume: bool = False
     preset: str | None = None               # a key of PRESET_CONFIGS
     config: Path | None = None              # a Qwen3 config.json to train from scratch
-    data: str = "shakespeare"               # "shakespeare" or a UTF-8 text file
+    data: str | None = None                 # "shakespeare" or a UTF-8 text file (None: the run's own, resuming;
+                                            # else shakespeare)
     overrides: dict[str, Any] = field(default_factory=dict)   # Settings field -> value (None: not given)
 
 
 class RunEvents:
     """What a run reports as it goes; the command draws it (a progress bar), a test may record it."""
+
+    def noted(self, line: str) -> None:
+        """Before the first step: a one-line notice ("note: ..."), e.g. a flag that makes a resumed run no
+        longer bit-exact, or a dead trainer's lock taken over."""
 
     def started(self, settings: Settings, done: int, description: str) -> None:
         """Before the first step: `done` steps of settings.steps are behind (resuming)."""
@@ -364,17 +442,32 @@ class RunResult:
 
 
 def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
-    """A training run. A run that fails before its first checkpoint leaves no `out` folder behind."""
+    """A training run, holding the --out folder's lock (run_folder.py) throughout: a second trainer there
+    is refused. A run that fails before its first checkpoint leaves no `out` folder behind."""
+    events = events or RunEvents()
+    out = spec.out
     if not spec.resume and spec.preset is None and spec.config is None:
         raise QwenNPError("--preset or --config: say what to train (--preset tiny: seconds; --preset shakespeare, "
                           "the bundled model: about 50 minutes on 2 cores)")
-    created = not spec.out.exists()
+    if spec.resume and not out.exists():
+        raise QwenNPError(f"--resume: {out} does not exist: there is no earlier run to continue (start one without "
+                          "--resume)")
+    if out.exists() and not out.is_dir():
+        raise QwenNPError(f"--out: {out} is a file, not a folder")
+    created = not out.exists()
     try:
-        return _run(spec, events or RunEvents())
-    except BaseException:
-        if created and not (spec.out / LAST).exists():     # nothing to resume: nothing to keep
-            shutil.rmtree(spec.out, ignore_errors=True)
-        raise
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as bad:
+        raise QwenNPError(f"--out: cannot create {out} ({bad.strerror})") from None
+    with run_folder.locked(out) as left:
+        try:
+            return _run(spec, events, left)
+        except BaseException:
+            # Nothing to resume, nothing to keep; only while holding the lock (a trainer refused by it must
+            # not remove the folder of the one running there, even if both found no folder).
+            if created and not (out / LAST).exists():
+                shutil.rmtree(out, ignore_errors=True)
+            raise
 
 
 @dataclass
@@ -397,31 +490,41 @@ class Run:
         return self.out / name
 
 
-def _run(spec: RunSpec, events: RunEvents) -> RunResult:
+def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
+    """The run, in `out` (locked; `left`: what a dead trainer's lock there held, run_folder.locked). Every check
+    comes before the notices (events.noted) and the first step: a refused run prints one line."""
     out = spec.out
     last, best = out / LAST, out / BEST
+    notes = [] if left is None else [f"note: {out / run_folder.LOCK} was left by a train run that no longer runs "
+                                     f"(PID {left or '?'}: killed, or its machine stopped); taken over"]
     if spec.resume:
-        params, adam_m, adam_v, meta = load_state(last)
-        state = RunState.from_json(meta)
-        # decay_steps 0 (not given to the first run): the schedule stretches to the new --steps
-        state.settings = resolve_settings(spec.overrides, None, asdict(state.settings))
+        state, params, adam_m, adam_v, optimizer_step = _resumed(spec, notes, left)
     else:
         if last.exists():
             raise QwenNPError(f"--out: {out} already holds a run ({LAST}); pass --resume or another folder")
-        state = RunState(hf_config(_model_config(spec)), resolve_settings(spec.overrides, spec.preset, None), spec.data)
+        state = RunState(hf_config(_model_config(spec)), resolve_settings(spec.overrides, spec.preset, None),
+                         spec.data or "shakespeare")
     settings = state.settings
     config = Qwen3Config.from_dict(state.config, source="--config")
     if settings.context > config.max_position_embeddings:
         raise QwenNPError(f"--context {settings.context} exceeds the model's max_position_embeddings "
                           f"({config.max_position_embeddings})")
-    out.mkdir(parents=True, exist_ok=True)
-    corpus = load_corpus(state.data, out, config.vocab_size, spec.resume)
+    data = spec.data or state.data
+    if spec.resume and spec.data is None and data != "shakespeare" and not Path(data).exists():
+        raise QwenNPError(f"--data: {data}, the run's text, is not there (moved? name its new place with --data)")
+    corpus = load_corpus(data, out, config.vocab_size, spec.resume, state.data_sha256)   # a resumed run's: its own text
+    if spec.resume and state.data_sha256 is None:
+        notes.append(f"note: {last} keeps no hash of its text (written before checkpoints did): {data} is taken as "
+                     "the run's text unchecked, and its hash kept from now on")
+    if data != state.data:
+        notes.append(f"note: --data {data}: the run's text, read from there (it began on {state.data})")
+    state.data, state.data_sha256 = data, corpus.sha256
     if not spec.resume:
         params = init_parameters(config, settings.seed)
         (out / "config.json").write_text(json.dumps(state.config, indent=2) + "\n")
     optimizer = training.adamw_for(params, weight_decay=settings.weight_decay)
     if spec.resume:
-        optimizer.m, optimizer.v, optimizer.step = adam_m, adam_v, meta["optimizer_step"]
+        optimizer.m, optimizer.v, optimizer.step = adam_m, adam_v, optimizer_step
     scaling = settings.precision == "fp16" and settings.loss_scaling
     state.loss_scaler = (state.loss_scaler or mixed.LossScaler()) if scaling else None
     order = WindowOrder(len(corpus.train), settings.context, settings.seed, state.epoch, state.position)
@@ -430,6 +533,8 @@ def _run(spec: RunSpec, events: RunEvents) -> RunResult:
     # The tape is FP32 arrays whatever the precision (NumPy keeps the rounded values as FP32).
     estimate = training_memory(config, settings.batch_size // settings.grad_accum, settings.context,
                                recompute=settings.recompute)
+    for note in notes:
+        events.noted(note)
     events.started(settings, state.step,
                    f"training {sum(p.size for p in params.values()):,} parameters on {len(corpus.train):,} tokens "
                    f"({settings.batch_size}x{settings.context} tokens a step) -> {out}")
@@ -443,6 +548,96 @@ def _run(spec: RunSpec, events: RunEvents) -> RunResult:
         run.save(LAST)
         return RunResult(state, "", None, last, estimate, baseline, interrupted=True)
     return RunResult(state, stopped, exported, last, estimate, baseline)
+
+
+# --- Resuming ---------------------------------------------------------------------------------------
+
+
+def _resumed(spec: RunSpec, notes: list[str], left: str | None
+             ) -> tuple[RunState, dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """The run in spec.out as its last checkpoint left it, with the flags given again applied (a notice added
+    to `notes` for those that end bit-exactness) or refused (NOT_BIT_EXACT, KEPT_ON_RESUME); (state, params,
+    adam_m, adam_v, the optimizer's step). A missing or damaged checkpoint is one QwenNPError saying what the
+    folder holds and whether best.safetensors can take its place. (--data: _run checks the text's hash.)"""
+    out, last = spec.out, spec.out / LAST
+    if not last.exists():
+        raise QwenNPError(_nothing_to_resume(out, left))
+    try:
+        state, params, adam_m, adam_v, optimizer_step = read_checkpoint(last)
+    except QwenNPError as bad:
+        raise QwenNPError(f"--resume: {bad}; {_fallback(out)}") from None
+    if spec.preset is not None or spec.config is not None:
+        flag = "--preset" if spec.preset is not None else "--config"
+        wanted = hf_config(_model_config(spec))
+        differs = sorted(key for key in wanted.keys() | state.config.keys() if wanted.get(key) != state.config.get(key))
+        if differs:
+            raise QwenNPError(f"{flag}: not the model of the run in {out} ({differs[0]} {wanted.get(differs[0])}, the run's "
+                              f"{state.config.get(differs[0])}); a resumed run keeps its model: drop {flag}")
+    saved = state.settings
+    changed = {name: value for name, value in spec.overrides.items()
+               if value is not None and value != getattr(saved, name)}
+    for name, why in KEPT_ON_RESUME.items():
+        if name in changed:
+            flag = "--" + name.replace("_", "-")
+            raise QwenNPError(f"{flag}: the run in {out} has {flag} {getattr(saved, name)}, which a resumed run keeps "
+                              f"({why}); drop {flag}, or start a new run")
+    overrides = dict(spec.overrides)
+    if changed.keys() & {"batch_size", "grad_accum"} and "shards" not in changed:
+        overrides["shards"] = 0                      # rows of another size: cut into shards chosen again
+    state.settings = resolve_settings(overrides, None, asdict(saved))
+    inexact = [name for name in NOT_BIT_EXACT if getattr(state.settings, name) != getattr(saved, name)]
+    if "steps" in changed and not state.settings.decay_steps:
+        inexact.append("steps")                      # the cosine schedule spans --steps: it changes with them
+    if inexact:
+        flags = ", ".join(f"--{name.replace('_', '-')} {getattr(state.settings, name)} (was {getattr(saved, name)})"
+                          for name in inexact)
+        notes.append(f"note: {flags}: applied; the run goes on from step {state.step}, but is no longer bit for bit "
+                     "the run it was")
+    return state, params, adam_m, adam_v, optimizer_step
+
+
+def read_checkpoint(path: Path) -> tuple[RunState, dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """A training checkpoint read and checked (load_state, and a state and weights that fit together):
+    (state, params, adam_m, adam_v, the optimizer's step); a QwenNPError naming the file."""
+    params, adam_m, adam_v, meta = load_state(path)
+    try:
+        state, optimizer_step = RunState.from_json(meta), int(meta["optimizer_step"])
+        config = Qwen3Config.from_dict(state.config, source=str(path))
+    except (KeyError, TypeError, ValueError, AttributeError) as bad:
+        raise QwenNPError(f"{path}: not a qwen_np training checkpoint (its run state: {_first_line(bad)})") from None
+    shapes = {name: tuple(shape) for name, shape in expected_tensors(config).items()}
+    for group in (params, adam_m, adam_v):
+        if {name: tensor.shape for name, tensor in group.items()} != shapes:
+            raise QwenNPError(f"{path}: not a qwen_np training checkpoint (its tensors are not those of its config)")
+    return state, params, adam_m, adam_v, optimizer_step
+
+
+def _fallback(out: Path) -> str:
+    """What best.safetensors offers when last.safetensors is missing or damaged (a clause of one line)."""
+    best = out / BEST
+    if not best.exists():
+        return f"there is no {BEST} to fall back on: remove {LAST} and start the run again without --resume"
+    try:
+        state = read_checkpoint(best)[0]
+    except QwenNPError as bad:
+        return f"{BEST} cannot take its place ({bad}): remove both and start the run again without --resume"
+    return (f"{best} is intact (step {state.step}, validation loss {state.best_loss:.4f} per token): copy it over "
+            f"{LAST} to resume from step {state.step}")
+
+
+def _nothing_to_resume(out: Path, left: str | None) -> str:
+    """--resume's message for a folder without last.safetensors: what the folder holds instead."""
+    held = sorted(entry.name for entry in out.iterdir() if entry.name != run_folder.LOCK)
+    if (out / BEST).exists():
+        return f"--resume: {out} holds no {LAST}; {_fallback(out)}"
+    if not held:
+        return f"--resume: {out} holds no earlier run (it is empty); start one without --resume"
+    if left is not None:
+        how = (f"the run there (PID {left or '?'}) was killed before its first checkpoint (its {run_folder.LOCK} was still "
+               "there)")
+    else:
+        how = "no run there reached its first checkpoint"
+    return f"--resume: {out} holds no {LAST} to resume: {how}; it holds {', '.join(held)}; start it again without --resume"
 
 
 class Stops:
