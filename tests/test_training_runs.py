@@ -117,6 +117,22 @@ def test_a_checkpoint_is_refused_unless_every_byte_is_the_one_written(run_copy: 
             load_state(run_copy / LAST)
 
 
+def test_a_checkpoint_of_an_earlier_qwen_np_without_hashes_still_resumes_with_a_note(
+        run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Written as before checkpoints kept their SHA-256 and the text's: no digest, no data_sha256."""
+    from safetensors.numpy import save_file
+
+    params, adam_m, adam_v, meta = load_state(run_copy / LAST)
+    del meta["data_sha256"]
+    tensors = {f"{group}/{name}": tensor for group, tensors in (("param", params), ("adam_m", adam_m), ("adam_v", adam_v))
+               for name, tensor in tensors.items()}
+    save_file(tensors, str(run_copy / LAST), metadata={"qwen_np_training": json.dumps(meta)})
+    capsys.readouterr()
+    assert resume(run_copy, "--steps", "7") == 0
+    assert "keeps no hash of its text (written before checkpoints did)" in capsys.readouterr().err
+    assert load_state(run_copy / LAST)[3]["data_sha256"] == hash_of(Path(meta["data"]))
+
+
 # --- Two trainers, one folder ------------------------------------------------------------------------
 
 HOLD_THE_LOCK = ("import sys; from pathlib import Path; from qwen_np.training.run_folder import locked\n"
@@ -234,6 +250,21 @@ def test_resuming_with_only_flags_that_keep_it_exact_prints_no_note(
     assert "note:" not in capsys.readouterr().err
     straight, split = (load_state(tmp_path / name / LAST)[0] for name in ("straight", "split"))
     assert all(np.array_equal(straight[name], split[name]) for name in straight)
+
+
+def test_train_help_says_what_resuming_does_with_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each Settings flag is kept bit-exact, applied with a note, or refused on --resume: exactly one, and --help says which."""
+    from dataclasses import fields
+
+    from qwen_np.training import trainer
+
+    groups = [set(trainer.BIT_EXACT), set(trainer.NOT_BIT_EXACT), set(trainer.KEPT_ON_RESUME)]
+    assert sorted(name for group in groups for name in group) == sorted(f.name for f in fields(trainer.Settings))
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    epilog = " ".join(capsys.readouterr().out.split("--resume continues", 1)[1].split())
+    assert all(f"--{name.replace('_', '-')}" in epilog for group in groups for name in group)
+    assert "a --preset or --config of another model and a --data of another text are refused" in epilog
 
 
 # --- The training data -------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def _flags(names: tuple[str, ...] | list[str]) -> str:
 # train --help's last paragraph: what --resume does with each flag given again (trainer.NOT_BIT_EXACT, KEPT_ON_RESUME).
 RESUME_HELP = (
     "--resume continues the run in DIR bit for bit as if it had never stopped. Flags given again with another "
-    "value than the run's: --steps, --eval-every, --patience, -t/--threads and --recompute apply and keep it so "
+    f"value than the run's: {_flags(trainer.BIT_EXACT)} apply and keep it so "
     "(--steps changes the learning-rate schedule when the run has no --decay-steps: noted); "
     f"{_flags(trainer.NOT_BIT_EXACT)} apply, with a one-line note that the run is no longer bit-exact; "
     f"{_flags(list(trainer.KEPT_ON_RESUME))}, a --preset or --config of another model and a --data of another text "

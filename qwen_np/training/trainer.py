@@ -206,15 +206,17 @@ def load_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]
                           "state)") from None
     except (SafetensorError, ValueError, RecursionError, OSError) as bad:
         raise QwenNPError(f"{path}: damaged, not a readable checkpoint ({_first_line(bad)})") from None
-    # Checkpoints written before the digest was kept have none, and no data_sha256 in their state either.
-    written = metadata.get(DIGEST_KEY) or (None if isinstance(meta, dict) and "data_sha256" not in meta else "")
-    if written is not None and written != _digest(state, tensors):
+    if not isinstance(meta, dict):
+        raise QwenNPError(f"{path}: not a qwen_np training checkpoint (its run state is not a JSON object)")
+    written = metadata.get(DIGEST_KEY)
+    before_digests = written is None and "data_sha256" not in meta     # a checkpoint of an earlier qwen_np
+    if not before_digests and written != _digest(state, tensors):
         raise QwenNPError(f"{path}: damaged: its bytes are not those written (their SHA-256 differs from the one "
                           "saved with them)")
     groups: dict[str, dict[str, np.ndarray]] = {"param": {}, "adam_m": {}, "adam_v": {}}
     for key, tensor in tensors.items():
         group, _, name = key.partition("/")
-        if group not in groups or not isinstance(meta, dict):
+        if group not in groups:
             raise QwenNPError(f"{path}: not a qwen_np training checkpoint (tensor {key!r})")
         groups[group][name] = tensor
     return groups["param"], groups["adam_m"], groups["adam_v"], meta
@@ -385,11 +387,13 @@ def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[
 LAST, BEST = "last.safetensors", "best.safetensors"
 
 # What a resumed run does with a flag given again, with another value than the run's own (the same value
-# changes nothing). Applied, the run stays bit for bit the one never stopped: --steps (with --decay-steps
-# fixed: else the schedule, which then spans --steps, changes), --eval-every and --patience (when it
-# evaluates, not the weights), --threads (the speed), --recompute (the same bits). Applied with a notice
-# that it no longer is (each changes the updates from here on; the run goes on from its weights, moments
-# and data position):
+# changes nothing). Every Settings field is in one of the three. Applied, the run stays bit for bit the one
+# never stopped: --steps (with --decay-steps fixed: else the schedule, which then spans --steps, changes:
+# noted), --eval-every and --patience (when it evaluates, not the weights), --threads (the speed),
+# --recompute (the same bits):
+BIT_EXACT = ("steps", "eval_every", "patience", "threads", "recompute")
+# Applied with a notice that it no longer is (each changes the updates from here on; the run goes on from
+# its weights, moments and data position):
 NOT_BIT_EXACT = ("lr", "batch_size", "grad_accum", "warmup", "decay_steps", "weight_decay", "clip", "shards",
                  "precision", "loss_scaling")
 # Refused (the state saved would not fit: the run would not be a continuation), and so are a --preset or
