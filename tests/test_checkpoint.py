@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -235,3 +236,31 @@ def test_bf16_memory_mode_keeps_even_f32_weights_mapped_from_the_file(make_check
     assert all(_backed_by_the_file(w.q_proj) and _backed_by_the_file(w.gate_proj) for w in kept.layers)
     resident = load_model(folder, memory="fp32", fast=fast)
     assert not any(_backed_by_the_file(w.q_proj) for w in resident.layers)
+
+
+def test_an_atomic_write_syncs_the_file_before_its_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """As safetensors' and huggingface_hub's atomic writers: a temporary file in the same folder, fsynced,
+    renamed over the old name, then the folder fsynced. A rename reaching the disk before the data is what
+    leaves a power loss an empty file under the real name."""
+    import stat
+
+    from qwen_np.files.checkpoint import save_safetensors
+
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        kind = "folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        events.append(("fsync", kind, Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(source, target):
+        events.append(("replace", Path(source), Path(target)))
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "model.safetensors"
+    save_safetensors(path, {"w": np.ones((2, 3), np.float32)}, "F32")
+    partial = tmp_path / "model.safetensors.partial"
+    assert events == [("fsync", "file", partial), ("replace", partial, path), ("fsync", "folder", tmp_path)]
+    assert sorted(tmp_path.iterdir()) == [path]

@@ -150,16 +150,21 @@ def test_fp32_load_fuses_projections_without_copying(checkpoint: Path) -> None:
         np.testing.assert_array_equal(qkv, np.concatenate([w.q_proj, w.k_proj, w.v_proj]))
 
 
-def test_joined_is_a_view_of_adjacent_matrices_and_never_a_copy() -> None:
-    """A copy would go stale when training updates the layer's own arrays in place."""
-    parts = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((1, 3), np.float32)]
-    assert fast._joined(parts) is None                                # separate allocations
-    block = np.arange(12, dtype=np.float32)
-    gap = [block[:3].reshape(1, 3), block[6:9].reshape(1, 3)]        # same buffer, not back to back
-    assert fast._joined(gap) is None
-    joined = fast._joined([block[:6].reshape(2, 3), block[6:9].reshape(1, 3)])
-    assert joined is not None and joined.base is block
-    np.testing.assert_array_equal(joined, block[:9].reshape(3, 3))
+def test_back_to_back_view_finds_what_back_to_back_carved_as_a_view_and_nothing_else() -> None:
+    """The fast path's fused q|k|v is loading.back_to_back's memory, never a copy (which would go stale when
+    training updates the layer's own arrays in place); anything not laid out so is multiplied part by part."""
+    from qwen_np.engine.loading import back_to_back
+
+    q, k, v, o = back_to_back([(4, 3), (2, 3), (2, 3), (3, 4)])
+    joined = fast.back_to_back_view([q, k, v])
+    assert joined is not None and joined.shape == (8, 3) and joined.base is q.base
+    q[0, 0] = 7.0                                                    # an update in place is seen
+    np.testing.assert_array_equal(joined, np.concatenate([q, k, v]))
+    assert fast.back_to_back_view([q, v]) is None                    # same allocation, a gap between
+    assert fast.back_to_back_view([k, q]) is None                    # back to back, but out of order
+    assert fast.back_to_back_view([v, o]) is None                    # adjacent, rows of another width
+    assert fast.back_to_back_view([q, np.ones((2, 3), np.float32)]) is None     # separate allocations
+    assert fast.back_to_back_view([q.T, k.T]) is None                # not C-contiguous
 
 
 def test_fast_path_sees_weights_updated_in_place_or_replaced(checkpoint: Path) -> None:

@@ -317,7 +317,7 @@ def check_precision_steps(record: dict[str, Any] | None = None, steps: int = CHE
             overrides = {"steps": steps, "decay_steps": record["steps"], "eval_every": record["eval_every"],
                          "threads": 1, **RUNS[name]}
             fresh = [h["loss"] for h in trainer.run(trainer.RunSpec(Path(folder) / "run", preset=record["preset"],
-                                                                     overrides=overrides)).meta["history"]]
+                                                                     overrides=overrides)).state.history]
         wanted = record["runs"][name]["loss"][:steps]
         if not np.allclose(fresh, wanted, rtol=1e-3):
             raise AssertionError(f"{name}: the first {steps} training losses are {fresh} now, {wanted} in "

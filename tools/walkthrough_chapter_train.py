@@ -223,11 +223,11 @@ def early_stopping_run(folder: Path) -> dict[str, Any]:
     (folder / "config.json").write_text(json.dumps(CONFIG), encoding="utf-8")
     result = trainer.run(trainer.RunSpec(out=folder / "small", config=folder / "config.json",
                                          data=str(folder / "small.txt"), overrides=dict(SMALL_RUN)))
-    meta = result.meta
+    state = result.state
     return {"characters": data.characters(text), "lines": SMALL_TEXT_LINES,
-            "loss": [record["loss"] for record in meta["history"]],
-            "evals": [{"step": e["step"], "loss": e["loss_per_token"]} for e in meta["evals"]],
-            "stopped": result.stopped, "steps_run": len(meta["history"]), "best_loss": meta["best_loss"]}
+            "loss": [record["loss"] for record in state.history],
+            "evals": [{"step": e["step"], "loss": e["loss_per_token"]} for e in state.evals],
+            "stopped": result.stopped, "steps_run": state.step, "best_loss": state.best_loss}
 
 
 def resume_run(folder: Path) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..training import trainer
+from ..training import run_folder, trainer
 from ..training.mixed import PRECISIONS, LossScaler
 from ..engine.memory import training_total
 from ..engine.runtime import peak_rss_bytes
@@ -29,11 +29,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("train", help="train a Qwen3 from scratch on text, in NumPy",
                                  description="Train a Qwen3 (a preset or a config.json) on Shakespeare or a text "
                                              "file; checkpoints resume bit-exactly; the best model is exported "
-                                             "to DIR/model.")
+                                             "to DIR/model.", epilog=RESUME_HELP)
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
                         help="folder for checkpoints, the tokenizer, logs and the exported model (DIR/model)")
-    parser.add_argument("--data", default="shakespeare", metavar="shakespeare|FILE",
-                        help="Shakespeare's plays (fixed by-play splits) or a UTF-8 text file (last 5%% of lines validate)")
+    parser.add_argument("--data", metavar="shakespeare|FILE",
+                        help="Shakespeare's plays (fixed by-play splits) or a UTF-8 text file (last 5%% of lines "
+                             "validate) (default: shakespeare; resuming, the run's own text)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=sorted(trainer.PRESET_CONFIGS),
                         help="model and run defaults: tiny trains in seconds, shakespeare (the bundled model) takes "
@@ -55,8 +56,24 @@ def register(commands: argparse._SubParsersAction) -> None:
             short = ["-t"] if flag.name == "threads" else []      # -t/--threads, as in every other command
             parser.add_argument(*short, name, type=float if flag.type == "float" else int, default=None,
                                 metavar="N", help=default)
-    parser.add_argument("--resume", action="store_true", help="continue from DIR/last.safetensors up to --steps")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from DIR/last.safetensors up to --steps (flags given again: see below)")
     parser.set_defaults(run=run)
+
+
+def _flags(names: tuple[str, ...] | list[str]) -> str:
+    return ", ".join("--" + name.replace("_", "-") for name in names)
+
+
+# train --help's last paragraph: what --resume does with each flag given again (trainer.NOT_BIT_EXACT, KEPT_ON_RESUME).
+RESUME_HELP = (
+    "--resume continues the run in DIR bit for bit as if it had never stopped. Flags given again with another "
+    f"value than the run's: {_flags(trainer.BIT_EXACT)} apply and keep it so "
+    "(--steps changes the learning-rate schedule when the run has no --decay-steps: noted); "
+    f"{_flags(trainer.NOT_BIT_EXACT)} apply, with a one-line note that the run is no longer bit-exact; "
+    f"{_flags(list(trainer.KEPT_ON_RESUME))}, a --preset or --config of another model and a --data of another text "
+    "are refused (the text is checked by its SHA-256, so an edited file is noticed, a moved one may be named). "
+    f"One train at a time uses DIR (it holds DIR/{run_folder.LOCK}; a second is refused, a dead one's lock taken over).")
 
 
 class ProgressBar(trainer.RunEvents):
@@ -64,6 +81,9 @@ class ProgressBar(trainer.RunEvents):
 
     def __init__(self) -> None:
         self.bar: Any = None
+
+    def noted(self, line: str) -> None:
+        print(line, file=sys.stderr)
 
     def started(self, settings: trainer.Settings, done: int, description: str) -> None:
         from tqdm import tqdm
@@ -100,13 +120,13 @@ def run(args: argparse.Namespace) -> int:
         result = trainer.run(spec, events)
     finally:
         events.close()
-    meta = result.meta
+    state = result.state
     if result.interrupted:
-        print(f"\ninterrupted at step {len(meta['history'])}: saved {result.last}; continue with --resume", file=sys.stderr)
+        print(f"\ninterrupted at step {state.step}: saved {result.last}; continue with --resume", file=sys.stderr)
         return 130
-    plot_losses(meta, args.out / "loss.png")
-    print(f"{result.stopped or 'done'} at step {len(meta['history'])}; best validation loss {meta['best_loss']:.4f} per "
-          f"token ({meta['evals'][-1]['nats_per_character']:.4f} nats/char last); exported {result.exported}",
+    plot_losses(state, args.out / "loss.png")
+    print(f"{result.stopped or 'done'} at step {state.step}; best validation loss {state.best_loss:.4f} per "
+          f"token ({state.evals[-1]['nats_per_character']:.4f} nats/char last); exported {result.exported}",
           file=sys.stderr)
     print("memory:\n" + memory_report(result.estimate, result.baseline), file=sys.stderr)
     return 0
@@ -122,7 +142,7 @@ def memory_report(estimate: dict[str, int], baseline: int) -> str:
     return "\n".join(lines)
 
 
-def plot_losses(meta: dict[str, Any], path: Path) -> None:
+def plot_losses(state: trainer.RunState, path: Path) -> None:
     """loss.png: training loss per step (and its running mean) and validation loss per evaluation."""
     try:
         import matplotlib
@@ -131,14 +151,14 @@ def plot_losses(meta: dict[str, Any], path: Path) -> None:
     except ImportError:
         print("note: no loss.png (pip install 'qwen_np[plot]' for matplotlib)", file=sys.stderr)
         return
-    steps = [h["step"] for h in meta["history"]]
-    losses = np.array([h["loss"] for h in meta["history"]])
+    steps = [h["step"] for h in state.history]
+    losses = np.array([h["loss"] for h in state.history])
     smooth = np.convolve(losses, np.ones(25) / 25, mode="valid") if len(losses) >= 25 else losses
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train (each step)")
     ax.plot(steps[len(steps) - len(smooth):], smooth, color="tab:blue", label="train (mean of 25 steps)")
-    if meta["evals"]:
-        ax.plot([e["step"] for e in meta["evals"]], [e["loss_per_token"] for e in meta["evals"]], "o-",
+    if state.evals:
+        ax.plot([e["step"] for e in state.evals], [e["loss_per_token"] for e in state.evals], "o-",
                 color="tab:orange", label="validation")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats per token)")

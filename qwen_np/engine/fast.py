@@ -10,7 +10,8 @@ and Python time:
   decode step (T = 1, or one token per sequence of a batch) reuses the same ones step after step.
   Elementwise steps write in place.
 * q/k/v and gate/up are multiplied as one matrix each when load_model put them back to back in
-  memory (a view, never a copy); q and k get one RMSNorm and one RoPE call.
+  memory (loading.back_to_back; back_to_back_view finds them: a view, never a copy); q and k get one
+  RMSNorm and one RoPE call.
 * Attention reads the KV cache where it lies: the queries served by one KV head are stacked into a
   [group*T, Dh] matrix and multiplied with that head's cached keys as a strided view, which BLAS
   accepts, instead of np.repeat-copying the whole cache for every layer and token. A decode step
@@ -47,6 +48,7 @@ from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from ..core import layers
 from . import runtime
@@ -259,34 +261,36 @@ class _Fused:
 
 
 def _joined(parts: list[Weight]) -> Weight | None:
-    """The matrices as one [rows, in] matrix when they lie back to back in memory (load_model
-    allocates a layer's matrices so: FP32 ones in one allocation; int8 ones with their codes in one
-    and their scales in another), else None: they are then multiplied one by one."""
+    """The matrices as one [rows, in] matrix when their arrays lie back to back (back_to_back_view), else
+    None: they are then multiplied one by one. Int8 rows need their codes back to back and their scales
+    too (load_model carves each from an allocation of its own)."""
     if all(isinstance(part, Int8Rows) for part in parts):
-        codes = _joined_arrays([part.codes for part in parts if isinstance(part, Int8Rows)])
-        scale = _joined_arrays([part.scale for part in parts if isinstance(part, Int8Rows)])
+        codes = back_to_back_view([part.codes for part in parts if isinstance(part, Int8Rows)])
+        scale = back_to_back_view([part.scale for part in parts if isinstance(part, Int8Rows)])
         return None if codes is None or scale is None else Int8Rows(codes, scale)
     if all(isinstance(part, Panels) for part in parts):
-        values = _joined_arrays([part.values for part in parts if isinstance(part, Panels)])
+        values = back_to_back_view([part.values for part in parts if isinstance(part, Panels)])
         return None if values is None else Panels(values)
     arrays = [part for part in parts if isinstance(part, np.ndarray)]
-    return _joined_arrays(arrays) if len(arrays) == len(parts) else None
+    return back_to_back_view(arrays) if len(arrays) == len(parts) else None
 
 
-def _joined_arrays(parts: list[np.ndarray]) -> np.ndarray | None:
-    """The arrays as one view [rows, ...] when they are consecutive slices of one flat allocation, else None."""
-    first, rows = parts[0], sum(part.shape[0] for part in parts)
-    flat = first.base
-    if not (isinstance(flat, np.ndarray) and flat.ndim == 1 and flat.flags.c_contiguous and flat.dtype == first.dtype):
+def back_to_back_view(parts: Sequence[np.ndarray]) -> np.ndarray | None:
+    """The arrays as one [rows, ...] array, a view of their memory, when they lie back to back: slices of one
+    flat allocation, in order, each ending where the next begins. That is the layout loading.back_to_back
+    carves a layer's matrices in (and the weight cache's file keeps: its tensors in the table's order).
+    Else None, never a copy: training updates the parts in place, and a copy would go stale."""
+    first, flat = parts[0], parts[0].base
+    if not (isinstance(flat, np.ndarray) and flat.ndim == 1 and flat.flags.c_contiguous and all(
+            part.base is flat and part.flags.c_contiguous and part.dtype == flat.dtype
+            and part.shape[1:] == first.shape[1:] for part in parts)):
         return None
-    start = (first.ctypes.data - flat.ctypes.data) // flat.itemsize
-    offsets = np.cumsum([start] + [part.size for part in parts[:-1]]).tolist()
-    if all(part.base is flat and part.flags.c_contiguous and part.ctypes.data == flat[offset:].ctypes.data
-           for part, offset in zip(parts, offsets)):
-        return flat[start:start + rows * math.prod(first.shape[1:])].reshape(rows, *first.shape[1:])
-    return None
-
-
+    spans = [byte_bounds(part) for part in parts]                  # (first byte, one past the last byte)
+    if any(end != begin for (_, end), (begin, _) in zip(spans, spans[1:])):
+        return None
+    start = (spans[0][0] - byte_bounds(flat)[0]) // flat.itemsize
+    rows = sum(part.shape[0] for part in parts)
+    return flat[start:start + rows * math.prod(first.shape[1:])].reshape(rows, *first.shape[1:])
 
 
 class FastQwen3Model(Qwen3Model):

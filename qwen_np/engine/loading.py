@@ -114,8 +114,8 @@ def fp32_matrix(stored: np.ndarray, out: np.ndarray, layout: str) -> Weight:
 
 
 def back_to_back(shapes: list[tuple[int, ...]], dtype: type = np.float32) -> list[np.ndarray]:
-    """Arrays of these shapes carved one after another out of one new allocation (fast.py fuses
-    consecutive ones into one matrix)."""
+    """Arrays of these shapes carved one after another out of one new allocation: consecutive ones are
+    one matrix to the fast path (fast.back_to_back_view, a view of this memory)."""
     block, start, arrays = allocate((sum(math.prod(shape) for shape in shapes),), dtype), 0, []
     for shape in shapes:
         arrays.append(block[start:start + math.prod(shape)].reshape(shape))

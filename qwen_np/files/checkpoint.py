@@ -257,19 +257,44 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype:
 
 
 def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
-    """write(a temporary name), then rename it to `path`: os.replace is atomic, so a crash or a full disk
-    leaves the previous file or the new one, never half of one. A failed write (the safetensors writer
-    reports a full disk as its own error, not an OSError) is a QwenNPError naming the file."""
+    """write(a temporary file in the same folder), then give it the name `path` as safetensors' and
+    huggingface_hub's atomic writers do: the file's bytes fsynced to the disk first, then os.replace
+    (atomic: a reader sees the previous file or the new one), then the folder fsynced, so the rename
+    itself is on the disk too. Without the first fsync a power loss can leave the new name on an empty
+    or partly written file (the rename reaches the disk before the data). A crash, a full disk or a
+    power loss leaves the previous file or the new one, never half of one. A failed write (the
+    safetensors writer reports a full disk as its own error, not an OSError) is a QwenNPError naming
+    the file."""
     from safetensors import SafetensorError
 
-    tmp = Path(f"{path}.partial")
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.partial")
     try:
-        write(tmp)
+        write(tmp)                                  # the writer has closed the file: its bytes are flushed
+        _fsync(tmp)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as bad:
         tmp.unlink(missing_ok=True)
-        reason = bad.strerror if isinstance(bad, OSError) and bad.strerror else str(bad)
-        raise QwenNPError(f"{path}: could not be written ({reason}); the file it was to replace is left as it was") from None
+        raise QwenNPError(f"{path}: could not be written ({_reason(bad)}); the file it was to replace is left as "
+                          "it was") from None
+    try:
+        _fsync(path.parent)
+    except OSError as bad:
+        raise QwenNPError(f"{path}: written, but its folder could not be synced to the disk ({_reason(bad)})") from None
+
+
+def _fsync(path: Path) -> None:
+    """Wait until the file's (or the folder's) data is on the disk, through a descriptor of its own: fsync
+    writes out every dirty page of the file, whichever descriptor wrote it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _reason(bad: Exception) -> str:
+    return bad.strerror if isinstance(bad, OSError) and bad.strerror else str(bad)
 
 
 def save_checkpoint(folder: str | Path, config_json: Mapping[str, object],

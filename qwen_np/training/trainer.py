@@ -9,12 +9,18 @@ qwen_np/commands/train.py: its flags, progress bar, figure and printing).
     end:   export the best weights (BF16 safetensors + config + tokenizer + generation_config), loss.png
 
 --out DIR holds everything: last.safetensors (resumable: weights, AdamW moments, step, data position,
-RNG state, history), best.safetensors (the same, at the best validation loss), tokenizer files,
-log.jsonl, loss.png, and model/ (the exported checkpoint that `generate --model DIR/model` runs).
+RNG state, history, the text's SHA-256), best.safetensors (the same, at the best validation loss),
+tokenizer files, config.json, loss.png, model/ (the exported checkpoint that `generate --model DIR/model`
+runs), and train.lock while a trainer runs there (run_folder.py: one at a time).
+
+Resuming (RunSpec.resume) continues the run bit for bit from last.safetensors; a flag given again is kept,
+applied with a notice, or refused (NOT_BIT_EXACT, KEPT_ON_RESUME); a damaged checkpoint (its SHA-256) or
+an edited text is one line saying what is there.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -23,11 +29,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
-from . import evaluation, mixed, step as training
+from . import evaluation, mixed, run_folder, step as training
 from ..files.checkpoint import save_checkpoint, write_atomically
 from ..core.config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors
 from .data import END_OF_TEXT_ID
@@ -157,37 +163,78 @@ def hf_config(model_config: dict[str, Any]) -> dict[str, Any]:
 # --- Checkpoints ------------------------------------------------------------------------------------
 
 
+# The safetensors header's metadata: the run's state (JSON), and a SHA-256 of it and of every tensor.
+STATE_KEY, DIGEST_KEY = "qwen_np_training", "qwen_np_sha256"
+
+
 def save_state(path: Path, params: dict[str, np.ndarray], optimizer: training.AdamW, meta: dict[str, Any]) -> None:
     """Weights, AdamW moments and the run's state (JSON in the safetensors header) in one file.
 
-    Written atomically (checkpoint.write_atomically): a crash or a full disk leaves the previous
-    checkpoint or the new one, never half of one.
+    Written atomically (checkpoint.write_atomically): a crash, a full disk or a power loss leaves the
+    previous checkpoint or the new one, never half of one. The header also holds a SHA-256 of the state
+    and of every tensor, so that load_state tells a damaged file (one flipped bit, in a weight or in a
+    loss of the history) from the one written.
     """
     from safetensors.numpy import save_file
 
     tensors = {f"param/{n}": p for n, p in params.items()}
     tensors.update({f"adam_m/{n}": m for n, m in optimizer.m.items()})
     tensors.update({f"adam_v/{n}": v for n, v in optimizer.v.items()})
-    meta = {**meta, "optimizer_step": optimizer.step}
-    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"qwen_np_training": json.dumps(meta)}))
+    state = json.dumps({**meta, "optimizer_step": optimizer.step})
+    metadata = {STATE_KEY: state, DIGEST_KEY: _digest(state, tensors)}
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
-    """(params, adam_m, adam_v, meta) from a file written by save_state."""
-    from safetensors import safe_open
+    """(params, adam_m, adam_v, meta) from a file written by save_state. A QwenNPError naming the file if it
+    is missing, is not such a checkpoint, or is damaged: unreadable, or not byte for byte what was written
+    (its SHA-256; a file written before checkpoints kept one is only checked for its format)."""
+    from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
-        raise QwenNPError(f"--resume: {path} not found (no earlier run in this --out folder)")
-    groups: dict[str, dict[str, np.ndarray]] = {"param": {}, "adam_m": {}, "adam_v": {}}
+        raise QwenNPError(f"{path}: not found")
+    tensors: dict[str, np.ndarray] = {}
     try:
         with safe_open(str(path), framework="numpy") as f:
-            meta = json.loads((f.metadata() or {})["qwen_np_training"])
+            metadata = f.metadata() or {}
             for key in f.keys():
-                group, name = key.split("/", 1)
-                groups[group][name] = f.get_tensor(key)
-    except (KeyError, ValueError, RecursionError, OSError) as bad:
-        raise QwenNPError(f"{path}: not a qwen_np training checkpoint ({bad})") from None
+                tensors[key] = f.get_tensor(key)
+        state = metadata[STATE_KEY]
+        meta = json.loads(state)
+    except KeyError:
+        raise QwenNPError(f"{path}: damaged, or not a qwen_np training checkpoint (its header holds no run "
+                          "state)") from None
+    except (SafetensorError, ValueError, RecursionError, OSError) as bad:
+        raise QwenNPError(f"{path}: damaged, not a readable checkpoint ({_first_line(bad)})") from None
+    if not isinstance(meta, dict):
+        raise QwenNPError(f"{path}: not a qwen_np training checkpoint (its run state is not a JSON object)")
+    written = metadata.get(DIGEST_KEY)
+    before_digests = written is None and "data_sha256" not in meta     # a checkpoint of an earlier qwen_np
+    if not before_digests and written != _digest(state, tensors):
+        raise QwenNPError(f"{path}: damaged: its bytes are not those written (their SHA-256 differs from the one "
+                          "saved with them)")
+    groups: dict[str, dict[str, np.ndarray]] = {"param": {}, "adam_m": {}, "adam_v": {}}
+    for key, tensor in tensors.items():
+        group, _, name = key.partition("/")
+        if group not in groups:
+            raise QwenNPError(f"{path}: not a qwen_np training checkpoint (tensor {key!r})")
+        groups[group][name] = tensor
     return groups["param"], groups["adam_m"], groups["adam_v"], meta
+
+
+def _digest(state: str, tensors: dict[str, np.ndarray]) -> str:
+    """SHA-256 of a checkpoint's state (its JSON) and of its tensors in name order (name, dtype, shape, bytes)."""
+    digest = hashlib.sha256(state.encode())
+    for name in sorted(tensors):
+        tensor = np.ascontiguousarray(tensors[name])
+        digest.update(f"\0{name}\0{tensor.dtype.str}\0{tensor.shape}\0".encode())
+        digest.update(tensor.reshape(-1).view(np.uint8).data)
+    return digest.hexdigest()
+
+
+def _first_line(bad: Exception) -> str:
+    text = str(bad).strip()
+    return text.splitlines()[0] if text else type(bad).__name__
 
 
 def export_model(folder: Path, config_json: dict[str, Any], params: dict[str, np.ndarray], tokenizer_folder: Path) -> Path:
@@ -201,7 +248,60 @@ def export_model(folder: Path, config_json: dict[str, Any], params: dict[str, np
     return folder
 
 
-# --- Memory -----------------------------------------------------------------------------------------
+# --- The run's state --------------------------------------------------------------------------------
+
+
+@dataclass
+class RunState:
+    """Everything a run has done and needs to go on, besides its tensors: what a checkpoint's header holds
+    (as JSON: to_json, from_json), so that a resumed run continues bit for bit."""
+
+    config: dict[str, Any]                      # the model's config.json
+    settings: Settings
+    data: str                                   # --data: "shakespeare" or a text file
+    data_sha256: str | None = None              # of the text it trains and validates on (Corpus.sha256); None in
+                                                # checkpoints written before it was kept
+    history: list[dict[str, Any]] = field(default_factory=list)   # one record per optimizer step (_train_step)
+    evals: list[dict[str, Any]] = field(default_factory=list)     # one per validation: step and TextScore.summary()
+    best_loss: float | None = None              # the lowest validation loss per token so far
+    bad_evals: int = 0                          # validations since it was reached (--patience)
+    epoch: int = 0                              # the data order's place (WindowOrder) at the last checkpoint:
+    position: int = 0                           # its epoch and the windows of it used
+    loss_scaler: mixed.LossScaler | None = None     # fp16 with loss scaling: a resumed run goes on with its scale
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (skipped FP16 steps included)."""
+        return len(self.history)
+
+    def evaluated(self, step: int) -> bool:
+        """Whether the validation after `step` steps is recorded."""
+        return bool(self.evals) and self.evals[-1]["step"] == step
+
+    def record_evaluation(self, step: int, result: dict[str, Any]) -> bool:
+        """Add a validation after `step` steps; returns whether it is the best so far."""
+        self.evals.append({"step": step, **result})
+        improved = self.best_loss is None or result["loss_per_token"] < self.best_loss
+        self.bad_evals = 0 if improved else self.bad_evals + 1
+        if improved:
+            self.best_loss = result["loss_per_token"]
+        return improved
+
+    def to_json(self) -> dict[str, Any]:
+        meta = {"history": self.history, "evals": self.evals, "best_loss": self.best_loss, "bad_evals": self.bad_evals,
+                "order": {"epoch": self.epoch, "position": self.position}, "data": self.data,
+                "data_sha256": self.data_sha256, "settings": asdict(self.settings), "config": self.config}
+        if self.loss_scaler is not None:
+            meta["loss_scaler"] = asdict(self.loss_scaler)
+        return meta
+
+    @classmethod
+    def from_json(cls, meta: dict[str, Any]) -> "RunState":
+        """The state to_json wrote (save_state's "optimizer_step", the optimizer's, is left to the caller)."""
+        scaler = meta.get("loss_scaler")
+        return cls(meta["config"], Settings(**meta["settings"]), meta["data"], meta.get("data_sha256"), meta["history"],
+                   meta["evals"], meta["best_loss"], meta["bad_evals"], meta["order"]["epoch"], meta["order"]["position"],
+                   None if scaler is None else mixed.LossScaler(**scaler))
 
 
 # --- The run ----------------------------------------------------------------------------------------
@@ -214,13 +314,15 @@ class Corpus:
     train: np.ndarray                    # token ids of the training text
     validation: list[np.ndarray]         # documents, each starting with <|endoftext|>
     validation_characters: int
+    sha256: str                          # of the training and validation text (corpus_sha256)
 
 
-def load_corpus(data: str, out: Path, vocab_size: int, resume: bool) -> Corpus:
+def load_corpus(data: str, out: Path, vocab_size: int, resume: bool, sha256: str | None = None) -> Corpus:
     """Train (or, resuming, reload) the tokenizer in `out`, and encode the training and validation text.
 
     --data shakespeare uses data.py's fixed by-play splits. A text FILE is split at a line boundary:
-    the last 5% of its lines validate, the rest train.
+    the last 5% of its lines validate, the rest train. sha256 (a resumed run's): the text must be the
+    one the run began on, or a QwenNPError names --data before any work is done.
     """
     import tokenizers
 
@@ -235,6 +337,11 @@ def load_corpus(data: str, out: Path, vocab_size: int, resume: bool) -> Corpus:
         train_text, valid_text = "".join(lines[:cut]), "".join(lines[cut:])
         if not train_text.strip() or not valid_text.strip():
             raise QwenNPError(f"--data: {data} is too short to split into training and validation text")
+    digest = corpus_sha256(train_text, valid_text)
+    if sha256 is not None and digest != sha256:
+        raise QwenNPError(f"--data: {data} is not the text the run in {out} began on (SHA-256 {digest[:16]}..., the "
+                          f"checkpoint's {sha256[:16]}...: edited or replaced since); resuming would train on other "
+                          "text with the old text's tokenizer: put the original back, or start a new run")
     if not resume:
         corpora.save_tokenizer(corpora.train_tokenizer(train_text, vocab_size), out)
     tokenizer = Tokenizer.from_folder(out)
@@ -246,7 +353,12 @@ def load_corpus(data: str, out: Path, vocab_size: int, resume: bool) -> Corpus:
     train_docs = [corpora.encode_corpus(bpe, doc) for doc in evaluation.documents(train_text)]
     train = np.concatenate([part for doc in train_docs for part in (separator, doc)])
     valid, characters = evaluation.encoded_documents(tokenizer, valid_text)
-    return Corpus(train, valid, characters)
+    return Corpus(train, valid, characters, digest)
+
+
+def corpus_sha256(train_text: str, validation_text: str) -> str:
+    """The SHA-256 of a run's text, its training and validation parts (as normalised: what is trained on)."""
+    return hashlib.sha256(f"{len(train_text)}\0{train_text}{validation_text}".encode()).hexdigest()
 
 
 def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[str, Any] | None) -> Settings:
@@ -274,6 +386,22 @@ def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[
 
 LAST, BEST = "last.safetensors", "best.safetensors"
 
+# What a resumed run does with a flag given again, with another value than the run's own (the same value
+# changes nothing). Every Settings field is in one of the three. Applied, the run stays bit for bit the one
+# never stopped: --steps (with --decay-steps fixed: else the schedule, which then spans --steps, changes:
+# noted), --eval-every and --patience (when it evaluates, not the weights), --threads (the speed),
+# --recompute (the same bits):
+BIT_EXACT = ("steps", "eval_every", "patience", "threads", "recompute")
+# Applied with a notice that it no longer is (each changes the updates from here on; the run goes on from
+# its weights, moments and data position):
+NOT_BIT_EXACT = ("lr", "batch_size", "grad_accum", "warmup", "decay_steps", "weight_decay", "clip", "shards",
+                 "precision", "loss_scaling")
+# Refused (the state saved would not fit: the run would not be a continuation), and so are a --preset or
+# --config of another model and a --data of another text:
+KEPT_ON_RESUME = {"seed": "it orders the data: another seed would repeat some windows of this epoch and skip others",
+                  "context": "the data order is over windows of --context + 1 tokens: another length would repeat "
+                             "some and skip others"}
+
 
 @dataclass
 class RunSpec:
@@ -283,12 +411,17 @@ class RunSpec:
     resume: bool = False
     preset: str | None = None               # a key of PRESET_CONFIGS
     config: Path | None = None              # a Qwen3 config.json to train from scratch
-    data: str = "shakespeare"               # "shakespeare" or a UTF-8 text file
+    data: str | None = None                 # "shakespeare" or a UTF-8 text file (None: the run's own, resuming;
+                                            # else shakespeare)
     overrides: dict[str, Any] = field(default_factory=dict)   # Settings field -> value (None: not given)
 
 
 class RunEvents:
     """What a run reports as it goes; the command draws it (a progress bar), a test may record it."""
+
+    def noted(self, line: str) -> None:
+        """Before the first step: a one-line notice ("note: ..."), e.g. a flag that makes a resumed run no
+        longer bit-exact, or a dead trainer's lock taken over."""
 
     def started(self, settings: Settings, done: int, description: str) -> None:
         """Before the first step: `done` steps of settings.steps are behind (resuming)."""
@@ -303,7 +436,7 @@ class RunEvents:
 
 @dataclass
 class RunResult:
-    meta: dict[str, Any]                    # history, evals, best_loss, ... (what last.safetensors holds)
+    state: RunState                         # history, evals, best_loss, ... (what last.safetensors holds)
     stopped: str                            # why it stopped early ("" if it ran every step)
     exported: Path | None                   # the exported model, None when interrupted
     last: Path
@@ -313,74 +446,202 @@ class RunResult:
 
 
 def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
-    """A training run. A run that fails before its first checkpoint leaves no `out` folder behind."""
+    """A training run, holding the --out folder's lock (run_folder.py) throughout: a second trainer there
+    is refused. A run that fails before its first checkpoint leaves no `out` folder behind."""
+    events = events or RunEvents()
+    out = spec.out
     if not spec.resume and spec.preset is None and spec.config is None:
         raise QwenNPError("--preset or --config: say what to train (--preset tiny: seconds; --preset shakespeare, "
                           "the bundled model: about 50 minutes on 2 cores)")
-    created = not spec.out.exists()
+    if spec.resume and not out.exists():
+        raise QwenNPError(f"--resume: {out} does not exist: there is no earlier run to continue (start one without "
+                          "--resume)")
+    if out.exists() and not out.is_dir():
+        raise QwenNPError(f"--out: {out} is a file, not a folder")
+    created = not out.exists()
     try:
-        return _run(spec, events or RunEvents())
-    except BaseException:
-        if created and not (spec.out / LAST).exists():     # nothing to resume: nothing to keep
-            shutil.rmtree(spec.out, ignore_errors=True)
-        raise
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as bad:
+        raise QwenNPError(f"--out: cannot create {out} ({bad.strerror})") from None
+    with run_folder.locked(out) as left:
+        try:
+            return _run(spec, events, left)
+        except BaseException:
+            # Nothing to resume, nothing to keep; only while holding the lock (a trainer refused by it must
+            # not remove the folder of the one running there, even if both found no folder).
+            if created and not (out / LAST).exists():
+                shutil.rmtree(out, ignore_errors=True)
+            raise
 
 
-def _run(spec: RunSpec, events: RunEvents) -> RunResult:
+@dataclass
+class Run:
+    """A run in memory: its state and what a step acts on. The model's weights are `params` (the same
+    arrays, updated in place by the optimizer)."""
+
+    state: RunState
+    params: dict[str, np.ndarray]
+    model: Qwen3Model                       # model_from_parameters(params)
+    optimizer: training.AdamW
+    order: WindowOrder
+    corpus: Corpus
+    out: Path                               # where save() writes
+
+    def save(self, name: str) -> Path:
+        """The run as it stands (weights, AdamW, state, the data order's place) into out/name."""
+        self.state.epoch, self.state.position = self.order.epoch, self.order.position
+        save_state(self.out / name, self.params, self.optimizer, self.state.to_json())
+        return self.out / name
+
+
+def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
+    """The run, in `out` (locked; `left`: what a dead trainer's lock there held, run_folder.locked). Every check
+    comes before the notices (events.noted) and the first step: a refused run prints one line."""
     out = spec.out
     last, best = out / LAST, out / BEST
+    notes = [] if left is None else [f"note: {out / run_folder.LOCK} was left by a train run that no longer runs "
+                                     f"(PID {left or '?'}: killed, or its machine stopped); taken over"]
     if spec.resume:
-        params, adam_m, adam_v, meta = load_state(last)
-        config_json = meta["config"]
-        settings = resolve_settings(spec.overrides, None, meta["settings"])
-        if spec.overrides.get("decay_steps") is None and not meta["settings"]["decay_steps"]:
-            settings.decay_steps = 0                     # the schedule stretches to the new --steps
+        state, params, adam_m, adam_v, optimizer_step = _resumed(spec, notes, left)
     else:
         if last.exists():
             raise QwenNPError(f"--out: {out} already holds a run ({LAST}); pass --resume or another folder")
-        config_json = hf_config(_model_config(spec))
-        settings = resolve_settings(spec.overrides, spec.preset, None)
-        meta = {"history": [], "evals": [], "best_loss": None, "bad_evals": 0,
-                "order": {"epoch": 0, "position": 0}, "data": spec.data}
-    config = Qwen3Config.from_dict(config_json, source="--config")
+        state = RunState(hf_config(_model_config(spec)), resolve_settings(spec.overrides, spec.preset, None),
+                         spec.data or "shakespeare")
+    settings = state.settings
+    config = Qwen3Config.from_dict(state.config, source="--config")
     if settings.context > config.max_position_embeddings:
         raise QwenNPError(f"--context {settings.context} exceeds the model's max_position_embeddings "
                           f"({config.max_position_embeddings})")
-    out.mkdir(parents=True, exist_ok=True)
-    corpus = load_corpus(meta["data"], out, config.vocab_size, spec.resume)
+    data = spec.data or state.data
+    if spec.resume and spec.data is None and data != "shakespeare" and not Path(data).exists():
+        raise QwenNPError(f"--data: {data}, the run's text, is not there (moved? name its new place with --data)")
+    corpus = load_corpus(data, out, config.vocab_size, spec.resume, state.data_sha256)   # a resumed run's: its own text
+    if spec.resume and state.data_sha256 is None:
+        notes.append(f"note: {last} keeps no hash of its text (written before checkpoints did): {data} is taken as "
+                     "the run's text unchecked, and its hash kept from now on")
+    if data != state.data:
+        notes.append(f"note: --data {data}: the run's text, read from there (it began on {state.data})")
+    state.data, state.data_sha256 = data, corpus.sha256
     if not spec.resume:
         params = init_parameters(config, settings.seed)
-        (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-    model = model_from_parameters(config, params)
+        (out / "config.json").write_text(json.dumps(state.config, indent=2) + "\n")
     optimizer = training.adamw_for(params, weight_decay=settings.weight_decay)
     if spec.resume:
-        optimizer.m, optimizer.v, optimizer.step = adam_m, adam_v, meta["optimizer_step"]
-    order = WindowOrder(len(corpus.train), settings.context, settings.seed, **meta["order"])
+        optimizer.m, optimizer.v, optimizer.step = adam_m, adam_v, optimizer_step
+    scaling = settings.precision == "fp16" and settings.loss_scaling
+    state.loss_scaler = (state.loss_scaler or mixed.LossScaler()) if scaling else None
+    order = WindowOrder(len(corpus.train), settings.context, settings.seed, state.epoch, state.position)
+    run = Run(state, params, model_from_parameters(config, params), optimizer, order, corpus, out)
     baseline = peak_rss_bytes()
     # The tape is FP32 arrays whatever the precision (NumPy keeps the rounded values as FP32).
     estimate = training_memory(config, settings.batch_size // settings.grad_accum, settings.context,
                                recompute=settings.recompute)
-    scaling = settings.precision == "fp16" and settings.loss_scaling
-    scaler = mixed.LossScaler(**meta.get("loss_scaler", {})) if scaling else None
-
-    def checkpoint(path: Path) -> None:
-        meta.update(settings=asdict(settings), config=config_json, order={"epoch": order.epoch, "position": order.position})
-        save_state(path, params, optimizer, meta)
-
-    events.started(settings, len(meta["history"]),
+    for note in notes:
+        events.noted(note)
+    events.started(settings, state.step,
                    f"training {sum(p.size for p in params.values()):,} parameters on {len(corpus.train):,} tokens "
                    f"({settings.batch_size}x{settings.context} tokens a step) -> {out}")
     try:
         with Stops() as stops:
-            stopped = _loop(model, params, optimizer, order, corpus, settings, meta, stops, events,
-                            lambda kind: checkpoint(out / f"{kind}.safetensors"), scaler)
+            stopped = _loop(run, stops, events)
             # The loop ends on an evaluation it has saved (the last step always evaluates), so best
             # and last hold it; a stop from here on re-exports on resuming.
-            exported = export_model(out / "model", config_json, load_state(best)[0], out)
+            exported = export_model(out / "model", state.config, load_state(best)[0], out)
     except KeyboardInterrupt:
-        checkpoint(last)
-        return RunResult(meta, "", None, last, estimate, baseline, interrupted=True)
-    return RunResult(meta, stopped, exported, last, estimate, baseline)
+        run.save(LAST)
+        return RunResult(state, "", None, last, estimate, baseline, interrupted=True)
+    return RunResult(state, stopped, exported, last, estimate, baseline)
+
+
+# --- Resuming ---------------------------------------------------------------------------------------
+
+
+def _resumed(spec: RunSpec, notes: list[str], left: str | None
+             ) -> tuple[RunState, dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """The run in spec.out as its last checkpoint left it, with the flags given again applied (a notice added
+    to `notes` for those that end bit-exactness) or refused (NOT_BIT_EXACT, KEPT_ON_RESUME); (state, params,
+    adam_m, adam_v, the optimizer's step). A missing or damaged checkpoint is one QwenNPError saying what the
+    folder holds and whether best.safetensors can take its place. (--data: _run checks the text's hash.)"""
+    out, last = spec.out, spec.out / LAST
+    if not last.exists():
+        raise QwenNPError(_nothing_to_resume(out, left))
+    try:
+        state, params, adam_m, adam_v, optimizer_step = read_checkpoint(last)
+    except QwenNPError as bad:
+        raise QwenNPError(f"--resume: {bad}; {_fallback(out)}") from None
+    if spec.preset is not None or spec.config is not None:
+        flag = "--preset" if spec.preset is not None else "--config"
+        wanted = hf_config(_model_config(spec))
+        differs = sorted(key for key in wanted.keys() | state.config.keys() if wanted.get(key) != state.config.get(key))
+        if differs:
+            raise QwenNPError(f"{flag}: not the model of the run in {out} ({differs[0]} {wanted.get(differs[0])}, the run's "
+                              f"{state.config.get(differs[0])}); a resumed run keeps its model: drop {flag}")
+    saved = state.settings
+    changed = {name: value for name, value in spec.overrides.items()
+               if value is not None and value != getattr(saved, name)}
+    for name, why in KEPT_ON_RESUME.items():
+        if name in changed:
+            flag = "--" + name.replace("_", "-")
+            raise QwenNPError(f"{flag}: the run in {out} has {flag} {getattr(saved, name)}, which a resumed run keeps "
+                              f"({why}); drop {flag}, or start a new run")
+    overrides = dict(spec.overrides)
+    if changed.keys() & {"batch_size", "grad_accum"} and "shards" not in changed:
+        overrides["shards"] = 0                      # rows of another size: cut into shards chosen again
+    state.settings = resolve_settings(overrides, None, asdict(saved))
+    inexact = [name for name in NOT_BIT_EXACT if getattr(state.settings, name) != getattr(saved, name)]
+    if "steps" in changed and not state.settings.decay_steps:
+        inexact.append("steps")                      # the cosine schedule spans --steps: it changes with them
+    if inexact:
+        flags = ", ".join(f"--{name.replace('_', '-')} {getattr(state.settings, name)} (was {getattr(saved, name)})"
+                          for name in inexact)
+        notes.append(f"note: {flags}: applied; the run goes on from step {state.step}, but is no longer bit for bit "
+                     "the run it was")
+    return state, params, adam_m, adam_v, optimizer_step
+
+
+def read_checkpoint(path: Path) -> tuple[RunState, dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """A training checkpoint read and checked (load_state, and a state and weights that fit together):
+    (state, params, adam_m, adam_v, the optimizer's step); a QwenNPError naming the file."""
+    params, adam_m, adam_v, meta = load_state(path)
+    try:
+        state, optimizer_step = RunState.from_json(meta), int(meta["optimizer_step"])
+        config = Qwen3Config.from_dict(state.config, source=str(path))
+    except (KeyError, TypeError, ValueError, AttributeError) as bad:
+        raise QwenNPError(f"{path}: not a qwen_np training checkpoint (its run state: {_first_line(bad)})") from None
+    shapes = {name: tuple(shape) for name, shape in expected_tensors(config).items()}
+    for group in (params, adam_m, adam_v):
+        if {name: tensor.shape for name, tensor in group.items()} != shapes:
+            raise QwenNPError(f"{path}: not a qwen_np training checkpoint (its tensors are not those of its config)")
+    return state, params, adam_m, adam_v, optimizer_step
+
+
+def _fallback(out: Path) -> str:
+    """What best.safetensors offers when last.safetensors is missing or damaged (a clause of one line)."""
+    best = out / BEST
+    if not best.exists():
+        return f"there is no {BEST} to fall back on: remove {LAST} and start the run again without --resume"
+    try:
+        state = read_checkpoint(best)[0]
+    except QwenNPError as bad:
+        return f"{BEST} cannot take its place ({bad}): remove both and start the run again without --resume"
+    return (f"{best} is intact (step {state.step}, validation loss {state.best_loss:.4f} per token): copy it over "
+            f"{LAST} to resume from step {state.step}")
+
+
+def _nothing_to_resume(out: Path, left: str | None) -> str:
+    """--resume's message for a folder without last.safetensors: what the folder holds instead."""
+    held = sorted(entry.name for entry in out.iterdir() if entry.name != run_folder.LOCK)
+    if (out / BEST).exists():
+        return f"--resume: {out} holds no {LAST}; {_fallback(out)}"
+    if not held:
+        return f"--resume: {out} holds no earlier run (it is empty); start one without --resume"
+    if left is not None:
+        how = (f"the run there (PID {left or '?'}) was killed before its first checkpoint (its {run_folder.LOCK} was still "
+               "there)")
+    else:
+        how = "no run there reached its first checkpoint"
+    return f"--resume: {out} holds no {LAST} to resume: {how}; it holds {', '.join(held)}; start it again without --resume"
 
 
 class Stops:
@@ -428,52 +689,47 @@ def _model_config(spec: RunSpec) -> dict[str, Any]:
     return dict(PRESET_CONFIGS[spec.preset])
 
 
-def _loop(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW, order: WindowOrder,
-          corpus: Corpus, settings: Settings, meta: dict[str, Any], stops: Stops, events: RunEvents,
-          save: Callable[[str], None], scaler: mixed.LossScaler | None) -> str:
+def _loop(run: Run, stops: Stops, events: RunEvents) -> str:
     """Optimizer steps up to settings.steps, with evaluation, best-keeping and early stopping; returns
     why it stopped early ("" if it did not).
 
     Each round first evaluates the step just taken if that is due and not yet recorded: a run stopped
     during an evaluation saved the step without it, and runs it on resuming, as the unstopped run did.
     """
+    state, settings = run.state, run.state.settings
     with steady_threads():           # every step and evaluation repeats bit for bit on a resumed run
         while True:
-            step = len(meta["history"])
-            if step and (step % settings.eval_every == 0 or step >= settings.steps) and \
-                    not (meta["evals"] and meta["evals"][-1]["step"] == step):
-                result = validate(model, corpus, settings.context)
+            step = state.step
+            if step and (step % settings.eval_every == 0 or step >= settings.steps) and not state.evaluated(step):
+                result = validate(run.model, run.corpus, settings.context)
                 with stops.held():
-                    improved = _record_evaluation(meta, step, result)
+                    improved = state.record_evaluation(step, result)
                     if improved:
-                        save("best")
-                    save("last")
-                events.evaluated(step, meta["history"][-1]["loss"], result, improved)
-            if settings.patience and meta["bad_evals"] >= settings.patience:
+                        run.save(BEST)
+                    run.save(LAST)
+                events.evaluated(step, state.history[-1]["loss"], result, improved)
+            if settings.patience and state.bad_evals >= settings.patience:
                 return f"early stop ({settings.patience} evaluations without improvement)"
             if step >= settings.steps:
                 return ""
             with stops.held():          # half an update could not be resumed: a stop waits for the step's end
-                record = _train_step(model, params, optimizer, order, corpus, settings, step, scaler)
-                meta["history"].append(record)
-                if scaler is not None:                      # resuming continues with the same scale
-                    meta["loss_scaler"] = asdict(scaler)
-            events.stepped(record, order.epoch)
+                state.history.append(_train_step(run))
+            events.stepped(state.history[-1], run.order.epoch)
 
 
-def _train_step(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW, order: WindowOrder,
-                corpus: Corpus, settings: Settings, step: int, scaler: mixed.LossScaler | None) -> dict[str, Any]:
-    """One optimizer step (the step-th, from 0); returns its record for the history.
+def _train_step(run: Run) -> dict[str, Any]:
+    """The run's next optimizer step; returns its record for the history.
 
-    FP16 with loss scaling (scaler given): the gradients come back multiplied by the loss scale and are
-    divided again before clipping; a step whose gradients overflowed is skipped (no update, its record
-    says so) and the scale adapts. The record keeps the scale used and the scaler's event, if any.
+    FP16 with loss scaling (the state's loss_scaler): the gradients come back multiplied by the loss scale
+    and are divided again before clipping; a step whose gradients overflowed is skipped (no update, its
+    record says so) and the scale adapts. The record keeps the scale used and the scaler's event, if any.
     """
     started = time.perf_counter()
+    settings, scaler, step = run.state.settings, run.state.loss_scaler, run.state.step
     lr = training.learning_rate(step, settings.lr, settings.warmup, settings.schedule_steps)
-    batch = order.next_batch(corpus.train, settings.batch_size)              # [B, T+1]
+    batch = run.order.next_batch(run.corpus.train, settings.batch_size)              # [B, T+1]
     scale = scaler.scale if scaler is not None else 1.0
-    loss, grads = training.loss_and_accumulated_gradients(model, batch, settings.grad_accum,
+    loss, grads = training.loss_and_accumulated_gradients(run.model, batch, settings.grad_accum,
                                                           settings.threads or usable_cores(), settings.shards,
                                                           settings.recompute, settings.precision, scale)
     record: dict[str, Any] = {"step": step + 1, "loss": loss, "lr": lr}
@@ -485,21 +741,11 @@ def _train_step(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: tra
             record["loss_scale_event"] = event
     if finite:
         record["grad_norm"] = training.clip_gradients(grads, settings.clip)
-        optimizer.update(params, grads, lr)
+        run.optimizer.update(run.params, grads, lr)
     else:                                           # overflow: this step's gradients are unusable
         record.update(grad_norm=None, skipped=True)
     record["tokens_per_s"] = settings.batch_size * settings.context / (time.perf_counter() - started)
     return record
-
-
-def _record_evaluation(meta: dict[str, Any], step: int, result: dict[str, Any]) -> bool:
-    """Add an evaluation to the run's state; returns whether it is the best so far."""
-    meta["evals"].append({"step": step, **result})
-    improved = meta["best_loss"] is None or result["loss_per_token"] < meta["best_loss"]
-    meta["bad_evals"] = 0 if improved else meta["bad_evals"] + 1
-    if improved:
-        meta["best_loss"] = result["loss_per_token"]
-    return improved
 
 
 def validate(model: Qwen3Model, corpus: Corpus, context: int) -> dict[str, Any]:
