@@ -109,8 +109,9 @@ def test_the_model_drafting_for_itself_is_always_accepted_and_the_stats_say_so(r
     target, _ = random_pair
     stats = GenerationStats()
     out = events(target, tok, [3, 14, 15], GREEDY, 21, speculation=draft_speculation(target, 4), stats=stats)
-    assert len(out) == 21 and stats.acceptance_rate == 1.0
-    assert stats.target_steps == 5 and stats.tokens_per_step == 21 / 5      # prefill's token, then 4 steps of 4 + 1
+    assert len(out) == 21 and stats.counts.acceptance_rate == 1.0
+    counts = stats.counts
+    assert counts.target_steps == 5 and counts.tokens_per_step(stats.new_tokens) == 21 / 5      # prefill's token, then 4 of 4 + 1
     assert "speculative=draft accepted=16/16(100%) tokens_per_step=4.20" in stats.summary("m")
 
 
@@ -125,7 +126,8 @@ def test_speculative_greedy_with_penalties_equals_plain_greedy_position_by_posit
         assert events(target, tokenizer, prompt, penalised, 25, speculation=draft_speculation(target, 4),
                       stats=stats) == plain, name
         # Its guesses are the target's own choices only if both count the drafted tokens before each position.
-        assert stats.accepted_tokens == stats.drafted_tokens and stats.target_steps == 6, (name, stats)   # 1 + 5 x 4 + 4
+        counts = stats.counts
+        assert counts.accepted_tokens == counts.drafted_tokens and counts.target_steps == 6, (name, stats)   # 1 + 5 x 4 + 4
         assert events(target, tokenizer, prompt, penalised, 25, speculation=lookup_speculation(2, 4)) == plain, name
 
 
@@ -288,9 +290,9 @@ def test_the_json_output_has_the_speculation_usage(capsys) -> None:
     stats = GenerationStats()
     events(model, tokenizer, tokenizer.encode("ROMEO:"), GREEDY, 20, speculation=lookup_speculation(2), stats=stats)
     assert (usage["drafted_tokens"], usage["accepted_tokens"], usage["target_steps"]) == (
-        stats.drafted_tokens, stats.accepted_tokens, stats.target_steps) and stats.drafted_tokens > 0
-    assert details["accepted_prediction_tokens"] == stats.accepted_tokens
-    assert details["rejected_prediction_tokens"] == stats.drafted_tokens - stats.accepted_tokens
+        stats.counts.drafted_tokens, stats.counts.accepted_tokens, stats.counts.target_steps) and stats.counts.drafted_tokens > 0
+    assert details["accepted_prediction_tokens"] == stats.counts.accepted_tokens
+    assert details["rejected_prediction_tokens"] == stats.counts.drafted_tokens - stats.counts.accepted_tokens
 
 
 

@@ -187,7 +187,7 @@ def speculation_part(run: Run) -> str:
         tokens = [event.token_id for event in generate(model, tokenizer, ids, GREEDY, SPECULATION_TOKENS, stats=stats,
                                                        speculation=speculation)]
         claim(tokens == plain, "speculative greedy decoding writes plain greedy decoding's tokens")
-        decode_steps = stats.target_steps - 1                      # the first step is the prompt's prefill
+        decode_steps = stats.counts.target_steps - 1                      # the first step is the prompt's prefill
         rows.append(f"| {what} | {stats.drafted_tokens} | {stats.accepted_tokens} | {decode_steps} | "
                     f"{(SPECULATION_TOKENS - 1) / decode_steps:.2f} | yes |")
     table = "\n".join(rows)

@@ -22,7 +22,7 @@ from ..engine.paged import BlockPool, blocks_for
 from ..core.config import Qwen3Config
 from ..errors import QwenNPError
 from ..engine.finite import check_weights_finite
-from ..generation.generate import (ChatSession, Continuation, GenerationStats, TokenEvent, context_budget, generate,
+from ..generation.generate import (ChatSession, GenerationStats, TokenEvent, context_budget, generate,
                                    prompt_ids, resolve_sampling)
 from ..files.model_files import GenerationDefaults
 from ..engine.loading import load_model
@@ -30,7 +30,7 @@ from ..files.model_files import read_config, read_generation_defaults, read_toke
 from ..engine.memory import DEFAULT_CONTEXT
 from ..core.model import Qwen3Model, Trace
 from ..core.sampling import SamplingParams
-from ..generation.speculative import Speculation, usage_fields
+from ..generation.speculative import Speculation, SpeculationCounts
 from ..files.tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer, split_thinking
 from . import common
 
@@ -357,7 +357,7 @@ def run_generate(args: argparse.Namespace) -> int:
                                   kv_dtype=args.kv_dtype, speculation=speculation):
                 replies[0].add(event, None if args.json else writer)
             replies[0].prefill_seconds, replies[0].decode_seconds = stats.prefill_seconds, stats.decode_seconds
-            replies[0].count(stats, speculation)
+            replies[0].count(stats.counts, speculation)
         else:
             check_weights_finite(model)      # generate() checks every step's logits; the batch does not
             replies = _generate_batch(model, opened, ids, params, max_new_tokens, args, writer, stats, speculation)
@@ -397,13 +397,12 @@ class PromptReply:
     finish_reason: str | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    speculation: dict[str, object] = field(default_factory=dict)     # speculative.usage_fields, when speculating
+    speculation: dict[str, object] = field(default_factory=dict)     # SpeculationCounts.usage, when speculating
 
-    def count(self, counts: GenerationStats | Continuation, speculation: Speculation | None) -> None:
+    def count(self, counts: SpeculationCounts, speculation: Speculation | None) -> None:
         """Take the speculation counts of its generation (none without speculation)."""
         if speculation is not None:
-            self.speculation = usage_fields(counts.target_steps, counts.drafted_tokens, counts.accepted_tokens,
-                                            len(self.token_ids))
+            self.speculation = counts.usage(len(self.token_ids))
 
     def add(self, event: TokenEvent, writer: ReplyWriter | None) -> None:
         self.token_ids.append(event.token_id)
@@ -464,7 +463,7 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
             reply.prefill_seconds = first - started
             reply.decode_seconds = (row.finished or time.perf_counter()) - first
             if row.continuation is not None:
-                reply.count(row.continuation, speculation)
+                reply.count(row.continuation.counts, speculation)
         firsts = [row.first_token for row in rows if row.first_token]
         stats.prefill_seconds = (max(firsts) - started) if firsts else 0.0
         stats.decode_seconds = time.perf_counter() - started - stats.prefill_seconds
@@ -472,9 +471,7 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
         if speculation is not None:           # every row's steps together: tokens per row and target step
             stats.speculation = speculation.describe
             counted = [row.continuation for row in rows if row.continuation is not None]
-            stats.target_steps = sum(one.target_steps for one in counted)
-            stats.drafted_tokens = sum(one.drafted_tokens for one in counted)
-            stats.accepted_tokens = sum(one.accepted_tokens for one in counted)
+            stats.counts = sum((one.counts for one in counted), SpeculationCounts())
     return replies
 
 

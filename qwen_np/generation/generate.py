@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -32,7 +32,7 @@ from ..engine.memory import PREFILL_CHUNK, effective_context
 from ..core.kv_cache import SequenceCache
 from ..core.model import Qwen3Model, Trace
 from ..core.sampling import SamplingParams, pick, processed_logits, softmax
-from .speculative import NO_DRAFT, Draft, Drafter, Speculation, accept
+from .speculative import NO_DRAFT, Draft, Drafter, Speculation, SpeculationCounts, accept
 from ..files.tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
 from ..files.model_files import GenerationDefaults
 
@@ -67,22 +67,7 @@ class GenerationStats:
     finish_reason: str | None = None
     seed: int | None = None       # shown in the summary: the seed drawn for a run that was given none
     speculation: str | None = None   # the drafter when decoding speculatively (speculative.Speculation.describe)
-    target_steps: int = 0         # the model's forward passes that chose tokens (the prompt's prefill included)
-    drafted_tokens: int = 0       # drafted tokens the model judged ...
-    accepted_tokens: int = 0      # ... and kept
-
-    def count(self, sequence: Continuation) -> None:
-        """Take the step and speculation counts of a generation."""
-        self.target_steps, self.drafted_tokens = sequence.target_steps, sequence.drafted_tokens
-        self.accepted_tokens = sequence.accepted_tokens
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
-
-    @property
-    def tokens_per_step(self) -> float | None:
-        return self.new_tokens / self.target_steps if self.target_steps else None
+    counts: SpeculationCounts = field(default_factory=SpeculationCounts)   # its target steps and drafts
 
     def summary(self, model_name: str) -> str:
         """The one-line report printed after every run."""
@@ -96,8 +81,8 @@ class GenerationStats:
     def _speculation(self) -> str:
         if self.speculation is None:
             return ""
-        rate, per_step = self.acceptance_rate, self.tokens_per_step
-        return (f" speculative={self.speculation} accepted={self.accepted_tokens}/{self.drafted_tokens}"
+        rate, per_step = self.counts.acceptance_rate, self.counts.tokens_per_step(self.new_tokens)
+        return (f" speculative={self.speculation} accepted={self.counts.accepted_tokens}/{self.counts.drafted_tokens}"
                 f"({'n/a' if rate is None else f'{rate:.0%}'}) "
                 f"tokens_per_step={'n/a' if per_step is None else f'{per_step:.2f}'}")
 
@@ -210,7 +195,7 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
             logits = check_finite(model, sequence.sequence, step[-1])                            # [V]
             stats.decode_seconds += time.perf_counter() - started
     finally:
-        stats.count(sequence)
+        stats.counts = sequence.counts
 
 
 def _speculative_decode(model: Qwen3Model, sequence: Continuation, cache: SequenceCache, logits: np.ndarray,
@@ -243,7 +228,7 @@ def _speculative_decode(model: Qwen3Model, sequence: Continuation, cache: Sequen
             check_finite(model, sequence.sequence + draft.tokens, rows)
             stats.decode_seconds += time.perf_counter() - started
     finally:
-        stats.count(sequence)
+        stats.counts = sequence.counts
         if drafter is not None and not kept:
             drafter.reset()
 
@@ -265,9 +250,7 @@ class Continuation:
         self.generated: list[int] = []
         self.decoder = StreamDecoder(tokenizer)
         self.stops = StopStrings(stop)
-        self.target_steps = 0        # target forward passes whose logits chose tokens (the prompt's included)
-        self.drafted_tokens = 0      # drafted tokens judged ...
-        self.accepted_tokens = 0     # ... and kept
+        self.counts = SpeculationCounts()
 
     def room(self, k: int) -> int:
         """How many tokens a step may draft: at most k, leaving room in max_new_tokens for the target's own
@@ -288,12 +271,12 @@ class Continuation:
             else:
                 token = accept(softmax(processed), draft.distribution(i), drafted, self.rng)
             if drafted is not None:
-                self.drafted_tokens += 1
-                self.accepted_tokens += token == drafted
+                self.counts.drafted_tokens += 1
+                self.counts.accepted_tokens += token == drafted
             events.append(self._emit(token))
             if events[-1].finish_reason or token != drafted:
                 break
-        self.target_steps += 1
+        self.counts.target_steps += 1
         return events
 
     def _emit(self, token: int) -> TokenEvent:

@@ -272,15 +272,36 @@ def draft_speculation(draft: Qwen3Model, tokens: int = DEFAULT_DRAFT_TOKENS,
     return Speculation(k, new_drafter, "draft")
 
 
-def usage_fields(target_steps: int, drafted: int, accepted: int, completion_tokens: int) -> dict[str, object]:
-    """What a reply's `usage` adds when decoding speculatively: OpenAI's completion_tokens_details for
-    predicted tokens (the draft is the prediction), and `speculative_decoding` with the rates."""
-    return {"completion_tokens_details": {"accepted_prediction_tokens": accepted,
-                                          "rejected_prediction_tokens": drafted - accepted},
-            "speculative_decoding": {"drafted_tokens": drafted, "accepted_tokens": accepted,
-                                     "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-                                     "target_steps": target_steps,
-                                     "tokens_per_step": round(completion_tokens / target_steps, 4) if target_steps else None}}
+@dataclass
+class SpeculationCounts:
+    """How a generation's target steps went: the one tally that generate(), the batcher's rows, the CLI's
+    summary and the server's `usage` all read."""
+
+    target_steps: int = 0         # target forward passes whose logits chose tokens (the prompt's prefill included)
+    drafted_tokens: int = 0       # drafted tokens judged ...
+    accepted_tokens: int = 0      # ... and kept
+
+    def __add__(self, other: SpeculationCounts) -> SpeculationCounts:
+        return SpeculationCounts(self.target_steps + other.target_steps, self.drafted_tokens + other.drafted_tokens,
+                                 self.accepted_tokens + other.accepted_tokens)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    def tokens_per_step(self, new_tokens: int) -> float | None:
+        return new_tokens / self.target_steps if self.target_steps else None
+
+    def usage(self, completion_tokens: int) -> dict[str, object]:
+        """What a reply's `usage` adds when decoding speculatively: OpenAI's completion_tokens_details for
+        predicted tokens (the draft is the prediction), and `speculative_decoding` with the rates."""
+        rate, per_step = self.acceptance_rate, self.tokens_per_step(completion_tokens)
+        return {"completion_tokens_details": {"accepted_prediction_tokens": self.accepted_tokens,
+                                              "rejected_prediction_tokens": self.drafted_tokens - self.accepted_tokens},
+                "speculative_decoding": {"drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+                                         "acceptance_rate": None if rate is None else round(rate, 4),
+                                         "target_steps": self.target_steps,
+                                         "tokens_per_step": None if per_step is None else round(per_step, 4)}}
 
 
 def _checked_tokens(tokens: int) -> int:

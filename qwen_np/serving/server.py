@@ -73,7 +73,7 @@ from ..files.model_files import read_config, read_generation_defaults, read_toke
 from ..core.model import Qwen3Model
 from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK, format_size
 from .metrics import PROMETHEUS_TYPE, prometheus_text
-from ..generation.speculative import DEFAULT_DRAFT_TOKENS, Speculation, draft_speculation, lookup_speculation, usage_fields
+from ..generation.speculative import DEFAULT_DRAFT_TOKENS, Speculation, draft_speculation, lookup_speculation
 from ..files.tokenizer import THINK_OPEN, Message, ThinkingSplitter, Tokenizer, split_thinking
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_BATCH = "127.0.0.1", 8000, 8
@@ -654,8 +654,7 @@ class Reply:
                  "total_tokens": prompt + self.completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
         sequence = self.row.continuation if self.row is not None else None
         if self.service.runner.generator.speculation is not None and sequence is not None:
-            usage |= usage_fields(sequence.target_steps, sequence.drafted_tokens, sequence.accepted_tokens,
-                                  self.completion_tokens)
+            usage |= sequence.counts.usage(self.completion_tokens)
         return usage
 
     def _object(self, kind: str, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
