@@ -174,3 +174,21 @@ def test_inspect_s_fit_on_this_machine_uses_the_context_it_is_given() -> None:
     for mode, plan in short["plans"].items():
         assert (plan["needs_bytes"], plan["fits"]) == (expected[mode].total_bytes, expected[mode].fits), mode
         assert plan["needs_bytes"] < default["plans"][mode]["needs_bytes"], mode
+
+
+# --- A model with a chat template, offline -----------------------------------------------------------
+
+def test_the_readme_recipe_makes_a_model_that_chats(env, tmp_path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL) if "make_bundled_model.py" in b)
+    folder = tmp_path / "qwen3-random"
+    for line in block.strip().splitlines():
+        command = line.split("  #")[0].strip().replace("qwen3-random", shlex.quote(str(folder)))
+        command = re.sub(r"^python ", shlex.quote(sys.executable) + " ", command)
+        chats = " chat " in command
+        if chats:
+            command += " -n 4"                 # four tokens of the random model's reply are enough
+        result = subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True, timeout=300,
+                                input=b"Hello\n" if chats else None)
+        assert result.returncode == 0, (command, result.stderr.decode())
+    assert chats and result.stdout.strip(), "the recipe's last line chats"
