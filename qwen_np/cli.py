@@ -1,9 +1,14 @@
-"""The command line, `python -m qwen_np COMMAND` (also installed as `qwen-np`): the parser assembled from
-qwen_np/commands/ (one module per command: generate and chat, train, eval, precision, serve, export,
-download and inspect, hardware), `main`, and its one error funnel.
+"""The command line, `python -m qwen_np COMMAND` (also installed as `qwen-np`): the commands and their
+one-line summaries (COMMANDS), the parser assembled from qwen_np/commands/ (one module per command:
+generate and chat, train, eval, precision, serve, export, download and inspect, hardware), `main`, and
+its one error funnel.
 
-Bad input of any kind ends with one `error: ...` line on stderr and exit code 2; Ctrl-C stops a run
-cleanly and exits 130; a closed stdout (`| head`) exits 1 quietly.
+A command's module is imported only when that command runs or shows its help: `qwen-np --help` and
+`--version` load no NumPy, and each command loads what its own flags and run need, not the others'.
+
+Bad input of any kind ends with one `error: ...` line on stderr and exit code 2 (a usage error points
+at the help of the command it was given to); Ctrl-C stops a run cleanly and exits 130; a closed stdout
+(`| head`) exits 1 quietly.
 """
 
 from __future__ import annotations
@@ -11,16 +16,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Collection, Sequence
+from importlib import import_module
 from typing import NoReturn
 
-import numpy as np
-
 from . import __version__
-from .engine import runtime
-from .commands import evaluate, export, generate, hardware, inspect, precision, serve, train
-from .commands.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED
+from .commands import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from .errors import QwenNPError
 
+# command -> (the module of qwen_np/commands whose PARSERS builds its flags, its line in `qwen-np --help`)
+COMMANDS = {
+    "generate": ("generate", "continue one prompt and stream the reply"),
+    "chat": ("generate", "multi-turn conversation on stdin/stdout"),
+    "train": ("train", "train a Qwen3 from scratch on text, in NumPy"),
+    "eval": ("evaluate", "loss per token, perplexity and loss per character of a model on a text"),
+    "precision": ("precision", "how far each number format moves the model's predictions from FP32"),
+    "serve": ("serve", "an OpenAI-compatible HTTP API (chat, completions, streaming), concurrent requests batched"),
+    "export": ("export", "write a model as a GGUF file for llama.cpp, Ollama and LM Studio"),
+    "download": ("inspect", "fetch a hub checkpoint into the Hugging Face cache"),
+    "inspect": ("inspect", "shapes, parameters and memory of a model (no weights needed)"),
+    "hardware": ("hardware", "this machine's cores and caches, and how fast it reads memory"),
+}
 
 
 class Parser(argparse.ArgumentParser):
@@ -30,21 +46,43 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"error: {message} (see `{self.prog} --help`)\n")
 
 
-def build_parser(prog: str = "qwen-np") -> Parser:
+class CommandParser(Parser):
+    """A command's parser: a flag it does not know is its own usage error, which points at its own help
+    (argparse would hand it up to the top-level parser, whose help does not list the command's flags)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace or argparse.Namespace())
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+def build_parser(prog: str = "qwen-np", flags_of: Collection[str] | None = None) -> Parser:
+    """The parser of every command; with `flags_of`, only those commands' flags are built (and their
+    modules imported), the others are listed by name and summary alone: what `main` asks for."""
     parser = Parser(prog=prog, description="The Qwen3 dense decoder in pure NumPy: generate text, chat, train, "
                                            "score, compare number formats, serve an OpenAI API, export GGUF, "
                                            "inspect shapes and the machine.")
     parser.add_argument("--version", action="version", version=f"qwen_np {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    for command in (generate, train, evaluate, precision, serve, export, inspect, hardware):
-        command.register(commands)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
+    for name, (module, summary) in COMMANDS.items():
+        command = commands.add_parser(name, help=summary)
+        if flags_of is None or name in flags_of:
+            import_module(f"{__package__}.commands.{module}").PARSERS[name](command)
     return parser
 
 
 def main(argv: list[str] | None = None, prog: str = "qwen-np") -> int:
     """Run one command; returns the exit code (0 ok, 2 bad input, 130 interrupted, 1 stdout closed)."""
-    args = build_parser(prog).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The command is the first word that is not a flag (the top level's flags take no value).
+    command = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(prog, flags_of=[command] if command else []).parse_args(argv)   # --help exits here
+    import numpy as np               # only now: the help and a usage error need none of it
+
+    from .engine import runtime
+
     try:
         if getattr(args, "threads", None) is not None:
             if args.threads > runtime.usable_cores():

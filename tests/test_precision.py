@@ -13,7 +13,7 @@ from qwen_np import QwenNPError, preset
 from qwen_np.precision import divergence, lab as precision
 from qwen_np.engine import memory
 from qwen_np.cli import main
-from qwen_np.commands.comparison import compare_formats_text
+from qwen_np.commands.comparison import format_comparison, render_comparison
 from qwen_np.core.config import expected_tensors, load_config, parameter_count
 from qwen_np.precision.divergence import Comparison
 from qwen_np.training.evaluation import encoded_documents
@@ -167,9 +167,9 @@ def test_precision_refuses_a_text_shorter_than_one_window(tmp_path, capsys) -> N
 
 def test_eval_compare_prints_every_format_against_fp32(capsys) -> None:
     docs, _ = encoded_documents(Tokenizer.from_folder(ROOT / "weights"), precision.PASSAGE)
-    table = compare_formats_text(ROOT / "weights", docs[:1], 64, ["fp32", "fp8_e4m3"], as_json=False)
+    table = render_comparison(format_comparison(ROOT / "weights", docs[:1], 64, ["fp32", "fp8_e4m3"]))
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["format", "PPL", "PPL/FP32"] and lines[1].startswith("fp32")
     assert lines[2].startswith("fp8_e4m3") and "over" in lines[-1]
     with pytest.raises(QwenNPError, match="--compare: unknown format"):
-        compare_formats_text(ROOT / "weights", docs, 64, ["fp7"], as_json=True)
+        format_comparison(ROOT / "weights", docs, 64, ["fp7"])

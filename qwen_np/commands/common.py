@@ -18,9 +18,11 @@ from ..generation.speculative import DEFAULT_DRAFT_TOKENS, Speculation, draft_sp
 from ..files.tokenizer import Tokenizer
 from ..engine.memory import DEFAULT_CONTEXT, MODES
 
-EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIGINT, as shells report it)
 BUNDLED_MODEL = bundled_model_path()
 BUNDLED_NAME = "weights (bundled Shakespeare model)"
+# `--draft bundled`: the bundled model's own draft (BUNDLED_MODEL/draft) from any folder, as the bundled
+# model is --model's default from any folder. No hub id is a bare word; a folder named so is ./bundled.
+BUNDLED_DRAFT = "bundled"
 MEMORY_HELP = ("how to hold the weights: fp32 upcasts every weight once at load (fastest), bf16 keeps them as stored "
                "and widens them per use (half the RAM), int8 quantizes every matrix to int8 rows at load (a quarter, "
                "slightly different logits), q8_0 and q4_0 to llama.cpp's blocks of 32 (8.5 and 4.5 bits a weight), "
@@ -64,9 +66,12 @@ def add_threads(parser: argparse.ArgumentParser) -> None:
                              f"busy; default: all {runtime.usable_cores()} cores)")
 
 
-def add_context(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("-c", "--ctx-size", type=at_least(2), metavar="N",
-                        help=f"{what} (default: {DEFAULT_CONTEXT}, or the model's if smaller)")
+def add_context(parser: argparse.ArgumentParser, what: str, minimum: int = 2, default: int | None = None,
+                default_text: str = f"{DEFAULT_CONTEXT}, or the model's if smaller") -> None:
+    """-c/--ctx-size N, also spelt --context: every command's one flag for how many tokens a run holds at
+    once (llama.cpp's spelling, and the one train, eval and inspect had); its value is args.ctx_size."""
+    parser.add_argument("-c", "--ctx-size", "--context", dest="ctx_size", type=at_least(minimum), default=default,
+                        metavar="N", help=f"{what} (default: {default_text})")
 
 
 def add_speculation(parser: argparse.ArgumentParser) -> None:
@@ -74,9 +79,9 @@ def add_speculation(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--draft", metavar="MODEL",
                        help="speculative decoding: a smaller Qwen3 with the same tokenizer (folder, GGUF or hub id, e.g. "
-                            "Qwen/Qwen3-0.6B for Qwen3-8B) drafts --draft-tokens tokens, the model checks them in one "
-                            "forward pass; the output is the same (greedy: the same tokens; sampled: the same "
-                            "distribution)")
+                            "Qwen/Qwen3-0.6B for Qwen3-8B; `bundled`: the bundled model's own tiny draft) drafts "
+                            "--draft-tokens tokens, the model checks them in one forward pass; the output is the same "
+                            "(greedy: the same tokens; sampled: the same distribution)")
     group.add_argument("--lookup", type=at_least(1), metavar="N",
                        help="speculative decoding without a second model: draft the tokens that followed the last "
                             "N (down to 1) tokens where they occur earlier in the prompt or reply (prompt lookup)")
@@ -91,8 +96,19 @@ def check_speculation(args: argparse.Namespace, config: Qwen3Config, tokenizer: 
         raise QwenNPError("--draft-tokens: drafts only with --draft MODEL or --lookup N")
     if args.draft is None:
         return None
-    folder = resolve_model_path(args.draft, "--draft")
+    folder = draft_folder(args.draft)
     check_draft_folder(folder, config, tokenizer)
+    return folder
+
+
+def draft_folder(draft: str) -> Path:
+    """The checkpoint of --draft: the bundled draft (BUNDLED_DRAFT), or a folder, GGUF file or hub id."""
+    if draft != BUNDLED_DRAFT:
+        return resolve_model_path(draft, "--draft")
+    folder = BUNDLED_MODEL / "draft"
+    if not (folder / "config.json").is_file():
+        raise QwenNPError(f"--draft {BUNDLED_DRAFT}: the bundled draft is not at {folder} (reinstall qwen_np, or pass "
+                          "a checkpoint folder)")
     return folder
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,9 +16,16 @@ from ..numbers.formats import FORMATS
 def add_compare_argument(parser: argparse.ArgumentParser) -> None:
     """eval's --compare flag (the eval command checks it with check_formats before loading anything)."""
     parser.add_argument("--compare", nargs="+", metavar="FORMAT",
-                        help="also score the model with its weights in each FORMAT against itself in FP32 on the "
-                             "same windows: perplexity and its ratio to FP32, KL divergence of the next-token "
-                             f"distribution (mean, median, p99), same top-1, RMS dp ({', '.join(FORMATS)})")
+                        help="also score the model with its weights in each FORMAT (space- or comma-separated) against "
+                             "itself in FP32 on the same windows: perplexity and its ratio to FP32, KL divergence of the "
+                             "next-token distribution (mean, median, p99), same top-1, RMS dp "
+                             f"({', '.join(FORMATS)})")
+
+
+def format_names(given: Sequence[str]) -> list[str]:
+    """The formats of --compare or --formats as given, space- or comma-separated alike: `bf16 q8_0`,
+    `bf16,q8_0` and `bf16, q8_0` are the same two."""
+    return [name.strip() for word in given for name in word.split(",") if name.strip()]
 
 
 def progress_bar(unit: str = "tok") -> Any:
@@ -39,14 +45,12 @@ def progress_bar(unit: str = "tok") -> Any:
     return bar
 
 
-def compare_formats_text(folder: Path, docs: list[np.ndarray], context: int, formats: Sequence[str], as_json: bool) -> str:
-    """What `eval --compare` prints: every format against the FP32 model on eval's documents and windows."""
-    formats = precision.check_formats(formats, "--compare")
-    docs = precision.scored_documents(docs, context, None)
+def format_comparison(folder: Path, docs: list[np.ndarray], context: int, formats: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """What `eval --compare` reports: every format against the FP32 model on eval's own documents and
+    windows (a text shorter than one window is one window, as eval scores it)."""
     with progress_bar() as bar:
-        results = precision.compare_formats(precision.load_reference(folder, context, "--compare"), docs, formats,
-                                            context, "--compare", progress=bar.report)
-    return json.dumps(results, indent=2) if as_json else render_comparison(results)
+        return precision.compare_formats(precision.load_reference(folder, context, "--compare"), docs, formats,
+                                         context, "--compare", progress=bar.report)
 
 
 def render_comparison(results: dict[str, dict[str, Any]]) -> str:

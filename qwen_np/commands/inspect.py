@@ -8,32 +8,36 @@ from pathlib import Path
 
 from ..files.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, download
 from ..core.config import Qwen3Config, preset
+from ..engine.memory import DEFAULT_CONTEXT
 from ..files.model_files import read_config
 from . import common
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    fetch = commands.add_parser("download", help="fetch a hub checkpoint into the Hugging Face cache",
-                                description="Download a checkpoint's safetensors, json and tokenizer files "
-                                            "ahead of time (honours HF_HOME and HF_HUB_OFFLINE).")
+def download_parser(fetch: argparse.ArgumentParser) -> None:
+    fetch.description = ("Download a checkpoint's safetensors, json and tokenizer files ahead of time (honours HF_HOME "
+                         "and HF_HUB_OFFLINE).")
     fetch.add_argument("repo_id", help="hub id, e.g. Qwen/Qwen3-0.6B")
     fetch.set_defaults(run=run_download)
 
-    show = commands.add_parser("inspect", help="shapes, parameters and memory of a model (no weights needed)",
-                               description="Describe a model's tensors, parameter count and memory from its "
-                                           "config.json alone, or from a named preset.")
+
+def inspect_parser(show: argparse.ArgumentParser) -> None:
+    show.description = ("Describe a model's tensors, parameter count and memory from its config.json alone, or from a "
+                        "named preset.")
     source = show.add_mutually_exclusive_group()
     common.add_model(source)
     source.add_argument("--preset", help="a published Qwen3 size, e.g. qwen3-8b")
     show.add_argument("--tokens", type=common.at_least(1), default=7, metavar="T",
                       help="tokens in the example forward pass (default: 7)")
-    show.add_argument("--context", type=common.at_least(1), metavar="N",
-                      help="sequence length of the memory breakdown: KV cache positions to run, tokens per training "
-                           "sequence (default: the model's context, at most 4096)")
+    common.add_context(show, "sequence length of the memory breakdown and of this machine's memory plan: KV cache "
+                             "positions to run, tokens per training sequence", minimum=1,
+                       default_text=f"the model's context, at most {DEFAULT_CONTEXT}")
     show.add_argument("--batch-size", type=common.at_least(1), default=16, metavar="B",
                       help="sequences per training step in the memory breakdown (default: 16)")
     common.add_json(show, "text")
     show.set_defaults(run=run_inspect)
+
+
+PARSERS = {"download": download_parser, "inspect": inspect_parser}      # cli.py builds each command's parser with these
 
 
 def run_download(args: argparse.Namespace) -> int:
@@ -42,12 +46,12 @@ def run_download(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from ..inspection import inspect_command
+    from ..inspection.report import inspect_command
     if args.preset:
         config, name = preset(args.preset), args.preset
     else:
         config, name = _config_of(common.model_folder(args.model)), args.model or common.BUNDLED_NAME
-    print(inspect_command(config, args.tokens, args.json, name, args.context, args.batch_size))
+    print(inspect_command(config, args.tokens, args.json, name, args.ctx_size, args.batch_size))
     return 0
 
 

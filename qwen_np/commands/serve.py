@@ -15,12 +15,9 @@ from ..generation.speculative import DEFAULT_DRAFT_TOKENS
 from . import common
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("serve", help="an OpenAI-compatible HTTP API (chat, completions, streaming), "
-                                               "concurrent requests batched",
-                                 description="Serve the model over HTTP with OpenAI's API: /v1/models, "
-                                             "/v1/chat/completions, /v1/completions; concurrent requests share "
-                                             "decode steps (continuous batching).")
+def serve_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Serve the model over HTTP with OpenAI's API: /v1/models, /v1/chat/completions, "
+                          "/v1/completions; concurrent requests share decode steps (continuous batching).")
     common.add_model(parser)
     parser.add_argument("--host", default=serve.DEFAULT_HOST,
                         help=f"address to listen on (default: {serve.DEFAULT_HOST}, this machine only; 0.0.0.0 opens "
@@ -54,6 +51,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                              "(default: parsed)")
     common.add_quiet(parser, "do not log each request on stderr")
     parser.set_defaults(run=run)
+
+
+PARSERS = {"serve": serve_parser}      # cli.py builds the command's parser with it
 
 
 def run(args: argparse.Namespace) -> int:

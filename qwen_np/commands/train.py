@@ -25,11 +25,10 @@ SWITCHES = {"loss_scaling": "with --precision fp16: dynamic loss scaling (skip t
                          "backward: less memory, about one more forward pass per step, the same weights bit for bit"}
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("train", help="train a Qwen3 from scratch on text, in NumPy",
-                                 description="Train a Qwen3 (a preset or a config.json) on Shakespeare or a text "
-                                             "file; checkpoints resume bit-exactly; the best model is exported "
-                                             "to DIR/model.", epilog=RESUME_HELP)
+def train_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Train a Qwen3 (a preset or a config.json) on Shakespeare or a text file; checkpoints resume "
+                          "bit-exactly; the best model is exported to DIR/model.")
+    parser.epilog = RESUME_HELP
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
                         help="folder for checkpoints, the tokenizer, logs and the exported model (DIR/model)")
     parser.add_argument("--data", metavar="shakespeare|FILE",
@@ -53,8 +52,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                                      "loss dynamically, fp8 is E4M3 with 1x128 / 128x128 scales (DeepSeek-V3) "
                                      f"{default}")
         else:
-            short = ["-t"] if flag.name == "threads" else []      # -t/--threads, as in every other command
-            parser.add_argument(*short, name, type=float if flag.type == "float" else int, default=None,
+            # -t/--threads and -c/--ctx-size (--context), as every other command spells them
+            names = {"threads": ["-t", name], "context": ["-c", "--ctx-size", name]}.get(flag.name, [name])
+            parser.add_argument(*names, dest=flag.name, type=float if flag.type == "float" else int, default=None,
                                 metavar="N", help=default)
     parser.add_argument("--resume", action="store_true",
                         help="continue from DIR/last.safetensors up to --steps (flags given again: see below)")
@@ -74,6 +74,9 @@ RESUME_HELP = (
     f"{_flags(list(trainer.KEPT_ON_RESUME))}, a --preset or --config of another model and a --data of another text "
     "are refused (the text is checked by its SHA-256, so an edited file is noticed, a moved one may be named). "
     f"One train at a time uses DIR (it holds DIR/{run_folder.LOCK}; a second is refused, a dead one's lock taken over).")
+
+
+PARSERS = {"train": train_parser}      # cli.py builds the command's parser with it
 
 
 class ProgressBar(trainer.RunEvents):

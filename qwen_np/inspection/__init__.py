@@ -12,23 +12,43 @@ from them, so the three can never disagree about what the model does.
     trace.py      Tracer                     lens.py       the logit lens
     attention.py  the attention view         png.py, text.py   a PNG writer, token text
     figures.py    labelled heatmaps (matplotlib)
+    hardware.py   the machine's topology and read rates (`hardware`)
+
+The names below are imported when first used (PEP 562), as qwen_np's own are: `hardware` and
+`inspect` then load only what they use (the machine's probes need no model code).
 """
 
-from ..core.config import DIMENSIONS as SYMBOL_MEANINGS
-from ..core.config import dimensions, evaluate, resolve
-from .attention import attention_view, attention_weights
-from .bandwidth import measure_bandwidth
-from .figures import attention_figure, heatmap_pixels, save_attention_png
-from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
-from .lens import lens_probabilities, logit_lens
-from .png import write_png
-from .report import inspect_command, inspect_report, render_report
-from .steps import STEPS, STEPS_BY_NAME, Shape, Step, format_shape
-from .text import pad, token_text
-from .trace import Tracer, trace_row
+from importlib import import_module
+from typing import Any
 
-__all__ = ["STEPS", "STEPS_BY_NAME", "SYMBOL_MEANINGS", "Shape", "Step", "Tracer", "attention_view",
-           "attention_figure", "attention_weights", "dimensions", "evaluate", "forward_flops", "format_shape", "heatmap_pixels",
-           "inspect_command", "inspect_report", "lens_probabilities", "logit_lens", "measure_bandwidth", "pad",
-           "parameter_summary", "render_report", "resolve", "save_attention_png", "token_text", "trace_row",
-           "weight_bytes_read_per_token", "weight_tensors", "write_png"]
+# public name -> (the module that defines it, its name there)
+_PUBLIC = {
+    "SYMBOL_MEANINGS": ("qwen_np.core.config", "DIMENSIONS"),
+    **{name: ("qwen_np.core.config", name) for name in ("dimensions", "evaluate", "resolve")},
+    **{name: ("qwen_np.inspection.attention", name) for name in ("attention_view", "attention_weights")},
+    "measure_bandwidth": ("qwen_np.inspection.bandwidth", "measure_bandwidth"),
+    **{name: ("qwen_np.inspection.figures", name) for name in ("attention_figure", "heatmap_pixels", "save_attention_png")},
+    **{name: ("qwen_np.inspection.counts", name)
+       for name in ("forward_flops", "parameter_summary", "weight_bytes_read_per_token", "weight_tensors")},
+    **{name: ("qwen_np.inspection.lens", name) for name in ("lens_probabilities", "logit_lens")},
+    "write_png": ("qwen_np.inspection.png", "write_png"),
+    **{name: ("qwen_np.inspection.report", name) for name in ("inspect_command", "inspect_report", "render_report")},
+    **{name: ("qwen_np.inspection.steps", name) for name in ("STEPS", "STEPS_BY_NAME", "Shape", "Step", "format_shape")},
+    **{name: ("qwen_np.inspection.text", name) for name in ("pad", "token_text")},
+    **{name: ("qwen_np.inspection.trace", name) for name in ("Tracer", "trace_row")},
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        module, attribute = _PUBLIC[name]
+        value = getattr(import_module(module), attribute)
+        globals()[name] = value          # found once, then a plain attribute
+        return value
+    raise AttributeError(f"module 'qwen_np.inspection' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

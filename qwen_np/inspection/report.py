@@ -33,7 +33,7 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
         raise QwenNPError(f"--tokens: must be at least 1, got {tokens}")
     memory_context = context or min(config.max_position_embeddings, DEFAULT_CONTEXT)
     if memory_context < 1 or batch_size < 1:
-        raise QwenNPError(f"--context / --batch-size: must be at least 1, got {memory_context} / {batch_size}")
+        raise QwenNPError(f"--ctx-size / --batch-size: must be at least 1, got {memory_context} / {batch_size}")
     dims = dimensions(config, tokens)
     params = parameter_summary(config)
     kv_values = kv_cache_bytes_per_token(config, bytes_per_value=1)
@@ -61,7 +61,7 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
                                         "flops": forward_flops(config, 1, context)},
         },
         "memory": memory_breakdown(config, memory_context, batch_size),
-        "this_machine": _machine_report(config, bandwidth),
+        "this_machine": _machine_report(config, bandwidth, memory_context),
     }
 
 
@@ -99,10 +99,10 @@ def _step_record(step: Step, dims: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _machine_report(config: Qwen3Config, bandwidth: float) -> dict[str, Any]:
-    """Would the weights fit here in FP32, or kept as stored, and how fast could decode then go."""
+def _machine_report(config: Qwen3Config, bandwidth: float, context: int) -> dict[str, Any]:
+    """Would the weights fit here in each way to hold them, with a KV cache of `context` positions (the
+    breakdown's, --ctx-size), and how fast could decode then go."""
     available = available_memory()
-    context = min(config.max_position_embeddings, DEFAULT_CONTEXT)
     stored_format = STORED_FORMATS.get(config.torch_dtype, "BF16")
     stored_width = int(BYTES_PER_VALUE[stored_format])
     candidates = candidate_plans(config, context, stored_width, available)
@@ -137,7 +137,7 @@ def _render_memory(report: dict[str, Any]) -> str:
     memory = report["memory"]
     inference, training = memory["inference"], memory["training"]
     context, batch = memory["context"], training["batch_size"]
-    lines = [f"Memory to run it, with a {context:,}-token KV cache (--context)"]
+    lines = [f"Memory to run it, with a {context:,}-token KV cache (--ctx-size)"]
     lines += [f"  weights {fmt.upper():<5}{' (+ FP32 row scales)' if fmt == 'int8' else '':<25}{_size(n):>12}"
               for fmt, n in inference["weights"].items()]
     lines += [f"  {'KV cache (FP32, as qwen_np keeps it)':<38}{_size(inference['kv_cache_fp32']):>12}",
