@@ -6,9 +6,15 @@ llama.cpp cannot be installed offline here: files are checked through gguf's own
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
+import signal
+import struct
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +25,7 @@ import gguf
 
 from qwen_np import QwenNPError, Qwen3Model, load_model
 from qwen_np.core.config import LAYER_TENSORS, MODEL_TENSORS
+from qwen_np.files.checkpoint import save_checkpoint
 from qwen_np.numbers.formats import round_trip
 from qwen_np.files.gguf_file import GGUFCheckpoint, _gguf_name, write_gguf, write_gguf_tensors
 from qwen_np.files.model_files import open_checkpoint, read_config, read_generation_defaults, read_tokenizer
@@ -196,20 +203,30 @@ def test_an_ollama_blob_without_a_suffix_is_recognised_by_its_magic(source, tmp_
 # --- Damaged files ---------------------------------------------------------------------------------
 
 def rewrite(good: Path, out: Path, architecture: str = "qwen3", drop: str = "", transpose: str = "",
-            replace: dict[str, tuple[np.ndarray, GGML]] | None = None) -> Path:
-    """A copy of an F32 GGUF through gguf's writer, with one thing changed (replace: name -> bytes, type)."""
+            replace: dict[str, tuple[np.ndarray, GGML]] | None = None,
+            metadata: dict[str, tuple[object, GGUFValueType] | None] | None = None) -> Path:
+    """A copy of an F32 GGUF through gguf's writer, with one thing changed (replace: tensor name -> bytes,
+    type, added when the file has no such tensor; metadata: key -> (value, type), or None to drop the key)."""
     reader = GGUFReader(good)
     writer = GGUFWriter(out, architecture)
+    metadata = metadata or {}
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in metadata:
             continue
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    for key, given in metadata.items():
+        if given is not None:
+            value, kind = given
+            writer.add_key_value(key, value, kind, sub_type=GGUFValueType.STRING if kind == GGUFValueType.ARRAY else None)
+    replace = replace or {}
     for tensor in reader.tensors:
-        if tensor.name in (replace or {}):
+        if tensor.name in replace:
             writer.add_tensor(tensor.name, replace[tensor.name][0], raw_dtype=replace[tensor.name][1])
         elif tensor.name != drop:
             writer.add_tensor(tensor.name, tensor.data.T.copy() if tensor.name == transpose else np.array(tensor.data))
+    for name in replace.keys() - {tensor.name for tensor in reader.tensors}:
+        writer.add_tensor(name, replace[name][0], raw_dtype=replace[name][1])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -226,7 +243,7 @@ def good(tmp_path_factory) -> Path:
 DAMAGE = {
     "truncated": (lambda good, out: out.write_bytes(good.read_bytes()[:-100]) and out,
                   "tensor 'output.weight' runs to byte"),
-    "truncated header": (lambda good, out: out.write_bytes(good.read_bytes()[:200]) and out, "truncated GGUF file"),
+    "truncated header": (lambda good, out: out.write_bytes(good.read_bytes()[:200]) and out, "a truncated or corrupt GGUF file"),
     "missing tensor": (lambda good, out: rewrite(good, out, drop="blk.1.ffn_up.weight"),
                        "tensor 'blk.1.ffn_up.weight' (model.layers.1.mlp.up_proj.weight) is missing"),
     "llama": (lambda good, out: rewrite(good, out, architecture="llama"), "general.architecture is 'llama'"),
@@ -244,6 +261,179 @@ def test_a_damaged_gguf_is_one_error_naming_the_field_or_tensor(good, tmp_path, 
         load_model(path)
     assert message in str(raised.value) and "\n" not in str(raised.value)
     assert str(path) in str(raised.value)
+
+
+# --- What a hostile probe got through: each reproduced on the file it was found on --------------------
+
+class TookTooLong(BaseException):
+    """A BaseException, so that no `except Exception` in the code under test can swallow the alarm."""
+
+
+@contextmanager
+def within(seconds: int) -> Iterator[None]:
+    """Fail, instead of hanging the suite, when the block runs longer than `seconds`."""
+    def expire(signum: int, frame: object) -> None:
+        raise TookTooLong(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def refused(path: Path, message: str, seconds: int = 20) -> str:
+    """The one-line QwenNPError naming `path` that loading `path` (model, tokenizer) gives, which holds `message`."""
+    with within(seconds), pytest.raises(QwenNPError) as raised:
+        load_model(path)
+        read_tokenizer(path)
+    text = str(raised.value)
+    assert message in text and "\n" not in text and text.startswith(str(path)), text
+    return text
+
+
+def patched(source: Path, out: Path, offset: int, data: bytes) -> Path:
+    """A copy of `source` with `data` written over its bytes at `offset` (the layout otherwise unchanged)."""
+    raw = bytearray(source.read_bytes())
+    raw[offset:offset + len(data)] = data
+    out.write_bytes(bytes(raw))
+    return out
+
+
+def value_at(path: Path, key: str) -> int:
+    """Where a metadata key's value starts: after its name's length, its name and its type (an array's: its entry type)."""
+    field = GGUFReader(path).get_field(key)
+    return field.offset + 8 + len(key.encode()) + 4
+
+
+@pytest.fixture(scope="module")
+def bundled_gguf(tmp_path_factory) -> Path:
+    """The bundled 6-layer model as an F32 GGUF, the file the probe ran on (its token_type array ends where a
+    whole number of int32s ends: gguf read past it as empty entries, forever)."""
+    return export(BUNDLED, tmp_path_factory.mktemp("bundled") / "bundled.gguf", "f32")
+
+
+@pytest.mark.parametrize("count", [2 ** 40, 2 ** 64 - 1, 2 ** 20 + 1, 10 ** 6, 2049, 1])
+@pytest.mark.parametrize("key", ["tokenizer.ggml.token_type", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"])
+def test_an_array_claiming_more_entries_than_the_file_holds_is_refused_before_gguf_walks_it(
+        bundled_gguf, tmp_path, key, count) -> None:
+    path = patched(bundled_gguf, tmp_path / "bad.gguf", value_at(bundled_gguf, key) + 4, struct.pack("<Q", count))
+    refused(path, "a truncated or corrupt GGUF file", seconds=10)
+
+
+@pytest.mark.parametrize("layers", [65536, 2 ** 32 - 1])
+def test_a_block_count_past_the_files_layers_is_refused_before_their_tensors_are_listed(
+        bundled_gguf, tmp_path, layers) -> None:
+    path = patched(bundled_gguf, tmp_path / "bad.gguf", value_at(bundled_gguf, "qwen3.block_count"), struct.pack("<I", layers))
+    refused(path, f"qwen3.block_count is {layers} but the file's tensors hold 6 layers (tensor 'blk.6.attn_norm.weight' "
+                  "is missing)", seconds=10)
+
+
+def test_fewer_layers_declared_than_a_gguf_holds_are_refused_naming_the_tensors(bundled_gguf, tmp_path) -> None:
+    path = patched(bundled_gguf, tmp_path / "two.gguf", value_at(bundled_gguf, "qwen3.block_count"), struct.pack("<I", 2))
+    refused(path, "qwen3.block_count is 2 but the file holds tensors of 6 layers (44 tensors the metadata does not "
+                  "account for, from 'blk.2.attn_norm.weight')")
+
+
+def test_fewer_layers_declared_than_a_checkpoint_holds_are_refused_naming_the_tensors(tmp_path) -> None:
+    folder = tmp_path / "two"
+    shutil.copytree(BUNDLED, folder, ignore=shutil.ignore_patterns("draft"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(QwenNPError, match=r"config.json: num_hidden_layers is 2 but the checkpoint's tensors hold 6 "
+                                          r"layers \(44 tensors config.json does not account for, from 'model.layers.2."):
+        load_model(folder)
+
+
+def test_a_tensor_no_config_accounts_for_is_refused_naming_it(good, tmp_path) -> None:
+    extra = np.ones(16, np.float32)
+    refused(rewrite(good, tmp_path / "extra.gguf", replace={"rope_freqs.weight": (extra, GGML.F32)}),
+            "1 tensor(s) the metadata does not account for, from 'rope_freqs.weight'")
+    folder = tiny_checkpoint(tmp_path / "ckpt")
+    tensors = {name: open_checkpoint(folder).read(name) for name in open_checkpoint(folder).tensors}
+    save_checkpoint(folder, json.loads((folder / "config.json").read_text()),
+                    [{**tensors, "model.layers.0.mlp.bias": extra}])
+    with pytest.raises(QwenNPError, match="1 tensor\\(s\\) config.json does not account for, from 'model.layers.0.mlp.bias'"):
+        load_model(folder)
+
+
+def test_two_tensors_on_the_same_bytes_are_refused(bundled_gguf, tmp_path) -> None:
+    first, second = GGUFReader(bundled_gguf).tensors[:2]
+    offset = second.field.offset + sum(int(part.nbytes) for part in second.field.parts) - 8     # its data offset, last
+    path = patched(bundled_gguf, tmp_path / "shared.gguf", offset, struct.pack("<Q", int(first.field.parts[-1][0])))
+    refused(path, f"tensor {second.name!r} has data offset 0 where ggml expects")
+
+
+def test_an_rms_norm_eps_of_1e30_is_refused_in_a_gguf_and_a_checkpoint(bundled_gguf, tmp_path) -> None:
+    path = patched(bundled_gguf, tmp_path / "eps.gguf", value_at(bundled_gguf, "qwen3.attention.layer_norm_rms_epsilon"),
+                   struct.pack("<f", 1e30))
+    refused(path, "rms_norm_eps is 1e+30; it must be at most 0.001")
+    folder = tiny_checkpoint(tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    for field, value, message in (("rms_norm_eps", 1e30, "rms_norm_eps is 1e+30; it must be at most 0.001"),
+                                  ("rope_theta", "1e400", "rope_theta must be finite, got inf")):
+        (folder / "config.json").write_text(json.dumps({**config, field: value}).replace('"1e400"', "1e400"))
+        with pytest.raises(QwenNPError, match=re.escape(message)):
+            load_model(folder)
+
+
+def qwen2_tokenizer_gguf(good: Path, out: Path, tokens: list[str] | None = None, merges: list[str] | None = None) -> Path:
+    """`good` with its tokenizer described only by tokenizer.ggml.* (pre "qwen2", no tokenizer.json), as
+    llama.cpp's converter writes Qwen's, so that qwen_np rebuilds the BPE from the token list and merges."""
+    reader = GGUFReader(good)
+    tokens = tokens or reader.get_field("tokenizer.ggml.tokens").contents()
+    merges = merges or reader.get_field("tokenizer.ggml.merges").contents()
+    return rewrite(good, out, metadata={"tokenizer.huggingface.json": None,
+                                        "tokenizer.ggml.pre": ("qwen2", GGUFValueType.STRING),
+                                        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
+                                        "tokenizer.ggml.merges": (merges, GGUFValueType.ARRAY)})
+
+
+def test_damaged_text_in_the_metadata_is_one_error_naming_the_key(good, tmp_path) -> None:
+    reader = GGUFReader(good)
+    embedded = reader.get_field("tokenizer.huggingface.json")
+    json_at = embedded.offset + sum(int(part.nbytes) for part in embedded.parts[:4])       # its first character
+    for offset, byte, message in (
+            (json_at + 100, 0xa2, "metadata key 'tokenizer.huggingface.json' is not valid UTF-8"),
+            (json_at + 100, ord("b"), "metadata key 'tokenizer.huggingface.json' is not a tokenizer.json tokenizers can read"),
+            (value_at(good, "tokenizer.ggml.tokens") + 12 + 8, 0xff, "metadata key 'tokenizer.ggml.tokens' is not valid UTF-8"),
+            (reader.get_field("general.architecture").offset + 8, 0xff,
+             "the name of metadata key #0 at byte 32 is not valid UTF-8")):
+        refused(patched(good, tmp_path / "bad.gguf", offset, bytes([byte])), message)
+    refused(rewrite(good, tmp_path / "template.gguf", metadata={"tokenizer.chat_template": ("{% if %}", GGUFValueType.STRING)}),
+            "metadata key 'tokenizer.chat_template' does not compile as a chat template (line 1: ")
+    tokens = reader.get_field("tokenizer.ggml.tokens").contents()
+    merges = reader.get_field("tokenizer.ggml.merges").contents()
+    assert read_tokenizer(qwen2_tokenizer_gguf(good, tmp_path / "qwen2.gguf")).encode("ROMEO: a word")   # it builds
+    refused(qwen2_tokenizer_gguf(good, tmp_path / "twice.gguf", tokens=[*tokens[:300], tokens[299], *tokens[301:]]),
+            f"tokenizer.ggml.tokens holds {tokens[299]!r} twice (ids 299 and 300)")
+    refused(qwen2_tokenizer_gguf(good, tmp_path / "merge.gguf", merges=["zzqx qqzx", *merges[1:]]),
+            "tokenizer.ggml.merges does not fit tokenizer.ggml.tokens (Error while initializing BPE: Token `zzqx` out of "
+            "vocabulary)")
+
+
+UNKNOWN_KEYS = {
+    "misspelt": ({"qwen3.rope.freq_base": None, "qwen3.rope.freq_basf": (1e6, GGUFValueType.FLOAT32)},
+                 "metadata key 'qwen3.rope.freq_basf' is not a qwen3 setting qwen_np knows"),
+    "rope scaling": ({"qwen3.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32)},
+                     "metadata key 'qwen3.rope.scaling.factor' is not a qwen3 setting qwen_np knows"),
+    "partial rope": ({"qwen3.rope.dimension_count": (8, GGUFValueType.UINT32)}, "qwen3.rope.dimension_count is 8, not 16"),
+    "vocab size": ({"qwen3.vocab_size": (4096, GGUFValueType.UINT32)}, "qwen3.vocab_size is 4096, not 2048"),
+}
+
+
+@pytest.mark.parametrize("case", UNKNOWN_KEYS)
+def test_a_qwen3_key_that_would_change_the_network_is_refused_not_ignored(good, tmp_path, case) -> None:
+    metadata, message = UNKNOWN_KEYS[case]
+    refused(rewrite(good, tmp_path / "bad.gguf", metadata=metadata), message)
+
+
+def test_the_known_keys_given_their_right_values_load(good, tmp_path) -> None:
+    path = rewrite(good, tmp_path / "keys.gguf", metadata={"qwen3.rope.dimension_count": (16, GGUFValueType.UINT32),
+                                                           "qwen3.vocab_size": (2048, GGUFValueType.UINT32)})
+    assert np.array_equal(logits(path), logits(good))
 
 
 def test_k_quants_are_dequantized_to_fp32_at_load_by_gguf(tmp_path) -> None:

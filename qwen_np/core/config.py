@@ -31,6 +31,10 @@ DIMENSIONS = {
 Shape = tuple[str, ...]   # a shape in those symbols, e.g. ("H*Dh", "D"); a bare integer string is a constant
 
 
+# The largest rms_norm_eps a config may hold: 100 times the largest of released models (1e-5; Qwen3: 1e-6).
+MAX_RMS_NORM_EPS = 1e-3
+
+
 @dataclass(frozen=True)
 class Qwen3Config:
     """The fields of config.json that change the forward pass (and a few that describe the model)."""
@@ -106,6 +110,12 @@ class Qwen3Config:
             raise QwenNPError(f"{source}: head_dim must be even for RoPE, got {self.head_dim}")
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise QwenNPError(f"{source}: rms_norm_eps and rope_theta must be positive")
+        # eps only keeps RMSNorm from dividing by zero: one near the activations' mean square would replace the
+        # normalization (1e30 makes every layer's output ~0). A RoPE base must be finite.
+        if not self.rms_norm_eps <= MAX_RMS_NORM_EPS:
+            raise QwenNPError(f"{source}: rms_norm_eps is {self.rms_norm_eps}; it must be at most {MAX_RMS_NORM_EPS}")
+        if not math.isfinite(self.rope_theta):
+            raise QwenNPError(f"{source}: rope_theta must be finite, got {self.rope_theta}")
 
 
 def id_list(ids: int | list[int] | None) -> list[int]:

@@ -145,15 +145,27 @@ class Checkpoint:
 
     def _check_layer_count(self) -> None:
         """config.json's layers must be the header's, checked before the tensors the config implies are
-        listed: a num_hidden_layers of 10^9 would list 11 x 10^9 names (and allocate a cache for them)."""
-        declared = 1 + max((int(match[1]) for name in self.tensors if (match := LAYER_INDEX.match(name))), default=-1)
-        if self.config.num_hidden_layers > declared:
-            missing = LAYER_TENSORS["input_layernorm"].name.format(i=declared)
-            raise QwenNPError(f"{self.folder / 'config.json'}: num_hidden_layers is {self.config.num_hidden_layers} but "
-                              f"the checkpoint's tensors hold {declared} layers (tensor {missing!r} is missing)")
+        listed: a num_hidden_layers of 10^9 would list 11 x 10^9 names (and allocate a cache for them), and
+        one below the checkpoint's would run the model without its last layers."""
+        layers = self.config.num_hidden_layers
+        held = 1 + max((int(match[1]) for name in self.tensors if (match := LAYER_INDEX.match(name))), default=-1)
+        where = f"{self.folder / 'config.json'}: num_hidden_layers is {layers} but the checkpoint's tensors hold {held} layers"
+        if layers > held:
+            raise QwenNPError(f"{where} (tensor {LAYER_TENSORS['input_layernorm'].name.format(i=held)!r} is missing)")
+        if layers < held:
+            extra = [name for name in self.tensors if (match := LAYER_INDEX.match(name)) and int(match[1]) >= layers]
+            raise QwenNPError(f"{where} ({len(extra)} tensors config.json does not account for, from {extra[0]!r})")
 
     def _check_against_config(self) -> None:
-        for name, shape in expected_tensors(self.config).items():
+        """Every tensor the config implies, with its shape and a dtype we read, and no other: transformers
+        only warns about unused weights, but a model run without some of its file's weights is not the
+        model the file holds."""
+        expected = expected_tensors(self.config)
+        extra = [name for name in self.tensors if name not in expected]
+        if extra:
+            raise QwenNPError(f"{self.folder}: {len(extra)} tensor(s) config.json does not account for, from "
+                              f"{extra[0]!r} (a Qwen3 of this config has no such tensor)")
+        for name, shape in expected.items():
             info = self.tensors.get(name)
             if info is None:
                 raise QwenNPError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")

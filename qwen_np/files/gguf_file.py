@@ -28,20 +28,24 @@ from __future__ import annotations
 import functools
 import json
 import math
+import mmap
 import os
+import re
+import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import gguf
+import jinja2
 import numpy as np
 import tokenizers
 from gguf import GGMLQuantizationType as GGML
-from gguf import GGUFReader, GGUFWriter, Keys, LlamaFileType, TokenType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType, TokenType
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
 from .checkpoint import Checkpoint, TensorInfo
-from ..core.config import MODEL_TENSORS, Qwen3Config, expected_tensors
+from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors
 from ..errors import QwenNPError
 from ..numbers.formats import FormatRows
 from ..numbers.numerics import Weight, upcast
@@ -66,19 +70,162 @@ END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>")
 
 # --- Reading -------------------------------------------------------------------------------------
 
-class _Reader(GGUFReader):
-    """gguf's reader with two changes, both through its internals (gguf >= 0.19):
+# Limits a file is held to before gguf's reader walks it. gguf trusts every count it reads and walks a
+# metadata array entry by entry in Python, reading past the end of the file as empty values: a corrupt
+# count had it loop for hours. So the layout is walked first with struct (no Python object per entry),
+# each count and length checked against the bytes left, each tensor placed as ggml's gguf.cpp places it.
+GGUF_VERSIONS = (2, 3)            # the versions gguf's reader and ggml read (version 1 is long gone)
+MAX_DIMS = 4                      # GGML_MAX_DIMS
+MAX_NAME_BYTES = 63               # GGML_MAX_NAME is 64 with the terminating NUL
+# gguf holds about 250 bytes of Python objects per string entry it parses; this bounds one array to about
+# 250 MB and a few seconds. A Qwen3 vocabulary is 151,936 tokens (and 151,387 merges).
+MAX_ARRAY_ENTRIES = 1 << 20
+SCALAR_BYTES: dict[int, int] = {int(kind): np.dtype(scalar).itemsize for kind, scalar in GGUFReader.gguf_scalar_to_np.items()}
+# The smallest key/value pair (a 1-byte key, its type, a 1-byte value) and tensor entry (a 1-byte name,
+# no dims, its type and offset): a count that many of could not fit in the bytes left is refused at once.
+MIN_KV_BYTES, MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 1, 8 + 1 + 4 + 4 + 8
 
-    * it parses a plain ndarray view of the file rather than the np.memmap itself: the reader slices
-      the map once or twice per string, and np.memmap's bookkeeping on every slice was 4/5 of parsing
-      Qwen3's 151,936 tokens and 151,387 merges (measured: 10.5 s -> 2.9 s on this machine);
-    * it checks that every tensor's data lies inside the file before building the tensors: on a
-      truncated file gguf fails with a bare NumPy error ("cannot reshape array of size 0 into shape
-      (32,64)") that names no tensor. Tensor-info fields are (name length, name, n_dims, dims, type, offset).
-    """
+
+class _Cursor:
+    """Reads a GGUF's little-endian fields in order, refusing any that would run past the end of the file."""
+
+    def __init__(self, path: Path, data: mmap.mmap) -> None:
+        self.path, self.data, self.offset = path, data, 0
+
+    def left(self) -> int:
+        return len(self.data) - self.offset
+
+    def skip(self, size: int, what: str) -> int:
+        """Step over `size` bytes of `what`; returns where they start."""
+        if size > self.left():
+            raise QwenNPError(f"{self.path}: {what} at byte {self.offset} takes {size} bytes but the file has "
+                              f"{self.left()} left (a truncated or corrupt GGUF file)")
+        self.offset += size
+        return self.offset - size
+
+    def number(self, fmt: str, what: str) -> int:
+        return int(struct.unpack_from(fmt, self.data, self.skip(struct.calcsize(fmt), what))[0])
+
+    def text(self, what: str) -> str:
+        """A length-prefixed UTF-8 string (a key or tensor name)."""
+        start = self.skip(self.number("<Q", f"the length of {what}"), what)
+        try:
+            return self.data[start:self.offset].decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise QwenNPError(f"{self.path}: {what} at byte {start} is not valid UTF-8 ({bad.reason})") from None
+
+    def strings(self, count: int, what: str) -> None:
+        """Step over `count` length-prefixed strings (a token list: one struct call each, no objects kept)."""
+        data, offset, end = self.data, self.offset, len(self.data)
+        for index in range(count):
+            if offset + 8 > end or (offset := offset + 8 + struct.unpack_from("<Q", data, offset)[0]) > end:
+                raise QwenNPError(f"{self.path}: entry {index} of {what} runs past the end of the file "
+                                  "(a truncated or corrupt GGUF file)")
+        self.offset = offset
+
+
+def _check_layout(path: Path, data: mmap.mmap) -> None:
+    """Walk the header, key/value pairs and tensor list as gguf's reader will, checking every count and
+    length first; then check the tensors' data as ggml does: each tensor starts where the one before it
+    ends (padded to the alignment), so no two share bytes and none runs past the end of the file."""
+    cursor = _Cursor(path, data)
+    if data[:4] != b"GGUF" or len(data) < 24:
+        raise QwenNPError(f"{path}: not a valid GGUF file (no GGUF magic and 24-byte header)")
+    cursor.skip(4, "the magic")
+    version = cursor.number("<I", "the version")
+    if version & 0xFFFF == 0:          # Checkpoint maps tensors as little-endian, as llama.cpp writes them
+        raise QwenNPError(f"{path}: a big-endian GGUF; qwen_np reads little-endian files (llama.cpp's default)")
+    if version not in GGUF_VERSIONS:
+        raise QwenNPError(f"{path}: GGUF version {version}; qwen_np reads versions {GGUF_VERSIONS}")
+    tensor_count, kv_count = cursor.number("<Q", "the tensor count"), cursor.number("<Q", "the key/value count")
+    if kv_count * MIN_KV_BYTES + tensor_count * MIN_TENSOR_INFO_BYTES > cursor.left():
+        raise QwenNPError(f"{path}: the header declares {kv_count} metadata keys and {tensor_count} tensors, more "
+                          f"than the {len(data)}-byte file can hold (a truncated or corrupt GGUF file)")
+    alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+    for index in range(kv_count):
+        key = cursor.text(f"the name of metadata key #{index}")
+        kind = cursor.number("<I", f"the type of metadata key {key!r}")
+        if key == Keys.General.ALIGNMENT and kind == GGUFValueType.UINT32:   # gguf refuses any other type
+            alignment = cursor.number("<I", f"metadata key {key!r}")
+            if alignment == 0 or alignment & (alignment - 1):
+                raise QwenNPError(f"{path}: {key} is {alignment}, not a power of two")
+        else:
+            _skip_value(cursor, key, kind)
+    tensors = [_tensor_span(cursor, index) for index in range(tensor_count)]
+    data_start, expected = -(-cursor.offset // alignment) * alignment, 0
+    for name, offset, size in tensors:
+        if offset != expected:
+            raise QwenNPError(f"{path}: tensor {name!r} has data offset {offset} where ggml expects {expected} (tensors "
+                              f"lie back to back in file order, each padded to {alignment} bytes: none may share bytes)")
+        if data_start + offset + size > len(data):
+            raise QwenNPError(f"{path}: tensor {name!r} runs to byte {data_start + offset + size}, past the end of the "
+                              f"{len(data)}-byte file (truncated?)")
+        expected += -(-size // alignment) * alignment
+
+
+def _skip_value(cursor: _Cursor, key: str, kind: int) -> None:
+    """Step over one metadata value of type `kind`; an array's count is checked before any entry is read."""
+    what = f"metadata key {key!r}"
+    if kind in SCALAR_BYTES:
+        cursor.skip(SCALAR_BYTES[kind], what)
+    elif kind == GGUFValueType.STRING:
+        cursor.skip(cursor.number("<Q", f"the length of {what}"), what)
+    elif kind == GGUFValueType.ARRAY:
+        item = cursor.number("<I", f"the entry type of {what}")
+        count = cursor.number("<Q", f"the entry count of {what}")
+        if count > MAX_ARRAY_ENTRIES:
+            raise QwenNPError(f"{cursor.path}: {what} declares {count} entries; qwen_np reads arrays of at most "
+                              f"{MAX_ARRAY_ENTRIES} (a truncated or corrupt GGUF file?)")
+        if item == GGUFValueType.STRING:
+            if 8 * count > cursor.left():       # each entry has at least its 8-byte length
+                raise QwenNPError(f"{cursor.path}: {what} declares {count} strings but only {cursor.left()} bytes "
+                                  "follow (a truncated or corrupt GGUF file)")
+            cursor.strings(count, what)
+        elif item in SCALAR_BYTES:
+            cursor.skip(count * SCALAR_BYTES[item], f"the {count} entries of {what}")
+        else:                                   # ggml's reader refuses arrays of arrays too
+            raise QwenNPError(f"{cursor.path}: {what} is an array of entry type {item}, which GGUF does not define")
+    else:
+        raise QwenNPError(f"{cursor.path}: {what} has value type {kind}, which GGUF does not define")
+
+
+def _tensor_span(cursor: _Cursor, index: int) -> tuple[str, int, int]:
+    """One tensor-info entry, checked as ggml's reader checks it: (name, data offset, bytes)."""
+    name = cursor.text(f"the name of tensor #{index}")
+    where = f"{cursor.path}: tensor {name!r}"
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise QwenNPError(f"{where}: its name is longer than ggml's {MAX_NAME_BYTES} bytes")
+    n_dims = cursor.number("<I", f"the dimension count of tensor {name!r}")
+    if n_dims > MAX_DIMS:
+        raise QwenNPError(f"{where}: {n_dims} dimensions (ggml has at most {MAX_DIMS})")
+    dims = [cursor.number("<Q", f"dimension {i} of tensor {name!r}") for i in range(n_dims)]
+    raw_type = cursor.number("<I", f"the type of tensor {name!r}")
+    try:
+        kind = GGML(raw_type)
+        block, type_bytes = gguf.GGML_QUANT_SIZES[kind]
+    except (ValueError, KeyError):
+        raise QwenNPError(f"{where}: unknown ggml type {raw_type}") from None
+    if math.prod(dims) >= 2 ** 63:            # ggml counts elements in an int64 (a dimension over 2^63 is negative)
+        raise QwenNPError(f"{where}: dimensions {dims} hold more elements than ggml can count")
+    if dims and dims[0] % block:
+        raise QwenNPError(f"{where}: rows of {dims[0]} values are not whole {kind.name} blocks of {block}")
+    offset = cursor.number("<Q", f"the data offset of tensor {name!r}")
+    return name, offset, math.prod(dims) * type_bytes // block
+
+
+class _Reader(GGUFReader):
+    """gguf's reader, run on a file whose layout _check_layout has checked, parsing a plain ndarray view of
+    the file rather than the np.memmap itself: the reader slices the map once or twice per string, and
+    np.memmap's bookkeeping on every slice was 4/5 of parsing Qwen3's 151,936 tokens and 151,387 merges
+    (measured: 10.5 s -> 2.9 s on this machine). Its data property is gguf's (>= 0.19) internal one."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        with open(path, "rb") as file:
+            if os.fstat(file.fileno()).st_size == 0:
+                raise QwenNPError(f"{path}: not a valid GGUF file (it is empty)")
+            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                _check_layout(path, data)
         super().__init__(path)
 
     @property                                   # type: ignore[override]
@@ -88,21 +235,6 @@ class _Reader(GGUFReader):
     @data.setter
     def data(self, mapped: np.memmap) -> None:
         self._bytes = mapped.view(np.ndarray)   # the same pages; the view keeps the map alive
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        for field in fields:
-            _, name_bytes, _, dims, raw_type, offset = field.parts
-            name = bytes(name_bytes).decode("utf-8", errors="replace")
-            try:
-                kind = GGML(int(raw_type[0]))
-            except ValueError:
-                raise ValueError(f"tensor {name!r} has unknown ggml type {int(raw_type[0])}") from None
-            block, type_bytes = gguf.GGML_QUANT_SIZES[kind]
-            end = start_offs + int(offset[0]) + math.prod(int(n) for n in dims) * type_bytes // block
-            if end > len(self.data):
-                raise ValueError(f"tensor {name!r} runs to byte {end}, past the end of the {len(self.data)}-byte "
-                                 "file (truncated?)")
-        super()._build_tensors(start_offs, fields)
 
 
 def open_reader(path: str | Path) -> _Reader:
@@ -115,14 +247,9 @@ def open_reader(path: str | Path) -> _Reader:
 @functools.lru_cache(maxsize=2)
 def _parse(path: Path, size: int, mtime_ns: int) -> _Reader:
     try:
-        reader = _Reader(path)
-    except IndexError:        # gguf indexed past the end of the mapped bytes
-        raise QwenNPError(f"{path}: truncated GGUF file (it ends inside its metadata or tensor list)") from None
-    except (ValueError, KeyError, OverflowError) as bad:
+        return _Reader(path)
+    except (ValueError, KeyError) as bad:       # what gguf checks itself: keys or tensor names given twice, ...
         raise QwenNPError(f"{path}: not a valid GGUF file ({bad})") from None
-    if reader.byte_order == "S":     # Checkpoint maps tensors as little-endian, as llama.cpp writes them
-        raise QwenNPError(f"{path}: a big-endian GGUF; qwen_np reads little-endian files (llama.cpp's default)")
-    return reader
 
 
 def _get(reader: _Reader, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -132,7 +259,10 @@ def _get(reader: _Reader, key: str, kind: type | tuple[type, ...], default: Any 
         if default is ...:
             raise QwenNPError(f"{reader.path}: metadata key {key!r} is missing")
         return default
-    value = field.contents()
+    try:
+        value = field.contents()
+    except UnicodeDecodeError as bad:           # GGUF strings are UTF-8; a flipped bit can break one
+        raise QwenNPError(f"{reader.path}: metadata key {key!r} is not valid UTF-8 ({bad})") from None
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
         raise QwenNPError(f"{reader.path}: metadata key {key!r} has the wrong type ({value!r:.60})")
     return value
@@ -142,29 +272,49 @@ def _arch(name: str) -> str:
     return name.format(arch=ARCHITECTURE)
 
 
+# Every qwen3.* key qwen_np knows: those read_config reads, and two it checks against them (vocab_size, the
+# token list's length; rope.dimension_count, head_dim: Qwen3 rotates whole heads). Any other key of the
+# architecture could change the network (RoPE scaling factors, a sliding window, ...), and a misspelt one
+# would leave its setting at a default: a file with one is refused rather than run without it.
+ARCH_KEYS = frozenset(_arch(key) for key in (
+    Keys.LLM.BLOCK_COUNT, Keys.LLM.CONTEXT_LENGTH, Keys.LLM.EMBEDDING_LENGTH, Keys.LLM.FEED_FORWARD_LENGTH,
+    Keys.LLM.VOCAB_SIZE, Keys.Attention.HEAD_COUNT, Keys.Attention.HEAD_COUNT_KV, Keys.Attention.KEY_LENGTH,
+    Keys.Attention.VALUE_LENGTH, Keys.Attention.LAYERNORM_RMS_EPS, Keys.Rope.FREQ_BASE, Keys.Rope.DIMENSION_COUNT,
+    Keys.Rope.SCALING_TYPE))
+LAYER_INDEX = re.compile(r"blk\.(\d+)\.")        # the N of a llama.cpp layer tensor name (blk.N.attn_q.weight)
+
+
 def read_config(path: str | Path) -> Qwen3Config:
-    """The Qwen3Config a GGUF's metadata describes (llama.cpp's convert_hf_to_gguf.py wrote it from config.json)."""
+    """The Qwen3Config a GGUF's metadata describes (llama.cpp's convert_hf_to_gguf.py wrote it from config.json),
+    checked against the tensors the file holds."""
     reader = open_reader(path)
     source = str(reader.path)
     architecture = _get(reader, Keys.General.ARCHITECTURE, str)
     if architecture != ARCHITECTURE:
         raise QwenNPError(f"{source}: general.architecture is {architecture!r}; qwen_np runs only dense "
                           f"{ARCHITECTURE!r} models (Qwen3-MoE, Qwen2, Llama and others are different networks)")
+    unknown = sorted(key for key in reader.fields if key.startswith(f"{ARCHITECTURE}.") and key not in ARCH_KEYS)
+    if unknown:
+        raise QwenNPError(f"{source}: metadata key {unknown[0]!r} is not a {ARCHITECTURE} setting qwen_np knows "
+                          "(it may change the network, so the file is refused rather than run without it)")
     scaling = _get(reader, _arch(Keys.Rope.SCALING_TYPE), str, "none")
     if scaling != "none":
         raise QwenNPError(f"{source}: {_arch(Keys.Rope.SCALING_TYPE)} is {scaling!r}; only default RoPE is supported")
     heads = _get(reader, _arch(Keys.Attention.HEAD_COUNT), int)
     hidden = _get(reader, _arch(Keys.LLM.EMBEDDING_LENGTH), int)
     head_dim = _get(reader, _arch(Keys.Attention.KEY_LENGTH), int, hidden // max(heads, 1))   # llama.cpp's default
-    if _get(reader, _arch(Keys.Attention.VALUE_LENGTH), int, head_dim) != head_dim:
-        raise QwenNPError(f"{source}: {_arch(Keys.Attention.VALUE_LENGTH)} differs from key_length; Qwen3 uses one head_dim")
     tokens = _get(reader, Keys.Tokenizer.LIST, list)
     eos = _end_of_generation(reader, tokens)
+    for key, value in ((Keys.Attention.VALUE_LENGTH, head_dim), (Keys.Rope.DIMENSION_COUNT, head_dim),
+                       (Keys.LLM.VOCAB_SIZE, len(tokens))):
+        if (given := _get(reader, _arch(key), int, value)) != value:
+            raise QwenNPError(f"{source}: {_arch(key)} is {given}, not {value} "
+                              "(Qwen3 has one head_dim for keys, values and RoPE, and a logit per token of the list)")
     config = Qwen3Config(
         vocab_size=len(tokens),
         hidden_size=hidden,
         intermediate_size=_get(reader, _arch(Keys.LLM.FEED_FORWARD_LENGTH), int),
-        num_hidden_layers=_get(reader, _arch(Keys.LLM.BLOCK_COUNT), int),
+        num_hidden_layers=_layer_count(reader),
         num_attention_heads=heads,
         num_key_value_heads=_get(reader, _arch(Keys.Attention.HEAD_COUNT_KV), int, heads),
         head_dim=head_dim,
@@ -172,7 +322,7 @@ def read_config(path: str | Path) -> Qwen3Config:
         rope_theta=_f32_decimal(_get(reader, _arch(Keys.Rope.FREQ_BASE), (int, float), 10000.0)),   # llama.cpp's default
         max_position_embeddings=_get(reader, _arch(Keys.LLM.CONTEXT_LENGTH), int),
         tie_word_embeddings=_gguf_name(MODEL_TENSORS["lm_head"].name) not in _tensors_by_name(reader),
-        bos_token_id=_get(reader, Keys.Tokenizer.BOS_ID, int, None),
+        bos_token_id=_token_id(reader, Keys.Tokenizer.BOS_ID, tokens),
         eos_token_id=eos[0] if len(eos) == 1 else eos or None,
         torch_dtype="float32",     # what a GGUF's weights compute in here, whatever they are stored as
     )
@@ -180,16 +330,44 @@ def read_config(path: str | Path) -> Qwen3Config:
     return config
 
 
+def _layer_count(reader: _Reader) -> int:
+    """block_count, which must be the number of layers the tensors hold (checked before anything lists a
+    layer's tensors: a block_count of 2^32 would have 11 x 2^32 names listed; one below the file's layers
+    would run the model without its last layers)."""
+    key = _arch(Keys.LLM.BLOCK_COUNT)
+    declared = _get(reader, key, int)
+    held = 1 + max((int(match[1]) for tensor in reader.tensors if (match := LAYER_INDEX.match(tensor.name))), default=-1)
+    if declared > held:
+        missing = _gguf_name(LAYER_TENSORS["input_layernorm"].name.format(i=held), held + 1)
+        raise QwenNPError(f"{reader.path}: {key} is {declared} but the file's tensors hold {held} layers "
+                          f"(tensor {missing!r} is missing)")
+    if declared < held:
+        extra = [tensor.name for tensor in reader.tensors
+                 if (match := LAYER_INDEX.match(tensor.name)) and int(match[1]) >= max(declared, 0)]
+        raise QwenNPError(f"{reader.path}: {key} is {declared} but the file holds tensors of {held} layers "
+                          f"({len(extra)} tensors the metadata does not account for, from {extra[0]!r})")
+    return declared
+
+
+def _token_id(reader: _Reader, key: str, tokens: list[str]) -> int | None:
+    """A token id key (absent: None), which must index the token list."""
+    token_id = _get(reader, key, int, None)
+    if token_id is not None and not 0 <= token_id < len(tokens):
+        raise QwenNPError(f"{reader.path}: {key} {token_id} is not a token id (the vocabulary has {len(tokens)})")
+    return token_id
+
+
 def _f32_decimal(value: float) -> float:
     """A float32 metadata value as the shortest decimal that rounds to it: GGUF stores eps, freq_base and
     the sampling settings as f32, so config.json's 1e-6 comes back as 9.999999974752427e-07 (the same
     float32, which is what the forward pass adds) and top_p 0.95 as 0.949999988; this gives 1e-06 and 0.95."""
-    return float(str(np.float32(value)))
+    with np.errstate(over="ignore"):            # a float64 value past float32's range becomes inf (config refuses it)
+        return float(str(np.float32(value)))
 
 
 def _end_of_generation(reader: _Reader, tokens: list[str]) -> list[int]:
     """eos_token_id (and an EOT id, if any), then the END_OF_GENERATION tokens the vocabulary has."""
-    ids = [_get(reader, key, int, None) for key in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID)]
+    ids = [_token_id(reader, key, tokens) for key in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID)]
     by_text = {token: i for i, token in enumerate(tokens) if token in END_OF_GENERATION}
     return list(dict.fromkeys([i for i in ids if i is not None] + [by_text[t] for t in END_OF_GENERATION if t in by_text]))
 
@@ -245,6 +423,13 @@ class GGUFCheckpoint(Checkpoint):
                 self._quantized[name] = tensor
             tensors[name] = TensorInfo(self.folder, name, dtype or "F32", shape, int(tensor.data_offset),
                                        int(tensor.n_bytes) if dtype else 4 * math.prod(shape))
+        # llama.cpp refuses a file with more tensors than its metadata implies; running without them would
+        # be running a different network than the file holds.
+        used = {_gguf_name(name, self.config.num_hidden_layers) for name in tensors}
+        extra = [name for name in stored if name not in used]
+        if extra:
+            raise QwenNPError(f"{self.folder}: {len(extra)} tensor(s) the metadata does not account for, from "
+                              f"{extra[0]!r} (a Qwen3 of this shape has no such tensor)")
         return tensors
 
     def dequantization_note(self) -> str | None:
@@ -314,7 +499,11 @@ def read_tokenizer(path: str | Path) -> Tokenizer:
     tokens = _get(reader, Keys.Tokenizer.LIST, list)
     embedded = _get(reader, Keys.Tokenizer.HF_JSON, str, None)
     if embedded is not None:
-        backend = tokenizers.Tokenizer.from_str(embedded)
+        try:
+            backend = tokenizers.Tokenizer.from_str(embedded)
+        except Exception as bad:                # the binding raises plain Exception for JSON and schema errors
+            raise QwenNPError(f"{source}: metadata key {Keys.Tokenizer.HF_JSON!r} is not a tokenizer.json "
+                              f"tokenizers can read ({_first_line(bad)})") from None
     else:
         model = _get(reader, Keys.Tokenizer.MODEL, str)
         pre = _get(reader, Keys.Tokenizer.PRE, str, None)
@@ -324,26 +513,39 @@ def read_tokenizer(path: str | Path) -> Tokenizer:
         types = _get(reader, Keys.Tokenizer.TOKEN_TYPE, list)
         if len(types) != len(tokens):
             raise QwenNPError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-        backend = _qwen2_backend(tokens, types, _get(reader, Keys.Tokenizer.MERGES, list))
+        backend = _qwen2_backend(source, tokens, types, _get(reader, Keys.Tokenizer.MERGES, list))
     names = {"bos_token": Keys.Tokenizer.BOS_ID, "eos_token": Keys.Tokenizer.EOS_ID, "pad_token": Keys.Tokenizer.PAD_ID}
-    special = {}
-    for name, key in names.items():
-        token_id = _get(reader, key, int, None)
-        if token_id is not None:
-            if not 0 <= token_id < len(tokens):
-                raise QwenNPError(f"{source}: {key} {token_id} is not a token id (the vocabulary has {len(tokens)})")
-            special[name] = tokens[token_id]
-    return Tokenizer(backend, special, _get(reader, Keys.Tokenizer.CHAT_TEMPLATE, str, None))
+    special = {name: tokens[token_id] for name, key in names.items()
+               if (token_id := _token_id(reader, key, tokens)) is not None}
+    try:
+        return Tokenizer(backend, special, _get(reader, Keys.Tokenizer.CHAT_TEMPLATE, str, None))
+    except jinja2.TemplateSyntaxError as bad:
+        raise QwenNPError(f"{source}: metadata key {Keys.Tokenizer.CHAT_TEMPLATE!r} does not compile as a chat "
+                          f"template (line {bad.lineno}: {bad.message})") from None
 
 
-def _qwen2_backend(tokens: list[str], types: list[int], merges: list[str]) -> tokenizers.Tokenizer:
+def _first_line(error: Exception) -> str:
+    """An exception's message as one line (a library's may span several)."""
+    return next(iter(str(error).splitlines()), type(error).__name__)
+
+
+def _qwen2_backend(source: Path, tokens: list[str], types: list[int], merges: list[str]) -> tokenizers.Tokenizer:
     """Qwen2's tokenizer.json, rebuilt: byte-level BPE, NFC (GGUF has no normalizer key, and Qwen's
     tokenizer.json applies NFC), Qwen2's split regex; CONTROL tokens become special added tokens,
-    USER_DEFINED ones plain added tokens (e.g. <think>), UNUSED padding ([PAD151669]...) is left out."""
-    vocab = {token: i for i, (token, kind) in enumerate(zip(tokens, types)) if kind != TokenType.UNUSED}
+    USER_DEFINED ones plain added tokens (e.g. <think>), UNUSED padding ([PAD151669]...) is left out. A token
+    listed twice or a merge of tokens not in the list is refused (the file is damaged, or not Qwen2's BPE)."""
+    vocab: dict[str, int] = {}
+    for i, (token, kind) in enumerate(zip(tokens, types)):
+        if kind != TokenType.UNUSED and vocab.setdefault(token, i) != i:
+            raise QwenNPError(f"{source}: {Keys.Tokenizer.LIST} holds {token!r} twice (ids {vocab[token]} and {i})")
     pairs = [(left, right) for left, _, right in (merge.partition(" ") for merge in merges)]
-    backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, dropout=None, unk_token=None, continuing_subword_prefix="",
-                                              end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    try:
+        bpe = models.BPE(vocab, pairs, dropout=None, unk_token=None, continuing_subword_prefix="",
+                         end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+    except Exception as bad:                    # the binding raises plain Exception ("Token `x` out of vocabulary")
+        raise QwenNPError(f"{source}: {Keys.Tokenizer.MERGES} does not fit {Keys.Tokenizer.LIST} "
+                          f"({_first_line(bad)})") from None
+    backend = tokenizers.Tokenizer(bpe)
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(tokenizers.Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
