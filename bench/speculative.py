@@ -117,9 +117,9 @@ def end_to_end(tokens: int, repeats: int, draft_tokens: int, lookup: int) -> Non
     print(f"   {'':<30} {'seconds':>8} {'tok/s':>7} {'speedup':>8} {'accepted':>9} {'tokens/step':>12} {'same text':>10}")
     for way in ways:
         median, totals = statistics.median(seconds[way]), counts[way]
-        rate = totals.acceptance_rate
+        rate = totals.counts.acceptance_rate
         print(f"   {way:<30} {median:>8.3f} {len(prompts) * tokens / median:>7.0f} {plain / median:>7.2f}x "
-              f"{'-' if rate is None else f'{rate:.0%}':>9} {totals.tokens_per_step or 0:>12.2f} "
+              f"{'-' if rate is None else f'{rate:.0%}':>9} {totals.counts.tokens_per_step(totals.new_tokens) or 0:>12.2f} "
               f"{str(outputs[way] == outputs['plain']):>10}", flush=True)
 
 
@@ -127,9 +127,7 @@ def _totals(stats: list[GenerationStats]) -> GenerationStats:
     total = GenerationStats()
     for one in stats:
         total.new_tokens += one.new_tokens
-        total.target_steps += one.target_steps
-        total.drafted_tokens += one.drafted_tokens
-        total.accepted_tokens += one.accepted_tokens
+        total.counts += one.counts
     return total
 
 

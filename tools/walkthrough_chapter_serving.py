@@ -188,7 +188,7 @@ def speculation_part(run: Run) -> str:
                                                        speculation=speculation)]
         claim(tokens == plain, "speculative greedy decoding writes plain greedy decoding's tokens")
         decode_steps = stats.counts.target_steps - 1                      # the first step is the prompt's prefill
-        rows.append(f"| {what} | {stats.drafted_tokens} | {stats.accepted_tokens} | {decode_steps} | "
+        rows.append(f"| {what} | {stats.counts.drafted_tokens} | {stats.counts.accepted_tokens} | {decode_steps} | "
                     f"{(SPECULATION_TOKENS - 1) / decode_steps:.2f} | yes |")
     table = "\n".join(rows)
     return f"""**Speculative decoding.** A decode step reads every weight to make one token; a forward pass over
