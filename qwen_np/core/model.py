@@ -174,13 +174,22 @@ class Qwen3Model:
                      list(caches), cos, sin)
 
     def _check_ids(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise QwenNPError(f"token_ids: expected a non-empty 1-D sequence of integers, got shape {ids.shape} {ids.dtype}")
-        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
-        if bad.size:
-            raise QwenNPError(f"token_ids: id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
-        return ids.astype(np.int64)
+        return check_token_ids(token_ids, self.config.vocab_size)
+
+
+def check_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int, name: str = "token_ids") -> np.ndarray:
+    """The ids as an int64 array [T], if they are a non-empty 1-D sequence of integers in [0, vocab_size): the
+    one check, for a forward pass and for a request before it joins a batch (whose forward pass a bad id would
+    fail for every row). `name`: the parameter they came in, for the error."""
+    ids = np.asarray(token_ids)
+    # bool is an int in Python, and an array of them would index the embedding table as a mask.
+    if (ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer)
+            or (not isinstance(token_ids, np.ndarray) and any(isinstance(t, (bool, np.bool_)) for t in token_ids))):
+        raise QwenNPError(f"{name}: expected a non-empty 1-D sequence of integers, got shape {ids.shape} {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise QwenNPError(f"{name}: id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+    return ids.astype(np.int64)
 
 
 def output_rows(rows: list[slice], last_only: bool, tails: Sequence[int] | None) -> list[int] | None:

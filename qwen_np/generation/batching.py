@@ -39,7 +39,7 @@ from ..errors import QwenNPError
 from .generate import Continuation, TokenEvent
 from ..engine.paged import BlockPool, PagedKVCache, blocks_for
 from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK
-from ..core.model import Qwen3Model
+from ..core.model import check_token_ids, Qwen3Model
 from ..core.sampling import SamplingParams
 from .speculative import NO_DRAFT, Draft, Drafter, Job, Speculation, propose_together
 from ..files.tokenizer import Tokenizer
@@ -140,13 +140,7 @@ class BatchGenerator:
         """Raise QwenNPError if `request` cannot run: no prompt, ids outside the vocabulary, no room for a
         new token, bad max_new_tokens, more positions than the whole pool. A bad id would fail the whole
         batch's forward pass, not its own row."""
-        if not request.prompt:
-            raise QwenNPError("prompt: no tokens")
-        vocab = self.model.config.vocab_size
-        # bool is an int in Python, and a NumPy array of them would index the embedding as a mask.
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab
-                   for t in request.prompt):
-            raise QwenNPError(f"prompt: token ids must be integers in [0, {vocab})")
+        check_token_ids(request.prompt, self.model.config.vocab_size, "prompt")
         if request.max_new_tokens < 1:
             raise QwenNPError(f"max_tokens: must be >= 1, got {request.max_new_tokens}")
         if len(request.prompt) + 1 > self.context:
