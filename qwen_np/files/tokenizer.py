@@ -234,12 +234,15 @@ def _normalize_messages(messages: list[Message]) -> list[Message]:
     """Prepare messages as transformers does before rendering.
 
     Keys whose value is None are dropped (templates handle a missing key but would print "None"),
-    and reasoning given as ``thinking``/``reasoning`` is also exposed as ``reasoning_content``,
-    the field Qwen3's template reads.
+    except the content of an assistant message that calls tools (OpenAI's `content: null` beside
+    `tool_calls`), which is no text: "" (Qwen3's template reads it as a string). Reasoning given as
+    ``thinking``/``reasoning`` is also exposed as ``reasoning_content``, the field Qwen3's template reads.
     """
     normalized = []
     for message in messages:
         message = {key: value for key, value in message.items() if value is not None}
+        if message.get("tool_calls") and "content" not in message:
+            message["content"] = ""
         reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
