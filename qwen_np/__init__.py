@@ -38,7 +38,7 @@ _PUBLIC = {
     "KVCache": "qwen_np.core.kv_cache", "PRESETS": "qwen_np.core.config", "Qwen3Config": "qwen_np.core.config",
     "Qwen3Model": "qwen_np.core.model", "load_config": "qwen_np.core.config", "parameter_count": "qwen_np.core.config",
     "preset": "qwen_np.core.config", "load_model": "qwen_np.engine.loading",
-    "loss_and_gradients": "qwen_np.training.step",
+    "loss_and_gradients": "qwen_np.training.step", "embed": "qwen_np.generation.embedding",
 }
 
 __all__ = sorted([*_PUBLIC, "QwenNPError"])

@@ -83,11 +83,13 @@ class Tokenizer:
         except jinja2.TemplateSyntaxError as exc:
             raise QwenNPError(f"{source}: chat template does not compile: {exc}") from exc
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; adds no special tokens, but matches added-token strings atomically."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; matches added-token strings atomically. Adds no special tokens unless
+        ``add_special_tokens``: then those of tokenizer.json's post-processor (Qwen3's adds none,
+        Qwen3-Embedding's appends <|endoftext|>, the token its embeddings are read at)."""
         # The binding's encode_batch releases the GIL while it works and encode holds it: a long text
         # tokenised on one thread (the server's workers) must not stop every other thread meanwhile.
-        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         # int() accepts NumPy integers, which the Rust binding rejects.
