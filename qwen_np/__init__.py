@@ -7,7 +7,8 @@ down this list's reverse: commands may import everything, numbers nothing of qwe
     numbers/     weight kinds (numerics) and number formats (formats)
     files/       checkpoints, GGUF files, the tokenizer and chat template, one opened model's files
     engine/      running it fast: threads, the memory plan, the fast twin, load_model
-    generation/  the decode loop, speculative decoding, continuous batching
+    generation/  the decode loop, speculative decoding, continuous batching, constrained decoding,
+                 log-probabilities, tool calls, embeddings
     training/    the backward pass, a training step, runs, data, evaluation
     precision/   the precision lab and its KL statistics
     inspection/  shapes, traces, lens, attention views, the machine's topology and bandwidth

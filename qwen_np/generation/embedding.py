@@ -1,6 +1,7 @@
 """Embeddings: one unit vector per text, as Qwen3-Embedding defines them.
 
     from qwen_np import embed, load_model
+    from qwen_np.files.checkpoint import resolve_model_path
     from qwen_np.files.model_files import read_tokenizer
 
     folder = resolve_model_path("Qwen/Qwen3-Embedding-0.6B")
