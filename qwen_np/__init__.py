@@ -7,7 +7,8 @@ down this list's reverse: commands may import everything, numbers nothing of qwe
     numbers/     weight kinds (numerics) and number formats (formats)
     files/       checkpoints, GGUF files, the tokenizer and chat template, one opened model's files
     engine/      running it fast: threads, the memory plan, the fast twin, load_model
-    generation/  the decode loop, speculative decoding, continuous batching
+    generation/  the decode loop, speculative decoding, continuous batching, constrained decoding,
+                 log-probabilities, tool calls, embeddings
     training/    the backward pass, a training step, runs, data, evaluation
     precision/   the precision lab and its KL statistics
     inspection/  shapes, traces, lens, attention views, the machine's topology and bandwidth
@@ -38,7 +39,7 @@ _PUBLIC = {
     "KVCache": "qwen_np.core.kv_cache", "PRESETS": "qwen_np.core.config", "Qwen3Config": "qwen_np.core.config",
     "Qwen3Model": "qwen_np.core.model", "load_config": "qwen_np.core.config", "parameter_count": "qwen_np.core.config",
     "preset": "qwen_np.core.config", "load_model": "qwen_np.engine.loading",
-    "loss_and_gradients": "qwen_np.training.step",
+    "loss_and_gradients": "qwen_np.training.step", "embed": "qwen_np.generation.embedding",
 }
 
 __all__ = sorted([*_PUBLIC, "QwenNPError"])

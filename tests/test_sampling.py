@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from qwen_np.errors import QwenNPError
-from qwen_np.core.sampling import (SamplingParams, apply_presence_penalty, apply_repetition_penalty, draw, min_p_filter,
-                                   next_token, softmax, top_k_filter, top_p_filter, warp)
+from qwen_np.core.sampling import (SamplingParams, apply_frequency_penalty, apply_logit_bias, apply_mask,
+                                   apply_presence_penalty, apply_repetition_penalty, draw, min_p_filter, next_token, pick,
+                                   processed_logits, softmax, top_k_filter, top_p_filter, warp)
 
 V = 1000
 
@@ -209,3 +210,55 @@ def test_draw_at_the_top_of_the_unit_interval_stays_on_a_kept_token() -> None:
 
     logits = np.array([0.0, 1.0, -np.inf, -np.inf], dtype=np.float32)
     assert draw(logits, HighestUniform()) == 1
+
+
+# --- OpenAI's sampling fields: frequency penalty, logit bias; the grammar mask's place in the order ---
+
+def test_frequency_and_presence_penalties_are_openais_definition() -> None:
+    """logit[j] -= count[j] * frequency + (count[j] > 0) * presence, counting generated tokens only."""
+    logits = np.array([2.0, -2.0, 1.0, -1.0, 0.0], dtype=np.float32)
+    generated = [2, 2, 2, 3, 0]
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25)
+    counts = np.bincount(generated, minlength=5)
+    expected = logits - counts * 0.25 - (counts > 0) * 0.5
+    np.testing.assert_allclose(processed_logits(logits, params, [4, 4, *generated], generated), expected, rtol=1e-6)
+    np.testing.assert_array_equal(apply_frequency_penalty(logits, [], 0.25), logits)
+    np.testing.assert_array_equal(logits, [2.0, -2.0, 1.0, -1.0, 0.0]), "the input is not modified"
+
+
+def test_logit_bias_adds_to_the_listed_tokens_and_minus_100_bans_one() -> None:
+    logits = np.array([5.0, 1.0, 0.0], dtype=np.float32)
+    np.testing.assert_array_equal(apply_logit_bias(logits, ((0, -3.0), (2, 1.5))), [2.0, 1.0, 1.5])
+    banned = SamplingParams(temperature=1.0, logit_bias={0: -100})
+    rng = np.random.default_rng(0)
+    assert 0 not in {next_token(logits, banned, rng, [], []) for _ in range(200)}
+    assert next_token(logits, SamplingParams(temperature=0, logit_bias={2: 100}), rng, [], []) == 2
+
+
+def test_logit_bias_is_held_sorted_and_hashable_and_bad_entries_name_the_flag() -> None:
+    params = SamplingParams(logit_bias={7: 1, 3: -2.5})
+    assert params.logit_bias == ((3, -2.5), (7, 1.0)) and hash(params) == hash(SamplingParams(logit_bias=((7, 1), (3, -2.5))))
+    for bad in ({-1: 1.0}, {"5": 1.0}, {5: 101}, {5: float("nan")}, {True: 1.0}):
+        with pytest.raises(QwenNPError, match="^--logit-bias: "):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(QwenNPError, match=r"^--logit-bias: token id 1000 is outside the vocabulary \[0, 1000\)"):
+        next_token(random_logits(0), SamplingParams(logit_bias={1000: 1.0}), np.random.default_rng(0), [], [])
+    with pytest.raises(QwenNPError, match="^--frequency-penalty: must be a finite number"):
+        SamplingParams(frequency_penalty=float("inf"))
+
+
+def test_the_grammar_mask_comes_before_the_filters_so_they_keep_only_allowed_tokens() -> None:
+    logits = random_logits(3)
+    allowed = np.zeros(V, dtype=bool)
+    allowed[[10, 20, 30]] = True
+    best = max((10, 20, 30), key=lambda i: logits[i])
+    # top-k 1 and a tiny top-p would keep only the overall favourite, were they applied before the mask.
+    for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.7, top_p=0.01),
+                   SamplingParams(temperature=0)):
+        processed = processed_logits(logits, params, [], [], allowed)
+        assert set(np.flatnonzero(np.isfinite(processed))) <= {10, 20, 30}
+        assert pick(processed, params, np.random.default_rng(0)) == best
+    rng = np.random.default_rng(1)
+    sampled = {pick(processed_logits(logits, SamplingParams(), [], [], allowed), SamplingParams(), rng) for _ in range(300)}
+    assert sampled == {10, 20, 30}
+    np.testing.assert_array_equal(apply_mask(logits, None), logits)

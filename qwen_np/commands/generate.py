@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ..generation.batching import BatchGenerator, Request
 from ..engine.paged import BlockPool, blocks_for
@@ -33,6 +33,9 @@ from ..core.sampling import SamplingParams
 from ..generation.speculative import Speculation, SpeculationCounts
 from ..files.tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer, split_thinking
 from . import EXIT_INTERRUPTED, common
+
+if TYPE_CHECKING:
+    from ..generation.constraints import Grammar
 
 BUNDLED_NOTICE = ("note: using the bundled model, a tiny Qwen3 that qwen_np trained on Shakespeare's plays: it continues "
                   "text in their style and knows nothing else; for real answers pass --model with a hub id "
@@ -67,6 +70,7 @@ def generate_parser(gen: argparse.ArgumentParser) -> None:
                           "usage, timings, seed")
     _add_model_flags(gen)
     _add_generation_flags(gen)
+    _add_grammar_flags(gen)
     common.add_context(gen, "KV cache positions, prompt and reply together (with several prompts, the longest's)")
     gen.add_argument("--no-chat", action="store_true",
                      help="plain completion: feed PROMPT as is, without the chat template")
@@ -133,6 +137,17 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", metavar="TEXT", help="a system prompt placed before the first user message")
     parser.add_argument("--hide-think", action="store_true",
                         help="Qwen3 still thinks, but stdout shows only the answer after </think> (for scripts)")
+
+
+def _add_grammar_flags(parser: argparse.ArgumentParser) -> None:
+    constrained = parser.add_mutually_exclusive_group()
+    constrained.add_argument("--json-schema", metavar="FILE",
+                             help="constrain the reply to JSON valid against the JSON Schema in FILE (tokens that would "
+                                  "break it are never sampled); stdout shows only the answer, not Qwen3's thinking "
+                                  "(needs llguidance: pip install 'qwen_np[constraints]')")
+    constrained.add_argument("--grammar", metavar="FILE",
+                             help="constrain the reply to the grammar in FILE: Lark (start: ...) or GBNF, llama.cpp's "
+                                  "(root ::= ...); stdout shows only the answer, as --json-schema")
 
 
 def _add_inspection_flags(parser: argparse.ArgumentParser) -> None:
@@ -321,7 +336,8 @@ def run_generate(args: argparse.Namespace) -> int:
     stats, name = GenerationStats(), args.model or common.BUNDLED_NAME
     if explicit["seed"] is None:              # drawn here, so that the stats line can say which it was
         explicit["seed"] = stats.seed = secrets.randbelow(2 ** 31)
-    writer = ReplyWriter(sys.stdout, hide_think=args.hide_think)
+    hide_think = args.hide_think or bool(args.json_schema or args.grammar)    # stdout: the constrained answer
+    writer = ReplyWriter(sys.stdout, hide_think=hide_think)
     replies: list[PromptReply] = []
     try:
         started = time.perf_counter()
@@ -341,6 +357,7 @@ def run_generate(args: argparse.Namespace) -> int:
         trace = _tracer(args, opened.config)
         attention = _parse_attention(args.attention, opened.config) if args.attention else None
         draft = common.check_speculation(args, opened.config, opened.tokenizer)
+        grammar = _grammar(args, opened, thinking=chat and args.think is not False)
         if not (chat or args.no_chat):      # no template: said only now that every input has been checked
             if not args.quiet:
                 print(NO_CHAT_TEMPLATE_NOTICE, file=sys.stderr)
@@ -355,13 +372,14 @@ def run_generate(args: argparse.Namespace) -> int:
             replies.append(PromptReply(len(ids[0]), params.seed))
             for event in generate(model, opened.tokenizer, ids[0], params, max_new_tokens, stop=args.stop,
                                   eos_token_ids=opened.defaults.eos_token_ids, trace=trace, stats=stats,
-                                  kv_dtype=args.kv_dtype, speculation=speculation):
+                                  kv_dtype=args.kv_dtype, speculation=speculation, grammar=grammar):
                 replies[0].add(event, None if args.json else writer)
             replies[0].prefill_seconds, replies[0].decode_seconds = stats.prefill_seconds, stats.decode_seconds
             replies[0].count(stats.counts, speculation)
         else:
             check_weights_finite(model)      # generate() checks every step's logits; the batch does not
-            replies = _generate_batch(model, opened, ids, params, max_new_tokens, args, writer, stats, speculation)
+            replies = _generate_batch(model, opened, ids, params, max_new_tokens, args, writer, stats, speculation,
+                                      grammar)
     except KeyboardInterrupt:
         stats.finish_reason = "interrupted"
     writer.end()
@@ -370,9 +388,28 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"generated ids: {reply.token_ids}", file=sys.stderr)
     if args.json:
         for text, reply in zip(prompts, replies):
-            print(json.dumps(reply.as_json(text, stats.load_seconds, args.hide_think), ensure_ascii=False))
+            print(json.dumps(reply.as_json(text, stats.load_seconds, hide_think), ensure_ascii=False))
     print(stats.summary(name), file=sys.stderr)
     return EXIT_INTERRUPTED if stats.finish_reason == "interrupted" else 0
+
+
+def _grammar(args: argparse.Namespace, opened: Opened, thinking: bool) -> Grammar | None:
+    """The grammar of --json-schema FILE or --grammar FILE (None without either); thinking: Qwen3 may think
+    first (the chat template lets it), the grammar then holding the answer after its think block."""
+    flag, name = ("--json-schema", args.json_schema) if args.json_schema else ("--grammar", args.grammar)
+    if not name:
+        return None
+    from ..generation import constraints       # llguidance, an optional package, loads only when asked for
+    try:
+        text = Path(name).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise QwenNPError(f"{flag} {name}: not UTF-8 text") from None
+    except OSError as error:
+        raise QwenNPError(f"{flag} {name}: {error.strerror}") from None
+    vocab = constraints.vocabulary(opened.tokenizer, opened.config.vocab_size, opened.defaults.eos_token_ids)
+    if flag == "--json-schema":
+        return constraints.json_schema_grammar(text, vocab, thinking=thinking, where=f"{flag} {name}")
+    return constraints.text_grammar(text, vocab, thinking=thinking, where=f"{flag} {name}")
 
 
 def _renders_chat(args: argparse.Namespace, opened: Opened) -> bool:
@@ -426,7 +463,7 @@ class PromptReply:
 
 def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], params: SamplingParams,
                     max_new_tokens: int, args: argparse.Namespace, writer: ReplyWriter,
-                    stats: GenerationStats, speculation: Speculation | None) -> list[PromptReply]:
+                    stats: GenerationStats, speculation: Speculation | None, grammar: Grammar | None) -> list[PromptReply]:
     """Several prompts as one batch (batching.BatchGenerator). Each reply prints when those before it
     have: the first streams live, the others show what they have so far when their turn comes."""
     context = model.config.max_position_embeddings
@@ -435,7 +472,7 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
     generator = BatchGenerator(model, opened.tokenizer, eos_token_ids=opened.defaults.eos_token_ids,
                                max_batch=len(ids), pool=pool, speculation=speculation)
     seeds = [None if params.seed is None else params.seed + i for i in range(len(ids))]
-    rows = [generator.submit(Request(one, replace(params, seed=seed), max_new_tokens, args.stop))
+    rows = [generator.submit(Request(one, replace(params, seed=seed), max_new_tokens, args.stop, grammar))
             for one, seed in zip(ids, seeds)]
     replies = [PromptReply(len(one), seed) for one, seed in zip(ids, seeds)]
     started, shown = time.perf_counter(), 0

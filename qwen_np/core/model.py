@@ -5,7 +5,8 @@
       -> L x decoder layer:
            x = x + attention(input_layernorm(x))       q/k/v proj, per-head q/k RMSNorm, RoPE, GQA
            x = x + swiglu(post_attention_layernorm(x))
-      -> norm -> lm_head                                [T, V] logits at every position
+      -> norm                                           [T, D] hidden states (an embedding model's output)
+      -> lm_head                                        [T, V] logits at every position
 
 The KV cache (kv_cache.py) keeps the post-RoPE keys and the values of every position seen so far, so
 a decode step only computes the new token's q/k/v and attends over the cache instead of re-running
@@ -75,16 +76,30 @@ class Qwen3Model:
     fast = False
 
     def __init__(self, config: Qwen3Config, embed_tokens: Weight, decoder_layers: list[LayerWeights],
-                 norm: np.ndarray, lm_head: Weight, plan: Any = None) -> None:
+                 norm: np.ndarray, lm_head: Weight | None, plan: Any = None) -> None:
         self.config = config
         self.embed_tokens = embed_tokens      # [V, D]
         self.layers = decoder_layers          # L x LayerWeights
         self.norm = norm                      # [D]
-        self.lm_head = lm_head                # [V, D]; the same array as embed_tokens when tied
+        # [V, D]; the same array as embed_tokens when tied; None for a checkpoint without one (an embedding
+        # model such as Qwen3-Embedding: a bare Qwen3Model), which only runs with head=False.
+        self._lm_head = lm_head
         # How load_model holds the weights (memory.MemoryPlan; None for a model built by hand). The network never
         # reads it, so it is typed loosely: the network does not import the planner above it.
         self.plan = plan
         self.inv_freq = layers.rope_inverse_frequencies(config.head_dim, config.rope_theta)   # [Dh/2]
+
+    @property
+    def lm_head(self) -> Weight:
+        """The LM head [V, D]; raises for a checkpoint without one (has_head)."""
+        if self._lm_head is None:
+            raise QwenNPError("forward: this checkpoint has no LM head (lm_head.weight; an embedding model such as "
+                              "Qwen3-Embedding): it gives embeddings (qwen_np.embed), not next-token logits")
+        return self._lm_head
+
+    @property
+    def has_head(self) -> bool:
+        return self._lm_head is not None
 
     def new_cache(self, max_tokens: int, dtype: str = "fp32") -> SequenceCache:
         """An empty KV cache for up to `max_tokens` positions, stored as `dtype` (kv_cache.KV_DTYPES)."""
@@ -103,14 +118,17 @@ class Qwen3Model:
 
     def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],
                       trace: Trace | None = None, last_only: bool = False,
-                      tails: Sequence[int] | None = None) -> np.ndarray:
+                      tails: Sequence[int] | None = None, head: bool = True) -> np.ndarray:
         """`forward` for B sequences at once: sequence b's tokens continue caches[b] (or start at
         position 0 when it is None). Logits [T, V] for the T tokens of all sequences, one sequence
         after another; with `last_only`, [B, V]: each sequence's last position; with `tails`, the last
         tails[b] positions of each sequence b, one after another (a speculative row verifies several).
+        head=False: the final norm's output [..., D] at those positions instead of logits, the LM head
+        left out (what an embedding model such as Qwen3-Embedding gives).
 
         Each sequence gets the logits it would get alone (up to the rounding of BLAS sums).
         """
+        head_weight = self.lm_head if head else None       # raises now, before any work, if there is none
         batch = self.pack(token_ids, caches)
         t = Notes(trace or layers.ignore, "")
 
@@ -121,8 +139,11 @@ class Qwen3Model:
         picked = output_rows(batch.rows, last_only, tails)  # the rows whose logits are asked for (None: all)
         if picked is not None:
             x = x[picked]                                                              # [B, D] or [sum(tails), D]
-        logits = t("lm_head", layers.linear(x, self.lm_head))                          # [T, V]
         advance(caches, batch.ids, batch.rows)
+        if head_weight is None:                             # head=False: the final norm's output [T, D]
+            return x
+        logits = t("lm_head", layers.linear(x, head_weight))                           # [T, V]
+        return logits
         return logits
 
     def decoder_layer(self, i: int, x: np.ndarray, batch: Batch, note: Trace) -> np.ndarray:

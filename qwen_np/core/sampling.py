@@ -3,7 +3,8 @@
 Each step is a small pure function on a logits vector [V] and follows transformers'
 semantics (generation/logits_process.py), applied in transformers' order:
 
-    repetition penalty -> presence penalty -> temperature -> top-k -> top-p -> min-p -> draw
+    repetition penalty -> presence and frequency penalties -> logit bias -> grammar mask
+        -> temperature -> top-k -> top-p -> min-p -> draw
 
 * repetition_penalty (HF RepetitionPenaltyLogitsProcessor): for every token already in the
   context, prompt included as HF does, a positive logit is divided by the penalty and a
@@ -11,6 +12,14 @@ semantics (generation/logits_process.py), applied in transformers' order:
 * presence_penalty (OpenAI / vLLM; transformers has none): subtract the penalty once from the
   logit of every token the model has *generated* so far. The prompt is not counted, as in vLLM,
   so a long prompt does not push the model away from the words it asks about. 0.0 disables it.
+* frequency_penalty (OpenAI / vLLM): subtract the penalty times the number of times a token has been
+  generated so far (prompt not counted). Together with presence this is OpenAI's definition,
+  logit[j] -= count[j] * frequency + (count[j] > 0) * presence. 0.0 disables it.
+* logit_bias (OpenAI): a number in [-100, 100] added to the logit of each listed token id, after the
+  penalties; -100 in practice bans a token, +100 makes it near-certain.
+* the grammar mask (constrained decoding, generation/constraints.py supplies it): every token the
+  grammar forbids gets -inf. It comes after everything that changes values and before every filter,
+  so top-k/top-p/min-p choose among allowed tokens only and can never keep only forbidden ones.
 * temperature divides the logits; 0 means greedy: the argmax of the penalised logits (HF's
   do_sample=False, which still applies the repetition penalty). Warpers are skipped then.
 * top-k keeps every token scoring at least the k-th highest logit (ties kept, as in HF); 0 disables.
@@ -26,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -48,6 +57,10 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # token id -> bias, held as sorted (id, bias) pairs so that the frozen dataclass stays hashable (a
+    # dict given here is converted).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -60,6 +73,7 @@ class SamplingParams:
             ("--repetition-penalty", self.repetition_penalty, self.repetition_penalty >= MIN_DIVISOR,
              f"a number >= {MIN_DIVISOR} (1 = off)"),
             ("--presence-penalty", self.presence_penalty, True, "a finite number (0 = off)"),
+            ("--frequency-penalty", self.frequency_penalty, True, "a finite number (0 = off)"),
         ]
         for flag, value, ok, rule in checks:
             # `not ok` alone would let NaN through every comparison above; inf is no setting either.
@@ -67,10 +81,24 @@ class SamplingParams:
                 raise QwenNPError(f"{flag}: must be {rule}, got {value}")
         if self.seed is not None and self.seed < 0:
             raise QwenNPError(f"--seed: must be >= 0, got {self.seed}")
+        object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _checked_bias(bias: Iterable[tuple[int, float]] | Mapping[int, float]) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, each id an integer >= 0 and each bias in [-100, 100]."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    checked = {}
+    for token, value in pairs:
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
+            raise QwenNPError(f"--logit-bias: token ids must be integers >= 0, got {token!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not -100 <= value <= 100:
+            raise QwenNPError(f"--logit-bias: the bias of token {token} must be a number in [-100, 100], got {value!r}")
+        checked[int(token)] = float(value)
+    return tuple(sorted(checked.items()))
 
 
 def apply_repetition_penalty(logits: np.ndarray, context_ids: Sequence[int], penalty: float) -> np.ndarray:
@@ -91,6 +119,36 @@ def apply_presence_penalty(logits: np.ndarray, generated_ids: Sequence[int], pen
     out = logits.copy()
     out[np.unique(np.asarray(generated_ids, dtype=np.int64))] -= penalty
     return out
+
+
+def apply_frequency_penalty(logits: np.ndarray, generated_ids: Sequence[int], penalty: float) -> np.ndarray:
+    """Subtract `penalty` from every token's logit once per time it occurs in the generated ids."""
+    if penalty == 0.0 or len(generated_ids) == 0:
+        return logits
+    ids, counts = np.unique(np.asarray(generated_ids, dtype=np.int64), return_counts=True)
+    out = logits.copy()
+    out[ids] -= (counts * penalty).astype(out.dtype)
+    return out
+
+
+def apply_logit_bias(logits: np.ndarray, bias: Sequence[tuple[int, float]]) -> np.ndarray:
+    """Add each (token id, bias) pair's bias to that token's logit."""
+    if not bias:
+        return logits
+    ids = np.array([token for token, _ in bias], dtype=np.int64)
+    if ids[-1] >= logits.size:                     # sorted: the largest id is the last
+        raise QwenNPError(f"--logit-bias: token id {int(ids[-1])} is outside the vocabulary [0, {logits.size})")
+    out = logits.copy()
+    out[ids] += np.array([value for _, value in bias], dtype=out.dtype)
+    return out
+
+
+def apply_mask(logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """Constrained decoding's one step: every token not `allowed` (bool [V]; None: all are) gets -inf,
+    so a draw gives it exactly zero probability and greedy never takes it."""
+    if allowed is None:
+        return logits
+    return np.where(allowed, logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
 
 
 def apply_temperature(logits: np.ndarray, temperature: float) -> np.ndarray:
@@ -154,8 +212,8 @@ def require_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarr
     if not np.isfinite(np.max(logits)):
         raise QwenNPError(f"sampling: the next token's logits are not finite after the penalties and temperature "
                           f"(temperature {params.temperature}, repetition penalty {params.repetition_penalty}, "
-                          f"presence penalty {params.presence_penalty}): choose settings nearer 1, 1 and 0, or check "
-                          "the model's weights")
+                          f"presence penalty {params.presence_penalty}, frequency penalty {params.frequency_penalty}): "
+                          "choose settings nearer 1, 1, 0 and 0, or check the model's weights")
     return logits
 
 
@@ -176,18 +234,22 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def processed_logits(logits: np.ndarray, params: SamplingParams, context_ids: Sequence[int],
-                     generated_ids: Sequence[int]) -> np.ndarray:
-    """One position's logits [V] as the sampler sees them: penalised, then (unless greedy) warped; a draw
-    samples from their softmax, greedy takes their argmax. Raises QwenNPError when they make no distribution.
+                     generated_ids: Sequence[int], allowed: np.ndarray | None = None) -> np.ndarray:
+    """One position's logits [V] as the sampler sees them: penalised, biased, masked, then (unless greedy)
+    warped; a draw samples from their softmax, greedy takes their argmax. Raises QwenNPError when they
+    make no distribution.
 
     context_ids: every token of the sequence so far (prompt + generated), for the repetition penalty;
-    generated_ids: only the generated ones, for the presence penalty.
+    generated_ids: only the generated ones, for the presence and frequency penalties; allowed: the
+    tokens a grammar allows next (bool [V]), None when unconstrained.
     """
     # Overflow to inf is caught as an error (require_distribution), so NumPy's warnings about it would
     # only repeat it, less clearly.
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         logits = apply_repetition_penalty(logits, context_ids, params.repetition_penalty)
         logits = apply_presence_penalty(logits, generated_ids, params.presence_penalty)
+        logits = apply_frequency_penalty(logits, generated_ids, params.frequency_penalty)
+        logits = apply_mask(apply_logit_bias(logits, params.logit_bias), allowed)
         return require_distribution(logits, params) if params.greedy else warp(logits, params)
 
 

@@ -299,7 +299,7 @@ class FastQwen3Model(Qwen3Model):
     fast = True
 
     def __init__(self, config: Qwen3Config, embed_tokens: Weight, decoder_layers: list[LayerWeights],
-                 norm: np.ndarray, lm_head: Weight, plan: MemoryPlan | None = None) -> None:
+                 norm: np.ndarray, lm_head: Weight | None, plan: MemoryPlan | None = None) -> None:
         super().__init__(config, embed_tokens, decoder_layers, norm, lm_head, plan)
         self._decode_buffers = threading.local()              # .by_size: {T: _Buffers}, per thread
         self._fused: list[_Fused | None] = [None] * len(self.layers)
@@ -318,11 +318,13 @@ class FastQwen3Model(Qwen3Model):
 
     def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],
                       trace: Trace | None = None, last_only: bool = False,
-                      tails: Sequence[int] | None = None) -> np.ndarray:
+                      tails: Sequence[int] | None = None, head: bool = True) -> np.ndarray:
         """Qwen3Model.forward_batch (and so forward): logits [T, V] ([B, V] if last_only, the last tails[b]
-        rows of each sequence with tails). A traced call runs the readable path."""
+        rows of each sequence with tails); the final norm's output [..., D] there with head=False. A traced
+        call runs the readable path."""
         if trace is not None:
-            return super().forward_batch(token_ids, caches, trace, last_only, tails)
+            return super().forward_batch(token_ids, caches, trace, last_only, tails, head)
+        head_weight = self.lm_head if head else None       # raises now, before any work, if there is none
         batch = self.pack(token_ids, caches)
         ids, positions, rows, cos, sin = batch.ids, batch.positions, batch.rows, batch.cos, batch.sin
         picked = output_rows(rows, last_only, tails)           # checked before any work
@@ -344,10 +346,13 @@ class FastQwen3Model(Qwen3Model):
                 self._layer(i, weights, x, positions, rows, cos, sin, caches, buffers, parts)
             _rms_norm(x, self.norm, config.rms_norm_eps, out=buffers.h)
             h = buffers.h if picked is None else buffers.h[picked]
+            if head_weight is None:
+                advance(caches, ids, rows)
+                return h.copy() if picked is None else h      # buffers.h is reused by the next call
             # A prefill's last rows of a few sequences: a small product, split like a decode step's.
             head_blas = runtime.single_threaded_blas() if few_rows(len(h)) and not streamed else nullcontext()
             with head_blas:
-                logits = linear(h, self.lm_head, np.empty((len(h), config.vocab_size), np.float32))
+                logits = linear(h, head_weight, np.empty((len(h), config.vocab_size), np.float32))
         advance(caches, ids, rows)
         return logits
 
@@ -363,7 +368,8 @@ class FastQwen3Model(Qwen3Model):
 
     def _streams_weights(self) -> bool:
         """Whether any matrix is kept as stored (BF16/F16) or int8, and so is upcast block by block on use."""
-        matrices = [self.lm_head, *(getattr(w, name) for w in self.layers for name in LAYER_MATRICES)]
+        matrices = [*([self.lm_head] if self.has_head else []),
+                    *(getattr(w, name) for w in self.layers for name in LAYER_MATRICES)]
         return not all(isinstance(m, np.ndarray) for m in matrices)
 
     def _layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],

@@ -97,7 +97,10 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
         weights.update(zip(LAYER_MATRICES, matrices([names[key] for key in LAYER_MATRICES])))
         decoder_layers.append(LayerWeights(**weights))
     embed_tokens, = matrices([MODEL_TENSORS["embed_tokens"].name])
-    lm_head = embed_tokens if config.tie_word_embeddings else matrices([MODEL_TENSORS["lm_head"].name])[0]
+    # An untied checkpoint without lm_head.weight (a bare Qwen3Model: Qwen3-Embedding) loads without a head.
+    head = MODEL_TENSORS["lm_head"].name
+    lm_head = (embed_tokens if config.tie_word_embeddings else
+               matrices([head])[0] if head in checkpoint.tensors else None)
     kind = FastQwen3Model if fast else Qwen3Model
     return kind(config, embed_tokens, decoder_layers, vector(MODEL_TENSORS["norm"].name), lm_head, plan)
 

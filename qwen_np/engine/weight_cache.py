@@ -103,8 +103,9 @@ def load_fp32(checkpoint: Checkpoint, layout: str = "rows") -> dict[str, np.ndar
     file (unwritable, disk full): the caller then converts into memory. Each such case, and each
     build, is one line on stderr.
     """
+    # Every tensor the config implies that the checkpoint holds (a headless one, Qwen3-Embedding, has no lm_head).
     shapes = {name: (panel_shape(shape) if layout == "panels" else None) or shape
-              for name, shape in expected_tensors(checkpoint.config).items()}
+              for name, shape in expected_tensors(checkpoint.config).items() if name in checkpoint.tensors}
     nbytes = 4 * sum(math.prod(shape) for shape in shapes.values())
     path = cache_file(checkpoint, layout)
     if path is None or nbytes < MIN_BYTES:

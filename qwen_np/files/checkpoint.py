@@ -24,14 +24,14 @@ import mmap
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
 
-from ..core.config import LAYER_TENSORS, Qwen3Config, expected_tensors
+from ..core.config import EMBED_TOKENS, LAYER_TENSORS, LM_HEAD, Qwen3Config, expected_tensors
 from ..errors import QwenNPError
 from ..numbers.numerics import STORAGE_DTYPES, Weight, held
 
@@ -47,6 +47,7 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0
 
 
 LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")      # the i of a decoder layer's tensor name
+BARE_PREFIX = "model."       # what Qwen3ForCausalLM's names add to a bare Qwen3Model's
 
 
 # --- Reading safetensors -------------------------------------------------------------------------
@@ -138,7 +139,7 @@ class Checkpoint:
     def __init__(self, folder: str | Path, config: Qwen3Config) -> None:
         self.folder = Path(folder)
         self.config = config
-        self.tensors = _index_tensors(self.folder)
+        self.tensors, self.bare = with_model_prefix(_index_tensors(self.folder))
         self._maps: dict[Path, mmap.mmap] = {}
         self._check_layer_count()
         self._check_against_config()
@@ -166,6 +167,8 @@ class Checkpoint:
             raise QwenNPError(f"{self.folder}: {len(extra)} tensor(s) config.json does not account for, from "
                               f"{extra[0]!r} (a Qwen3 of this config has no such tensor)")
         for name, shape in expected.items():
+            if name == LM_HEAD and self.bare:
+                continue                     # a bare Qwen3Model has no head (tied or not): load_model sees that
             info = self.tensors.get(name)
             if info is None:
                 raise QwenNPError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
@@ -210,6 +213,17 @@ class Checkpoint:
         if done < info.nbytes:
             raise QwenNPError(f"{info.path}: tensor {name!r} ends after {done} of its {info.nbytes} bytes")
         return buffer[:info.nbytes].view(dtype).reshape(info.shape)
+
+
+def with_model_prefix(tensors: dict[str, TensorInfo]) -> tuple[dict[str, TensorInfo], bool]:
+    """The tensors under Qwen3ForCausalLM's names, and whether they were a bare Qwen3Model's. A bare
+    Qwen3Model (what Qwen3-Embedding ships, what transformers' Qwen3Model.save_pretrained writes) names
+    its tensors without the "model." prefix (embed_tokens.weight, layers.0..., norm.weight) and has no
+    lm_head: they get the prefix, as transformers adds it when it loads such a file into a causal LM."""
+    bare = EMBED_TOKENS.removeprefix(BARE_PREFIX) in tensors and EMBED_TOKENS not in tensors
+    if not bare:
+        return tensors, False
+    return {BARE_PREFIX + name: replace(info, name=BARE_PREFIX + name) for name, info in tensors.items()}, True
 
 
 def _index_tensors(folder: Path) -> dict[str, TensorInfo]:

@@ -83,11 +83,13 @@ class Tokenizer:
         except jinja2.TemplateSyntaxError as exc:
             raise QwenNPError(f"{source}: chat template does not compile: {exc}") from exc
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; adds no special tokens, but matches added-token strings atomically."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; matches added-token strings atomically. Adds no special tokens unless
+        ``add_special_tokens``: then those of tokenizer.json's post-processor (Qwen3's adds none,
+        Qwen3-Embedding's appends <|endoftext|>, the token its embeddings are read at)."""
         # The binding's encode_batch releases the GIL while it works and encode holds it: a long text
         # tokenised on one thread (the server's workers) must not stop every other thread meanwhile.
-        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         # int() accepts NumPy integers, which the Rust binding rejects.
@@ -234,12 +236,15 @@ def _normalize_messages(messages: list[Message]) -> list[Message]:
     """Prepare messages as transformers does before rendering.
 
     Keys whose value is None are dropped (templates handle a missing key but would print "None"),
-    and reasoning given as ``thinking``/``reasoning`` is also exposed as ``reasoning_content``,
-    the field Qwen3's template reads.
+    except the content of an assistant message that calls tools (OpenAI's `content: null` beside
+    `tool_calls`), which is no text: "" (Qwen3's template reads it as a string). Reasoning given as
+    ``thinking``/``reasoning`` is also exposed as ``reasoning_content``, the field Qwen3's template reads.
     """
     normalized = []
     for message in messages:
         message = {key: value for key, value in message.items() if value is not None}
+        if message.get("tool_calls") and "content" not in message:
+            message["content"] = ""
         reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}

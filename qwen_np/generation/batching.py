@@ -37,6 +37,8 @@ import numpy as np
 
 from ..errors import QwenNPError
 from .generate import Continuation, TokenEvent
+from .constraints import Grammar
+from .logprobs import check_top_logprobs
 from ..engine.paged import BlockPool, PagedKVCache, blocks_for
 from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from ..core.model import check_token_ids, Qwen3Model
@@ -50,12 +52,15 @@ Listener = Callable[[TokenEvent | BaseException], None]
 
 @dataclass(frozen=True)
 class Request:
-    """One generation: prompt token ids, how to sample, when to stop."""
+    """One generation: prompt token ids, how to sample, when to stop; optionally a grammar the reply
+    follows and how many top log-probabilities each token reports (generate.Continuation)."""
 
     prompt: Sequence[int]
     params: SamplingParams
     max_new_tokens: int
     stop: Sequence[str] = ()
+    grammar: Grammar | None = None
+    logprobs: int | None = None
 
 
 @dataclass(eq=False)
@@ -138,14 +143,19 @@ class BatchGenerator:
 
     def check(self, request: Request) -> None:
         """Raise QwenNPError if `request` cannot run: no prompt, ids outside the vocabulary, no room for a
-        new token, bad max_new_tokens, more positions than the whole pool. A bad id would fail the whole
-        batch's forward pass, not its own row."""
-        check_token_ids(request.prompt, self.model.config.vocab_size, "prompt")
+        new token, bad max_new_tokens, bad logprobs, a grammar for another vocabulary, more positions than
+        the whole pool. A bad id would fail the whole batch's forward pass, not its own row."""
+        vocab = self.model.config.vocab_size
+        check_token_ids(request.prompt, vocab, "prompt")
         if request.max_new_tokens < 1:
             raise QwenNPError(f"max_tokens: must be >= 1, got {request.max_new_tokens}")
         if len(request.prompt) + 1 > self.context:
             raise QwenNPError(f"prompt: {len(request.prompt)} tokens leave no room for a new token in the "
                               f"{self.context}-token context")
+        if request.logprobs is not None:
+            check_top_logprobs(request.logprobs)
+        if request.grammar is not None and request.grammar.vocabulary.size != vocab:
+            raise QwenNPError(f"grammar: compiled for {request.grammar.vocabulary.size} token ids, the model has {vocab}")
         if self._positions(request) > self.capacity:
             raise QwenNPError(f"max_tokens: the prompt and max_tokens need {self._positions(request)} positions of KV "
                               f"cache, more than the {self.capacity} the whole cache holds (--kv-memory)")
@@ -312,7 +322,8 @@ class BatchGenerator:
             self.reused_tokens += reused
             row.continuation = Continuation(self.tokenizer, request.prompt, request.params, request.max_new_tokens,
                                             size, eos_token_ids=self.eos_token_ids, stop=request.stop,
-                                            rng=np.random.default_rng(request.params.seed))
+                                            rng=np.random.default_rng(request.params.seed),
+                                            grammar=request.grammar, logprobs=request.logprobs)
             if self.speculation is not None:
                 row.drafter = self.speculation.new_drafter(request.params, size)
         self.rows.append(row)

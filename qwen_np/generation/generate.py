@@ -33,6 +33,8 @@ from ..core.kv_cache import SequenceCache
 from ..core.model import Qwen3Model, Trace
 from ..core.sampling import SamplingParams, pick, processed_logits, softmax
 from .speculative import NO_DRAFT, Draft, Drafter, Speculation, SpeculationCounts, accept
+from .constraints import Grammar
+from .logprobs import Logprobs, check_top_logprobs, token_logprobs
 from ..files.tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
 from ..files.model_files import GenerationDefaults
 
@@ -45,13 +47,15 @@ class TokenEvent:
     """One generated token and the text it completes ("" while a multi-byte character is unfinished).
 
     The last event carries `finish_reason`: "eos" (its token is the end-of-sequence id, whose own
-    text is not included), "stop" (the text reached one of the stop strings, which is not included),
-    "length" (max_new_tokens reached) or "context" (the context is full).
+    text is not included), "stop" (the text reached one of the stop strings, which is not included, or
+    the grammar it was constrained to is complete), "length" (max_new_tokens reached) or "context" (the
+    context is full). `logprobs`: the token's log-probabilities, when they were asked for.
     """
 
     token_id: int
     text: str
     finish_reason: str | None = None
+    logprobs: Logprobs | None = None
 
 
 @dataclass
@@ -142,7 +146,8 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
              rng: np.random.Generator | None = None, trace: Trace | None = None,
              stats: GenerationStats | None = None, stop: Sequence[str] = (),
              kv_dtype: str = "fp32", speculation: Speculation | None = None,
-             drafter: Drafter | None = None) -> Iterator[TokenEvent]:
+             drafter: Drafter | None = None, grammar: Grammar | None = None,
+             logprobs: int | None = None) -> Iterator[TokenEvent]:
     """Yield one TokenEvent per generated token until an EOS id, a stop string, max_new_tokens or the
     context limit.
 
@@ -153,7 +158,8 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     With a `speculation` (speculative.py), each target step verifies the tokens its drafter proposes; the
     output is plain decoding's (greedy: the same tokens; sampled: the same distribution). `drafter`: one
     the caller keeps (a chat's, whose draft cache then holds the conversation across turns) instead of a
-    new one from `speculation`, left as it is at the end.
+    new one from `speculation`, left as it is at the end. `grammar`: the reply follows it (constraints.py);
+    `logprobs`: each event carries its token's log-probabilities and this many top alternatives (0-20).
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -176,7 +182,7 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
         return
 
     sequence = Continuation(tokenizer, prompt, params, max_new_tokens, limit, eos_token_ids=eos_token_ids,
-                            stop=stop, rng=rng)
+                            stop=stop, rng=rng, grammar=grammar, logprobs=logprobs)
     if speculation is not None or drafter is not None:
         yield from _speculative_decode(model, sequence, cache, logits, stats, speculation, drafter, trace)
         return
@@ -235,14 +241,16 @@ def _speculative_decode(model: Qwen3Model, sequence: Continuation, cache: Sequen
 
 class Continuation:
     """One sequence's generation between forward passes: its tokens so far, its sampler's random
-    stream, its streaming detokeniser and its stop strings. `verify(logits, draft)` picks the next token(s)
-    of one target step and says what text each completes. generate() drives one; batching.BatchGenerator
-    drives one per row.
+    stream, its streaming detokeniser and its stop strings; with a grammar, its place in it (the tokens
+    the grammar forbids are masked out of every position's distribution); with logprobs, how many top
+    alternatives each event reports. `verify(logits, draft)` picks the next token(s) of one target step
+    and says what text each completes. generate() drives one; batching.BatchGenerator drives one per row.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], params: SamplingParams, max_new_tokens: int,
                  limit: int, *, eos_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 rng: np.random.Generator | None = None) -> None:
+                 rng: np.random.Generator | None = None,
+                 grammar: Grammar | None = None, logprobs: int | None = None) -> None:
         self.params, self.max_new_tokens, self.limit = params, max_new_tokens, limit
         self.eos = set(eos_token_ids)
         self.rng = rng if rng is not None else np.random.default_rng(params.seed)
@@ -251,6 +259,9 @@ class Continuation:
         self.decoder = StreamDecoder(tokenizer)
         self.stops = StopStrings(stop)
         self.counts = SpeculationCounts()
+        # Constrained decoding and log-probabilities (constraints.py, logprobs.py): None when not asked for.
+        self.constraint = grammar.constraint() if grammar is not None else None
+        self.tokenizer, self.logprobs = tokenizer, None if logprobs is None else check_top_logprobs(logprobs)
 
     def room(self, k: int) -> int:
         """How many tokens a step may draft: at most k, leaving room in max_new_tokens for the target's own
@@ -265,7 +276,8 @@ class Continuation:
         events: list[TokenEvent] = []
         for i, row in enumerate(logits):
             drafted = draft.tokens[i] if i < len(draft.tokens) else None
-            processed = processed_logits(row, self.params, self.sequence, self.generated)    # [V]
+            allowed = self.constraint.allowed() if self.constraint is not None else None         # [V] or None
+            processed = processed_logits(row, self.params, self.sequence, self.generated, allowed)    # [V]
             if drafted is None or self.params.greedy:      # greedy: kept when it is the argmax
                 token = pick(processed, self.params, self.rng)
             else:
@@ -273,23 +285,29 @@ class Continuation:
             if drafted is not None:
                 self.counts.drafted_tokens += 1
                 self.counts.accepted_tokens += token == drafted
-            events.append(self._emit(token))
+            events.append(self._emit(token, row))
             if events[-1].finish_reason or token != drafted:
                 break
         self.counts.target_steps += 1
         return events
 
-    def _emit(self, token: int) -> TokenEvent:
-        """Append a chosen token; its event says what text it completes and whether the sequence ends."""
+    def _emit(self, token: int, logits: np.ndarray) -> TokenEvent:
+        """Append a chosen token (its position's raw logits [V]); its event says what text it completes and
+        whether the sequence ends."""
         self.sequence.append(token)
         self.generated.append(token)
-        finish = ("eos" if token in self.eos else "length" if len(self.generated) == self.max_new_tokens
+        logprobs = None if self.logprobs is None else token_logprobs(logits, token, self.logprobs, self.tokenizer)
+        complete = False                           # the grammar is complete: nothing but an end may follow
+        if self.constraint is not None and token not in self.eos:
+            self.constraint.consume(token)
+            complete = self.constraint.done
+        finish = ("eos" if token in self.eos else "stop" if complete else "length" if len(self.generated) == self.max_new_tokens
                   else "context" if len(self.sequence) >= self.limit else None)
         text = self.decoder.flush() if finish == "eos" else self.decoder.push(token) + (self.decoder.flush() if finish else "")
         text, stopped = self.stops.push(text)
         if stopped:
-            return TokenEvent(token, text, "stop")
-        return TokenEvent(token, text + self.stops.flush() if finish else text, finish)
+            return TokenEvent(token, text, "stop", logprobs)
+        return TokenEvent(token, text + self.stops.flush() if finish else text, finish, logprobs)
 
 
 class StopStrings:

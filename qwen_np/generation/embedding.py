@@ -1,0 +1,109 @@
+"""Embeddings: one unit vector per text, as Qwen3-Embedding defines them.
+
+    from qwen_np import embed, load_model
+    from qwen_np.files.checkpoint import resolve_model_path
+    from qwen_np.files.model_files import read_tokenizer
+
+    folder = resolve_model_path("Qwen/Qwen3-Embedding-0.6B")
+    model, tokenizer = load_model(folder), read_tokenizer(folder)
+    vectors = embed(model, ["Instruct: Given a question, find its answer\\nQuery:Why is the sky blue?",
+                            "Rayleigh scattering makes short wavelengths..."], tokenizer)    # [2, D]
+    similarity = vectors @ vectors.T
+
+Qwen3-Embedding is a Qwen3 decoder without its LM head (a bare Qwen3Model checkpoint: load_model
+reads it). A text's embedding is the final norm's output at the last of the ids its tokenizer gives,
+with the tokenizer's post-processor applied (Qwen3-Embedding's appends <|endoftext|>, so the vector is
+read where the model has seen the whole text), L2-normalised: "last-token pooling". The decoder's
+causal attention is why the last position, and only it, has read every token. Queries carry their
+task as `Instruct: {task}\\nQuery:{query}` (the model card), which the caller writes; documents are
+embedded as they are. `dimensions` keeps the first d values and normalises again (the model was
+trained for such truncation, Matryoshka style).
+
+Texts are run together: short ones packed into one forward pass (forward_batch: each attends only to
+itself), long ones in chunks through a KV cache of their own, as a prompt is prefilled.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..core.model import Qwen3Model
+from ..engine.memory import PREFILL_CHUNK
+from ..errors import QwenNPError
+from ..files.tokenizer import Tokenizer
+
+Inputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
+
+
+def embed(model: Qwen3Model, inputs: Inputs, tokenizer: Tokenizer | None = None, *,
+          dimensions: int | None = None) -> np.ndarray:
+    """Unit vectors [N, D] (float32; [N, dimensions] with `dimensions`) for `inputs`: a text, a list of
+    texts (which need the checkpoint's `tokenizer`), a list of token ids, or a list of such lists."""
+    ids = input_ids(inputs, tokenizer)
+    width = model.config.hidden_size
+    if dimensions is not None and not 1 <= dimensions <= width:
+        raise QwenNPError(f"dimensions: must be in [1, {width}] (the model's hidden size), got {dimensions}")
+    for i, one in enumerate(ids):
+        if len(one) > model.config.max_position_embeddings:
+            raise QwenNPError(f"input[{i}]: {len(one)} tokens, more than the model's "
+                              f"{model.config.max_position_embeddings}-token context")
+    hidden = np.empty((len(ids), width), dtype=np.float32)
+    for batch in _batches([len(one) for one in ids]):
+        hidden[batch] = last_hidden_states(model, [ids[i] for i in batch])
+    kept = hidden[:, :dimensions].astype(np.float64)
+    return (kept / np.linalg.norm(kept, axis=1, keepdims=True)).astype(np.float32)
+
+
+def input_ids(inputs: Inputs, tokenizer: Tokenizer | None) -> list[list[int]]:
+    """The token ids of each input: texts encoded with the tokenizer's special tokens (its post-processor),
+    ids as given. Raises QwenNPError for an empty input, or texts without a tokenizer."""
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    items = list(inputs)
+    if not items:
+        raise QwenNPError("input: no texts or token ids")
+    if all(isinstance(item, (int, np.integer)) and not isinstance(item, bool) for item in items):
+        items = [items]                              # one list of token ids
+    ids: list[list[int]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise QwenNPError("embed: texts need the checkpoint's tokenizer (tokenizer=read_tokenizer(folder))")
+            one = tokenizer.encode(item, add_special_tokens=True)
+        elif isinstance(item, (list, tuple, np.ndarray)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in item):
+            one = [int(t) for t in item]
+        else:
+            raise QwenNPError(f"input[{i}]: must be a text or a list of token ids")
+        if not one:
+            raise QwenNPError(f"input[{i}]: no tokens")
+        ids.append(one)
+    return ids
+
+
+def last_hidden_states(model: Qwen3Model, ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """The final norm's output [B, D] at the last position of each sequence. Sequences up to a prefill chunk
+    run in one forward pass without a cache; a longer one (a batch of its own) runs chunk by chunk."""
+    if len(ids) == 1 and len(ids[0]) > PREFILL_CHUNK:
+        cache, tokens = model.new_cache(len(ids[0])), ids[0]
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            hidden = model.forward_batch([tokens[start:start + PREFILL_CHUNK]], [cache], last_only=True, head=False)
+        return hidden
+    return model.forward_batch(list(ids), [None] * len(ids), last_only=True, head=False)
+
+
+def _batches(lengths: list[int]) -> list[list[int]]:
+    """Indices of the inputs, grouped into forward passes of at most PREFILL_CHUNK tokens (a longer input
+    alone), in order."""
+    batches: list[list[int]] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if batches and n <= PREFILL_CHUNK and tokens + n <= PREFILL_CHUNK:
+            batches[-1].append(i)
+            tokens += n
+        else:
+            batches.append([i])
+            tokens = n
+    return batches

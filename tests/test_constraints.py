@@ -1,0 +1,289 @@
+"""Constrained decoding (qwen_np/generation/constraints.py): a random-weight Qwen3 with the real tokenizer,
+whose unconstrained output is noise, produces JSON that validates against its schema, replies in a Lark or
+GBNF grammar's language, and tool calls that validate against their tool's parameters, in generate(), in
+the batcher and under speculative decoding (a drafted token the grammar forbids is rejected); the CLI's
+--json-schema prints JSON that validates; an unsupported schema keyword is an error naming it."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jsonschema
+import numpy as np
+import pytest
+
+from qwen_np import cli
+from qwen_np.core.sampling import SamplingParams
+from qwen_np.engine.loading import load_model
+from qwen_np.errors import QwenNPError
+from qwen_np.files.model_files import read_generation_defaults
+from qwen_np.files.tokenizer import Tokenizer
+from qwen_np.generation import constraints
+from qwen_np.generation.batching import BatchGenerator, Request
+from qwen_np.generation.generate import Continuation, generate, prompt_ids
+from qwen_np.generation.speculative import Draft, draft_speculation, lookup_speculation
+from qwen_np.generation.tool_calls import parse_reply
+
+from conftest import QWEN3_RANDOM, write_random_checkpoint
+
+pytest.importorskip("llguidance")
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "pet": {"enum": ["cat", "dog", None]},
+                         "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "unit"],
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}          # no parameters: takes {}
+TOOL_CALL, THINK = 151657, 151667                                        # <tool_call>, <think>
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(QWEN3_RANDOM)
+
+
+@pytest.fixture(scope="module")
+def eos(model) -> tuple[int, ...]:
+    return read_generation_defaults(QWEN3_RANDOM, model.config).eos_token_ids
+
+
+@pytest.fixture(scope="module")
+def vocab(tok: Tokenizer, model, eos) -> constraints.Vocabulary:
+    return constraints.vocabulary(tok, model.config.vocab_size, eos)
+
+
+def reply(model, tok, eos, grammar, seed: int, n: int = 120, **kwargs) -> tuple[str, str | None]:
+    ids = prompt_ids(tok, "Describe a person as JSON.", enable_thinking=False)
+    params = kwargs.pop("params", SamplingParams(temperature=1.0, seed=seed))
+    events = list(generate(model, tok, ids, params, n, eos_token_ids=eos, grammar=grammar, **kwargs))
+    return "".join(event.text for event in events), events[-1].finish_reason
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_random_model_under_a_schema_writes_json_that_validates(model, tok, eos, vocab, seed: int) -> None:
+    text, finish = reply(model, tok, eos, constraints.json_schema_grammar(PERSON, vocab), seed)
+    assert finish == "stop"                        # the grammar completed: nothing but an end could follow
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_unconstrained_the_same_model_writes_no_json(model, tok, eos) -> None:
+    text, _ = reply(model, tok, eos, None, 0, n=40)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+def test_json_object_gives_an_object_and_the_bias_applies_before_the_mask(model, tok, eos, vocab) -> None:
+    # "{}" pushed up everywhere: where the grammar allows it (first), greedy takes it, and the object is whole.
+    empty = tok.encode("{}")
+    assert len(empty) == 1
+    text, finish = reply(model, tok, eos, constraints.json_object_grammar(vocab), 0, n=60,
+                         params=SamplingParams(temperature=0.0, logit_bias={empty[0]: 100}))
+    assert (text, finish) == ("{}", "stop")
+
+
+@pytest.mark.parametrize("source, language", [
+    ('start: ANSWER "."\nANSWER: "yes" | "no" | "maybe"', {"yes.", "no.", "maybe."}),
+    ('root ::= ("ab" | "cd") ("ab" | "cd") "!"', {"abab!", "abcd!", "cdab!", "cdcd!"}),       # GBNF
+])
+def test_lark_and_gbnf_grammars_hold_the_reply_to_their_language(model, tok, eos, vocab, source, language) -> None:
+    grammar = constraints.text_grammar(source, vocab)
+    for seed in range(3):
+        text, finish = reply(model, tok, eos, grammar, seed)
+        assert (text, finish) in {(word, "stop") for word in language}
+
+
+def test_a_think_block_may_open_the_reply_and_the_answer_after_it_is_held_to_the_schema(tok, vocab) -> None:
+    grammar = constraints.json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}}, vocab,
+                                              thinking=True)
+    constraint = grammar.constraint()
+    for token in tok.encode('<think>\nan {"a": "x"} example\n</think>\n\n{"a": 12}'):
+        assert constraint.allowed()[token]
+        constraint.consume(token)
+    assert constraint.done
+    without = constraints.json_schema_grammar({"type": "object"}, vocab).constraint()
+    assert not without.allowed()[THINK]
+
+
+def test_the_mask_allows_exactly_what_the_grammar_accepts_and_ends_where_it_is_complete(tok, vocab, eos) -> None:
+    constraint = constraints.json_schema_grammar({"enum": ["yes", "no"]}, vocab).constraint()
+    allowed = constraint.allowed()
+    assert allowed.shape == (vocab.size,) and allowed.dtype == np.bool_
+    assert allowed[tok.encode('"')[0]] and allowed[tok.encode('"yes')[0]]
+    assert not allowed[tok.encode("{")[0]] and not any(allowed[i] for i in eos)
+    assert not allowed[tok.vocab_size:].any()                    # the model's padding ids are never allowed
+    for token in tok.encode('"no"'):
+        constraint.consume(token)
+    assert constraint.done and set(np.flatnonzero(constraint.allowed())) == set(eos)
+    with pytest.raises(QwenNPError, match="breaks the grammar"):
+        constraint.consume(tok.encode("x")[0])
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "object", "if": {"properties": {}}, "then": {}}, '"if"'),
+    ({"type": "object", "properties": {"a": {"type": "string", "dependentSchemas": {}}}}, '"dependentSchemas"'),
+])
+def test_an_unsupported_schema_keyword_is_an_error_naming_it(vocab, schema, keyword) -> None:
+    with pytest.raises(QwenNPError, match=f"^response_format: unsupported JSON Schema keyword.*{keyword}"):
+        constraints.json_schema_grammar(schema, vocab, where="response_format")
+
+
+def test_bad_schemas_and_tools_are_errors_naming_the_field(vocab) -> None:
+    with pytest.raises(QwenNPError, match=r"^json_schema: not valid JSON"):
+        constraints.json_schema_grammar("{", vocab)
+    with pytest.raises(QwenNPError, match=r"^json_schema: a JSON schema must be an object"):
+        constraints.json_schema_grammar([1], vocab)
+    with pytest.raises(QwenNPError, match=r"^tools\[1\]\.function\.name: 'get_weather' is declared twice"):
+        constraints.tool_call_grammar([WEATHER, WEATHER], vocab)
+    with pytest.raises(QwenNPError, match=r"^tools\[0\]\.function\.parameters: unsupported JSON Schema keyword"):
+        constraints.tool_call_grammar([{"type": "function", "function": {"name": "f", "parameters": {"if": {}}}}], vocab)
+    with pytest.raises(QwenNPError, match=r"^tool_choice: must be 'auto', 'required' or the name"):
+        constraints.tool_call_grammar([WEATHER], vocab, choice="get_time")
+    with pytest.raises(QwenNPError, match=r"^grammar: not a valid GBNF grammar"):
+        constraints.text_grammar('root ::= ("a"', vocab)
+    with pytest.raises(QwenNPError, match=r"^grammar: .*unknown"):
+        constraints.text_grammar('start: "a" missing_rule', vocab)
+
+
+def calls_of(text: str) -> list[tuple[str, dict]]:
+    parsed = parse_reply(text)
+    assert not parsed.malformed, text
+    return [(call.name, json.loads(call.arguments)) for call in parsed.tool_calls]
+
+
+def validate_calls(calls: list[tuple[str, dict]]) -> None:
+    schemas = {tool["function"]["name"]: tool["function"].get("parameters", {"type": "object", "maxProperties": 0})
+               for tool in (WEATHER, CLOCK)}
+    for name, arguments in calls:
+        jsonschema.validate(arguments, schemas[name])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tool_choice_required_gives_only_calls_that_validate(model, tok, eos, vocab, seed: int) -> None:
+    grammar = constraints.tool_call_grammar([WEATHER, CLOCK], vocab, "required", parallel=False)
+    text, finish = reply(model, tok, eos, grammar, seed)
+    calls = calls_of(text)
+    assert finish == "stop" and len(calls) == 1 and parse_reply(text).content == ""
+    validate_calls(calls)
+
+
+def test_a_named_tool_choice_calls_that_tool(model, tok, eos, vocab) -> None:
+    text, _ = reply(model, tok, eos, constraints.tool_call_grammar([WEATHER, CLOCK], vocab, "get_weather"), 1)
+    calls = calls_of(text)
+    assert [name for name, _ in calls] == ["get_weather"]
+    validate_calls(calls)
+
+
+def test_auto_tool_choice_is_free_text_until_the_model_opens_a_call_then_holds_it_to_the_tools(
+        model, tok, eos, vocab) -> None:
+    grammar = constraints.tool_call_grammar([WEATHER, CLOCK], vocab, "auto")
+    free = grammar.constraint()
+    assert free.allowed().sum() > 150_000                        # text: nearly every token
+    # A bias that makes the random model open calls (<tool_call> near-certain wherever it is allowed).
+    pushed = SamplingParams(temperature=1.0, seed=0, logit_bias={TOOL_CALL: 100})
+    text, finish = reply(model, tok, eos, grammar, 0, n=160, params=pushed)
+    parsed = parse_reply(text)
+    assert len(parsed.tool_calls) >= 2                           # parallel calls, each whole ...
+    validate_calls([(call.name, json.loads(call.arguments)) for call in parsed.tool_calls])
+    assert finish == "length" and len(parsed.malformed) <= 1     # ... but the one -n cut off
+
+
+def test_batched_rows_each_follow_their_own_grammar(model, tok, eos, vocab) -> None:
+    generator = BatchGenerator(model, tok, eos_token_ids=eos, max_batch=3)
+    ids = prompt_ids(tok, "Describe a person as JSON.", enable_thinking=False)
+    grammars = [constraints.json_schema_grammar(PERSON, vocab), None,
+                constraints.tool_call_grammar([WEATHER], vocab, "required")]
+    rows = [generator.submit(Request(ids, SamplingParams(temperature=1.0, seed=i), 80, grammar=grammar))
+            for i, grammar in enumerate(grammars)]
+    texts = {row.number: "" for row in rows}
+    while not generator.idle:
+        for row, event in generator.step():
+            assert not isinstance(event, BaseException)
+            texts[row.number] += event.text
+    jsonschema.validate(json.loads(texts[0]), PERSON)
+    validate_calls(calls_of(texts[2]))
+
+
+def test_a_grammar_for_another_vocabulary_is_refused_before_it_joins(model, tok, eos, vocab) -> None:
+    other = constraints.vocabulary(tok, 151669, eos)
+    generator = BatchGenerator(model, tok, eos_token_ids=eos)
+    grammar = constraints.json_object_grammar(other)
+    with pytest.raises(QwenNPError, match="^grammar: compiled for 151669 token ids, the model has 151936"):
+        generator.submit(Request([1, 2], SamplingParams(), 4, grammar=grammar))
+
+
+def test_a_drafted_token_the_grammar_forbids_is_rejected_and_the_grammar_sees_only_kept_tokens(tok, vocab) -> None:
+    grammar = constraints.json_schema_grammar({"enum": ["yes", "no"]}, vocab)
+    quote, yes, closing = tok.encode('"')[0], tok.encode("yes")[0], tok.encode('"')[0]
+    brace = tok.encode("{")[0]
+    logits = np.full((3, vocab.size), -30.0, dtype=np.float32)
+    logits[0, quote] = logits[1, yes] = 10.0
+    logits[1, brace] = 20.0                # the target's raw favourite at row 1 is forbidden there
+    logits[2, closing] = 10.0
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0)):
+        sequence = Continuation(tok, [1, 2], params, 10, 100, grammar=grammar)
+        events = sequence.verify(logits, Draft([quote, brace]))     # "{" after '"' breaks the grammar
+        assert [event.token_id for event in events] == [quote, yes]  # kept, then the target's allowed choice
+        assert sequence.counts.drafted_tokens == 2 and sequence.counts.accepted_tokens == 1
+        assert sequence.constraint is not None and sequence.constraint.allowed()[closing]
+
+
+@pytest.mark.parametrize("drafting", ["lookup", "draft model"])
+def test_speculative_decoding_under_a_grammar_gives_plain_decodings_tokens(model, tok, eos, vocab, drafting,
+                                                                            tmp_path) -> None:
+    grammar = constraints.json_schema_grammar(PERSON, vocab)
+    if drafting == "lookup":
+        speculation = lookup_speculation(2)
+    else:
+        draft = load_model(write_random_checkpoint(tmp_path / "draft", seed=5, vocab_size=model.config.vocab_size))
+        speculation = draft_speculation(draft, tokens=3)
+    ids = prompt_ids(tok, 'Like {"name": "Ann", "age": 3, "pet": "cat", "tags": []}', enable_thinking=False)
+    greedy = SamplingParams(temperature=0.0)
+    plain = [e.token_id for e in generate(model, tok, ids, greedy, 60, eos_token_ids=eos, grammar=grammar)]
+    fast = [e.token_id for e in generate(model, tok, ids, greedy, 60, eos_token_ids=eos, grammar=grammar,
+                                         speculation=speculation)]
+    assert fast == plain
+    sampled = generate(model, tok, ids, SamplingParams(temperature=1.0, seed=3), 100, eos_token_ids=eos,
+                       grammar=grammar, speculation=speculation)
+    jsonschema.validate(json.loads("".join(e.text for e in sampled)), PERSON)
+
+
+def test_generate_json_schema_prints_json_that_validates(tmp_path, capsys) -> None:
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    for extra in (["--no-think"], ["--no-chat"], []):        # [] thinks: stdout still shows only the answer
+        code = cli.main(["generate", "-m", str(QWEN3_RANDOM), "--json-schema", str(schema), "-n", "200", "-s", "2",
+                         *extra, "a person"])
+        out = capsys.readouterr().out
+        assert code == 0 and "<think>" not in out
+        if extra:                                            # a random model may think past -n
+            jsonschema.validate(json.loads(out), PERSON)
+
+
+def test_generate_json_schema_constrains_every_prompt_of_a_batch(tmp_path, capsys) -> None:
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    assert cli.main(["generate", "-m", str(QWEN3_RANDOM), "--json-schema", str(schema), "--no-think", "-n", "150",
+                     "--json", "one", "two"]) == 0
+    for line in capsys.readouterr().out.splitlines():
+        jsonschema.validate(json.loads(json.loads(line)["text"]), PERSON)
+
+
+def test_generate_grammar_flags_name_the_file_and_the_problem(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "object", "if": {}}')
+    assert cli.main(["generate", "-m", str(QWEN3_RANDOM), "--json-schema", str(bad), "x"]) == 2
+    assert capsys.readouterr().err.startswith(f'error: --json-schema {bad}: unsupported JSON Schema keyword "if"')
+    assert cli.main(["generate", "-m", str(QWEN3_RANDOM), "--grammar", str(tmp_path / "none.lark"), "x"]) == 2
+    assert capsys.readouterr().err.startswith("error: --grammar ")
+    with pytest.raises(SystemExit):                            # argparse: one or the other
+        cli.main(["generate", "--json-schema", str(bad), "--grammar", str(bad), "x"])
+
+
+def test_without_llguidance_constraints_are_one_clear_error(tok, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "llguidance", None)       # what a missing package looks like to import
+    with pytest.raises(QwenNPError, match=r"llguidance package \(pip install 'qwen_np\[constraints\]'\)"):
+        constraints.vocabulary(Tokenizer.from_folder(QWEN3_RANDOM), 151936, [151645])
