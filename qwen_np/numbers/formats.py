@@ -37,7 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import QwenNPError
-from .numerics import bf16_bits_to_f32, f32_to_bf16_bits
+from .numerics import bf16_bits_to_f32, f32_to_bf16_bits, widen_groups
 
 BLOCK = 32                                   # values per block in q8_0, q4_0 and mxfp4
 E4M3_MAX = np.float32(448.0)                 # largest finite float8_e4m3fn
@@ -145,12 +145,6 @@ def _unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     items[..., 0] = (packed & np.uint8(0x0F)).view(half)[..., 0]
     items[..., 1] = (packed >> np.uint8(4)).view(half)[..., 0]
     return codes.reshape(*packed.shape[:-1], BLOCK)
-
-
-def _block_scales(d: np.ndarray) -> np.ndarray:
-    """FP16 block scales [..., in/32] as FP32, one per weight [..., in]: a full-size factor multiplies
-    faster than a broadcast over [..., in/32, 32], whose inner loop runs 32 elements (measured 1.2x)."""
-    return np.repeat(d.astype(np.float32), BLOCK, axis=-1)
 
 
 # ---- plain casts: fp32, fp16, bf16 ----------------------------------------------------------------
@@ -273,11 +267,13 @@ def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_q8_0(q: np.ndarray, d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """q int8 [out, in] or [out, in/32, 32] (a view of a GGUF's blocks), d FP16 [out, in/32] -> FP32
     [out, in]: q * float(d), block by block."""
-    out = _output(d.shape[:-1] + (d.shape[-1] * BLOCK,), out)
+    return widen_groups(*q8_0_groups(q, d), out=_output(d.shape[:-1] + (d.shape[-1] * BLOCK,), out))
+
+
+def q8_0_groups(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Q8_0 as numerics.Grouped parts: (codes int8 [out, in], d as FP32 [out, in/32], no offset)."""
     codes = _contiguous_blocks(q.reshape(d.shape + (BLOCK,)))            # [out, in/32, 32]
-    out[...] = codes.reshape(out.shape)                                  # exact: int8 fits in FP32
-    out *= _block_scales(d)                                              # [out, in]
-    return out
+    return codes.reshape(*d.shape[:-1], -1), d.astype(np.float32), None
 
 
 # ---- llama.cpp Q4_0 --------------------------------------------------------------------------------
@@ -300,12 +296,14 @@ def quantize_q4_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_q4_0(nibbles: np.ndarray, d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """nibbles uint8 [out, in/2] or [out, in/32, 16] (a view of a GGUF's blocks), d FP16 [out, in/32]
     -> FP32 [out, in]: (code - 8) * float(d), one rounding, as gguf's dequantizer."""
-    out = _output(d.shape[:-1] + (d.shape[-1] * BLOCK,), out)
+    return widen_groups(*q4_0_groups(nibbles, d), out=_output(d.shape[:-1] + (d.shape[-1] * BLOCK,), out))
+
+
+def q4_0_groups(nibbles: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Q4_0 as numerics.Grouped parts: (code - 8 as int8 [out, in], d as FP32 [out, in/32], no offset)."""
     codes = _unpack_nibbles(nibbles.reshape(d.shape + (BLOCK // 2,)))   # [out, in/32, 32] in 0..15
     codes -= np.uint8(8)                                # wraps: as int8 the bytes read code - 8 in -8..7
-    out[...] = codes.view(np.int8).reshape(out.shape)   # exact in FP32
-    out *= _block_scales(d)                             # the one rounding: (code - 8) * d
-    return out
+    return codes.view(np.int8).reshape(*d.shape[:-1], -1), d.astype(np.float32), None
 
 
 # ---- OCP MXFP4 -------------------------------------------------------------------------------------
@@ -400,14 +398,17 @@ HELD_FORMATS = ("q8_0", "q4_0")
 class FormatRows:
     """A matrix [out, in] held as a format's quantized parts, row-major: llama.cpp's Q8_0 (int8 codes
     [out, in] and FP16 scales [out, in/32]) or Q4_0 (packed nibbles [out, in/2] and FP16 scales), the
-    values of its blocks bit for bit. A numerics weight kind: indexing picks rows of every part, and
-    widen() dequantizes them. A block's FP16 scale is one per 32 inputs, so unlike int8's row scale it
-    cannot be factored out of a dot product: the rows are dequantized in full, then multiplied."""
+    values of its blocks bit for bit. A numerics weight kind (Grouped): indexing picks rows of every part,
+    widen() dequantizes them, groups() gives their codes and block scales. A block's FP16 scale is one
+    per 32 inputs, so unlike int8's row scale it cannot be factored out of a whole dot product, only out
+    of each block's 32 products (what the fast path does)."""
 
     fmt: str                          # a HELD_FORMATS name
     parts: tuple[np.ndarray, ...]     # what get_format(fmt).quantize returns, for these rows; or the codes
                                       # per block [out, in/32, 32 | 16] and scales as views of a GGUF's blocks
     columns: int                      # in
+
+    group = BLOCK                     # inputs per scale (numerics.Grouped)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -426,6 +427,9 @@ class FormatRows:
 
     def widen(self, out: np.ndarray) -> None:
         get_format(self.fmt).dequantize(*self.parts, out=out)
+
+    def groups(self) -> tuple[np.ndarray, np.ndarray, None]:
+        return (q8_0_groups if self.fmt == "q8_0" else q4_0_groups)(*self.parts)
 
 
 def bits_per_weight(fmt: str) -> float:
