@@ -88,27 +88,33 @@ def _every_byte(value: int) -> np.uint64:
     return np.uint64(0x0101010101010101 * value)
 
 
-def _bit_planes(packed: np.ndarray, bits: int, name: str) -> np.ndarray:
-    """Bytes [..., n, L] -> codes [..., n, 8 / bits, L]: field j of every byte (bits j*bits .. +bits) is run j.
+def _bit_planes(packed: np.ndarray, bits: int, name: str, at: int = 0) -> np.ndarray:
+    """Bytes [..., n, L] -> codes [..., n, 8 / bits, L]: field j of every byte (its bits j*bits .. +bits),
+    moved to bit `at`, is run j.
 
     The masks and shifts run on 8 bytes at a time, as uint64 lanes (L is a multiple of 8): a mask after
     each shift drops what moved in from the neighbouring byte. Trap: NumPy's uint8 left shift is not
     vectorised (0.5 ns a byte here, 15x a mask)."""
-    lanes, mask, parts = packed.view(np.uint64), _every_byte((1 << bits) - 1), []
+    lanes, mask, parts = packed.view(np.uint64), _every_byte(((1 << bits) - 1) << at), []
     for j in range(8 // bits):
-        part = scratch(f"ggml.{name}.{j}", lanes.shape, np.uint64)
-        np.right_shift(lanes, np.uint64(bits * j), out=part)
-        np.bitwise_and(part, mask, out=part)
+        part, shift = scratch(f"ggml.{name}.{j}", lanes.shape, np.uint64), bits * j - at
+        if shift > 0:
+            np.right_shift(lanes, np.uint64(shift), out=part)
+        elif shift < 0:
+            np.left_shift(lanes, np.uint64(-shift), out=part)
+        np.bitwise_and(part if shift else lanes, mask, out=part)
         parts.append(part.view(np.uint8))
     return _runs(parts, name)
 
 
-def _add_high_bits(low: np.ndarray, high: np.ndarray, at: int) -> np.ndarray:
-    """low |= high << at, bytewise (uint8 arrays of one shape, 8k bytes, high < 2^(8 - at)): on uint64 lanes
-    (see _bit_planes); high is overwritten."""
-    low_lanes, high_lanes = low.view(np.uint64), high.view(np.uint64)
-    np.left_shift(high_lanes, np.uint64(at), out=high_lanes)
-    np.bitwise_or(low_lanes, high_lanes, out=low_lanes)
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """Bytes [..., n, L] -> codes [..., n, 2, L]: each run's low nibbles, then its high ones."""
+    return _bit_planes(packed, 4, "codes")
+
+
+def _or(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """low |= high, as uint64 lanes (uint8 arrays of one shape, 8k bytes)."""
+    np.bitwise_or(low.view(np.uint64), high.view(np.uint64), out=low.view(np.uint64))
     return low
 
 
@@ -130,16 +136,17 @@ def _values(codes: np.ndarray) -> np.ndarray:
 # ---- the kinds: blocks [R, nb, bytes] -> (codes, a, b) ------------------------------------------------
 
 def _q4_1(blocks: np.ndarray) -> Groups:
-    codes = _bit_planes(_field(blocks, 4, 16, "qs")[..., None, :], 4, "codes")     # [R, nb, 1, 2, 16]
+    codes = _nibbles(_field(blocks, 4, 16, "qs")[..., None, :])                   # [R, nb, 1, 2, 16]
     return _values(codes), _by_group(blocks, 0, 1, "d", F32)[:, 0], _by_group(blocks, 2, 1, "m", F32)[:, 0]
 
 
 def _five_bits(blocks: np.ndarray, high_at: int) -> np.ndarray:
     """Q5_0/Q5_1's codes 0..31 [R, in]: the nibbles after the 4 bytes of 5th bits (bit i: value i)."""
-    low = _bit_planes(_field(blocks, high_at + 4, 16, "qs")[..., None, :], 4, "codes")   # [R, nb, 1, 2, 16]
+    low = _nibbles(_field(blocks, high_at + 4, 16, "qs")[..., None, :])            # [R, nb, 1, 2, 16]
     high = scratch("ggml.qh", (*blocks.shape[:-1], 32), U8)
     high[...] = np.unpackbits(_field(blocks, high_at, 4, "qh4"), axis=-1, bitorder="little")   # [R, nb, 32]
-    return _values(_add_high_bits(low.reshape(high.shape), high, 4))
+    high *= np.uint8(16)
+    return _values(_or(low.reshape(high.shape), high))
 
 
 def _q5_0(blocks: np.ndarray) -> Groups:
@@ -153,7 +160,7 @@ def _q5_1(blocks: np.ndarray) -> Groups:
 
 
 def _q2_k(blocks: np.ndarray) -> Groups:
-    codes = _bit_planes(_field(blocks, 16, 64, "qs").reshape(*blocks.shape[:-1], 2, 32), 2, "codes")  # [R, nb, 2, 4, 32]
+    codes = _bit_planes(_field(blocks, 16, 64, "qs").reshape(*blocks.shape[:-1], 2, 32), 2, "codes")   # [R, nb, 2, 4, 32]
     scales = _by_group(blocks, 0, 16, "scales")                                   # [nb, 16, R]: low a, high b
     part = scratch("ggml.part", scales.shape, U8)
     a = _scaled(_by_group(blocks, 80, 1, "d", F32), np.bitwise_and(scales, np.uint8(0x0F), out=part), "a")
@@ -164,8 +171,8 @@ def _q2_k(blocks: np.ndarray) -> Groups:
 def _q3_k(blocks: np.ndarray) -> Groups:
     lead = blocks.shape[:-1]
     low = _bit_planes(_field(blocks, 32, 64, "qs").reshape(*lead, 2, 32), 2, "codes").reshape(*lead, 256)
-    high = _bit_planes(_field(blocks, 0, 32, "hmask")[..., None, :], 1, "high").reshape(*lead, 256)
-    codes = _add_high_bits(low, high, 2)
+    high = _bit_planes(_field(blocks, 0, 32, "hmask")[..., None, :], 1, "high", at=2).reshape(*lead, 256)
+    codes = _or(low, high)
     codes -= np.uint8(4)                      # q = low - 4 (1 - high bit), as gguf: wraps, read as int8
     packed = _by_group(blocks, 96, 12, "scales")                                  # [nb, 12, R]
     scales = scratch("ggml.part", (lead[1], 16, lead[0]), U8)                     # 16 6-bit scales
@@ -183,16 +190,15 @@ def _q3_k(blocks: np.ndarray) -> Groups:
 
 
 def _q4_k(blocks: np.ndarray) -> Groups:
-    codes = _bit_planes(_field(blocks, 16, 128, "qs").reshape(*blocks.shape[:-1], 4, 32), 4, "codes")   # [R, nb, 4, 2, 32]
+    codes = _nibbles(_field(blocks, 16, 128, "qs").reshape(*blocks.shape[:-1], 4, 32))   # [R, nb, 4, 2, 32]
     return (_values(codes), *_k_scales(blocks))
 
 
 def _q5_k(blocks: np.ndarray) -> Groups:
     lead = blocks.shape[:-1]
-    low = _bit_planes(_field(blocks, 48, 128, "qs").reshape(*lead, 4, 32), 4, "codes").reshape(*lead, 256)
-    high = _bit_planes(_field(blocks, 16, 32, "qh")[..., None, :], 1, "high")    # bit j of byte k: value 32 j + k
-    high = high.reshape(*lead, 256)
-    return (_values(_add_high_bits(low, high, 4)), *_k_scales(blocks))
+    low = _nibbles(_field(blocks, 48, 128, "qs").reshape(*lead, 4, 32)).reshape(*lead, 256)
+    high = _bit_planes(_field(blocks, 16, 32, "qh")[..., None, :], 1, "high", at=4)   # bit j of byte k: value 32 j + k
+    return (_values(_or(low, high.reshape(*lead, 256))), *_k_scales(blocks))
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -216,10 +222,9 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _q6_k(blocks: np.ndarray) -> Groups:
     lead = blocks.shape[:-1]
-    low = _bit_planes(_field(blocks, 0, 128, "ql").reshape(*lead, 2, 64), 4, "codes")   # half i: 64 low, 64 high
-    low = low.reshape(*lead, 256)
-    high = _bit_planes(_field(blocks, 128, 64, "qh").reshape(*lead, 2, 32), 2, "high").reshape(*lead, 256)
-    codes = _add_high_bits(low, high, 4)
+    low = _nibbles(_field(blocks, 0, 128, "ql").reshape(*lead, 2, 64)).reshape(*lead, 256)   # half i: 64 low, 64 high
+    high = _bit_planes(_field(blocks, 128, 64, "qh").reshape(*lead, 2, 32), 2, "high", at=4).reshape(*lead, 256)
+    codes = _or(low, high)
     codes -= np.uint8(32)                                      # wraps: as int8 the bytes read q - 32
     scales = _by_group(blocks, 192, 16, "scales").view(np.int8)                    # [nb, 16, R]
     return _values(codes).view(np.int8), _scaled(_by_group(blocks, 208, 1, "d", F32), scales, "a"), None
