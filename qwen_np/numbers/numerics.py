@@ -224,9 +224,10 @@ class Held(Protocol):
 class Grouped(Held, Protocol):
     """A Held kind whose values are integer codes with a scale and an offset per group of g consecutive
     inputs of a row, w = a q + b (llama.cpp's block formats: formats.FormatRows, ggml_blocks.BlockRows).
-    groups() gives (codes [rows, in] int8/uint8, a [rows, in/g] FP32, b [rows, in/g] FP32 or None);
-    widen() is widen_groups of them. The fast path multiplies the codes and applies a and b per group
-    (fast.py): the same values, summed in another order."""
+    groups() gives (codes [rows, in] int8/uint8, a [rows, in/g] FP32, b [rows, in/g] FP32 or None), views
+    of this thread's scratch memory valid until its next groups() call (a and b transposed views of
+    group-major arrays); widen() is widen_groups of them. The fast path multiplies the codes and
+    applies a and b per group (fast.py): the same values, summed in another order."""
 
     @property
     def group(self) -> int: ...                 # g: inputs per scale
