@@ -19,15 +19,15 @@ and Python time:
   each worker thread widens a block of rows into its own reused FP32 buffer that stays in cache
   (the kind's widen()), multiplies it from there with single-threaded BLAS, applies the scale the
   kind leaves for after the product (int8's row scales), and moves on.
+  NumPy's BF16 upcast is single-threaded, so splitting rows between threads is what lets every core
+  convert. The norms, RoPE, attention and SiLU of a prompt are then split by token rows between the
+  same threads.
 * A weight of llama.cpp's block kinds (numerics.Grouped: Q8_0, Q4_0, the K-quants, ...) is w = a q + b
   with a scale a and an offset b per group of g inputs. For a few rows of x its product folds them
   out (grouped_rows): only the integer codes q are cast to FP32, each group's dot products q . x are
   one batched BLAS call per block of rows, and y = sum_g a (q . x) + sum_g b (sum of x over the group).
   Widening the values instead costs two more passes over FP32 data per weight (the scale and the
-  offset), which in NumPy cost more than the product itself (bench/README.md).
-  NumPy's BF16 upcast is single-threaded, so splitting rows between threads is what lets every core
-  convert. The norms, RoPE, attention and SiLU of a prompt are then split by token rows between the
-  same threads.
+  offset), which in NumPy cost more than the product itself (GROUPED_M_MAX).
 * A weight held as numerics.Panels (load_model's default for FP32, where BLAS has a small-matrix
   kernel) is multiplied as x @ panels: one NumPy call per thread, a small GEMM per panel of 32 rows
   of W, which OpenBLAS runs at about the speed of reading W for a few rows of x as for one. On W's

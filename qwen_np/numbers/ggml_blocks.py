@@ -22,8 +22,8 @@ bytes. Whatever the packing, every kind means the same thing: groups of g consec
 
 d, m and dmin are FP16; s, s6, m6 are 4-, 6- or 8-bit integers packed into the block. groups() returns
 exactly these parts (codes [rows, in], a and b [rows, in/g]); widen() computes a * q, then + b, as FP32
-operations in the order gguf's dequantizer does (a * q is exact: an FP16 times a 6-bit scale times a
-6-bit code has at most 24 significant bits; only the + b rounds). x - y and x + (-y) are the same IEEE
+operations in the order gguf's dequantizer does (a * q is exact: an FP16 has 11 significant bits, the
+scale and the code together at most 13; only the + b rounds). x - y and x + (-y) are the same IEEE
 operation, so b holds the minimum negated. The fast path multiplies the codes instead of the widened
 values (fast.py): sum_g a (sum q x) + sum_g b (sum x), two small products per group.
 
@@ -46,7 +46,7 @@ from .numerics import scratch, widen_groups
 
 # (codes [R, in] int8/uint8 in value order, a [G, R] FP32, b [G, R] FP32 or None) of R rows of blocks
 # [R, in/QK, bytes], G = in/g groups. a and b are group-major (one row per group, the rows of W along
-# it), the layout in which the fast path applies them with long loops (see _scales_by_group).
+# it), the layout in which the fast path applies them with long loops (fast.grouped_rows).
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 F32, U8 = np.dtype(np.float32), np.dtype(np.uint8)
 
