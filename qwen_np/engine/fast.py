@@ -125,9 +125,10 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     """out = x W^T, as layers.linear, written into `out`.  x [T, in], weight [out, in], out [T, out].
 
     FP32 weights go straight to BLAS, unless x has few rows (few_rows). For those, and for
-    a BF16 or int8 weight, the rows of W (columns of out) are split evenly between runtime.threads()
-    threads; call it inside runtime.single_threaded_blas() (forward does), or each thread's BLAS call
-    would start threads of its own.
+    a BF16, int8 or block-kind weight, the rows of W (columns of out) are split evenly between
+    runtime.threads() threads (a block kind's few rows of x as grouped_rows); call it inside
+    runtime.single_threaded_blas() (forward does), or each thread's BLAS call would start threads of
+    its own.
     """
     if isinstance(weight, np.ndarray) and not few_rows(x.shape[0]):
         return np.matmul(x, weight.T, out=out)

@@ -37,11 +37,11 @@ def load_model(path: str | Path, memory: str = "auto", max_tokens: int | None = 
     codes with an FP32 scale per row (formats.quantize_int8_rows; norm weights stay FP32; from a GGUF,
     its blocks are widened and requantized), which changes the logits slightly; "q8_0" and "q4_0"
     quantize every matrix once to llama.cpp's blocks of 32 (formats.FormatRows, bit for bit as
-    gguf's quantizers); "auto" picks fp32 when it fits in RAM
-    with margin, else bf16. fp32 asked for by name holds plain [out, in] arrays (what training
-    updates in place); fp32 chosen by "auto" for a fast model holds them as numerics.Panels (the same
-    values in the layout in which a few rows' product costs about one row's) where BLAS has a
-    small-matrix kernel (OpenBLAS's SkylakeX one; not Haswell's).
+    gguf's quantizers); "auto" picks fp32 when it fits in RAM with margin, else bf16. fp32 asked
+    for by name holds plain [out, in] arrays (what training updates in place); fp32 chosen by "auto"
+    for a fast model holds them as numerics.Panels (the same values in the layout in which a few
+    rows' product costs about one row's) where BLAS has a small-matrix kernel (OpenBLAS's SkylakeX
+    one; not Haswell's).
     max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
     fast: a FastQwen3Model (qwen_np/fast.py: same logits, tuned for speed); False gives the readable
     Qwen3Model, every call on model.py's code.

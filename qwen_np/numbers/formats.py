@@ -157,7 +157,7 @@ def _unpack_nibbles(packed: np.ndarray, name: str | None = None) -> np.ndarray:
     return codes.reshape(*packed.shape[:-1], BLOCK)
 
 
-def _by_group(d: np.ndarray, name: str) -> np.ndarray:
+def _group_major_scales(d: np.ndarray, name: str) -> np.ndarray:
     """FP16 block scales [..., in/32] as FP32 [..., in/32], a transposed view of this thread's group-major
     scratch `name` (the layout the fast path applies them in: numerics.Grouped)."""
     rows = d.reshape(-1, d.shape[-1])
@@ -293,7 +293,7 @@ def q8_0_groups(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, N
     """Q8_0 as numerics.Grouped parts: (codes int8 [out, in], d as FP32 [out, in/32], no offset), in this
     thread's scratch memory (valid until its next call)."""
     codes = _contiguous_blocks(q.reshape(d.shape + (BLOCK,)), "q8_0.codes")    # [out, in/32, 32]
-    return codes.reshape(*d.shape[:-1], -1), _by_group(d, "q8_0.d"), None
+    return codes.reshape(*d.shape[:-1], -1), _group_major_scales(d, "q8_0.d"), None
 
 
 # ---- llama.cpp Q4_0 --------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ def q4_0_groups(nibbles: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndar
     this thread's scratch memory (valid until its next call)."""
     codes = _unpack_nibbles(nibbles.reshape(d.shape + (BLOCK // 2,)), "q4_0.codes")   # [out, in/32, 32] in 0..15
     codes -= np.uint8(8)                                # wraps: as int8 the bytes read code - 8 in -8..7
-    return codes.view(np.int8).reshape(*d.shape[:-1], -1), _by_group(d, "q4_0.d"), None
+    return codes.view(np.int8).reshape(*d.shape[:-1], -1), _group_major_scales(d, "q4_0.d"), None
 
 
 # ---- OCP MXFP4 -------------------------------------------------------------------------------------
