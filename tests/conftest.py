@@ -62,6 +62,29 @@ def write_random_checkpoint(folder: Path, seed: int = 0, shards: int = 1, dtype:
     return save_checkpoint(folder, config_json, [{n: tensors[n] for n in g} for g in groups], dtype=dtype)
 
 
+# Byte offsets of the FP16 fields (d, and m or dmin) in the block of each GGUF kind qwen_np.numbers.ggml_blocks holds.
+FP16_FIELDS = {"Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(kind: str, rows: int, count: int, seed: int,
+                  scales: tuple[float, float] | None = None) -> np.ndarray:
+    """[rows, count, bytes] blocks of a ggml_blocks kind, every byte random, as a file's: the FP16 fields
+    any finite FP16 (subnormals, zeros, negatives), or uniform in `scales` (values of a trained matrix's
+    size for scales ~1e-3)."""
+    from qwen_np.numbers.ggml_blocks import BLOCK_KINDS
+
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, count, BLOCK_KINDS[kind].size), dtype=np.uint8)
+    for at in FP16_FIELDS[kind]:
+        bits = raw[..., at:at + 2].view(np.uint16)
+        if scales is None:
+            bits[(bits & 0x7C00) == 0x7C00] &= np.uint16(0xBFFF)      # inf/NaN exponent -> a finite one
+        else:
+            bits[...] = rng.uniform(*scales, size=bits.shape).astype(np.float16).view(np.uint16)
+    return raw
+
+
 @pytest.fixture
 def make_checkpoint(tmp_path: Path) -> Callable[..., Path]:
     """Factory: make_checkpoint(name="ckpt", seed=0, shards=1, dtype="BF16", **config_overrides) -> folder."""

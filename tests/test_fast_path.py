@@ -365,3 +365,46 @@ def test_one_decode_attention_for_sequences_of_different_lengths_in_runs_gives_e
     fast._decode_attention(q, rows, out)
     for b in range(len(lengths)):
         np.testing.assert_allclose(out[b], expected[b], rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
+
+
+# --- Block kinds (numerics.Grouped): codes multiplied, scales and offsets applied per group ------------
+
+def block_weight(kind: str, rows: int, columns: int, seed: int) -> numerics.Grouped:
+    """A [rows, columns] weight of a GGUF block kind (random blocks, FP16 scales ~1e-3: values of a
+    trained matrix's size) or of --memory q8_0/q4_0 (quantized normal weights)."""
+    from conftest import random_blocks
+    from qwen_np.numbers.formats import FormatRows, get_format
+    from qwen_np.numbers.ggml_blocks import BLOCK_KINDS, BlockRows
+
+    if kind in ("q8_0", "q4_0"):
+        w = 0.05 * np.random.default_rng(seed).standard_normal((rows, columns), np.float32)
+        return FormatRows(kind, get_format(kind).quantize(w), columns)
+    return BlockRows(kind, random_blocks(kind, rows, columns // BLOCK_KINDS[kind].values, seed, scales=(2e-4, 2e-3)))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 16, 17])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "q8_0", "q4_0"])
+def test_block_kinds_products_equal_the_readable_widen_then_multiply(kind: str, M: int, threads: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """fast.linear of a block kind (a few rows: scales folded out of the codes' product; more: widened
+    blocks) equals layers.linear, the readable definition (widen a block of rows, multiply), for one row
+    and a few, split between threads, over several decode calls and tiles with a short last one each."""
+    from qwen_np.core import layers
+
+    monkeypatch.setattr(fast, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(fast, "GROUPED_DECODE_VALUES", 37 * 512)     # 37 rows a groups() call,
+    monkeypatch.setattr(fast, "GROUPED_BLOCK_BYTES", 4 * 512 * 10)   # 10 a tile
+    weight = block_weight(kind, 203, 512, seed=M)
+    x = np.random.default_rng(M + 1).standard_normal((M, 512), dtype=np.float32)
+    wide = np.full((M, 3 * 203), np.nan, np.float32)                # a column slice of a wider buffer, as q|k|v
+    before = runtime.threads()
+    try:
+        runtime.set_threads(threads)
+        with runtime.single_threaded_blas():
+            fast.linear(x, weight, wide[:, 203:406])
+    finally:
+        runtime.set_threads(before)
+    want = layers.linear(x, weight)
+    assert np.abs(wide[:, 203:406] - want).max() <= RTOL * np.abs(want).max()
+    assert np.isnan(wide[:, :203]).all() and np.isnan(wide[:, 406:]).all()

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from qwen_np import QwenNPError
+from conftest import FP16_FIELDS, random_blocks
+from qwen_np.numbers.numerics import upcast
 from qwen_np.numbers.formats import (FORMATS, bits_per_weight, storage_bytes, dequantize_int8_rows, dequantize_q4_0,
                                      dequantize_q8_0, get_format, quantize_fp8_e4m3, quantize_int8_rows, quantize_mxfp4,
                                      quantize_q4_0, quantize_q8_0, round_trip)
@@ -335,3 +337,88 @@ def test_a_vector_round_trips_as_one_row_of_a_matrix(fmt: str) -> None:
     assert got.shape == x.shape and got.dtype == np.float32
     np.testing.assert_array_equal(got, round_trip(x[None, :], fmt)[0])
     np.testing.assert_array_equal(round_trip(np.zeros(64, np.float32), fmt), np.zeros(64, np.float32))
+
+
+# ---- GGUF's other block kinds (ggml_blocks.BlockRows) against gguf's dequantizer ---------------------
+
+# FP16 scales at the edges: largest, smallest subnormal and normal, zero of both signs, one.
+EDGE_HALVES = np.array([65504, -65504, 2.0 ** -24, -(2.0 ** -24), 2.0 ** -14, 0.0, -0.0, 1.0], np.float16)
+
+
+def edge_blocks(kind: str) -> np.ndarray:
+    """Blocks whose FP16 fields are EDGE_HALVES (each with each, as the kind has one or two) and whose
+    codes and packed scales are all zero bits, all one bits, or random."""
+    from qwen_np.numbers.ggml_blocks import BLOCK_KINDS
+
+    size, fields = BLOCK_KINDS[kind].size, FP16_FIELDS[kind]
+    fillings = [np.zeros(size, np.uint8), np.full(size, 255, np.uint8),
+                np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)]
+    pairs = [(a, b) for a in EDGE_HALVES for b in EDGE_HALVES] if len(fields) == 2 else [(a,) for a in EDGE_HALVES]
+    blocks = []
+    for filling in fillings:
+        for halves in pairs:
+            block = filling.copy()
+            for at, half in zip(fields, halves):
+                block[at:at + 2] = np.array([half], np.float16).view(np.uint8)
+            blocks.append(block)
+    return np.array(blocks)[:, None, :]                                 # one block per row
+
+
+def test_the_block_kinds_have_ggufs_block_sizes(gguf) -> None:
+    from qwen_np.numbers.ggml_blocks import BLOCK_KINDS
+
+    for name, kind in BLOCK_KINDS.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]] == (kind.values, kind.size), name
+
+
+@pytest.mark.parametrize("kind", list(FP16_FIELDS))
+def test_every_block_kind_widens_bit_for_bit_as_ggufs_dequantizer(gguf, kind: str) -> None:
+    """Random blocks (every byte value, any finite FP16 scale) and edge blocks (the largest, subnormal and
+    zero scales with codes all 0 or all 1): the same FP32 bits as gguf.quants.dequantize, for the whole
+    matrix, a slice of its rows widened into part of a larger buffer, and gathered rows."""
+    from qwen_np.numbers.ggml_blocks import BlockRows
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    for raw in (random_blocks(kind, 12, 5, seed=1), edge_blocks(kind)):
+        reference = gguf.quants.dequantize(raw.reshape(len(raw), -1), qtype)       # [rows, in]
+        assert np.isfinite(reference).all()
+        held = BlockRows(kind, raw)
+        assert held.shape == reference.shape
+        widened = np.empty(reference.shape, np.float32)
+        held.widen(widened)
+        assert same_bits(widened, reference)
+        buffer = np.full((8, reference.shape[1]), np.nan, np.float32)
+        held[2:5].widen(buffer[1:4])
+        assert same_bits(buffer[1:4], reference[2:5]) and np.isnan(buffer[[0, 4]]).all()
+        picked = np.array([4, 0, 4, 1])
+        assert same_bits(upcast(held[picked]), reference[picked])
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q5_1"])
+def test_blocks_quantized_by_gguf_widen_to_its_dequantization(gguf, kind: str) -> None:
+    """The legacy kinds gguf can quantize, from real weights (rows over six orders of magnitude)."""
+    from qwen_np.numbers.ggml_blocks import BlockRows
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    blocks = gguf.quants.quantize(random_weights(16, 256, seed=12), qtype)
+    reference = gguf.quants.dequantize(blocks, qtype)
+    assert same_bits(upcast(BlockRows(kind, blocks.reshape(16, 8, -1))), reference)
+
+
+@pytest.mark.parametrize("kind", [*FP16_FIELDS, "q8_0", "q4_0"])
+def test_groups_are_codes_scales_and_offsets_whose_widening_is_the_weight(kind: str) -> None:
+    """What the fast path multiplies: w = a q + b per group, q small integers, a and b [rows, in/g]."""
+    from qwen_np.numbers.ggml_blocks import BlockRows
+    from qwen_np.numbers.formats import FormatRows
+    from qwen_np.numbers.numerics import Grouped
+
+    if kind in FP16_FIELDS:
+        held: Grouped = BlockRows(kind, random_blocks(kind, 6, 2, seed=3))
+    else:
+        held = FormatRows(kind, get_format(kind).quantize(random_weights(6, 512, seed=3)), 512)
+    codes, a, b = held.groups()
+    rows, columns = held.shape
+    assert isinstance(held, Grouped) and codes.shape == (rows, columns) and codes.dtype in (np.int8, np.uint8)
+    assert a.shape == (rows, columns // held.group) and (b is None or b.shape == a.shape)
+    by_group = codes.reshape(rows, -1, held.group).astype(np.float64) * a[..., None] + (0 if b is None else b[..., None])
+    assert np.allclose(by_group.reshape(rows, columns), upcast(held), rtol=1e-6, atol=0)

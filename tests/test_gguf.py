@@ -27,7 +27,7 @@ from qwen_np import QwenNPError, Qwen3Model, load_model
 from qwen_np.core.config import LAYER_TENSORS, MODEL_TENSORS
 from qwen_np.files.checkpoint import save_checkpoint
 from qwen_np.numbers.formats import round_trip
-from qwen_np.files.gguf_file import GGUFCheckpoint, _gguf_name, write_gguf, write_gguf_tensors
+from qwen_np.files.gguf_file import GGUFCheckpoint, _gguf_name, open_reader, write_gguf, write_gguf_tensors
 from qwen_np.files.model_files import open_checkpoint, read_config, read_generation_defaults, read_tokenizer
 from qwen_np.numbers.numerics import upcast
 from qwen_np.core.sampling import SamplingParams
@@ -436,16 +436,128 @@ def test_the_known_keys_given_their_right_values_load(good, tmp_path) -> None:
     assert np.array_equal(logits(path), logits(good))
 
 
-def test_k_quants_are_dequantized_to_fp32_at_load_by_gguf(tmp_path) -> None:
+def test_iq_kinds_are_dequantized_to_fp32_at_load_by_gguf_and_say_so(tmp_path) -> None:
     good = export(tiny_checkpoint(tmp_path / "ckpt", hidden_size=256), tmp_path / "f32.gguf", "f32")
-    blocks = np.random.default_rng(0).integers(0, 256, size=(64, 210), dtype=np.uint8)   # q_proj: 64 rows of 256
-    blocks[:, 208:] = np.array([1e-3], np.float16).view(np.uint8)    # each Q6_K block's FP16 scale: small, finite
-    path = rewrite(good, tmp_path / "q6_k.gguf", replace={"blk.0.attn_q.weight": (blocks, GGML.Q6_K)})
+    blocks = np.random.default_rng(0).integers(0, 256, size=(64, 8, 18), dtype=np.uint8)   # q_proj: 64 rows of 256
+    blocks[..., :2] = np.array([1e-3], np.float16).view(np.uint8)    # each IQ4_NL block's FP16 scale: small, finite
+    path = rewrite(good, tmp_path / "iq4_nl.gguf", replace={"blk.0.attn_q.weight": (blocks.reshape(64, -1), GGML.IQ4_NL)})
     checkpoint = GGUFCheckpoint(path)
     q_proj = LAYER_TENSORS["q_proj"].name.format(i=0)
-    assert np.array_equal(checkpoint.read(q_proj), gguf.quants.dequantize(blocks, GGML.Q6_K))
-    assert "its Q6_K tensors are dequantized to FP32 at load" in (checkpoint.dequantization_note() or "")
+    assert np.array_equal(checkpoint.read(q_proj), gguf.quants.dequantize(blocks.reshape(64, -1), GGML.IQ4_NL))
+    assert isinstance(checkpoint.held(q_proj), np.ndarray)
+    assert "its IQ4_NL tensors are dequantized to FP32 at load" in (checkpoint.dequantization_note() or "")
     assert np.isfinite(load_model(path).forward(PROMPT)).all()
+
+
+# --- Files of llama.cpp's block kinds, kept as stored ------------------------------------------------
+
+BLOCK_KIND_CYCLE = ["Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_0"]
+
+
+def block_gguf(source: Path, out: Path, kinds: list[str] = BLOCK_KIND_CYCLE) -> Path:
+    """The source checkpoint as a GGUF whose matrices are random blocks of `kinds`, in turn (a mix, as a
+    Q4_K_M file mixes Q4_K and Q6_K), FP16 scales ~1e-3; norms F32. Written through gguf's writer
+    (gguf cannot quantize the K-quants: these are the blocks a quantizer could have written)."""
+    from conftest import FP16_FIELDS, random_blocks
+
+    f32 = export(source, out.with_suffix(".f32.gguf"), "f32")
+    replace: dict[str, tuple[np.ndarray, GGML]] = {}
+    matrices = [t for t in GGUFReader(f32).tensors if len(t.shape) == 2]
+    for i, tensor in enumerate(matrices):
+        kind, (rows, columns) = kinds[i % len(kinds)], (int(tensor.shape[1]), int(tensor.shape[0]))
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[GGML[kind]]
+        if kind in FP16_FIELDS:
+            blocks = random_blocks(kind, rows, columns // block_values, seed=i, scales=(2e-4, 2e-3))
+        else:                                                          # Q8_0, Q4_0: gguf's own quantizer
+            blocks = gguf.quants.quantize(np.asarray(tensor.data).reshape(rows, columns), GGML[kind])
+        replace[tensor.name] = (blocks.reshape(rows, -1), GGML[kind])
+    rewrite(f32, out, replace=replace)
+    f32.unlink()
+    return out
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def blocks_file(request, tmp_path_factory) -> Path:
+    """A tiny Qwen3 (rows of 256 and 512 values: whole K-quant blocks) as a GGUF of every block kind."""
+    folder = tmp_path_factory.mktemp("blocks")
+    source = tiny_checkpoint(folder / "ckpt", tied=request.param, hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    return block_gguf(source, folder / "blocks.gguf")
+
+
+def test_every_block_kind_is_kept_as_views_of_the_file_and_planned_at_its_size(blocks_file: Path) -> None:
+    from qwen_np.numbers.formats import FormatRows
+    from qwen_np.numbers.ggml_blocks import BlockRows
+
+    model = load_model(blocks_file, memory="stored")
+    checkpoint = GGUFCheckpoint(blocks_file)
+    file_types = {t.name: t.tensor_type.name for t in GGUFReader(blocks_file).tensors}
+    assert checkpoint.dequantization_note() is None
+    layers, seen = model.config.num_hidden_layers, set()
+    for i, layer in enumerate(model.layers):
+        for key in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            weight, kind = getattr(layer, key), file_types[_gguf_name(LAYER_TENSORS[key].name.format(i=i), layers)]
+            seen.add(kind)
+            if kind in ("Q8_0", "Q4_0"):
+                assert isinstance(weight, FormatRows) and weight.fmt == kind.lower()
+            else:
+                assert isinstance(weight, BlockRows) and weight.kind == kind and not weight.blocks.flags.owndata
+                assert np.shares_memory(weight.blocks, open_reader(blocks_file).data)   # a view of the mapped file
+    assert seen >= set(BLOCK_KIND_CYCLE) - {"Q4_0"}                  # 14 matrices: every kind in the layers but one
+    stored = sum(int(t.n_bytes) for t in GGUFReader(blocks_file).tensors)
+    assert model.plan.mode == "bf16" and model.plan.stored_weight_bytes == pytest.approx(stored, rel=1e-6)
+    assert stored < blocks_file.stat().st_size                      # the rest: metadata and the vocabulary
+
+
+def test_a_block_kind_gguf_gives_transformers_logits_on_ggufs_own_dequantization(blocks_file: Path) -> None:
+    """The done-when's check, on a tiny random Qwen3: transformers' Qwen3ForCausalLM with the file's tensors
+    as transformers' own GGUF loader reads them (gguf.quants.dequantize, its name mapping) against
+    qwen_np kept as stored, fast and readable, a prompt at once and then decoded a token and 5 at a time:
+    within 1e-4 of the largest logit, the same argmax."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, Qwen3ForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(blocks_file.parent / "ckpt")
+    config._attn_implementation = "eager"
+    reference = Qwen3ForCausalLM(config).float().eval()
+    tensors = load_gguf_checkpoint(blocks_file, return_tensors=True, model_to_load=reference)["tensors"]
+    missing, unexpected = reference.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}          # tied: the embedding's
+    ids = [5, 17, 300, 42, 1999, 7, 7, 64, 1024, 3, 11, 12, 13, 14, 15, 16]
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits[0].numpy()
+    for fast in (True, False):
+        model = load_model(blocks_file, memory="stored", fast=fast)
+        cache = model.new_cache(32)
+        got = np.concatenate([model.forward(ids[:10], cache), model.forward(ids[10:11], cache),
+                              model.forward(ids[11:], cache)])
+        error = np.abs(got - want).max() / np.abs(want).max()
+        assert error < 1e-4, f"fast={fast}: {error:.2e} of the largest logit"
+        assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_int8_from_a_block_kind_gguf_requantizes_its_dequantized_rows(blocks_file: Path) -> None:
+    from qwen_np.numbers.formats import round_trip
+    from qwen_np.numbers.numerics import Int8Rows
+
+    stored, int8 = load_model(blocks_file, memory="stored"), load_model(blocks_file, memory="int8")
+    assert isinstance(int8.layers[0].q_proj, Int8Rows)
+    for name in ("q_proj", "down_proj"):
+        ours = getattr(int8.layers[1], name)
+        want = round_trip(upcast(getattr(stored.layers[1], name)), "int8")
+        assert np.array_equal(upcast(ours), want)            # the file's values, quantized to int8 rows
+    reference, quantized = stored.forward(PROMPT), int8.forward(PROMPT)
+    assert np.max(np.abs(quantized - reference)) < 0.05 * np.max(np.abs(reference))
+    assert np.array_equal(load_model(blocks_file, memory="bf16").forward(PROMPT), stored.forward(PROMPT))
+
+
+def test_an_extensionless_copy_of_a_block_kind_gguf_loads_as_the_file(blocks_file: Path, tmp_path: Path) -> None:
+    blob = tmp_path / "sha256-5eee1ed3f1e2"                          # an Ollama blob: no suffix, recognised by its magic
+    shutil.copy(blocks_file, blob)
+    assert np.array_equal(load_model(blob, memory="stored").forward(PROMPT),
+                          load_model(blocks_file, memory="stored").forward(PROMPT))
 
 
 # --- The tokenizer on the real Qwen3 vocabulary ----------------------------------------------------

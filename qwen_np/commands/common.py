@@ -23,9 +23,10 @@ BUNDLED_NAME = "weights (bundled Shakespeare model)"
 # `--draft bundled`: the bundled model's own draft (BUNDLED_MODEL/draft) from any folder, as the bundled
 # model is --model's default from any folder. No hub id is a bare word; a folder named so is ./bundled.
 BUNDLED_DRAFT = "bundled"
-MEMORY_HELP = ("how to hold the weights: fp32 upcasts every weight once at load (fastest), bf16 keeps them as stored "
-               "and widens them per use (half the RAM), int8 quantizes every matrix to int8 rows at load (a quarter, "
-               "slightly different logits), q8_0 and q4_0 to llama.cpp's blocks of 32 (8.5 and 4.5 bits a weight), "
+MEMORY_HELP = ("how to hold the weights: fp32 upcasts every weight once at load (fastest), bf16 (or stored) keeps them "
+               "as stored (a GGUF's quantized blocks too) and widens them per use (half the RAM), int8 quantizes every "
+               "matrix to int8 rows at load (a quarter, slightly different logits), q8_0 and q4_0 to llama.cpp's "
+               "blocks of 32 (8.5 and 4.5 bits a weight), "
                "auto picks fp32 when it fits (default: auto)")
 
 

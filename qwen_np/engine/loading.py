@@ -31,15 +31,17 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
                fast: bool = True) -> Qwen3Model:
     """Load a Qwen3 checkpoint folder, GGUF file (gguf_file.py) or hub id for inference.
 
-    memory: "fp32" upcasts every weight once; "bf16" keeps the stored weights memory-mapped and
-    upcasts them block by block on use; "int8" quantizes every matrix once to int8 codes with an
-    FP32 scale per row (formats.quantize_int8_rows; norm weights stay FP32), which changes the
-    logits slightly; "q8_0" and "q4_0" quantize every matrix once to llama.cpp's blocks of 32
-    (formats.FormatRows, bit for bit as gguf's quantizers); "auto" picks fp32 when it fits in RAM
-    with margin, else bf16. fp32 asked for by name holds plain [out, in] arrays (what training
-    updates in place); fp32 chosen by "auto" for a fast model holds them as numerics.Panels (the same
-    values in the layout in which a few rows' product costs about one row's) where BLAS has a
-    small-matrix kernel (OpenBLAS's SkylakeX one; not Haswell's).
+    memory: "fp32" upcasts every weight once; "bf16" (or its other name "stored") keeps the stored
+    weights memory-mapped and upcasts them block by block on use (a GGUF's quantized tensors as their
+    blocks: formats.FormatRows, ggml_blocks.BlockRows); "int8" quantizes every matrix once to int8
+    codes with an FP32 scale per row (formats.quantize_int8_rows; norm weights stay FP32; from a GGUF,
+    its blocks are widened and requantized), which changes the logits slightly; "q8_0" and "q4_0"
+    quantize every matrix once to llama.cpp's blocks of 32 (formats.FormatRows, bit for bit as
+    gguf's quantizers); "auto" picks fp32 when it fits in RAM with margin, else bf16. fp32 asked
+    for by name holds plain [out, in] arrays (what training updates in place); fp32 chosen by "auto"
+    for a fast model holds them as numerics.Panels (the same values in the layout in which a few
+    rows' product costs about one row's) where BLAS has a small-matrix kernel (OpenBLAS's SkylakeX
+    one; not Haswell's).
     max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
     fast: a FastQwen3Model (qwen_np/engine/fast.py: same logits, tuned for speed); False gives the readable
     Qwen3Model, every call on model.py's code.
@@ -67,24 +69,31 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
     layout = "panels" if panel_layout else "rows"
     cached = (load_fp32(checkpoint, layout) if plan.mode == "fp32" and not isinstance(checkpoint, GGUFCheckpoint)
               else None)
-    largest = max(info.nbytes for info in checkpoint.tensors.values())
+    # int8, q8_0 and q4_0 from a GGUF quantize its tensors as held (views of the file gguf's reader maps
+    # anyway; its blocks widened a block of rows at a time): no FP32 copy of a whole tensor, and no buffer.
     quantized = plan.mode == "int8" or plan.mode in HELD_FORMATS
-    buffer = allocate((largest,), np.uint8) if quantized or (plan.mode == "fp32" and cached is None) else None
+    from_gguf = quantized and isinstance(checkpoint, GGUFCheckpoint)
+    largest = max(info.nbytes for info in checkpoint.tensors.values())
+    reads = (quantized and not from_gguf) or (plan.mode == "fp32" and cached is None)
+    buffer = allocate((largest,), np.uint8) if reads else None
+
+    def source(name: str) -> Weight:
+        return checkpoint.held(name) if from_gguf else checkpoint.read(name, buffer)
 
     def matrices(names: list[str]) -> list[Weight]:
         if cached is not None:
             return [Panels(cached[name]) if cached[name].ndim == 3 else cached[name] for name in names]
         shapes = [checkpoint.tensors[name].shape for name in names]
-        if buffer is None:
+        if plan.mode == "bf16":
             return [checkpoint.held(name) for name in names]
         if plan.mode == "fp32":
             return [fp32_matrix(checkpoint.read(name, buffer), kept, layout)
                     for name, kept in zip(names, back_to_back(shapes, np.float32))]
         if plan.mode in HELD_FORMATS:
-            return [quantize_blocks(checkpoint.read(name, buffer), plan.mode) for name in names]
+            return [quantize_blocks(source(name), plan.mode) for name in names]
         codes, scales = back_to_back(shapes, np.int8), back_to_back([shape[:1] for shape in shapes], np.float32)
         for name, q, scale in zip(names, codes, scales):
-            quantize_int8_into(checkpoint.read(name, buffer), q, scale)
+            quantize_int8_into(source(name), q, scale)
         return [Int8Rows(q, scale) for q, scale in zip(codes, scales)]
 
     def vector(name: str) -> np.ndarray:
@@ -126,7 +135,7 @@ def back_to_back(shapes: list[tuple[int, ...]], dtype: type = np.float32) -> lis
     return arrays
 
 
-def quantize_blocks(stored: np.ndarray, fmt: str) -> FormatRows:
+def quantize_blocks(stored: Weight, fmt: str) -> FormatRows:
     """A stored matrix [out, in] quantized to a block format (formats.HELD_FORMATS), a block of rows at a
     time into parts allocated once (their per-row shapes from quantizing the first row): rows are
     independent, so the parts equal quantizing the whole matrix at once; split between the threads."""
@@ -144,8 +153,8 @@ def quantize_blocks(stored: np.ndarray, fmt: str) -> FormatRows:
     return FormatRows(fmt, parts, stored.shape[1])
 
 
-def quantize_int8_into(stored: np.ndarray, codes: np.ndarray, scale: np.ndarray) -> None:
-    """formats.quantize_int8_rows of a stored matrix [out, in] (any dtype numerics.upcast reads) into
+def quantize_int8_into(stored: Weight, codes: np.ndarray, scale: np.ndarray) -> None:
+    """formats.quantize_int8_rows of a stored matrix [out, in] (any dtype or weight kind numerics.upcast reads) into
     codes [out, in] and scale [out], a block of rows at a time: rows are independent, so the result
     is the same as quantizing the whole matrix at once. The rows are split between runtime.threads()
     threads (NumPy's loops are single-threaded and release the GIL), each taking blocks of its part."""

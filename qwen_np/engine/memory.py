@@ -21,7 +21,10 @@ from ..errors import QwenNPError
 from ..numbers.formats import HELD_FORMATS, storage_bytes
 
 GiB = 1024 ** 3
-MODES = ("auto", "fp32", "bf16", "int8", *HELD_FORMATS)   # HELD_FORMATS: q8_0, q4_0 (formats.FormatRows)
+MODES = ("auto", "fp32", "bf16", "stored", "int8", *HELD_FORMATS)   # HELD_FORMATS: q8_0, q4_0 (formats.FormatRows)
+# Other names for a mode: "stored" says what "bf16" does whatever the file holds (BF16, F16, or a GGUF's
+# quantized blocks: kept as they are and widened on use); the plan is the "bf16" one.
+ALIASES = {"stored": "bf16"}
 SAFETY_FRACTION = 0.85   # leave room for the OS, the page cache of the BF16 path and Python itself
 # Prompt tokens per forward pass during prefill (generate.py): bounds the [T, V] logits and [H, T, S]
 # attention scores one pass allocates, so the plan can budget working buffers for it.
@@ -162,6 +165,7 @@ def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
     only when even the stored weights do not fit; an explicit mode fails if it does not fit."""
     if requested not in MODES:
         raise QwenNPError(f"--memory: expected one of {', '.join(MODES)}, got {requested!r}")
+    requested = ALIASES.get(requested, requested)
     plans = candidate_plans(config, max_tokens, stored_bytes_per_value, available)
     fp32, stored, int8 = plans["fp32"], plans["bf16"], plans["int8"]
     plan = plans[requested] if requested != "auto" else fp32 if fp32.fits else stored

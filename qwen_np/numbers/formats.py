@@ -37,7 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import QwenNPError
-from .numerics import bf16_bits_to_f32, f32_to_bf16_bits
+from .numerics import bf16_bits_to_f32, f32_to_bf16_bits, scratch, widen_groups
 
 BLOCK = 32                                   # values per block in q8_0, q4_0 and mxfp4
 E4M3_MAX = np.float32(448.0)                 # largest finite float8_e4m3fn
@@ -120,9 +120,10 @@ def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
     return codes[..., :16] | (codes[..., 16:] << np.uint8(4))
 
 
-def _contiguous_blocks(codes: np.ndarray) -> np.ndarray:
+def _contiguous_blocks(codes: np.ndarray, name: str | None = None) -> np.ndarray:
     """codes [..., in/32, k] (k bytes per block, possibly a strided view: the codes of a GGUF file's
-    blocks, k of every k + 2 bytes) as a C-contiguous array of the same shape and dtype.
+    blocks, k of every k + 2 bytes) as a C-contiguous array of the same shape and dtype (this thread's
+    numerics.scratch `name` if named, else a new one).
 
     Trap: any NumPy loop over such a view runs an inner loop only k = 16 or 32 elements long, whose
     per-loop cost dominates (a nibble mask: 0.26 ns per weight). Viewed as one k-byte void item per
@@ -130,27 +131,39 @@ def _contiguous_blocks(codes: np.ndarray) -> np.ndarray:
     if codes.flags.c_contiguous:
         return codes
     block = np.dtype((np.void, codes.shape[-1] * codes.itemsize))
-    return np.ascontiguousarray(codes.view(block)).view(codes.dtype).reshape(codes.shape)
+    if name is None:
+        return np.ascontiguousarray(codes.view(block)).view(codes.dtype).reshape(codes.shape)
+    out = scratch(name, codes.shape, codes.dtype)
+    out.view(block)[..., 0] = codes.view(block)[..., 0]
+    return out
 
 
-def _unpack_nibbles(packed: np.ndarray) -> np.ndarray:
-    """[..., in/32, 16] bytes (any strides) -> [..., in/32, 32] codes 0..15 (inverse of _pack_nibbles).
+def _unpack_nibbles(packed: np.ndarray, name: str | None = None) -> np.ndarray:
+    """[..., in/32, 16] bytes (any strides) -> [..., in/32, 32] codes 0..15 (inverse of _pack_nibbles),
+    in this thread's numerics.scratch `name` (and names derived from it) if named, else new arrays.
 
     The masks run over the contiguous bytes as one flat loop, and each half-block of 16 codes is placed
     as one 16-byte void item: no NumPy loop runs over a 16-element axis (see _contiguous_blocks)."""
-    packed = _contiguous_blocks(packed)
+    def array(suffix: str, shape: tuple[int, ...]) -> np.ndarray:
+        return np.empty(shape, np.uint8) if name is None else scratch(f"{name}{suffix}", shape, np.uint8)
+
+    packed = _contiguous_blocks(packed, None if name is None else f"{name}.packed")
     half = np.dtype((np.void, BLOCK // 2))
-    codes = np.empty((*packed.shape[:-1], 2, BLOCK // 2), np.uint8)    # [..., in/32, low | high, 16]
+    codes = array("", (*packed.shape[:-1], 2, BLOCK // 2))             # [..., in/32, low | high, 16]
     items = codes.view(half)[..., 0]                                   # [..., in/32, 2] of 16 bytes
-    items[..., 0] = (packed & np.uint8(0x0F)).view(half)[..., 0]
-    items[..., 1] = (packed >> np.uint8(4)).view(half)[..., 0]
+    nibbles = array(".nibbles", packed.shape)
+    items[..., 0] = np.bitwise_and(packed, np.uint8(0x0F), out=nibbles).view(half)[..., 0]
+    items[..., 1] = np.right_shift(packed, np.uint8(4), out=nibbles).view(half)[..., 0]
     return codes.reshape(*packed.shape[:-1], BLOCK)
 
 
-def _block_scales(d: np.ndarray) -> np.ndarray:
-    """FP16 block scales [..., in/32] as FP32, one per weight [..., in]: a full-size factor multiplies
-    faster than a broadcast over [..., in/32, 32], whose inner loop runs 32 elements (measured 1.2x)."""
-    return np.repeat(d.astype(np.float32), BLOCK, axis=-1)
+def _group_major_scales(d: np.ndarray, name: str) -> np.ndarray:
+    """FP16 block scales [..., in/32] as FP32 [..., in/32], a transposed view of this thread's group-major
+    scratch `name` (the layout the fast path applies them in: numerics.Grouped)."""
+    rows = d.reshape(-1, d.shape[-1])
+    out = scratch(name, rows.shape[::-1], np.float32)
+    np.copyto(out, rows.T)
+    return out.T.reshape(d.shape)
 
 
 # ---- plain casts: fp32, fp16, bf16 ----------------------------------------------------------------
@@ -273,11 +286,14 @@ def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_q8_0(q: np.ndarray, d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """q int8 [out, in] or [out, in/32, 32] (a view of a GGUF's blocks), d FP16 [out, in/32] -> FP32
     [out, in]: q * float(d), block by block."""
-    out = _output(d.shape[:-1] + (d.shape[-1] * BLOCK,), out)
-    codes = _contiguous_blocks(q.reshape(d.shape + (BLOCK,)))            # [out, in/32, 32]
-    out[...] = codes.reshape(out.shape)                                  # exact: int8 fits in FP32
-    out *= _block_scales(d)                                              # [out, in]
-    return out
+    return widen_groups(*q8_0_groups(q, d), out=_output(d.shape[:-1] + (d.shape[-1] * BLOCK,), out))
+
+
+def q8_0_groups(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Q8_0 as numerics.Grouped parts: (codes int8 [out, in], d as FP32 [out, in/32], no offset), in this
+    thread's scratch memory (valid until its next call)."""
+    codes = _contiguous_blocks(q.reshape(d.shape + (BLOCK,)), "q8_0.codes")    # [out, in/32, 32]
+    return codes.reshape(*d.shape[:-1], -1), _group_major_scales(d, "q8_0.d"), None
 
 
 # ---- llama.cpp Q4_0 --------------------------------------------------------------------------------
@@ -300,12 +316,15 @@ def quantize_q4_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_q4_0(nibbles: np.ndarray, d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """nibbles uint8 [out, in/2] or [out, in/32, 16] (a view of a GGUF's blocks), d FP16 [out, in/32]
     -> FP32 [out, in]: (code - 8) * float(d), one rounding, as gguf's dequantizer."""
-    out = _output(d.shape[:-1] + (d.shape[-1] * BLOCK,), out)
-    codes = _unpack_nibbles(nibbles.reshape(d.shape + (BLOCK // 2,)))   # [out, in/32, 32] in 0..15
+    return widen_groups(*q4_0_groups(nibbles, d), out=_output(d.shape[:-1] + (d.shape[-1] * BLOCK,), out))
+
+
+def q4_0_groups(nibbles: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Q4_0 as numerics.Grouped parts: (code - 8 as int8 [out, in], d as FP32 [out, in/32], no offset), in
+    this thread's scratch memory (valid until its next call)."""
+    codes = _unpack_nibbles(nibbles.reshape(d.shape + (BLOCK // 2,)), "q4_0.codes")   # [out, in/32, 32] in 0..15
     codes -= np.uint8(8)                                # wraps: as int8 the bytes read code - 8 in -8..7
-    out[...] = codes.view(np.int8).reshape(out.shape)   # exact in FP32
-    out *= _block_scales(d)                             # the one rounding: (code - 8) * d
-    return out
+    return codes.view(np.int8).reshape(*d.shape[:-1], -1), _group_major_scales(d, "q4_0.d"), None
 
 
 # ---- OCP MXFP4 -------------------------------------------------------------------------------------
@@ -400,14 +419,17 @@ HELD_FORMATS = ("q8_0", "q4_0")
 class FormatRows:
     """A matrix [out, in] held as a format's quantized parts, row-major: llama.cpp's Q8_0 (int8 codes
     [out, in] and FP16 scales [out, in/32]) or Q4_0 (packed nibbles [out, in/2] and FP16 scales), the
-    values of its blocks bit for bit. A numerics weight kind: indexing picks rows of every part, and
-    widen() dequantizes them. A block's FP16 scale is one per 32 inputs, so unlike int8's row scale it
-    cannot be factored out of a dot product: the rows are dequantized in full, then multiplied."""
+    values of its blocks bit for bit. A numerics weight kind (Grouped): indexing picks rows of every part,
+    widen() dequantizes them, groups() gives their codes and block scales. A block's FP16 scale is one
+    per 32 inputs, so unlike int8's row scale it cannot be factored out of a whole dot product, only out
+    of each block's 32 products (what the fast path does)."""
 
     fmt: str                          # a HELD_FORMATS name
     parts: tuple[np.ndarray, ...]     # what get_format(fmt).quantize returns, for these rows; or the codes
                                       # per block [out, in/32, 32 | 16] and scales as views of a GGUF's blocks
     columns: int                      # in
+
+    group = BLOCK                     # inputs per scale (numerics.Grouped)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -426,6 +448,9 @@ class FormatRows:
 
     def widen(self, out: np.ndarray) -> None:
         get_format(self.fmt).dequantize(*self.parts, out=out)
+
+    def groups(self) -> tuple[np.ndarray, np.ndarray, None]:
+        return (q8_0_groups if self.fmt == "q8_0" else q4_0_groups)(*self.parts)
 
 
 def bits_per_weight(fmt: str) -> float:

@@ -20,8 +20,10 @@ StoredRows lets ml_dtypes' bfloat16 dtype do the same in C).
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import ml_dtypes
 import numpy as np
@@ -216,6 +218,53 @@ class Held(Protocol):
     def __getitem__(self, rows: Any) -> "Held": ...
 
     def widen(self, out: np.ndarray) -> np.ndarray | None: ...
+
+
+@runtime_checkable
+class Grouped(Held, Protocol):
+    """A Held kind whose values are integer codes with a scale and an offset per group of g consecutive
+    inputs of a row, w = a q + b (llama.cpp's block formats: formats.FormatRows, ggml_blocks.BlockRows).
+    groups() gives (codes [rows, in] int8/uint8, a [rows, in/g] FP32, b [rows, in/g] FP32 or None), views
+    of this thread's scratch memory valid until its next groups() call (a and b transposed views of
+    group-major arrays); widen() is widen_groups of them. The fast path multiplies the codes and
+    applies a and b per group (fast.py): the same values, summed in another order."""
+
+    @property
+    def group(self) -> int: ...                 # g: inputs per scale
+
+    def __getitem__(self, rows: Any) -> "Grouped": ...
+
+    def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]: ...
+
+
+_scratch = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """This thread's reused array called `name`, uninitialised, C-contiguous, of `shape` (its memory grown
+    when too small, never shrunk). Why: NumPy's temporaries of more than ~128 KiB come from fresh pages
+    of the kernel each time (glibc's allocator returns them when freed), and a page fault costs ~3 us in
+    this VM: a fresh 1 MiB array costs more to fault in than most passes over it. Each caller's names
+    are its own; a second request for a name reuses the memory of the first."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    buffer = getattr(_scratch, name, None)
+    if buffer is None or buffer.size < nbytes:
+        buffer = np.empty(max(nbytes, 1), np.uint8)
+        setattr(_scratch, name, buffer)
+    return buffer[:nbytes].view(dtype).reshape(shape)
+
+
+def widen_groups(codes: np.ndarray, a: np.ndarray, b: np.ndarray | None, out: np.ndarray) -> np.ndarray:
+    """out [rows, in] = a q (+ b) group by group, codes [rows, in], a and b [rows, in/g]: the FP32 product
+    first, then the sum, as ggml's reference dequantizers round them."""
+    group = out.shape[-1] // a.shape[-1]
+    out[...] = codes                                                   # exact: small integers
+    # Full-size factors: they multiply faster than a broadcast over [rows, in/g, g], whose inner loop
+    # runs only g elements (measured 1.2x; bench/README.md, "Bigger models in Q4_0").
+    out *= np.repeat(a, group, axis=-1)
+    if b is not None:
+        out += np.repeat(b, group, axis=-1)
+    return out
 
 
 # A weight matrix as a model holds it: a NumPy array is always FULL_PRECISION (used as it is); every
