@@ -24,7 +24,7 @@ from qwen_np.files.gguf_file import GGUFCheckpoint, _gguf_name, write_gguf, writ
 from qwen_np.files.model_files import open_checkpoint, read_config, read_generation_defaults, read_tokenizer
 from qwen_np.numbers.numerics import upcast
 from qwen_np.core.sampling import SamplingParams
-from conftest import BUNDLED, QWEN3_RANDOM, ROOT, write_random_checkpoint
+from conftest import BUNDLED, HANG_SECONDS, QWEN3_RANDOM, ROOT, write_random_checkpoint
 
 PROMPT = [5, 17, 300, 42, 1999, 7, 7, 64, 1024, 3]
 
@@ -310,8 +310,10 @@ def test_qwen3_vocabulary_is_written_as_llama_cpps_converter_writes_it(qwen3_ggu
 # --- The command line ------------------------------------------------------------------------------
 
 def qwen(*args: str) -> subprocess.CompletedProcess:
-    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "QWEN_NP_CACHE": "off"}
-    return subprocess.run([sys.executable, "-m", "qwen_np", *args], cwd=ROOT, capture_output=True, timeout=120, env=env)
+    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "QWEN_NP_CACHE": "off",
+           "PYTHONDONTWRITEBYTECODE": "1"}                                  # no __pycache__ in the checkout
+    return subprocess.run([sys.executable, "-m", "qwen_np", *args], cwd=ROOT, capture_output=True, timeout=HANG_SECONDS,
+                          env=env)
 
 
 def test_export_from_the_cli_then_generate_from_the_gguf_gives_the_same_text(tmp_path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import HANG_SECONDS, QWEN3_RANDOM, ROOT
 from qwen_np import PRESETS, QwenNPError, load_config, load_model, preset
 from qwen_np.core.config import expected_tensors
 from qwen_np.inspection import (STEPS, Tracer, attention_view, attention_weights, dimensions, forward_flops,
@@ -156,7 +156,7 @@ def test_inspect_a_bare_config_json(bare_config_dir):
 
 def test_cli_inspect_runs_on_a_bare_config_json_with_no_weights(bare_config_dir):
     run = subprocess.run([sys.executable, "-m", "qwen_np", "inspect", "--model", str(bare_config_dir), "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, capture_output=True, text=True, timeout=HANG_SECONDS)
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["parameters"]["total"] == 8_190_735_360
@@ -281,7 +281,7 @@ def test_token_text_shows_the_bytes_of_a_token_that_is_part_of_a_character():
     from qwen_np.inspection.text import token_bytes
     from qwen_np.files.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_folder(ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random")
+    tokenizer = Tokenizer.from_folder(QWEN3_RANDOM)
     ids = tokenizer.encode("𓀀")                        # one character (4 UTF-8 bytes), 3 byte-level tokens
     partial = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
     assert partial, "the emoji no longer splits into partial tokens"

@@ -28,6 +28,7 @@ from qwen_np.inspection.steps import source_line
 from qwen_np.inspection.trace import statistics
 from qwen_np.core.sampling import SamplingParams, apply_repetition_penalty, warp
 from qwen_np.files.tokenizer import Tokenizer
+from conftest import HANG_SECONDS
 from test_serve import ROOT, MODEL, assert_openai_error, get, post, serving
 
 pytest.importorskip("starlette")
@@ -142,7 +143,7 @@ def test_the_explorer_keeps_serve_s_rules(bundled) -> None:
 
 def fetch_json(request: urllib.request.Request) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=HANG_SECONDS) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
@@ -151,11 +152,11 @@ def fetch_json(request: urllib.request.Request) -> tuple[int, dict]:
 def test_the_page_loads_nothing_from_elsewhere_and_opens_without_the_key_its_data_needs(serve_env) -> None:
     with serving(serve_env, BUNDLED, "--api-key", "sesame") as server:
         base = server.url.removesuffix("/v1")
-        with urllib.request.urlopen(base + "/", timeout=30) as response:
+        with urllib.request.urlopen(base + "/", timeout=HANG_SECONDS) as response:
             page, policy = response.read().decode(), response.headers["Content-Security-Policy"]
         assert "default-src 'self'" in policy and "http" not in page.replace("http-equiv", "")
         for name in ("app.js", "style.css"):
-            with urllib.request.urlopen(f"{base}/web/{name}", timeout=30) as response:
+            with urllib.request.urlopen(f"{base}/web/{name}", timeout=HANG_SECONDS) as response:
                 assert response.status == 200 and b"http" not in response.read()
         assert_openai_error(*get(base + "/explorer/model"), 401)
         status, info = get(base + "/explorer/model", Authorization="Bearer sesame")
@@ -170,14 +171,22 @@ def browser():
     if not shutil.which(CHROMIUM):
         pytest.skip(f"the browser tests need chromium at {CHROMIUM} (apt-get install chromium)")
     with sync_api.sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=HANG_SECONDS * 1000)
         yield launched
         launched.close()
 
 
+def new_page(browser, **options):
+    """A page whose waits wait for what they name, however long a loaded machine takes (Playwright's own
+    default gives up after 30 s); bypass_csp: Playwright's waits evaluate strings, which the page's policy
+    (no eval) forbids."""
+    page = browser.new_page(bypass_csp=True, **options)
+    page.set_default_timeout(HANG_SECONDS * 1000)
+    return page
+
+
 def open_page(browser, base: str, width: int = 1280, height: int = 800):
-    # bypass_csp: Playwright's waits evaluate strings, which the page's policy (no eval) forbids.
-    page = browser.new_page(viewport={"width": width, "height": height}, bypass_csp=True)
+    page = new_page(browser, viewport={"width": width, "height": height})
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(base + "/")
@@ -256,7 +265,7 @@ def test_sample_then_append_continues_the_prompt_by_that_token(explored) -> None
 
 def test_a_server_with_an_api_key_gets_it_from_the_page_which_then_works(browser, serve_env) -> None:
     with serving(serve_env, BUNDLED, "--api-key", "sesame") as server:
-        page = browser.new_page(bypass_csp=True)
+        page = new_page(browser)
         page.goto(server.url.removesuffix("/v1") + "/")
         page.wait_for_selector("#key-box:not([hidden])")
         assert "API key" in page.text_content("#status")
