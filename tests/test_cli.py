@@ -18,6 +18,8 @@ from qwen_np.commands.generate import ReplyWriter
 from qwen_np.files.tokenizer import Tokenizer
 from conftest import BUNDLED, HANG_SECONDS, QWEN3_RANDOM
 
+pytestmark = pytest.mark.slow      # every test runs `python -m qwen_np` as a subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 STATS = re.compile(r"^stats: model=.+ prompt_tokens=(\d+) cached_tokens=(\d+) new_tokens=(\d+) load=[\d.]+s "
                    r"prefill=\S+ decode=\S+ peak_rss=\d+MiB finish=(\w+)$")

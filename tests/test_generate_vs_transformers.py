@@ -24,6 +24,8 @@ from conftest import BUNDLED, HANG_SECONDS, QWEN3_RANDOM  # noqa: E402
 from reference.hf_reference import build_reference_model, make_config  # noqa: E402
 from transformers import AutoTokenizer, Qwen3ForCausalLM  # noqa: E402
 
+pytestmark = pytest.mark.slow      # torch and transformers, and the CLI as a subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 24
 

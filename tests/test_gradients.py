@@ -73,6 +73,7 @@ MICRO = dict(vocab_size=13, hidden_size=8, intermediate_size=12, num_hidden_laye
              num_key_value_heads=2, head_dim=4, max_position_embeddings=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_every_gradient_matches_float64_central_differences(tied: bool) -> None:
     """d loss / d w for EVERY scalar weight of a micro model, in float64, by (L(w+h) - L(w-h)) / 2h."""

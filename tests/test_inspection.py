@@ -154,6 +154,7 @@ def test_inspect_a_bare_config_json(bare_config_dir):
     assert "8,190,735,360" in text and "[T, V] = [7, 151936]" in text
 
 
+@pytest.mark.slow
 def test_cli_inspect_runs_on_a_bare_config_json_with_no_weights(bare_config_dir):
     run = subprocess.run([sys.executable, "-m", "qwen_np", "inspect", "--model", str(bare_config_dir), "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=HANG_SECONDS)

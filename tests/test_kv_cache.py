@@ -73,6 +73,7 @@ def run_batch(generator: BatchGenerator, watch=lambda: None) -> dict[int, list]:
     return events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_many_long_requests_under_a_small_budget_get_their_solo_texts_within_the_budget(model, tok, params) -> None:
     blocks = 24                                   # 384 positions for 6 requests of ~85: they cannot all fit

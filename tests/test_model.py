@@ -98,6 +98,7 @@ def test_bad_token_ids_are_rejected(model, bad):
         model.forward(np.array(bad))
 
 
+@pytest.mark.slow
 def test_loading_fp32_holds_no_second_copy_of_the_model(make_checkpoint):
     """Peak resident memory of a fresh process loading in fp32 (fast path: fused q|k|v, gate|up) is the
     FP32 model plus one stored tensor (the reused read buffer), not two copies of anything big.

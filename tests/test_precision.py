@@ -126,6 +126,7 @@ def test_weight_bytes_count_matrices_in_the_format_and_norms_in_fp32() -> None:
     assert 16.3 < memory.weight_bytes(config, "fp16") / 1e9 < 16.4
 
 
+@pytest.mark.slow
 def test_precision_command_json_has_one_row_per_format(tmp_path, capsys) -> None:
     text = tmp_path / "text.txt"
     text.write_text(precision.PASSAGE)
@@ -165,6 +166,7 @@ def test_precision_refuses_a_text_shorter_than_one_window(tmp_path, capsys) -> N
     assert "--text: the text has" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_compare_prints_every_format_against_fp32(capsys) -> None:
     docs, _ = encoded_documents(Tokenizer.from_folder(ROOT / "weights"), precision.PASSAGE)
     table = compare_formats_text(ROOT / "weights", docs[:1], 64, ["fp32", "fp8_e4m3"], as_json=False)

@@ -38,6 +38,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
+pytestmark = pytest.mark.slow      # the tests share a `serve` subprocess; several start servers of their own
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(QWEN3_RANDOM)       # the name clients ask for: the fixture's folder, as --model was given it
 PROMPTS = ["The quick brown fox", "Hello", "Once upon a time, in a land far away,", "1 2 3 4", "猫日本",

@@ -189,6 +189,7 @@ def run_inputs(tmp_path: Path) -> tuple[Path, Path]:
     return write_text(tmp_path / "text.txt"), config
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(tmp_path: Path, run_inputs: tuple[Path, Path]) -> None:
     """8 steps straight == 4 steps, stop, --resume, 4 more: weights and AdamW moments bit for bit."""
     data, config = run_inputs
@@ -347,6 +348,7 @@ def stop_on_call(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, call
     monkeypatch.setattr(owner, name, stopping)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where, call", [("validation", 2), ("final evaluation", 3), ("optimizer step", 5)])
 def test_a_run_stopped_anywhere_and_resumed_is_the_run_never_stopped(
         tmp_path: Path, run_inputs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, where: str, call: int) -> None:
@@ -366,6 +368,7 @@ def test_a_run_stopped_anywhere_and_resumed_is_the_run_never_stopped(
     assert_same_run(tmp_path / "stopped", tmp_path / "straight")
 
 
+@pytest.mark.slow
 def test_resuming_with_another_thread_count_continues_the_same_run(tmp_path: Path,
                                                                    run_inputs: tuple[Path, Path]) -> None:
     data, config = run_inputs
@@ -398,6 +401,7 @@ def test_training_puts_the_previous_signal_handlers_back(tmp_path: Path, run_inp
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path: Path, run_inputs: tuple[Path, Path],
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     data, config = run_inputs
@@ -407,6 +411,7 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path: Path, 
     assert "already at step 3 of --steps 3: nothing to train" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_precision_fp32_is_the_trainer_without_the_flag_bit_for_bit(tmp_path: Path, run_inputs: tuple[Path, Path]) -> None:
     data, config = run_inputs
     assert train(tmp_path / "plain", data, config, "--steps", "4") == 0
@@ -415,6 +420,7 @@ def test_precision_fp32_is_the_trainer_without_the_flag_bit_for_bit(tmp_path: Pa
     assert load_state(tmp_path / "fp32" / "last.safetensors")[3]["settings"]["precision"] == "fp32"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8"])
 def test_every_precision_resumes_bit_exactly_with_gradient_accumulation_and_exports(
         tmp_path: Path, run_inputs: tuple[Path, Path], precision: str) -> None:
@@ -442,6 +448,7 @@ def test_a_tiny_preset_run_learns_in_every_precision(tmp_path: Path, run_inputs:
     assert evals[-1]["loss_per_token"] < evals[0]["loss_per_token"] and history[-1]["loss"] < history[0]["loss"] - 0.3
 
 
+@pytest.mark.slow
 def test_recompute_flag_trains_the_same_weights_and_is_kept_on_resuming(tmp_path: Path,
                                                                       run_inputs: tuple[Path, Path]) -> None:
     data, config = run_inputs
@@ -452,6 +459,7 @@ def test_recompute_flag_trains_the_same_weights_and_is_kept_on_resuming(tmp_path
     assert load_state(tmp_path / "recompute" / "last.safetensors")[3]["settings"]["recompute"] is True
 
 
+@pytest.mark.slow
 def test_an_fp16_overflow_skips_the_step_halves_the_scale_and_is_logged(tmp_path: Path, run_inputs: tuple[Path, Path],
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:

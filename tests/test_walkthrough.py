@@ -20,6 +20,8 @@ import walkthrough_chapter_measured  # noqa: E402
 import walkthrough_chapter_train  # noqa: E402
 import walkthrough_files  # noqa: E402
 
+pytestmark = pytest.mark.slow      # a fresh run of the walkthrough, its notebook and its recorded training runs
+
 REGENERATE = "python tools/make_walkthrough.py"
 DOCS = make_walkthrough.DOCS
 
