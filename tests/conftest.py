@@ -31,6 +31,7 @@ def _drop_own_bytecode() -> None:
 _drop_own_bytecode()
 
 import hashlib  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from typing import Callable, Iterator  # noqa: E402
@@ -57,7 +58,8 @@ FIXTURE_CACHE_ENV = "QWEN_NP_TEST_FIXTURES"
 # files are committed in tests/fixtures/qwen3_tokenizer_random; its weights (20 MB) are not: the folder the
 # tests use is a copy of those files plus the weights, made on first use (about a second, byte-identical
 # every run, test_the_random_fixture_weights_are_the_same_bytes_every_run) in the fixture cache, in a
-# folder named after a hash of everything it is made from, so an edit of the generator makes a new one.
+# folder named after a hash of the generator, the tokenizer files and the weights' expected SHA-256: a change
+# to any of them makes a new folder, never a stale copy.
 QWEN3_RANDOM_SOURCE = ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random"
 QWEN3_RANDOM_COMMITTED = ("tokenizer.json", "tokenizer_config.json", "LICENSE-tokenizer")   # tools/build_tokenizer.py's
 QWEN3_RANDOM_GENERATOR = ROOT / "tools" / "make_bundled_model.py"                            # writes the rest
@@ -129,6 +131,20 @@ def write_random_checkpoint(folder: Path, seed: int = 0, shards: int = 1, dtype:
     names = sorted(tensors)
     groups = [names[i::shards] for i in range(shards)]
     return save_checkpoint(folder, config_json, [{n: tensors[n] for n in g} for g in groups], dtype=dtype)
+
+
+# A module that marks all its tests slow says so in one line; see pytest_ignore_collect.
+WHOLLY_SLOW = re.compile(r"^pytestmark = pytest\.mark\.slow\b", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """`-m "not slow"` (the inner loop) does not import the modules that are slow as a whole only to deselect
+    every test: two of them import torch and transformers, seconds of CPU before the first test."""
+    if (config.getoption("markexpr") == "not slow" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")
+            and WHOLLY_SLOW.search(collection_path.read_text(encoding="utf-8"))):
+        return True
+    return None
 
 
 @pytest.fixture

@@ -46,6 +46,7 @@ def test_gradient_fixtures_cover_the_issue_configs() -> None:
     assert any(b.shape[0] > 1 for b in batches)
 
 
+@pytest.mark.slow
 def test_loss_and_gradients_match_torch_live(tmp_path: Path) -> None:
     """A fresh random model each run, checked against transformers + torch autograd directly."""
     torch = pytest.importorskip("torch")

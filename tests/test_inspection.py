@@ -118,6 +118,7 @@ def test_flops_are_two_per_weight_read_plus_attention():
         assert forward_flops(config, 1, positions) == 2 * matmul_weights + 2 * 2 * L * H * positions * Dh
 
 
+@pytest.mark.slow
 def test_inspect_text_shows_symbols_and_numbers():
     text = inspect_command(preset("qwen3-8b"), 7, False, "qwen3-8b")
     for expected in ("[T, H, Dh] = [7, 32, 128]", "[H, T, S] = [32, 7, 7]", "8,190,735,360", "(6.95B)",
@@ -128,6 +129,7 @@ def test_inspect_text_shows_symbols_and_numbers():
     assert positions == sorted(positions)
 
 
+@pytest.mark.slow
 def test_inspect_json_parses_and_holds_the_same_data():
     report = json.loads(inspect_command(preset("qwen3-0.6b"), 3, True, "qwen3-0.6b"))
     assert report["parameters"]["total"] == 596_049_920
@@ -149,6 +151,7 @@ def bare_config_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_inspect_a_bare_config_json(bare_config_dir):
     text = inspect_command(load_config(bare_config_dir), 7, False, str(bare_config_dir))
     assert "8,190,735,360" in text and "[T, V] = [7, 151936]" in text

@@ -145,6 +145,7 @@ def test_rope_pairs_dimension_i_with_i_plus_half():
     assert np.count_nonzero(y) == 2                                   # the pair (1, 5), nothing else
 
 
+@pytest.mark.slow
 def test_rope_inverse_frequencies_match_torch_within_one_ulp_and_negligible_phase():
     torch = pytest.importorskip("torch")
     for head_dim, theta in ((128, 1e6), (64, 1e4), (80, 5e6), (16, 1e6)):
@@ -155,6 +156,7 @@ def test_rope_inverse_frequencies_match_torch_within_one_ulp_and_negligible_phas
         assert np.abs(ours - expected).max() * 40960 < 2e-6             # phase error at the context end
 
 
+@pytest.mark.slow
 def test_rope_tables_match_torch_at_long_positions():
     torch = pytest.importorskip("torch")
     inv_freq = layers.rope_inverse_frequencies(128, 1e6)

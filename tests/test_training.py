@@ -35,6 +35,7 @@ def test_adamw_matches_torch_adamw_over_10_steps() -> None:
         assert np.abs(p - end).max() <= 1e-6 * np.abs(end).max(), name
 
 
+@pytest.mark.slow
 def test_adamw_matches_torch_live() -> None:
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(1)
@@ -221,6 +222,7 @@ def test_training_lowers_the_loss_and_exports_a_loadable_model(tmp_path: Path, r
     assert main(["generate", "--model", str(exported), "--no-chat", "-n", "5", "--temperature", "0", "The king"]) == 0
 
 
+@pytest.mark.slow
 def test_exported_model_gives_transformers_the_same_logits(tmp_path: Path, run_inputs: tuple[Path, Path]) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
