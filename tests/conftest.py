@@ -1,39 +1,110 @@
-"""Shared test helpers: tiny random Qwen3 checkpoints written through the real checkpoint writer."""
+"""Shared test helpers: tiny random Qwen3 checkpoints written through the real checkpoint writer.
+
+The suite writes nothing into the checkout: fixtures made at test time go to a cache folder of the
+user's (QWEN3_RANDOM below) or to pytest's tmp_path, no bytecode lands beside the sources (the next
+lines), and pytest's own cache lives in the user's cache folder (pyproject.toml).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from pathlib import Path
-from typing import Callable, Iterator
 
-import numpy as np
-import pytest
+# No __pycache__ beside the sources: not from this process (set before anything below imports qwen_np,
+# tools/ or a test module) and not from the subprocesses the tests start (they inherit the environment).
+sys.dont_write_bytecode = True
+os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
 
-from qwen_np.files.checkpoint import save_checkpoint
-from qwen_np.core.config import expected_tensors
-from qwen_np.files.tokenizer import Tokenizer
+
+def _drop_own_bytecode() -> None:
+    """pytest compiles this file (rewriting its asserts) and caches it in tests/__pycache__ before its first
+    line runs, unless PYTHONDONTWRITEBYTECODE was set: the one file of the suite cached so. Remove it."""
+    cache = Path(__file__).parent / "__pycache__"
+    for compiled in cache.glob(f"{Path(__file__).stem}.*.pyc"):
+        compiled.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):      # not there, or holding something else
+        cache.rmdir()
+
+
+_drop_own_bytecode()
+
+import hashlib  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from typing import Callable, Iterator  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from qwen_np.files.checkpoint import save_checkpoint  # noqa: E402
+from qwen_np.core.config import expected_tensors  # noqa: E402
+from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # The bundled default model: a tiny Qwen3 trained on Shakespeare, its own 2,048-token BPE, no chat template.
 BUNDLED = ROOT / "weights"
+# How long a test waits for a subprocess (a command, a server starting, a notebook cell) or its output before
+# calling it hung: only a hang guard, far beyond what any of them takes on a loaded two-core machine. A test
+# bounds behaviour (the output it waits for), never speed.
+HANG_SECONDS = 600
+# Where fixtures made at test time live: $QWEN_NP_TEST_FIXTURES, else $XDG_CACHE_HOME/qwen_np/test-fixtures,
+# else ~/.cache/qwen_np/test-fixtures; never the checkout (a read-only clone collects as well as any other).
+FIXTURE_CACHE_ENV = "QWEN_NP_TEST_FIXTURES"
 # A tiny random-weight Qwen3 with the real Qwen3 tokenizer and chat template (tools/make_bundled_model.py):
-# what the tests of the tokenizer, the chat template, thinking, chat and serving chat run on. Its weights
-# are not committed: they are written here on first use (about a second, byte-identical every run,
-# test_the_random_fixture_weights_are_the_same_bytes_every_run).
-QWEN3_RANDOM = ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random"
+# what the tests of the tokenizer, the chat template, thinking, chat and serving chat run on. The tokenizer
+# files are committed in tests/fixtures/qwen3_tokenizer_random; its weights (20 MB) are not: the folder the
+# tests use is a copy of those files plus the weights, made on first use (about a second, byte-identical
+# every run, test_the_random_fixture_weights_are_the_same_bytes_every_run) in the fixture cache, in a
+# folder named after a hash of the generator, the tokenizer files and the weights' expected SHA-256: a change
+# to any of them makes a new folder, never a stale copy.
+QWEN3_RANDOM_SOURCE = ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random"
+QWEN3_RANDOM_COMMITTED = ("tokenizer.json", "tokenizer_config.json", "LICENSE-tokenizer")   # tools/build_tokenizer.py's
+QWEN3_RANDOM_GENERATOR = ROOT / "tools" / "make_bundled_model.py"                            # writes the rest
 QWEN3_RANDOM_WEIGHTS_SHA256 = "c7687f6f3188d11d6d54709a7aa22725741ef7227560378a137735d8accf6006"
 
 
-def _write_qwen3_random_weights() -> None:
-    if not (QWEN3_RANDOM / "model.safetensors").is_file():
-        import sys
+def fixture_cache() -> Path:
+    """The folder test-time fixtures are written to (outside the checkout)."""
+    chosen = os.environ.get(FIXTURE_CACHE_ENV, "").strip()
+    if chosen:
+        return Path(chosen).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen_np" / "test-fixtures"
 
-        sys.path.insert(0, str(ROOT / "tools"))
+
+def _qwen3_random_folder() -> Path:
+    """QWEN3_RANDOM: <fixture cache>/<hash of its sources>/qwen3_tokenizer_random, written unless it is there
+    already. Written in a temporary folder and renamed, so a run stopped half-way, or a second pytest at
+    once, never leaves or sees half a checkpoint."""
+    digest = hashlib.sha256(QWEN3_RANDOM_WEIGHTS_SHA256.encode())
+    for path in (QWEN3_RANDOM_GENERATOR, *(QWEN3_RANDOM_SOURCE / name for name in QWEN3_RANDOM_COMMITTED)):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    keyed = fixture_cache() / digest.hexdigest()[:16]
+    folder = keyed / QWEN3_RANDOM_SOURCE.name
+    if folder.is_dir():
+        return folder
+    keyed.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{keyed.name}-", dir=keyed.parent))
+    try:
+        (partial / folder.name).mkdir()
+        for name in QWEN3_RANDOM_COMMITTED:
+            shutil.copyfile(QWEN3_RANDOM_SOURCE / name, partial / folder.name / name)
+        sys.path.insert(0, str(QWEN3_RANDOM_GENERATOR.parent))
         from make_bundled_model import write_fixture
 
-        write_fixture(QWEN3_RANDOM)
+        write_fixture(partial / folder.name)
+        partial.rename(keyed)                   # fails if another run got there first: its copy is the same
+    except OSError:
+        if not folder.is_dir():
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
 
 
-_write_qwen3_random_weights()
+QWEN3_RANDOM = _qwen3_random_folder()
 
 TINY_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96, "hidden_size": 32,
@@ -83,6 +154,20 @@ def random_blocks(kind: str, rows: int, count: int, seed: int,
         else:
             bits[...] = rng.uniform(*scales, size=bits.shape).astype(np.float16).view(np.uint16)
     return raw
+
+
+# A module that marks all its tests slow says so in one line; see pytest_ignore_collect.
+WHOLLY_SLOW = re.compile(r"^pytestmark = pytest\.mark\.slow\b", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """`-m "not slow"` (the inner loop) does not import the modules that are slow as a whole only to deselect
+    every test: two of them import torch and transformers, seconds of CPU before the first test."""
+    if (config.getoption("markexpr") == "not slow" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")
+            and WHOLLY_SLOW.search(collection_path.read_text(encoding="utf-8"))):
+        return True
+    return None
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from qwen_np.generation.batching import BatchGenerator, BatchRunner, Request
 from qwen_np.errors import QwenNPError
 from qwen_np.generation.generate import StopStrings, TokenEvent, generate
 from qwen_np.core.sampling import SamplingParams
-from conftest import QWEN3_RANDOM
+from conftest import HANG_SECONDS, QWEN3_RANDOM
 
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = ["The quick brown fox", "Hello", "Once upon a time, in a land far away,", "1 2 3 4", "猫日本",
@@ -133,7 +133,7 @@ def test_a_failed_forward_pass_hands_every_row_in_it_that_error(model, tok, monk
     runner.start()
     try:
         rows = [runner.submit(Request(tok.encode(p), GREEDY, 4), hear) for p in PROMPTS[:2]]
-        assert all(done.acquire(timeout=60) for _ in rows)
+        assert all(done.acquire(timeout=HANG_SECONDS) for _ in rows)
     finally:
         runner.stop()
     assert received == [broken, broken] and all(row.error is broken and row.done for row in rows)

@@ -14,6 +14,7 @@ from qwen_np.precision import lab as precision
 from qwen_np.core.config import LAYER_MATRICES
 from qwen_np.numbers.formats import HELD_FORMATS, FormatRows
 from qwen_np.engine.memory import plan_memory, weight_bytes
+from reference.logit_match import assert_logits_match
 
 gguf = pytest.importorskip("gguf")            # ggml's own Python library: the reference quantizers
 
@@ -55,11 +56,11 @@ def test_block_weights_give_the_logits_of_the_rounded_fp32_model(checkpoint: Pat
     want = rounded.forward(PROMPT)
     model = qwen_np.load_model(checkpoint, memory=fmt, fast=fast)
     got = model.forward(PROMPT)
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert_logits_match(got, want, f"{fmt} full pass")
     cache = model.new_cache(16)                                    # decode through the cache: the same logits
     model.forward(PROMPT[:6], cache)
     steps = np.concatenate([model.forward([t], cache) for t in PROMPT[6:]])
-    assert np.abs(steps - want[6:]).max() <= 1e-5 * np.abs(want).max()
+    assert_logits_match(steps, want[6:], f"{fmt} decode")
 
 
 @pytest.mark.parametrize("fmt", HELD_FORMATS)

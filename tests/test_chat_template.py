@@ -173,6 +173,7 @@ def hf_tok():
     return transformers.AutoTokenizer.from_pretrained(str(QWEN3_RANDOM))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("messages", "kwargs"), PARITY_CASES)
 def test_matches_transformers(tok: Tokenizer, hf_tok, messages: list[dict], kwargs: dict) -> None:
     kwargs = {"add_generation_prompt": True, **kwargs}

@@ -28,6 +28,7 @@ def test_bf16_upcast_is_exact_for_all_65536_bit_patterns():
     assert np.array_equal(f32_to_bf16_bits(values[finite]), bits[finite])     # and back again
 
 
+@pytest.mark.slow
 def test_bf16_rounding_matches_torch_round_to_nearest_even():
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(0).standard_normal(100_000).astype(np.float32) * 1e3

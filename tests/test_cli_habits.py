@@ -14,6 +14,8 @@ import pytest
 from qwen_np.commands.generate import ReplyWriter
 from test_cli import QWEN3, ROOT, assert_one_error_line, qwen
 
+pytestmark = pytest.mark.slow      # every test runs `python -m qwen_np` as a subprocess
+
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, str]:

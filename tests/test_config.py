@@ -88,6 +88,7 @@ def test_qwen3s_tokenizer_config_agrees_with_the_presets_eos():
     assert tokenizer_config["added_tokens_decoder"][str(PRESETS["qwen3-8b"].eos_token_id)]["content"] == "<|im_end|>"
 
 
+@pytest.mark.slow
 def test_fields_left_out_take_transformers_defaults():
     bare = {k: v for k, v in TINY_CONFIG.items() if k not in ("rope_theta", "max_position_embeddings", "rms_norm_eps")}
     config = Qwen3Config.from_dict(bare)

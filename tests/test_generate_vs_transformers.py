@@ -20,9 +20,11 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `reference`, in any import mode
 
-from conftest import BUNDLED, QWEN3_RANDOM  # noqa: E402
+from conftest import BUNDLED, HANG_SECONDS, QWEN3_RANDOM  # noqa: E402
 from reference.hf_reference import build_reference_model, make_config  # noqa: E402
 from transformers import AutoTokenizer, Qwen3ForCausalLM  # noqa: E402
+
+pytestmark = pytest.mark.slow      # torch and transformers, and the CLI as a subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 24
@@ -63,7 +65,7 @@ def cli_greedy(checkpoint: Path, *args: str) -> tuple[list[int], list[int], str]
     result = subprocess.run(
         [sys.executable, "-m", "qwen_np", "generate", "--model", str(checkpoint), "--temperature", "0",
          "-n", str(NEW_TOKENS), "--verbose", *args],
-        cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=120)
+        cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=HANG_SECONDS)
     assert result.returncode == 0, result.stderr.decode()
     lines = result.stderr.decode().splitlines()
 

@@ -31,7 +31,7 @@ from qwen_np.files.gguf_file import GGUFCheckpoint, _gguf_name, open_reader, wri
 from qwen_np.files.model_files import open_checkpoint, read_config, read_generation_defaults, read_tokenizer
 from qwen_np.numbers.numerics import upcast
 from qwen_np.core.sampling import SamplingParams
-from conftest import BUNDLED, QWEN3_RANDOM, ROOT, write_random_checkpoint
+from conftest import BUNDLED, HANG_SECONDS, QWEN3_RANDOM, ROOT, write_random_checkpoint
 
 PROMPT = [5, 17, 300, 42, 1999, 7, 7, 64, 1024, 3]
 
@@ -134,6 +134,7 @@ SCENE = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the e
 QUANTIZED_BOUNDS = {"q8_0": (0.01, 32), "q4_0": (0.15, 8)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("file_type", QUANTIZED_BOUNDS)
 def test_quantized_exports_of_a_trained_model_keep_its_predictions(tmp_path, file_type) -> None:
     relative, same_tokens = QUANTIZED_BOUNDS[file_type]
@@ -573,6 +574,7 @@ TEXTS = ["Hello, world! It's a test.", "def f(x):\n    return x**2  # square\n\n
          "<tool_call>{\"name\": \"f\"}</tool_call> <|fim_prefix|>a<|fim_suffix|>", "e\u0301 (decomposed é, NFC)", "\t\r\n tabs"]
 
 
+@pytest.mark.slow
 def test_the_gguf_tokenizer_gives_the_hugging_face_ids(qwen3_gguf) -> None:
     hf, ours = read_tokenizer(QWEN3_RANDOM), read_tokenizer(qwen3_gguf)
     for text in TEXTS:
@@ -583,6 +585,7 @@ def test_the_gguf_tokenizer_gives_the_hugging_face_ids(qwen3_gguf) -> None:
     assert (ours.eos_token_id, ours.pad_token_id) == (hf.eos_token_id, hf.pad_token_id) == (151645, 151643)
 
 
+@pytest.mark.slow
 def test_the_gguf_chat_template_renders_as_the_checkpoints(qwen3_gguf) -> None:
     hf, ours = read_tokenizer(QWEN3_RANDOM), read_tokenizer(qwen3_gguf)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
@@ -593,6 +596,7 @@ def test_the_gguf_chat_template_renders_as_the_checkpoints(qwen3_gguf) -> None:
             hf.apply_chat_template(messages, enable_thinking=thinking, tools=tools)
 
 
+@pytest.mark.slow
 def test_qwen3_vocabulary_is_written_as_llama_cpps_converter_writes_it(qwen3_gguf) -> None:
     reader = GGUFReader(qwen3_gguf)
     field = reader.get_field
@@ -612,10 +616,13 @@ def test_qwen3_vocabulary_is_written_as_llama_cpps_converter_writes_it(qwen3_ggu
 # --- The command line ------------------------------------------------------------------------------
 
 def qwen(*args: str) -> subprocess.CompletedProcess:
-    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "QWEN_NP_CACHE": "off"}
-    return subprocess.run([sys.executable, "-m", "qwen_np", *args], cwd=ROOT, capture_output=True, timeout=120, env=env)
+    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "QWEN_NP_CACHE": "off",
+           "PYTHONDONTWRITEBYTECODE": "1"}                                  # no __pycache__ in the checkout
+    return subprocess.run([sys.executable, "-m", "qwen_np", *args], cwd=ROOT, capture_output=True, timeout=HANG_SECONDS,
+                          env=env)
 
 
+@pytest.mark.slow
 def test_export_from_the_cli_then_generate_from_the_gguf_gives_the_same_text(tmp_path) -> None:
     out = tmp_path / "bundled.gguf"
     exported = qwen("export", str(out), "--type", "bf16")              # default: the bundled model
@@ -626,6 +633,7 @@ def test_export_from_the_cli_then_generate_from_the_gguf_gives_the_same_text(tmp
     assert from_gguf.stdout == from_folder.stdout and len(from_gguf.stdout.decode().strip()) > 0
 
 
+@pytest.mark.slow
 def test_a_bad_gguf_on_the_cli_is_one_error_line_and_exit_2(tmp_path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(60))

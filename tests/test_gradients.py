@@ -14,15 +14,12 @@ from qwen_np.core.config import Qwen3Config
 from qwen_np.engine.loading import load_model
 from qwen_np.training.trainer import init_parameters, model_from_parameters
 from qwen_np.training.step import loss_and_gradients
+from reference.logit_match import max_relative_error
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gradients"
 GRADIENT_FIXTURES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 LOSS_RELATIVE = 1e-6          # the bounds against torch: loss relative error, and each gradient's
-GRADIENT_RELATIVE = 1e-5      # max|diff| / max(1, max|reference|)
-
-
-def gradient_error(ours: np.ndarray, reference: np.ndarray) -> float:
-    return float(np.abs(ours.astype(np.float64) - reference).max()) / max(1.0, float(np.abs(reference).max()))
+GRADIENT_RELATIVE = 1e-5      # max|diff| / max(1, max|reference|): logit_match's measure
 
 
 @pytest.mark.parametrize("name", GRADIENT_FIXTURES)
@@ -35,7 +32,7 @@ def test_loss_and_every_gradient_match_torch_autograd(name: str) -> None:
     assert abs(loss - float(reference["loss"])) <= LOSS_RELATIVE * float(reference["loss"])
     for tensor, ref in expected.items():
         assert grads[tensor].shape == ref.shape and grads[tensor].dtype == np.float32, tensor
-        assert gradient_error(grads[tensor], ref) <= GRADIENT_RELATIVE, tensor
+        assert max_relative_error(grads[tensor], ref) <= GRADIENT_RELATIVE, tensor
 
 
 def test_gradient_fixtures_cover_the_issue_configs() -> None:
@@ -49,6 +46,7 @@ def test_gradient_fixtures_cover_the_issue_configs() -> None:
     assert any(b.shape[0] > 1 for b in batches)
 
 
+@pytest.mark.slow
 def test_loss_and_gradients_match_torch_live(tmp_path: Path) -> None:
     """A fresh random model each run, checked against transformers + torch autograd directly."""
     torch = pytest.importorskip("torch")
@@ -69,13 +67,14 @@ def test_loss_and_gradients_match_torch_live(tmp_path: Path) -> None:
     assert abs(loss - torch_loss.item()) <= LOSS_RELATIVE * torch_loss.item()
     assert sorted(grads) == sorted(expected)
     for tensor, ref in expected.items():
-        assert gradient_error(grads[tensor], ref) <= GRADIENT_RELATIVE, tensor
+        assert max_relative_error(grads[tensor], ref) <= GRADIENT_RELATIVE, tensor
 
 
 MICRO = dict(vocab_size=13, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=4, max_position_embeddings=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_every_gradient_matches_float64_central_differences(tied: bool) -> None:
     """d loss / d w for EVERY scalar weight of a micro model, in float64, by (L(w+h) - L(w-h)) / 2h."""

@@ -58,6 +58,7 @@ def test_cpu_lists_and_sizes_read_as_the_os_writes_them() -> None:
     assert [hardware.size_bytes(s) for s in ("32K", "1024K", "32M", "512")] == [32768, 1048576, 33554432, 512]
 
 
+@pytest.mark.slow
 def test_the_command_measures_a_rate_at_every_size_on_one_and_all_threads(capsys) -> None:
     assert main(["hardware", "--quick", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -35,6 +35,7 @@ def test_kv_cache_and_activations_grow_with_the_chosen_context():
     assert long["inference"]["weights"] == short["inference"]["weights"]
 
 
+@pytest.mark.slow
 def test_inspect_flags_reach_the_memory_breakdown(capsys):
     assert main(["inspect", "--preset", "qwen3-0.6b", "--context", "300", "--batch-size", "3", "--json"]) == 0
     memory = json.loads(capsys.readouterr().out)["memory"]

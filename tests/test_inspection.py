@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import HANG_SECONDS, QWEN3_RANDOM, ROOT
 from qwen_np import PRESETS, QwenNPError, load_config, load_model, preset
 from qwen_np.core.config import expected_tensors
 from qwen_np.inspection import (STEPS, Tracer, attention_view, attention_weights, dimensions, forward_flops,
@@ -118,6 +118,7 @@ def test_flops_are_two_per_weight_read_plus_attention():
         assert forward_flops(config, 1, positions) == 2 * matmul_weights + 2 * 2 * L * H * positions * Dh
 
 
+@pytest.mark.slow
 def test_inspect_text_shows_symbols_and_numbers():
     text = inspect_command(preset("qwen3-8b"), 7, False, "qwen3-8b")
     for expected in ("[T, H, Dh] = [7, 32, 128]", "[H, T, S] = [32, 7, 7]", "8,190,735,360", "(6.95B)",
@@ -128,6 +129,7 @@ def test_inspect_text_shows_symbols_and_numbers():
     assert positions == sorted(positions)
 
 
+@pytest.mark.slow
 def test_inspect_json_parses_and_holds_the_same_data():
     report = json.loads(inspect_command(preset("qwen3-0.6b"), 3, True, "qwen3-0.6b"))
     assert report["parameters"]["total"] == 596_049_920
@@ -149,14 +151,16 @@ def bare_config_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_inspect_a_bare_config_json(bare_config_dir):
     text = inspect_command(load_config(bare_config_dir), 7, False, str(bare_config_dir))
     assert "8,190,735,360" in text and "[T, V] = [7, 151936]" in text
 
 
+@pytest.mark.slow
 def test_cli_inspect_runs_on_a_bare_config_json_with_no_weights(bare_config_dir):
     run = subprocess.run([sys.executable, "-m", "qwen_np", "inspect", "--model", str(bare_config_dir), "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, capture_output=True, text=True, timeout=HANG_SECONDS)
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["parameters"]["total"] == 8_190_735_360
@@ -281,7 +285,7 @@ def test_token_text_shows_the_bytes_of_a_token_that_is_part_of_a_character():
     from qwen_np.inspection.text import token_bytes
     from qwen_np.files.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_folder(ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random")
+    tokenizer = Tokenizer.from_folder(QWEN3_RANDOM)
     ids = tokenizer.encode("𓀀")                        # one character (4 UTF-8 bytes), 3 byte-level tokens
     partial = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
     assert partial, "the emoji no longer splits into partial tokens"

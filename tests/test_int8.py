@@ -21,6 +21,7 @@ from qwen_np.numbers.formats import quantize_int8_rows, round_trip
 from qwen_np.engine.memory import GiB, plan_memory
 from qwen_np.core.model import Qwen3Model
 from qwen_np.numbers.numerics import Int8Rows
+from reference.logit_match import assert_logits_match, max_relative_error
 
 PROMPT = np.array([5, 17, 3, 88, 42, 9, 61, 0, 95, 33, 7, 70])
 
@@ -44,27 +45,23 @@ def round_tripped(model: Qwen3Model) -> Qwen3Model:
     return Qwen3Model(model.config, embed, layers, model.norm, lm_head)
 
 
-def relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
-
-
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast", "readable"])
 def test_int8_model_computes_the_round_tripped_fp32_model(checkpoint: Path, fast_path: bool) -> None:
     reference = round_tripped(qwen_np.load_model(checkpoint, memory="fp32", max_tokens=32, fast=False))
     model = qwen_np.load_model(checkpoint, memory="int8", max_tokens=32, fast=fast_path)
     want = reference.forward(PROMPT)
-    assert relative_error(model.forward(PROMPT), want) < 1e-5
+    assert_logits_match(model.forward(PROMPT), want, "int8 vs round-tripped fp32")
     cache = model.new_cache(32)                                   # prefill, then decode token by token
     model.forward(PROMPT[:-3], cache)
     for i in range(len(PROMPT) - 3, len(PROMPT)):
-        assert relative_error(model.forward(PROMPT[i:i + 1], cache)[0], want[i]) < 1e-5
+        assert_logits_match(model.forward(PROMPT[i:i + 1], cache)[0], want[i], f"decode step at {i}")
 
 
 def test_int8_differs_from_fp32_by_quantization_error_only(checkpoint: Path) -> None:
     """Not a no-op (the logits move), and not broken (they move by about int8's step, 1/254 of a row's range)."""
     fp32 = qwen_np.load_model(checkpoint, memory="fp32", max_tokens=32).forward(PROMPT)
     int8 = qwen_np.load_model(checkpoint, memory="int8", max_tokens=32).forward(PROMPT)
-    assert 1e-4 < relative_error(int8, fp32) < 0.05
+    assert 1e-4 < max_relative_error(int8, fp32) < 0.05
 
 
 def test_int8_model_holds_codes_and_row_scales_and_fp32_norms(checkpoint: Path) -> None:

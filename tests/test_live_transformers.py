@@ -29,6 +29,8 @@ from reference.hf_reference import (  # noqa: E402
 )
 from reference.logit_match import assert_logits_match  # noqa: E402
 
+pytestmark = pytest.mark.slow      # torch and transformers, at up to Qwen3-8B's width
+
 SMALL_PROMPT_TOKENS = 40
 
 # (id, make_config arguments, seed): shapes the stored fixtures do not already pin down.

@@ -144,6 +144,7 @@ def test_an_fp16_step_with_too_large_a_scale_overflows_and_a_scaled_one_unscales
         assert 0 < np.linalg.norm(scaled[name] - g) < 0.005 * np.linalg.norm(g), name
 
 
+@pytest.mark.slow
 def test_without_loss_scaling_fp16_flushes_gradients_to_zero_and_scaling_keeps_them() -> None:
     model = load_model(BUNDLED, memory="fp32")
     batch = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(2, 65))

@@ -11,12 +11,9 @@ import pytest
 from qwen_np import QwenNPError, load_model
 from qwen_np.core import layers
 from qwen_np.numbers.numerics import StoredRows
+from reference.logit_match import assert_logits_match, max_relative_error
 
 IDS = np.array([5, 17, 42, 3, 3, 88, 61, 0, 95, 12, 7, 30, 64, 2, 9, 50])
-
-
-def _close(a: np.ndarray, b: np.ndarray, rel: float = 1e-5) -> bool:
-    return np.abs(a - b).max() <= rel * max(1.0, np.abs(b).max())
 
 
 @pytest.fixture(params=[("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)],
@@ -32,24 +29,24 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(model):
     steps = [model.forward(IDS[:6], cache=cache)]
     steps += [model.forward(IDS[i:i + 1], cache=cache) for i in range(6, len(IDS))]
     assert cache.length == len(IDS)
-    assert _close(np.concatenate(steps), full)
+    assert_logits_match(np.concatenate(steps), full, "prefill 6, then decode")
 
 
 def test_chunked_prefill_matches_full_forward(model):
     full = model.forward(IDS)
     cache = model.new_cache(32)
     chunks = [model.forward(IDS[a:b], cache=cache) for a, b in ((0, 5), (5, 6), (6, 13), (13, 16))]
-    assert _close(np.concatenate(chunks), full)
+    assert_logits_match(np.concatenate(chunks), full, "chunked prefill")
 
 
 def test_last_only_gives_the_last_row_of_the_full_logits(model):
     full = model.forward(IDS)
     last = model.forward(IDS, last_only=True)
     assert last.shape == (1, full.shape[1])
-    assert _close(last, full[-1:])
+    assert_logits_match(last, full[-1:], "last_only")
     cache = model.new_cache(len(IDS))
     model.forward(IDS[:9], cache=cache, last_only=True)          # the cache fills for every position
-    assert _close(model.forward(IDS[9:], cache=cache, last_only=True), full[-1:])
+    assert_logits_match(model.forward(IDS[9:], cache=cache, last_only=True), full[-1:], "last_only through the cache")
 
 
 @pytest.mark.parametrize("memory", ["fp32", "bf16"])
@@ -76,7 +73,7 @@ def test_decode_reads_history_from_the_cache(model):
     honest = model.forward(IDS[10:11], cache=cache)
     cache.truncate(10)
     cache.keys[:, :10] = np.random.default_rng(0).standard_normal(cache.keys[:, :10].shape)
-    assert not _close(model.forward(IDS[10:11], cache=cache), honest, rel=1e-3)
+    assert max_relative_error(model.forward(IDS[10:11], cache=cache), honest) > 1e-3
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["readable", "fast"])
@@ -86,7 +83,7 @@ def test_memory_modes_give_the_same_logits(make_checkpoint, fast):
     bf16 = load_model(folder, memory="bf16", fast=fast)
     assert fp32.plan.mode == "fp32" and bf16.plan.mode == "bf16"
     assert isinstance(bf16.embed_tokens, StoredRows)          # stays in the stored BF16 values
-    assert _close(bf16.forward(IDS), fp32.forward(IDS))
+    assert_logits_match(bf16.forward(IDS), fp32.forward(IDS), "bf16 vs fp32")
 
 
 def test_cache_overflow_is_an_error_not_a_silent_wrap(model):
@@ -101,6 +98,7 @@ def test_bad_token_ids_are_rejected(model, bad):
         model.forward(np.array(bad))
 
 
+@pytest.mark.slow
 def test_loading_fp32_holds_no_second_copy_of_the_model(make_checkpoint):
     """Peak resident memory of a fresh process loading in fp32 (fast path: fused q|k|v, gate|up) is the
     FP32 model plus one stored tensor (the reused read buffer), not two copies of anything big.
@@ -147,6 +145,7 @@ def test_rope_pairs_dimension_i_with_i_plus_half():
     assert np.count_nonzero(y) == 2                                   # the pair (1, 5), nothing else
 
 
+@pytest.mark.slow
 def test_rope_inverse_frequencies_match_torch_within_one_ulp_and_negligible_phase():
     torch = pytest.importorskip("torch")
     for head_dim, theta in ((128, 1e6), (64, 1e4), (80, 5e6), (16, 1e6)):
@@ -157,6 +156,7 @@ def test_rope_inverse_frequencies_match_torch_within_one_ulp_and_negligible_phas
         assert np.abs(ours - expected).max() * 40960 < 2e-6             # phase error at the context end
 
 
+@pytest.mark.slow
 def test_rope_tables_match_torch_at_long_positions():
     torch = pytest.importorskip("torch")
     inv_freq = layers.rope_inverse_frequencies(128, 1e6)

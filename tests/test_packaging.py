@@ -22,6 +22,8 @@ import pytest
 
 from conftest import BUNDLED, ROOT
 
+pytestmark = pytest.mark.slow      # a wheel built and installed into a fresh virtual environment
+
 # What the wheel is built from (MANIFEST.in says what an sdist adds for its tests; a wheel needs none of it).
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "NOTICE", "MANIFEST.in", "qwen_np", "weights")
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

