@@ -57,7 +57,7 @@ from .memory import MemoryPlan
 from ..core.kv_cache import SequenceCache
 from ..core.model import LayerWeights, Qwen3Model, Trace, advance, output_rows
 from .paged import OwnPoolCache, PagedKVCache
-from ..numbers.numerics import Int8Rows, Panels, Weight
+from ..numbers.numerics import Adapted, Int8Rows, Panels, Weight
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
 # cache between its upcast and its product (block sizes measured: bench/README.md).
@@ -113,8 +113,13 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     FP32 weights go straight to BLAS, unless x has few rows (few_rows). For those, and for
     a BF16 or int8 weight, the rows of W (columns of out) are split evenly between runtime.threads()
     threads; call it inside runtime.single_threaded_blas() (forward does), or each thread's BLAS call
-    would start threads of its own.
+    would start threads of its own. An Adapted weight (LoRA) is its base's product plus
+    layers.adapter_product: the same two steps as layers.linear.
     """
+    if isinstance(weight, Adapted):           # LoRA: the base as any weight, then its thin rank-r update
+        linear(x, weight.base, out)
+        out += layers.adapter_product(x, weight)
+        return out
     if isinstance(weight, np.ndarray) and not few_rows(x.shape[0]):
         return np.matmul(x, weight.T, out=out)
     if isinstance(weight, Panels):

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import gradients, mixed
+from . import gradients, lora, mixed
 from ..core import layers
 from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, is_matrix
 from ..errors import QwenNPError
@@ -47,7 +47,8 @@ def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = F
     (mixed.LossScaler.unscale divides them again). The loss itself is not scaled.
     """
     batch = check_batch(batch, model.config.vocab_size)
-    named_parameters(model)             # raises, naming the tensor, unless every weight is a float array
+    if not lora.has_adapters(model):    # an adapted model trains its FP32 adapters; its base may be any kind
+        named_parameters(model)         # raises, naming the tensor, unless every weight is a float array
     hook = layers.MATMUL_INPUTS.set(mixed.operands(precision))     # this thread's forward and backward only
     try:
         logits, tape = gradients.forward_with_tape(model, batch[:, :-1], recompute)  # [B, T, V]
