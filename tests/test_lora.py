@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -194,3 +195,56 @@ def test_loss_and_every_adapter_gradient_match_torch_and_peft(tmp_path: Path) ->
         reference_grad = p.grad.numpy().astype(np.float64)
         error = np.abs(grads[name] - reference_grad).max() / max(1.0, np.abs(reference_grad).max())
         assert error <= 1e-5, name
+
+
+def test_the_adapter_loads_in_peft_and_gives_the_merged_models_greedy_text(tmp_path: Path) -> None:
+    """save_adapter's folder in peft.PeftModel.from_pretrained on the base, the merged FP32 checkpoint in
+    transformers and in qwen_np: one greedy continuation, not the base's (the adapters change it)."""
+    import shutil
+
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from conftest import QWEN3_RANDOM
+
+    model = load_model(QWEN3_RANDOM, memory="fp32")
+    lora.add_adapters(model, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "gate_proj", "down_proj"), seed=7)
+    rng = np.random.default_rng(7)
+    for name, p in lora.adapter_parameters(model).items():     # "trained": B moved away from zero
+        if ".lora_B." in name:
+            p[...] = rng.standard_normal(p.shape).astype(np.float32) * 0.5
+    lora.save_adapter(tmp_path / "adapter", model, base=str(QWEN3_RANDOM))
+    config_json = json.loads((QWEN3_RANDOM / "config.json").read_text())
+    lora.save_merged(tmp_path / "model", model, config_json)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(QWEN3_RANDOM / name, tmp_path / "model" / name)
+
+    prompt = torch.tensor([[151644, 872, 198, 9707, 0, 151645, 198, 151644, 77091, 198]])
+
+    def greedy(hf_model) -> list[int]:
+        with torch.inference_mode():
+            out = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                    max_new_tokens=12, pad_token_id=151643, eos_token_id=None)
+        return out[0, prompt.shape[1]:].tolist()
+
+    def hf(folder: Path):
+        return transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+    base_text = greedy(hf(QWEN3_RANDOM))
+    tuned = peft.PeftModel.from_pretrained(hf(QWEN3_RANDOM), tmp_path / "adapter").eval()
+    loaded = {n.replace(".default", "") for n, _ in tuned.named_parameters() if "lora_" in n}
+    assert loaded == {lora.PEFT_PREFIX + n for n in lora.adapter_parameters(model)}
+    peft_text = greedy(tuned)
+    assert peft_text != base_text, "the adapters must change the greedy text for this test to mean anything"
+    assert greedy(hf(tmp_path / "model")) == peft_text
+    ours, cache = [], None
+    merged = load_model(tmp_path / "model", memory="fp32")
+    cache = merged.new_cache(64)
+    logits = merged.forward(prompt[0].numpy(), cache, last_only=True)
+    for _ in range(12):
+        ours.append(int(np.argmax(logits[-1])))
+        logits = merged.forward([ours[-1]], cache)
+    assert ours == peft_text
+    adapted_logits = model.forward(prompt[0].numpy())                   # unmerged, through layers.linear
+    assert int(np.argmax(adapted_logits[-1])) == peft_text[0]

@@ -18,17 +18,23 @@ does, merges them, and holds their backward, read beside gradients.linear_backwa
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..core import layers
-from ..core.config import LAYER_TENSOR_NAMES
+from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD
 from ..core.model import Qwen3Model
 from ..errors import QwenNPError
-from ..numbers.numerics import Adapted
+from ..files.checkpoint import save_checkpoint, write_atomically
+from ..numbers.numerics import Adapted, upcast
+
+# peft's file names in an adapter folder, and the prefix its tensor names carry (PeftModel's base_model.model).
+ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX = "adapter_config.json", "adapter_model.safetensors", "base_model.model."
 
 # Qwen3's seven projections, as peft's target_modules names them (the last part of the module's name).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -129,3 +135,59 @@ def adapter_backward(d_out: np.ndarray, x: np.ndarray, weight: Adapted, keep: np
     d_a = d_u.T @ x_rows                                                             # [r, in]
     dx = dropped((d_u @ weight.a).reshape(x.shape), keep, dropout)                   # [..., in]
     return dx, AdapterGradient(d_a, d_b)
+
+
+# --- What a tuned model is written as -----------------------------------------------------------------
+
+
+def adapter_settings(model: Qwen3Model) -> tuple[int, float, list[str]]:
+    """(rank, alpha, targets) of a model's adapters (every adapter of a model has the same rank and alpha)."""
+    adapted = [(key, getattr(layer, key)) for layer in model.layers for key in PROJECTIONS
+               if isinstance(getattr(layer, key), Adapted)]
+    if not adapted:
+        raise QwenNPError("model: it has no adapters")
+    first = adapted[0][1]
+    assert isinstance(first, Adapted)
+    rank = first.a.shape[0]
+    return rank, first.scale * rank, [key for key in PROJECTIONS if key in {k for k, _ in adapted}]
+
+
+def save_adapter(folder: Path, model: Qwen3Model, base: str, dropout: float = 0.0) -> Path:
+    """The adapters in peft's format: adapter_config.json and adapter_model.safetensors (FP32), tensor names
+    as peft writes them for Qwen3 (base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), which
+    peft.PeftModel.from_pretrained, vLLM's --lora-modules and llama.cpp's convert_lora_to_gguf.py read.
+    base: the base model's name or folder (base_model_name_or_path)."""
+    from safetensors.numpy import save_file
+
+    rank, alpha, targets = adapter_settings(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
+        "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": targets, "bias": "none",
+        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "use_rslora": False, "use_dora": False}
+    tensors = {PEFT_PREFIX + name: np.ascontiguousarray(array, dtype=np.float32)
+               for name, array in adapter_parameters(model).items()}
+    write_atomically(folder / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def merged_tensors(model: Qwen3Model) -> dict[str, np.ndarray]:
+    """Every checkpoint tensor of the model in FP32, each adapted projection merged: W + (alpha / r) B A."""
+    tensors = {EMBED_TOKENS: upcast(model.embed_tokens), FINAL_NORM: upcast(model.norm)}
+    for i, layer in enumerate(model.layers):
+        tensors.update({template.format(i=i): upcast(getattr(layer, key)) for key, template in LAYER_TENSOR_NAMES.items()})
+    if not model.config.tie_word_embeddings:
+        tensors[LM_HEAD] = upcast(model.lm_head)
+    return tensors
+
+
+def save_merged(folder: Path, model: Qwen3Model, config_json: dict[str, Any]) -> Path:
+    """The merged model as a checkpoint folder's weights and config.json, in FP32.
+
+    Why FP32 and not the base's BF16: the update (alpha / r) B A is small next to W, often below half
+    a BF16 ulp of W's entries, so rounding W + update to BF16 gives back W itself for many of them:
+    much of what was learned would vanish in the write. FP32 keeps it (twice the file; the tokenizer
+    files are the caller's to copy)."""
+    return save_checkpoint(folder, config_json, [merged_tensors(model)], dtype="F32")
