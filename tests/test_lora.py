@@ -248,3 +248,28 @@ def test_the_adapter_loads_in_peft_and_gives_the_merged_models_greedy_text(tmp_p
     assert ours == peft_text
     adapted_logits = model.forward(prompt[0].numpy())                   # unmerged, through layers.linear
     assert int(np.argmax(adapted_logits[-1])) == peft_text[0]
+
+
+def test_the_assistant_only_loss_is_the_batch_mean_over_learned_tokens_however_the_batch_is_cut() -> None:
+    """learned [B, T+1]: the loss is the mean NLL over the learned targets of the whole batch, and the same
+    loss and gradients come from one piece, two micro-batches, or two micro-batches of two shards."""
+    from qwen_np.training.evaluation import token_nll
+    from qwen_np.training.step import loss_and_accumulated_gradients
+
+    model, rng = micro_model(5)
+    lora.add_adapters(model, rank=2, seed=5)
+    for p in lora.adapter_parameters(model).values():
+        p[...] = rng.standard_normal(p.shape) * 0.3
+    batch = rng.integers(0, 13, size=(4, 8))
+    learned = rng.random((4, 8)) < 0.4
+    learned[0] = False                                           # a row with nothing to learn (weighs nothing)
+    nll = np.stack([token_nll(model.forward(row[:-1]), row[1:]) for row in batch])          # [B, T]
+    expected = float(nll[learned[:, 1:]].mean())
+    results = [loss_and_accumulated_gradients(model, batch, micro, shards=shards, learned=learned)
+               for micro, shards in ((1, 1), (2, 1), (2, 2))]
+    for loss, grads in results:
+        assert abs(loss - expected) <= 1e-9 * expected
+        for name, g in grads.items():
+            assert np.allclose(g, results[0][1][name], rtol=1e-9, atol=1e-12), name
+    unmasked, _ = loss_and_accumulated_gradients(model, batch, 1)
+    assert abs(unmasked - float(nll.mean())) <= 1e-9 * unmasked, "no mask: every token, as before"

@@ -203,23 +203,28 @@ def swiglu_backward(d_out: np.ndarray, x: np.ndarray, gate: np.ndarray, up: np.n
     return dx_gate + dx_up, {"gate_proj": d_gate_proj, "up_proj": d_up_proj, "down_proj": d_down}
 
 
-def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.ndarray]:
+def cross_entropy(logits: np.ndarray, targets: np.ndarray,
+                  weights: np.ndarray | None = None) -> tuple[float, np.ndarray]:
     """Mean next-token cross-entropy and its gradient, with the log-softmax fused in.
 
     logits [B, T, V], targets [B, T] -> loss (mean over the B*T positions, as transformers' loss with
     labels) and dlogits = (softmax(logits) - onehot(target)) / (B*T). Shifting by the row max keeps
     exp() finite; the mean is accumulated in float64 so a long batch does not lose digits.
+    weights [B, T]: each position's weight instead of 1 / (B*T) (chat SFT: 1 / count on the assistant's
+    tokens, 0 elsewhere, as transformers' labels of -100): loss = sum(w * nll), dlogits scaled the same.
     """
     shifted = logits - logits.max(axis=-1, keepdims=True)                            # [B, T, V]
     exp = np.exp(shifted)                                                            # [B, T, V]
     total = exp.sum(axis=-1, keepdims=True)                                          # [B, T, 1]
     picked = np.take_along_axis(shifted, targets[..., None], axis=-1) - np.log(total)   # log p(target) [B, T, 1]
-    n = targets.size
-    loss = -float(picked.sum(dtype=np.float64)) / n
     d_logits = exp / total                                                           # softmax [B, T, V]
     np.add.at(d_logits, (*np.indices(targets.shape), targets), np.float32(-1.0))     # - onehot
+    if weights is not None:
+        d_logits *= weights[..., None].astype(d_logits.dtype)
+        return -float((picked[..., 0] * weights).sum(dtype=np.float64)), d_logits
+    n = targets.size
     d_logits *= np.float32(1.0 / n)
-    return loss, d_logits
+    return -float(picked.sum(dtype=np.float64)) / n, d_logits
 
 
 # --- The whole network -------------------------------------------------------------------------------
