@@ -46,6 +46,7 @@ def linear(x: np.ndarray, weight: Weight) -> np.ndarray:
     does not fit in RAM as FP32). int8 rows leave their per-row scale for after the product: it
     factors out of each output, y[o] = scale[o] (x . codes[o]). Under MATMUL_INPUTS (mixed-precision
     training, which holds FP32 weights) both operands are first rounded to the training's format.
+    An Adapted weight (LoRA) is its frozen base's product plus adapter_product's rank-r update.
     """
     if isinstance(weight, Adapted):                                  # LoRA: the frozen W plus its adapter
         return linear(x, weight.base) + adapter_product(x, weight)

@@ -7,7 +7,8 @@ A model holds each matrix as one of:
   load), so W ~ codes * scale[:, None];
 * Panels: FP32 values in the fast path's layout (column panels of W^T), what load_model's "auto" holds
   for a fast model when FP32 fits and BLAS has a small-matrix kernel: the same numbers, arranged so
-  that a product of a few rows costs about what one row's does.
+  that a product of a few rows costs about what one row's does;
+* Adapted: any of these, frozen, with a LoRA adapter beside it (training/lora.py): W + (alpha / r) B A.
 Every kind that is not a plain FP32 array has one way to make FP32 rows, `widen(out)`, which writes
 FP32 values into `out` and returns the per-row scale still to be applied to the outputs of a product
 (None if none): layers.linear, the fast path and upcast() are written once against it, so a new kind

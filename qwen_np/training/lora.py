@@ -142,14 +142,13 @@ def adapter_backward(d_out: np.ndarray, x: np.ndarray, weight: Adapted, keep: np
 
 def adapter_settings(model: Qwen3Model) -> tuple[int, float, list[str]]:
     """(rank, alpha, targets) of a model's adapters (every adapter of a model has the same rank and alpha)."""
-    adapted = [(key, getattr(layer, key)) for layer in model.layers for key in PROJECTIONS
-               if isinstance(getattr(layer, key), Adapted)]
+    adapted = {key: weight for layer in model.layers for key in PROJECTIONS
+               if isinstance(weight := getattr(layer, key), Adapted)}
     if not adapted:
         raise QwenNPError("model: it has no adapters")
-    first = adapted[0][1]
-    assert isinstance(first, Adapted)
+    first = next(iter(adapted.values()))
     rank = first.a.shape[0]
-    return rank, first.scale * rank, [key for key in PROJECTIONS if key in {k for k, _ in adapted}]
+    return rank, first.scale * rank, [key for key in PROJECTIONS if key in adapted]
 
 
 def save_adapter(folder: Path, model: Qwen3Model, base: str, dropout: float = 0.0) -> Path:
