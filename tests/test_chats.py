@@ -112,3 +112,24 @@ def test_eval_refuses_compare_on_a_chat_file(tmp_path: Path) -> None:
                              "--compare", "bf16"], cwd=ROOT, capture_output=True, timeout=120,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
     assert result.returncode == 2 and result.stderr.decode().strip().endswith("not a chat file (.jsonl)")
+
+
+def test_padded_rows_learn_nothing_of_the_padding_and_the_same_as_each_conversation_alone(tok: Tokenizer) -> None:
+    """A padded batch's assistant-only loss equals the mean over the conversations' learned tokens, each read
+    alone; a conversation longer than the row is cut, its cut tokens not learned."""
+    from qwen_np.engine.loading import load_model
+    from qwen_np.training.evaluation import token_nll
+    from qwen_np.training.step import loss_and_accumulated_gradients
+
+    short = chats.chat_tokens(tok, [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}])
+    long = chats.chat_tokens(tok, CONVERSATION)
+    context = len(long.ids) - 3
+    ids, learned = chats.padded_rows([short, long], context, pad_id=151643)
+    assert ids.shape == learned.shape == (2, context + 1)
+    assert not learned[0, len(short.ids):].any() and (ids[0, len(short.ids):] == 151643).all()
+    assert learned.sum() == short.learned.sum() + long.learned[:context + 1].sum()
+    model = load_model(QWEN3_RANDOM, memory="fp32")
+    alone = [token_nll(model.forward(c.ids[:context + 1][:-1]), c.ids[:context + 1][1:])[c.learned[1:context + 1]]
+             for c in (short, long)]
+    loss, _ = loss_and_accumulated_gradients(model, ids, 1, learned=learned)
+    assert abs(loss - float(np.concatenate(alone).mean())) <= 1e-5

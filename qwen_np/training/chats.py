@@ -104,3 +104,19 @@ def encoded_chats(tokenizer: Tokenizer, path: Path) -> list[Chat]:
     if not tokenizer.has_chat_template:
         raise QwenNPError(f"{path}: a chat file needs a model with a chat template")
     return [chat_tokens(tokenizer, chat["messages"], chat.get("tools")) for chat in read_chats(path)]
+
+
+def padded_rows(conversations: list[Chat], context: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Conversations as one training batch: ids [B, context + 1] and learned [B, context + 1].
+
+    Each conversation is one row, from its start (its position 0, as at inference): a longer one is cut
+    after context + 1 tokens (what is cut is not learned), a shorter one padded at the end with pad_id,
+    never learned. Causal attention keeps padding at a row's end from reaching the real tokens before it,
+    so a padded row's loss and gradients are those of the conversation alone.
+    """
+    ids = np.full((len(conversations), context + 1), pad_id, dtype=np.int64)
+    learned = np.zeros((len(conversations), context + 1), dtype=bool)
+    for row, chat in enumerate(conversations):
+        n = min(len(chat.ids), context + 1)
+        ids[row, :n], learned[row, :n] = chat.ids[:n], chat.learned[:n]
+    return ids, learned
