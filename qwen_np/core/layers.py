@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..numbers.numerics import Weight, upcast
+from ..numbers.numerics import Adapted, Weight, upcast
 
 # note(name, value) receives each intermediate when someone watches (a trace); by default nobody does.
 Note = Callable[[str, np.ndarray], None]
@@ -46,7 +46,10 @@ def linear(x: np.ndarray, weight: Weight) -> np.ndarray:
     does not fit in RAM as FP32). int8 rows leave their per-row scale for after the product: it
     factors out of each output, y[o] = scale[o] (x . codes[o]). Under MATMUL_INPUTS (mixed-precision
     training, which holds FP32 weights) both operands are first rounded to the training's format.
+    An Adapted weight (LoRA) is its frozen base's product plus adapter_product's rank-r update.
     """
+    if isinstance(weight, Adapted):                                  # LoRA: the frozen W plus its adapter
+        return linear(x, weight.base) + adapter_product(x, weight)
     rounding = MATMUL_INPUTS.get()
     if rounding is not None and isinstance(weight, np.ndarray):
         x, weight = rounding(x, "activation", -1), rounding(weight, "weight", -1)
@@ -62,6 +65,17 @@ def linear(x: np.ndarray, weight: Weight) -> np.ndarray:
         if scale is not None:
             out[..., rows] *= scale
     return out
+
+
+def adapter_product(x: np.ndarray, weight: Adapted) -> np.ndarray:
+    """LoRA's update to y = x W^T: scale * (x A^T) B^T.  x [..., in], A [r, in], B [out, r] -> [..., out].
+
+    Through the rank-r bottleneck x A^T [..., r], never through B A [out, in]: two thin products,
+    about 2 r (in + out) flops a row instead of 2 in out. scale = alpha / r (the LoRA paper), so a
+    change of r does not change how far a step moves the output. The adapter's products stay FP32 under
+    MATMUL_INPUTS: only the frozen base's product reads rounded operands (training/lora.py).
+    """
+    return np.float32(weight.scale) * ((x @ weight.a.T) @ weight.b.T)
 
 
 def embed(token_ids: np.ndarray, embed_tokens: Weight) -> np.ndarray:

@@ -63,7 +63,7 @@ from .memory import MemoryPlan
 from ..core.kv_cache import SequenceCache
 from ..core.model import LayerWeights, Qwen3Model, Trace, advance, output_rows
 from .paged import OwnPoolCache, PagedKVCache
-from ..numbers.numerics import Grouped, Int8Rows, Panels, Weight
+from ..numbers.numerics import Adapted, Grouped, Int8Rows, Panels, Weight
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
 # cache between its upcast and its product (block sizes measured: bench/README.md).
@@ -131,8 +131,13 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     a BF16, int8 or block-kind weight, the rows of W (columns of out) are split evenly between
     runtime.threads() threads (a block kind's few rows of x as grouped_rows); call it inside
     runtime.single_threaded_blas() (forward does), or each thread's BLAS call would start threads of
-    its own.
+    its own. An Adapted weight (LoRA) is its base's product plus layers.adapter_product: the same two
+    steps as layers.linear.
     """
+    if isinstance(weight, Adapted):           # LoRA: the base as any weight, then its thin rank-r update
+        linear(x, weight.base, out)
+        out += layers.adapter_product(x, weight)
+        return out
     if isinstance(weight, np.ndarray) and not few_rows(x.shape[0]):
         return np.matmul(x, weight.T, out=out)
     if isinstance(weight, Panels):

@@ -7,7 +7,8 @@ A model holds each matrix as one of:
   load), so W ~ codes * scale[:, None];
 * Panels: FP32 values in the fast path's layout (column panels of W^T), what load_model's "auto" holds
   for a fast model when FP32 fits and BLAS has a small-matrix kernel: the same numbers, arranged so
-  that a product of a few rows costs about what one row's does.
+  that a product of a few rows costs about what one row's does;
+* Adapted: any of these, frozen, with a LoRA adapter beside it (training/lora.py): W + (alpha / r) B A.
 Every kind that is not a plain FP32 array has one way to make FP32 rows, `widen(out)`, which writes
 FP32 values into `out` and returns the per-row scale still to be applied to the outputs of a product
 (None if none): layers.linear, the fast path and upcast() are written once against it, so a new kind
@@ -290,3 +291,42 @@ def upcast(weight: Weight | np.ndarray, out: np.ndarray | None = None) -> np.nda
     if scale is not None:
         out *= scale[..., None]                                    # as formats.dequantize_int8_rows
     return out
+
+
+@dataclass(frozen=True)
+class Adapted:
+    """A frozen weight W [out, in] of any kind with a LoRA adapter (training/lora.py): W + scale * B A.
+
+    Why a weight kind and not a hook or a copy of the network: the adapter belongs to one projection,
+    so it travels with that projection's weight; every product of the one network (layers.linear,
+    the fast path, the backward) meets it where it meets W, and a model without adapters holds none.
+    layers.linear multiplies as LoRA does, x W^T + scale (x A^T) B^T, never forming B A (rank r is
+    small: two thin products instead of a new [out, in] matrix). widen() does form the merged rows, so
+    anything written against Held (upcast, a row block of the streaming paths) reads the adapted
+    weight correctly too: what merging into the checkpoint writes.
+    """
+
+    base: Weight                 # [out, in], frozen: never trained
+    a: np.ndarray                # lora_A [r, in], FP32
+    b: np.ndarray                # lora_B [out, r], FP32
+    scale: float                 # alpha / r
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.base.nbytes + self.a.nbytes + self.b.nbytes
+
+    def __getitem__(self, rows: Any) -> "Adapted":
+        return Adapted(self.base[rows], self.a, self.b[rows], self.scale)
+
+    def widen(self, out: np.ndarray) -> None:
+        """The merged rows W + scale * B A into out, in FP32 (the base's own scale, if any, applied)."""
+        upcast(self.base, out)
+        out += np.float32(self.scale) * (self.b @ self.a)                              # [rows, in]

@@ -80,20 +80,25 @@ def encoded_documents(tokenizer: Any, text: str) -> tuple[list[np.ndarray], int]
 
 
 def score_text(logits_of: Callable[[np.ndarray], np.ndarray], docs: list[np.ndarray], characters: int,
-               context: int, progress: Callable[[int], None] = lambda n: None, jobs: int = 1) -> TextScore:
+               context: int, progress: Callable[[int], None] = lambda n: None, jobs: int = 1,
+               learned: list[np.ndarray] | None = None) -> TextScore:
     """Score documents window by window. logits_of maps ids [T] to logits [T, V] (e.g. model.forward);
     jobs: windows scored at once, on threads of their own (runtime.independent_jobs); the sum is taken
-    in window order, so the score does not depend on it."""
+    in window order, so the score does not depend on it. learned: per document, which tokens count
+    (a chat's assistant tokens, chats.chat_tokens); every token is still read as context."""
     shown = threading.Lock()                     # progress (a tqdm bar) is called from the jobs' threads
+    masks = learned if learned is not None else [np.ones(len(ids), dtype=bool) for ids in docs]
 
-    def window_nats(window: np.ndarray) -> tuple[float, int]:
+    def window_nats(job: tuple[np.ndarray, np.ndarray]) -> tuple[float, int]:
+        window, counted = job
         nll = token_nll(logits_of(window[:-1]), window[1:])                          # [T]
         with shown:
             progress(len(nll))
-        return float(nll.sum()), len(nll)
+        return float(nll[counted[1:]].sum()), int(counted[1:].sum())
 
+    jobs_in_order = [job for ids, mask in zip(docs, masks) for job in zip(windows(ids, context), windows(mask, context))]
     score = TextScore(characters=characters)
-    for nats, tokens in runtime.independent_jobs(window_nats, [w for ids in docs for w in windows(ids, context)], jobs):
+    for nats, tokens in runtime.independent_jobs(window_nats, jobs_in_order, jobs):
         score.add(nats, tokens)
     if score.tokens == 0:
         raise QwenNPError("--text: too short to score (needs at least two tokens)")

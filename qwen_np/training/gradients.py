@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 
+from . import lora
 from ..core import layers
 from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, Qwen3Config
 from ..errors import QwenNPError
-from ..numbers.numerics import FULL_PRECISION, Weight
+from ..numbers.numerics import FULL_PRECISION, Adapted, Weight, upcast
 
 if TYPE_CHECKING:
     from ..core.model import LayerWeights, Qwen3Model
@@ -37,7 +38,11 @@ def trainable(weight: Weight) -> TypeGuard[np.ndarray]:
 # --- One op at a time, in layers.py's order ----------------------------------------------------------
 
 
-def linear_backward(d_out: np.ndarray, x: np.ndarray, weight: Weight) -> tuple[np.ndarray, np.ndarray]:
+# A weight's gradient: an array like the weight, or for a LoRA-adapted projection its adapter's dA and dB.
+Gradient = np.ndarray | lora.AdapterGradient
+
+
+def linear_backward(d_out: np.ndarray, x: np.ndarray, weight: Weight) -> tuple[np.ndarray, Gradient]:
     """y = x W^T.  d_out [..., out], x [..., in], W [out, in] -> dx [..., in], dW [out, in].
 
     dx = dy W;  dW = dy^T x, summed over every row of the batch (one GEMM over the B*T rows).
@@ -45,16 +50,32 @@ def linear_backward(d_out: np.ndarray, x: np.ndarray, weight: Weight) -> tuple[n
     forward's did: dx = round(dy) round(W), dW = round(dy)^T round(x). dy is rounded twice, once per
     product, because the two sum over different axes (dx over `out`, dW over the rows), which FP8's
     1x128 scale tiles follow; x is the forward's FP32 input, rounded again to the same values.
+    An adapted weight (LoRA, numerics.Adapted) is frozen: dx is the frozen path's plus the adapter's,
+    and the gradient is the adapter's alone (lora.adapter_backward).
     """
+    if isinstance(weight, Adapted):
+        dx, d_adapter = lora.adapter_backward(d_out, x, weight)
+        return dx + input_gradient(d_out, weight.base), d_adapter
     if not trainable(weight):
         raise QwenNPError("training needs FP32 weights in memory; load the model with memory='fp32'")
     d_rows, x_rows = d_out.reshape(-1, d_out.shape[-1]), x.reshape(-1, x.shape[-1])   # [B*T, out], [B*T, in]
     rounding = layers.MATMUL_INPUTS.get()
     if rounding is None:
-        return d_out @ weight, d_rows.T @ x_rows                                     # [..., in], [out, in]
-    dx = rounding(d_out, "gradient", -1) @ rounding(weight, "weight", 0)             # [..., in]
+        return input_gradient(d_out, weight), d_rows.T @ x_rows                      # [..., in], [out, in]
     d_weight = rounding(d_rows, "gradient", 0).T @ rounding(x_rows, "activation", 0)   # [out, in]
-    return dx, d_weight
+    return input_gradient(d_out, weight), d_weight
+
+
+def input_gradient(d_out: np.ndarray, weight: Weight) -> np.ndarray:
+    """dx = dy W alone: what a frozen weight (a LoRA base, or any weight of a model with adapters) passes
+    back. Any kind of weight: a frozen base may stay as the checkpoint stores it (BF16, int8: QLoRA's
+    idea), widened to FP32 for this product only (one matrix at a time)."""
+    if not isinstance(weight, np.ndarray):
+        return d_out @ upcast(weight)                                                # [..., in]
+    rounding = layers.MATMUL_INPUTS.get()
+    if rounding is None:
+        return d_out @ weight
+    return rounding(d_out, "gradient", -1) @ rounding(weight, "weight", 0)
 
 
 def embed_backward(d_out: np.ndarray, token_ids: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -167,7 +188,7 @@ def silu_backward(d_out: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 def swiglu_backward(d_out: np.ndarray, x: np.ndarray, gate: np.ndarray, up: np.ndarray, gate_proj: Weight,
-                    up_proj: Weight, down_proj: Weight) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                    up_proj: Weight, down_proj: Weight) -> tuple[np.ndarray, dict[str, Gradient]]:
     """down(silu(gate) * up) reversed.  d_out [B, T, D]; x [B, T, D]; gate, up [B, T, F] from the forward.
 
     Returns dx [B, T, D] and the three weights' gradients. x feeds both gate_proj and up_proj, so
@@ -182,23 +203,28 @@ def swiglu_backward(d_out: np.ndarray, x: np.ndarray, gate: np.ndarray, up: np.n
     return dx_gate + dx_up, {"gate_proj": d_gate_proj, "up_proj": d_up_proj, "down_proj": d_down}
 
 
-def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.ndarray]:
+def cross_entropy(logits: np.ndarray, targets: np.ndarray,
+                  weights: np.ndarray | None = None) -> tuple[float, np.ndarray]:
     """Mean next-token cross-entropy and its gradient, with the log-softmax fused in.
 
     logits [B, T, V], targets [B, T] -> loss (mean over the B*T positions, as transformers' loss with
     labels) and dlogits = (softmax(logits) - onehot(target)) / (B*T). Shifting by the row max keeps
     exp() finite; the mean is accumulated in float64 so a long batch does not lose digits.
+    weights [B, T]: each position's weight instead of 1 / (B*T) (chat SFT: 1 / count on the assistant's
+    tokens, 0 elsewhere, as transformers' labels of -100): loss = sum(w * nll), dlogits scaled the same.
     """
     shifted = logits - logits.max(axis=-1, keepdims=True)                            # [B, T, V]
     exp = np.exp(shifted)                                                            # [B, T, V]
     total = exp.sum(axis=-1, keepdims=True)                                          # [B, T, 1]
     picked = np.take_along_axis(shifted, targets[..., None], axis=-1) - np.log(total)   # log p(target) [B, T, 1]
-    n = targets.size
-    loss = -float(picked.sum(dtype=np.float64)) / n
     d_logits = exp / total                                                           # softmax [B, T, V]
     np.add.at(d_logits, (*np.indices(targets.shape), targets), np.float32(-1.0))     # - onehot
+    if weights is not None:
+        d_logits *= weights[..., None].astype(d_logits.dtype)
+        return -float((picked[..., 0] * weights).sum(dtype=np.float64)), d_logits
+    n = targets.size
     d_logits *= np.float32(1.0 / n)
-    return loss, d_logits
+    return -float(picked.sum(dtype=np.float64)) / n, d_logits
 
 
 # --- The whole network -------------------------------------------------------------------------------
@@ -237,7 +263,7 @@ class Tape:
 
 
 def decoder_layer_backward(d_out: np.ndarray, w: LayerWeights, tape: LayerTape, cos: np.ndarray, sin: np.ndarray,
-                           config: Qwen3Config) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                           config: Qwen3Config) -> tuple[np.ndarray, dict[str, Gradient]]:
     """model.py's decoder layer (as Recorder notes it) reversed.  d_out [B, T, D] -> dx [B, T, D] and the layer's 11 gradients.
 
     Each residual connection passes its gradient straight through and adds the branch's.
@@ -330,17 +356,31 @@ def backward(model: Qwen3Model, tape: Tape, d_logits: np.ndarray) -> dict[str, n
     """Every parameter's gradient, keyed by checkpoint tensor name.  d_logits [B, T, V].
 
     A tied LM head is the embedding table itself: its gradient adds into model.embed_tokens.weight
-    and there is no lm_head.weight.
+    and there is no lm_head.weight. A model with LoRA adapters (lora.add_adapters) trains its adapters
+    only: the gradients are theirs (named as lora.adapter_parameters), and the frozen rest's are not
+    formed where that saves work (the LM head's [V, D] product, the embedding's scatter, the norms).
     """
     config = model.config
+    adapted = lora.has_adapters(model)
     grads: dict[str, np.ndarray] = {}
-    d_h, d_head = linear_backward(d_logits, tape.h_final, model.lm_head)             # [B, T, D], [V, D]
-    dx, grads[FINAL_NORM] = rms_norm_backward(d_h, tape.x_final, model.norm, config.rms_norm_eps)
+    if adapted:
+        d_h, d_head = input_gradient(d_logits, model.lm_head), None                  # [B, T, D]
+    else:
+        d_h, d_head = linear_backward(d_logits, tape.h_final, model.lm_head)         # [B, T, D], [V, D]
+    dx, d_final_norm = rms_norm_backward(d_h, tape.x_final, model.norm, config.rms_norm_eps)
     for i in reversed(range(config.num_hidden_layers)):
         layer_tape = tape.layers[i] if tape.layers is not None else recomputed_layer(model, i, tape)
         dx, layer_grads = decoder_layer_backward(dx, model.layers[i], layer_tape, tape.cos, tape.sin, config)
         del layer_tape                                   # recomputed: freed before the next layer's
-        grads.update({LAYER_TENSOR_NAMES[key].format(i=i): g for key, g in layer_grads.items()})
+        for key, g in layer_grads.items():
+            name = LAYER_TENSOR_NAMES[key].format(i=i)
+            if isinstance(g, lora.AdapterGradient):
+                grads[lora.adapter_name(name, "A")], grads[lora.adapter_name(name, "B")] = g.a, g.b
+            elif not adapted:
+                grads[name] = g
+    if adapted or not isinstance(d_head, np.ndarray):
+        return grads
+    grads[FINAL_NORM] = d_final_norm
     d_embed = embed_backward(dx, tape.token_ids, config.vocab_size)                  # [V, D]
     if config.tie_word_embeddings:
         grads[EMBED_TOKENS] = d_embed + d_head

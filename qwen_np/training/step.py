@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import gradients, mixed
+from . import gradients, lora, mixed
 from ..core import layers
 from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, is_matrix
 from ..errors import QwenNPError
@@ -32,8 +32,8 @@ from ..numbers.numerics import Weight
 
 
 def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = False,
-                       precision: str | MatmulInputs = "fp32",
-                       loss_scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
+                       precision: str | MatmulInputs = "fp32", loss_scale: float = 1.0,
+                       weights: np.ndarray | None = None) -> tuple[float, dict[str, np.ndarray]]:
     """Mean next-token cross-entropy of a batch and every parameter's FP32 gradient.
 
     batch: int array [B, T+1]; the model reads batch[:, :-1] and predicts batch[:, 1:], the loss
@@ -44,14 +44,16 @@ def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = F
     forward and backward (mixed.py); the weights stay the model's FP32 arrays (or a rounding function
     itself, for a measurement such as fp16_underflow's). loss_scale: the loss's gradient is multiplied
     by it before the backward (FP16's loss scaling), so the gradients come back scaled by it too
-    (mixed.LossScaler.unscale divides them again). The loss itself is not scaled.
+    (mixed.LossScaler.unscale divides them again). The loss itself is not scaled. weights [B, T]: each
+    predicted token's weight in the loss (gradients.cross_entropy; chat SFT's assistant-only mask).
     """
     batch = check_batch(batch, model.config.vocab_size)
-    named_parameters(model)             # raises, naming the tensor, unless every weight is a float array
+    if not lora.has_adapters(model):    # an adapted model trains its FP32 adapters; its base may be any kind
+        named_parameters(model)         # raises, naming the tensor, unless every weight is a float array
     hook = layers.MATMUL_INPUTS.set(mixed.operands(precision))     # this thread's forward and backward only
     try:
         logits, tape = gradients.forward_with_tape(model, batch[:, :-1], recompute)  # [B, T, V]
-        loss, d_logits = gradients.cross_entropy(logits, batch[:, 1:])
+        loss, d_logits = gradients.cross_entropy(logits, batch[:, 1:], weights)
         if loss_scale == 1.0:
             return loss, gradients.backward(model, tape, d_logits)
         # A scaled backward may overflow FP16: loss scaling expects that now and then and checks the
@@ -99,8 +101,8 @@ def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
 
 def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_batches: int,
                                    threads: int = 1, shards: int | None = None, recompute: bool = False,
-                                   precision: str = "fp32",
-                                   loss_scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
+                                   precision: str = "fp32", loss_scale: float = 1.0,
+                                   learned: np.ndarray | None = None) -> tuple[float, dict[str, np.ndarray]]:
     """Gradient accumulation: the batch's loss and gradient from `micro_batches` equal slices of its rows.
 
     Each slice's mean loss and gradient are averaged, which equals the whole batch's mean (equal-sized
@@ -108,7 +110,10 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
     Each slice is cut again into `shards` equal pieces (default: as many as divide its rows and
     `threads`), computed `threads` at a time with BLAS single-threaded and summed in shard order: the
     result is the same mean, and bit for bit the same for any thread count (it depends on `shards`).
-    recompute, precision, loss_scale: as loss_and_gradients, for every slice.
+    recompute, precision, loss_scale: as loss_and_gradients, for every slice. learned [B, T+1] (chat SFT):
+    the tokens the loss is over; the loss is then their mean over the whole batch: each token weighs
+    pieces / count, so that the average over the pieces (micro-batches times shards) is sum / count
+    whatever piece a token falls in.
     """
     B = batch.shape[0]
     if micro_batches < 1 or B % micro_batches:
@@ -118,12 +123,18 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
     if shards < 1 or rows % shards:
         raise QwenNPError(f"--shards: {shards} does not divide the {rows} rows of a micro-batch")
 
-    def step(part: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
-        return loss_and_gradients(model, part, recompute, precision, loss_scale)
+    weights = None
+    if learned is not None:
+        counted = np.asarray(learned, dtype=bool)[:, 1:]                            # [B, T]: predicted tokens
+        weights = counted * (micro_batches * shards / max(1, int(counted.sum())))      # float64 [B, T]
+
+    def step(part: np.ndarray, part_weights: np.ndarray | None) -> tuple[float, dict[str, np.ndarray]]:
+        return loss_and_gradients(model, part, recompute, precision, loss_scale, part_weights)
 
     total_loss, total = 0.0, dict[str, np.ndarray]()
     for start in range(0, B, rows):
-        loss, grads = _loss_and_gradients_in_shards(batch[start:start + rows], shards, threads, step)
+        loss, grads = _loss_and_gradients_in_shards(batch[start:start + rows], shards, threads, step,
+                                                    None if weights is None else weights[start:start + rows])
         total_loss += loss / micro_batches
         for g in grads.values():
             g *= np.float32(1.0 / micro_batches)
@@ -132,8 +143,8 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
 
 
 def _loss_and_gradients_in_shards(batch: np.ndarray, shards: int, threads: int,
-                                  step: Callable[[np.ndarray], tuple[float, dict[str, np.ndarray]]]
-                                  ) -> tuple[float, dict[str, np.ndarray]]:
+                                  step: Callable[[np.ndarray, np.ndarray | None], tuple[float, dict[str, np.ndarray]]],
+                                  weights: np.ndarray | None = None) -> tuple[float, dict[str, np.ndarray]]:
     """step (a loss_and_gradients) of `shards` equal row slices, up to `threads` at once, averaged in shard order.
 
     Why threads: NumPy runs every elementwise pass (softmax, SiLU, norms, the cross-entropy) on one
@@ -148,9 +159,10 @@ def _loss_and_gradients_in_shards(batch: np.ndarray, shards: int, threads: int,
 
     rows = batch.shape[0] // shards
     slices = [batch[i * rows:(i + 1) * rows] for i in range(shards)]
+    weight_slices = [None if weights is None else weights[i * rows:(i + 1) * rows] for i in range(shards)]
     loss, grads = 0.0, dict[str, np.ndarray]()
     with single_threaded_blas(), ThreadPoolExecutor(max(1, min(shards, threads))) as pool:
-        for part_loss, part in pool.map(step, slices):   # in order
+        for part_loss, part in pool.map(step, slices, weight_slices):   # in order
             loss += part_loss
             _add(grads, part)
     for g in grads.values():

@@ -1,0 +1,122 @@
+"""Chat data for supervised fine-tuning (SFT): conversations, rendered by the model's chat template, with
+the loss on the assistant's tokens only.
+
+A chat file is JSONL, one conversation a line in OpenAI's format: {"messages": [{"role": "system" |
+"user" | "assistant" | "tool", "content": ...}, ...]} and optionally "tools". Each conversation is
+rendered whole by the checkpoint's template (files/tokenizer.py's apply_chat_template, without a
+generation prompt) and tokenised as one text, as transformers' apply_chat_template(tokenize=True) does.
+
+What is learned: every assistant turn's tokens after its "<|im_start|>assistant\\n" header through its
+"<|im_end|>" inclusive (so the model learns to stop). The system and user turns, the tool results and
+the headers are context: the model reads them but is not taught to write them (nanochat's SFT, mlx-lm's
+--mask-prompt). Qwen3's template shows earlier assistant turns without their <think> blocks and gives
+the last one an empty "<think>\\n\\n</think>\\n\\n" unless it has reasoning: each turn is taught as it
+is rendered in that whole conversation, which is what the model reads back as history when it
+generates the next turn; the last turn's empty think block is what the template writes when thinking
+is off, so a tuned model answers directly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import QwenNPError
+from ..files.tokenizer import Tokenizer
+
+ASSISTANT_HEADER = "<|im_start|>assistant\n"
+TURN_END = "<|im_end|>"
+
+
+@dataclass
+class Chat:
+    """One conversation as the model reads it: its token ids [N] and which of them the loss is over [N]."""
+
+    ids: np.ndarray             # int64 [N]
+    learned: np.ndarray         # bool [N]: True for the assistant's tokens
+    characters: int             # characters of the learned text
+
+
+def is_chat_file(path: Path) -> bool:
+    """A .jsonl file is a chat file."""
+    return path.suffix == ".jsonl"
+
+
+def read_chats(path: Path) -> list[dict[str, Any]]:
+    """The conversations of a JSONL chat file, each {"messages": [...], "tools": [...] or absent}; a bad line
+    is named by its number."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QwenNPError(f"{path}: cannot read the chat file ({exc})") from exc
+    chats = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            chat = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise QwenNPError(f"{path}:{number}: not JSON ({exc.msg})") from exc
+        messages = chat.get("messages") if isinstance(chat, dict) else None
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise QwenNPError(f'{path}:{number}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+        if not any(m["role"] == "assistant" for m in messages):
+            raise QwenNPError(f"{path}:{number}: the conversation has no assistant turn to learn")
+        chats.append(chat)
+    if not chats:
+        raise QwenNPError(f"{path}: no conversations")
+    return chats
+
+
+def chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> Chat:
+    """The rendered conversation's ids and the mask of its assistant tokens.
+
+    The mask is found in the text, then carried to the tokens by their character offsets: a token is
+    learned when it starts at or after an assistant header's end and ends by that turn's <|im_end|>'s
+    end. (A token that straddled the header's end would be part header; Qwen3's tokenizer splits there,
+    as <think> and <|im_end|> are added tokens and the header ends in its own newline token.)
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
+    spans = []                                                   # [start, end) of each assistant turn's text
+    start = text.find(ASSISTANT_HEADER)
+    while start != -1:
+        begin = start + len(ASSISTANT_HEADER)
+        end = text.find(TURN_END, begin)
+        end = len(text) if end == -1 else end + len(TURN_END)
+        spans.append((begin, end))
+        start = text.find(ASSISTANT_HEADER, end)
+    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+    ids = np.asarray(encoding.ids, dtype=np.int64)
+    learned = np.zeros(len(ids), dtype=bool)
+    for index, (first, last) in enumerate(encoding.offsets):
+        learned[index] = any(begin <= first and last <= end for begin, end in spans)
+    return Chat(ids, learned, sum(end - begin for begin, end in spans))
+
+
+def encoded_chats(tokenizer: Tokenizer, path: Path) -> list[Chat]:
+    """Every conversation of a chat file, rendered and masked."""
+    if not tokenizer.has_chat_template:
+        raise QwenNPError(f"{path}: a chat file needs a model with a chat template")
+    return [chat_tokens(tokenizer, chat["messages"], chat.get("tools")) for chat in read_chats(path)]
+
+
+def padded_rows(conversations: list[Chat], context: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Conversations as one training batch: ids [B, context + 1] and learned [B, context + 1].
+
+    Each conversation is one row, from its start (its position 0, as at inference): a longer one is cut
+    after context + 1 tokens (what is cut is not learned), a shorter one padded at the end with pad_id,
+    never learned. Causal attention keeps padding at a row's end from reaching the real tokens before it,
+    so a padded row's loss and gradients are those of the conversation alone.
+    """
+    ids = np.full((len(conversations), context + 1), pad_id, dtype=np.int64)
+    learned = np.zeros((len(conversations), context + 1), dtype=bool)
+    for row, chat in enumerate(conversations):
+        n = min(len(chat.ids), context + 1)
+        ids[row, :n], learned[row, :n] = chat.ids[:n], chat.learned[:n]
+    return ids, learned

@@ -1,0 +1,192 @@
+"""LoRA (Hu et al. 2021, "Low-Rank Adaptation"): train a small update beside each frozen projection.
+
+A projection y = x W^T, W [out, in], gets two small matrices A [r, in] and B [out, r] of rank r << in:
+
+    y = x W^T + (alpha / r) * (x A^T) B^T
+
+W stays frozen (it gets no gradient and no optimizer state); only A and B are trained: r (in + out)
+numbers instead of in * out (rank 16 on all seven projections of Qwen3-0.6B: 10M instead of 440M).
+A starts random and B zero, as the paper and peft do, so the adapted model starts as the base model
+exactly, while A's randomness gives B's first gradients a direction (with A zero too, both gradients
+would stay zero). alpha / r scales the update so that changing r does not change how far a step moves
+the outputs.
+
+The weight kind numerics.Adapted carries the adapter with its projection; layers.linear (and the fast
+path) compute the update through layers.adapter_product. This module makes adapters, names them as peft
+does, merges them, and holds their backward, read beside gradients.linear_backward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..core import layers
+from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD
+from ..core.model import Qwen3Model
+from ..errors import QwenNPError
+from ..files.checkpoint import save_checkpoint, write_atomically
+from ..numbers.numerics import Adapted, upcast
+
+# peft's file names in an adapter folder, and the prefix its tensor names carry (PeftModel's base_model.model).
+ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX = "adapter_config.json", "adapter_model.safetensors", "base_model.model."
+
+# Qwen3's seven projections, as peft's target_modules names them (the last part of the module's name).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class AdapterGradient:
+    """The gradients of one adapter: dA [r, in], dB [out, r] (the frozen W gets none)."""
+
+    a: np.ndarray
+    b: np.ndarray
+
+
+def initial_adapter(out_features: int, in_features: int, rank: int,
+                    rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A [r, in] and B [out, r] as peft initialises them by default: A kaiming-uniform, B zero.
+
+    peft calls nn.init.kaiming_uniform_(A, a=sqrt(5)) (nn.Linear's own init): gain sqrt(2 / (1 + 5)),
+    bound gain * sqrt(3 / fan_in) = 1 / sqrt(in), so A ~ U(-1/sqrt(in), 1/sqrt(in)). The numbers differ
+    from torch's (another generator); the distribution is the same.
+    """
+    bound = 1.0 / math.sqrt(in_features)
+    a = rng.uniform(-bound, bound, size=(rank, in_features)).astype(np.float32)    # [r, in]
+    return a, np.zeros((out_features, rank), dtype=np.float32)                     # [out, r]
+
+
+def add_adapters(model: Qwen3Model, rank: int, alpha: float | None = None,
+                 targets: Sequence[str] = PROJECTIONS, seed: int = 0) -> None:
+    """Wrap each target projection of every layer in an Adapted weight, in place (alpha default: 2 * rank)."""
+    if rank < 1:
+        raise QwenNPError(f"rank: must be at least 1, got {rank}")
+    unknown = sorted(set(targets) - set(PROJECTIONS))
+    if unknown or not targets:
+        raise QwenNPError(f"targets: expected some of {', '.join(PROJECTIONS)}, got {', '.join(unknown) or 'none'}")
+    scale = (2.0 * rank if alpha is None else alpha) / rank
+    rng = np.random.default_rng(seed)
+    for layer in model.layers:
+        for name in PROJECTIONS:                         # a fixed order, whatever order targets come in
+            weight = getattr(layer, name)
+            if name in targets:
+                if isinstance(weight, Adapted):
+                    raise QwenNPError(f"{name}: the model already has adapters")
+                a, b = initial_adapter(weight.shape[0], weight.shape[1], rank, rng)
+                setattr(layer, name, Adapted(weight, a, b, scale))
+
+
+def adapter_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
+    """The adapters' arrays (the model's own, trained in place), named as the checkpoint tensor they adapt
+    with lora_A / lora_B before ".weight": model.layers.0.self_attn.q_proj.lora_A.weight (peft's
+    names for Qwen3 without its "base_model.model." prefix)."""
+    params: dict[str, np.ndarray] = {}
+    for i, layer in enumerate(model.layers):
+        for key in PROJECTIONS:
+            weight = getattr(layer, key)
+            if isinstance(weight, Adapted):
+                params[adapter_name(LAYER_TENSOR_NAMES[key].format(i=i), "A")] = weight.a
+                params[adapter_name(LAYER_TENSOR_NAMES[key].format(i=i), "B")] = weight.b
+    return params
+
+
+def adapter_name(tensor: str, which: str) -> str:
+    """model.layers.0.self_attn.q_proj.weight, "A" -> model.layers.0.self_attn.q_proj.lora_A.weight."""
+    return tensor.removesuffix(".weight") + f".lora_{which}.weight"
+
+
+def has_adapters(model: Qwen3Model) -> bool:
+    return any(isinstance(getattr(layer, key), Adapted) for layer in model.layers for key in PROJECTIONS)
+
+
+def dropped(x: np.ndarray, keep: np.ndarray | None, dropout: float) -> np.ndarray:
+    """The adapter's input under dropout: x * keep / (1 - p), keep a 0/1 mask like x (None: no dropout).
+
+    As peft's lora_dropout, it drops only what enters A, never the frozen path's input."""
+    return x if keep is None else x * (keep * np.float32(1.0 / (1.0 - dropout)))
+
+
+def adapter_forward(x: np.ndarray, weight: Adapted, keep: np.ndarray | None = None,
+                    dropout: float = 0.0) -> np.ndarray:
+    """layers.adapter_product of the (dropped-out) input: the adapter's term of y."""
+    return layers.adapter_product(dropped(x, keep, dropout), weight)
+
+
+def adapter_backward(d_out: np.ndarray, x: np.ndarray, weight: Adapted, keep: np.ndarray | None = None,
+                     dropout: float = 0.0) -> tuple[np.ndarray, AdapterGradient]:
+    """The adapter's term s (x' A^T) B^T reversed, x' = dropped(x), u = x' A^T [N, r], s = alpha / r.
+
+    d_out [..., out], x [..., in] -> the adapter path's share of dx [..., in], and dA, dB:
+    du = s dy B [N, r];  dB = s dy^T u [out, r];  dA = du^T x' [r, in];  dx' = du A, and dx = dx' keep / (1 - p).
+    Every product is thin (r columns), so the backward costs about 3x the forward's adapter term. The
+    frozen path's dx = dy W is gradients.linear_backward's; W itself gets no gradient.
+    """
+    d_rows = d_out.reshape(-1, d_out.shape[-1])                                      # [N, out]
+    x_rows = dropped(x, keep, dropout).reshape(-1, x.shape[-1])                      # [N, in]
+    scale = np.float32(weight.scale)
+    u = x_rows @ weight.a.T                                                          # [N, r]
+    d_u = (d_rows @ weight.b) * scale                                                # [N, r]
+    d_b = (d_rows.T @ u) * scale                                                     # [out, r]
+    d_a = d_u.T @ x_rows                                                             # [r, in]
+    dx = dropped((d_u @ weight.a).reshape(x.shape), keep, dropout)                   # [..., in]
+    return dx, AdapterGradient(d_a, d_b)
+
+
+# --- What a tuned model is written as -----------------------------------------------------------------
+
+
+def adapter_settings(model: Qwen3Model) -> tuple[int, float, list[str]]:
+    """(rank, alpha, targets) of a model's adapters (every adapter of a model has the same rank and alpha)."""
+    adapted = {key: weight for layer in model.layers for key in PROJECTIONS
+               if isinstance(weight := getattr(layer, key), Adapted)}
+    if not adapted:
+        raise QwenNPError("model: it has no adapters")
+    first = next(iter(adapted.values()))
+    rank = first.a.shape[0]
+    return rank, first.scale * rank, [key for key in PROJECTIONS if key in adapted]
+
+
+def save_adapter(folder: Path, model: Qwen3Model, base: str, dropout: float = 0.0) -> Path:
+    """The adapters in peft's format: adapter_config.json and adapter_model.safetensors (FP32), tensor names
+    as peft writes them for Qwen3 (base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), which
+    peft.PeftModel.from_pretrained, vLLM's --lora-modules and llama.cpp's convert_lora_to_gguf.py read.
+    base: the base model's name or folder (base_model_name_or_path)."""
+    from safetensors.numpy import save_file
+
+    rank, alpha, targets = adapter_settings(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
+        "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": targets, "bias": "none",
+        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "use_rslora": False, "use_dora": False}
+    tensors = {PEFT_PREFIX + name: np.ascontiguousarray(array, dtype=np.float32)
+               for name, array in adapter_parameters(model).items()}
+    write_atomically(folder / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def merged_tensors(model: Qwen3Model) -> dict[str, np.ndarray]:
+    """Every checkpoint tensor of the model in FP32, each adapted projection merged: W + (alpha / r) B A."""
+    tensors = {EMBED_TOKENS: upcast(model.embed_tokens), FINAL_NORM: upcast(model.norm)}
+    for i, layer in enumerate(model.layers):
+        tensors.update({template.format(i=i): upcast(getattr(layer, key)) for key, template in LAYER_TENSOR_NAMES.items()})
+    if not model.config.tie_word_embeddings:
+        tensors[LM_HEAD] = upcast(model.lm_head)
+    return tensors
+
+
+def save_merged(folder: Path, model: Qwen3Model, config_json: dict[str, Any]) -> Path:
+    """The merged model as a checkpoint folder's weights and config.json, in FP32.
+
+    Why FP32 and not the base's BF16: the update (alpha / r) B A is small next to W, often below half
+    a BF16 ulp of W's entries, so rounding W + update to BF16 gives back W itself for many of them:
+    much of what was learned would vanish in the write. FP32 keeps it (twice the file; the tokenizer
+    files are the caller's to copy)."""
+    return save_checkpoint(folder, config_json, [merged_tensors(model)], dtype="F32")
