@@ -22,10 +22,10 @@ from qwen_np.core.flash import KEY_BLOCK, flash_attention
 H, KVH, Dh = 32, 8, 128                                   # Qwen3-8B's attention heads
 
 
-def peak_extra_bytes(attend: Callable[[], np.ndarray]) -> int:
-    """The most bytes NumPy held at once during attend(), beyond what was allocated before it."""
+def peak_extra_bytes(attend: Callable[..., np.ndarray], *args: np.ndarray, **options: int) -> int:
+    """The most bytes NumPy held at once during attend(*args), beyond what was allocated before it."""
     tracemalloc.start()
-    attend()
+    attend(*args, **options)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     return peak
@@ -44,8 +44,8 @@ def main() -> None:
         k = rng.standard_normal((T, KVH, Dh), dtype=np.float32)
         v = rng.standard_normal((T, KVH, Dh), dtype=np.float32)
         positions = np.arange(T)
-        plain = peak_extra_bytes(lambda: layers.attention(q, k, v, positions))
-        flash = peak_extra_bytes(lambda: flash_attention(q, k, v, positions, block=args.block))
+        plain = peak_extra_bytes(layers.attention, q, k, v, positions)
+        flash = peak_extra_bytes(flash_attention, q, k, v, positions, block=args.block)
         print(f"{T:>6} {plain / 2 ** 20:>10.1f} {flash / 2 ** 20:>10.1f} {plain / flash:>13.1f}x")
 
 

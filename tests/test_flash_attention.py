@@ -25,7 +25,8 @@ def qkv(rng: np.random.Generator, batch: tuple[int, ...], T: int, S: int, H: int
     ((3,), 64, 16, 8, 128, 16),   # Qwen3's head_dim and group of 2
     ((), 33, 4, 2, 8, 1),         # one key per block: the online softmax at its most incremental
 ])
-def test_flash_attention_equals_plain_attention_on_a_prefill(batch, T, H, KVH, Dh, block) -> None:
+def test_flash_attention_equals_plain_attention_on_a_prefill(batch: tuple[int, ...], T: int, H: int, KVH: int, Dh: int,
+                                                            block: int) -> None:
     q, k, v = qkv(np.random.default_rng(T * H + block), batch, T, T, H, KVH, Dh)
     positions = np.arange(T)
     expected = layers.attention(q, k, v, positions)
@@ -35,7 +36,7 @@ def test_flash_attention_equals_plain_attention_on_a_prefill(batch, T, H, KVH, D
 
 
 @pytest.mark.parametrize("cached, new", [(99, 1), (40, 5)])
-def test_flash_attention_equals_plain_attention_on_a_step_after_cached_keys(cached, new) -> None:
+def test_flash_attention_equals_plain_attention_on_a_step_after_cached_keys(cached: int, new: int) -> None:
     """A decode step (or a chunk) whose queries sit at positions cached.. and see every cached key."""
     q, k, v = qkv(np.random.default_rng(cached), (), new, cached + new, 8, 2, 16)
     positions = np.arange(cached, cached + new)
