@@ -51,7 +51,9 @@ mantissa (the precision).
   gradients fall below FP16's smallest number (6e-8) and become 0 (underflow): FP16 training multiplies the
   loss by a large factor before the backward pass and divides the gradients by it afterwards (**loss
   scaling**), lowering the factor whenever a gradient overflows. BF16's FP32 range needs neither, which is
-  why training moved to BF16.
+  why training moved to BF16. FP16 is not faster than BF16 where the hardware has both: the two are
+  the same width, and NVIDIA's A100 and H100 tensor cores list the same TFLOP/s for FP16 and BF16
+  matrix products. The choice between them is range against precision, not speed.
 * **FP8** (E4M3, E5M2) is used for inference and, on hardware with FP8 matrix units (NVIDIA Hopper
   and Ada GPUs such as H100 and L40S, AMD MI300, Intel Gaudi 2 and later), for training too: matrix
   products in FP8 with per-tensor or per-block scale factors,

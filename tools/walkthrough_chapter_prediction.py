@@ -137,7 +137,9 @@ def kv_cache_section(run: Run) -> str:
     prefill_pass = forward_flops(real, 1000, 1000)
     return f"""## 6. Generating more: why the KV cache exists, and what it costs
 
-To write a second token, the model runs again on the prompt plus the new token. Almost all of that
+Generation is **autoregressive**: the model predicts one token from all the tokens before it, that
+token is appended to the input, and the model runs again to predict the next, until an end token or a
+length limit. To write a second token, the model runs again on the prompt plus the new token. Almost all of that
 work would repeat the first pass: a token's keys and values at layer l depend only on the tokens up
 to it, which have not changed. The **KV cache** keeps every layer's keys (after RoPE) and values for
 every position, so the next pass computes q, k, v for the **one new token** only (T = 1) and attends
