@@ -288,7 +288,7 @@ the plain one's [H, T, T] scores and probabilities grow with T², the blocks' [H
 FlashAttention (Dao et al., 2022) is this loop on a GPU, each block kept in on-chip memory, and its
 backward pass stores neither the scores nor the probabilities: it keeps one number per query row and
 head (the log of the row's sum, max included) and recomputes each block's probabilities from q and k.
-In the table above, for the same step of {rows} × {context:,} tokens, that takes the total from
+In the estimate `inspect` printed above for the same step of {rows} × {context:,} tokens, that takes the total from
 {num(whole)} GiB to {num(whole_flash)} GiB, and with `--recompute` from {num(again)} GiB to
 {num(again_flash)} GiB: the activations left are linear in the context. qwen_np's trainer keeps the
 plain attention (its backward reads the stored probabilities, `training/gradients.py`)."""
