@@ -112,3 +112,26 @@ def test_exercise_flash_attention_with_one_key_and_all_keys_per_block() -> None:
     for block in (1, T):
         assert np.abs(flash_attention(q, k, v, np.arange(T), block=block) - plain).max() < 1e-6
     assert "less than 1e-06" in solution("FlashAttention")
+
+
+def test_exercise_the_tiny_model_blows_up_from_a_learning_rate_of_one() -> None:
+    from qwen_np.core.config import Qwen3Config
+    from qwen_np.training import step as training
+    from qwen_np.training import trainer
+
+    config = Qwen3Config(**trainer.PRESET_CONFIGS["tiny"])
+    batch = np.random.default_rng(0).integers(0, 64, size=(4, 17))
+
+    def highest_rise(lr: float) -> float:
+        params = trainer.init_parameters(config, seed=0)
+        model, optimizer = trainer.model_from_parameters(config, params), training.adamw_for(params)
+        losses = []
+        for _ in range(12):
+            loss, grads = training.loss_and_gradients(model, batch)
+            training.clip_gradients(grads, 1.0)
+            losses.append(loss)
+            optimizer.update(params, grads, lr)
+        return max(losses) - losses[0]
+
+    assert highest_rise(0.3) < 1.0 < highest_rise(1.0)
+    assert "from **1**" in solution("diverges")

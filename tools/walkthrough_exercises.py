@@ -14,7 +14,9 @@ from qwen_np.core.flash import flash_attention
 from qwen_np.engine import memory
 from qwen_np.inspection.counts import weight_bytes_read_per_token
 from qwen_np.numbers import formats
-from qwen_np.training import gradients
+from qwen_np.core.config import Qwen3Config
+from qwen_np.training import gradients, trainer
+from qwen_np.training import step as training
 from walkthrough_common import EXAMPLE_BANDWIDTH, REAL, Run, num
 
 GiB = 2 ** 30
@@ -23,6 +25,10 @@ KV_MODEL, KV_NAME = "qwen3-14b", "Qwen3-14B"   # exercise 4's model
 BF16_PROBES = (1000.0, 1001.0, 1002.0, 1003.0, 1004.0)
 TRAIN_MODEL, TRAIN_ROWS, TRAIN_CONTEXT, TRAIN_BUDGET = "qwen3-0.6b", 4, 1024, 16 * GiB   # exercise 7
 FLASH_SHAPE = (24, 4, 2, 16)                 # exercise 8: T, H, KVH, Dh
+# Exercise 9: the tiny preset's model, a fixed batch of random ids, a few clipped AdamW steps per rate. A run
+# "blows up" when some step's loss rises more than BLOW_UP nats above the first (a margin: the exact losses
+# of a diverging run change with the BLAS kernel, the verdict does not).
+LEARNING_RATES, DIVERGE_STEPS, BLOW_UP = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0), 12, 1.0
 
 
 def exercise(number: int, title: str, question: str, solution: str) -> str:
@@ -37,7 +43,7 @@ def exercise(number: int, title: str, question: str, solution: str) -> str:
 </details>"""
 
 
-def chat_tokens(run: Run) -> tuple[str, str]:
+def chat_tokens(run: Run) -> tuple[str, str, str]:
     from make_walkthrough import qwen3_tokenizer
 
     tokenizer = qwen3_tokenizer()
@@ -56,7 +62,7 @@ len(tokenizer.encode(text))        # {len(ids)}
 frame (`<|im_start|>user`, `<|im_end|>`, the assistant's opening and its empty thinking block).""")
 
 
-def gqa_tile(run: Run) -> tuple[str, str]:
+def gqa_tile(run: Run) -> tuple[str, str, str]:
     c = run.model.config
     group = c.num_attention_heads // c.num_key_value_heads
     tiled = [h % c.num_key_value_heads for h in range(c.num_attention_heads)]
@@ -72,7 +78,7 @@ against its key head), and so do the comparisons with transformers' logits. With
 head (MHA, group 1) the two are the same and nothing would notice.""")
 
 
-def minus_log_p(run: Run) -> tuple[str, str]:
+def minus_log_p(run: Run) -> tuple[str, str, str]:
     answer = run.answer
     logits = run.logits[-1:].astype(np.float32)                                  # [1, V]
     nll = -float(layers.log_softmax(logits)[0, answer])
@@ -91,7 +97,7 @@ Both are **{num(nll)} nats** (p = {num(np.exp(-nll))}): the cross-entropy of a b
 over every position, and training lowers it by raising the true token's probability.""")
 
 
-def kv_cache_14b(run: Run) -> tuple[str, str]:
+def kv_cache_14b(run: Run) -> tuple[str, str, str]:
     config = preset(KV_MODEL)
     per_token = memory.kv_cache_bytes_per_token(config, bytes_per_value=2)
     context = config.max_position_embeddings
@@ -104,7 +110,7 @@ def kv_cache_14b(run: Run) -> tuple[str, str]:
 {per_token:,} × {context:,} = **{num(per_token * context / GiB)} GiB** at the full context, for one sequence.""")
 
 
-def bf16_step(run: Run) -> tuple[str, str]:
+def bf16_step(run: Run) -> tuple[str, str, str]:
     probes = np.array(BF16_PROBES, dtype=np.float32)
     rounded = formats.round_trip(probes, "bf16")
     step = float(np.spacing(np.float32(rounded[0]))) * 2 ** (23 - 7)       # FP32's step, 16 mantissa bits finer
@@ -117,7 +123,7 @@ def bf16_step(run: Run) -> tuple[str, str]:
 half a step ({step / 2:g} here) is lost entirely: why training keeps FP32 master weights.""")
 
 
-def decode_bound(run: Run) -> tuple[str, str]:
+def decode_bound(run: Run) -> tuple[str, str, str]:
     real = preset(REAL)
     rates = {name: EXAMPLE_BANDWIDTH / weight_bytes_read_per_token(real, width)
              for name, width in (("BF16", 2), ("INT4", 0.5))}
@@ -129,7 +135,7 @@ def decode_bound(run: Run) -> tuple[str, str]:
 bytes, whatever the core count.""")
 
 
-def training_fit(run: Run) -> tuple[str, str]:
+def training_fit(run: Run) -> tuple[str, str, str]:
     remedies = memory.training_remedies(preset(TRAIN_MODEL), TRAIN_ROWS, TRAIN_CONTEXT)
     names = {"baseline": "nothing", "quarter_batch": "--batch-size 1", "bf16_activations": "activations in BF16",
              "grad_accum_4": "--grad-accum 4", "recompute": "--recompute", "all_three": "all three"}
@@ -147,7 +153,7 @@ def training_fit(run: Run) -> tuple[str, str]:
 update.""")
 
 
-def flash_blocks(run: Run) -> tuple[str, str]:
+def flash_blocks(run: Run) -> tuple[str, str, str]:
     T, H, KVH, Dh = FLASH_SHAPE
     rng = np.random.default_rng(0)
     q = rng.standard_normal((T, H, Dh), dtype=np.float32)
@@ -163,10 +169,48 @@ once: it *is* the plain softmax, with all [H, T, T] scores. With `block=1` each 
 rescales the running sums by exp(old max − new max): the scores it holds are [H, T, 1].""")
 
 
+def losses_at(lr: float) -> list[float]:
+    """The losses of DIVERGE_STEPS training steps of the tiny preset's model at a constant learning rate."""
+    config = Qwen3Config(**trainer.PRESET_CONFIGS["tiny"])
+    batch = np.random.default_rng(0).integers(0, 64, size=(4, 17))
+    params = trainer.init_parameters(config, seed=0)
+    model, optimizer = trainer.model_from_parameters(config, params), training.adamw_for(params)
+    losses = []
+    for _ in range(DIVERGE_STEPS):
+        loss, grads = training.loss_and_gradients(model, batch)
+        training.clip_gradients(grads, 1.0)
+        losses.append(loss)
+        optimizer.update(params, grads, lr)
+    return losses
+
+
+def divergence(run: Run) -> tuple[str, str, str]:
+    runs = {lr: losses_at(lr) for lr in LEARNING_RATES}
+    blown = [lr for lr, losses in runs.items() if max(losses) > losses[0] + BLOW_UP]
+    first = blown[0]
+    verdicts = ", ".join(f"{lr:g} {'blows up' if lr in blown else 'does not'}" for lr in LEARNING_RATES)
+    return ("the learning rate at which training diverges",
+            f"Train the `tiny` preset's model (`trainer.PRESET_CONFIGS[\"tiny\"]`, fresh weights, seed 0) for "
+            f"{DIVERGE_STEPS} steps on one fixed batch of 4 × 16 random token ids, gradients clipped to norm 1, "
+            f"with AdamW at constant learning rates {', '.join(f'{lr:g}' for lr in LEARNING_RATES)}. From which rate "
+            f"does the loss blow up (rise more than {BLOW_UP:g} nat above its first value)?",
+            f"""```python
+for lr in {LEARNING_RATES}:
+    loss, grads = training.loss_and_gradients(model, batch)    # {DIVERGE_STEPS} times, from fresh weights
+    training.clip_gradients(grads, 1.0)
+    optimizer.update(params, grads, lr)
+```
+
+{verdicts}: from **{first:g}**, where the first steps take the loss from {num(runs[first][0], 3)} to about
+{num(max(runs[first]), 2)} nats. AdamW moves every weight by about lr per step, whatever the gradient's
+size, and the weights start near 0.02: steps far larger than the weights throw the model anywhere.
+Below that the loss comes down (the trainer's `tiny` preset uses {trainer.PRESET_SETTINGS["tiny"]["lr"]:g}, with warmup).""")
+
+
 # The exercises after each section (the page's section numbers), numbered in order down the page.
 AFTER_SECTION: dict[int, tuple[Callable[[Run], tuple[str, str, str]], ...]] = {
     1: (chat_tokens,), 3: (gqa_tile,), 5: (minus_log_p,), 6: (kv_cache_14b,), 7: (bf16_step,),
-    8: (decode_bound,), 10: (training_fit, flash_blocks)}
+    8: (decode_bound,), 10: (training_fit, flash_blocks), 11: (divergence,)}
 
 
 def with_exercises(sections: list[str], run: Run) -> list[str]:
