@@ -38,6 +38,7 @@ from qwen_np.files.tokenizer import Tokenizer
 from walkthrough_chapter_layers import decoder_layer_data, layer_section, remaining_layers_section, rope_figure_data
 from walkthrough_chapter_numbers import bandwidth_section, formats_section
 from walkthrough_chapter_prediction import kv_cache_section, prediction_section
+from walkthrough_exercises import with_exercises
 
 # --- Sections ------------------------------------------------------------------------------------
 
@@ -159,7 +160,11 @@ lengths (L2 norms) of the {len(run.ids)} vectors are {norms}."""
 
 
 def next_steps_section(run: Run, number: int) -> str:
+    from qwen_np.training import trainer
+
     prompt = shell_quote(run.prompt)
+    tiny_layers = trainer.PRESET_CONFIGS["tiny"]["num_hidden_layers"]
+    tiny_steps = trainer.PRESET_SETTINGS["tiny"]["steps"]
     return f"""## {number}. Try it yourself
 
 ```bash
@@ -167,7 +172,7 @@ python -m qwen_np inspect --preset qwen3-8b          # every shape and count abo
 {generate_command(run, "--trace-layers", str(LAYER))}
 {generate_command(run, "--lens")}
 python -m qwen_np generate --no-chat -n 40 {prompt}   # let it go on
-python -m qwen_np train --preset tiny --out /tmp/tiny  # a whole training run, in seconds
+python -m qwen_np train --preset tiny --out /tmp/tiny  # a whole run: {tiny_layers} layers, {tiny_steps} steps, no words yet
 ```
 
 The same steps as runnable code: [`docs/walkthrough.ipynb`](walkthrough.ipynb). In Python, any
@@ -215,6 +220,7 @@ def render_page(model_dir: Path | None = None) -> Page:
                     formats_section(run), bandwidth_section(run), training_step_section(model_dir, num, code_block, facts),
                     memory_section(model_dir, num, run.figures), chapter_section(11), serving_section(run, 12, facts),
                     next_steps_section(run, 13)]
+        sections = with_exercises(sections, run)
     return Page("\n\n".join(sections) + "\n", sections, run.figures, model_dir, run, facts)
 
 

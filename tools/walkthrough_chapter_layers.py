@@ -226,7 +226,10 @@ def _residual_note(run: Run, step: Step) -> str:
     before = stream_into(run, "mlp" if step.short_name == "residual_mlp" else "attention")
     return (f"The block's output is added to the stream rather than replacing it, so information from "
             f"earlier steps is never lost. RMS of the last position: {num(rms(before[-1]))} before the add, "
-            f"{num(rms(after[-1]))} after.")
+            f"{num(rms(after[-1]))} after." + (
+                " No norm follows the MLP (a common misreading of pre-norm): the sum goes on as it is, and the "
+                "next layer's `input_layernorm` (or, after the last layer, the final `norm`) is what rescales it."
+                if step.short_name == "residual_mlp" else ""))
 
 
 def _act_note(run: Run, step: Step) -> str:

@@ -91,6 +91,11 @@ def hardware_part(figures: dict[str, Any]) -> str:
     two = rates_of(record)[max(rates_of(record))]
     two_cached = [r for s, r in zip(sizes, two) if s <= last.size_bytes]
     claim(max(two_cached) > max(one), "a second thread speeds up reads from the caches")
+    threads = max(rates_of(record))
+    peak_size = sizes[two.index(max(two_cached))]
+    # The cache that holds the two threads' fastest matrix: a private cache holds each thread's half.
+    holder = next(c for c in data if peak_size <= c.size_bytes * (threads if len(c.shared_by) <= 1 else 1))
+    ram = two[-1]                                         # the command's decode limits use this rate
     real = preset(REAL)
     blocks = {"q/k/v/o, gate, up": layers.UPCAST_BLOCK_ROWS * real.hidden_size * 4,
               "down_proj": layers.UPCAST_BLOCK_ROWS * real.intermediate_size * 4}
@@ -114,14 +119,16 @@ rate against the matrix's size, from 16 KiB to 1 GiB. Recorded on {RECORDED_MACH
 On one thread, a matrix that fits in L1 is read at about {two_digits(max(inside))} GB/s; once it is more than
 twice the {largest} {last.name}, at about {two_digits(float(np.median(beyond)))} GB/s: the rate of RAM, several
 times slower, and the rate decode lives on, since the weights are far larger than any cache.
-`layers.linear`'s upcast blocks ({block_sizes} at Qwen3-8B's width) fit in this machine's {largest}
-{last.name}, so each block is still in cache when the product reads it back.
+`layers.linear`'s upcast blocks ({block_sizes} at Qwen3-8B's width) fit in the recorded machine's
+{largest} {last.name}, so each block is still in cache when the product reads it back; a CPU whose last
+cache is smaller than a block pays one extra trip to RAM for it (`layers.UPCAST_BLOCK_ROWS` sets the size).
 
-Two threads read a cache-sized matrix faster than one: each core reads its half from its own L1 and
-L2, up to {two_digits(max(two_cached))} GB/s here. Beyond the L3 every thread reads through the one memory bus,
+Two threads read a cache-sized matrix faster than one, up to {two_digits(max(two_cached))} GB/s here, at a
+{hardware_command._size(peak_size)} matrix: one that only the {holder.name} holds.
+Beyond the L3 every thread reads through the one memory bus,
 shared with whatever else the machine runs, so a record's RAM rate is that of its moment (on this
-virtual machine it varies between processes too: bench/README.md, "The numbers"). At this record's rate,
-reading every weight once per token would allow
+virtual machine it varies between processes too: bench/README.md, "The numbers"). At this record's rate
+for {threads} threads reading the largest matrix, {two_digits(ram)} GB/s, reading every weight once per token would allow
 {limits['qwen3-0.6b']['fp32']:.2g} tokens/s for Qwen3-0.6B in FP32 and {limits[REAL]['bf16']:.2g} for Qwen3-8B in BF16
 (the command's decode limits): a limit of that moment, not of the machine. Run `python -m qwen_np hardware` on yours.
 More BLAS threads than cores (`-t`) add no core to read with, only switching between threads."""

@@ -15,7 +15,7 @@ from qwen_np.core.config import parameter_count
 from qwen_np.numbers.formats import FORMATS
 from qwen_np.inspection import forward_flops, weight_bytes_read_per_token
 from qwen_np.numbers.numerics import BYTES_PER_VALUE, bf16_bits_to_f32, f32_to_bf16_bits
-from walkthrough_chapter_measured import hardware_part
+from walkthrough_chapter_measured import caches_of, hardware_part, load
 from walkthrough_training import below
 from walkthrough_common import EXAMPLE_BANDWIDTH, EXAMPLE_FLOPS, LAYER, REAL, Run, code_block, num, values
 
@@ -51,7 +51,9 @@ mantissa (the precision).
   gradients fall below FP16's smallest number (6e-8) and become 0 (underflow): FP16 training multiplies the
   loss by a large factor before the backward pass and divides the gradients by it afterwards (**loss
   scaling**), lowering the factor whenever a gradient overflows. BF16's FP32 range needs neither, which is
-  why training moved to BF16.
+  why training moved to BF16. FP16 is not faster than BF16 where the hardware has both: the two are
+  the same width, and NVIDIA's A100 and H100 tensor cores list the same TFLOP/s for FP16 and BF16
+  matrix products. The choice between them is range against precision, not speed.
 * **FP8** (E4M3, E5M2) is used for inference and, on hardware with FP8 matrix units (NVIDIA Hopper
   and Ada GPUs such as H100 and L40S, AMD MI300, Intel Gaudi 2 and later), for training too: matrix
   products in FP8 with per-tensor or per-block scale factors,
@@ -160,6 +162,8 @@ def bandwidth_section(run: Run) -> str:
     head = c.vocab_size * c.hidden_size
     head_share = head * 4 / ours
     weight_flops = 2 * (read // 2)                     # 2 FLOPs (multiply + add) per weight read
+    last_cache = [c for c in caches_of(load("hardware")) if c.kind != "Instruction"][-1]   # the recorded machine's
+    weights_over_cache = parameter_count(real) * 2 / last_cache.size_bytes
     return f"""## 8. Why decode speed is set by memory bandwidth, and what the CPU caches do
 
 A decode step multiplies one token's vector by every weight matrix: each weight is read once and
@@ -187,8 +191,9 @@ Prefill is different: the T prompt tokens share each weight read, so it does T F
 limited by arithmetic instead. That is why a long prompt is processed far faster per token than
 tokens are generated.
 
-**CPU caches.** Caches (tens of MB of L3) hold recently used memory close to the cores. The 8B
-weights ({num(parameter_count(real) * 2 / 2 ** 30)} GiB in BF16) are a thousand times larger, so every
+**CPU caches.** Caches (a few MiB to tens of MiB of L3) hold recently used memory close to the cores. The 8B
+weights ({num(parameter_count(real) * 2 / 2 ** 30)} GiB in BF16) are {weights_over_cache:,.0f} times larger than the
+{last_cache.size_bytes / 2 ** 20:g} MiB {last_cache.name} of the machine measured below, so every
 token streams them from DRAM again; caching cannot help with the weights themselves. It does help
 with what we do to them: when the weights stay in BF16, `layers.linear` upcasts
 {layers.UPCAST_BLOCK_ROWS} rows at a time ({num(block_bytes / 2 ** 20)} MiB in FP32 for Qwen3-8B's D-wide rows, and

@@ -134,10 +134,15 @@ def kv_cache_section(run: Run) -> str:
     per_token = kv_cache_bytes_per_token(real, bytes_per_value=2)
     mha = kv_cache_bytes_per_token(Qwen3Config(num_key_value_heads=real.num_attention_heads), bytes_per_value=2)
     context = real.max_position_embeddings
-    prefill_pass = forward_flops(real, 1000, 1000)
+    # forward_flops counts every query/key pair; a causal kernel skips the masked ones: T(T+1)/2 of T².
+    masked_pairs = 1000 * 1000 - 1000 * 1001 // 2
+    prefill_pass = (forward_flops(real, 1000, 1000)
+                    - real.num_hidden_layers * 2 * 2 * real.num_attention_heads * real.head_dim * masked_pairs)
     return f"""## 6. Generating more: why the KV cache exists, and what it costs
 
-To write a second token, the model runs again on the prompt plus the new token. Almost all of that
+Generation is **autoregressive**: the model predicts one token from all the tokens before it, that
+token is appended to the input, and the model runs again to predict the next, until an end token or a
+length limit. To write a second token, the model runs again on the prompt plus the new token. Almost all of that
 work would repeat the first pass: a token's keys and values at layer l depend only on the tokens up
 to it, which have not changed. The **KV cache** keeps every layer's keys (after RoPE) and values for
 every position, so the next pass computes q, k, v for the **one new token** only (T = 1) and attends
@@ -151,8 +156,9 @@ shape [L, S_max, KVH, Dh] =
 {list(cache.keys.shape)} each.
 
 **What it saves.** For Qwen3-8B, re-running a 1,000-token context for every new token would cost
-{num(prefill_pass / 1e12, 3)} TFLOP per token; with the cache a decode step costs
-{num(forward_flops(real, 1, 1001) / 1e9, 3)} GFLOP, a thousand times less.
+{num(prefill_pass / 1e12, 3)} TFLOP per token (the attention counted over the unmasked pairs only, as a causal
+kernel skips the future); with the cache a decode step costs
+{num(forward_flops(real, 1, 1001) / 1e9, 3)} GFLOP, about a thousand times less.
 
 **What it costs.** Per token it holds 2 (k and v) × L × KVH × Dh values: for Qwen3-8B
 2 × {real.num_hidden_layers} × {real.num_key_value_heads} × {real.head_dim} =

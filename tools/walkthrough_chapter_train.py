@@ -1,5 +1,5 @@
 """The walkthrough's chapter "Train one yourself": a small Qwen3 trained from random weights on the
-Shakespeare train split, in about 3 minutes on 2 cores, with everything a learner should watch.
+Shakespeare train split, in a few minutes on 2 cores (the record keeps its seconds), with all a learner should watch.
 
 The run is too slow to repeat in every test (the suite runs twice, under two BLAS kernels), so it is
 RECORDED: `python tools/walkthrough_chapter_train.py` runs it and writes docs/figures/training_run.json,
@@ -38,7 +38,7 @@ from walkthrough_training import below, mib, rounded  # noqa: E402
 import walkthrough_common  # noqa: E402
 
 RECORD = REPO_ROOT / "docs" / "figures" / "training_run.json"
-# The chapter's model: the bundled model's shape, shrunk until 1,000 steps take about a minute on 2 cores.
+# The chapter's model: the bundled model's shape, shrunk until 1,000 steps take minutes, not hours, on 2 cores.
 CONFIG = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
           "max_position_embeddings": 128, "tie_word_embeddings": True}
@@ -251,7 +251,7 @@ def resume_run(folder: Path) -> dict[str, Any]:
 
 
 def record(progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Everything the chapter shows, by running it (about 3 minutes on 2 cores)."""
+    """Everything the chapter shows, by running it (a few minutes on 2 cores; the record keeps the seconds)."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as name, threadpool_limits(limits=1):
         folder = Path(name)
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
 
-    parser = argparse.ArgumentParser(description="Run the walkthrough's training chapter (about 3 minutes on 2 cores) "
+    parser = argparse.ArgumentParser(description="Run the walkthrough's training chapter (a few minutes on 2 cores) "
                                                  "and record what it shows.")
     parser.add_argument("--out", type=Path, default=RECORD,
                         help=f"where to write the record (default: {RECORD.relative_to(REPO_ROOT)}, which the page is made from)")
@@ -316,7 +316,7 @@ if __name__ == "__main__":
 
 def load_record() -> dict[str, Any]:
     if not RECORD.is_file():
-        raise AssertionError(f"{RECORD} is missing: run `python tools/walkthrough_chapter_train.py` (about 3 minutes)")
+        raise AssertionError(f"{RECORD} is missing: run `python tools/walkthrough_chapter_train.py` (a few minutes)")
     return json.loads(RECORD.read_text(encoding="utf-8"))
 
 
@@ -519,8 +519,8 @@ Sections 9 and 10 took one step on the finished model. Here a Qwen3 learns from 
 {rec['parameters']:,} parameters (the bundled model's shape, smaller: D = {c['hidden_size']}, L = {c['num_hidden_layers']},
 V = {c['vocab_size']}), {run['steps']:,} steps of B × T = {run['batch_size']} × {run['context']} tokens, peak learning rate
 {run['lr']:g}.
-Everything below is one run of `python tools/walkthrough_chapter_train.py` (about
-{-(-rec['seconds'] // 60)} minutes on 2 cores), which recorded it in `docs/figures/training_run.json`; the page
+Everything below is one run of `python tools/walkthrough_chapter_train.py` ({rec['seconds']:,.0f} s on
+2 cores when it was recorded), which recorded it in `docs/figures/training_run.json`; the page
 is written from that record, and the test suite repeats its first {CHECKED_STEPS} steps to check the
 record still matches the code. Run it yourself (`--out my_run.json` keeps the committed record) and
 compare: the digits after the second decimal

@@ -154,8 +154,9 @@ def shell_quote(text: str) -> str:
 
 
 def generate_command(run: Run, *flags: str) -> str:
-    """The documented `generate` command on the prompt: plain text (--no-chat), one new token."""
-    return " ".join(["python -m qwen_np generate --no-chat -n 1", *flags, shell_quote(run.prompt)])
+    """The documented `generate` command on the prompt: plain text (--no-chat), one new token, the top one
+    (--temperature 0: the page's text relies on the most likely token, which sampling would not always pick)."""
+    return " ".join(["python -m qwen_np generate --no-chat -n 1 --temperature 0", *flags, shell_quote(run.prompt)])
 
 
 def command_stderr(run: Run, *flags: str) -> str:

@@ -14,10 +14,13 @@ import numpy as np
 from qwen_np import load_model, preset
 from qwen_np.engine import memory
 from qwen_np.training import trainer, step as training
+from qwen_np.core import layers
 from qwen_np.core.config import Qwen3Config, parameter_count
+from qwen_np.core.flash import KEY_BLOCK, flash_attention
 from qwen_np.precision.lab import PASSAGE
 from qwen_np.files.tokenizer import Tokenizer
 from walkthrough_chapter_measured import mixed_precision_part, remedies_part
+from walkthrough_common import code_block
 
 # The text the training step reads: the start of Hamlet's soliloquy, in the training text's layout
 # (the passage `precision` scores when no text is given).
@@ -27,6 +30,8 @@ MEASURED_BATCH, MEASURED_CONTEXT = 4, 128  # the step whose memory is measured
 WATCHED = "model.layers.0.self_attn.q_proj.weight"
 PRESET = "shakespeare"                 # the run that trained the bundled model (trainer.PRESET_SETTINGS)
 LONG_CONTEXT = 4096                    # a context where the attention probabilities dominate the activations
+REMEDY_BATCH = 16                      # the Qwen3-8B step of the remedies' table: 16 x LONG_CONTEXT tokens
+FLASH_MEASURED_CONTEXT = 1024          # the attention call whose peak memory is measured, plain and in blocks
 
 
 def below(x: float, bound: float) -> str:
@@ -223,7 +228,94 @@ with FP32 master weights for the update (many updates are smaller than a BF16 st
 would round away): 2 + 4 bytes of weights, BF16 gradients (2) and FP32 moments (4 + 4), 16 bytes per
 parameter in memory; the checkpoint still needs the 12 of master weights and moments.
 
-{mixed_precision_part(figures)}"""
+{mixed_precision_part(figures)}
+
+{flash_part(num)}
+
+{sharding_part(num)}"""
+
+
+def peak_bytes(attend: Any, *args: Any, **options: Any) -> int:
+    """The most bytes of NumPy arrays held at once while attend(*args) runs (tracemalloc)."""
+    tracemalloc.start()
+    attend(*args, **options)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+def flash_part(num: Any) -> str:
+    """FlashAttention: what it never stores, measured on one call, and what it does to the remedies' table."""
+    real = preset("qwen3-8b")
+    H, KVH, Dh, L = real.num_attention_heads, real.num_key_value_heads, real.head_dim, real.num_hidden_layers
+    T = FLASH_MEASURED_CONTEXT
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((T, H, Dh), dtype=np.float32)
+    k, v = (rng.standard_normal((T, KVH, Dh), dtype=np.float32) for _ in range(2))
+    positions = np.arange(T)
+    plain, flash = peak_bytes(layers.attention, q, k, v, positions), peak_bytes(flash_attention, q, k, v, positions)
+    difference = float(np.abs(layers.attention(q, k, v, positions) - flash_attention(q, k, v, positions)).max())
+    # The exact difference is rounding noise that changes with the BLAS kernel, so state the bound.
+    agreement = "they differ by less than 1e-05" if difference < 1e-5 else f"they differ by {num(difference)}: a bug"
+    rows, context = REMEDY_BATCH, LONG_CONTEXT
+    gib = 2 ** 30
+
+    def totals(recompute: bool) -> tuple[float, float]:
+        estimate = memory.training_memory(real, rows, context, recompute=recompute)
+        probabilities = memory.attention_probabilities(real, rows, context, recompute=recompute)
+        kept_rows = 4 * (1 if recompute else L) * H * context * rows      # one FP32 number per query row and head
+        total = memory.training_total(estimate)
+        return total / gib, (total - probabilities + kept_rows) / gib
+
+    whole, whole_flash = totals(False)
+    again, again_flash = totals(True)
+    return f"""**FlashAttention: the probabilities need not be stored at all.** The biggest line of that
+table, {num(memory.attention_probabilities(real, rows, context) / gib)} GiB of attention probabilities, is
+what every large trainer no longer keeps. The softmax seems to need a row's max and sum over all keys
+before any weight is known; the **online softmax** does without: read the keys a block at a time and
+keep, per query row, the running max, the running sum of exp(score − max) and the running weighted
+sum of values. When a block brings a larger max, the sums so far are multiplied by exp(old max − new
+max), and after the last block the weighted sum divided by the sum is exactly softmax · v, up to the
+rounding of adding in another order. `qwen_np/core/flash.py` does it in NumPy ({KEY_BLOCK} keys per block):
+
+{code_block(inspect.getsource(flash_attention))}
+
+On Qwen3-8B's heads ({H} query heads, {KVH} KV heads, Dh {Dh}), one {T:,}-token causal attention call
+gives the same output as `layers.attention` ({agreement}) and holds at most
+{num(flash / 2 ** 20, 3)} MiB of arrays at once against {num(plain / 2 ** 20, 3)} MiB
+(`tracemalloc`; {num(plain / flash, 2)}× less; `python -m bench.flash_memory` measures other lengths):
+the plain one's [H, T, T] scores and probabilities grow with T², the blocks' [H, T, {KEY_BLOCK}] with T.
+FlashAttention (Dao et al., 2022) is this loop on a GPU, each block kept in on-chip memory, and its
+backward pass stores neither the scores nor the probabilities: it keeps one number per query row and
+head (the log of the row's sum, max included) and recomputes each block's probabilities from q and k.
+In the estimate `inspect` printed above for the same step of {rows} × {context:,} tokens, that takes the total from
+{num(whole)} GiB to {num(whole_flash)} GiB, and with `--recompute` from {num(again)} GiB to
+{num(again_flash)} GiB: the activations left are linear in the context. qwen_np's trainer keeps the
+plain attention (its backward reads the stored probabilities, `training/gradients.py`)."""
+
+
+def sharding_part(num: Any) -> str:
+    """Sharding and offload, and dense against mixture-of-experts models, with their sizes."""
+    real = preset("qwen3-8b")
+    n = parameter_count(real)
+    per_parameter = 16                                   # FP32 weight, gradient and AdamW's m and v
+    gpus = 8
+    return f"""**Sharding and offload.** What is left is still more than one accelerator holds: Qwen3-8B's
+FP32 weights, gradients and AdamW moments alone are {num(n * per_parameter / 2 ** 30)} GiB. Data-parallel
+training over N devices can **shard** them (ZeRO, PyTorch's FSDP): each device keeps 1/N of the weights,
+gradients and moments and fetches the other weights layer by layer when it needs them, so on {gpus}
+devices each holds {num(n * per_parameter / gpus / 2 ** 30)} GiB of them, paid for in network traffic.
+Tensor and pipeline parallelism split each matrix, or the layers, across devices instead. **Offload**
+moves what is touched least often, AdamW's moments and the FP32 master weights, to the host's RAM
+or to NVMe (ZeRO-Offload, ZeRO-Infinity), and runs the update on the CPU: device memory for time.
+
+**Dense and mixture-of-experts models.** Every Qwen3 model on this page is **dense**: each token goes
+through every weight. Qwen3's **mixture-of-experts** (MoE) models replace each layer's MLP by many
+small MLPs (experts) and a router that sends each token to a few of them: Qwen3-30B-A3B has
+30.5B parameters in all but 3.3B active per token (128 experts per layer, 8 used), Qwen3-235B-A22B
+235B in all and 22B active. A token then costs the arithmetic, and in decode the bytes read (section 8),
+of a 3.3B or 22B dense model, while memory must still hold all 30.5B or 235B; and training keeps
+gradients and AdamW moments for every expert. qwen_np implements the dense architecture only."""
 
 
 def attention_share(config: Qwen3Config, context: int) -> float:
