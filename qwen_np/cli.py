@@ -18,9 +18,8 @@ import numpy as np
 from . import __version__
 from .engine import runtime
 from .commands import evaluate, export, generate, hardware, inspect, precision, serve, train
-from .commands.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED
+from .commands.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, error_line
 from .errors import QwenNPError
-
 
 
 class Parser(argparse.ArgumentParser):
@@ -55,8 +54,8 @@ def main(argv: list[str] | None = None, prog: str = "qwen-np") -> int:
         # the NaN and Inf on the way would only add lines, with a source line in them.
         with np.errstate(all="ignore"):
             return args.run(args)
-    except QwenNPError as exc:
-        return _fail(str(exc))
+    except QwenNPError as exc:            # the library names its parameter; here it reads as the flag
+        return _fail(error_line(exc))
     except BrokenPipeError:   # the reader left (e.g. `| head`): nothing to report, nothing more to write
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the exit-time flush is silent
         return 1

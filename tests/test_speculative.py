@@ -342,6 +342,6 @@ def test_speculative_greedy_stops_where_plain_greedy_does_when_the_context_fills
 
 def test_a_draft_whose_tokenizer_maps_ids_otherwise_is_refused_even_at_the_same_vocabulary_size(tok) -> None:
     bundled = read_config(BUNDLED)
-    with pytest.raises(QwenNPError, match="^--draft: its tokenizer maps tokens to other ids"):
+    with pytest.raises(QwenNPError, match="^draft: its tokenizer maps tokens to other ids"):
         check_draft(bundled, read_tokenizer(BUNDLED), bundled, tok)
     check_draft(bundled, read_tokenizer(BUNDLED), read_config(BUNDLED / "draft"), read_tokenizer(BUNDLED / "draft"))

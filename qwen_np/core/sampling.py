@@ -40,7 +40,7 @@ MIN_DIVISOR = 0.01
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. Invalid values raise QwenNPError naming the CLI flag."""
+    """How to pick each next token. Invalid values raise QwenNPError naming the field (its param)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -52,21 +52,21 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            ("--temperature", self.temperature, self.temperature == 0 or self.temperature >= MIN_DIVISOR,
+            ("temperature", self.temperature, self.temperature == 0 or self.temperature >= MIN_DIVISOR,
              f"0 (greedy) or a number >= {MIN_DIVISOR} (Qwen3: 0.6, 0.7 without thinking)"),
-            ("--top-k", self.top_k, self.top_k >= 0, "an integer >= 0 (0 = off)"),
-            ("--top-p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1] (1 = off)"),
-            ("--min-p", self.min_p, 0 <= self.min_p <= 1, "a number in [0, 1] (0 = off)"),
-            ("--repetition-penalty", self.repetition_penalty, self.repetition_penalty >= MIN_DIVISOR,
+            ("top_k", self.top_k, self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1] (1 = off)"),
+            ("min_p", self.min_p, 0 <= self.min_p <= 1, "a number in [0, 1] (0 = off)"),
+            ("repetition_penalty", self.repetition_penalty, self.repetition_penalty >= MIN_DIVISOR,
              f"a number >= {MIN_DIVISOR} (1 = off)"),
-            ("--presence-penalty", self.presence_penalty, True, "a finite number (0 = off)"),
+            ("presence_penalty", self.presence_penalty, True, "a finite number (0 = off)"),
         ]
-        for flag, value, ok, rule in checks:
+        for name, value, ok, rule in checks:
             # `not ok` alone would let NaN through every comparison above; inf is no setting either.
             if not ok or not math.isfinite(value):
-                raise QwenNPError(f"{flag}: must be {rule}, got {value}")
+                raise QwenNPError(f"must be {rule}, got {value}", name)
         if self.seed is not None and self.seed < 0:
-            raise QwenNPError(f"--seed: must be >= 0, got {self.seed}")
+            raise QwenNPError(f"must be >= 0, got {self.seed}", "seed")
 
     @property
     def greedy(self) -> bool:

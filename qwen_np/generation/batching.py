@@ -111,7 +111,7 @@ class BatchGenerator:
                  max_batch: int = 8, context: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  pool: BlockPool | None = None, speculation: Speculation | None = None) -> None:
         if max_batch < 1:
-            raise QwenNPError(f"--max-batch: must be >= 1, got {max_batch}")
+            raise QwenNPError(f"must be >= 1, got {max_batch}", "max_batch")
         self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, tuple(eos_token_ids)
         self.max_batch, self.prefill_chunk, self.speculation = max_batch, prefill_chunk, speculation
         self.context = min(context or model.config.max_position_embeddings, model.config.max_position_embeddings)
@@ -148,13 +148,13 @@ class BatchGenerator:
                    for t in request.prompt):
             raise QwenNPError(f"prompt: token ids must be integers in [0, {vocab})")
         if request.max_new_tokens < 1:
-            raise QwenNPError(f"max_tokens: must be >= 1, got {request.max_new_tokens}")
+            raise QwenNPError(f"must be >= 1, got {request.max_new_tokens}", "max_new_tokens")
         if len(request.prompt) + 1 > self.context:
             raise QwenNPError(f"prompt: {len(request.prompt)} tokens leave no room for a new token in the "
                               f"{self.context}-token context")
         if self._positions(request) > self.capacity:
-            raise QwenNPError(f"max_tokens: the prompt and max_tokens need {self._positions(request)} positions of KV "
-                              f"cache, more than the {self.capacity} the whole cache holds (--kv-memory)")
+            raise QwenNPError(f"the prompt and the new tokens need {self._positions(request)} positions of KV cache, "
+                              f"more than the {self.capacity} the whole cache holds", "max_new_tokens")
 
     def _positions(self, request: Request) -> int:
         """KV cache positions a request may fill: prompt + max_new_tokens, at most the context."""

@@ -127,7 +127,7 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool = True, enable_thin
         raise QwenNPError("prompt: empty (give the text to continue or the question to ask)")
     if not chat:
         if system is not None:
-            raise QwenNPError("--system: a system prompt needs the chat template (drop --no-chat)")
+            raise QwenNPError("a system prompt needs the chat template, and chat is off", "system")
         return tokenizer.encode(prompt)
     text = tokenizer.apply_chat_template(chat_messages(prompt, system), add_generation_prompt=True,
                                          enable_thinking=enable_thinking)
@@ -147,7 +147,7 @@ def context_budget(config: Qwen3Config, prompt_tokens: int, max_new_tokens: int)
 
 def _check_room(prompt_tokens: int, max_new_tokens: int, limit: int, where: str) -> None:
     if max_new_tokens < 0:
-        raise QwenNPError(f"--max-new-tokens: must be >= 0, got {max_new_tokens}")
+        raise QwenNPError(f"must be >= 0, got {max_new_tokens}", "max_new_tokens")
     if prompt_tokens + min(max_new_tokens, 1) > limit:
         raise QwenNPError(f"prompt: {prompt_tokens} tokens leave no room for new tokens in {where}")
 

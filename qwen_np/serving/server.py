@@ -106,6 +106,11 @@ LENGTH_FACTOR = 8
 # headers, from its opening or its last response (header_deadline_protocol), so none is held half-open.
 BODY_SECONDS, KEEP_ALIVE_SECONDS, HEADER_SECONDS = 10.0, 5, 10.0
 API_KEY_ENV = "QWEN_NP_API_KEY"
+# The request field of each library parameter an error may be about (QwenNPError.param): the library says
+# "max_new_tokens: ...", a client reads "max_tokens: ..." (api_error words every library error with it).
+FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+          "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty", "seed": "seed",
+          "max_new_tokens": "max_tokens"}
 LOOPBACK_HOST = re.compile(r"(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.IGNORECASE)
 
 
@@ -131,7 +136,7 @@ def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_ba
     if isinstance(names, str) or not names:
         raise QwenNPError(f"serve: names must be a non-empty list of model names, got {names!r}")
     if default_max_tokens is not None and default_max_tokens < 1:
-        raise QwenNPError(f"--default-max-tokens: must be at least 1, got {default_max_tokens}")
+        raise QwenNPError(f"must be at least 1, got {default_max_tokens}", "default_max_tokens")
     config = read_config(folder)
     context = min(context, config.max_position_embeddings)
     tokenizer, defaults = read_tokenizer(folder), read_generation_defaults(folder, config)
@@ -306,9 +311,8 @@ class Service:
             raise APIError(400, "top_p: must be in (0, 1]", "top_p")
         try:
             params = resolve_sampling(self.defaults, enable_thinking, **explicit)
-        except QwenNPError as bad:          # "--top-k: ..." names the flag: the field is its snake_case
-            message = str(bad).lstrip("-")
-            raise APIError(400, message, message.split(":")[0].replace("-", "_")) from None
+        except QwenNPError as bad:
+            raise api_error(bad) from None
         generator = self.runner.generator
         fits = max(1, min(room, generator.capacity - len(prompt), self.default_max_tokens or room))
         request = Request(prompt, params, max_tokens or fits, _stops(body))
@@ -316,7 +320,9 @@ class Service:
             generator.check(request)          # what is left to check: the KV cache's capacity; here, not at
                                               # submit, so that a stream's refusal is a 4xx too
         except QwenNPError as bad:
-            raise APIError(400, str(bad), "max_tokens" if max_tokens else None, "kv_cache_exceeded") from None
+            problem = api_error(bad, "kv_cache_exceeded")
+            problem.param = problem.param if max_tokens else None       # the client asked for no max_tokens
+            raise problem from None
         return request
 
     def _too_long(self, body: dict[str, Any], why: str) -> APIError:
@@ -367,6 +373,11 @@ class Service:
                                                        for t in prompt):
             return list(prompt)                                 # token ids
         raise APIError(400, "prompt: must be a non-empty string or list of token ids (one prompt per request)", "prompt")
+
+
+def api_error(problem: QwenNPError, code: str | None = None) -> APIError:
+    """A library error as a 400 of this API: its parameter worded as the request field that sets it (FIELDS)."""
+    return APIError(400, problem.worded(FIELDS), FIELDS.get(problem.param or ""), code)
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float | None = None) -> Any:
@@ -548,7 +559,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
             except APIError as problem:
                 return error(problem)
             except QwenNPError as problem:
-                return error(APIError(400, str(problem)))
+                return error(api_error(problem))
             except ClientDisconnect:
                 return error(APIError(499, "client disconnected"))
             except Exception as problem:        # a bug: say so in one line, keep serving
@@ -627,7 +638,7 @@ class Reply:
     async def _next(self) -> TokenEvent:
         event = await self.events.get()
         if isinstance(event, QwenNPError):      # this request's own sampling failed (batching ends it alone)
-            raise APIError(400, str(event))
+            raise api_error(event)
         if isinstance(event, BaseException):
             raise APIError(500, f"generation failed: {type(event).__name__}: {event}", kind="server_error")
         self.completion_tokens += 1
