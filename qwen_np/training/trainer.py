@@ -104,7 +104,7 @@ class WindowOrder:
         offset = int(rng.integers(self.context))
         count = (self.n_tokens - 1 - offset) // self.context
         if count < 1:
-            raise QwenNPError(f"--data: {self.n_tokens} tokens are too few for one window of --context {self.context}")
+            raise QwenNPError(f"{self.n_tokens} tokens are too few for one window of the context ({self.context})", "data")
         return offset, rng.permutation(count)
 
     def next_batch(self, tokens: np.ndarray, batch_size: int) -> np.ndarray:
@@ -177,7 +177,7 @@ def load_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]
     from safetensors import safe_open
 
     if not path.is_file():
-        raise QwenNPError(f"--resume: {path} not found (no earlier run in this --out folder)")
+        raise QwenNPError(f"{path} not found (no earlier run in this folder)", "resume")
     groups: dict[str, dict[str, np.ndarray]] = {"param": {}, "adam_m": {}, "adam_v": {}}
     try:
         with safe_open(str(path), framework="numpy") as f:
@@ -234,7 +234,7 @@ def load_corpus(data: str, out: Path, vocab_size: int, resume: bool) -> Corpus:
         cut = len(lines) - max(1, len(lines) // 20)
         train_text, valid_text = "".join(lines[:cut]), "".join(lines[cut:])
         if not train_text.strip() or not valid_text.strip():
-            raise QwenNPError(f"--data: {data} is too short to split into training and validation text")
+            raise QwenNPError(f"{data} is too short to split into training and validation text", "data")
     if not resume:
         corpora.save_tokenizer(corpora.train_tokenizer(train_text, vocab_size), out)
     tokenizer = Tokenizer.from_folder(out)
@@ -258,17 +258,17 @@ def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[
     settings = Settings(**values)
     for name in ("steps", "batch_size", "context", "grad_accum", "eval_every"):
         if getattr(settings, name) < 1:
-            raise QwenNPError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(settings, name)}")
+            raise QwenNPError(f"must be at least 1, got {getattr(settings, name)}", name)
     if settings.batch_size % settings.grad_accum:
-        raise QwenNPError(f"--grad-accum: {settings.grad_accum} does not divide --batch-size {settings.batch_size}")
+        raise QwenNPError(f"{settings.grad_accum} does not divide the batch size {settings.batch_size}", "grad_accum")
     if not settings.lr > 0:
-        raise QwenNPError(f"--lr: must be positive, got {settings.lr}")
+        raise QwenNPError(f"must be positive, got {settings.lr}", "lr")
     mixed.check_precision(settings.precision)
     rows = settings.batch_size // settings.grad_accum
     if not settings.shards:      # chosen once and saved: a resumed run keeps it whatever its --threads
         settings.shards = math.gcd(rows, settings.threads or usable_cores())
     if settings.shards < 0 or rows % settings.shards:
-        raise QwenNPError(f"--shards: {settings.shards} does not divide the {rows} rows of a micro-batch")
+        raise QwenNPError(f"{settings.shards} does not divide the {rows} rows of a micro-batch", "shards")
     return settings
 
 
@@ -315,8 +315,8 @@ class RunResult:
 def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
     """A training run. A run that fails before its first checkpoint leaves no `out` folder behind."""
     if not spec.resume and spec.preset is None and spec.config is None:
-        raise QwenNPError("--preset or --config: say what to train (--preset tiny: seconds; --preset shakespeare, "
-                          "the bundled model: about 50 minutes on 2 cores)")
+        raise QwenNPError("say what to train, a preset or a config (preset tiny: seconds; preset shakespeare, "
+                          "the bundled model: about 50 minutes on 2 cores)", "spec")
     created = not spec.out.exists()
     try:
         return _run(spec, events or RunEvents())
@@ -337,15 +337,15 @@ def _run(spec: RunSpec, events: RunEvents) -> RunResult:
             settings.decay_steps = 0                     # the schedule stretches to the new --steps
     else:
         if last.exists():
-            raise QwenNPError(f"--out: {out} already holds a run ({LAST}); pass --resume or another folder")
+            raise QwenNPError(f"{out} already holds a run ({LAST}); resume it, or choose another folder", "out")
         config_json = hf_config(_model_config(spec))
         settings = resolve_settings(spec.overrides, spec.preset, None)
         meta = {"history": [], "evals": [], "best_loss": None, "bad_evals": 0,
                 "order": {"epoch": 0, "position": 0}, "data": spec.data}
-    config = Qwen3Config.from_dict(config_json, source="--config")
+    config = Qwen3Config.from_dict(config_json, source=str(spec.config) if spec.config and not spec.resume else "config")
     if settings.context > config.max_position_embeddings:
-        raise QwenNPError(f"--context {settings.context} exceeds the model's max_position_embeddings "
-                          f"({config.max_position_embeddings})")
+        raise QwenNPError(f"{settings.context} exceeds the model's max_position_embeddings "
+                          f"({config.max_position_embeddings})", "context")
     out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(meta["data"], out, config.vocab_size, spec.resume)
     if not spec.resume:
@@ -424,7 +424,7 @@ def _model_config(spec: RunSpec) -> dict[str, Any]:
         from ..core.config import read_json_object
         return read_json_object(spec.config)
     if spec.preset not in PRESET_CONFIGS:
-        raise QwenNPError(f"--preset: unknown {spec.preset!r}; expected one of {', '.join(sorted(PRESET_CONFIGS))}")
+        raise QwenNPError(f"unknown {spec.preset!r}; expected one of {', '.join(sorted(PRESET_CONFIGS))}", "preset")
     return dict(PRESET_CONFIGS[spec.preset])
 
 
