@@ -72,7 +72,7 @@ def test_every_parameter_a_library_error_names_reads_as_a_flag_of_some_command()
 
 
 def test_one_error_reads_as_its_parameter_the_flag_and_the_field() -> None:
-    from qwen_np.serving.server import api_error
+    from qwen_np.serving.requests import api_error
 
     with pytest.raises(QwenNPError) as caught:
         SamplingParams(top_k=-1)

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen_np.serving import server as serve
+from qwen_np.serving import access, app, protocol
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -305,7 +305,7 @@ POST_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: 
 
 
 def test_a_body_over_the_limit_gets_413_unread(server) -> None:
-    head, body = send_raw(server, POST_HEAD + b"Content-Length: %d\r\n\r\n{" % (serve.MAX_BODY_BYTES + 1))
+    head, body = send_raw(server, POST_HEAD + b"Content-Length: %d\r\n\r\n{" % (app.MAX_BODY_BYTES + 1))
     assert head.startswith(b"HTTP/1.1 413")
     assert_openai_error(413, json.loads(body), 413)
 
@@ -327,7 +327,7 @@ def test_a_loopback_server_answers_only_loopback_host_names(server) -> None:
 
 
 def test_a_half_sent_body_times_out_with_408(server) -> None:
-    head, body = send_raw(server, POST_HEAD + b'Content-Length: 100\r\n\r\n{"model":', timeout=serve.BODY_SECONDS + 5)
+    head, body = send_raw(server, POST_HEAD + b'Content-Length: 100\r\n\r\n{"model":', timeout=app.BODY_SECONDS + 5)
     assert head.startswith(b"HTTP/1.1 408")
     assert_openai_error(408, json.loads(body), 408)
 
@@ -336,8 +336,8 @@ def test_a_connection_that_never_finishes_its_headers_is_closed_and_the_server_k
     port = int(server.split(":")[2].split("/")[0])
     silent = socket.create_connection(("127.0.0.1", port))                        # sends nothing at all
     opened = time.monotonic()
-    head, body = send_raw(server, b"GET /health HTTP/1.1\r\nHost: 127.0", timeout=serve.HEADER_SECONDS + 5)
-    assert head == body == b"" and serve.HEADER_SECONDS - 1 < time.monotonic() - opened < serve.HEADER_SECONDS + 5
+    head, body = send_raw(server, b"GET /health HTTP/1.1\r\nHost: 127.0", timeout=protocol.HEADER_SECONDS + 5)
+    assert head == body == b"" and protocol.HEADER_SECONDS - 1 < time.monotonic() - opened < protocol.HEADER_SECONDS + 5
     silent.settimeout(5)
     assert silent.recv(1) == b""                                                  # closed by the server too
     silent.close()
@@ -394,7 +394,7 @@ def test_a_client_that_disconnects_frees_its_row(client, server) -> None:
 
 
 def test_an_api_key_from_the_environment_is_required_of_all_but_health_and_quiet_logs_nothing(env) -> None:
-    with serving({**env, serve.API_KEY_ENV: "sesame"}, MODEL, "--quiet") as running:
+    with serving({**env, access.API_KEY_ENV: "sesame"}, MODEL, "--quiet") as running:
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
             assert_openai_error(*post(running.url + "/completions", body, **headers), 401)
@@ -408,9 +408,9 @@ def test_an_api_key_from_the_environment_is_required_of_all_but_health_and_quiet
 
 
 def test_only_a_server_listening_beyond_loopback_warns_at_start() -> None:
-    assert serve.exposure_warning("127.0.0.1", None) is None and serve.exposure_warning("::1", None) is None
-    assert "--api-key" in serve.exposure_warning("0.0.0.0", None)
-    assert "--api-key" not in serve.exposure_warning("192.168.1.5", "sesame")
+    assert access.exposure_warning("127.0.0.1", None) is None and access.exposure_warning("::1", None) is None
+    assert "--api-key" in access.exposure_warning("0.0.0.0", None)
+    assert "--api-key" not in access.exposure_warning("192.168.1.5", "sesame")
 
 
 def test_a_greedy_stream_is_untouched_by_adversarial_clients_and_health_stays_quick(client, server) -> None:
@@ -425,7 +425,7 @@ def test_a_greedy_stream_is_untouched_by_adversarial_clients_and_health_stays_qu
         lambda: post(server + "/completions", {"model": MODEL, "prompt": "x" * 4_500_000})[0],
         lambda: post(server + "/completions", {"model": MODEL, "prompt": "Hello world, how are you " * 160_000})[0],
         lambda: post(server + "/completions", {"model": MODEL, "prompt": "Hi", "stop": ["s"] * 20_000})[0],
-        lambda: int(send_raw(server, POST_HEAD + b"Content-Length: %d\r\n\r\n{" % (2 * serve.MAX_BODY_BYTES))[0][9:12]),
+        lambda: int(send_raw(server, POST_HEAD + b"Content-Length: %d\r\n\r\n{" % (2 * app.MAX_BODY_BYTES))[0][9:12]),
     ]
     pieces: list[str] = []
     with ThreadPoolExecutor(4) as pool:
@@ -545,7 +545,7 @@ def test_a_bad_kv_memory_is_one_line_naming_the_flag(env) -> None:
 
 
 def test_a_chat_reply_gives_its_thinking_apart_under_both_names_unless_raw() -> None:
-    from qwen_np.serving.server import assistant_message
+    from qwen_np.serving.responses import assistant_message
 
     reply = "<think>\nLet me think.\n</think>\n\nFour."
     assert assistant_message(reply, True) == {"role": "assistant", "content": "Four.",

@@ -210,7 +210,7 @@ def test_a_batchs_rows_draft_together_in_one_draft_pass_per_drafted_token(random
 
 
 def test_a_served_draft_reuses_the_prefix_an_earlier_row_filled(random_pair, tok, monkeypatch) -> None:
-    from qwen_np.serving.server import speculation_over
+    from qwen_np.serving.launch import speculation_over
 
     target, draft = random_pair
     pool = BlockPool(target.config, 32, prefix_caching=True)

@@ -1,0 +1,276 @@
+"""Requests to batch rows: an OpenAI body checked field by field and made into a batching.Request
+(`Service`), refused with a 4xx naming the field otherwise.
+
+The request fields are OpenAI's (its API reference for chat completions and completions); Qwen3's
+thinking switch comes as vLLM takes it, `chat_template_kwargs: {"enable_thinking": false}`, and the
+sampling fields vLLM adds (top_k, min_p, repetition_penalty) are accepted too. Defaults come from the
+checkpoint's generation_config.json, as in vLLM; max_tokens defaults to the server's default_max_tokens
+(DEFAULT_MAX_TOKENS: a client that forgets it cannot keep a row busy for an hour), or what the context has
+left if less. One request cannot hurt another: its sampling settings are checked before it joins the
+batch, every string's length is bounded, and a prompt too long to fit is refused by its length before
+anything tokenises it.
+
+Imports nothing of serving/ (only the layers below it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from ..core.model import Qwen3Model
+from ..errors import APIError, QwenNPError
+from ..files.model_files import GenerationDefaults
+from ..files.tokenizer import Message, Tokenizer
+from ..generation.batching import BatchGenerator, BatchRunner, Request
+from ..generation.generate import resolve_sampling
+
+# max_tokens of a request that gives none: 2,048 tokens are ~30 minutes of Qwen3-8B decode on two cores,
+# where "what the context has left" (32,768 - prompt) would keep a row busy for hours.
+DEFAULT_MAX_TOKENS = 2048
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Fields we do not implement: refused when set to anything but their "off" value, so nobody gets a
+# silently different answer than they asked for.
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+               "response_format": (None, {"type": "text"}), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+               "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+# The request field of each library parameter an error may be about (QwenNPError.param): the library says
+# "max_new_tokens: ...", a client reads "max_tokens: ..." (api_error words every library error with it).
+FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+          "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty", "seed": "seed",
+          "max_new_tokens": "max_tokens"}
+# OpenAI's limit on stop strings, and a bound on each: stop strings are matched against the text at
+# every token, in time that grows with their number and the square of their length.
+MAX_STOPS, MAX_STOP_CHARS = 4, 256
+# Qwen's tokenizer normalises text to NFC first, which merges at most 4 code points into one (e.g.
+# Greek alpha with three marks); so a text of n tokens has at most n x 4 x (the longest token's
+# characters) characters. Twice that is a generous bound: a longer prompt cannot fit the context,
+# and is refused by its length before anything tokenises it.
+LENGTH_FACTOR = 8
+
+
+def api_error(problem: QwenNPError, code: str | None = None) -> APIError:
+    """A library error as a 400 of this API: its parameter worded as the request field that sets it (FIELDS)."""
+    return APIError(400, problem.worded(FIELDS), FIELDS.get(problem.param or ""), code)
+
+
+def longest_token(tokenizer: Tokenizer) -> int:
+    """Characters in the tokenizer's longest token."""
+    return max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size))
+
+
+@dataclass
+class Service:
+    """What every request needs: the model's name, its tokenizer and defaults, the batch runner, and the
+    longest prompt text (in characters) that could still fit the context."""
+
+    model_ids: tuple[str, ...]           # the names clients may ask for; the first answers in responses
+    tokenizer: Tokenizer
+    defaults: GenerationDefaults
+    runner: BatchRunner
+    context: int
+    max_prompt_chars: int
+    split_reasoning: bool = True         # a chat reply's <think> part apart, as reasoning_content and reasoning
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS     # max_tokens of a request without one (None: no cap)
+    created: int = int(time.time())
+
+    @property
+    def model_id(self) -> str:
+        return self.model_ids[0]
+
+    @property
+    def generator(self) -> BatchGenerator:
+        """The batch every request joins: the runner's (its thread steps it), reached through here only."""
+        return self.runner.generator
+
+    @property
+    def model(self) -> Qwen3Model:
+        return self.generator.model
+
+    @property
+    def speculating(self) -> bool:
+        """Whether every row decodes speculatively (a reply's usage then counts drafted and accepted tokens)."""
+        return self.generator.speculation is not None
+
+    def health(self) -> dict[str, Any]:
+        """GET /health: the server is up, and how many requests run and wait."""
+        return {"status": "ok", "running": len(self.generator.rows), "waiting": self.generator.waiting}
+
+    def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Request:
+        """The batch request for an OpenAI body whose prompt is already tokenised."""
+        if body.get("n") not in (None, 1):
+            raise APIError(400, "n: only n=1 is supported", "n")
+        for name, off in UNSUPPORTED.items():
+            if body.get(name) not in off:
+                raise APIError(400, f"{name}: not supported by this server", name)
+        max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
+        room = self.context - len(prompt)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise self._too_long(body, f"However, you requested {len(prompt) + (max_tokens or 1)} tokens ({len(prompt)} "
+                                       f"in the messages, {max_tokens or 1} in the completion).")
+        top_k = _number(body, "top_k", int, -1)
+        explicit = {"temperature": _number(body, "temperature", float, 0, 2), "top_p": _number(body, "top_p", float, 0, 1),
+                    "top_k": 0 if top_k == -1 else top_k, "min_p": _number(body, "min_p", float, 0, 1),
+                    "repetition_penalty": _number(body, "repetition_penalty", float, 0),
+                    "presence_penalty": _number(body, "presence_penalty", float, -2, 2),
+                    "seed": _number(body, "seed", int, 0)}
+        if explicit["top_p"] == 0:
+            raise APIError(400, "top_p: must be in (0, 1]", "top_p")
+        try:
+            params = resolve_sampling(self.defaults, enable_thinking, **explicit)
+        except QwenNPError as bad:
+            raise api_error(bad) from None
+        generator = self.generator
+        fits = max(1, min(room, generator.capacity - len(prompt), self.default_max_tokens or room))
+        request = Request(prompt, params, max_tokens or fits, _stops(body))
+        try:
+            generator.check(request)          # what is left to check: the KV cache's capacity; here, not at
+                                              # submit, so that a stream's refusal is a 4xx too
+        except QwenNPError as bad:
+            problem = api_error(bad, "kv_cache_exceeded")
+            problem.param = problem.param if max_tokens else None       # the client asked for no max_tokens
+            raise problem from None
+        return request
+
+    def _too_long(self, body: dict[str, Any], why: str) -> APIError:
+        return APIError(400, f"This model's maximum context length is {self.context} tokens. {why} Please reduce the "
+                             "length of the messages or completion.", "messages" if "messages" in body else "prompt",
+                        "context_length_exceeded")
+
+    def _check_length(self, body: dict[str, Any], texts: list[str]) -> None:
+        """Refuse texts too long to fit the context by their length alone, before tokenising them."""
+        chars = sum(len(text) for text in texts)
+        if chars > self.max_prompt_chars:
+            raise self._too_long(body, f"However, your prompt has {chars} characters, more than any {self.context} "
+                                       f"tokens can hold ({self.max_prompt_chars} characters at most).")
+
+    def chat_prompt(self, body: dict[str, Any]) -> tuple[list[int], bool | None]:
+        """The chat's token ids (rendered with the checkpoint's template) and the thinking switch."""
+        if not self.tokenizer.has_chat_template:
+            raise APIError(400, "this model has no chat template, so it cannot chat: use /v1/completions, which "
+                                "continues text", "messages", "no_chat_template")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "messages: must be a non-empty list of messages", "messages")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"}:
+            raise APIError(400, "chat_template_kwargs: only {\"enable_thinking\": true|false} is supported",
+                           "chat_template_kwargs")
+        thinking = kwargs.get("enable_thinking")
+        if thinking is not None and not isinstance(thinking, bool):
+            raise APIError(400, "chat_template_kwargs.enable_thinking: must be true or false", "chat_template_kwargs")
+        chat = [_message(m, i) for i, m in enumerate(messages)]
+        self._check_length(body, [text for m in chat for text in (m["content"], m.get("reasoning_content")) if text])
+        try:
+            text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, enable_thinking=thinking)
+        except QwenNPError as bad:
+            raise APIError(400, f"messages: {bad}", "messages") from None
+        return self.tokenizer.encode(text), thinking
+
+    def completion_prompt(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]                                  # a batch of one prompt
+        if isinstance(prompt, str) and prompt:
+            self._check_length(body, [prompt])
+            return self.tokenizer.encode(prompt)
+        vocab = self.tokenizer.vocab_size
+        # bool is an int in Python: [true, false] is no list of token ids.
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                       for t in prompt):
+            return list(prompt)                                 # token ids
+        raise APIError(400, "prompt: must be a non-empty string or list of token ids (one prompt per request)", "prompt")
+
+
+def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float | None = None) -> Any:
+    """body[name] (None when absent or null), checked to be a `kind` in [low, high]."""
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
+    if not ok or not low <= value <= (high if high is not None else float("inf")):
+        rule = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise APIError(400, f"{name}: must be {'an integer' if kind is int else 'a number'} {rule}, got {value!r}", name)
+    return kind(value)
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+            or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise APIError(400, f"stop: must be a string or a list of at most {MAX_STOPS} strings, each at most "
+                            f"{MAX_STOP_CHARS} characters", "stop")
+    return tuple(stops)
+
+
+def _message(message: Any, index: int) -> Message:
+    """A chat message as the template reads it: role and text content (text parts joined)."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise APIError(400, f"{where}: must be an object with a role among {', '.join(ROLES)}", "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise APIError(400, f"{where}.content: only text parts are supported", "messages")
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str) and not (content is None and message["role"] == "assistant"):
+        raise APIError(400, f"{where}.content: must be a string or a list of text parts", "messages")
+    for name in ("name", "reasoning_content"):            # the template calls string methods on them
+        if message.get(name) is not None and not isinstance(message[name], str):
+            raise APIError(400, f"{where}.{name}: must be a string", "messages")
+    role = "system" if message["role"] == "developer" else message["role"]
+    return {**{k: v for k, v in message.items() if k in ("name", "reasoning_content")}, "role": role, "content": content}
+
+
+def parse_body(raw: bytes, model_ids: Sequence[str]) -> dict[str, Any]:
+    """The JSON object of a request body, checked as far as every endpoint needs (model: one of `model_ids`,
+    or none, as vLLM takes it; stream)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+        raise APIError(400, f"request body: not valid JSON ({bad})") from None
+    except RecursionError:
+        raise APIError(400, "request body: JSON nested too deeply") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body: must be a JSON object")
+    for name, value in body.items():
+        # JSON may escape a lone surrogate (\ud800), which no UTF-8 text (tokenizer, reply, log) can hold.
+        if not all(_encodable(text) for text in _strings([name, value])):
+            field = name if _encodable(name) else None
+            raise APIError(400, f"{field or 'a field name'}: not valid Unicode (a lone surrogate)", field)
+    if body.get("model") is not None and body.get("model") not in model_ids:
+        raise APIError(404, f"The model `{body.get('model')}` does not exist (this server has "
+                            f"{', '.join(f'`{name}`' for name in model_ids)}).", "model", "model_not_found")
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise APIError(400, "stream: must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise APIError(400, "stream_options: only allowed with stream: true, as an object", "stream_options")
+    return body
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, keys included; a loop, not recursion, however deep the nesting."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
