@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import QwenNPError
-from .generate import Continuation, TokenEvent
+from .generate import Continuation, Ending, TokenEvent
 from ..core.kv_cache import BlockPool, PagedKVCache, blocks_for
 from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from ..core.model import Qwen3Model
@@ -56,6 +56,7 @@ class Request:
     params: SamplingParams
     max_new_tokens: int
     stop: Sequence[str] = ()
+    ending: Ending = Ending()                     # stop token ids, ignore_eos, min_tokens (vLLM's)
 
 
 @dataclass(eq=False)
@@ -318,7 +319,7 @@ class BatchGenerator:
             self.reused_tokens += reused
             row.continuation = Continuation(self.tokenizer, request.prompt, request.params, request.max_new_tokens,
                                             size, eos_token_ids=self.eos_token_ids, stop=request.stop,
-                                            rng=np.random.default_rng(request.params.seed))
+                                            rng=np.random.default_rng(request.params.seed), ending=request.ending)
             if self.speculation is not None:
                 row.drafter = self.speculation.new_drafter(request.params, size)
         self.rows.append(row)
