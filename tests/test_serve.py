@@ -55,6 +55,7 @@ class Running:
     url: str                                          # the base URL, http://127.0.0.1:PORT/v1
     start: list[str]                                  # the lines it wrote on stderr while starting
     log: list[str] = field(default_factory=list)      # the lines it wrote on stderr after starting
+    pid: int = 0                                      # the server's process
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def serving(env: dict[str, str], model: str, *flags: str):
             assert ready and process.poll() is None, f"server did not start: {line!r}"
             line = process.stderr.readline()
             start.append(line.decode(errors="replace").rstrip("\n"))
-        running = Running(line.decode().split(" on ")[1].split()[0], start)
+        running = Running(line.decode().split(" on ")[1].split()[0], start, pid=process.pid)
         assert running.url.startswith("http://127.0.0.1:")                   # loopback by default
         stderr = process.stderr
 

@@ -3,7 +3,10 @@
 Any web page can send requests to a server on loopback, so POSTs must be `application/json` (a form or
 `text/plain` POST, which a browser sends cross-site without asking, is refused), a loopback server answers
 only Host headers naming loopback (against DNS rebinding), and `--api-key` asks every client but /health
-and the page's files for `Authorization: Bearer KEY`. And the log line of each request.
+and the page's files for `Authorization: Bearer KEY`. Every response under the page's paths carries the same
+Content-Security-Policy and frame-ancestors, whichever route or file it comes from. The log line of a
+request is escaped: a path is the client's text, and a raw newline or terminal control code in it
+(%0a, %1b) would forge log lines or drive the operator's terminal.
 
 Imports nothing of serving/ (it is the bottom of the folder, with protocol.py).
 """
@@ -18,16 +21,17 @@ from ..errors import APIError
 
 API_KEY_ENV = "QWEN_NP_API_KEY"
 LOOPBACK_HOST = re.compile(r"(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.IGNORECASE)
-PAGE_PATHS = ("/", "/web/")                  # served without an API key: the page holds none (it asks for one)
+PAGE_PATHS = ("/", "/web")                   # served without an API key: the page holds none (it asks for one)
 # The page loads nothing from elsewhere, and says so to the browser: it runs offline, and a script
-# injected through a model's output (shown as text, never as HTML) could not call out either.
+# injected through a model's output (shown as text, never as HTML) could not call out either; no other
+# site may frame it. Sent with every response under PAGE_PATHS (app.create_app), files and errors alike.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
                 "X-Content-Type-Options": "nosniff"}
 
 
 def is_page(path: str) -> bool:
     """Whether `path` is the page itself (open to a browser without the API key the page then asks for)."""
-    return path == PAGE_PATHS[0] or path.startswith(PAGE_PATHS[1])
+    return path in PAGE_PATHS or path.startswith(PAGE_PATHS[1] + "/")
 
 
 def is_loopback(host: str) -> bool:
@@ -63,8 +67,16 @@ def refusal(method: str, path: str, headers: dict[str, str], api_key: str | None
     return None
 
 
+def loggable(text: str) -> str:
+    """`text` safe to write on one log line: a backslash and every character that is not printable
+    (newlines, ESC and the other C0/C1 controls, bidirectional overrides, line separators: str.isprintable's
+    rule) become Python escapes, so a client's %0a or %1b cannot start a line or reach the terminal."""
+    return "".join(ch if ch.isprintable() and ch != "\\" else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
+
+
 def log_line(method: str, path: str, status: int, usage: dict[str, int] | None, seconds: float) -> str:
-    """One request's line in the log: what was asked, the answer's status, tokens, time."""
+    """One request's line in the log: what was asked (escaped), the answer's status, tokens, time."""
     tokens = (f" prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}"
               if usage is not None else "")
-    return f"{method} {path} {status}{tokens} {seconds:.3f}s"
+    return f"{loggable(method)} {loggable(path)} {status}{tokens} {seconds:.3f}s"

@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import APIError, QwenNPError
-from .access import log_line, refusal
+from .access import PAGE_HEADERS, is_page, log_line, loggable, refusal
 from .explorer import Explorer
 from .metrics import PROMETHEUS_TYPE, prometheus_text
 from .requests import Service, api_error, parse_body
@@ -32,6 +32,7 @@ MAX_BODY_BYTES = 8 * 2**20
 # A client must send its whole body within this (408 otherwise), so a half-sent request does not hold
 # its connection and handler open forever (protocol.py bounds the headers and the idle time).
 BODY_SECONDS = 10.0
+PAGE_HEADER_LINES = [(name.lower().encode(), value.encode()) for name, value in PAGE_HEADERS.items()]
 
 
 def create_app(service: Service, *, api_key: str | None = None, loopback_only: bool = True,
@@ -75,9 +76,12 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         return await run_in_threadpool(parse_body, raw, service.model_ids)
 
     def endpoint(chat: bool) -> Callable[[HTTPRequest], Any]:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+
         async def handle(http: HTTPRequest) -> Response:
             try:
                 body = await read_body(http)
+                service.check_fields(body, path)           # a field it does not read: refused by name
                 # Tokenising and templating take time in proportion to the prompt: on worker threads,
                 # they hold up no other client and no /health.
                 if chat:
@@ -99,7 +103,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
             except ClientDisconnect:
                 return error(APIError(499, "client disconnected"))
             except Exception as problem:        # a bug: say so in one line, keep serving
-                print(f"serve: internal error: {type(problem).__name__}: {problem}", file=sys.stderr)
+                print(loggable(f"serve: internal error: {type(problem).__name__}: {problem}"), file=sys.stderr)
                 return error(APIError(500, f"internal error: {type(problem).__name__}", kind="server_error"))
         return handle
 
@@ -129,11 +133,14 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         if scope["type"] != "http":
             return await routes(scope, receive, send)
         started, status = time.perf_counter(), 0
+        page = is_page(scope["path"])
 
         async def sending(message: ASGIMessage) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if page:                # every response of the page, whichever route or file it comes from
+                    message = {**message, "headers": [*message.get("headers", []), *PAGE_HEADER_LINES]}
             await send(message)
 
         headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}

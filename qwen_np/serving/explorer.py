@@ -18,7 +18,7 @@ limit, `model` naming the served model) apply, and the prompt is serve's too (`p
 requests.Service.completion_prompt's checks), at most MAX_TOKENS tokens, since the trace holds every step of
 every layer for each of them. The sampling fields are /v1/completions' (Service.request checks them).
 
-Imports access and requests of serving/.
+Imports requests.py of serving/.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import numpy as np
 
 from ..core.config import DIMENSIONS, dimensions
 from ..errors import APIError, QwenNPError
-from .access import PAGE_HEADERS
 from .requests import api_error
 from ..files.model_files import GenerationDefaults
 from ..inspection.lens import is_lens_step, lens_labels, lens_rows
@@ -62,6 +61,8 @@ class Served(Protocol):
     def completion_prompt(self, body: dict[str, Any]) -> list[int]: ...
 
     def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Any: ...
+
+    def check_fields(self, body: dict[str, Any], endpoint: str) -> None: ...
 
 WEB = Path(__file__).parent / "web"          # the page: plain HTML, CSS and JS, no build step, nothing fetched
 MAX_TOKENS = 64                              # a prompt's tokens the explorer traces
@@ -239,6 +240,7 @@ class Explorer:
             async def handle(http: Any) -> Response:
                 try:
                     body = await read_body(http)
+                    self.service.check_fields(body, "/explorer/")
                     return JSONResponse(await run_in_threadpool(method, body))
                 except APIError as problem:
                     return error(problem)
@@ -253,7 +255,7 @@ class Explorer:
             return JSONResponse(await run_in_threadpool(self.describe))
 
         async def page(http: Any) -> Response:
-            return FileResponse(WEB / "index.html", headers=PAGE_HEADERS)
+            return FileResponse(WEB / "index.html")          # its headers: app.create_app's, as every page file's
 
         return [Route("/", page, methods=["GET"]), Mount("/web", StaticFiles(directory=WEB), name="web"),
                 Route("/explorer/model", describe, methods=["GET"]),

@@ -28,7 +28,7 @@ from ..generation.speculative import (DEFAULT_DRAFT_TOKENS, Speculation, check_d
 from .access import exposure_warning, is_loopback
 from .app import create_app
 from .protocol import KEEP_ALIVE_SECONDS, header_deadline_protocol
-from .requests import DEFAULT_MAX_TOKENS, LENGTH_FACTOR, Service, longest_token
+from .requests import DEFAULT_MAX_TOKENS, LENGTH_FACTOR, Service, longest_token, tokens_per_message
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_BATCH = "127.0.0.1", 8000, 8
 
@@ -75,7 +75,8 @@ def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_ba
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
                                context=context, pool=pool, speculation=speculation)
     service = Service(tuple(names), tokenizer, defaults, BatchRunner(generator), context,
-                      context * LENGTH_FACTOR * longest_token(tokenizer), split_reasoning, default_max_tokens)
+                      LENGTH_FACTOR * longest_token(tokenizer), tokens_per_message(tokenizer), split_reasoning,
+                      default_max_tokens)
     host, port = listener.getsockname()[:2]
     warning = exposure_warning(host, api_key)
     if warning:
