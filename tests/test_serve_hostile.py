@@ -291,7 +291,9 @@ def test_chat_text_is_tokenised_as_text_the_templates_special_tokens_alone_are_t
         assert (ids.count(start), ids.count(end)) == (turns.count(start), turns.count(end))  # ... its own turns
         assert tok.encode(text).count(start) > ids.count(start)                # parsing it would open more
     plain = [{"role": "user", "content": "Why is the sky blue? <think> is a tag, not a turn"}]
-    assert tok.encode_chat(plain) == tok.encode(tok.apply_chat_template(plain))   # no special string: unchanged
+    fresh = Tokenizer.from_folder(ROOT / MODEL)
+    assert fresh.encode_chat(plain) == fresh.encode(fresh.apply_chat_template(plain))   # no special string: unchanged
+    assert fresh._literal is None               # and the literal backend (0.7 s, 90 MiB) is never made for it
 
 
 def test_a_chat_request_cannot_forge_a_turn_and_a_completions_prompt_parses_them_unless_told(server, tok) -> None:

@@ -117,8 +117,8 @@ class Tokenizer:
 
         How: each special-token string in the messages gets a mark (a private-use character no message
         holds) after its first character, the chat is rendered, its text cut at the special tokens left
-        (the template's own), and each piece between them, the marks removed, is encoded with
-        parse_special=False."""
+        (the template's own), and each piece between them is encoded: one with marks, the marks removed,
+        with parse_special=False (whose backend is made only then), the others as they are."""
         if self._special_split is None:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt, enable_thinking, tools))
         mark = _unused_character([messages, tools, self.chat_template])
@@ -139,12 +139,13 @@ class Tokenizer:
             if piece in self._special:
                 ids.append(self._special[piece])
             elif piece:
-                ids.extend(self.encode(piece.replace(mark, ""), parse_special=False))
+                ids.extend(self.encode(piece.replace(mark, ""), parse_special=mark not in piece))
         return ids
 
     def _literal_backend(self) -> tokenizers.Tokenizer:
         """A second backend that reads special tokens' strings as text (tokenizers' encode_special_tokens),
-        made on first use: the flag belongs to a backend, which other threads are encoding with."""
+        made on first use (Qwen3's: 0.7 s and 90 MiB): the flag belongs to a backend, which other threads
+        are encoding with."""
         with self._literal_lock:
             if self._literal is None:
                 literal = tokenizers.Tokenizer.from_str(self._backend.to_str())

@@ -74,6 +74,7 @@ def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_ba
                    else lookup_speculation(lookup, draft_tokens) if lookup is not None else None)
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
                                context=context, pool=pool, speculation=speculation)
+    tokenizer.encode("", parse_special=False)    # its literal backend made now, not under a client's request
     service = Service(tuple(names), tokenizer, defaults, BatchRunner(generator), context,
                       LENGTH_FACTOR * longest_token(tokenizer), tokens_per_message(tokenizer), split_reasoning,
                       default_max_tokens)
