@@ -23,7 +23,7 @@ from ..errors import APIError, QwenNPError
 from .access import PAGE_HEADERS, is_page, log_line, loggable, refusal
 from .explorer import Explorer
 from .metrics import PROMETHEUS_TYPE, prometheus_text
-from .requests import Service, api_error, parse_body
+from .requests import Service, api_error, check_fields, parse_body
 from .responses import Reply
 
 # A request body above this is refused (413) unread: a prompt that fills even a 40960-token context
@@ -81,7 +81,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         async def handle(http: HTTPRequest) -> Response:
             try:
                 body = await read_body(http)
-                service.check_fields(body, path)           # a field it does not read: refused by name
+                check_fields(body, path)                   # a field it does not read: refused by name
                 # Tokenising and templating take time in proportion to the prompt: on worker threads,
                 # they hold up no other client and no /health.
                 if chat:

@@ -14,7 +14,8 @@ sampling.py's order. One forward pass serves all of them: its results are kept f
 (CACHE_SIZE), so moving a sampling slider or picking another layer runs no model.
 
 A POST body is serve's: the checks of app.create_app (loopback Host, application/json, API key, body
-limit, `model` naming the served model) apply, and the prompt is serve's too (`prompt`: text or token ids,
+limit, `model` naming the served model) apply, its fields are requests.REQUEST_FIELDS["/explorer/"] (any
+other refused by name), and the prompt is serve's too (`prompt`: text or token ids,
 requests.Service.completion_prompt's checks), at most MAX_TOKENS tokens, since the trace holds every step of
 every layer for each of them. The sampling fields are /v1/completions' (Service.request checks them).
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from ..core.config import DIMENSIONS, dimensions
 from ..errors import APIError, QwenNPError
-from .requests import api_error
+from .requests import api_error, check_fields
 from ..files.model_files import GenerationDefaults
 from ..inspection.lens import is_lens_step, lens_labels, lens_rows
 from ..inspection.steps import STEPS, source_line
@@ -61,8 +62,6 @@ class Served(Protocol):
     def completion_prompt(self, body: dict[str, Any]) -> list[int]: ...
 
     def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Any: ...
-
-    def check_fields(self, body: dict[str, Any], endpoint: str) -> None: ...
 
 WEB = Path(__file__).parent / "web"          # the page: plain HTML, CSS and JS, no build step, nothing fetched
 MAX_TOKENS = 64                              # a prompt's tokens the explorer traces
@@ -240,7 +239,7 @@ class Explorer:
             async def handle(http: Any) -> Response:
                 try:
                     body = await read_body(http)
-                    self.service.check_fields(body, "/explorer/")
+                    check_fields(body, "/explorer/")
                     return JSONResponse(await run_in_threadpool(method, body))
                 except APIError as problem:
                     return error(problem)

@@ -219,18 +219,6 @@ class Service:
                                  + (f", beside the {template} tokens of the template for {messages} messages."
                                     if messages else "."))
 
-    def check_fields(self, body: dict[str, Any], endpoint: str) -> None:
-        """Refuse a field that `endpoint` does not read (REQUEST_FIELDS, IGNORED), or that asks for what this
-        server does not do (UNSUPPORTED, unless off), by its name."""
-        known = REQUEST_FIELDS[endpoint]
-        for name, value in body.items():
-            if name in UNSUPPORTED:
-                if value not in UNSUPPORTED[name]:
-                    raise APIError(400, f"{name}: not supported by this server", name, "unsupported_field")
-            elif name not in known and name not in IGNORED:
-                raise APIError(400, f"{name}: not a field of {endpoint} (README, Serving: the request fields)", name,
-                               "unknown_field")
-
     def chat_prompt(self, body: dict[str, Any]) -> tuple[list[int], bool | None]:
         """The chat's token ids (rendered with the checkpoint's template) and the thinking switch."""
         if not self.tokenizer.has_chat_template:
@@ -272,6 +260,19 @@ class Service:
                                                        for t in prompt):
             return list(prompt)                                 # token ids
         raise APIError(400, "prompt: must be a non-empty string or list of token ids (one prompt per request)", "prompt")
+
+
+def check_fields(body: dict[str, Any], endpoint: str) -> None:
+    """Refuse a field that `endpoint` does not read (REQUEST_FIELDS, IGNORED), or that asks for what this
+    server does not do (UNSUPPORTED, unless off), by its name."""
+    known = REQUEST_FIELDS[endpoint]
+    for name, value in body.items():
+        if name in UNSUPPORTED:
+            if value not in UNSUPPORTED[name]:
+                raise APIError(400, f"{name}: not supported by this server", name, "unsupported_field")
+        elif name not in known and name not in IGNORED:
+            raise APIError(400, f"{name}: not a field of {endpoint} (README, Serving: the request fields)", name,
+                           "unknown_field")
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float | None = None) -> Any:
