@@ -22,6 +22,7 @@ from typing import NoReturn
 
 from . import __version__
 from .commands import EXIT_BAD_INPUT, EXIT_INTERRUPTED
+from .commands.common import error_line
 from .errors import QwenNPError
 
 # command -> (the module of qwen_np/commands whose PARSERS builds its flags, its line in `qwen-np --help`)
@@ -37,7 +38,6 @@ COMMANDS = {
     "inspect": ("inspect", "shapes, parameters and memory of a model (no weights needed)"),
     "hardware": ("hardware", "this machine's cores and caches, and how fast it reads memory"),
 }
-
 
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one `error: ...` line (exit 2) like every other bad input."""
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None, prog: str = "qwen-np") -> int:
         # the NaN and Inf on the way would only add lines, with a source line in them.
         with np.errstate(all="ignore"):
             return args.run(args)
-    except QwenNPError as exc:
-        return _fail(str(exc))
+    except QwenNPError as exc:            # the library names its parameter; here it reads as the flag
+        return _fail(error_line(exc))
     except BrokenPipeError:   # the reader left (e.g. `| head`): nothing to report, nothing more to write
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the exit-time flush is silent
         return 1

@@ -1,13 +1,37 @@
 """The exceptions of bad input: QwenNPError for files, configs and arguments (the CLI prints one line, exit 2),
-APIError for an HTTP request (the server answers OpenAI's error JSON)."""
+APIError for an HTTP request (the server answers OpenAI's error JSON).
+
+The library names its own parameters, never a front end's: an error about one carries its name in `param`
+("kv_dtype: expected one of fp32, bf16, fp16, got 'x'"), and each front end words it with its own name for
+that parameter (`worded`): the CLI with its flag (cli.FLAGS: "--kv-dtype: ..."), the server with its JSON
+field (serving/requests.FIELDS).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
 class QwenNPError(Exception):
-    """The one exception qwen_np raises for bad files, configs and arguments; its message names the file, tensor or flag."""
+    """The one exception qwen_np raises for bad files, configs and arguments; its message names the file,
+    tensor or parameter. `param`: the library parameter the error is about (a keyword of the function that
+    was called, e.g. "kv_dtype"), written before the message ("kv_dtype: ..."); None for a file's or
+    tensor's error, whose message names the file itself."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(f"{param}: {message}" if param is not None else message)
+        self.param, self.detail = param, message
+
+    def worded(self, names: Mapping[str, str]) -> str:
+        """The message with its parameter under a front end's name for it (`names`: parameter -> flag or
+        field); a parameter `names` does not know keeps its own name."""
+        if self.param is None:
+            return str(self)
+        return f"{names.get(self.param, self.param)}: {self.detail}"
+
+    def __reduce__(self) -> tuple[Any, ...]:          # a copy (pickle, copy.copy) keeps `param`
+        return type(self), (self.detail, self.param)
 
 
 class APIError(Exception):

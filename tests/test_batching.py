@@ -89,7 +89,7 @@ def test_a_cancelled_row_leaves_and_frees_its_place(model, tok) -> None:
 
 def test_requests_that_cannot_run_are_refused_before_they_join(model, tok) -> None:
     generator = BatchGenerator(model, tok, context=8)
-    with pytest.raises(QwenNPError, match="max_tokens: must be >= 1"):
+    with pytest.raises(QwenNPError, match="max_new_tokens: must be >= 1"):
         generator.submit(Request([1, 2], GREEDY, 0))
     with pytest.raises(QwenNPError, match="no room"):
         generator.submit(Request(list(range(8)), GREEDY, 1))

@@ -42,8 +42,8 @@ def test_inspect_flags_reach_the_memory_breakdown(capsys):
     assert (memory["context"], memory["training"]["batch_size"]) == (300, 3)
 
 
-def test_a_zero_batch_is_refused_naming_the_flag():
-    with pytest.raises(QwenNPError, match="--batch-size"):
+def test_a_zero_batch_is_refused_naming_the_parameter():
+    with pytest.raises(QwenNPError, match="^batch_size: must be at least 1, got 0"):
         inspect_report(preset("qwen3-0.6b"), 7, "x", BANDWIDTH, batch_size=0)
 
 

@@ -140,7 +140,7 @@ def test_inspect_json_parses_and_holds_the_same_data():
 
 
 def test_inspect_rejects_zero_tokens():
-    with pytest.raises(QwenNPError, match="--tokens"):
+    with pytest.raises(QwenNPError, match="^tokens: must be at least 1"):
         inspect_report(preset("qwen3-8b"), 0, "qwen3-8b", BANDWIDTH)
 
 
@@ -265,11 +265,11 @@ def _read_png(data: bytes) -> tuple[int, int, np.ndarray]:
 
 
 @pytest.mark.parametrize("layer, head, message", [
-    (3, 0, r"--attention: layer 3 out of range \[0, 3\)"),
-    (-1, 0, r"--attention: layer -1 out of range \[0, 3\)"),
-    (0, 4, r"--attention: head 4 out of range \[0, 4\)"),
+    (3, 0, r"^layer: 3 out of range \[0, 3\)"),
+    (-1, 0, r"^layer: -1 out of range \[0, 3\)"),
+    (0, 4, r"^head: 4 out of range \[0, 4\)"),
 ])
-def test_attention_view_names_the_flag_for_bad_layer_or_head(tiny_model, layer, head, message):
+def test_attention_view_names_the_parameter_for_bad_layer_or_head(tiny_model, layer, head, message):
     with pytest.raises(QwenNPError, match=message):
         attention_view(tiny_model, [1, 2], StubTokenizer(), layer=layer, head=head)
 

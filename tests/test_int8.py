@@ -133,7 +133,7 @@ def test_int8_plan_counts_codes_row_scales_and_fp32_norms() -> None:
 
 def test_auto_never_picks_int8_but_suggests_it_when_only_int8_fits() -> None:
     assert plan_memory(preset("qwen3-8b"), 4096, "auto", available=22 * GiB).mode == "bf16"
-    with pytest.raises(QwenNPError, match=r"the bf16 plan needs .* use --memory int8"):
+    with pytest.raises(QwenNPError, match=r"^memory: the bf16 plan needs .* use int8"):
         plan_memory(preset("qwen3-8b"), 4096, "auto", available=14 * GiB)
     assert plan_memory(preset("qwen3-8b"), 4096, "int8", available=14 * GiB).fits
 

@@ -24,7 +24,7 @@ def test_auto_upcasts_when_fp32_fits():
 
 
 def test_explicit_fp32_that_cannot_fit_fails_before_loading_and_suggests_bf16():
-    with pytest.raises(QwenNPError, match=r"--memory: the fp32 plan needs .* use --memory bf16"):
+    with pytest.raises(QwenNPError, match=r"^memory: the fp32 plan needs .* use bf16"):
         plan_memory(QWEN3_8B, 4096, "fp32", available=22 * GiB)
 
 
@@ -35,7 +35,7 @@ def test_nothing_fits_is_one_clear_error(requested):
 
 
 def test_unknown_mode_names_the_flag():
-    with pytest.raises(QwenNPError, match="--memory: expected one of auto, fp32, bf16"):
+    with pytest.raises(QwenNPError, match="^memory: expected one of auto, fp32, bf16"):
         plan_memory(QWEN3_8B, 4096, "int4")
 
 

@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
+from qwen_np.commands.common import FLAGS
 from qwen_np.errors import QwenNPError
 from qwen_np.core.sampling import (SamplingParams, apply_frequency_penalty, apply_logit_bias, apply_mask,
                                    apply_presence_penalty, apply_repetition_penalty, draw, min_p_filter, next_token, pick,
@@ -28,9 +29,11 @@ def kept(logits: np.ndarray) -> set[int]:
     ("temperature", float("nan"), "--temperature"), ("seed", -3, "--seed"),
     ("temperature", 1e-300, "--temperature"), ("repetition_penalty", 1e-308, "--repetition-penalty"),
 ])
-def test_invalid_settings_name_the_flag(field: str, value: float, flag: str) -> None:
-    with pytest.raises(QwenNPError, match=f"^{flag}: .*got"):
+def test_invalid_settings_name_the_parameter_which_the_command_line_words_as_its_flag(field: str, value: float,
+                                                                                    flag: str) -> None:
+    with pytest.raises(QwenNPError, match=f"^{field}: .*got") as error:
         SamplingParams(**{field: value})
+    assert error.value.param == field and error.value.worded(FLAGS).startswith(f"{flag}: ")
 
 
 @pytest.mark.parametrize("params, poison", [
@@ -52,7 +55,7 @@ def test_logits_that_make_no_distribution_raise_one_clear_error_without_warnings
 def test_top_p_error_message_reads_as_documented() -> None:
     with pytest.raises(QwenNPError) as error:
         SamplingParams(top_p=1.5)
-    assert str(error.value) == "--top-p: must be a number in (0, 1] (1 = off), got 1.5"
+    assert str(error.value) == "top_p: must be a number in (0, 1] (1 = off), got 1.5"
 
 
 @pytest.mark.parametrize("seed", range(5))

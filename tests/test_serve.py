@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen_np.serving import server as serve
+from qwen_np.serving import access, app, protocol
 from conftest import HANG_SECONDS, QWEN3_RANDOM
 
 openai = pytest.importorskip("openai")
@@ -57,6 +57,7 @@ class Running:
     url: str                                          # the base URL, http://127.0.0.1:PORT/v1
     start: list[str]                                  # the lines it wrote on stderr while starting
     log: list[str] = field(default_factory=list)      # the lines it wrote on stderr after starting
+    pid: int = 0                                      # the server's process
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def serving(env: dict[str, str], model: str, *flags: str):
             assert ready and process.poll() is None, f"server did not start: {line!r}"
             line = process.stderr.readline()
             start.append(line.decode(errors="replace").rstrip("\n"))
-        running = Running(line.decode().split(" on ")[1].split()[0], start)
+        running = Running(line.decode().split(" on ")[1].split()[0], start, pid=process.pid)
         assert running.url.startswith("http://127.0.0.1:")                   # loopback by default
         stderr = process.stderr
 
@@ -307,7 +308,7 @@ POST_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: 
 
 
 def test_a_body_over_the_limit_gets_413_unread(server) -> None:
-    head, body = send_raw(server, POST_HEAD + b"Content-Length: %d\r\n\r\n{" % (serve.MAX_BODY_BYTES + 1))
+    head, body = send_raw(server, POST_HEAD + b"Content-Length: %d\r\n\r\n{" % (app.MAX_BODY_BYTES + 1))
     assert head.startswith(b"HTTP/1.1 413")
     assert_openai_error(413, json.loads(body), 413)
 
@@ -338,8 +339,8 @@ def test_a_connection_that_never_finishes_its_headers_is_closed_and_the_server_k
     port = int(server.split(":")[2].split("/")[0])
     silent = socket.create_connection(("127.0.0.1", port))                        # sends nothing at all
     opened = time.monotonic()
-    head, body = send_raw(server, b"GET /health HTTP/1.1\r\nHost: 127.0")          # returns once it is closed
-    assert head == body == b"" and time.monotonic() - opened > serve.HEADER_SECONDS - 1  # by the header timeout
+    head, body = send_raw(server, b"GET /health HTTP/1.1\r\nHost: 127.0")
+    assert head == body == b"" and time.monotonic() - opened > protocol.HEADER_SECONDS - 1  # by the header timeout
     silent.settimeout(HANG_SECONDS)
     assert silent.recv(1) == b""                                                  # closed by the server too
     silent.close()
@@ -401,7 +402,7 @@ def test_a_client_that_disconnects_frees_its_row(client, server) -> None:
 
 
 def test_an_api_key_from_the_environment_is_required_of_all_but_health_and_quiet_logs_nothing(env) -> None:
-    with serving({**env, serve.API_KEY_ENV: "sesame"}, MODEL, "--quiet") as running:
+    with serving({**env, access.API_KEY_ENV: "sesame"}, MODEL, "--quiet") as running:
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
             assert_openai_error(*post(running.url + "/completions", body, **headers), 401)
@@ -415,9 +416,9 @@ def test_an_api_key_from_the_environment_is_required_of_all_but_health_and_quiet
 
 
 def test_only_a_server_listening_beyond_loopback_warns_at_start() -> None:
-    assert serve.exposure_warning("127.0.0.1", None) is None and serve.exposure_warning("::1", None) is None
-    assert "--api-key" in serve.exposure_warning("0.0.0.0", None)
-    assert "--api-key" not in serve.exposure_warning("192.168.1.5", "sesame")
+    assert access.exposure_warning("127.0.0.1", None) is None and access.exposure_warning("::1", None) is None
+    assert "--api-key" in access.exposure_warning("0.0.0.0", None)
+    assert "--api-key" not in access.exposure_warning("192.168.1.5", "sesame")
 
 
 def test_a_greedy_stream_is_untouched_by_adversarial_clients_and_health_stays_quick(client, server) -> None:
@@ -432,7 +433,7 @@ def test_a_greedy_stream_is_untouched_by_adversarial_clients_and_health_stays_qu
         lambda: post(server + "/completions", {"model": MODEL, "prompt": "x" * 4_500_000})[0],
         lambda: post(server + "/completions", {"model": MODEL, "prompt": "Hello world, how are you " * 160_000})[0],
         lambda: post(server + "/completions", {"model": MODEL, "prompt": "Hi", "stop": ["s"] * 20_000})[0],
-        lambda: int(send_raw(server, POST_HEAD + b"Content-Length: %d\r\n\r\n{" % (2 * serve.MAX_BODY_BYTES))[0][9:12]),
+        lambda: int(send_raw(server, POST_HEAD + b"Content-Length: %d\r\n\r\n{" % (2 * app.MAX_BODY_BYTES))[0][9:12]),
     ]
     pieces: list[str] = []
     with ThreadPoolExecutor(4) as pool:
@@ -554,7 +555,7 @@ def test_a_bad_kv_memory_is_one_line_naming_the_flag(env) -> None:
 
 
 def test_a_chat_reply_gives_its_thinking_apart_under_both_names_unless_raw() -> None:
-    from qwen_np.serving.server import assistant_message
+    from qwen_np.serving.responses import assistant_message
 
     reply = "<think>\nLet me think.\n</think>\n\nFour."
     assert assistant_message(reply, True) == {"role": "assistant", "content": "Four.",

@@ -218,7 +218,7 @@ def test_a_batchs_rows_draft_together_in_one_draft_pass_per_drafted_token(random
 
 
 def test_a_served_draft_reuses_the_prefix_an_earlier_row_filled(random_pair, tok, monkeypatch) -> None:
-    from qwen_np.serving.server import speculation_over
+    from qwen_np.serving.launch import speculation_over
 
     target, draft = random_pair
     pool = BlockPool(target.config, 32, prefix_caching=True)
@@ -350,6 +350,6 @@ def test_speculative_greedy_stops_where_plain_greedy_does_when_the_context_fills
 
 def test_a_draft_whose_tokenizer_maps_ids_otherwise_is_refused_even_at_the_same_vocabulary_size(tok) -> None:
     bundled = read_config(BUNDLED)
-    with pytest.raises(QwenNPError, match="^--draft: its tokenizer maps tokens to other ids"):
+    with pytest.raises(QwenNPError, match="^draft: its tokenizer maps tokens to other ids"):
         check_draft(bundled, read_tokenizer(BUNDLED), bundled, tok)
     check_draft(bundled, read_tokenizer(BUNDLED), read_config(BUNDLED / "draft"), read_tokenizer(BUNDLED / "draft"))

@@ -587,7 +587,7 @@ def run_chat(args: argparse.Namespace) -> int:
             stats.finish_reason = "interrupted"
         except QwenNPError as problem:      # e.g. one message longer than the context: say so, keep chatting
             writer.end()
-            print(f"error: {problem}", file=sys.stderr)
+            print(f"error: {common.error_line(problem)}", file=sys.stderr)
             continue
         writer.end()
         if args.verbose:          # as llama-cli and Ollama: the stats when asked for, not after every turn

@@ -1,4 +1,4 @@
-"""`python -m qwen_np serve`: the OpenAI-compatible HTTP API (qwen_np/serving/server.py), its flags and start lines."""
+"""`python -m qwen_np serve`: the OpenAI-compatible HTTP API (qwen_np/serving/), its flags."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import os
 import socket
 import sys
 
-from ..serving import server as serve
+from ..serving import launch
+from ..serving.access import API_KEY_ENV
+from ..serving.requests import DEFAULT_MAX_TOKENS
 from ..errors import QwenNPError
 from ..files.model_files import read_config, read_tokenizer
 from ..engine.memory import DEFAULT_CONTEXT, parse_size
@@ -19,17 +21,17 @@ def serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Serve the model over HTTP with OpenAI's API: /v1/models, /v1/chat/completions, "
                           "/v1/completions; concurrent requests share decode steps (continuous batching).")
     common.add_model(parser)
-    parser.add_argument("--host", default=serve.DEFAULT_HOST,
-                        help=f"address to listen on (default: {serve.DEFAULT_HOST}, this machine only; 0.0.0.0 opens "
+    parser.add_argument("--host", default=launch.DEFAULT_HOST,
+                        help=f"address to listen on (default: {launch.DEFAULT_HOST}, this machine only; 0.0.0.0 opens "
                              "it to the network: set --api-key then)")
-    parser.add_argument("--port", type=int, default=serve.DEFAULT_PORT,
-                        help=f"TCP port (default: {serve.DEFAULT_PORT}; 0 picks a free one)")
-    parser.add_argument("--max-batch", type=common.at_least(1), default=serve.DEFAULT_MAX_BATCH, metavar="N",
+    parser.add_argument("--port", type=int, default=launch.DEFAULT_PORT,
+                        help=f"TCP port (default: {launch.DEFAULT_PORT}; 0 picks a free one)")
+    parser.add_argument("--max-batch", type=common.at_least(1), default=launch.DEFAULT_MAX_BATCH, metavar="N",
                         help=f"requests decoded together in one batch; more wait for a free row "
-                             f"(default: {serve.DEFAULT_MAX_BATCH})")
+                             f"(default: {launch.DEFAULT_MAX_BATCH})")
     common.add_context(parser, "context of each request, prompt and reply together")
-    parser.add_argument("--default-max-tokens", type=int, default=serve.DEFAULT_MAX_TOKENS, metavar="N",
-                        help=f"max_tokens of a request that gives none (default: {serve.DEFAULT_MAX_TOKENS}; or what "
+    parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                        help=f"max_tokens of a request that gives none (default: {DEFAULT_MAX_TOKENS}; or what "
                              "the context has left, if less; -1: always what the context has left)")
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="the name(s) clients ask for in `model` and /v1/models lists; several are aliases, the "
@@ -42,9 +44,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> None:
     common.add_kv_dtype(parser)
     common.add_speculation(parser)
     common.add_threads(parser)
-    parser.add_argument("--api-key", default=os.environ.get(serve.API_KEY_ENV), metavar="KEY",
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
                         help=f"require `Authorization: Bearer KEY` on every request but /health (default: "
-                             f"${serve.API_KEY_ENV}, else none)")
+                             f"${API_KEY_ENV}, else none)")
     parser.add_argument("--reasoning-format", choices=("parsed", "raw"), default="parsed",
                         help="parsed: a chat reply's <think> part comes apart from its content, as reasoning_content "
                              "and reasoning (streamed deltas too); raw: the reply as generated, tags in the content "
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise QwenNPError(f"--port: must be in 0..65535, got {args.port}")
     if args.api_key == "":
-        raise QwenNPError(f"--api-key: empty (give a key, or unset {serve.API_KEY_ENV} for none)")
+        raise QwenNPError(f"--api-key: empty (give a key, or unset {API_KEY_ENV} for none)")
     kv_memory = parse_size(args.kv_memory, "--kv-memory") if args.kv_memory is not None else None
     if args.default_max_tokens == 0 or args.default_max_tokens < -1:
         raise QwenNPError(f"--default-max-tokens: must be at least 1, or -1 for what the context has left, "
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         listener = socket.create_server((args.host, args.port))
     except OSError as error:
         raise QwenNPError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror})") from None
-    serve.serve(names, folder, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
+    launch.serve(names, folder, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
                 memory=args.memory, kv_memory=kv_memory, kv_dtype=args.kv_dtype, api_key=args.api_key,
                 log=not args.quiet, split_reasoning=args.reasoning_format == "parsed",
                 default_max_tokens=None if args.default_max_tokens == -1 else args.default_max_tokens,

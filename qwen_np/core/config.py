@@ -207,7 +207,7 @@ def preset(name: str) -> Qwen3Config:
     """A named preset ('qwen3-8b', ...); the error lists the known names."""
     key = name.lower()
     if key not in PRESETS:
-        raise QwenNPError(f"--preset: unknown preset {name!r}; known: {', '.join(PRESETS)}")
+        raise QwenNPError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}", "preset")
     return PRESETS[key]
 
 

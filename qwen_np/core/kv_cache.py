@@ -31,7 +31,7 @@ KV_DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
 def kv_dtype(name: str) -> np.dtype:
     """The NumPy dtype of a KV cache dtype name (KV_DTYPES)."""
     if name not in KV_DTYPES:
-        raise QwenNPError(f"kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {name!r}")
+        raise QwenNPError(f"expected one of {', '.join(KV_DTYPES)}, got {name!r}", "kv_dtype")
     return KV_DTYPES[name]
 
 

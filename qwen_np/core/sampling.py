@@ -49,7 +49,7 @@ MIN_DIVISOR = 0.01
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. Invalid values raise QwenNPError naming the CLI flag."""
+    """How to pick each next token. Invalid values raise QwenNPError naming the field (its param)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -65,22 +65,22 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            ("--temperature", self.temperature, self.temperature == 0 or self.temperature >= MIN_DIVISOR,
+            ("temperature", self.temperature, self.temperature == 0 or self.temperature >= MIN_DIVISOR,
              f"0 (greedy) or a number >= {MIN_DIVISOR} (Qwen3: 0.6, 0.7 without thinking)"),
-            ("--top-k", self.top_k, self.top_k >= 0, "an integer >= 0 (0 = off)"),
-            ("--top-p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1] (1 = off)"),
-            ("--min-p", self.min_p, 0 <= self.min_p <= 1, "a number in [0, 1] (0 = off)"),
-            ("--repetition-penalty", self.repetition_penalty, self.repetition_penalty >= MIN_DIVISOR,
+            ("top_k", self.top_k, self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1] (1 = off)"),
+            ("min_p", self.min_p, 0 <= self.min_p <= 1, "a number in [0, 1] (0 = off)"),
+            ("repetition_penalty", self.repetition_penalty, self.repetition_penalty >= MIN_DIVISOR,
              f"a number >= {MIN_DIVISOR} (1 = off)"),
-            ("--presence-penalty", self.presence_penalty, True, "a finite number (0 = off)"),
-            ("--frequency-penalty", self.frequency_penalty, True, "a finite number (0 = off)"),
+            ("presence_penalty", self.presence_penalty, True, "a finite number (0 = off)"),
+            ("frequency_penalty", self.frequency_penalty, True, "a finite number (0 = off)"),
         ]
-        for flag, value, ok, rule in checks:
+        for name, value, ok, rule in checks:
             # `not ok` alone would let NaN through every comparison above; inf is no setting either.
             if not ok or not math.isfinite(value):
-                raise QwenNPError(f"{flag}: must be {rule}, got {value}")
+                raise QwenNPError(f"must be {rule}, got {value}", name)
         if self.seed is not None and self.seed < 0:
-            raise QwenNPError(f"--seed: must be >= 0, got {self.seed}")
+            raise QwenNPError(f"must be >= 0, got {self.seed}", "seed")
         object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
 
     @property
@@ -94,9 +94,9 @@ def _checked_bias(bias: Iterable[tuple[int, float]] | Mapping[int, float]) -> tu
     checked = {}
     for token, value in pairs:
         if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
-            raise QwenNPError(f"--logit-bias: token ids must be integers >= 0, got {token!r}")
+            raise QwenNPError(f"token ids must be integers >= 0, got {token!r}", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not -100 <= value <= 100:
-            raise QwenNPError(f"--logit-bias: the bias of token {token} must be a number in [-100, 100], got {value!r}")
+            raise QwenNPError(f"the bias of token {token} must be a number in [-100, 100], got {value!r}", "logit_bias")
         checked[int(token)] = float(value)
     return tuple(sorted(checked.items()))
 
@@ -137,7 +137,7 @@ def apply_logit_bias(logits: np.ndarray, bias: Sequence[tuple[int, float]]) -> n
         return logits
     ids = np.array([token for token, _ in bias], dtype=np.int64)
     if ids[-1] >= logits.size:                     # sorted: the largest id is the last
-        raise QwenNPError(f"--logit-bias: token id {int(ids[-1])} is outside the vocabulary [0, {logits.size})")
+        raise QwenNPError(f"token id {int(ids[-1])} is outside the vocabulary [0, {logits.size})", "logit_bias")
     out = logits.copy()
     out[ids] += np.array([value for _, value in bias], dtype=out.dtype)
     return out

@@ -164,18 +164,18 @@ def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
     QwenNPError now, not an out-of-memory kill later: "auto" falls back from fp32 to bf16 and fails
     only when even the stored weights do not fit; an explicit mode fails if it does not fit."""
     if requested not in MODES:
-        raise QwenNPError(f"--memory: expected one of {', '.join(MODES)}, got {requested!r}")
+        raise QwenNPError(f"expected one of {', '.join(MODES)}, got {requested!r}", "memory")
     requested = ALIASES.get(requested, requested)
     plans = candidate_plans(config, max_tokens, stored_bytes_per_value, available)
     fp32, stored, int8 = plans["fp32"], plans["bf16"], plans["int8"]
     plan = plans[requested] if requested != "auto" else fp32 if fp32.fits else stored
     if not plan.fits:
-        advice = ("use --memory bf16 (weights kept as stored)" if plan is fp32 and stored.fits
-                  else "use --memory int8 (8-bit weights, about half of bf16; the logits change slightly)"
+        advice = ("use bf16 (weights kept as stored)" if plan is fp32 and stored.fits
+                  else "use int8 (8-bit weights, about half of bf16; the logits change slightly)"
                   if plan is not int8 and int8.fits else "try a smaller model or a shorter context")
-        raise QwenNPError(f"--memory: the {plan.mode} plan needs {plan.total_bytes / GiB:.1f} GiB (weights, KV cache for "
+        raise QwenNPError(f"the {plan.mode} plan needs {plan.total_bytes / GiB:.1f} GiB (weights, KV cache for "
                           f"{max_tokens} tokens, buffers) but only {plan.available_bytes / GiB:.1f} GiB is available; "
-                          f"{advice}")
+                          f"{advice}", "memory")
     return plan
 
 

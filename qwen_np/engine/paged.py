@@ -98,8 +98,8 @@ class BlockPool:
     def __init__(self, config: Qwen3Config, num_blocks: int, dtype: str = "fp32", block_size: int = BLOCK_SIZE,
                  prefix_caching: bool = False) -> None:
         if num_blocks < 1:
-            raise QwenNPError(f"--kv-memory: the KV cache needs at least one block of {block_size} positions "
-                              f"({block_bytes(config, dtype, block_size)} bytes), got {num_blocks} blocks")
+            raise QwenNPError(f"the KV cache needs at least one block of {block_size} positions "
+                              f"({block_bytes(config, dtype, block_size)} bytes), got {num_blocks} blocks", "num_blocks")
         shape = (config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.keys = np.zeros(shape, dtype=kv_dtype(dtype))         # [L, N, BLOCK_SIZE, KVH, Dh]
         self.values = np.zeros(shape, dtype=kv_dtype(dtype))       # [L, N, BLOCK_SIZE, KVH, Dh]

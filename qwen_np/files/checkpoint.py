@@ -395,7 +395,7 @@ def download(repo_id: str) -> Path:
         from huggingface_hub import snapshot_download
         from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError   # also in older releases
     except ImportError:  # pragma: no cover - huggingface_hub is a runtime dependency
-        raise QwenNPError("--model: hub ids need the huggingface_hub package (pip install huggingface_hub)") from None
+        raise QwenNPError("hub ids need the huggingface_hub package (pip install huggingface_hub)", "model") from None
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_FILE_PATTERNS))
     except LocalEntryNotFoundError:

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import QwenNPError
-from .generate import Continuation, TokenEvent
+from .generate import Continuation, Ending, TokenEvent
 from .constraints import Grammar
 from .logprobs import check_top_logprobs
 from ..engine.paged import BlockPool, PagedKVCache, blocks_for
@@ -61,6 +61,7 @@ class Request:
     stop: Sequence[str] = ()
     grammar: Grammar | None = None
     logprobs: int | None = None
+    ending: Ending = Ending()                     # stop token ids, ignore_eos, min_tokens (vLLM's)
 
 
 @dataclass(eq=False)
@@ -116,7 +117,7 @@ class BatchGenerator:
                  max_batch: int = 8, context: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  pool: BlockPool | None = None, speculation: Speculation | None = None) -> None:
         if max_batch < 1:
-            raise QwenNPError(f"--max-batch: must be >= 1, got {max_batch}")
+            raise QwenNPError(f"must be >= 1, got {max_batch}", "max_batch")
         self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, tuple(eos_token_ids)
         self.max_batch, self.prefill_chunk, self.speculation = max_batch, prefill_chunk, speculation
         self.context = min(context or model.config.max_position_embeddings, model.config.max_position_embeddings)
@@ -148,7 +149,7 @@ class BatchGenerator:
         vocab = self.model.config.vocab_size
         check_token_ids(request.prompt, vocab, "prompt")
         if request.max_new_tokens < 1:
-            raise QwenNPError(f"max_tokens: must be >= 1, got {request.max_new_tokens}")
+            raise QwenNPError(f"must be >= 1, got {request.max_new_tokens}", "max_new_tokens")
         if len(request.prompt) + 1 > self.context:
             raise QwenNPError(f"prompt: {len(request.prompt)} tokens leave no room for a new token in the "
                               f"{self.context}-token context")
@@ -157,8 +158,8 @@ class BatchGenerator:
         if request.grammar is not None and request.grammar.vocabulary.size != vocab:
             raise QwenNPError(f"grammar: compiled for {request.grammar.vocabulary.size} token ids, the model has {vocab}")
         if self._positions(request) > self.capacity:
-            raise QwenNPError(f"max_tokens: the prompt and max_tokens need {self._positions(request)} positions of KV "
-                              f"cache, more than the {self.capacity} the whole cache holds (--kv-memory)")
+            raise QwenNPError(f"the prompt and the new tokens need {self._positions(request)} positions of KV cache, "
+                              f"more than the {self.capacity} the whole cache holds", "max_new_tokens")
 
     def _positions(self, request: Request) -> int:
         """KV cache positions a request may fill: prompt + max_new_tokens, at most the context."""
@@ -323,7 +324,7 @@ class BatchGenerator:
             row.continuation = Continuation(self.tokenizer, request.prompt, request.params, request.max_new_tokens,
                                             size, eos_token_ids=self.eos_token_ids, stop=request.stop,
                                             rng=np.random.default_rng(request.params.seed),
-                                            grammar=request.grammar, logprobs=request.logprobs)
+                                            grammar=request.grammar, logprobs=request.logprobs, ending=request.ending)
             if self.speculation is not None:
                 row.drafter = self.speculation.new_drafter(request.params, size)
         self.rows.append(row)

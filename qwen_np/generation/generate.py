@@ -48,8 +48,9 @@ class TokenEvent:
 
     The last event carries `finish_reason`: "eos" (its token is the end-of-sequence id, whose own
     text is not included), "stop" (the text reached one of the stop strings, which is not included, or
-    the grammar it was constrained to is complete), "length" (max_new_tokens reached) or "context" (the
-    context is full). `logprobs`: the token's log-probabilities, when they were asked for.
+    the grammar it was constrained to is complete, or the token is one of the stop token ids, whose text is
+    not included either), "length" (max_new_tokens reached) or "context" (the context is full). `logprobs`:
+    the token's log-probabilities, when they were asked for.
     """
 
     token_id: int
@@ -111,16 +112,16 @@ def chat_messages(user: str, system: str | None = None) -> list[Message]:
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool = True, enable_thinking: bool | None = None,
                system: str | None = None) -> list[int]:
-    """Token ids for `prompt`: rendered as a user message with the chat template, or as plain text."""
+    """Token ids for `prompt`: rendered as a user message with the chat template (the message read as text,
+    Tokenizer.encode_chat), or as plain text (special-token strings in it are those tokens)."""
     if not prompt.strip():
         raise QwenNPError("prompt: empty (give the text to continue or the question to ask)")
     if not chat:
         if system is not None:
-            raise QwenNPError("--system: a system prompt needs the chat template (drop --no-chat)")
+            raise QwenNPError("a system prompt needs the chat template, and chat is off", "system")
         return tokenizer.encode(prompt)
-    text = tokenizer.apply_chat_template(chat_messages(prompt, system), add_generation_prompt=True,
-                                         enable_thinking=enable_thinking)
-    return tokenizer.encode(text)
+    return tokenizer.encode_chat(chat_messages(prompt, system), add_generation_prompt=True,
+                                 enable_thinking=enable_thinking)
 
 
 def context_budget(config: Qwen3Config, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -136,7 +137,7 @@ def context_budget(config: Qwen3Config, prompt_tokens: int, max_new_tokens: int)
 
 def _check_room(prompt_tokens: int, max_new_tokens: int, limit: int, where: str) -> None:
     if max_new_tokens < 0:
-        raise QwenNPError(f"--max-new-tokens: must be >= 0, got {max_new_tokens}")
+        raise QwenNPError(f"must be >= 0, got {max_new_tokens}", "max_new_tokens")
     if prompt_tokens + min(max_new_tokens, 1) > limit:
         raise QwenNPError(f"prompt: {prompt_tokens} tokens leave no room for new tokens in {where}")
 
@@ -147,7 +148,7 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
              stats: GenerationStats | None = None, stop: Sequence[str] = (),
              kv_dtype: str = "fp32", speculation: Speculation | None = None,
              drafter: Drafter | None = None, grammar: Grammar | None = None,
-             logprobs: int | None = None) -> Iterator[TokenEvent]:
+             logprobs: int | None = None, ending: Ending | None = None) -> Iterator[TokenEvent]:
     """Yield one TokenEvent per generated token until an EOS id, a stop string, max_new_tokens or the
     context limit.
 
@@ -159,7 +160,8 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     output is plain decoding's (greedy: the same tokens; sampled: the same distribution). `drafter`: one
     the caller keeps (a chat's, whose draft cache then holds the conversation across turns) instead of a
     new one from `speculation`, left as it is at the end. `grammar`: the reply follows it (constraints.py);
-    `logprobs`: each event carries its token's log-probabilities and this many top alternatives (0-20).
+    `logprobs`: each event carries its token's log-probabilities and this many top alternatives (0-20);
+    `ending`: vLLM's stop_token_ids, ignore_eos and min_tokens (Ending).
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -182,7 +184,7 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
         return
 
     sequence = Continuation(tokenizer, prompt, params, max_new_tokens, limit, eos_token_ids=eos_token_ids,
-                            stop=stop, rng=rng, grammar=grammar, logprobs=logprobs)
+                            stop=stop, rng=rng, grammar=grammar, logprobs=logprobs, ending=ending)
     if speculation is not None or drafter is not None:
         yield from _speculative_decode(model, sequence, cache, logits, stats, speculation, drafter, trace)
         return
@@ -239,6 +241,19 @@ def _speculative_decode(model: Qwen3Model, sequence: Continuation, cache: Sequen
             drafter.reset()
 
 
+@dataclass(frozen=True)
+class Ending:
+    """When a sequence may end besides its EOS ids, stop strings and token limits: vLLM's request fields,
+    with vLLM's meaning. stop_token_ids end it like an EOS id (finish "stop", the token's text left out);
+    ignore_eos: the EOS ids are tokens like any other; min_tokens: until that many tokens are generated,
+    the EOS and stop ids cannot be sampled (their logits are -inf) and stop strings are not looked for (a
+    stop string counts only in the text of the tokens after the first min_tokens)."""
+
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
 class Continuation:
     """One sequence's generation between forward passes: its tokens so far, its sampler's random
     stream, its streaming detokeniser and its stop strings; with a grammar, its place in it (the tokens
@@ -249,10 +264,13 @@ class Continuation:
 
     def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], params: SamplingParams, max_new_tokens: int,
                  limit: int, *, eos_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 rng: np.random.Generator | None = None,
-                 grammar: Grammar | None = None, logprobs: int | None = None) -> None:
+                 rng: np.random.Generator | None = None, grammar: Grammar | None = None,
+                 logprobs: int | None = None, ending: Ending | None = None) -> None:
         self.params, self.max_new_tokens, self.limit = params, max_new_tokens, limit
-        self.eos = set(eos_token_ids)
+        ending = ending or Ending()
+        self.eos = set() if ending.ignore_eos else set(eos_token_ids)
+        self.stop_ids, self.min_tokens = set(ending.stop_token_ids), ending.min_tokens
+        self.banned = np.array(sorted(self.eos | self.stop_ids), dtype=np.int64)   # while under min_tokens
         self.rng = rng if rng is not None else np.random.default_rng(params.seed)
         self.sequence = [int(t) for t in prompt]        # prompt + generated: the repetition penalty's context
         self.generated: list[int] = []
@@ -276,8 +294,12 @@ class Continuation:
         events: list[TokenEvent] = []
         for i, row in enumerate(logits):
             drafted = draft.tokens[i] if i < len(draft.tokens) else None
+            masked = row                                 # row stays the raw logits the log-probabilities read
+            if len(self.generated) < self.min_tokens and self.banned.size:     # no ending yet: vLLM's min_tokens
+                masked = row.copy()
+                masked[self.banned[self.banned < row.size]] = -np.inf
             allowed = self.constraint.allowed() if self.constraint is not None else None         # [V] or None
-            processed = processed_logits(row, self.params, self.sequence, self.generated, allowed)    # [V]
+            processed = processed_logits(masked, self.params, self.sequence, self.generated, allowed)  # [V]
             if drafted is None or self.params.greedy:      # greedy: kept when it is the argmax
                 token = pick(processed, self.params, self.rng)
             else:
@@ -301,12 +323,15 @@ class Continuation:
         if self.constraint is not None and token not in self.eos:
             self.constraint.consume(token)
             complete = self.constraint.done
-        finish = ("eos" if token in self.eos else "stop" if complete else "length" if len(self.generated) == self.max_new_tokens
-                  else "context" if len(self.sequence) >= self.limit else None)
-        text = self.decoder.flush() if finish == "eos" else self.decoder.push(token) + (self.decoder.flush() if finish else "")
-        text, stopped = self.stops.push(text)
-        if stopped:
-            return TokenEvent(token, text, "stop", logprobs)
+        ended = token in self.eos or token in self.stop_ids          # by its id: its own text is left out
+        finish = ("eos" if token in self.eos else "stop" if ended or complete else "length"
+                  if len(self.generated) == self.max_new_tokens else "context" if len(self.sequence) >= self.limit
+                  else None)
+        text = self.decoder.flush() if ended else self.decoder.push(token) + (self.decoder.flush() if finish else "")
+        if len(self.generated) > self.min_tokens:         # stop strings count only after min_tokens tokens
+            text, stopped = self.stops.push(text)
+            if stopped:
+                return TokenEvent(token, text, "stop", logprobs)
         return TokenEvent(token, text + self.stops.flush() if finish else text, finish, logprobs)
 
 
@@ -396,10 +421,10 @@ class ChatSession:
         reserve = max(1, min(max_new_tokens, self.cache.max_tokens // 4))
         dropped = 0
         while True:
-            rendered = self.tokenizer.apply_chat_template(self._with(text), add_generation_prompt=True,
-                                                          enable_thinking=self.enable_thinking)
+            ids = self.tokenizer.encode_chat(self._with(text), add_generation_prompt=True,
+                                             enable_thinking=self.enable_thinking)
             users = [i for i, message in enumerate(self.messages) if message["role"] == "user"]
-            if len(self.tokenizer.encode(rendered)) + reserve <= self.cache.max_tokens or not users:
+            if len(ids) + reserve <= self.cache.max_tokens or not users:
                 return dropped
             end = users[1] if len(users) > 1 else len(self.messages)
             del self.messages[users[0]:end]

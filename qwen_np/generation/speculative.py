@@ -113,7 +113,7 @@ class PromptLookup:
 
     def __init__(self, max_ngram: int) -> None:
         if max_ngram < 1:
-            raise QwenNPError(f"--lookup: the n-gram size must be >= 1, got {max_ngram}")
+            raise QwenNPError(f"the n-gram size must be >= 1, got {max_ngram}", "max_ngram")
         self.max_ngram = max_ngram
 
     def propose(self, sequence: Sequence[int], generated: Sequence[int], k: int) -> Draft:
@@ -306,29 +306,29 @@ class SpeculationCounts:
 
 def _checked_tokens(tokens: int) -> int:
     if tokens < 1:
-        raise QwenNPError(f"--draft-tokens: must be >= 1, got {tokens}")
+        raise QwenNPError(f"must be >= 1, got {tokens}", "draft_tokens")
     return tokens
 
 
 def check_draft(target: Qwen3Config, target_tokenizer: Tokenizer, draft: Qwen3Config, draft_tokenizer: Tokenizer) -> None:
-    """Raise QwenNPError (naming --draft) unless the draft speaks the target's tokens: the same vocabulary
+    """Raise QwenNPError (about the draft) unless the draft speaks the target's tokens: the same vocabulary
     size and the same token strings for the same ids (checked from the small files, before any weight loads)."""
     if draft.vocab_size != target.vocab_size:
-        raise QwenNPError(f"--draft: its vocabulary has {draft.vocab_size} ids, the model's "
-                          f"{target.vocab_size}: a draft needs the model's tokenizer")
+        raise QwenNPError(f"its vocabulary has {draft.vocab_size} ids, the model's "
+                          f"{target.vocab_size}: a draft needs the model's tokenizer", "draft")
     if draft_tokenizer.backend.get_vocab(with_added_tokens=True) != target_tokenizer.backend.get_vocab(with_added_tokens=True):
-        raise QwenNPError("--draft: its tokenizer maps tokens to other ids than the model's: a draft needs the "
-                          "model's tokenizer")
+        raise QwenNPError("its tokenizer maps tokens to other ids than the model's: a draft needs the "
+                          "model's tokenizer", "draft")
 
 
 def check_draft_folder(path: str | Path | ModelFiles, config: Qwen3Config, tokenizer: Tokenizer) -> None:
-    """Raise QwenNPError (naming --draft) unless the checkpoint at `path` can draft for a model of `config`
+    """Raise QwenNPError (about the draft) unless the checkpoint at `path` can draft for a model of `config`
     and `tokenizer` (speculative.check_draft), reading only its small files."""
     try:
         draft = open_model(path, "--draft")
         draft_config, draft_tokenizer = draft.config, draft.tokenizer
     except QwenNPError as problem:
-        raise QwenNPError(f"--draft: {problem}") from None
+        raise QwenNPError(str(problem), "draft") from None
     check_draft(config, tokenizer, draft_config, draft_tokenizer)
 
 
@@ -340,5 +340,5 @@ def load_draft(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
     try:
         check_weights_finite(model)
     except QwenNPError as problem:
-        raise QwenNPError(f"--draft: {problem}") from None
+        raise QwenNPError(str(problem), "draft") from None
     return model

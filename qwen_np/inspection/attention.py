@@ -16,7 +16,7 @@ def attention_weights(model: Qwen3Model, token_ids: Sequence[int], layer: int) -
     """The softmax weights [H, T, T] of one layer, from a forward pass over `token_ids`."""
     L, target = model.config.num_hidden_layers, f"model.layers.{layer}.self_attn.softmax"
     if not 0 <= layer < L:
-        raise QwenNPError(f"--attention: layer {layer} out of range [0, {L})")
+        raise QwenNPError(f"{layer} out of range [0, {L})", "layer")
     captured: dict[str, np.ndarray] = {}
 
     def capture(name: str, value: np.ndarray) -> None:
@@ -32,7 +32,7 @@ def attention_view(model: Qwen3Model, token_ids: list[int], tokenizer: Any, laye
     """The last token's attention over the prompt for one layer and head, as a text heatmap (and a PNG)."""
     H = model.config.num_attention_heads
     if not 0 <= head < H:
-        raise QwenNPError(f"--attention: head {head} out of range [0, {H})")
+        raise QwenNPError(f"{head} out of range [0, {H})", "head")
     weights = attention_weights(model, token_ids, layer)[head]                   # [T, T]
     texts = [token_text(tokenizer, int(t)) for t in token_ids]
     last = weights[-1]                                                           # [T]

@@ -30,10 +30,11 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
     context, at most memory.DEFAULT_CONTEXT); batch_size: the training batch of that breakdown.
     """
     if tokens <= 0:
-        raise QwenNPError(f"--tokens: must be at least 1, got {tokens}")
+        raise QwenNPError(f"must be at least 1, got {tokens}", "tokens")
     memory_context = context or min(config.max_position_embeddings, DEFAULT_CONTEXT)
-    if memory_context < 1 or batch_size < 1:
-        raise QwenNPError(f"--ctx-size / --batch-size: must be at least 1, got {memory_context} / {batch_size}")
+    for name, value in (("context", memory_context), ("batch_size", batch_size)):
+        if value < 1:
+            raise QwenNPError(f"must be at least 1, got {value}", name)
     dims = dimensions(config, tokens)
     params = parameter_summary(config)
     kv_values = kv_cache_bytes_per_token(config, bytes_per_value=1)

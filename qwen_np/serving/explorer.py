@@ -13,10 +13,13 @@ trace (what `--trace-layers` prints), the lens is lens.lens_rows over the same r
 sampling.py's order. One forward pass serves all of them: its results are kept for the last few prompts
 (CACHE_SIZE), so moving a sampling slider or picking another layer runs no model.
 
-A POST body is serve's: the checks of serve.create_app (loopback Host, application/json, API key, body
-limit, `model` naming the served model) apply, and the prompt is serve's too (`prompt`: text or token ids,
-completion_prompt's checks), at most MAX_TOKENS tokens, since the trace holds every step of every layer
-for each of them. The sampling fields are /v1/completions' (Service.request checks them).
+A POST body is serve's: the checks of app.create_app (loopback Host, application/json, API key, body
+limit, `model` naming the served model) apply, its fields are requests.REQUEST_FIELDS["/explorer/"] (any
+other refused by name), and the prompt is serve's too (`prompt`: text or token ids,
+requests.Service.completion_prompt's checks), at most MAX_TOKENS tokens, since the trace holds every step of
+every layer for each of them. The sampling fields are /v1/completions' (Service.request checks them).
+
+Imports requests.py of serving/.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 
 from ..core.config import DIMENSIONS, dimensions
 from ..errors import APIError, QwenNPError
+from .requests import api_error, check_fields
 from ..files.model_files import GenerationDefaults
 from ..inspection.lens import is_lens_step, lens_labels, lens_rows
 from ..inspection.steps import STEPS, source_line
@@ -44,30 +48,26 @@ from ..files.tokenizer import Tokenizer
 
 
 class Served(Protocol):
-    """What the explorer needs of serve.Service (serve builds the explorer over its Service)."""
+    """What the explorer needs of requests.Service (create_app builds the explorer over its Service)."""
 
     tokenizer: Tokenizer
     defaults: GenerationDefaults
-    runner: Any                                                   # batching.BatchRunner: .generator.model
 
     @property
     def model_id(self) -> str: ...
+
+    @property
+    def model(self) -> Qwen3Model: ...
 
     def completion_prompt(self, body: dict[str, Any]) -> list[int]: ...
 
     def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Any: ...
 
 WEB = Path(__file__).parent / "web"          # the page: plain HTML, CSS and JS, no build step, nothing fetched
-PAGE_PATHS = ("/", "/web/")                  # served without an API key: the page holds none (it asks for one)
 MAX_TOKENS = 64                              # a prompt's tokens the explorer traces
 CACHE_SIZE = 4                               # prompts whose forward pass is kept
 LENS_TOP = 5                                 # tokens per row of the logit lens
 LISTED = 40                                  # tokens the filter view lists, the most likely first
-
-
-def is_page(path: str) -> bool:
-    """Whether `path` is the page itself (open to a browser without the API key the page then asks for)."""
-    return path == PAGE_PATHS[0] or path.startswith(PAGE_PATHS[1])
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class Explorer:
 
     def __init__(self, service: Served) -> None:
         self.service = service
-        self.model: Qwen3Model = service.runner.generator.model
+        self.model = service.model
         self.tokenizer = service.tokenizer
         self.runs: OrderedDict[tuple[int, ...], Run] = OrderedDict()
         self.lock = threading.Lock()                 # handlers run on worker threads
@@ -239,11 +239,12 @@ class Explorer:
             async def handle(http: Any) -> Response:
                 try:
                     body = await read_body(http)
+                    check_fields(body, "/explorer/")
                     return JSONResponse(await run_in_threadpool(method, body))
                 except APIError as problem:
                     return error(problem)
                 except QwenNPError as problem:           # sampling settings that make no distribution
-                    return error(APIError(400, str(problem)))
+                    return error(api_error(problem))
                 except Exception as problem:             # a bug: say so in one line, keep serving
                     print(f"explorer: internal error: {type(problem).__name__}: {problem}", file=sys.stderr)
                     return error(APIError(500, f"internal error: {type(problem).__name__}", kind="server_error"))
@@ -253,15 +254,10 @@ class Explorer:
             return JSONResponse(await run_in_threadpool(self.describe))
 
         async def page(http: Any) -> Response:
-            return FileResponse(WEB / "index.html", headers=PAGE_HEADERS)
+            return FileResponse(WEB / "index.html")          # its headers: app.create_app's, as every page file's
 
         return [Route("/", page, methods=["GET"]), Mount("/web", StaticFiles(directory=WEB), name="web"),
                 Route("/explorer/model", describe, methods=["GET"]),
                 *[Route(f"/explorer/{name}", posted(getattr(self, name)), methods=["POST"])
                   for name in ("analyze", "attention", "filter", "sample")]]
 
-
-# The page loads nothing from elsewhere, and says so to the browser: it runs offline, and a script
-# injected through a model's output (shown as text, never as HTML) could not call out either.
-PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
-                "X-Content-Type-Options": "nosniff"}

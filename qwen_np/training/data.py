@@ -215,7 +215,7 @@ def train_tokenizer(text: str, vocab_size: int) -> tokenizers.Tokenizer:
     the 256 bytes, then merges. Deterministic: the same text and size give the same tokenizer.json."""
     minimum = 1 + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size <= minimum:
-        raise QwenNPError(f"--vocab-size {vocab_size}: must exceed {minimum} (the separator and the 256 bytes)")
+        raise QwenNPError(f"{vocab_size} does not exceed {minimum} (the separator and the 256 bytes)", "vocab_size")
     tokenizer = new_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -229,8 +229,8 @@ def train_tokenizer(text: str, vocab_size: int) -> tokenizers.Tokenizer:
     if tokenizer.token_to_id(END_OF_TEXT) != END_OF_TEXT_ID:
         raise AssertionError("the BPE trainer no longer puts special tokens first")
     if tokenizer.get_vocab_size() < vocab_size:  # the trainer stops when no pair is left to merge
-        raise QwenNPError(f"--vocab-size {vocab_size}: the training text ({len(text):,} characters) yields only "
-                          f"{tokenizer.get_vocab_size()} tokens; choose a smaller vocabulary or more text")
+        raise QwenNPError(f"{vocab_size} is more than the training text ({len(text):,} characters) yields: only "
+                          f"{tokenizer.get_vocab_size()} tokens; choose a smaller vocabulary or more text", "vocab_size")
     return tokenizer
 
 

@@ -70,7 +70,7 @@ def encoded_documents(tokenizer: Any, text: str) -> tuple[list[np.ndarray], int]
     """Each document's ids (preceded by <|endoftext|> when the tokenizer has it) and the characters."""
     docs = documents(text)
     if not docs:
-        raise QwenNPError("--text: the text is empty")
+        raise QwenNPError("the text is empty", "text")
     try:
         start: int | None = tokenizer.token_to_id(END_OF_TEXT)
     except QwenNPError:
@@ -101,7 +101,7 @@ def score_text(logits_of: Callable[[np.ndarray], np.ndarray], docs: list[np.ndar
     for nats, tokens in runtime.independent_jobs(window_nats, jobs_in_order, jobs):
         score.add(nats, tokens)
     if score.tokens == 0:
-        raise QwenNPError("--text: too short to score (needs at least two tokens)")
+        raise QwenNPError("too short to score (needs at least two tokens)", "text")
     return score
 
 

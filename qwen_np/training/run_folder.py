@@ -45,15 +45,15 @@ def _take(path: Path) -> tuple[int, str | None]:
             except FileNotFoundError:           # its trainer removed it just now: create it again
                 continue
         except FileNotFoundError:               # the folder itself: a run that failed there removed it
-            raise QwenNPError(f"--out: {path.parent} was removed as this run started (by a train run that "
-                              "failed there); start it again") from None
+            raise QwenNPError(f"{path.parent} was removed as this run started (by a train run that "
+                              "failed there); start it again", "out") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read(fd)
             os.close(fd)
-            raise QwenNPError(f"--out: {path.parent} is in use by another train run (PID {holder or '?'}, holding "
-                              f"{path}); wait for it to end, or train into another folder") from None
+            raise QwenNPError(f"{path.parent} is in use by another train run (PID {holder or '?'}, holding "
+                              f"{path}); wait for it to end, or train into another folder", "out") from None
         if not _same_file(fd, path):            # removed (and maybe made again) between our open and flock
             os.close(fd)
             continue

@@ -117,11 +117,11 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
     """
     B = batch.shape[0]
     if micro_batches < 1 or B % micro_batches:
-        raise QwenNPError(f"--grad-accum: {micro_batches} does not divide the batch size {B}")
+        raise QwenNPError(f"{micro_batches} does not divide the batch size {B}", "micro_batches")
     rows = B // micro_batches
     shards = math.gcd(rows, max(1, threads)) if shards is None else shards
     if shards < 1 or rows % shards:
-        raise QwenNPError(f"--shards: {shards} does not divide the {rows} rows of a micro-batch")
+        raise QwenNPError(f"{shards} does not divide the {rows} rows of a micro-batch", "shards")
 
     weights = None
     if learned is not None:

@@ -110,7 +110,7 @@ class WindowOrder:
         offset = int(rng.integers(self.context))
         count = (self.n_tokens - 1 - offset) // self.context
         if count < 1:
-            raise QwenNPError(f"--data: {self.n_tokens} tokens are too few for one window of --context {self.context}")
+            raise QwenNPError(f"{self.n_tokens} tokens are too few for one window of the context ({self.context})", "data")
         return offset, rng.permutation(count)
 
     def next_batch(self, tokens: np.ndarray, batch_size: int) -> np.ndarray:
@@ -336,12 +336,12 @@ def load_corpus(data: str, out: Path, vocab_size: int, resume: bool, sha256: str
         cut = len(lines) - max(1, len(lines) // 20)
         train_text, valid_text = "".join(lines[:cut]), "".join(lines[cut:])
         if not train_text.strip() or not valid_text.strip():
-            raise QwenNPError(f"--data: {data} is too short to split into training and validation text")
+            raise QwenNPError(f"{data} is too short to split into training and validation text", "data")
     digest = corpus_sha256(train_text, valid_text)
     if sha256 is not None and digest != sha256:
-        raise QwenNPError(f"--data: {data} is not the text the run in {out} began on (SHA-256 {digest[:16]}..., the "
+        raise QwenNPError(f"{data} is not the text the run in {out} began on (SHA-256 {digest[:16]}..., the "
                           f"checkpoint's {sha256[:16]}...: edited or replaced since); resuming would train on other "
-                          "text with the old text's tokenizer: put the original back, or start a new run")
+                          "text with the old text's tokenizer: put the original back, or start a new run", "data")
     if not resume:
         corpora.save_tokenizer(corpora.train_tokenizer(train_text, vocab_size), out)
     tokenizer = Tokenizer.from_folder(out)
@@ -370,17 +370,17 @@ def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[
     settings = Settings(**values)
     for name in ("steps", "batch_size", "context", "grad_accum", "eval_every"):
         if getattr(settings, name) < 1:
-            raise QwenNPError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(settings, name)}")
+            raise QwenNPError(f"must be at least 1, got {getattr(settings, name)}", name)
     if settings.batch_size % settings.grad_accum:
-        raise QwenNPError(f"--grad-accum: {settings.grad_accum} does not divide --batch-size {settings.batch_size}")
+        raise QwenNPError(f"{settings.grad_accum} does not divide the batch size {settings.batch_size}", "grad_accum")
     if not settings.lr > 0:
-        raise QwenNPError(f"--lr: must be positive, got {settings.lr}")
+        raise QwenNPError(f"must be positive, got {settings.lr}", "lr")
     mixed.check_precision(settings.precision)
     rows = settings.batch_size // settings.grad_accum
     if not settings.shards:      # chosen once and saved: a resumed run keeps it whatever its --threads
         settings.shards = math.gcd(rows, settings.threads or usable_cores())
     if settings.shards < 0 or rows % settings.shards:
-        raise QwenNPError(f"--shards: {settings.shards} does not divide the {rows} rows of a micro-batch")
+        raise QwenNPError(f"{settings.shards} does not divide the {rows} rows of a micro-batch", "shards")
     return settings
 
 
@@ -451,18 +451,18 @@ def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
     events = events or RunEvents()
     out = spec.out
     if not spec.resume and spec.preset is None and spec.config is None:
-        raise QwenNPError("--preset or --config: say what to train (--preset tiny: seconds; --preset shakespeare, "
-                          "the bundled model: about 50 minutes on 2 cores)")
+        raise QwenNPError("say what to train (--preset tiny: seconds; --preset shakespeare, "
+                          "the bundled model: about 50 minutes on 2 cores)", "spec")
     if spec.resume and not out.exists():
-        raise QwenNPError(f"--resume: {out} does not exist: there is no earlier run to continue (start one without "
-                          "--resume)")
+        raise QwenNPError(f"{out} does not exist: there is no earlier run to continue (start one without "
+                          "--resume)", "resume")
     if out.exists() and not out.is_dir():
-        raise QwenNPError(f"--out: {out} is a file, not a folder")
+        raise QwenNPError(f"{out} is a file, not a folder", "out")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as bad:
-        raise QwenNPError(f"--out: cannot create {out} ({bad.strerror})") from None
+        raise QwenNPError(f"cannot create {out} ({bad.strerror})", "out") from None
     with run_folder.locked(out) as left:
         try:
             return _run(spec, events, left)
@@ -505,17 +505,17 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
         state, params, adam_m, adam_v, optimizer_step = _resumed(spec, notes, left)
     else:
         if last.exists():
-            raise QwenNPError(f"--out: {out} already holds a run ({LAST}); pass --resume or another folder")
+            raise QwenNPError(f"{out} already holds a run ({LAST}); pass --resume or another folder", "out")
         state = RunState(hf_config(_model_config(spec)), resolve_settings(spec.overrides, spec.preset, None),
                          spec.data or "shakespeare")
     settings = state.settings
     config = Qwen3Config.from_dict(state.config, source="--config")
     if settings.context > config.max_position_embeddings:
-        raise QwenNPError(f"--context {settings.context} exceeds the model's max_position_embeddings "
-                          f"({config.max_position_embeddings})")
+        raise QwenNPError(f"{settings.context} exceeds the model's max_position_embeddings "
+                          f"({config.max_position_embeddings})", "context")
     data = spec.data or state.data
     if spec.resume and spec.data is None and data != "shakespeare" and not Path(data).exists():
-        raise QwenNPError(f"--data: {data}, the run's text, is not there (moved? name its new place with --data)")
+        raise QwenNPError(f"{data}, the run's text, is not there (moved? name its new place with --data)", "data")
     corpus = load_corpus(data, out, config.vocab_size, spec.resume, state.data_sha256)   # a resumed run's: its own text
     if spec.resume and state.data_sha256 is None:
         notes.append(f"note: {last} keeps no hash of its text (written before checkpoints did): {data} is taken as "
@@ -569,7 +569,7 @@ def _resumed(spec: RunSpec, notes: list[str], left: str | None
     try:
         state, params, adam_m, adam_v, optimizer_step = read_checkpoint(last)
     except QwenNPError as bad:
-        raise QwenNPError(f"--resume: {bad}; {_fallback(out)}") from None
+        raise QwenNPError(f"{bad}; {_fallback(out)}", "resume") from None
     if spec.preset is not None or spec.config is not None:
         flag = "--preset" if spec.preset is not None else "--config"
         wanted = hf_config(_model_config(spec))
@@ -685,7 +685,7 @@ def _model_config(spec: RunSpec) -> dict[str, Any]:
         from ..core.config import read_json_object
         return read_json_object(spec.config)
     if spec.preset not in PRESET_CONFIGS:
-        raise QwenNPError(f"--preset: unknown {spec.preset!r}; expected one of {', '.join(sorted(PRESET_CONFIGS))}")
+        raise QwenNPError(f"unknown {spec.preset!r}; expected one of {', '.join(sorted(PRESET_CONFIGS))}", "preset")
     return dict(PRESET_CONFIGS[spec.preset])
 
 

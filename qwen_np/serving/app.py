@@ -1,0 +1,156 @@
+"""The ASGI application: Starlette's routes behind the access checks, the body read within its limits, each
+request handled on worker threads where it tokenises, answered with OpenAI's JSON (errors too: nothing
+answers with a traceback), and logged in one line on stderr.
+
+    GET  /v1/models            the served names
+    POST /v1/chat/completions  requests.Service.chat_prompt -> responses.Reply (whole or streamed)
+    POST /v1/completions       requests.Service.completion_prompt -> responses.Reply
+    GET  /health               running and waiting requests
+    GET  /metrics              metrics.prometheus_text
+    GET  /  /web/...           the page, and its endpoints under /explorer/ (explorer.py)
+
+Imports access, requests, responses, explorer and metrics of serving/ (above them all but launch.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Any, Callable
+
+from ..errors import APIError, QwenNPError
+from .access import PAGE_HEADERS, is_page, log_line, loggable, refusal
+from .explorer import Explorer
+from .metrics import PROMETHEUS_TYPE, prometheus_text
+from .requests import Service, api_error, check_fields, parse_body
+from .responses import Reply
+
+# A request body above this is refused (413) unread: a prompt that fills even a 40960-token context
+# with the longest tokens (128 characters) takes about 5 MiB of JSON.
+MAX_BODY_BYTES = 8 * 2**20
+# A client must send its whole body within this (408 otherwise), so a half-sent request does not hold
+# its connection and handler open forever (protocol.py bounds the headers and the idle time).
+BODY_SECONDS = 10.0
+PAGE_HEADER_LINES = [(name.lower().encode(), value.encode()) for name, value in PAGE_HEADERS.items()]
+
+
+def create_app(service: Service, *, api_key: str | None = None, loopback_only: bool = True,
+               log: bool = True) -> Any:
+    """The ASGI application serving `service`: Starlette's routes behind the checks of `refusal`, each
+    request logged on stderr when `log`."""
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
+    from starlette.requests import Request as HTTPRequest
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+    from starlette.types import Message as ASGIMessage
+    from starlette.types import Receive, Scope, Send
+
+    def error(problem: APIError) -> Response:
+        return JSONResponse(problem.body(), status_code=problem.status)
+
+    async def read_raw(http: HTTPRequest) -> bytes:
+        """The body, refused (413) as soon as it is known to pass MAX_BODY_BYTES."""
+        declared = http.headers.get("content-length", "")
+        chunks: list[bytes] = []
+        size = int(declared) if declared.isdigit() else 0
+        if size <= MAX_BODY_BYTES:
+            size = 0
+            async for chunk in http.stream():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    break
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"request body: larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+        return b"".join(chunks)
+
+    async def read_body(http: HTTPRequest) -> dict[str, Any]:
+        try:
+            raw = await asyncio.wait_for(read_raw(http), BODY_SECONDS)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"request body: not received within {BODY_SECONDS:g}s") from None
+        return await run_in_threadpool(parse_body, raw, service.model_ids)
+
+    def endpoint(chat: bool) -> Callable[[HTTPRequest], Any]:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+
+        async def handle(http: HTTPRequest) -> Response:
+            try:
+                body = await read_body(http)
+                check_fields(body, path)                   # a field it does not read: refused by name
+                # Tokenising and templating take time in proportion to the prompt: on worker threads,
+                # they hold up no other client and no /health.
+                if chat:
+                    prompt, thinking = await run_in_threadpool(service.chat_prompt, body)
+                else:
+                    prompt, thinking = await run_in_threadpool(service.completion_prompt, body), None
+                request = service.request(body, prompt, thinking)
+                reply = Reply(service, request, chat)
+                http.state.usage = reply.usage
+                if body.get("stream"):
+                    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                    return StreamingResponse(reply.stream(usage), media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache"})
+                return JSONResponse(await reply.whole(http))
+            except APIError as problem:
+                return error(problem)
+            except QwenNPError as problem:
+                return error(api_error(problem))
+            except ClientDisconnect:
+                return error(APIError(499, "client disconnected"))
+            except Exception as problem:        # a bug: say so in one line, keep serving
+                print(loggable(f"serve: internal error: {type(problem).__name__}: {problem}"), file=sys.stderr)
+                return error(APIError(500, f"internal error: {type(problem).__name__}", kind="server_error"))
+        return handle
+
+    async def models(http: HTTPRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": service.created,
+                                                         "owned_by": "qwen_np"} for name in service.model_ids]})
+
+    async def health(http: HTTPRequest) -> Response:
+        return JSONResponse(service.health())
+
+    async def metrics(http: HTTPRequest) -> Response:
+        return Response(prometheus_text(service.generator), media_type=PROMETHEUS_TYPE)
+
+    async def http_error(http: HTTPRequest, problem: Exception) -> Response:
+        status = problem.status_code if isinstance(problem, HTTPException) else 500
+        what = {404: f"no route {http.url.path}", 405: f"{http.method} is not allowed on {http.url.path}"}
+        return error(APIError(status, what.get(status, str(getattr(problem, "detail", "error")))))
+
+    routes = Starlette(routes=[Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+                               Route("/metrics", metrics, methods=["GET"]),
+                               Route("/v1/chat/completions", endpoint(chat=True), methods=["POST"]),
+                               Route("/v1/completions", endpoint(chat=False), methods=["POST"]),
+                               *Explorer(service).routes(read_body, error)],      # the page at / (explorer.py)
+                       exception_handlers={HTTPException: http_error})
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await routes(scope, receive, send)
+        started, status = time.perf_counter(), 0
+        page = is_page(scope["path"])
+
+        async def sending(message: ASGIMessage) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if page:                # every response of the page, whichever route or file it comes from
+                    message = {**message, "headers": [*message.get("headers", []), *PAGE_HEADER_LINES]}
+            await send(message)
+
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+        problem = refusal(scope["method"], scope["path"], headers, api_key, loopback_only)
+        try:
+            await (error(problem) if problem is not None else routes)(scope, receive, sending)
+        finally:
+            if log:
+                usage = scope.get("state", {}).get("usage")
+                print(log_line(scope["method"], scope["path"], status, usage() if usage else None,
+                               time.perf_counter() - started), file=sys.stderr, flush=True)
+
+    return app

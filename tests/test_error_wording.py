@@ -1,0 +1,104 @@
+"""Library errors name the library's parameter; each front end words it: the CLI with its flag
+(commands/common.FLAGS), the server with its JSON field (serving/requests.FIELDS).
+
+What this protects: no library module writes a command-line flag into an error, every flag the CLI's table
+names is a flag some command has, every parameter a library error is about reads as a flag on the command
+line, and one error reads as the flag in the CLI and as the field at the server.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwen_np.cli import build_parser
+from qwen_np.commands.common import FLAGS, error_line
+from qwen_np.core.sampling import SamplingParams
+from qwen_np.errors import QwenNPError
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "qwen_np"
+# Parameters the command line shows under their own names: no command passes them through as they are
+# (generate checks --attention LAYER:HEAD in its own words first), or no flag sets them (vocab_size is the
+# model config's field, from --preset or --config).
+OWN_NAMES = {"layer", "head", "vocab_size"}
+
+
+def library_errors() -> list[tuple[Path, ast.Call]]:
+    """Every QwenNPError(...) raised in the library: qwen_np/ without the command line (commands/, cli.py)."""
+    calls = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "commands" or path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "QwenNPError":
+                calls.append((path, node))
+    return calls
+
+
+def leading_text(node: ast.expr) -> str:
+    """The literal text a message expression starts with ("" when it starts with a value)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+        return str(node.values[0].value)
+    if isinstance(node, ast.BinOp):
+        return leading_text(node.left)
+    return ""
+
+
+def test_no_library_error_is_worded_as_a_command_line_flag() -> None:
+    flagged = [f"{path.relative_to(ROOT)}:{call.lineno}" for path, call in library_errors()
+               if call.args and leading_text(call.args[0]).lstrip().startswith("--")]
+    assert len(library_errors()) > 100 and flagged == []
+
+
+def test_every_parameter_a_library_error_names_reads_as_a_flag_of_some_command() -> None:
+    named = {call.args[1].value for _, call in library_errors()
+             if len(call.args) > 1 and isinstance(call.args[1], ast.Constant)}
+    assert {"kv_dtype", "num_blocks", "max_batch", "preset", "seed", "memory"} <= named
+    assert named - OWN_NAMES <= set(FLAGS), named - OWN_NAMES - set(FLAGS)
+    assert not OWN_NAMES & set(FLAGS)
+    parser = build_parser()
+    options = {option for command in parser._subparsers._group_actions[0].choices.values()      # type: ignore[union-attr]
+               for action in command._actions for option in action.option_strings}
+    flags = {flag for words in FLAGS.values() for flag in words.split() if flag.startswith("--")}
+    assert flags <= options, flags - options
+
+
+def test_one_error_reads_as_its_parameter_the_flag_and_the_field() -> None:
+    from qwen_np.serving.requests import api_error
+
+    with pytest.raises(QwenNPError) as caught:
+        SamplingParams(top_k=-1)
+    problem = caught.value
+    assert (str(problem), problem.param) == ("top_k: must be an integer >= 0 (0 = off), got -1", "top_k")
+    assert error_line(problem) == "--top-k: must be an integer >= 0 (0 = off), got -1"
+    answer = api_error(problem)
+    assert (answer.status, answer.message, answer.param) == (400, "top_k: must be an integer >= 0 (0 = off), got -1",
+                                                             "top_k")
+    renamed = api_error(QwenNPError("must be >= 1, got 0", "max_new_tokens"))
+    assert (renamed.message, renamed.param) == ("max_tokens: must be >= 1, got 0", "max_tokens")
+    # A parameter no request carries is not passed off as a field.
+    assert api_error(QwenNPError("expected one of fp32, bf16, fp16, got 'x'", "kv_dtype")).param is None
+
+
+def test_an_error_copied_or_pickled_keeps_its_parameter() -> None:
+    import copy
+    import pickle
+
+    problem = QwenNPError("must be >= 1, got 0", "max_batch")
+    for twin in (copy.copy(problem), pickle.loads(pickle.dumps(problem))):
+        assert (str(twin), twin.param, error_line(twin)) == (str(problem), "max_batch", "--max-batch: must be >= 1, got 0")
+
+
+def test_the_command_line_shows_a_library_error_as_its_flag(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "qwen_np", "inspect", "--preset", "no-such-model"],
+                            cwd=ROOT, capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2
+    assert result.stderr.decode().startswith("error: --preset: unknown preset 'no-such-model'; known: "), result.stderr
