@@ -21,8 +21,7 @@ from importlib import import_module
 from typing import NoReturn
 
 from . import __version__
-from .commands import EXIT_BAD_INPUT, EXIT_INTERRUPTED
-from .commands.common import error_line
+from .commands import EXIT_BAD_INPUT, EXIT_INTERRUPTED, error_line
 from .errors import QwenNPError
 
 # command -> (the module of qwen_np/commands whose PARSERS builds its flags, its line in `qwen-np --help`)

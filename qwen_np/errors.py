@@ -3,7 +3,7 @@ APIError for an HTTP request (the server answers OpenAI's error JSON).
 
 The library names its own parameters, never a front end's: an error about one carries its name in `param`
 ("kv_dtype: expected one of fp32, bf16, fp16, got 'x'"), and each front end words it with its own name for
-that parameter (`worded`): the CLI with its flag (cli.FLAGS: "--kv-dtype: ..."), the server with its JSON
+that parameter (`worded`): the CLI with its flag (commands.FLAGS: "--kv-dtype: ..."), the server with its JSON
 field (serving/requests.FIELDS).
 """
 

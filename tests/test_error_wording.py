@@ -1,5 +1,5 @@
 """Library errors name the library's parameter; each front end words it: the CLI with its flag
-(commands/common.FLAGS), the server with its JSON field (serving/requests.FIELDS).
+(qwen_np/commands/__init__.py: FLAGS), the server with its JSON field (serving/requests.FIELDS).
 
 What this protects: no library module writes a command-line flag into an error, every flag the CLI's table
 names is a flag some command has, every parameter a library error is about reads as a flag on the command
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from qwen_np.cli import build_parser
-from qwen_np.commands.common import FLAGS, error_line
+from qwen_np.commands import FLAGS, error_line
 from qwen_np.core.sampling import SamplingParams
 from qwen_np.errors import QwenNPError
 
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "qwen_np"
 # Parameters the command line shows under their own names: no command passes them through as they are
 # (generate checks --attention LAYER:HEAD in its own words first), or no flag sets them (vocab_size is the
-# model config's field, from --preset or --config).
-OWN_NAMES = {"layer", "head", "vocab_size"}
+# model config's field, from --preset or --config; logit_bias is a request's field, which no flag sets).
+OWN_NAMES = {"layer", "head", "vocab_size", "logit_bias"}
 
 
 def library_errors() -> list[tuple[Path, ast.Call]]:

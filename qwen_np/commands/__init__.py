@@ -2,7 +2,30 @@
 and calls the library with plain arguments; qwen_np/cli.py assembles the parser and runs them. Each
 module's PARSERS maps its commands to the functions that build their parsers (description, flags, run).
 
-Also the exit codes every command ends with (besides 0).
+Also what every command ends with: the exit codes (besides 0), and an error line (error_line). Kept
+light: cli.py imports this module before it knows the command, so `--help` pays for no NumPy.
 """
 
+from __future__ import annotations
+
+from ..errors import QwenNPError
+
 EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIGINT, as shells report it)
+
+# The command line's name for each library parameter an error is about (QwenNPError.param): the library says
+# "kv_dtype: ...", the user reads "--kv-dtype: ..." (cli.main's error funnel words every error with it).
+FLAGS = {
+    "batch_size": "--batch-size", "context": "--context", "data": "--data", "default_max_tokens": "--default-max-tokens",
+    "draft": "--draft", "draft_tokens": "--draft-tokens", "eval_every": "--eval-every", "grad_accum": "--grad-accum",
+    "kv_dtype": "--kv-dtype", "lr": "--lr", "max_batch": "--max-batch", "max_new_tokens": "--max-new-tokens",
+    "max_ngram": "--lookup", "memory": "--memory", "micro_batches": "--grad-accum", "min_p": "--min-p",
+    "model": "--model", "num_blocks": "--kv-memory", "out": "--out", "presence_penalty": "--presence-penalty",
+    "preset": "--preset", "repetition_penalty": "--repetition-penalty", "resume": "--resume", "seed": "--seed",
+    "shards": "--shards", "spec": "--preset or --config", "steps": "--steps", "system": "--system",
+    "temperature": "--temperature", "text": "--text", "tokens": "--tokens", "top_k": "--top-k", "top_p": "--top-p",
+}
+
+
+def error_line(problem: QwenNPError) -> str:
+    """A library error as the command line words it: its parameter as the flag that sets it (FLAGS)."""
+    return problem.worded(FLAGS)

@@ -18,18 +18,6 @@ from ..generation.speculative import DEFAULT_DRAFT_TOKENS, Speculation, draft_sp
 from ..files.tokenizer import Tokenizer
 from ..engine.memory import DEFAULT_CONTEXT, MODES
 
-# The command line's name for each library parameter an error is about (QwenNPError.param): the library says
-# "kv_dtype: ...", the user reads "--kv-dtype: ..." (cli.main's error funnel words every error with it).
-FLAGS = {
-    "batch_size": "--batch-size", "context": "--context", "data": "--data", "default_max_tokens": "--default-max-tokens",
-    "draft": "--draft", "draft_tokens": "--draft-tokens", "eval_every": "--eval-every", "grad_accum": "--grad-accum",
-    "kv_dtype": "--kv-dtype", "lr": "--lr", "max_batch": "--max-batch", "max_new_tokens": "--max-new-tokens",
-    "max_ngram": "--lookup", "memory": "--memory", "micro_batches": "--grad-accum", "min_p": "--min-p",
-    "model": "--model", "num_blocks": "--kv-memory", "out": "--out", "presence_penalty": "--presence-penalty",
-    "preset": "--preset", "repetition_penalty": "--repetition-penalty", "resume": "--resume", "seed": "--seed",
-    "shards": "--shards", "spec": "--preset or --config", "steps": "--steps", "system": "--system",
-    "temperature": "--temperature", "text": "--text", "tokens": "--tokens", "top_k": "--top-k", "top_p": "--top-p",
-}
 BUNDLED_MODEL = bundled_model_path()
 BUNDLED_NAME = "weights (bundled Shakespeare model)"
 # `--draft bundled`: the bundled model's own draft (BUNDLED_MODEL/draft) from any folder, as the bundled
@@ -40,11 +28,6 @@ MEMORY_HELP = ("how to hold the weights: fp32 upcasts every weight once at load 
                "matrix to int8 rows at load (a quarter, slightly different logits), q8_0 and q4_0 to llama.cpp's "
                "blocks of 32 (8.5 and 4.5 bits a weight), "
                "auto picks fp32 when it fits (default: auto)")
-
-
-def error_line(problem: QwenNPError) -> str:
-    """A library error as the command line words it: its parameter as the flag that sets it (FLAGS)."""
-    return problem.worded(FLAGS)
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

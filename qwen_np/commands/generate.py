@@ -32,7 +32,7 @@ from ..core.model import Qwen3Model, Trace
 from ..core.sampling import SamplingParams
 from ..generation.speculative import Speculation, SpeculationCounts
 from ..files.tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer, split_thinking
-from . import EXIT_INTERRUPTED, common
+from . import EXIT_INTERRUPTED, common, error_line
 
 if TYPE_CHECKING:
     from ..generation.constraints import Grammar
@@ -587,7 +587,7 @@ def run_chat(args: argparse.Namespace) -> int:
             stats.finish_reason = "interrupted"
         except QwenNPError as problem:      # e.g. one message longer than the context: say so, keep chatting
             writer.end()
-            print(f"error: {common.error_line(problem)}", file=sys.stderr)
+            print(f"error: {error_line(problem)}", file=sys.stderr)
             continue
         writer.end()
         if args.verbose:          # as llama-cli and Ollama: the stats when asked for, not after every turn
