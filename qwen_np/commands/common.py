@@ -11,6 +11,7 @@ from ..engine import runtime
 from ..files.checkpoint import bundled_model_path, resolve_model_path
 from ..engine.paged import OwnPoolCache
 from ..errors import QwenNPError
+from ..files.model_files import ModelFiles, open_model
 from ..core.config import Qwen3Config
 from ..core.kv_cache import KV_DTYPES
 from ..generation.speculative import check_draft_folder, load_draft
@@ -90,16 +91,16 @@ def add_speculation(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens drafted per step with --draft or --lookup (default: {DEFAULT_DRAFT_TOKENS})")
 
 
-def check_speculation(args: argparse.Namespace, config: Qwen3Config, tokenizer: Tokenizer) -> Path | None:
-    """The --draft checkpoint (fetched if need be), checked against the model's config and tokenizer; None
-    without --draft. Called before the model's weights load."""
+def check_speculation(args: argparse.Namespace, config: Qwen3Config, tokenizer: Tokenizer) -> ModelFiles | None:
+    """The --draft checkpoint's files (fetched if need be), checked against the model's config and tokenizer;
+    None without --draft. Called before the model's weights load; what it read is kept in the ModelFiles."""
     if args.draft_tokens is not None and args.draft is None and args.lookup is None:
         raise QwenNPError("--draft-tokens: drafts only with --draft MODEL or --lookup N")
     if args.draft is None:
         return None
-    folder = draft_folder(args.draft)
-    check_draft_folder(folder, config, tokenizer)
-    return folder
+    draft = open_model(draft_folder(args.draft), "--draft")
+    check_draft_folder(draft, config, tokenizer)
+    return draft
 
 
 def draft_folder(draft: str) -> Path:
@@ -113,7 +114,7 @@ def draft_folder(draft: str) -> Path:
     return folder
 
 
-def speculation(args: argparse.Namespace, draft: Path | None, max_tokens: int) -> Speculation | None:
+def speculation(args: argparse.Namespace, draft: ModelFiles | None, max_tokens: int) -> Speculation | None:
     """The speculation --draft (its checkpoint `draft`, loaded now; its cache stores --kv-dtype like the
     model's) or --lookup asks for, or None."""
     tokens = args.draft_tokens or DEFAULT_DRAFT_TOKENS

@@ -26,7 +26,7 @@ from ..generation.generate import (ChatSession, GenerationStats, TokenEvent, con
                                    prompt_ids, resolve_sampling)
 from ..files.model_files import GenerationDefaults
 from ..engine.loading import load_model
-from ..files.model_files import read_config, read_generation_defaults, read_tokenizer
+from ..files.model_files import ModelFiles, open_model
 from ..engine.memory import DEFAULT_CONTEXT
 from ..core.model import Qwen3Model, Trace
 from ..core.sampling import SamplingParams
@@ -245,29 +245,37 @@ def _parse_layers(spec: str, config: Qwen3Config) -> set[int]:
 
 @dataclass
 class Opened:
-    """A checkpoint's small files, read before any weight is: enough to check every input."""
+    """--model's files (read before any weight is: enough to check every input), the name the user knows it
+    by, and whether it is the bundled Shakespeare model, which the user must be told about."""
 
+    files: ModelFiles
     name: str
-    folder: Path
-    config: Qwen3Config
-    defaults: GenerationDefaults
-    tokenizer: Tokenizer
-    bundled: bool          # the bundled Shakespeare model, which the user must be told about
+    bundled: bool
+
+    @property
+    def config(self) -> Qwen3Config:
+        return self.files.config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.files.tokenizer
+
+    @property
+    def defaults(self) -> GenerationDefaults:
+        return self.files.generation_defaults
 
 
 def _open_checkpoint(model: str | None) -> Opened:
     folder = common.model_folder(model)
     bundled = common.is_bundled(folder)
-    config = read_config(folder)
-    return Opened(common.BUNDLED_NAME if bundled else model or str(folder), folder, config,
-                  read_generation_defaults(folder, config), read_tokenizer(folder), bundled)
+    return Opened(open_model(folder), common.BUNDLED_NAME if bundled else model or str(folder), bundled)
 
 
 def _load_weights(opened: Opened, args: argparse.Namespace, max_tokens: int) -> Qwen3Model:
     """Load the weights, once every input has been checked (so a bad input is the only line printed)."""
     if opened.bundled and not args.quiet:
         print(BUNDLED_NOTICE, file=sys.stderr)
-    model = load_model(opened.folder, memory=args.memory, max_tokens=max_tokens)
+    model = load_model(opened.files, memory=args.memory, max_tokens=max_tokens)
     if args.verbose and model.plan is not None:
         print(model.plan.describe(), file=sys.stderr)
     return model

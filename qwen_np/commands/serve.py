@@ -11,7 +11,7 @@ from ..serving import launch
 from ..serving.access import API_KEY_ENV
 from ..serving.requests import DEFAULT_MAX_TOKENS
 from ..errors import QwenNPError
-from ..files.model_files import read_config, read_tokenizer
+from ..files.model_files import open_model
 from ..engine.memory import DEFAULT_CONTEXT, parse_size
 from ..generation.speculative import DEFAULT_DRAFT_TOKENS
 from . import common
@@ -71,13 +71,13 @@ def run(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model or common.BUNDLED_NAME]
     if any(not name.strip() for name in names) or len(set(names)) < len(names):
         raise QwenNPError(f"--served-model-name: names must be non-empty and distinct, got {names}")
-    folder = common.model_folder(args.model)
-    draft = common.check_speculation(args, read_config(folder), read_tokenizer(folder))
+    files = open_model(common.model_folder(args.model))
+    draft = common.check_speculation(args, files.config, files.tokenizer)
     try:
         listener = socket.create_server((args.host, args.port))
     except OSError as error:
         raise QwenNPError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror})") from None
-    launch.serve(names, folder, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
+    launch.serve(names, files, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
                 memory=args.memory, kv_memory=kv_memory, kv_dtype=args.kv_dtype, api_key=args.api_key,
                 log=not args.quiet, split_reasoning=args.reasoning_format == "parsed",
                 default_max_tokens=None if args.default_max_tokens == -1 else args.default_max_tokens,

@@ -19,9 +19,9 @@ from ..engine.paged import BlockPool, PagedKVCache, block_bytes, blocks_for
 from ..core.model import Qwen3Model
 from ..engine.finite import check_weights_finite
 from ..engine.loading import load_model
-from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK, format_size
+from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK, effective_context, format_size
 from ..errors import QwenNPError
-from ..files.model_files import read_config, read_generation_defaults, read_tokenizer
+from ..files.model_files import ModelFiles, open_model
 from ..generation.batching import BatchGenerator, BatchRunner
 from ..generation.speculative import (DEFAULT_DRAFT_TOKENS, Speculation, check_draft_folder, draft_speculation,
                                       load_draft, lookup_speculation)
@@ -33,11 +33,11 @@ from .requests import DEFAULT_MAX_TOKENS, LENGTH_FACTOR, Service, longest_token,
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_BATCH = "127.0.0.1", 8000, 8
 
 
-def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_batch: int = DEFAULT_MAX_BATCH,
+def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.socket, *, max_batch: int = DEFAULT_MAX_BATCH,
           context: int = DEFAULT_CONTEXT, memory: str = "auto", kv_memory: int | None = None, kv_dtype: str = "fp32",
           api_key: str | None = None, log: bool = True, split_reasoning: bool = True,
           default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-          draft: Path | None = None, lookup: int | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+          draft: Path | ModelFiles | None = None, lookup: int | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
           announce: Callable[[str], None] = lambda line: None) -> None:
     """Load the model in `folder` (clients ask for it by any of `names`, the first its own) and serve it on
     `listener` until Ctrl-C or SIGTERM. context: prompt and reply together, at most the model's; kv_memory:
@@ -54,12 +54,13 @@ def serve(names: Sequence[str], folder: Path, listener: socket.socket, *, max_ba
         raise QwenNPError(f"serve: names must be a non-empty list of model names, got {names!r}")
     if default_max_tokens is not None and default_max_tokens < 1:
         raise QwenNPError(f"must be at least 1, got {default_max_tokens}", "default_max_tokens")
-    config = read_config(folder)
-    context = min(context, config.max_position_embeddings)
-    tokenizer, defaults = read_tokenizer(folder), read_generation_defaults(folder, config)
+    files = open_model(folder)                  # read once: the command that opened it passes it on
+    config, tokenizer, defaults = files.config, files.tokenizer, files.generation_defaults
+    context = effective_context(config, context)
     if draft is not None:
-        check_draft_folder(draft, config, tokenizer)
-    model = load_model(folder, memory=memory, max_tokens=context)
+        draft = open_model(draft, "--draft")
+        check_draft_folder(draft, config, tokenizer)       # the files the command checked: nothing is read again
+    model = load_model(files, memory=memory, max_tokens=context)
     check_weights_finite(model)                  # NaN/Inf weights: one line naming the layer, before listening
     drafter = load_draft(draft, memory, context + draft_tokens) if draft is not None else None
     # Every row's draft cache holds as many positions as its target cache (plus the drafted ones), so a
