@@ -5,7 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
-from qwen_np.commands.common import FLAGS
+from qwen_np.commands import FLAGS
 from qwen_np.errors import QwenNPError
 from qwen_np.core.sampling import (SamplingParams, apply_frequency_penalty, apply_logit_bias, apply_mask,
                                    apply_presence_penalty, apply_repetition_penalty, draw, min_p_filter, next_token, pick,
