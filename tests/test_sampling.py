@@ -240,15 +240,15 @@ def test_logit_bias_adds_to_the_listed_tokens_and_minus_100_bans_one() -> None:
     assert next_token(logits, SamplingParams(temperature=0, logit_bias={2: 100}), rng, [], []) == 2
 
 
-def test_logit_bias_is_held_sorted_and_hashable_and_bad_entries_name_the_flag() -> None:
+def test_logit_bias_is_held_sorted_and_hashable_and_bad_entries_name_the_parameter() -> None:
     params = SamplingParams(logit_bias={7: 1, 3: -2.5})
     assert params.logit_bias == ((3, -2.5), (7, 1.0)) and hash(params) == hash(SamplingParams(logit_bias=((7, 1), (3, -2.5))))
     for bad in ({-1: 1.0}, {"5": 1.0}, {5: 101}, {5: float("nan")}, {True: 1.0}):
-        with pytest.raises(QwenNPError, match="^--logit-bias: "):
+        with pytest.raises(QwenNPError, match="^logit_bias: "):
             SamplingParams(logit_bias=bad)
-    with pytest.raises(QwenNPError, match=r"^--logit-bias: token id 1000 is outside the vocabulary \[0, 1000\)"):
+    with pytest.raises(QwenNPError, match=r"^logit_bias: token id 1000 is outside the vocabulary \[0, 1000\)"):
         next_token(random_logits(0), SamplingParams(logit_bias={1000: 1.0}), np.random.default_rng(0), [], [])
-    with pytest.raises(QwenNPError, match="^--frequency-penalty: must be a finite number"):
+    with pytest.raises(QwenNPError, match="^frequency_penalty: must be a finite number"):
         SamplingParams(frequency_penalty=float("inf"))
 
 
