@@ -27,7 +27,7 @@ from ..generation.generate import (ChatSession, GenerationStats, TokenEvent, con
 from ..files.model_files import GenerationDefaults
 from ..engine.loading import load_model
 from ..files.model_files import ModelFiles, open_model
-from ..engine.memory import DEFAULT_CONTEXT
+from ..engine.memory import effective_context
 from ..core.model import Qwen3Model, Trace
 from ..core.sampling import SamplingParams
 from ..generation.speculative import Speculation, SpeculationCounts
@@ -548,7 +548,7 @@ def run_chat(args: argparse.Namespace) -> int:
         opened = _open_checkpoint(args.model)
         if not opened.tokenizer.has_chat_template:
             raise QwenNPError("chat: this model has no chat template: use generate, which continues text")
-        context = min(args.ctx_size or DEFAULT_CONTEXT, opened.config.max_position_embeddings)
+        context = effective_context(opened.config, args.ctx_size)
         draft = common.check_speculation(args, opened.config, opened.tokenizer)
         model = _load_weights(opened, args, context)
         check_weights_finite(model)        # else every turn would end in the same error, and the chat go on
