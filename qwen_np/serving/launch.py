@@ -88,6 +88,8 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
              + (f" (the draft's {format_size(pool.num_blocks * (per_pair - per_block))} included)" if drafter else "")
              + (" (default: the RAM left after the weights, with a margin, at most --max-batch full contexts)"
                 if default else ""))
+    if not model.has_head:
+        announce("no LM head (an embedding model): it serves /v1/embeddings; chat and completions answer a 400")
     if speculation is not None:
         announce(f"speculative decoding: {speculation.describe}, {speculation.tokens} tokens drafted per step")
     address = f"{'[' + host + ']' if ':' in host else host}:{port}"

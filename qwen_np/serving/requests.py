@@ -47,6 +47,7 @@ GENERATION_FIELDS = ("model", "stream", "stream_options", "n", "max_tokens", "ma
                      "stop", "stop_token_ids", "ignore_eos", "min_tokens")
 REQUEST_FIELDS = {"/v1/chat/completions": ("messages", "chat_template_kwargs", *GENERATION_FIELDS),
                   "/v1/completions": ("prompt", "parse_special_tokens", *GENERATION_FIELDS),
+                  "/v1/embeddings": ("model", "input", "encoding_format", "dimensions"),
                   "/explorer/": ("model", "prompt", "parse_special_tokens", "layer", *SAMPLING_FIELDS)}
 IGNORED = ("user", "metadata", "service_tier")
 # Not implemented: refused when set to anything but their "off" value. (tools, tool_choice, functions and an
@@ -152,6 +153,12 @@ class Service:
     def health(self) -> dict[str, Any]:
         """GET /health: the server is up, and how many requests run and wait."""
         return {"status": "ok", "running": len(self.generator.rows), "waiting": self.generator.waiting}
+
+    def check_generates(self) -> None:
+        """Refuse chat and completions for a checkpoint without an LM head (an embedding model)."""
+        if not self.model.has_head:
+            raise APIError(400, "this model has no language-model head (lm_head: an embedding model such as "
+                                "Qwen3-Embedding), so it cannot generate text: use /v1/embeddings", None, "no_lm_head")
 
     def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Request:
         """The batch request for an OpenAI body whose prompt is already tokenised."""
