@@ -10,7 +10,8 @@ answers with a traceback), and logged in one line on stderr.
     GET  /metrics              metrics.prometheus_text
     GET  /  /web/...           the page, and its endpoints under /explorer/ (explorer.py)
 
-Imports access, requests, responses, embeddings, explorer and metrics of serving/ (above them all but launch.py).
+Imports access, requests, structured, responses, embeddings, explorer and metrics of serving/ (above them all
+but launch.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .explorer import Explorer
 from .metrics import PROMETHEUS_TYPE, prometheus_text
 from .requests import Service, api_error, check_fields, parse_body
 from .responses import Reply
+from .structured import read_tools
 
 # A request body above this is refused (413) unread: a prompt that fills even a 40960-token context
 # with the longest tokens (128 characters) takes about 5 MiB of JSON.
@@ -107,8 +109,10 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
                 prompt, thinking = await run_in_threadpool(service.chat_prompt, body)
             else:
                 prompt, thinking = await run_in_threadpool(service.completion_prompt, body), None
-            request = service.request(body, prompt, thinking)
-            reply = Reply(service, request, chat)
+            # A grammar compiles in time that grows with its schema: off the event loop too.
+            request = await run_in_threadpool(service.request, body, prompt, thinking, chat)
+            tools = read_tools(body) if chat else None
+            reply = Reply(service, request, chat, calls=tools is not None and tools.callable)
             http.state.usage = reply.usage
             if body.get("stream"):
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
