@@ -8,7 +8,8 @@ A BatchGenerator holds up to `max_batch` sequences ("rows"), each with its own s
 strings and a block table into the generator's one paged.BlockPool. Each `step()` is one forward pass:
 
 1. requests that were submitted join while there is room in the batch and blocks for their prompt
-   (a prompt whose first blocks are in the prefix cache takes those and prefills only the rest);
+   (a prompt whose first blocks are in the prefix cache takes those and prefills only the rest; one that a
+   row in the batch is still reading waits until it is read, then takes its blocks so);
    cancelled and finished rows have left and given their blocks back;
 2. every decoding row feeds its last sampled token, and rows still reading their prompt feed their
    next chunk of it (at most `prefill_chunk` prompt tokens per step in all, so a long prompt delays
@@ -298,15 +299,33 @@ class BatchGenerator:
 
     def _admit(self) -> None:
         """Drop cancelled rows; let waiting rows join, in order, while the batch has room and the pool has
-        blocks for the tokens each must read first (those the prefix cache does not hold)."""
+        blocks for the tokens each must read first (those the prefix cache does not hold). A row whose prompt
+        a row in the batch is still reading waits for it (follows), the rows behind it going ahead."""
         for row in self.rows:
             if row.cancelled:
                 _free(row)
         self.rows = [row for row in self.rows if not row.cancelled]
         with self._lock:
             self._waiting = [row for row in self._waiting if not row.cancelled]
-            while self._waiting and len(self.rows) < self.max_batch and self._join(self._waiting[0]):
-                del self._waiting[0]
+            following: list[Row] = []
+            while self._waiting and len(self.rows) < self.max_batch:
+                if self.follows(self._waiting[0]):
+                    following.append(self._waiting.pop(0))
+                elif self._join(self._waiting[0]):
+                    del self._waiting[0]
+                else:
+                    break
+            self._waiting[:0] = following
+
+    def follows(self, row: Row) -> bool:
+        """Whether `row` (not yet started) has the prompt of a row in the batch that is still reading it: joining
+        once that one has read it, it takes the prompt's full blocks from the prefix cache and computes only
+        the last, partly filled one. How the n choices of one request (submitted together) share one
+        prefill; a prompt shorter than a block has nothing to share."""
+        prompt = row.request.prompt
+        return row.continuation is None and len(prompt) > self.pool.block_size and any(
+            other.cache is not None and other.cache.length < len(prompt) and len(other.request.prompt) == len(prompt)
+            and list(other.request.prompt) == list(prompt) for other in self.rows)
 
     def _join(self, row: Row) -> bool:
         """Give `row` a cache (taking what the prefix cache holds of its tokens) if the pool has blocks for the

@@ -3,14 +3,14 @@ request handled on worker threads where it tokenises, answered with OpenAI's JSO
 answers with a traceback), and logged in one line on stderr.
 
     GET  /v1/models            the served names
-    POST /v1/chat/completions  requests.Service.chat_prompt -> responses.Reply (whole or streamed)
-    POST /v1/completions       requests.Service.completion_prompt -> responses.Reply
+    POST /v1/chat/completions  requests.Service.chat_prompt -> choices.Choices of responses.Reply (whole or streamed)
+    POST /v1/completions       requests.Service.completion_prompt -> choices.Choices of responses.Reply
     POST /v1/embeddings        embeddings.embedding_job -> embeddings.embeddings
     GET  /health               running and waiting requests
     GET  /metrics              metrics.prometheus_text
     GET  /  /web/...           the page, and its endpoints under /explorer/ (explorer.py)
 
-Imports access, requests, structured, responses, embeddings, explorer and metrics of serving/ (above them all
+Imports access, requests, structured, responses, choices, embeddings, explorer and metrics of serving/ (above them all
 but launch.py).
 """
 
@@ -28,7 +28,7 @@ from .embeddings import usage as embedding_usage
 from .explorer import Explorer
 from .metrics import PROMETHEUS_TYPE, prometheus_text
 from .requests import Service, api_error, check_fields, parse_body
-from .responses import Reply
+from .choices import Choices, choice_requests, echo_of, scores_only
 from .structured import read_tools
 
 # A request body above this is refused (413) unread: a prompt that fills even a 40960-token context
@@ -109,10 +109,16 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
                 prompt, thinking = await run_in_threadpool(service.chat_prompt, body)
             else:
                 prompt, thinking = await run_in_threadpool(service.completion_prompt, body), None
-            # A grammar compiles in time that grows with its schema: off the event loop too.
-            request = await run_in_threadpool(service.request, body, prompt, thinking, chat)
+            # A grammar compiles in time that grows with its schema: off the event loop too. An echo that
+            # generates nothing (max_tokens 0) is checked as a one-token request.
+            generates = chat or not scores_only(body)
+            request = await run_in_threadpool(service.request, body if generates else {**body, "max_tokens": 1},
+                                              prompt, thinking, chat)
+            requests, n = choice_requests(service, body, request, chat)
             tools = read_tools(body) if chat else None
-            reply = Reply(service, request, chat, calls=tools is not None and tools.callable)
+            echo = None if chat else await echo_of(service, body, request, http)
+            reply = Choices(service, requests, chat, n, calls=tools is not None and tools.callable, echo=echo,
+                            generate=generates, show_logprobs=request.logprobs is not None)
             http.state.usage = reply.usage
             if body.get("stream"):
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -19,9 +19,7 @@ Imports requests.py and responses.py of serving/.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -29,7 +27,7 @@ import numpy as np
 from ..errors import APIError, QwenNPError
 from ..generation.embedding import Embedding, input_ids
 from .requests import Service
-from .responses import DISCONNECT_POLL_SECONDS
+from .responses import beside
 
 MAX_INPUTS = 2048                    # OpenAI's limit on inputs in one request
 ENCODINGS = ("float", "base64")
@@ -76,30 +74,7 @@ def _too_long(service: Service, index: int, what: str) -> APIError:
 async def embeddings(service: Service, job: Embedding, body: dict[str, Any], http: Any) -> dict[str, Any]:
     """OpenAI's embeddings response for `job`, computed on the batching thread between generation steps; a
     client that leaves cancels the rest of its passes."""
-    loop = asyncio.get_running_loop()
-    finished: asyncio.Future[BaseException | None] = loop.create_future()
-
-    def settle(error: BaseException | None) -> None:
-        if not finished.done():
-            finished.set_result(error)
-
-    def done(error: BaseException | None) -> None:          # on the batching thread
-        with contextlib.suppress(RuntimeError):               # the loop closed: server shutting down
-            loop.call_soon_threadsafe(settle, error)
-
-    task = service.runner.run_beside(job, done)
-    try:
-        while True:
-            try:
-                error = await asyncio.wait_for(asyncio.shield(finished), DISCONNECT_POLL_SECONDS)
-                break
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    raise APIError(499, "client disconnected") from None
-    finally:
-        task.cancelled = not finished.done()
-    if error is not None:
-        raise APIError(500, f"embedding failed: {type(error).__name__}: {error}", kind="server_error")
+    await beside(service, job, http, "embedding")
     base64_encoded = body.get("encoding_format") == "base64"
     data = [{"object": "embedding", "index": i, "embedding": encoded(vector, base64_encoded)}
             for i, vector in enumerate(job.vectors)]

@@ -53,7 +53,7 @@ GENERATION_FIELDS = ("model", "stream", "stream_options", "n", "max_tokens", "ma
 REQUEST_FIELDS = {"/v1/chat/completions": ("messages", "chat_template_kwargs", "tools", "tool_choice",
                                            "parallel_tool_calls", "response_format", "top_logprobs",
                                            *GENERATION_FIELDS),
-                  "/v1/completions": ("prompt", "parse_special_tokens", *GENERATION_FIELDS),
+                  "/v1/completions": ("prompt", "parse_special_tokens", "echo", "best_of", *GENERATION_FIELDS),
                   "/v1/embeddings": ("model", "input", "encoding_format", "dimensions"),
                   "/explorer/": ("model", "prompt", "parse_special_tokens", "layer", *SAMPLING_FIELDS)}
 IGNORED = ("user", "metadata", "service_tier")
@@ -62,9 +62,12 @@ IGNORED = ("user", "metadata", "service_tier")
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "reasoning_effort": (None,),
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+    "suffix": (None, ""),
     "store": (None, False), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "web_search_options": (None,)}
+# Why a refused field cannot be served, where that is the model's doing rather than this server's.
+UNSUPPORTED_WHY = {"suffix": "Qwen3 was not trained for fill-in-the-middle (it has no FIM tokens), so no text can be "
+                             "generated to fit before a suffix"}
 # A message's keys: what the template reads, what a client resending our own reply carries, and (refused
 # unless off) what this server does not do.
 MESSAGE_KEYS = ("role", "content", "name", "reasoning_content", "reasoning", "tool_call_id", "tool_calls")
@@ -170,8 +173,6 @@ class Service:
                 chat: bool = False) -> Request:
         """The batch request for an OpenAI body whose prompt is already tokenised; chat: a chat body (its
         tools or response_format give the reply a grammar, and its logprobs are a switch, not a count)."""
-        if body.get("n") not in (None, 1):
-            raise APIError(400, "n: only n=1 is supported", "n")
         max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
         room = self.context - len(prompt)
         if room < 1 or (max_tokens is not None and max_tokens > room):
@@ -309,7 +310,8 @@ def check_fields(body: dict[str, Any], endpoint: str) -> None:
     for name, value in body.items():
         if name in UNSUPPORTED:
             if value not in UNSUPPORTED[name]:
-                raise APIError(400, f"{name}: not supported by this server", name, "unsupported_field")
+                why = UNSUPPORTED_WHY.get(name, "not supported by this server")
+                raise APIError(400, f"{name}: {why}", name, "unsupported_field")
         elif name not in known and name not in IGNORED:
             raise APIError(400, f"{name}: not a field of {endpoint} (README, Serving: the request fields)", name,
                            "unknown_field")

@@ -14,12 +14,13 @@ import contextlib
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, AsyncIterator, Sequence
 
 from ..errors import APIError, QwenNPError
 from ..files.tokenizer import THINK_OPEN, ThinkingSplitter, split_thinking
-from ..generation.batching import Request, Row
+from ..generation.batching import Request, Row, Work
 from ..generation.generate import TokenEvent
 from ..generation.logprobs import Logprobs, TokenLogprob
 from ..generation.tool_calls import Delta, ReplyParser, TextDelta, parse_reply
@@ -30,18 +31,33 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"
 DISCONNECT_POLL_SECONDS = 0.5
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What a completion's reply begins with when it echoes its prompt: the prompt's text, and its tokens'
+    log-probabilities in the legacy format (prompt_logprobs) when asked for."""
+
+    text: str = ""
+    logprobs: dict[str, Any] | None = None
+
+
+NO_ECHO = Echo()
+
+
 class Reply:
     """One request's row in the batch, its events arriving on this event loop, shaped as OpenAI's
     chat.completion / text_completion objects or their stream chunks. calls: a chat reply that may call
     tools, read for its calls (tool_calls.ReplyParser)."""
 
-    def __init__(self, service: Service, request: Request, chat: bool, calls: bool = False) -> None:
+    def __init__(self, service: Service, request: Request, chat: bool, calls: bool = False, index: int = 0,
+                 echo: Echo | None = None) -> None:
         self.service, self.request, self.chat, self.calls = service, request, chat, calls
+        self.index, self.echo = index, echo           # the choice it is (choices.Choices), the prompt it echoes
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         self.row: Row | None = None
         self.completion_tokens = 0
+        self.logprob_sum = 0.0                        # of its tokens, when they carry logprobs (best_of ranks by it)
 
     def _submit(self) -> None:
         loop = asyncio.get_running_loop()
@@ -59,6 +75,7 @@ class Reply:
         if isinstance(event, BaseException):
             raise APIError(500, f"generation failed: {type(event).__name__}: {event}", kind="server_error")
         self.completion_tokens += 1
+        self.logprob_sum += event.logprobs.chosen.logprob if event.logprobs is not None else 0.0
         return event
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
@@ -87,7 +104,7 @@ class Reply:
 
     def _object(self, kind: str, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.service.model_id,
-                "choices": [{"index": 0, "logprobs": None, **choice}] if choice else [], **extra}
+                "choices": [{"index": self.index, "logprobs": None, **choice}] if choice else [], **extra}
 
     async def whole(self, http: Any) -> dict[str, Any]:
         """The non-streamed response. Nothing cancels a plain request when its client leaves, so the
@@ -108,33 +125,45 @@ class Reply:
         finally:
             if finish is None and self.row is not None:
                 self.service.runner.cancel(self.row)
-        text = "".join(pieces)
+        text, echo = "".join(pieces), self.echo or NO_ECHO
         if self.chat:
             message = assistant_message(text, self.service.split_reasoning, self.calls)
             choice = {"message": message, "finish_reason": finish_reason(finish, "tool_calls" in message)}
         else:
-            choice = {"text": text, "finish_reason": FINISH[finish]}
+            choice = {"text": echo.text + text, "finish_reason": FINISH[finish]}
         if self.request.logprobs is not None:
-            choice["logprobs"] = chat_logprobs(logprobs) if self.chat else completion_logprobs(logprobs, pieces)
+            choice["logprobs"] = (chat_logprobs(logprobs) if self.chat else joined_logprobs(
+                echo.logprobs, completion_logprobs(logprobs, pieces, len(echo.text))))
         return self._object("chat.completion" if self.chat else "text_completion", choice, usage=self.usage())
 
     async def stream(self, include_usage: bool) -> AsyncIterator[str]:
-        """Server-Sent Events: one chunk per delta (a piece of text, of reasoning, of a call), each token's
-        log-probabilities on the first chunk its text gives (on a chunk with an empty delta when its text
-        is held back: the start of what may be a marker), the finish reason, [usage], [DONE]."""
+        """Server-Sent Events: chunks(), then [DONE]."""
+        async for payload in self.chunks(include_usage):
+            yield _sse(payload)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks: an echoed prompt first (with its logprobs), one chunk per delta (a piece of text,
+        of reasoning, of a call), each token's log-probabilities on the first chunk its text gives (on a chunk
+        with an empty delta when its text is held back: the start of what may be a marker), the finish reason,
+        [usage]; an error that ends it, as the last."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         extra = {"usage": None} if include_usage else {}
         deltas = ChatDeltas(self.service.split_reasoning, self.calls)
-        offset = 0                                   # a completion's text so far: where the next token's begins
+        echo = self.echo or NO_ECHO
+        offset = len(echo.text)                      # a completion's text so far: where the next token's begins
 
-        def chunk(delta: dict[str, Any] | str, finish: str | None = None, logprobs: dict[str, Any] | None = None) -> str:
+        def chunk(delta: dict[str, Any] | str, finish: str | None = None,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
             choice = {"delta": delta} if self.chat else {"text": delta}
-            return _sse(self._object(kind, {**choice, "finish_reason": finish,
-                                            **({"logprobs": logprobs} if logprobs else {})}, **extra))
+            return self._object(kind, {**choice, "finish_reason": finish,
+                                       **({"logprobs": logprobs} if logprobs else {})}, **extra)
 
         try:
             if self.chat:
                 yield chunk({"role": "assistant", "content": ""})
+            if echo.text:
+                yield chunk(echo.text, logprobs=echo.logprobs if self.request.logprobs is not None else None)
             async for event in self._events():
                 logprobs = [event.logprobs] if event.logprobs is not None else []
                 if self.chat:
@@ -150,10 +179,38 @@ class Reply:
                               else FINISH[event.finish_reason])
                     yield chunk({} if self.chat else "", finish)
             if include_usage:
-                yield _sse(self._object(kind, {}, usage=self.usage()))
+                yield self._object(kind, {}, usage=self.usage())
         except APIError as problem:            # the stream has begun: the error goes in the stream
-            yield _sse(problem.body())
-        yield "data: [DONE]\n\n"
+            yield problem.body()
+
+
+async def beside(service: Service, work: Work, http: Any, what: str) -> None:
+    """Run `work` on the batching thread between generation steps (BatchRunner.run_beside) until it is
+    done; a client that leaves cancels the rest of it."""
+    loop = asyncio.get_running_loop()
+    finished: asyncio.Future[BaseException | None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not finished.done():
+            finished.set_result(error)
+
+    def done(error: BaseException | None) -> None:          # on the batching thread
+        with contextlib.suppress(RuntimeError):               # the loop closed: server shutting down
+            loop.call_soon_threadsafe(settle, error)
+
+    task = service.runner.run_beside(work, done)
+    try:
+        while True:
+            try:
+                error = await asyncio.wait_for(asyncio.shield(finished), DISCONNECT_POLL_SECONDS)
+                break
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    raise APIError(499, "client disconnected") from None
+    finally:
+        task.cancelled = not finished.done()
+    if error is not None:
+        raise APIError(500, f"{what} failed: {type(error).__name__}: {error}", kind="server_error")
 
 
 def assistant_message(text: str, split_reasoning: bool, calls: bool = False) -> dict[str, Any]:
@@ -239,3 +296,17 @@ def completion_logprobs(logprobs: Sequence[Logprobs], texts: Sequence[str], offs
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def prompt_logprobs(first: str, entries: Sequence[Logprobs]) -> dict[str, Any]:
+    """An echoed prompt's logprobs in the legacy format: its first token (`first`, its text) with null
+    log-probability and top ones (nothing predicts it, as OpenAI and vLLM write it), then each later token's."""
+    rest = (completion_logprobs(entries, [entry.chosen.text for entry in entries], len(first)) if entries
+            else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})      # a one-token prompt
+    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
+
+def joined_logprobs(first: dict[str, Any] | None, then: dict[str, Any]) -> dict[str, Any]:
+    """Two stretches of legacy logprobs one after the other (an echoed prompt's, then the reply's)."""
+    return then if first is None else {key: first[key] + then[key] for key in then}
