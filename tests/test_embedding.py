@@ -127,7 +127,7 @@ def test_bad_inputs_name_what_is_wrong(embedding_folder) -> None:
     for inputs, message in [([], "^input: no texts or token ids"), (["hi"], "^embed: texts need the checkpoint's tokenizer"),
                             ([[1, 2], [], [3]], r"^input\[1\]: no tokens"), ([[1], 2.5], r"^input\[1\]: must be a text"),
                             ([[1] * 2049], r"^input\[0\]: 2049 tokens, more than the model's 2048-token context"),
-                            ([[151936]], "^token_ids: id 151936 is outside the vocabulary")]:
+                            ([[151936]], r"^input\[0\]: id 151936 is outside the vocabulary")]:
         with pytest.raises(QwenNPError, match=message):
             qwen_np.embed(model, inputs)
     with pytest.raises(QwenNPError, match=r"^dimensions: must be in \[1, 32\]"):

@@ -142,8 +142,7 @@ def test_a_path_with_newlines_and_control_codes_is_logged_escaped_on_one_line(ru
 # --- every field read or refused by name, from one catalogue -------------------------------------------
 
 REFUSED = {"functions": [{"name": "f", "parameters": {}}], "function_call": "auto", "guided_json": {"type": "object"},
-           "parallel_tool_calls": False, "reasoning_effort": "low", "tools": [{"type": "function", "function": {"name": "f"}}],
-           "tool_choice": "auto", "logprobs": True, "store": True, "response_format": {"type": "json_object"}}
+           "reasoning_effort": "low", "store": True}
 
 
 @pytest.mark.parametrize("name", [*REFUSED, "no_such_field", "skip_special_tokens"])
@@ -165,8 +164,6 @@ def test_a_field_of_the_other_endpoint_is_refused_and_off_values_and_harmless_fi
 
 
 @pytest.mark.parametrize("message, key", [
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
-                                                          "function": {"name": "f", "arguments": "{}"}}]}, "tool_calls"),
     ({"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}}, "function_call"),
     ({"role": "user", "content": "x", "colour": "red"}, "colour"),
 ])

@@ -19,7 +19,7 @@ from . import common
 
 def serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Serve the model over HTTP with OpenAI's API: /v1/models, /v1/chat/completions, "
-                          "/v1/completions; concurrent requests share decode steps (continuous batching).")
+                          "/v1/completions, /v1/embeddings; concurrent requests share decode steps (continuous batching).")
     common.add_model(parser)
     parser.add_argument("--host", default=launch.DEFAULT_HOST,
                         help=f"address to listen on (default: {launch.DEFAULT_HOST}, this machine only; 0.0.0.0 opens "

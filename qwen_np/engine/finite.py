@@ -54,7 +54,7 @@ def first_non_finite_step(model: Qwen3Model, token_ids: Sequence[int] | np.ndarr
 
     try:
         for start in range(0, len(ids), PREFILL_CHUNK):
-            model.forward(ids[start:start + PREFILL_CHUNK], cache, check)
+            model.forward_batch([ids[start:start + PREFILL_CHUNK]], [cache], check, head=model.has_head)
     except _NotFinite as found:
         return found.step
     return None
@@ -62,5 +62,6 @@ def first_non_finite_step(model: Qwen3Model, token_ids: Sequence[int] | np.ndarr
 
 def check_weights_finite(model: Qwen3Model) -> None:
     """One forward pass of one token: every layer's matrices take part in it, so NaN or Inf weights show
-    (all but the embedding rows of other tokens). For a server to call before it listens."""
-    check_finite(model, [0], model.forward([0]))
+    (all but the embedding rows of other tokens; the final norm's output for a model without an LM head).
+    For a server to call before it listens."""
+    check_finite(model, [0], model.forward_batch([[0]], [None], head=model.has_head))

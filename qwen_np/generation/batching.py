@@ -8,7 +8,8 @@ A BatchGenerator holds up to `max_batch` sequences ("rows"), each with its own s
 strings and a block table into the generator's one paged.BlockPool. Each `step()` is one forward pass:
 
 1. requests that were submitted join while there is room in the batch and blocks for their prompt
-   (a prompt whose first blocks are in the prefix cache takes those and prefills only the rest);
+   (a prompt whose first blocks are in the prefix cache takes those and prefills only the rest; one that a
+   row in the batch is still reading waits until it is read, then takes its blocks so);
    cancelled and finished rows have left and given their blocks back;
 2. every decoding row feeds its last sampled token, and rows still reading their prompt feed their
    next chunk of it (at most `prefill_chunk` prompt tokens per step in all, so a long prompt delays
@@ -22,7 +23,8 @@ strings and a block table into the generator's one paged.BlockPool. Each `step()
 
 Rows join and leave between any two steps (continuous batching): a new request starts its prefill at
 the next step instead of waiting for the running ones to finish. BatchRunner runs the steps on a
-background thread for the server; the CLI calls step() itself.
+background thread for the server, and other model work between them (Work: an embedding request, one
+forward pass at a time); the CLI calls step() itself.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -296,15 +299,33 @@ class BatchGenerator:
 
     def _admit(self) -> None:
         """Drop cancelled rows; let waiting rows join, in order, while the batch has room and the pool has
-        blocks for the tokens each must read first (those the prefix cache does not hold)."""
+        blocks for the tokens each must read first (those the prefix cache does not hold). A row whose prompt
+        a row in the batch is still reading waits for it (follows), the rows behind it going ahead."""
         for row in self.rows:
             if row.cancelled:
                 _free(row)
         self.rows = [row for row in self.rows if not row.cancelled]
         with self._lock:
             self._waiting = [row for row in self._waiting if not row.cancelled]
-            while self._waiting and len(self.rows) < self.max_batch and self._join(self._waiting[0]):
-                del self._waiting[0]
+            following: list[Row] = []
+            while self._waiting and len(self.rows) < self.max_batch:
+                if self.follows(self._waiting[0]):
+                    following.append(self._waiting.pop(0))
+                elif self._join(self._waiting[0]):
+                    del self._waiting[0]
+                else:
+                    break
+            self._waiting[:0] = following
+
+    def follows(self, row: Row) -> bool:
+        """Whether `row` (not yet started) has the prompt of a row in the batch that is still reading it: joining
+        once that one has read it, it takes the prompt's full blocks from the prefix cache and computes only
+        the last, partly filled one. How the n choices of one request (submitted together) share one
+        prefill; a prompt shorter than a block has nothing to share."""
+        prompt = row.request.prompt
+        return row.continuation is None and len(prompt) > self.pool.block_size and any(
+            other.cache is not None and other.cache.length < len(prompt) and len(other.request.prompt) == len(prompt)
+            and list(other.request.prompt) == list(prompt) for other in self.rows)
 
     def _join(self, row: Row) -> bool:
         """Give `row` a cache (taking what the prefix cache holds of its tokens) if the pool has blocks for the
@@ -341,13 +362,33 @@ def _free(row: Row) -> None:
         row.drafter.reset()
 
 
+class Work(Protocol):
+    """Model work beside the batch, done in pieces (generation.embedding.Embedding): step() runs one forward
+    pass of it (at most a prefill chunk's tokens) and says whether it is finished."""
+
+    def step(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class Task:
+    """Work queued on a BatchRunner; `done` hears None when it has finished, or the exception that ended it."""
+
+    work: Work
+    done: Callable[[BaseException | None], None]
+    cancelled: bool = False
+
+
 class BatchRunner:
     """Runs a BatchGenerator's steps on a background thread whenever it has work, and hands each row's
     events to that row's listener (on that thread: listeners must only hand them on, e.g. to an
-    event loop). The model is used from this one thread only."""
+    event loop). The model is used from this one thread only: other Work runs there too, one piece
+    after each step, the tasks taking turns. So a generation waits at most one piece (one prefill
+    chunk's forward pass) between its steps, and a task advances at every step however busy the batch."""
 
     def __init__(self, generator: BatchGenerator) -> None:
         self.generator = generator
+        self._tasks: deque[Task] = deque()         # guarded by _lock
+        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="qwen_np-batching", daemon=True)
@@ -368,16 +409,50 @@ class BatchRunner:
     def cancel(self, row: Row) -> None:
         self.generator.cancel(row)
 
+    def run_beside(self, work: Work, done: Callable[[BaseException | None], None]) -> Task:
+        """Queue `work` (any thread): its pieces run between the batch's steps; `done` is called on the
+        batching thread."""
+        task = Task(work, done)
+        with self._lock:
+            self._tasks.append(task)
+        self._wake.set()
+        return task
+
     def _run(self) -> None:
         while not self._stopping:
             self._wake.clear()                  # before looking: a submit after this sets it again
-            if self.generator.idle:
+            with self._lock:
+                tasks = bool(self._tasks)
+            if self.generator.idle and not tasks:
                 self._wake.wait()
                 continue
-            try:
-                events = self.generator.step()
-            except Exception as error:          # a bug or a bad request must not stop the server's loop
-                events = [(row, error) for row in self.generator.fail(error)]
-            for row, event in events:
-                if row.listener is not None:
-                    row.listener(event)
+            if not self.generator.idle:
+                self._step()
+            if tasks:
+                self._step_task()
+
+    def _step(self) -> None:
+        try:
+            events = self.generator.step()
+        except Exception as error:          # a bug or a bad request must not stop the server's loop
+            events = [(row, error) for row in self.generator.fail(error)]
+        for row, event in events:
+            if row.listener is not None:
+                row.listener(event)
+
+    def _step_task(self) -> None:
+        """One piece of the first task (a cancelled one is dropped); it goes to the back unless finished."""
+        with self._lock:
+            task = self._tasks.popleft()
+        if task.cancelled:
+            return
+        try:
+            finished = task.work.step()
+        except Exception as error:          # this task's own failure: it ends alone
+            task.done(error)
+            return
+        if finished:
+            task.done(None)
+        else:
+            with self._lock:
+                self._tasks.append(task)

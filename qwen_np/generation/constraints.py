@@ -68,7 +68,7 @@ INSTALL = "pip install 'qwen_np[constraints]'"
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # A tool's name as OpenAI accepts it.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-TOOL_CHOICES = ("auto", "required")
+TOOL_CHOICES = ("auto", "required", "none")
 
 
 def _engine() -> Any:
@@ -216,19 +216,22 @@ def tool_call_grammar(tools: Sequence[Any], vocab: Vocabulary, choice: str = "au
     tools: OpenAI's [{"type": "function", "function": {"name", "parameters"}}, ...]. choice "auto": free text
     with calls anywhere in it (llama.cpp's "lazy" grammar: unconstrained until the model opens <tool_call>,
     then held to the declared tools until </tool_call>); "required": only calls, at least one; a tool's name:
-    one call of that tool. parallel False: at most one call."""
+    one call of that tool; "none": free text and no call (OpenAI's "the model will not call a tool": the
+    tools stay in the prompt, so the model knows them, but <tool_call> is never allowed). parallel False:
+    at most one call."""
     calls = _tool_alternatives(tools)
     if choice not in TOOL_CHOICES and choice not in calls:
-        raise QwenNPError(f"tool_choice: must be 'auto', 'required' or the name of a declared tool, got {choice!r}")
+        raise QwenNPError(f"tool_choice: must be 'auto', 'required', 'none' or the name of a declared tool, "
+                          f"got {choice!r}")
     for token in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
         if not vocab.has_token(token):
             raise QwenNPError(f"tools: this tokenizer has no {token} token (the model was not trained to call tools)")
     chosen = calls if choice in TOOL_CHOICES else {choice: calls[choice]}
     rules = [f"call: {TOOL_CALL_OPEN} \"\\n\" ({' | '.join(f'call_{i}' for i in range(len(chosen)))}) \"\\n\" {TOOL_CALL_CLOSE}"]
     rules += [f"call_{i}: {rule}" for i, rule in enumerate(chosen.values())]
-    if choice == "auto":
-        body = "TEXT (call TEXT)*" if parallel else "TEXT (call TEXT)?"
-        rules.append("TEXT: /(.|\\n)*/")
+    if choice in ("auto", "none"):
+        body = "TEXT" if choice == "none" else "TEXT (call TEXT)*" if parallel else "TEXT (call TEXT)?"
+        rules.append("TEXT: /(.|\\n)*/")          # text holds no special token: <tool_call> opens only a call
     else:
         body = "call (\"\\n\" call)*" if parallel and choice == "required" else "call"
     return _with_thinking(body, [], vocab, thinking, f"tool_calls:{choice if choice in TOOL_CHOICES else 'named'}",

@@ -25,12 +25,13 @@ itself), long ones in chunks through a KV cache of their own, as a prompt is pre
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..core.model import Qwen3Model
+from ..core.model import Qwen3Model, check_token_ids
 from ..engine.memory import PREFILL_CHUNK
+from ..engine.paged import blocks_for
 from ..errors import QwenNPError
 from ..files.tokenizer import Tokenizer
 
@@ -41,19 +42,67 @@ def embed(model: Qwen3Model, inputs: Inputs, tokenizer: Tokenizer | None = None,
           dimensions: int | None = None) -> np.ndarray:
     """Unit vectors [N, D] (float32; [N, dimensions] with `dimensions`) for `inputs`: a text, a list of
     texts (which need the checkpoint's `tokenizer`), a list of token ids, or a list of such lists."""
-    ids = input_ids(inputs, tokenizer)
-    width = model.config.hidden_size
-    if dimensions is not None and not 1 <= dimensions <= width:
-        raise QwenNPError(f"dimensions: must be in [1, {width}] (the model's hidden size), got {dimensions}")
-    for i, one in enumerate(ids):
-        if len(one) > model.config.max_position_embeddings:
-            raise QwenNPError(f"input[{i}]: {len(one)} tokens, more than the model's "
-                              f"{model.config.max_position_embeddings}-token context")
-    hidden = np.empty((len(ids), width), dtype=np.float32)
-    for batch in _batches([len(one) for one in ids]):
-        hidden[batch] = last_hidden_states(model, [ids[i] for i in batch])
-    kept = hidden[:, :dimensions].astype(np.float64)
-    return (kept / np.linalg.norm(kept, axis=1, keepdims=True)).astype(np.float32)
+    job = Embedding(model, input_ids(inputs, tokenizer), dimensions)
+    while not job.step():
+        pass
+    return job.vectors
+
+
+class Embedding:
+    """The embeddings of `ids` (input_ids' lists), computed one forward pass at a time: step() runs the
+    next (at most PREFILL_CHUNK tokens: several short inputs packed, or one chunk of a long one), so a
+    server can run them between its generation steps, each delaying the batch by one prefill chunk at
+    most (serving.embeddings). Checks everything before any pass."""
+
+    def __init__(self, model: Qwen3Model, ids: list[list[int]], dimensions: int | None = None) -> None:
+        width = model.config.hidden_size
+        if dimensions is not None and not 1 <= dimensions <= width:
+            raise QwenNPError(f"must be in [1, {width}] (the model's hidden size), got {dimensions}", "dimensions")
+        for i, one in enumerate(ids):
+            if len(one) > model.config.max_position_embeddings:
+                raise QwenNPError(f"input[{i}]: {len(one)} tokens, more than the model's "
+                                  f"{model.config.max_position_embeddings}-token context")
+            check_token_ids(one, model.config.vocab_size, f"input[{i}]")
+        self.model, self.ids, self.dimensions = model, ids, dimensions
+        self.batches = _batches([len(one) for one in ids])
+        self.passes = sum(blocks_for(len(ids[batch[0]]), PREFILL_CHUNK) if len(batch) == 1 else 1
+                          for batch in self.batches)           # forward passes in all
+        self.done = 0                                          # forward passes run
+        self.hidden = np.empty((len(ids), width), dtype=np.float32)        # [N, D] the final norm's output
+        self._passes = self._run()
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(one) for one in self.ids)
+
+    def step(self) -> bool:
+        """Run the next forward pass; whether every input's vector is then known."""
+        next(self._passes)
+        self.done += 1
+        return self.done == self.passes
+
+    @property
+    def vectors(self) -> np.ndarray:
+        """The unit vectors [N, dimensions or D] (float32), once step() has said so."""
+        kept = self.hidden[:, :self.dimensions].astype(np.float64)
+        return (kept / np.linalg.norm(kept, axis=1, keepdims=True)).astype(np.float32)
+
+    def _run(self) -> Iterator[None]:
+        """Each forward pass, one per next(): the final norm's output at the last position of each sequence.
+        Sequences up to a prefill chunk run packed without a cache; a longer one (a batch of its own) runs
+        chunk by chunk through a cache of its own."""
+        for batch in self.batches:
+            tokens = self.ids[batch[0]]
+            if len(batch) == 1 and len(tokens) > PREFILL_CHUNK:
+                cache = self.model.new_cache(len(tokens))
+                for start in range(0, len(tokens), PREFILL_CHUNK):
+                    self.hidden[batch] = self.model.forward_batch([tokens[start:start + PREFILL_CHUNK]], [cache],
+                                                                  last_only=True, head=False)
+                    yield
+            else:
+                self.hidden[batch] = self.model.forward_batch([self.ids[i] for i in batch], [None] * len(batch),
+                                                              last_only=True, head=False)
+                yield
 
 
 def input_ids(inputs: Inputs, tokenizer: Tokenizer | None) -> list[list[int]]:
@@ -81,17 +130,6 @@ def input_ids(inputs: Inputs, tokenizer: Tokenizer | None) -> list[list[int]]:
             raise QwenNPError(f"input[{i}]: no tokens")
         ids.append(one)
     return ids
-
-
-def last_hidden_states(model: Qwen3Model, ids: Sequence[Sequence[int]]) -> np.ndarray:
-    """The final norm's output [B, D] at the last position of each sequence. Sequences up to a prefill chunk
-    run in one forward pass without a cache; a longer one (a batch of its own) runs chunk by chunk."""
-    if len(ids) == 1 and len(ids[0]) > PREFILL_CHUNK:
-        cache, tokens = model.new_cache(len(ids[0])), ids[0]
-        for start in range(0, len(tokens), PREFILL_CHUNK):
-            hidden = model.forward_batch([tokens[start:start + PREFILL_CHUNK]], [cache], last_only=True, head=False)
-        return hidden
-    return model.forward_batch(list(ids), [None] * len(ids), last_only=True, head=False)
 
 
 def _batches(lengths: list[int]) -> list[list[int]]:

@@ -15,10 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.layers import log_softmax
+from ..core.model import Qwen3Model
 from ..errors import QwenNPError
 from ..files.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20       # OpenAI's limit for top_logprobs
+# Prompt positions PromptLogprobs scores per forward pass: their logits [T, V] are what a pass holds at
+# once (128 x Qwen3's 151,936 FP32 logits: 78 MB).
+SCORE_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -57,3 +61,24 @@ def token_logprobs(logits: np.ndarray, token: int, top: int, tokenizer: Tokenize
 
 def _entry(logprobs: np.ndarray, token: int, tokenizer: Tokenizer) -> TokenLogprob:
     return TokenLogprob(token, float(logprobs[token]), tokenizer.decode([token]), tokenizer.token_bytes(token))
+
+
+class PromptLogprobs:
+    """The log-probability of each token of `ids` given the tokens before it, with its `top` alternatives (the
+    first token has none: nothing predicts it): how an evaluation harness scores a text (a completion's echo
+    with logprobs). Computed SCORE_CHUNK positions per step(), through a KV cache of its own, so a server can
+    run it between its generation steps (batching.Work); `entries` holds one Logprobs per token after the first."""
+
+    def __init__(self, model: Qwen3Model, ids: list[int], top: int, tokenizer: Tokenizer) -> None:
+        self.model, self.ids, self.top, self.tokenizer = model, ids, check_top_logprobs(top), tokenizer
+        self.cache = model.new_cache(len(ids))
+        self.entries: list[Logprobs] = []
+
+    def step(self) -> bool:
+        """Score the next chunk of positions; whether every token is then scored."""
+        start = self.cache.length
+        chunk = self.ids[start:start + SCORE_CHUNK]
+        logits = self.model.forward(chunk, self.cache)                        # [T, V]: position t predicts t + 1
+        for t, row in enumerate(logits[:len(self.ids) - 1 - start]):
+            self.entries.append(token_logprobs(row, self.ids[start + t + 1], self.top, self.tokenizer))
+        return len(self.entries) == len(self.ids) - 1

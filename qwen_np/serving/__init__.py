@@ -8,7 +8,8 @@ together, and the web page that explores the forward pass.
     client.chat.completions.create(model="Qwen/Qwen3-0.6B", messages=[{"role": "user", "content": "Hi"}])
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (streamed as Server-Sent
-Events or not), GET /health (with the number of running and waiting requests), GET /metrics (those,
+Events or not), POST /v1/embeddings (a checkpoint without an LM head, such as Qwen3-Embedding, serves
+only these), GET /health (with the number of running and waiting requests), GET /metrics (those,
 the KV cache's blocks, prefix cache hits, tokens and preemptions, in Prometheus' text format), and a
 web page at / with an explorer of the forward pass and a playground (its endpoints under /explorer/).
 --served-model-name gives the model the names clients ask for (several: aliases, as vLLM's; the first
@@ -24,8 +25,11 @@ with a traceback.
 The modules, one job each, in the order they import one another (each only those before it):
     access.py     who may be served (Host, API key, JSON-only POSTs), the page's paths and headers, the log line
     protocol.py   the HTTP connection: uvicorn's h11 protocol with a deadline for each request's headers
+    structured.py a chat's tools, tool_choice and response_format as the grammar its reply follows
     requests.py   an OpenAI body checked field by field and made into a batch row (Service)
-    responses.py  a row's token events shaped as OpenAI's objects and stream chunks (Reply)
+    responses.py  a row's token events shaped as OpenAI's objects and stream chunks (Reply), tool calls and
+                  log-probabilities included
+    embeddings.py /v1/embeddings: inputs checked, their forward passes between the batch's steps
     metrics.py    GET /metrics in Prometheus' text format
     explorer.py   the web page's endpoints (one traced forward pass as JSON) and files (web/)
     app.py        the ASGI application: routes behind the access checks, bodies read within limits

@@ -3,13 +3,15 @@ request handled on worker threads where it tokenises, answered with OpenAI's JSO
 answers with a traceback), and logged in one line on stderr.
 
     GET  /v1/models            the served names
-    POST /v1/chat/completions  requests.Service.chat_prompt -> responses.Reply (whole or streamed)
-    POST /v1/completions       requests.Service.completion_prompt -> responses.Reply
+    POST /v1/chat/completions  requests.Service.chat_prompt -> choices.Choices of responses.Reply (whole or streamed)
+    POST /v1/completions       requests.Service.completion_prompt -> choices.Choices of responses.Reply
+    POST /v1/embeddings        embeddings.embedding_job -> embeddings.embeddings
     GET  /health               running and waiting requests
     GET  /metrics              metrics.prometheus_text
     GET  /  /web/...           the page, and its endpoints under /explorer/ (explorer.py)
 
-Imports access, requests, responses, explorer and metrics of serving/ (above them all but launch.py).
+Imports access, requests, structured, responses, choices, embeddings, explorer and metrics of serving/ (above them all
+but launch.py).
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from typing import Any, Callable
 
 from ..errors import APIError, QwenNPError
 from .access import PAGE_HEADERS, is_page, log_line, loggable, refusal
+from .embeddings import embedding_job, embeddings
+from .embeddings import usage as embedding_usage
 from .explorer import Explorer
 from .metrics import PROMETHEUS_TYPE, prometheus_text
 from .requests import Service, api_error, check_fields, parse_body
-from .responses import Reply
+from .choices import Choices, choice_requests, echo_of, scores_only
+from .structured import read_tools
 
 # A request body above this is refused (413) unread: a prompt that fills even a 40960-token context
 # with the longest tokens (128 characters) takes about 5 MiB of JSON.
@@ -75,27 +80,11 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
             raise APIError(408, f"request body: not received within {BODY_SECONDS:g}s") from None
         return await run_in_threadpool(parse_body, raw, service.model_ids)
 
-    def endpoint(chat: bool) -> Callable[[HTTPRequest], Any]:
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-
+    def guarded(respond: Callable[[HTTPRequest], Any]) -> Callable[[HTTPRequest], Any]:
+        """The handler answering with `respond`'s response, or OpenAI's error JSON for what it raised."""
         async def handle(http: HTTPRequest) -> Response:
             try:
-                body = await read_body(http)
-                check_fields(body, path)                   # a field it does not read: refused by name
-                # Tokenising and templating take time in proportion to the prompt: on worker threads,
-                # they hold up no other client and no /health.
-                if chat:
-                    prompt, thinking = await run_in_threadpool(service.chat_prompt, body)
-                else:
-                    prompt, thinking = await run_in_threadpool(service.completion_prompt, body), None
-                request = service.request(body, prompt, thinking)
-                reply = Reply(service, request, chat)
-                http.state.usage = reply.usage
-                if body.get("stream"):
-                    usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                    return StreamingResponse(reply.stream(usage), media_type="text/event-stream",
-                                             headers={"Cache-Control": "no-cache"})
-                return JSONResponse(await reply.whole(http))
+                return await respond(http)
             except APIError as problem:
                 return error(problem)
             except QwenNPError as problem:
@@ -106,6 +95,44 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
                 print(loggable(f"serve: internal error: {type(problem).__name__}: {problem}"), file=sys.stderr)
                 return error(APIError(500, f"internal error: {type(problem).__name__}", kind="server_error"))
         return handle
+
+    def endpoint(chat: bool) -> Callable[[HTTPRequest], Any]:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+
+        async def respond(http: HTTPRequest) -> Response:
+            body = await read_body(http)
+            check_fields(body, path)                   # a field it does not read: refused by name
+            service.check_generates()
+            # Tokenising and templating take time in proportion to the prompt: on worker threads,
+            # they hold up no other client and no /health.
+            if chat:
+                prompt, thinking = await run_in_threadpool(service.chat_prompt, body)
+            else:
+                prompt, thinking = await run_in_threadpool(service.completion_prompt, body), None
+            # A grammar compiles in time that grows with its schema: off the event loop too. An echo that
+            # generates nothing (max_tokens 0) is checked as a one-token request.
+            generates = chat or not scores_only(body)
+            request = await run_in_threadpool(service.request, body if generates else {**body, "max_tokens": 1},
+                                              prompt, thinking, chat)
+            requests, n = choice_requests(service, body, request, chat)
+            tools = read_tools(body) if chat else None
+            echo = None if chat else await echo_of(service, body, request, http)
+            reply = Choices(service, requests, chat, n, calls=tools is not None and tools.callable, echo=echo,
+                            generate=generates, show_logprobs=request.logprobs is not None)
+            http.state.usage = reply.usage
+            if body.get("stream"):
+                usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return StreamingResponse(reply.stream(usage), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            return JSONResponse(await reply.whole(http))
+        return guarded(respond)
+
+    async def embed(http: HTTPRequest) -> Response:
+        body = await read_body(http)
+        check_fields(body, "/v1/embeddings")
+        job = await run_in_threadpool(embedding_job, service, body)      # tokenising: off the event loop
+        http.state.usage = lambda: {**embedding_usage(job), "completion_tokens": 0}
+        return JSONResponse(await embeddings(service, job, body, http))
 
     async def models(http: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": service.created,
@@ -126,6 +153,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
                                Route("/metrics", metrics, methods=["GET"]),
                                Route("/v1/chat/completions", endpoint(chat=True), methods=["POST"]),
                                Route("/v1/completions", endpoint(chat=False), methods=["POST"]),
+                               Route("/v1/embeddings", guarded(embed), methods=["POST"]),
                                *Explorer(service).routes(read_body, error)],      # the page at / (explorer.py)
                        exception_handlers={HTTPException: http_error})
 

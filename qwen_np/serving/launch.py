@@ -23,6 +23,7 @@ from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK, effective_context, f
 from ..errors import QwenNPError
 from ..files.model_files import ModelFiles, open_model
 from ..generation.batching import BatchGenerator, BatchRunner
+from ..generation.constraints import INSTALL, Vocabulary, vocabulary
 from ..generation.speculative import (DEFAULT_DRAFT_TOKENS, Speculation, check_draft_folder, draft_speculation,
                                       load_draft, lookup_speculation)
 from .access import exposure_warning, is_loopback
@@ -76,9 +77,10 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
     generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
                                context=context, pool=pool, speculation=speculation)
     tokenizer.encode("", parse_special=False)    # its literal backend made now, not under a client's request
+    grammars = grammar_vocabulary(files, announce)
     service = Service(tuple(names), tokenizer, defaults, BatchRunner(generator), context,
                       LENGTH_FACTOR * longest_token(tokenizer), tokens_per_message(tokenizer), split_reasoning,
-                      default_max_tokens)
+                      default_max_tokens, grammars)
     host, port = listener.getsockname()[:2]
     warning = exposure_warning(host, api_key)
     if warning:
@@ -88,6 +90,8 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
              + (f" (the draft's {format_size(pool.num_blocks * (per_pair - per_block))} included)" if drafter else "")
              + (" (default: the RAM left after the weights, with a margin, at most --max-batch full contexts)"
                 if default else ""))
+    if not model.has_head:
+        announce("no LM head (an embedding model): it serves /v1/embeddings; chat and completions answer a 400")
     if speculation is not None:
         announce(f"speculative decoding: {speculation.describe}, {speculation.tokens} tokens drafted per step")
     address = f"{'[' + host + ']' if ':' in host else host}:{port}"
@@ -101,6 +105,18 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
         server.run(sockets=[listener])
     finally:
         service.runner.stop()
+
+
+def grammar_vocabulary(files: ModelFiles, announce: Callable[[str], None]) -> Vocabulary | None:
+    """The grammar engine's view of the tokenizer, made now (about a second for Qwen3's 151,669 tokens), not
+    under the first client that sends a schema or tools; None, said in a start line, without llguidance."""
+    try:
+        grammars = vocabulary(files.tokenizer, files.config.vocab_size, files.generation_defaults.eos_token_ids)
+    except QwenNPError:
+        announce(f"tools and response_format are refused: constrained decoding needs llguidance ({INSTALL})")
+        return None
+    _ = grammars.engine                          # built now, and kept (a cached property)
+    return grammars
 
 
 def speculation_over(pool: BlockPool, model: Qwen3Model, max_batch: int, tokens: int) -> Speculation:

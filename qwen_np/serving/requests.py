@@ -15,14 +15,16 @@ string's length is bounded, every integer's digits, and a prompt that cannot fit
 what it costs at least (its characters, and the template's tokens for each message) before anything
 renders or tokenises it. A chat's messages are text (Tokenizer.encode_chat: a special token comes only
 from the template); a completion's prompt parses special tokens as transformers and vLLM do, unless it
-asks for text with parse_special_tokens: false.
+asks for text with parse_special_tokens: false. A chat's tools and response_format become the grammar its
+reply is held to (structured.py); log-probabilities are the model's raw ones (generation/logprobs.py).
 
-Imports nothing of serving/ (only the layers below it).
+Imports structured.py of serving/ (and the layers below it).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -33,7 +35,10 @@ from ..errors import APIError, QwenNPError
 from ..files.model_files import GenerationDefaults
 from ..files.tokenizer import Message, Tokenizer
 from ..generation.batching import BatchGenerator, BatchRunner, Request
+from ..generation.constraints import Vocabulary
 from ..generation.generate import Ending, resolve_sampling
+from ..generation.logprobs import MAX_TOP_LOGPROBS
+from .structured import grammar, message_tool_calls, read_tools
 
 # max_tokens of a request that gives none: 2,048 tokens are ~30 minutes of Qwen3-8B decode on two cores,
 # where "what the context has left" (32,768 - prompt) would keep a row busy for hours.
@@ -44,31 +49,35 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # refuses unless "off". Any other field is refused by name.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "seed")
 GENERATION_FIELDS = ("model", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens", *SAMPLING_FIELDS,
-                     "stop", "stop_token_ids", "ignore_eos", "min_tokens")
-REQUEST_FIELDS = {"/v1/chat/completions": ("messages", "chat_template_kwargs", *GENERATION_FIELDS),
-                  "/v1/completions": ("prompt", "parse_special_tokens", *GENERATION_FIELDS),
+                     "frequency_penalty", "logit_bias", "logprobs", "stop", "stop_token_ids", "ignore_eos", "min_tokens")
+REQUEST_FIELDS = {"/v1/chat/completions": ("messages", "chat_template_kwargs", "tools", "tool_choice",
+                                           "parallel_tool_calls", "response_format", "top_logprobs",
+                                           *GENERATION_FIELDS),
+                  "/v1/completions": ("prompt", "parse_special_tokens", "echo", "best_of", *GENERATION_FIELDS),
+                  "/v1/embeddings": ("model", "input", "encoding_format", "dimensions"),
                   "/explorer/": ("model", "prompt", "parse_special_tokens", "layer", *SAMPLING_FIELDS)}
 IGNORED = ("user", "metadata", "service_tier")
-# Not implemented: refused when set to anything but their "off" value. (tools, tool_choice, functions and an
-# assistant message's tool_calls wait for tool calling.)
+# Not implemented: refused when set to anything but their "off" value. (functions and function_call: OpenAI's
+# deprecated names for tools and tool_choice; vLLM's guided_* : response_format says it.)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
-    "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "reasoning_effort": (None,), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+    "functions": (None, []), "function_call": (None, "none"), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "reasoning_effort": (None,),
+    "suffix": (None, ""),
     "store": (None, False), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "web_search_options": (None,)}
+# Why a refused field cannot be served, where that is the model's doing rather than this server's.
+UNSUPPORTED_WHY = {"suffix": "Qwen3 was not trained for fill-in-the-middle (it has no FIM tokens), so no text can be "
+                             "generated to fit before a suffix"}
 # A message's keys: what the template reads, what a client resending our own reply carries, and (refused
-# unless off) what calls tools.
-MESSAGE_KEYS = ("role", "content", "name", "reasoning_content", "reasoning", "tool_call_id")
+# unless off) what this server does not do.
+MESSAGE_KEYS = ("role", "content", "name", "reasoning_content", "reasoning", "tool_call_id", "tool_calls")
 MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tool_calls": (None, []), "function_call": (None,), "audio": (None,), "refusal": (None,), "annotations": (None, [])}
+    "function_call": (None,), "audio": (None,), "refusal": (None,), "annotations": (None, [])}
 # The request field of each library parameter an error may be about (QwenNPError.param): the library says
 # "max_new_tokens: ...", a client reads "max_tokens: ..." (api_error words every library error with it).
 FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
           "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty", "seed": "seed",
-          "max_new_tokens": "max_tokens"}
+          "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "max_new_tokens": "max_tokens"}
 # OpenAI's limit on stop strings, and a bound on each: stop strings are matched against the text at
 # every token, in time that grows with their number and the square of their length.
 MAX_STOPS, MAX_STOP_CHARS = 4, 256
@@ -129,6 +138,7 @@ class Service:
     message_tokens: int = 0
     split_reasoning: bool = True         # a chat reply's <think> part apart, as reasoning_content and reasoning
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS     # max_tokens of a request without one (None: no cap)
+    vocabulary: Vocabulary | None = None  # the grammar engine's view of the tokenizer (None: llguidance missing)
     created: int = int(time.time())
 
     @property
@@ -153,10 +163,16 @@ class Service:
         """GET /health: the server is up, and how many requests run and wait."""
         return {"status": "ok", "running": len(self.generator.rows), "waiting": self.generator.waiting}
 
-    def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Request:
-        """The batch request for an OpenAI body whose prompt is already tokenised."""
-        if body.get("n") not in (None, 1):
-            raise APIError(400, "n: only n=1 is supported", "n")
+    def check_generates(self) -> None:
+        """Refuse chat and completions for a checkpoint without an LM head (an embedding model)."""
+        if not self.model.has_head:
+            raise APIError(400, "this model has no language-model head (lm_head: an embedding model such as "
+                                "Qwen3-Embedding), so it cannot generate text: use /v1/embeddings", None, "no_lm_head")
+
+    def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None,
+                chat: bool = False) -> Request:
+        """The batch request for an OpenAI body whose prompt is already tokenised; chat: a chat body (its
+        tools or response_format give the reply a grammar, and its logprobs are a switch, not a count)."""
         max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
         room = self.context - len(prompt)
         if room < 1 or (max_tokens is not None and max_tokens > room):
@@ -167,7 +183,8 @@ class Service:
                     "top_k": 0 if top_k == -1 else top_k, "min_p": _number(body, "min_p", float, 0, 1),
                     "repetition_penalty": _number(body, "repetition_penalty", float, 0),
                     "presence_penalty": _number(body, "presence_penalty", float, -2, 2),
-                    "seed": _number(body, "seed", int, 0)}
+                    "frequency_penalty": _number(body, "frequency_penalty", float, -2, 2),
+                    "logit_bias": self._logit_bias(body), "seed": _number(body, "seed", int, 0)}
         if explicit["top_p"] == 0:
             raise APIError(400, "top_p: must be in (0, 1]", "top_p")
         try:
@@ -176,7 +193,9 @@ class Service:
             raise api_error(bad) from None
         generator = self.generator
         fits = max(1, min(room, generator.capacity - len(prompt), self.default_max_tokens or room))
-        request = Request(prompt, params, max_tokens or fits, _stops(body), ending=self._ending(body, max_tokens or fits))
+        constrained = grammar(body, read_tools(body), self.vocabulary, enable_thinking is not False) if chat else None
+        request = Request(prompt, params, max_tokens or fits, _stops(body), grammar=constrained,
+                          logprobs=_logprobs(body, chat), ending=self._ending(body, max_tokens or fits))
         try:
             generator.check(request)          # what is left to check: the KV cache's capacity; here, not at
                                               # submit, so that a stream's refusal is a 4xx too
@@ -185,6 +204,25 @@ class Service:
             problem.param = problem.param if max_tokens else None       # the client asked for no max_tokens
             raise problem from None
         return request
+
+    def _logit_bias(self, body: dict[str, Any]) -> dict[int, float] | None:
+        """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (JSON keys are strings), ids of the model's."""
+        bias = body.get("logit_bias")
+        if bias is None:
+            return None
+        vocab = self.model.config.vocab_size
+        if not isinstance(bias, dict):
+            raise APIError(400, 'logit_bias: must be an object of token ids and biases, {"198": -100}', "logit_bias")
+        checked = {}
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit() and int(key) < vocab):
+                raise APIError(400, f"logit_bias: keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or not -100 <= value <= 100):
+                raise APIError(400, f"logit_bias: the bias of token {key} must be a number in [-100, 100], got "
+                                    f"{value!r}", "logit_bias")
+            checked[int(key)] = float(value)
+        return checked
 
     def _ending(self, body: dict[str, Any], max_tokens: int) -> Ending:
         """vLLM's stop_token_ids, ignore_eos and min_tokens of `body`, checked."""
@@ -236,10 +274,13 @@ class Service:
             raise APIError(400, "chat_template_kwargs.enable_thinking: must be true or false", "chat_template_kwargs")
         self._check_length(body, [], len(messages))          # 250,000 empty messages: refused unread
         chat = [_message(m, i) for i, m in enumerate(messages)]
-        self._check_length(body, [text for m in chat for text in (m["content"], m.get("reasoning_content")) if text],
-                           len(chat))
+        tools = read_tools(body)
+        texts = [text for m in chat for text in (m["content"], m.get("reasoning_content")) if text]
+        texts += [json.dumps(call["function"]) for m in chat for call in m.get("tool_calls", [])]
+        self._check_length(body, texts + ([json.dumps(tools.declared)] if tools else []), len(chat))
         try:
-            ids = self.tokenizer.encode_chat(chat, add_generation_prompt=True, enable_thinking=thinking)
+            ids = self.tokenizer.encode_chat(chat, add_generation_prompt=True, enable_thinking=thinking,
+                                             tools=tools.declared if tools else None)
         except QwenNPError as bad:
             raise APIError(400, f"messages: {bad}", "messages") from None
         return ids, thinking
@@ -269,7 +310,8 @@ def check_fields(body: dict[str, Any], endpoint: str) -> None:
     for name, value in body.items():
         if name in UNSUPPORTED:
             if value not in UNSUPPORTED[name]:
-                raise APIError(400, f"{name}: not supported by this server", name, "unsupported_field")
+                why = UNSUPPORTED_WHY.get(name, "not supported by this server")
+                raise APIError(400, f"{name}: {why}", name, "unsupported_field")
         elif name not in known and name not in IGNORED:
             raise APIError(400, f"{name}: not a field of {endpoint} (README, Serving: the request fields)", name,
                            "unknown_field")
@@ -285,6 +327,19 @@ def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float
         rule = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise APIError(400, f"{name}: must be {'an integer' if kind is int else 'a number'} {rule}, got {value!r}", name)
     return kind(value)
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top log-probabilities each token reports (None: no log-probabilities): a chat's `logprobs`
+    is a switch and `top_logprobs` the count, a completion's `logprobs` the count (OpenAI's legacy field)."""
+    if not chat:
+        return _number(body, "logprobs", int, 0, MAX_TOP_LOGPROBS)
+    switch, top = body.get("logprobs"), _number(body, "top_logprobs", int, 0, MAX_TOP_LOGPROBS)
+    if switch not in (None, True, False):
+        raise APIError(400, "logprobs: must be true or false (top_logprobs gives how many alternatives)", "logprobs")
+    if top and not switch:
+        raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+    return (top or 0) if switch else None
 
 
 def _stops(body: dict[str, Any]) -> tuple[str, ...]:
@@ -319,11 +374,15 @@ def _message(message: Any, index: int) -> Message:
     for name in ("name", "reasoning_content", "reasoning", "tool_call_id"):    # the template calls string methods
         if message.get(name) is not None and not isinstance(message[name], str):
             raise APIError(400, f"{where}.{name}: must be a string", "messages")
+    calls = message_tool_calls(message["tool_calls"], where) if message.get("tool_calls") is not None else []
+    if calls and message["role"] != "assistant":
+        raise APIError(400, f"{where}.tool_calls: only an assistant message calls tools", "messages")
     role = "system" if message["role"] == "developer" else message["role"]
     # "reasoning": vLLM's name for it, which our replies carry too (a client may resend them as they came).
     reasoning = next((message[key] for key in ("reasoning_content", "reasoning") if message.get(key) is not None), None)
     return {**({"name": message["name"]} if message.get("name") is not None else {}),
             **({"reasoning_content": reasoning} if reasoning is not None else {}),
+            **({"tool_calls": calls} if calls else {}),
             "role": role, "content": content if content is not None else ""}
 
 

@@ -1,0 +1,142 @@
+"""What a chat request asks of its reply's form: the tools it may call (`tools`, `tool_choice`,
+`parallel_tool_calls`) and the form of its answer (`response_format`), each read as OpenAI defines it and
+made into the grammar that constrained decoding holds the reply to (generation/constraints.py); and the
+tool calls of an assistant message sent back in a conversation, checked before the template renders them.
+
+    tools + tool_choice "auto"      the tools in the system turn (Qwen3's template); free text, and a call
+                                    once the model opens <tool_call>, held to a declared tool's schema
+    tools + "required" / a name     only calls (of that tool), each valid against its schema
+    tools + "none"                  the tools stay in the prompt (as OpenAI: the model knows them), but the
+                                    grammar never allows <tool_call>, so no call can be made
+    response_format json_object     one JSON object; json_schema: one JSON value valid against the schema
+                                    (enforced whatever `strict` says: a grammar cannot be half-kept)
+
+With thinking on, each grammar lets the reply open with its <think> block. A schema keyword the engine does
+not implement is a 400 naming it. Imports nothing of serving/ (requests.py imports it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import APIError, QwenNPError
+from ..generation.constraints import (INSTALL, Grammar, Vocabulary, json_object_grammar, json_schema_grammar,
+                                      tool_call_grammar)
+
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A request's declared tools (as the template renders them), which it may call (`choice`: "auto",
+    "none", "required" or a tool's name) and whether several calls at once (`parallel`)."""
+
+    declared: list[Any]
+    choice: str
+    parallel: bool
+
+    @property
+    def callable(self) -> bool:
+        """Whether the reply may hold calls (and is read for them: responses.Reply)."""
+        return self.choice != "none"
+
+
+def read_tools(body: dict[str, Any]) -> Tools | None:
+    """The tools of a chat body, or None when it declares none. Each tool's own fields are checked where its
+    grammar is compiled (grammar()), naming the field: tools[i].function.name, ...parameters."""
+    declared, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise APIError(400, "parallel_tool_calls: must be true or false", "parallel_tool_calls")
+    if declared is not None and not isinstance(declared, list):
+        raise APIError(400, "tools: must be a list of tools", "tools")
+    if not declared:
+        if choice not in (None, "none", "auto"):             # OpenAI's: a call needs a tool to call
+            raise APIError(400, "tool_choice: calls a tool, but the request declares no tools", "tool_choice")
+        return None
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise APIError(400, 'tool_choice: a named choice must be {"type": "function", "function": {"name": ...}}',
+                           "tool_choice")
+        choice = name
+    elif choice is None:
+        choice = "auto"                                     # OpenAI's default when tools are present
+    elif choice not in TOOL_CHOICES:
+        raise APIError(400, f"tool_choice: must be one of {', '.join(TOOL_CHOICES)} or a named function, "
+                            f"got {choice!r}", "tool_choice")
+    return Tools(declared, choice, parallel is not False)
+
+
+def grammar(body: dict[str, Any], tools: Tools | None, vocabulary: Vocabulary | None,
+            thinking: bool) -> Grammar | None:
+    """The grammar a chat reply follows (None: unconstrained): its tools' or its response_format's.
+    thinking: the prompt lets the model think first (the grammar then allows the think block)."""
+    response = _response_format(body)
+    if response is not None and tools is not None and tools.callable:
+        raise APIError(400, "response_format: cannot be combined with tools the model may call (tool_choice "
+                            "'none' leaves the tools in the prompt and the answer to response_format)",
+                       "response_format")
+    field = "response_format" if response is not None else "tools"
+    if response is None and tools is None:
+        return None
+    if vocabulary is None:
+        raise APIError(400, f"{field}: needs constrained decoding, and the server lacks the llguidance package "
+                            f"({INSTALL})", field)
+    try:
+        if response is not None:
+            kind, schema = response
+            return (json_object_grammar(vocabulary, thinking=thinking) if kind == "json_object" else
+                    json_schema_grammar(schema, vocabulary, thinking=thinking,
+                                        where="response_format.json_schema.schema"))
+        assert tools is not None
+        return tool_call_grammar(tools.declared, vocabulary, tools.choice, parallel=tools.parallel,
+                                 thinking=thinking)
+    except QwenNPError as bad:        # its message names the field: tools[0].function.name: ..., tool_choice: ...
+        raise APIError(400, str(bad), "tool_choice" if str(bad).startswith("tool_choice") else field) from None
+
+
+def _response_format(body: dict[str, Any]) -> tuple[str, Any] | None:
+    """("json_object", None) or ("json_schema", its schema) for a body's response_format; None for text."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return kind, None
+    if kind != "json_schema":
+        raise APIError(400, "response_format: must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                            "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or spec.get("strict") not in (None, True, False):
+        raise APIError(400, "response_format.json_schema: must be an object with a name, a schema and optionally "
+                            "strict (true or false)", "response_format")
+    return kind, spec.get("schema", True)           # no schema: any JSON value (JSON Schema's `true`)
+
+
+def message_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as the template reads them (OpenAI's shape, checked; `where` names the
+    message): [{"id", "type": "function", "function": {"name", "arguments"}}], the arguments their JSON text
+    (an object is accepted, and written as the template writes one)."""
+    if not isinstance(value, list):
+        raise APIError(400, f"{where}.tool_calls: must be a list of tool calls", "messages")
+    calls = []
+    for i, call in enumerate(value):
+        at = f"{where}.tool_calls[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise APIError(400, f'{at}: must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                                '"arguments": ...}}}}', "messages")
+        if not isinstance(call.get("id", ""), str):
+            raise APIError(400, f"{at}.id: must be a string", "messages")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise APIError(400, f"{at}.function.name: must be a non-empty string", "messages")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, (str, dict)):
+            raise APIError(400, f"{at}.function.arguments: must be a string of JSON (or an object)", "messages")
+        calls.append({"id": call.get("id", ""), "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
