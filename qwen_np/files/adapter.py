@@ -80,8 +80,11 @@ def _settings(path: Path) -> dict[str, Any]:
         raise QwenNPError(f"{path}: r: must be a positive integer, got {rank!r}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise QwenNPError(f"{path}: lora_alpha: must be a number, got {alpha!r}")
+    # peft matches a module by its name or a dotted tail of it (q_proj, model.layers.0.self_attn.q_proj: what it
+    # writes for "all-linear"); the tensors then say which layers each adapts.
     targets = settings.get("target_modules")
-    if targets != "all-linear" and not (isinstance(targets, list) and targets and set(targets) <= set(LAYER_MATRICES)):
+    if targets != "all-linear" and not (isinstance(targets, list) and targets and all(
+            isinstance(target, str) and target.rsplit(".", 1)[-1] in LAYER_MATRICES for target in targets)):
         raise QwenNPError(f"{path}: target_modules: expected some of {', '.join(LAYER_MATRICES)} (or \"all-linear\"), "
                           f"got {targets!r}")
     return settings
