@@ -15,6 +15,7 @@ EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIG
 # The command line's name for each library parameter an error is about (QwenNPError.param): the library says
 # "kv_dtype: ...", the user reads "--kv-dtype: ..." (cli.main's error funnel words every error with it).
 FLAGS = {
+    "adapters": "--lora",
     "batch_size": "--batch-size", "context": "--ctx-size", "data": "--data", "default_max_tokens": "--default-max-tokens",
     "draft": "--draft", "draft_tokens": "--draft-tokens", "eval_every": "--eval-every", "grad_accum": "--grad-accum",
     "kv_dtype": "--kv-dtype", "lr": "--lr", "max_batch": "--max-batch", "max_new_tokens": "--max-new-tokens",

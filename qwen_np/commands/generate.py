@@ -19,13 +19,15 @@ from typing import TYPE_CHECKING, TextIO
 
 from ..generation.batching import BatchGenerator, Request
 from ..engine.paged import BlockPool, blocks_for
+from ..core.adapters import Adapter
 from ..core.config import Qwen3Config
 from ..errors import QwenNPError
 from ..engine.finite import check_weights_finite
 from ..generation.generate import (ChatSession, GenerationStats, TokenEvent, context_budget, generate,
                                    prompt_ids, resolve_sampling)
 from ..files.model_files import GenerationDefaults
-from ..engine.loading import load_model
+from ..engine.loading import attach_adapter, load_model
+from ..files.adapter import read_adapter
 from ..files.model_files import ModelFiles, open_model
 from ..engine.memory import effective_context
 from ..core.model import Qwen3Model, Trace
@@ -90,6 +92,10 @@ def chat_parser(chat: argparse.ArgumentParser) -> None:
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     common.add_model(parser)
+    parser.add_argument("--lora", metavar="DIR",
+                        help="apply the LoRA adapter in DIR (PEFT's format: adapter_config.json and "
+                             "adapter_model.safetensors, as `train --lora` and peft write it) without merging it: "
+                             "the model's weights stay as --memory holds them, the adapter's products are added")
     common.add_memory(parser)
     common.add_kv_dtype(parser)
     common.add_speculation(parser)
@@ -271,11 +277,19 @@ def _open_checkpoint(model: str | None) -> Opened:
     return Opened(open_model(folder), common.BUNDLED_NAME if bundled else model or str(folder), bundled)
 
 
-def _load_weights(opened: Opened, args: argparse.Namespace, max_tokens: int) -> Qwen3Model:
-    """Load the weights, once every input has been checked (so a bad input is the only line printed)."""
+def _read_lora(args: argparse.Namespace, opened: Opened) -> Adapter | None:
+    """The --lora adapter (None without it), read and checked against the model's config before any weight loads."""
+    return read_adapter(args.lora, opened.config) if args.lora is not None else None
+
+
+def _load_weights(opened: Opened, args: argparse.Namespace, max_tokens: int, adapter: Adapter | None) -> Qwen3Model:
+    """Load the weights, once every input has been checked (so a bad input is the only line printed), with
+    the --lora adapter applied."""
     if opened.bundled and not args.quiet:
         print(BUNDLED_NOTICE, file=sys.stderr)
     model = load_model(opened.files, memory=args.memory, max_tokens=max_tokens)
+    if adapter is not None:
+        attach_adapter(model, adapter)
     if args.verbose and model.plan is not None:
         print(model.plan.describe(), file=sys.stderr)
     return model
@@ -365,11 +379,12 @@ def run_generate(args: argparse.Namespace) -> int:
         trace = _tracer(args, opened.config)
         attention = _parse_attention(args.attention, opened.config) if args.attention else None
         draft = common.check_speculation(args, opened.config, opened.tokenizer)
+        adapter = _read_lora(args, opened)
         grammar = _grammar(args, opened, thinking=chat and args.think is not False)
         if not (chat or args.no_chat):      # no template: said only now that every input has been checked
             if not args.quiet:
                 print(NO_CHAT_TEMPLATE_NOTICE, file=sys.stderr)
-        model = _load_weights(opened, args, budget)
+        model = _load_weights(opened, args, budget, adapter)
         speculation = common.speculation(args, draft, budget)
         stats.load_seconds = time.perf_counter() - started
         if args.verbose:
@@ -550,7 +565,7 @@ def run_chat(args: argparse.Namespace) -> int:
             raise QwenNPError("chat: this model has no chat template: use generate, which continues text")
         context = effective_context(opened.config, args.ctx_size)
         draft = common.check_speculation(args, opened.config, opened.tokenizer)
-        model = _load_weights(opened, args, context)
+        model = _load_weights(opened, args, context, _read_lora(args, opened))
         check_weights_finite(model)        # else every turn would end in the same error, and the chat go on
         session = ChatSession(model, opened.tokenizer,
                               resolve_sampling(opened.defaults, args.think, **explicit),

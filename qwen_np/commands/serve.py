@@ -11,6 +11,7 @@ from ..serving import launch
 from ..serving.access import API_KEY_ENV
 from ..serving.requests import DEFAULT_MAX_TOKENS
 from ..errors import QwenNPError
+from ..files.adapter import read_adapter
 from ..files.model_files import open_model
 from ..engine.memory import DEFAULT_CONTEXT, parse_size
 from ..generation.speculative import DEFAULT_DRAFT_TOKENS
@@ -36,6 +37,10 @@ def serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="the name(s) clients ask for in `model` and /v1/models lists; several are aliases, the "
                              "first answers in responses (default: --model as given, else the bundled model's name)")
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                        help="also serve the LoRA adapter in DIR (PEFT's format) under the name NAME, over the same "
+                             "base weights (repeatable: several adapters; /v1/models lists them; a request's `model` "
+                             "picks one, or the base by its name; rows of different adapters share a batch)")
     common.add_memory(parser)
     parser.add_argument("--kv-memory", metavar="SIZE",
                         help="memory for the KV cache, shared by all requests, e.g. 512MiB or 2GiB; requests wait for "
@@ -73,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise QwenNPError(f"--served-model-name: names must be non-empty and distinct, got {names}")
     files = open_model(common.model_folder(args.model))
     draft = common.check_speculation(args, files.config, files.tokenizer)
+    adapters = [read_adapter(folder, files.config, name) for name, folder in _lora_flags(args.lora, names)]
     try:
         listener = socket.create_server((args.host, args.port))
     except OSError as error:
@@ -82,5 +88,18 @@ def run(args: argparse.Namespace) -> int:
                 log=not args.quiet, split_reasoning=args.reasoning_format == "parsed",
                 default_max_tokens=None if args.default_max_tokens == -1 else args.default_max_tokens,
                 draft=draft, lookup=args.lookup, draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS,
-                announce=lambda line: print(line, file=sys.stderr, flush=True))
+                adapters=adapters, announce=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
+
+
+def _lora_flags(flags: list[str], names: list[str]) -> list[tuple[str, str]]:
+    """(name, folder) of each --lora NAME=DIR, the names non-empty and distinct from each other and the base's."""
+    pairs: list[tuple[str, str]] = []
+    for flag in flags:
+        name, equals, folder = flag.partition("=")
+        if not (equals and name.strip() and folder):
+            raise QwenNPError(f"--lora: expected NAME=DIR, got {flag!r}")
+        if name in names or name in (seen for seen, _ in pairs):
+            raise QwenNPError(f"--lora: the name {name!r} is served already (the base's names: {', '.join(names)})")
+        pairs.append((name, folder))
+    return pairs

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..numbers.numerics import Adapted, Weight, upcast
+from ..numbers.numerics import Adapted, RowAdapters, Weight, upcast
 
 # note(name, value) receives each intermediate when someone watches (a trace); by default nobody does.
 Note = Callable[[str, np.ndarray], None]
@@ -46,10 +46,13 @@ def linear(x: np.ndarray, weight: Weight) -> np.ndarray:
     does not fit in RAM as FP32). int8 rows leave their per-row scale for after the product: it
     factors out of each output, y[o] = scale[o] (x . codes[o]). Under MATMUL_INPUTS (mixed-precision
     training, which holds FP32 weights) both operands are first rounded to the training's format.
-    An Adapted weight (LoRA) is its frozen base's product plus adapter_product's rank-r update.
+    An Adapted weight (LoRA) is its frozen base's product plus adapter_product's rank-r update; a
+    RowAdapters weight (a batch of rows asking for different adapters) the same, each update on its rows.
     """
-    if isinstance(weight, Adapted):                                  # LoRA: the frozen W plus its adapter
-        return linear(x, weight.base) + adapter_product(x, weight)
+    if isinstance(weight, (Adapted, RowAdapters)):                   # LoRA: the frozen W plus its adapters
+        y = linear(x, weight.base)
+        add_adapter_products(y, x, weight)
+        return y
     rounding = MATMUL_INPUTS.get()
     if rounding is not None and isinstance(weight, np.ndarray):
         x, weight = rounding(x, "activation", -1), rounding(weight, "weight", -1)
@@ -76,6 +79,20 @@ def adapter_product(x: np.ndarray, weight: Adapted) -> np.ndarray:
     MATMUL_INPUTS: only the frozen base's product reads rounded operands (training/lora.py).
     """
     return np.float32(weight.scale) * ((x @ weight.a.T) @ weight.b.T)
+
+
+def add_adapter_products(y: np.ndarray, x: np.ndarray, weight: Adapted | RowAdapters) -> None:
+    """y += the LoRA updates of an adapted weight, in place: adapter_product of every row of x for an Adapted
+    weight; for RowAdapters each group's own, on its rows only.  x [..., in], y [..., out] (RowAdapters: [T, in],
+    [T, out], the rows of a packed batch).
+
+    Why per group and not one adapter per row: a group's rows share A and B, so its update is two thin
+    products over all of them (a decode step of 8 rows of one adapter reads its A and B once, not 8 times)."""
+    if isinstance(weight, Adapted):
+        y += adapter_product(x, weight)
+        return
+    for rows, adapted in weight.groups:
+        y[rows] += adapter_product(x[rows], adapted)                                   # [n, out]
 
 
 def embed(token_ids: np.ndarray, embed_tokens: Weight) -> np.ndarray:

@@ -22,15 +22,16 @@ padding, so nothing can attend to another sequence's tokens or to padding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from ..errors import QwenNPError
-from ..numbers.numerics import Weight
+from ..numbers.numerics import RowAdapters, Weight
 from . import layers
-from .config import Qwen3Config
+from .adapters import Adapter
+from .config import LAYER_MATRICES, Qwen3Config
 from .kv_cache import KVCache, SequenceCache
 
 # trace(name, value) is called with every intermediate of the forward pass when given (see inspection),
@@ -118,18 +119,20 @@ class Qwen3Model:
 
     def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],
                       trace: Trace | None = None, last_only: bool = False,
-                      tails: Sequence[int] | None = None, head: bool = True) -> np.ndarray:
+                      tails: Sequence[int] | None = None, head: bool = True,
+                      adapters: Sequence[Adapter | None] | None = None) -> np.ndarray:
         """`forward` for B sequences at once: sequence b's tokens continue caches[b] (or start at
         position 0 when it is None). Logits [T, V] for the T tokens of all sequences, one sequence
         after another; with `last_only`, [B, V]: each sequence's last position; with `tails`, the last
         tails[b] positions of each sequence b, one after another (a speculative row verifies several).
         head=False: the final norm's output [..., D] at those positions instead of logits, the LM head
-        left out (what an embedding model such as Qwen3-Embedding gives).
+        left out (what an embedding model such as Qwen3-Embedding gives). adapters: sequence b's LoRA
+        adapter (None: the base model), each sequence's own in the same pass (Batch.layer_weights).
 
         Each sequence gets the logits it would get alone (up to the rounding of BLAS sums).
         """
         head_weight = self.lm_head if head else None       # raises now, before any work, if there is none
-        batch = self.pack(token_ids, caches)
+        batch = self.pack(token_ids, caches, adapters)
         t = Notes(trace or layers.ignore, "")
 
         x = t("model.embed_tokens", layers.embed(batch.ids, self.embed_tokens))         # [T, D]
@@ -144,7 +147,6 @@ class Qwen3Model:
             return x
         logits = t("lm_head", layers.linear(x, head_weight))                           # [T, V]
         return logits
-        return logits
 
     def decoder_layer(self, i: int, x: np.ndarray, batch: Batch, note: Trace) -> np.ndarray:
         """Layer i: x + attention(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).  [T, D] -> [T, D].
@@ -152,7 +154,8 @@ class Qwen3Model:
         x holds the packed tokens of `batch` (their positions, RoPE tables and caches); `note` sees every
         step, named as LAYER_STEPS. The one place a decoder layer is written: the precision lab rounds its
         input, training recomputes it in the backward, the inspection steps point at its lines."""
-        c, w, eps, t = self.config, self.layers[i], self.config.rms_norm_eps, Notes(note, f"model.layers.{i}.")
+        c, eps, t = self.config, self.config.rms_norm_eps, Notes(note, f"model.layers.{i}.")
+        w = batch.layer_weights(i, self.layers[i])        # with each row's own adapter, if any asks for one
         H, KVH, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         # --- self-attention block ---
         h = t("input_layernorm", layers.rms_norm(x, w.input_layernorm, eps))                       # [T, D]
@@ -172,11 +175,13 @@ class Qwen3Model:
         x = t("residual_mlp", x + mlp_out)
         return x
 
-    def pack(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None]) -> Batch:
-        """The sequences' checked ids, one sequence after another, as a Batch; their caches reserve room
-        for them (every row checked first: nothing half-done)."""
-        if len(token_ids) != len(caches) or not token_ids:
-            raise QwenNPError(f"forward_batch: {len(token_ids)} sequences of token ids for {len(caches)} caches")
+    def pack(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],
+             adapters: Sequence[Adapter | None] | None = None) -> Batch:
+        """The sequences' checked ids, one sequence after another, as a Batch (with each one's adapter); their
+        caches reserve room for them (every row checked first: nothing half-done)."""
+        if len(token_ids) != len(caches) or not token_ids or (adapters is not None and len(adapters) != len(caches)):
+            raise QwenNPError(f"forward_batch: {len(token_ids)} sequences of token ids for {len(caches)} caches"
+                              + (f" and {len(adapters)} adapters" if adapters is not None else ""))
         held = [id(cache) for cache in caches if cache is not None]
         if len(set(held)) < len(held):
             raise QwenNPError("forward_batch: the same KV cache is given for two sequences")
@@ -191,8 +196,9 @@ class Qwen3Model:
         ends = np.cumsum([len(one) for one in ids]).tolist()
         positions = np.concatenate([np.arange(start, start + len(one)) for one, start in zip(ids, starts)])
         cos, sin = layers.rope_angles(self.inv_freq, positions)                          # [T, Dh] each
-        return Batch(np.concatenate(ids), positions, [slice(end - len(one), end) for end, one in zip(ends, ids)],
-                     list(caches), cos, sin)
+        rows = [slice(end - len(one), end) for end, one in zip(ends, ids)]
+        return Batch(np.concatenate(ids), positions, rows, list(caches), cos, sin,
+                     adapter_rows(rows, adapters or [None] * len(rows)))
 
     def _check_ids(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         return check_token_ids(token_ids, self.config.vocab_size)
@@ -223,6 +229,15 @@ def output_rows(rows: list[slice], last_only: bool, tails: Sequence[int] | None)
     return [i for tail, row in zip(tails, rows) for i in range(row.stop - tail, row.stop)]
 
 
+def adapter_rows(rows: list[slice], adapters: Sequence[Adapter | None]) -> list[tuple[Adapter, np.ndarray]]:
+    """Each adapter that sequences ask for (in first-asked order), with the packed rows [n] of all its sequences."""
+    grouped: dict[int, tuple[Adapter, list[np.ndarray]]] = {}
+    for row, adapter in zip(rows, adapters):
+        if adapter is not None:
+            grouped.setdefault(id(adapter), (adapter, []))[1].append(np.arange(row.start, row.stop))
+    return [(adapter, np.concatenate(parts)) for adapter, parts in grouped.values()]
+
+
 def advance(caches: Sequence[SequenceCache | None], ids: np.ndarray, rows: list[slice]) -> None:
     """After a forward pass: each cache counts its sequence's tokens (ids[rows[b]]) as held."""
     for row, cache in zip(rows, caches):
@@ -240,6 +255,23 @@ class Batch:
     caches: list[SequenceCache | None]        # B caches (None: a sequence from position 0, not kept)
     cos: np.ndarray                           # [T, Dh] RoPE tables at those positions
     sin: np.ndarray                           # [T, Dh]
+    # Each LoRA adapter the batch's sequences ask for, with the packed rows of those sequences (adapter_rows).
+    adapters: list[tuple[Adapter, np.ndarray]] = field(default_factory=list)
+
+    def layer_weights(self, i: int, weights: LayerWeights) -> LayerWeights:
+        """Layer i's weights as this batch's rows see them: the layer's own when no row asks for an adapter;
+        else each projection some adapter of the batch adapts is a numerics.RowAdapters, its base once for
+        every row and each adapter's rank-r update on that adapter's rows only."""
+        if not self.adapters:
+            return weights
+        adapted: dict[str, Any] = {}                      # projection key -> its RowAdapters
+        for key in LAYER_MATRICES:
+            base = getattr(weights, key)
+            groups = tuple((rows, one) for adapter, rows in self.adapters
+                           if (one := adapter.adapted(i, key, base)) is not None)
+            if groups:
+                adapted[key] = RowAdapters(base, groups)
+        return replace(weights, **adapted)
 
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, note: Trace) -> np.ndarray:
         """Each sequence attends over its own keys only: its cached ones and these.  q [T, H, Dh],

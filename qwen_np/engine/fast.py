@@ -57,13 +57,14 @@ import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
 from ..core import layers
+from ..core.adapters import Adapter
 from . import runtime
 from ..core.config import LAYER_MATRICES, Qwen3Config
 from .memory import MemoryPlan
 from ..core.kv_cache import SequenceCache
 from ..core.model import LayerWeights, Qwen3Model, Trace, advance, output_rows
 from .paged import OwnPoolCache, PagedKVCache
-from ..numbers.numerics import Adapted, Grouped, Int8Rows, Panels, Weight
+from ..numbers.numerics import Adapted, Grouped, Int8Rows, Panels, RowAdapters, Weight, without_adapters
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
 # cache between its upcast and its product (block sizes measured: bench/README.md).
@@ -131,12 +132,12 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     a BF16, int8 or block-kind weight, the rows of W (columns of out) are split evenly between
     runtime.threads() threads (a block kind's few rows of x as grouped_rows); call it inside
     runtime.single_threaded_blas() (forward does), or each thread's BLAS call would start threads of
-    its own. An Adapted weight (LoRA) is its base's product plus layers.adapter_product: the same two
-    steps as layers.linear.
+    its own. An Adapted or RowAdapters weight (LoRA) is its base's product plus
+    layers.add_adapter_products: the same two steps as layers.linear.
     """
-    if isinstance(weight, Adapted):           # LoRA: the base as any weight, then its thin rank-r update
+    if isinstance(weight, (Adapted, RowAdapters)):     # LoRA: the base as any weight, then the thin rank-r updates
         linear(x, weight.base, out)
-        out += layers.adapter_product(x, weight)
+        layers.add_adapter_products(out, x, weight)
         return out
     if isinstance(weight, np.ndarray) and not few_rows(x.shape[0]):
         return np.matmul(x, weight.T, out=out)
@@ -310,13 +311,15 @@ class _Buffers:
 
 class _Fused:
     """A layer's q|k|v and gate|up as one matrix each, when its weights lie back to back in memory
-    (views of the same memory: nothing to keep in sync). `parts` are the layer's own arrays they
-    were made from: if one is replaced, the fused views are made again."""
+    (views of the same memory: nothing to keep in sync); an adapted projection's base takes its place
+    (its adapters are added after: _add_adapters). `parts` are the layer's own arrays they were made
+    from: if one is replaced, the fused views are made again."""
 
     def __init__(self, w: LayerWeights) -> None:
         self.parts = (w.q_proj, w.k_proj, w.v_proj, w.gate_proj, w.up_proj)
-        self.qkv = _joined([w.q_proj, w.k_proj, w.v_proj])            # [(H + 2 KVH) Dh, D] or None
-        self.gate_up = _joined([w.gate_proj, w.up_proj])               # [2F, D] or None
+        q, k, v, gate, up = (without_adapters(part) for part in self.parts)
+        self.qkv = _joined([q, k, v])                                  # [(H + 2 KVH) Dh, D] or None
+        self.gate_up = _joined([gate, up])                             # [2F, D] or None
 
     def current(self, w: LayerWeights) -> bool:
         return all(a is b for a, b in zip(self.parts, (w.q_proj, w.k_proj, w.v_proj, w.gate_proj, w.up_proj)))
@@ -380,14 +383,15 @@ class FastQwen3Model(Qwen3Model):
 
     def forward_batch(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],
                       trace: Trace | None = None, last_only: bool = False,
-                      tails: Sequence[int] | None = None, head: bool = True) -> np.ndarray:
+                      tails: Sequence[int] | None = None, head: bool = True,
+                      adapters: Sequence[Adapter | None] | None = None) -> np.ndarray:
         """Qwen3Model.forward_batch (and so forward): logits [T, V] ([B, V] if last_only, the last tails[b]
-        rows of each sequence with tails); the final norm's output [..., D] there with head=False. A traced
-        call runs the readable path."""
+        rows of each sequence with tails); the final norm's output [..., D] there with head=False; each
+        sequence's own adapter (`adapters`). A traced call runs the readable path."""
         if trace is not None:
-            return super().forward_batch(token_ids, caches, trace, last_only, tails, head)
+            return super().forward_batch(token_ids, caches, trace, last_only, tails, head, adapters)
         head_weight = self.lm_head if head else None       # raises now, before any work, if there is none
-        batch = self.pack(token_ids, caches)
+        batch = self.pack(token_ids, caches, adapters)
         ids, positions, rows, cos, sin = batch.ids, batch.positions, batch.rows, batch.cos, batch.sin
         picked = output_rows(rows, last_only, tails)           # checked before any work
         runtime.adapt_to_load()                  # fewer threads while other processes want the cores
@@ -405,7 +409,7 @@ class FastQwen3Model(Qwen3Model):
         # SiLU's exp(-x) overflows to inf for x < -88, where silu(x) = x / inf = -0 is right: no warning.
         with blas, np.errstate(over="ignore"):
             for i, weights in enumerate(self.layers):
-                self._layer(i, weights, x, positions, rows, cos, sin, caches, buffers, parts)
+                self._layer(i, batch.layer_weights(i, weights), x, positions, rows, cos, sin, caches, buffers, parts)
             _rms_norm(x, self.norm, config.rms_norm_eps, out=buffers.h)
             h = buffers.h if picked is None else buffers.h[picked]
             if head_weight is None:
@@ -429,9 +433,10 @@ class FastQwen3Model(Qwen3Model):
         return kept[T]
 
     def _streams_weights(self) -> bool:
-        """Whether any matrix is kept as stored (BF16/F16) or int8, and so is upcast block by block on use."""
+        """Whether any matrix is kept as stored (BF16/F16) or int8, and so is upcast block by block on use
+        (an adapted one by its base: its adapters' thin products are FP32)."""
         matrices = [*([self.lm_head] if self.has_head else []),
-                    *(getattr(w, name) for w in self.layers for name in LAYER_MATRICES)]
+                    *(without_adapters(getattr(w, name)) for w in self.layers for name in LAYER_MATRICES)]
         return not all(isinstance(m, np.ndarray) for m in matrices)
 
     def _layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
@@ -463,8 +468,9 @@ class FastQwen3Model(Qwen3Model):
             _rope(qk, cos[r], sin[r], b.rope_scratch[:, r])
 
         by_rows(lambda r: _rms_norm(x[r], w.input_layernorm, eps, out=b.h[r]))
-        if qkv_weight is not None:
+        if qkv_weight is not None:                     # the bases as one matrix, then each one's adapters
             linear(b.h, qkv_weight, b.qkv)
+            _add_adapters(b.h, [w.q_proj, w.k_proj, w.v_proj], b.qkv)
         else:
             linear(b.h, w.q_proj, b.qkv[:, :q_end])
             linear(b.h, w.k_proj, b.qkv[:, q_end:k_end])
@@ -496,6 +502,7 @@ class FastQwen3Model(Qwen3Model):
         by_rows(add_and_norm)
         if gate_up_weight is not None:
             linear(b.h, gate_up_weight, b.gate_up)
+            _add_adapters(b.h, [w.gate_proj, w.up_proj], b.gate_up)
         else:
             linear(b.h, w.gate_proj, b.gate_up[:, :F])
             linear(b.h, w.up_proj, b.gate_up[:, F:])
@@ -503,6 +510,19 @@ class FastQwen3Model(Qwen3Model):
         by_rows(lambda r: _silu_times(gate[r], up[r], b.silu_scratch[r]))
         linear(gate, w.down_proj, b.block_out)
         by_rows(lambda r: np.add(x[r], b.block_out[r], out=x[r]))
+
+
+def _add_adapters(x: np.ndarray, parts: list[Weight], out: np.ndarray) -> None:
+    """out += the LoRA updates of the adapted ones of `parts`, matrices multiplied as one (their frozen bases
+    joined: _Fused), each into its own columns of out [T, sum of their rows]; every level of adapters, as
+    linear's recursion into a base would add them."""
+    start = 0
+    for part in parts:
+        columns, level = out[:, start:start + part.shape[0]], part
+        while isinstance(level, (Adapted, RowAdapters)):
+            layers.add_adapter_products(columns, x, level)
+            level = level.base
+        start += part.shape[0]
 
 
 # Rows per thread below which a step stays on one thread: handing a job to a worker thread costs

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.adapters import Adapter
 from ..core.config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS
 from .fast import FastQwen3Model
 from ..numbers.formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
@@ -112,6 +113,18 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
                matrices([head])[0] if head in checkpoint.tensors else None)
     kind = FastQwen3Model if fast else Qwen3Model
     return kind(config, embed_tokens, decoder_layers, vector(MODEL_TENSORS["norm"].name), lm_head, plan)
+
+
+def attach_adapter(model: Qwen3Model, adapter: Adapter) -> None:
+    """Apply a LoRA adapter to every forward pass of `model` without merging it (generate/chat --lora): each
+    projection it adapts becomes an Adapted weight around the model's own, in place; the base's arrays stay
+    as they are, whatever kind holds them (FP32, BF16, int8, a block format), and the fast path multiplies
+    them as before, adding the adapter's thin products after (fast._add_adapters)."""
+    for i, layer in enumerate(model.layers):
+        for key in LAYER_MATRICES:
+            adapted = adapter.adapted(i, key, getattr(layer, key))
+            if adapted is not None:
+                setattr(layer, key, adapted)
 
 
 def fp32_matrix(stored: np.ndarray, out: np.ndarray, layout: str) -> Weight:

@@ -28,6 +28,9 @@ position, so a new sequence can take those blocks as they are. Blocks are shared
 count; a block no sequence holds stays cached (and findable) until the pool needs it, least
 recently used first. A shared block is always full and a sequence writes only after its last
 position, so a shared block is never written (truncate copies a partly kept shared block first).
+Keys and values also depend on the weights that computed them: a sequence whose rows run with a LoRA
+adapter starts its chain from that adapter's digest (its `root`), so it shares blocks only with
+sequences of the same adapter, never with the base model's or another adapter's.
 """
 
 from __future__ import annotations
@@ -193,9 +196,10 @@ class BlockPool:
             buffer = self._scratch[name, dtype] = np.empty((blocks, *self.keys.shape[2:]), dtype)
         return buffer[:blocks]
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """The cached blocks holding the longest run of whole blocks that starts `tokens`, and their digests."""
-        blocks, digests, parent = [], [], b""
+    def lookup(self, tokens: Sequence[int], root: bytes = b"") -> tuple[list[int], list[bytes]]:
+        """The cached blocks holding the longest run of whole blocks that starts `tokens` (in the chain that
+        starts from `root`), and their digests."""
+        blocks, digests, parent = [], [], root
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size) if self.prefix_caching else ():
             parent = block_digest(parent, tokens[start:start + self.block_size])
             if parent not in self._cached:
@@ -213,10 +217,11 @@ class PagedKVCache:
     advances the cache by its ids (which names the blocks it filled, for the prefix cache).
     """
 
-    def __init__(self, pool: BlockPool, max_tokens: int) -> None:
+    def __init__(self, pool: BlockPool, max_tokens: int, root: bytes = b"") -> None:
         if max_tokens <= 0:
             raise QwenNPError(f"max_tokens: the KV cache needs at least one position, got {max_tokens}")
         self.pool, self.max_tokens = pool, max_tokens
+        self.root = root                           # the prefix cache's chain starts here: its adapter's digest
         self.table: list[int] = []                 # block of positions [i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
         self.tokens: list[int] = []                # the ids whose keys/values are held
         self.digests: list[bytes] = []             # the digest of each full block, in order
@@ -241,7 +246,7 @@ class PagedKVCache:
         at least its last token to compute (its logits are the next token's); returns the positions reused."""
         if self.length:
             raise QwenNPError("cache: a prefix can be reused only by an empty cache")
-        blocks, digests = self.pool.lookup(prompt[:-1])
+        blocks, digests = self.pool.lookup(prompt[:-1], self.root)
         for block in blocks:
             self.pool.hold(block)
         reused = len(blocks) * self.pool.block_size
@@ -300,7 +305,7 @@ class PagedKVCache:
         size = self.pool.block_size
         while self.pool.prefix_caching and len(self.digests) < self.length // size:
             i = len(self.digests)
-            self.digests.append(block_digest(self.digests[-1] if i else b"", self.tokens[i * size:(i + 1) * size]))
+            self.digests.append(block_digest(self.digests[-1] if i else self.root, self.tokens[i * size:(i + 1) * size]))
             self.pool.register(self.table[i], self.digests[-1])
 
     def truncate(self, length: int) -> None:

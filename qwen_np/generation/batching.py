@@ -44,6 +44,7 @@ from .constraints import Grammar
 from .logprobs import check_top_logprobs
 from ..engine.paged import BlockPool, PagedKVCache, blocks_for
 from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK
+from ..core.adapters import Adapter
 from ..core.model import check_token_ids, Qwen3Model
 from ..core.sampling import SamplingParams
 from .speculative import NO_DRAFT, Draft, Drafter, Job, Speculation, propose_together
@@ -65,6 +66,7 @@ class Request:
     grammar: Grammar | None = None
     logprobs: int | None = None
     ending: Ending = Ending()                     # stop token ids, ignore_eos, min_tokens (vLLM's)
+    adapter: Adapter | None = None                # the LoRA adapter its rows run with (None: the base model)
 
 
 @dataclass(eq=False)
@@ -200,8 +202,8 @@ class BatchGenerator:
             return events
         self.batch_sizes.append(len(feeds))
         tails = [1 + len(row.draft.tokens) for row, _ in feeds]       # logits of the last token and the drafted ones
-        logits = self.model.forward_batch([ids for _, ids in feeds], [row.cache for row, _ in feeds],
-                                          tails=tails)                                             # [sum(tails), V]
+        logits = self.model.forward_batch([ids for _, ids in feeds], [row.cache for row, _ in feeds], tails=tails,
+                                          adapters=[row.request.adapter for row, _ in feeds])     # [sum(tails), V]
         for (row, _), row_logits in zip(feeds, np.split(logits, np.cumsum(tails)[:-1])):
             if row.pending():
                 continue                                              # more prompt to read first
@@ -332,7 +334,7 @@ class BatchGenerator:
         rest; False, holding nothing, if not."""
         request, first = row.request, row.continuation is None
         size = self._positions(request)
-        cache = PagedKVCache(self.pool, size)
+        cache = PagedKVCache(self.pool, size, request.adapter.digest if request.adapter is not None else b"")
         reused = cache.reuse_prefix(row.tokens)
         if cache.blocks_needed(len(row.tokens) - reused) > self.pool.free_blocks:
             cache.free()

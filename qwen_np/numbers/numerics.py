@@ -8,7 +8,9 @@ A model holds each matrix as one of:
 * Panels: FP32 values in the fast path's layout (column panels of W^T), what load_model's "auto" holds
   for a fast model when FP32 fits and BLAS has a small-matrix kernel: the same numbers, arranged so
   that a product of a few rows costs about what one row's does;
-* Adapted: any of these, frozen, with a LoRA adapter beside it (training/lora.py): W + (alpha / r) B A.
+* Adapted: any of these, frozen, with a LoRA adapter beside it (training/lora.py): W + (alpha / r) B A;
+* RowAdapters: any of these with a different adapter for each group of a batch's rows (a server's rows
+  that ask for different adapters: core/model.py's Batch makes one per forward pass).
 Every kind that is not a plain FP32 array has one way to make FP32 rows, `widen(out)`, which writes
 FP32 values into `out` and returns the per-row scale still to be applied to the outputs of a product
 (None if none): layers.linear, the fast path and upcast() are written once against it, so a new kind
@@ -330,3 +332,45 @@ class Adapted:
         """The merged rows W + scale * B A into out, in FP32 (the base's own scale, if any, applied)."""
         upcast(self.base, out)
         out += np.float32(self.scale) * (self.b @ self.a)                              # [rows, in]
+
+
+@dataclass(frozen=True)
+class RowAdapters:
+    """A frozen weight W [out, in] of any kind with a different LoRA adapter for each group of the token rows
+    it multiplies: a batch whose rows ask for different adapters (a server's; core/model.py's Batch makes
+    it for one forward pass, from that pass's rows, and no model holds it).
+
+    groups: (rows, Adapted) pairs, rows [n] the indices of the packed rows of x that see that Adapted weight
+    W + s_g B_g A_g; a row in no group sees W. layers.linear and fast.linear multiply W once for every row
+    and add each group's rank-r update to its own rows only: one base serves every adapter, nothing copied.
+    """
+
+    base: Weight                                       # [out, in], the one frozen W of every group
+    groups: tuple[tuple[np.ndarray, Adapted], ...]     # (rows of x [n], the weight those rows see)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.base.nbytes + sum(adapted.a.nbytes + adapted.b.nbytes for _, adapted in self.groups)
+
+    def __getitem__(self, rows: Any) -> "RowAdapters":
+        return RowAdapters(self.base[rows], tuple((x_rows, adapted[rows]) for x_rows, adapted in self.groups))
+
+    def widen(self, out: np.ndarray) -> None:
+        """No one matrix holds it (each group of rows sees its own): only a product can apply it."""
+        raise TypeError("RowAdapters: the rows of a batch see different weights; multiply with layers.linear")
+
+
+def without_adapters(weight: Weight) -> Weight:
+    """The frozen base under an Adapted or RowAdapters weight (and under its base's adapters, if any); any
+    other weight as it is."""
+    while isinstance(weight, (Adapted, RowAdapters)):
+        weight = weight.base
+    return weight

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..errors import APIError, QwenNPError
 from .access import PAGE_HEADERS, is_page, log_line, loggable, refusal
@@ -73,12 +73,13 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
             raise APIError(413, f"request body: larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
         return b"".join(chunks)
 
-    async def read_body(http: HTTPRequest) -> dict[str, Any]:
+    async def read_body(http: HTTPRequest, names: Sequence[str] = service.model_ids) -> dict[str, Any]:
+        """The body, its `model` one of `names` (the explorer's: the base's; a completion's: any served_names)."""
         try:
             raw = await asyncio.wait_for(read_raw(http), BODY_SECONDS)
         except asyncio.TimeoutError:
             raise APIError(408, f"request body: not received within {BODY_SECONDS:g}s") from None
-        return await run_in_threadpool(parse_body, raw, service.model_ids)
+        return await run_in_threadpool(parse_body, raw, names)
 
     def guarded(respond: Callable[[HTTPRequest], Any]) -> Callable[[HTTPRequest], Any]:
         """The handler answering with `respond`'s response, or OpenAI's error JSON for what it raised."""
@@ -100,7 +101,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         path = "/v1/chat/completions" if chat else "/v1/completions"
 
         async def respond(http: HTTPRequest) -> Response:
-            body = await read_body(http)
+            body = await read_body(http, service.served_names)
             check_fields(body, path)                   # a field it does not read: refused by name
             service.check_generates()
             # Tokenising and templating take time in proportion to the prompt: on worker threads,
@@ -135,8 +136,11 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         return JSONResponse(await embeddings(service, job, body, http))
 
     async def models(http: HTTPRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": service.created,
-                                                         "owned_by": "qwen_np"} for name in service.model_ids]})
+        listed = [{"id": name, "object": "model", "created": service.created, "owned_by": "qwen_np"}
+                  for name in service.model_ids]
+        listed += [{"id": name, "object": "model", "created": service.created, "owned_by": "qwen_np",
+                    "parent": service.model_id} for name in service.adapters]      # an adapter's base, as vLLM's
+        return JSONResponse({"object": "list", "data": listed})
 
     async def health(http: HTTPRequest) -> Response:
         return JSONResponse(service.health())

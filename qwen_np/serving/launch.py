@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ..core.adapters import Adapter
 from ..engine.paged import BlockPool, PagedKVCache, block_bytes, blocks_for
 from ..core.model import Qwen3Model
 from ..engine.finite import check_weights_finite
@@ -39,13 +40,14 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
           api_key: str | None = None, log: bool = True, split_reasoning: bool = True,
           default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
           draft: Path | ModelFiles | None = None, lookup: int | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-          announce: Callable[[str], None] = lambda line: None) -> None:
+          adapters: Sequence[Adapter] = (), announce: Callable[[str], None] = lambda line: None) -> None:
     """Load the model in `folder` (clients ask for it by any of `names`, the first its own) and serve it on
     `listener` until Ctrl-C or SIGTERM. context: prompt and reply together, at most the model's; kv_memory:
     bytes of the KV cache's block pool, shared by every request (None: what RAM has left after the weights,
     at most max_batch full contexts); kv_dtype: how it stores keys and values; default_max_tokens: a
     request's max_tokens when it gives none (None: what the context has left); draft (a checkpoint folder)
-    or lookup (the n-gram size): every row decodes speculatively, draft_tokens drafted per step;
+    or lookup (the n-gram size): every row decodes speculatively, draft_tokens drafted per step; adapters:
+    LoRA adapters (files.adapter.read_adapter) a request asks for by name, over the one base in memory;
     announce(line) gets the start lines."""
     try:
         import uvicorn
@@ -55,6 +57,9 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
         raise QwenNPError(f"serve: names must be a non-empty list of model names, got {names!r}")
     if default_max_tokens is not None and default_max_tokens < 1:
         raise QwenNPError(f"must be at least 1, got {default_max_tokens}", "default_max_tokens")
+    served = [*names, *(adapter.name for adapter in adapters)]
+    if len(set(served)) < len(served):
+        raise QwenNPError(f"names must be distinct, the base's and the adapters', got {served}", "adapters")
     files = open_model(folder)                  # read once: the command that opened it passes it on
     config, tokenizer, defaults = files.config, files.tokenizer, files.generation_defaults
     context = effective_context(config, context)
@@ -69,8 +74,9 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
     per_block = block_bytes(config, kv_dtype)
     per_pair = per_block + (block_bytes(drafter.config, kv_dtype) if drafter is not None else 0)
     default = kv_memory is None
-    budget = (default_kv_memory(model, max_batch * blocks_for(context) * per_pair, drafter) if kv_memory is None
-              else kv_memory)
+    adapter_bytes = sum(adapter.nbytes for adapter in adapters)
+    budget = (default_kv_memory(model, max_batch * blocks_for(context) * per_pair, drafter, adapter_bytes)
+              if kv_memory is None else kv_memory)
     pool = BlockPool(config, budget // per_pair, kv_dtype, prefix_caching=True)
     speculation = (speculation_over(pool, drafter, max_batch, draft_tokens) if drafter is not None
                    else lookup_speculation(lookup, draft_tokens) if lookup is not None else None)
@@ -80,7 +86,7 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
     grammars = grammar_vocabulary(files, announce)
     service = Service(tuple(names), tokenizer, defaults, BatchRunner(generator), context,
                       LENGTH_FACTOR * longest_token(tokenizer), tokens_per_message(tokenizer), split_reasoning,
-                      default_max_tokens, grammars)
+                      default_max_tokens, grammars, {adapter.name: adapter for adapter in adapters})
     host, port = listener.getsockname()[:2]
     warning = exposure_warning(host, api_key)
     if warning:
@@ -94,6 +100,9 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
         announce("no LM head (an embedding model): it serves /v1/embeddings; chat and completions answer a 400")
     if speculation is not None:
         announce(f"speculative decoding: {speculation.describe}, {speculation.tokens} tokens drafted per step")
+    if adapters:
+        announce(f"LoRA adapters over {names[0]}: " + ", ".join(f"{adapter.name} (rank {adapter.rank})" for adapter in adapters)
+                 + f", {format_size(adapter_bytes)} together")
     address = f"{'[' + host + ']' if ':' in host else host}:{port}"
     announce(f"serving {', '.join(names)} on http://{address}/v1 (max batch {max_batch}, context {context}); "
              "Ctrl-C stops")
@@ -130,11 +139,11 @@ def speculation_over(pool: BlockPool, model: Qwen3Model, max_batch: int, tokens:
     return draft_speculation(model, tokens, lambda positions: PagedKVCache(draft_pool, positions), PREFILL_CHUNK)
 
 
-def default_kv_memory(model: Qwen3Model, full: int, draft: Qwen3Model | None = None) -> int:
+def default_kv_memory(model: Qwen3Model, full: int, draft: Qwen3Model | None = None, adapter_bytes: int = 0) -> int:
     """The KV cache's bytes when --kv-memory is not given: what the memory plan leaves of the available RAM
-    after the weights (the draft's too), with its margin, and no more than `full` (every row of the batch at
-    its full context)."""
+    after the weights (the draft's and the LoRA adapters' too), with its margin, and no more than `full`
+    (every row of the batch at its full context)."""
     if model.plan is None:
         return full
     drafts = draft.plan.held_weight_bytes if draft is not None and draft.plan is not None else 0
-    return min(max(model.plan.room_for_kv_cache - drafts, 0), full)
+    return min(max(model.plan.room_for_kv_cache - drafts - adapter_bytes, 0), full)

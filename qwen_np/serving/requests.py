@@ -27,9 +27,10 @@ import json
 import math
 import re
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
 
+from ..core.adapters import Adapter
 from ..core.model import Qwen3Model
 from ..errors import APIError, QwenNPError
 from ..files.model_files import GenerationDefaults
@@ -127,7 +128,8 @@ def tokens_per_message(tokenizer: Tokenizer) -> int:
 class Service:
     """What every request needs: the model's name, its tokenizer and defaults, the batch runner, and what a
     prompt costs at least: chars_per_token (a token holds at most that many characters) and
-    message_tokens (the template's fewest tokens a message, tokens_per_message)."""
+    message_tokens (the template's fewest tokens a message, tokens_per_message). A request's `model` picks
+    the base (any of model_ids) or one of the LoRA adapters (`adapters`, by name), as vLLM's --lora-modules."""
 
     model_ids: tuple[str, ...]           # the names clients may ask for; the first answers in responses
     tokenizer: Tokenizer
@@ -139,11 +141,17 @@ class Service:
     split_reasoning: bool = True         # a chat reply's <think> part apart, as reasoning_content and reasoning
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS     # max_tokens of a request without one (None: no cap)
     vocabulary: Vocabulary | None = None  # the grammar engine's view of the tokenizer (None: llguidance missing)
+    adapters: Mapping[str, Adapter] = field(default_factory=dict)    # name -> adapter, over the one base
     created: int = int(time.time())
 
     @property
     def model_id(self) -> str:
         return self.model_ids[0]
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request's `model` may give: the base's, then each adapter's."""
+        return (*self.model_ids, *self.adapters)
 
     @property
     def generator(self) -> BatchGenerator:
@@ -196,6 +204,8 @@ class Service:
         constrained = grammar(body, read_tools(body), self.vocabulary, enable_thinking is not False) if chat else None
         request = Request(prompt, params, max_tokens or fits, _stops(body), grammar=constrained,
                           logprobs=_logprobs(body, chat), ending=self._ending(body, max_tokens or fits))
+        request = Request(prompt, params, max_tokens or fits, _stops(body), ending=self._ending(body, max_tokens or fits),
+                          adapter=self.adapters.get(body.get("model") or ""))
         try:
             generator.check(request)          # what is left to check: the KV cache's capacity; here, not at
                                               # submit, so that a stream's refusal is a 4xx too

@@ -30,11 +30,9 @@ from ..core import layers
 from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD
 from ..core.model import Qwen3Model
 from ..errors import QwenNPError
+from ..files.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_name
 from ..files.checkpoint import save_checkpoint, write_atomically
 from ..numbers.numerics import Adapted, upcast
-
-# peft's file names in an adapter folder, and the prefix its tensor names carry (PeftModel's base_model.model).
-ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX = "adapter_config.json", "adapter_model.safetensors", "base_model.model."
 
 # Qwen3's seven projections, as peft's target_modules names them (the last part of the module's name).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -93,11 +91,6 @@ def adapter_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
                 params[adapter_name(LAYER_TENSOR_NAMES[key].format(i=i), "A")] = weight.a
                 params[adapter_name(LAYER_TENSOR_NAMES[key].format(i=i), "B")] = weight.b
     return params
-
-
-def adapter_name(tensor: str, which: str) -> str:
-    """model.layers.0.self_attn.q_proj.weight, "A" -> model.layers.0.self_attn.q_proj.lora_A.weight."""
-    return tensor.removesuffix(".weight") + f".lora_{which}.weight"
 
 
 def has_adapters(model: Qwen3Model) -> bool:

@@ -1,0 +1,129 @@
+"""A LoRA adapter folder in PEFT's format, read for inference: adapter_config.json and
+adapter_model.safetensors, as peft's save_pretrained writes them (training/lora.py's save_adapter too),
+into a core.adapters.Adapter checked against the model's config before any weight is loaded.
+
+peft names each tensor after the module it adapts, under its PeftModel's "base_model.model." prefix:
+base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) and ...lora_B.weight ([out, r]);
+a folder saved with the adapter's own name in it (lora_A.default.weight) reads the same. The update is
+scale (x A^T) B^T with scale = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora (rsLoRA,
+Kalajdzievski 2023). What changes the network beyond that is refused by name (one line naming the file
+and the field or tensor) rather than half applied: DoRA's magnitudes, biases, fan_in_fan_out's transposed
+layout, modules_to_save (whole replaced modules, e.g. lm_head), per-module ranks and alphas, trainable tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..core.adapters import Adapter
+from ..core.config import LAYER_MATRICES, LAYER_TENSORS, Qwen3Config, dimensions, resolve
+from ..errors import QwenNPError
+from ..numbers.numerics import STORAGE_DTYPES
+from .checkpoint import read_header
+
+# peft's file names in an adapter folder, and the prefix its tensor names carry (PeftModel's base_model.model).
+ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX = "adapter_config.json", "adapter_model.safetensors", "base_model.model."
+# Fields that would change the network beyond y = x W^T + scale (x A^T) B^T, and the values that leave them off.
+REFUSED: dict[str, tuple[Any, ...]] = {
+    "use_dora": (None, False), "lora_bias": (None, False), "bias": (None, "none"), "fan_in_fan_out": (None, False),
+    "modules_to_save": (None, []), "rank_pattern": (None, {}), "alpha_pattern": (None, {}),
+    "trainable_token_indices": (None, [], {}), "layer_replication": (None, []), "target_parameters": (None, [])}
+# lora_A.weight, or lora_A.<adapter name>.weight as a folder saved with its adapter's name holds it.
+NAMED = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
+
+
+def adapter_name(tensor: str, which: str) -> str:
+    """model.layers.0.self_attn.q_proj.weight, "A" -> model.layers.0.self_attn.q_proj.lora_A.weight."""
+    return tensor.removesuffix(".weight") + f".lora_{which}.weight"
+
+
+def read_adapter(folder: str | Path, config: Qwen3Config, name: str | None = None) -> Adapter:
+    """The LoRA adapter in `folder` (PEFT's format), for a model of `config`; called `name` (default: the
+    folder's name). A QwenNPError names the file and the field or tensor it cannot take."""
+    folder = Path(folder)
+    settings = _settings(folder / ADAPTER_CONFIG)
+    rank, alpha = settings["r"], settings["lora_alpha"]
+    scale = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+    matrices = _matrices(folder / ADAPTER_WEIGHTS, config, rank)
+    digest = hashlib.sha256(repr(scale).encode())
+    for key in sorted(matrices):
+        for array in matrices[key]:
+            digest.update(repr(key).encode() + array.tobytes())
+    return Adapter(name or folder.name, scale, matrices, digest.digest())
+
+
+def _settings(path: Path) -> dict[str, Any]:
+    """adapter_config.json, checked: a LoRA adapter (r, lora_alpha) of nothing but Qwen3's projections."""
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QwenNPError(f"{path}: not found (an adapter folder in PEFT's format holds {ADAPTER_CONFIG} and "
+                          f"{ADAPTER_WEIGHTS})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as bad:
+        raise QwenNPError(f"{path}: not readable JSON ({bad})") from None
+    if not isinstance(settings, dict):
+        raise QwenNPError(f"{path}: must be a JSON object")
+    if settings.get("peft_type", "LORA") != "LORA":
+        raise QwenNPError(f"{path}: peft_type: only LORA adapters are supported, got {settings['peft_type']!r}")
+    for field, off in REFUSED.items():
+        if settings.get(field) not in off:
+            raise QwenNPError(f"{path}: {field}: {settings[field]!r} is not supported (only {off[-1]!r})")
+    rank, alpha = settings.get("r"), settings.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise QwenNPError(f"{path}: r: must be a positive integer, got {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise QwenNPError(f"{path}: lora_alpha: must be a number, got {alpha!r}")
+    # peft matches a module by its name or a dotted tail of it (q_proj, model.layers.0.self_attn.q_proj: what it
+    # writes for "all-linear"); the tensors then say which layers each adapts.
+    targets = settings.get("target_modules")
+    if targets != "all-linear" and not (isinstance(targets, list) and targets and all(
+            isinstance(target, str) and target.rsplit(".", 1)[-1] in LAYER_MATRICES for target in targets)):
+        raise QwenNPError(f"{path}: target_modules: expected some of {', '.join(LAYER_MATRICES)} (or \"all-linear\"), "
+                          f"got {targets!r}")
+    return settings
+
+
+def _matrices(path: Path, config: Qwen3Config, rank: int) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+    """(layer, projection) -> (A [r, in], B [out, r]) in FP32, every tensor of the file one of a pair whose
+    shapes fit the model's projection, and finite."""
+    dims = dimensions(config)
+    expected = {adapter_name(LAYER_TENSORS[key].name.format(i=i), which): (i, key, which)
+                for i in range(config.num_hidden_layers) for key in LAYER_MATRICES for which in "AB"}
+    halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for stored, info in read_header(path).items():
+        plain = NAMED.sub(r".lora_\1.weight", stored.removeprefix(PEFT_PREFIX))
+        if plain not in expected:
+            raise QwenNPError(f"{path}: tensor {stored!r} is not a LoRA matrix of a projection of this "
+                              f"{config.num_hidden_layers}-layer Qwen3 (lora_A / lora_B of {', '.join(LAYER_MATRICES)})")
+        layer, key, which = expected[plain]
+        out, inp = resolve(LAYER_TENSORS[key].shape, dims)
+        shape = (rank, inp) if which == "A" else (out, rank)
+        if info.shape != shape:
+            raise QwenNPError(f"{path}: tensor {stored!r} has shape {list(info.shape)}, the model's {key} needs "
+                              f"{list(shape)} (r = {rank})")
+        if info.dtype not in STORAGE_DTYPES:
+            raise QwenNPError(f"{path}: tensor {stored!r} is {info.dtype}: expected one of {', '.join(STORAGE_DTYPES)}")
+        with open(path, "rb") as f:
+            f.seek(info.start)
+            stored_values = np.fromfile(f, STORAGE_DTYPES[info.dtype], count=math.prod(shape)).reshape(shape)
+        values = stored_values.astype(np.float32)
+        if not np.isfinite(values).all():
+            raise QwenNPError(f"{path}: tensor {stored!r} holds NaN or Inf")
+        if which in halves.setdefault((layer, key), {}):
+            raise QwenNPError(f"{path}: tensor {stored!r}: lora_{which} of this projection is in the file twice")
+        halves[layer, key][which] = values
+    lone = next((key for key, pair in halves.items() if len(pair) < 2), None)
+    if lone is not None:
+        layer, key = lone
+        missing = "B" if "A" in halves[lone] else "A"
+        raise QwenNPError(f"{path}: layer {layer}'s {key} has no lora_{missing} beside its lora_{'AB'.replace(missing, '')}")
+    if not halves:
+        raise QwenNPError(f"{path}: holds no LoRA matrices")
+    return {key: (pair["A"], pair["B"]) for key, pair in halves.items()}
