@@ -197,3 +197,21 @@ def test_a_chat_line_without_messages_is_named_by_its_line(inputs: tuple[Path, P
     assert train(tmp_path / "run", base, bad, "--lora", "4") == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f'error: {bad}:2: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}'], lines
+
+
+def test_inspect_lora_counts_the_adapters_and_holds_the_base_frozen() -> None:
+    """inspect --lora 16 on Qwen3-0.6B's shapes: r (in + out) a projection, 7 a layer, 28 layers = 10,092,544 trained
+    values (the issue's 10M), FP32 weights + gradients + two moments of them, and the frozen base alone per mode."""
+    from qwen_np.core.config import preset
+    from qwen_np.engine.memory import held_weight_bytes
+    from qwen_np.inspection.report import inspect_report
+
+    config = preset("qwen3-0.6b")
+    lora = inspect_report(config, 7, "qwen3-0.6b", 1.0, 512, 8, lora_rank=16)["memory"]["lora"]
+    D, F, q, kv = 1024, 3072, 2048, 1024              # q_proj's out: 16 heads x 128, k/v: 8 x 128
+    per_layer = (D + q) + 2 * (D + kv) + (q + D) + 3 * (D + F)
+    assert lora["trainable"] == 16 * 28 * per_layer == 10_092_544
+    assert (lora["weights"], lora["gradients"], lora["adamw"]) == (4 * lora["trainable"],) * 2 + (8 * lora["trainable"],)
+    for mode, plan in lora["by_frozen_base"].items():
+        assert plan["frozen_base"] == held_weight_bytes(config, mode)
+        assert plan["total"] == plan["frozen_base"] + 16 * lora["trainable"] + lora["activations"]
