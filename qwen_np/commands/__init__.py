@@ -15,15 +15,16 @@ EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIG
 # The command line's name for each library parameter an error is about (QwenNPError.param): the library says
 # "kv_dtype: ...", the user reads "--kv-dtype: ..." (cli.main's error funnel words every error with it).
 FLAGS = {
-    "adapters": "--lora",
-    "batch_size": "--batch-size", "context": "--ctx-size", "data": "--data", "default_max_tokens": "--default-max-tokens",
-    "draft": "--draft", "draft_tokens": "--draft-tokens", "eval_every": "--eval-every", "grad_accum": "--grad-accum",
-    "kv_dtype": "--kv-dtype", "lr": "--lr", "max_batch": "--max-batch", "max_new_tokens": "--max-new-tokens",
+    "adapters": "--lora", "alpha": "--lora-alpha", "batch_size": "--batch-size", "context": "--ctx-size", "data": "--data",
+    "default_max_tokens": "--default-max-tokens", "draft": "--draft", "draft_tokens": "--draft-tokens",
+    "dropout": "--lora-dropout", "eval_every": "--eval-every", "grad_accum": "--grad-accum", "kv_dtype": "--kv-dtype",
+    "lora": "--lora", "lr": "--lr", "max_batch": "--max-batch", "max_new_tokens": "--max-new-tokens",
     "max_ngram": "--lookup", "memory": "--memory", "micro_batches": "--grad-accum", "min_p": "--min-p",
     "model": "--model", "num_blocks": "--kv-memory", "out": "--out", "presence_penalty": "--presence-penalty",
-    "preset": "--preset", "repetition_penalty": "--repetition-penalty", "resume": "--resume", "seed": "--seed",
-    "shards": "--shards", "spec": "--preset or --config", "steps": "--steps", "system": "--system",
-    "temperature": "--temperature", "text": "--text", "tokens": "--tokens", "top_k": "--top-k", "top_p": "--top-p",
+    "preset": "--preset", "rank": "--lora", "repetition_penalty": "--repetition-penalty", "resume": "--resume",
+    "seed": "--seed", "shards": "--shards", "spec": "--preset, --config or --model", "steps": "--steps", "system": "--system",
+    "targets": "--lora-targets", "temperature": "--temperature", "text": "--text", "tokens": "--tokens",
+    "top_k": "--top-k", "top_p": "--top-p", "val": "--val",
 }
 
 

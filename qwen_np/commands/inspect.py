@@ -33,6 +33,9 @@ def inspect_parser(show: argparse.ArgumentParser) -> None:
                        default_text=f"the model's context, at most {DEFAULT_CONTEXT}")
     show.add_argument("--batch-size", type=common.at_least(1), default=16, metavar="B",
                       help="sequences per training step in the memory breakdown (default: 16)")
+    show.add_argument("--lora", type=common.at_least(1), metavar="RANK",
+                      help="also the memory to train LoRA adapters of this rank on all seven projections "
+                           "(train --lora RANK): trainable weights, their AdamW state, the frozen base held each way")
     common.add_json(show, "text")
     show.set_defaults(run=run_inspect)
 
@@ -51,7 +54,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         config, name = preset(args.preset), args.preset
     else:
         config, name = _config_of(common.model_folder(args.model)), args.model or common.BUNDLED_NAME
-    print(inspect_command(config, args.tokens, args.json, name, args.ctx_size, args.batch_size))
+    print(inspect_command(config, args.tokens, args.json, name, args.ctx_size, args.batch_size, args.lora))
     return 0
 
 

@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import QwenNPError
 from ..training import run_folder, trainer
+from ..training.lora import PROJECTIONS, LoraSettings
 from ..training.mixed import PRECISIONS, LossScaler
 from ..engine.memory import training_total
 from ..engine.runtime import peak_rss_bytes
@@ -26,19 +28,41 @@ SWITCHES = {"loss_scaling": "with --precision fp16: dynamic loss scaling (skip t
 
 
 def train_parser(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Train a Qwen3 (a preset or a config.json) on Shakespeare or a text file; checkpoints resume "
-                          "bit-exactly; the best model is exported to DIR/model.")
+    parser.description = ("Train a Qwen3 (a preset or a config.json from random weights, or a checkpoint: every weight "
+                          "or LoRA adapters) on Shakespeare, a text file or chats; checkpoints resume bit-exactly; the "
+                          "best model is exported to DIR/model (and a LoRA run's adapter, in peft's format, to "
+                          "DIR/adapter).")
     parser.epilog = RESUME_HELP
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
                         help="folder for checkpoints, the tokenizer, logs and the exported model (DIR/model)")
     parser.add_argument("--data", metavar="shakespeare|FILE",
-                        help="Shakespeare's plays (fixed by-play splits) or a UTF-8 text file (last 5%% of lines "
-                             "validate) (default: shakespeare; resuming, the run's own text)")
+                        help="Shakespeare's plays (fixed by-play splits), a UTF-8 text file (last 5%% of lines "
+                             "validate) or, with --model, a chat file FILE.jsonl of {\"messages\": [...]} lines, "
+                             "rendered by the model's chat template, the loss on the assistant's tokens only "
+                             "(default: shakespeare; resuming, the run's own data)")
+    parser.add_argument("--val", metavar="FILE.jsonl",
+                        help="a chat file that validates (default: the last 5%% of --data's conversations)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=sorted(trainer.PRESET_CONFIGS),
                         help="model and run defaults: tiny trains in seconds, shakespeare (the bundled model) takes "
                              "about 50 minutes on 2 cores (a new run needs --preset or --config)")
     source.add_argument("--config", type=Path, metavar="JSON", help="a Qwen3 config.json to train from scratch")
+    source.add_argument("--model", metavar="MODEL",
+                        help="a checkpoint to fine-tune (folder, hub id or GGUF), with its tokenizer and chat template: "
+                             "every weight, or --lora's adapters")
+    lora = parser.add_argument_group("LoRA (with --model)")
+    lora.add_argument("--lora", type=int, metavar="RANK",
+                      help="train rank-RANK adapters beside the frozen projections (A random, B zero; scaled "
+                           "alpha/rank); checkpoints hold the adapters and their AdamW moments only")
+    lora.add_argument("--lora-alpha", type=float, metavar="ALPHA", help="the adapters' alpha (default: 2 x RANK)")
+    lora.add_argument("--lora-targets", metavar="NAMES",
+                      help=f"comma-separated projections to adapt (default: all seven, {','.join(PROJECTIONS)})")
+    lora.add_argument("--lora-dropout", type=float, metavar="P",
+                      help="dropout on each adapter's input while training, as peft's lora_dropout (default: 0)")
+    lora.add_argument("--memory", metavar="MODE",
+                      help="how the frozen base is held: fp32 (default, fastest), bf16 (as stored, 2 bytes a weight), "
+                           "int8, q8_0 or q4_0 (QLoRA's idea: a quarter of FP32 or less; the adapters stay FP32 and "
+                           "learn on the quantized base's outputs)")
     for flag in fields(trainer.Settings):
         name = "--" + flag.name.replace("_", "-")
         default = f"(default: the preset's, else {flag.default})"
@@ -115,8 +139,22 @@ class ProgressBar(trainer.RunEvents):
             self.bar.close()
 
 
+def lora_settings(args: argparse.Namespace) -> LoraSettings | None:
+    """--lora and its companions as LoraSettings (checked by the trainer); None without --lora."""
+    if args.lora is None:
+        given = [flag for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets),
+                                          ("--lora-dropout", args.lora_dropout)) if value is not None]
+        if given:
+            raise QwenNPError(f"{given[0]}: sets LoRA's adapters: give --lora RANK too")
+        return None
+    targets = PROJECTIONS if args.lora_targets is None else tuple(
+        name.strip() for name in args.lora_targets.split(",") if name.strip())
+    return LoraSettings(args.lora, args.lora_alpha, targets, args.lora_dropout or 0.0)
+
+
 def run(args: argparse.Namespace) -> int:
     spec = trainer.RunSpec(args.out, args.resume, args.preset, args.config, args.data,
+                           args.model, lora_settings(args), args.memory, args.val,
                            {f.name: getattr(args, f.name) for f in fields(trainer.Settings)})
     events = ProgressBar()
     try:

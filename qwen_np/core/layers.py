@@ -33,6 +33,12 @@ def ignore(name: str, value: np.ndarray) -> None:
 MatmulInputs = Callable[[np.ndarray, str, int], np.ndarray]
 MATMUL_INPUTS: ContextVar[MatmulInputs | None] = ContextVar("matmul_inputs", default=None)
 
+# LoRA's dropout while training (training/lora.py's Dropout): drop(x, adapted) is what an adapter's input
+# becomes before it meets A. A context variable for MATMUL_INPUTS' reason: set by the training step in its
+# own thread, it reaches every adapter of that forward, and inference (which never sets it) drops nothing.
+AdapterInputs = Callable[[np.ndarray, Adapted], np.ndarray]
+ADAPTER_INPUTS: ContextVar[AdapterInputs | None] = ContextVar("adapter_inputs", default=None)
+
 # How many weight rows to widen at a time when a weight is not held in FP32: small enough that the
 # FP32 block stays in the CPU's last-level cache between being written and being multiplied.
 UPCAST_BLOCK_ROWS = 512
@@ -76,8 +82,12 @@ def adapter_product(x: np.ndarray, weight: Adapted) -> np.ndarray:
     Through the rank-r bottleneck x A^T [..., r], never through B A [out, in]: two thin products,
     about 2 r (in + out) flops a row instead of 2 in out. scale = alpha / r (the LoRA paper), so a
     change of r does not change how far a step moves the output. The adapter's products stay FP32 under
-    MATMUL_INPUTS: only the frozen base's product reads rounded operands (training/lora.py).
+    MATMUL_INPUTS: only the frozen base's product reads rounded operands (training/lora.py). Under
+    ADAPTER_INPUTS (LoRA dropout, training only) x is dropped out first, for the adapter's path alone.
     """
+    drop = ADAPTER_INPUTS.get()
+    if drop is not None:
+        x = drop(x, weight)
     return np.float32(weight.scale) * ((x @ weight.a.T) @ weight.b.T)
 
 

@@ -15,8 +15,9 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
-from ..core.config import Qwen3Config, parameter_count, tensor_shapes
+from ..core.config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors, parameter_count, tensor_shapes
 from ..errors import QwenNPError
 from ..numbers.formats import HELD_FORMATS, storage_bytes
 
@@ -187,7 +188,8 @@ ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 
 def training_memory(config: Qwen3Config, rows: int, context: int, recompute: bool = False,
-                    activations: str = "fp32") -> dict[str, int]:
+                    activations: str = "fp32", lora_rank: int = 0, lora_targets: Sequence[str] = (),
+                    frozen: str = "fp32") -> dict[str, int]:
     """Bytes a training step holds: weights, gradients, AdamW's two moments, and the tape, for `rows`
     sequences of `context` tokens at once (a micro-batch: --batch-size / --grad-accum).
 
@@ -199,6 +201,10 @@ def training_memory(config: Qwen3Config, rows: int, context: int, recompute: boo
     gradients and AdamW are FP32 in every precision. recompute: only each layer's input (D) is kept,
     and one layer's activations at a time in the backward. activations: the format the tape is held
     in (ACTIVATION_BYTES).
+    lora_rank (LoRA, with lora_targets: the projections adapted): only the adapters have FP32 weights,
+    gradients and AdamW moments; the frozen base is held as `frozen` says (a MODES name) with no gradient
+    nor moments ("frozen_base"). The tape is the same: the adapters' rank-r products are recomputed in
+    the backward, and dropout's masks are drawn again there, never kept.
     """
     D, F, H, KVH, Dh, V, L = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                               config.num_key_value_heads, config.head_dim, config.vocab_size,
@@ -207,8 +213,23 @@ def training_memory(config: Qwen3Config, rows: int, context: int, recompute: boo
     layer_tape = 4 * D + 3 * H * Dh + 3 * KVH * Dh + 2 * F + H * context    # values per token and layer
     kept = L * D + layer_tape - D if recompute else L * layer_tape           # LayerTape.x is the saved input
     per_token = ACTIVATION_BYTES[activations] * (kept + 2 * D) + 4 * 3 * V
-    return {"weights": 4 * params, "gradients": 4 * params, "adamw": 8 * params,
+    frozen_base = {}
+    if lora_rank:
+        frozen_base = {"frozen_base": held_weight_bytes(config, frozen)}
+        params = lora_parameters(config, lora_rank, lora_targets)
+    return {**frozen_base, "weights": 4 * params, "gradients": 4 * params, "adamw": 8 * params,
             "activations_per_token": per_token, "activations": per_token * rows * context}
+
+
+def lora_parameters(config: Qwen3Config, rank: int, targets: Sequence[str]) -> int:
+    """The trained values of rank-r LoRA adapters on `targets` of every layer: r (in + out) a projection."""
+    shapes = expected_tensors(config)
+    return config.num_hidden_layers * sum(rank * sum(shapes[LAYER_TENSOR_NAMES[key].format(i=0)]) for key in targets)
+
+
+def held_weight_bytes(config: Qwen3Config, mode: str, stored_bytes_per_value: float = 2) -> int:
+    """The weights' bytes as a memory mode (MODES but auto) holds them: candidate_plans' figure, from the config."""
+    return candidate_plans(config, 1, stored_bytes_per_value, available=0)[ALIASES.get(mode, mode)].held_weight_bytes
 
 
 # Units of a size flag (--kv-memory 512MiB): binary (KiB = 1024) and decimal (KB = 1000), as written

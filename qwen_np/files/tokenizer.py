@@ -96,6 +96,13 @@ class Tokenizer:
         except jinja2.TemplateSyntaxError as exc:
             raise QwenNPError(f"{source}: chat template does not compile: {exc}") from exc
 
+    def save(self, folder: Path) -> None:
+        """tokenizer.json and tokenizer_config.json (with the chat template) in `folder`, as from_folder reads them
+        and transformers does: a tokenizer built from a GGUF's vocabulary written as a checkpoint folder's."""
+        self._backend.save(str(folder / TOKENIZER_FILE))
+        config = {**self._config, **({"chat_template": self.chat_template} if self.chat_template is not None else {})}
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
     def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of ``text``; matches added-token strings atomically. Adds no special tokens unless
         ``add_special_tokens``: then those of tokenizer.json's post-processor (Qwen3's adds none,

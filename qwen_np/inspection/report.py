@@ -10,12 +10,13 @@ from ..core.config import DIMENSIONS, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
 from ..numbers.formats import HELD_FORMATS, bits_per_weight
 from ..engine.memory import (DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
-                             attention_probabilities, kv_cache_bytes_per_token, training_remedies, weight_bytes,
-                             working_bytes)
+                             attention_probabilities, kv_cache_bytes_per_token, lora_parameters, training_memory,
+                             training_remedies, training_total, weight_bytes, working_bytes)
 from ..numbers.numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
 from .steps import STEPS, STEPS_BY_NAME, Shape, Step, format_shape
+from ..training.lora import PROJECTIONS
 
 KV_FORMATS = (("BF16", 2), ("FP32", 4))   # how real runtimes store the KV cache, and how qwen_np does
 # config.json's torch_dtype -> the format name of numerics.BYTES_PER_VALUE
@@ -23,16 +24,17 @@ STORED_FORMATS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}
 
 
 def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth: float,
-                   context: int | None = None, batch_size: int = 16) -> dict[str, Any]:
+                   context: int | None = None, batch_size: int = 16, lora_rank: int | None = None) -> dict[str, Any]:
     """Everything `inspect` shows, as plain data (the JSON output, and what the text is rendered from).
 
     context: the KV cache / training sequence length of the memory breakdown (default: the model's
-    context, at most memory.DEFAULT_CONTEXT); batch_size: the training batch of that breakdown.
+    context, at most memory.DEFAULT_CONTEXT); batch_size: the training batch of that breakdown; lora_rank:
+    also LoRA training's at that rank (adapters on all seven projections, the frozen base held each way).
     """
     if tokens <= 0:
         raise QwenNPError(f"must be at least 1, got {tokens}", "tokens")
     memory_context = context or min(config.max_position_embeddings, DEFAULT_CONTEXT)
-    for name, value in (("context", memory_context), ("batch_size", batch_size)):
+    for name, value in (("context", memory_context), ("batch_size", batch_size), ("lora_rank", lora_rank or 1)):
         if value < 1:
             raise QwenNPError(f"must be at least 1, got {value}", name)
     dims = dimensions(config, tokens)
@@ -61,19 +63,29 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
             "decode_at_context_limit": {"tokens": 1, "positions": context,
                                         "flops": forward_flops(config, 1, context)},
         },
-        "memory": memory_breakdown(config, memory_context, batch_size),
+        "memory": memory_breakdown(config, memory_context, batch_size, lora_rank),
         "this_machine": _machine_report(config, bandwidth, memory_context),
     }
 
 
-def memory_breakdown(config: Qwen3Config, context: int, batch_size: int) -> dict[str, Any]:
-    """Bytes to run the model (weights, KV cache, working buffers) and to train it (memory.training_memory)."""
+def memory_breakdown(config: Qwen3Config, context: int, batch_size: int, lora_rank: int | None = None) -> dict[str, Any]:
+    """Bytes to run the model (weights, KV cache, working buffers) and to train it (memory.training_memory):
+    every weight, and with lora_rank its LoRA adapters on all seven projections, the base frozen as each
+    memory mode holds it."""
 
     params = parameter_summary(config)["total"]
     stored = {"fp32": 4 * params, "bf16": 2 * params, "int8": int8_weight_bytes(config),
               **{fmt: weight_bytes(config, fmt) for fmt in HELD_FORMATS}}
     remedies = training_remedies(config, batch_size, context)
     baseline = remedies.pop("baseline")
+    lora = {}
+    if lora_rank is not None:
+        plans = {mode: training_memory(config, batch_size, context, lora_rank=lora_rank, lora_targets=PROJECTIONS,
+                                       frozen=mode) for mode in stored}
+        lora = {"lora": {"rank": lora_rank, "trainable": lora_parameters(config, lora_rank, PROJECTIONS),
+                         **{key: value for key, value in plans["fp32"].items() if key != "frozen_base"},
+                         "by_frozen_base": {mode: {"frozen_base": plan["frozen_base"], "total": training_total(plan)}
+                                            for mode, plan in plans.items()}}}
     return {
         "context": context,
         "inference": {"weights": stored, "kv_cache_fp32": context * kv_cache_bytes_per_token(config, 4),
@@ -82,6 +94,7 @@ def memory_breakdown(config: Qwen3Config, context: int, batch_size: int) -> dict
                      "attention_probabilities": attention_probabilities(config, batch_size, context),
                      "remedies": {name: {"total": r["total"], "saves": baseline["total"] - r["total"]}
                                   for name, r in remedies.items()}},
+        **lora,
     }
 
 
@@ -122,9 +135,9 @@ def _machine_report(config: Qwen3Config, bandwidth: float, context: int) -> dict
 
 
 def inspect_command(config: Qwen3Config, tokens: int, as_json: bool, model_name: str,
-                    context: int | None = None, batch_size: int = 16) -> str:
+                    context: int | None = None, batch_size: int = 16, lora_rank: int | None = None) -> str:
     """The output of `python -m qwen_np inspect`: text for people, or JSON when as_json."""
-    report = inspect_report(config, tokens, model_name, measure_bandwidth(), context, batch_size)
+    report = inspect_report(config, tokens, model_name, measure_bandwidth(), context, batch_size, lora_rank)
     return json.dumps(report, indent=2) if as_json else render_report(report)
 
 
@@ -159,7 +172,23 @@ def _render_memory(report: dict[str, Any]) -> str:
     lines += ["", f"  {'with a remedy (each alone, then the last three)':<56}{'total':>12}{'saves':>12}"]
     lines += [f"  {labels[name]:<56}{_size(r['total']):>12}{_size(r['saves']):>12}"
               for name, r in training["remedies"].items()]
+    if "lora" in memory:
+        lines += ["", *_lora_lines(memory["lora"], batch, context)]
     return "\n".join(lines)
+
+
+def _lora_lines(lora: dict[str, Any], batch: int, context: int) -> list[str]:
+    """inspect --lora R: LoRA training's memory (train --model M --lora R), the frozen base held each way."""
+    lines = [f"Memory to train LoRA adapters of rank {lora['rank']} on all seven projections (train --lora "
+             f"{lora['rank']}), a batch of {batch} x {context:,} tokens",
+             f"  {'trainable weights (' + format(lora['trainable'], ',') + ', FP32)':<56}{_size(lora['weights']):>12}",
+             f"  {'their gradients':<56}{_size(lora['gradients']):>12}",
+             f"  {'their AdamW moments m and v':<56}{_size(lora['adamw']):>12}",
+             f"  {'activations (the same tape as training every weight)':<56}{_size(lora['activations']):>12}",
+             f"  {'the frozen base (--memory), no gradient nor moments':<56}{'base':>12}{'total':>12}"]
+    lines += [f"  {'  held as ' + mode:<56}{_size(plan['frozen_base']):>12}{_size(plan['total']):>12}"
+              for mode, plan in lora["by_frozen_base"].items()]
+    return lines
 
 
 def _render_dimensions(report: dict[str, Any]) -> str:

@@ -18,15 +18,20 @@ is off, so a tuned model answers directly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import evaluation
 from ..errors import QwenNPError
 from ..files.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from ..core.model import Qwen3Model
 
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 TURN_END = "<|im_end|>"
@@ -107,16 +112,98 @@ def encoded_chats(tokenizer: Tokenizer, path: Path) -> list[Chat]:
 
 
 def padded_rows(conversations: list[Chat], context: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Conversations as one training batch: ids [B, context + 1] and learned [B, context + 1].
+    """Conversations as one training batch: ids [B, W] and learned [B, W], W = the longest conversation's
+    length, at most context + 1.
 
     Each conversation is one row, from its start (its position 0, as at inference): a longer one is cut
     after context + 1 tokens (what is cut is not learned), a shorter one padded at the end with pad_id,
     never learned. Causal attention keeps padding at a row's end from reaching the real tokens before it,
-    so a padded row's loss and gradients are those of the conversation alone.
+    so a padded row's loss and gradients are those of the conversation alone. Why padding and not
+    packing (several conversations one after another in a row): packed conversations would attend to
+    each other, unless the forward took a mask per document, and a conversation would not start at
+    position 0 as it does when the model generates; padding only to the batch's longest conversation
+    keeps most of packing's speed (bench/README.md, "Chat batches").
     """
-    ids = np.full((len(conversations), context + 1), pad_id, dtype=np.int64)
-    learned = np.zeros((len(conversations), context + 1), dtype=bool)
+    width = min(context + 1, max(len(chat.ids) for chat in conversations))
+    ids = np.full((len(conversations), width), pad_id, dtype=np.int64)
+    learned = np.zeros((len(conversations), width), dtype=bool)
     for row, chat in enumerate(conversations):
-        n = min(len(chat.ids), context + 1)
+        n = min(len(chat.ids), width)
         ids[row, :n], learned[row, :n] = chat.ids[:n], chat.learned[:n]
     return ids, learned
+
+
+# --- A training run's chat data -------------------------------------------------------------------------
+
+
+@dataclass
+class ConversationOrder:
+    """Epochs over the training conversations, each epoch in the order of a permutation drawn from a generator
+    seeded by (seed, epoch): the order is reproducible from (seed, epoch, position) alone, the place a
+    checkpoint keeps (as trainer.WindowOrder's, over windows of text)."""
+
+    count: int
+    seed: int
+    epoch: int = 0
+    position: int = 0             # conversations of this epoch already used
+
+    def next_indices(self, batch_size: int) -> list[int]:
+        """The next batch_size conversations' numbers, continuing into the next epoch when one ends."""
+        picked: list[int] = []
+        while len(picked) < batch_size:
+            if self.position >= self.count:
+                self.epoch, self.position = self.epoch + 1, 0
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.count)
+            taken = order[self.position:self.position + batch_size - len(picked)]
+            picked += taken.tolist()
+            self.position += len(taken)
+        return picked
+
+
+@dataclass
+class ChatData:
+    """What a chat run trains and validates on, and its place in the training conversations."""
+
+    train: list[Chat]
+    validation: list[Chat]
+    sha256: str                   # of the chat file(s) read (chat_files_sha256)
+    order: ConversationOrder
+    context: int
+    pad_id: int
+
+    def next_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next batch_size conversations as padded_rows: ids [B, W] and learned [B, W]."""
+        return padded_rows([self.train[i] for i in self.order.next_indices(batch_size)], self.context, self.pad_id)
+
+    def validate(self, model: Qwen3Model) -> dict[str, Any]:
+        """The held-out conversations' loss over their assistant tokens (eval --text FILE.jsonl's figure)."""
+        return evaluation.score_text(model.forward, [chat.ids for chat in self.validation],
+                                     sum(chat.characters for chat in self.validation), self.context,
+                                     learned=[chat.learned for chat in self.validation]).summary()
+
+    def describe(self) -> str:
+        learned = sum(int(chat.learned.sum()) for chat in self.train)
+        return f"{len(self.train):,} conversations ({learned:,} assistant tokens)"
+
+
+def held_out(tokenizer: Tokenizer, data: Path, val: Path | None) -> tuple[list[Chat], list[Chat], str]:
+    """(training, validation conversations, their files' SHA-256): --val's file validates, else the last 5% of
+    --data's conversations (at least one)."""
+    train = encoded_chats(tokenizer, data)
+    if val is not None:
+        validation = encoded_chats(tokenizer, val)
+    else:
+        if len(train) < 2:
+            raise QwenNPError(f"{data}: one conversation cannot be split into training and validation (add "
+                              "conversations, or name a chat file that validates with --val)", "data")
+        cut = len(train) - max(1, len(train) // 20)
+        train, validation = train[:cut], train[cut:]
+    return train, validation, chat_files_sha256(data, val)
+
+
+def chat_files_sha256(data: Path, val: Path | None) -> str:
+    """The SHA-256 of a chat run's files (--data's bytes, then --val's if given): a resumed run checks it."""
+    digest = hashlib.sha256(data.read_bytes())
+    if val is not None:
+        digest.update(b"\0" + val.read_bytes())
+    return digest.hexdigest()

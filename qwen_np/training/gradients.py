@@ -51,10 +51,12 @@ def linear_backward(d_out: np.ndarray, x: np.ndarray, weight: Weight) -> tuple[n
     product, because the two sum over different axes (dx over `out`, dW over the rows), which FP8's
     1x128 scale tiles follow; x is the forward's FP32 input, rounded again to the same values.
     An adapted weight (LoRA, numerics.Adapted) is frozen: dx is the frozen path's plus the adapter's,
-    and the gradient is the adapter's alone (lora.adapter_backward).
+    and the gradient is the adapter's alone (lora.adapter_backward), under the forward's dropout mask.
     """
     if isinstance(weight, Adapted):
-        dx, d_adapter = lora.adapter_backward(d_out, x, weight)
+        drop = layers.ADAPTER_INPUTS.get()            # LoRA dropout: the forward's mask, drawn again
+        keep, p = (drop.keep(x, weight), drop.p) if isinstance(drop, lora.Dropout) else (None, 0.0)
+        dx, d_adapter = lora.adapter_backward(d_out, x, weight, keep, p)
         return dx + input_gradient(d_out, weight.base), d_adapter
     if not trainable(weight):
         raise QwenNPError("training needs FP32 weights in memory; load the model with memory='fp32'")

@@ -18,6 +18,7 @@ does, merges them, and holds their backward, read beside gradients.linear_backwa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..core import layers
-from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD
+from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, Qwen3Config, expected_tensors
 from ..core.model import Qwen3Model
 from ..errors import QwenNPError
 from ..files.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_name
@@ -36,6 +37,33 @@ from ..numbers.numerics import Adapted, upcast
 
 # Qwen3's seven projections, as peft's target_modules names them (the last part of the module's name).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraSettings:
+    """A LoRA run's adapters (train --lora RANK, --lora-alpha, --lora-targets, --lora-dropout), saved with its
+    checkpoints: a resumed run keeps them."""
+
+    rank: int
+    alpha: float | None = None                  # None: 2 * rank
+    targets: tuple[str, ...] = PROJECTIONS
+    dropout: float = 0.0                        # the share of each adapter's input dropped while training
+
+    def check(self) -> "LoraSettings":
+        """These settings as a run keeps them (alpha given, targets in PROJECTIONS' order), or a QwenNPError
+        naming the one that is wrong (rank, alpha, targets, dropout)."""
+        if self.rank < 1:
+            raise QwenNPError(f"must be at least 1, got {self.rank}", "rank")
+        if self.alpha is not None and not self.alpha > 0:
+            raise QwenNPError(f"must be positive, got {self.alpha}", "alpha")
+        unknown = sorted(set(self.targets) - set(PROJECTIONS))
+        if unknown or not self.targets:
+            raise QwenNPError(f"expected some of {', '.join(PROJECTIONS)}, got {', '.join(unknown) or 'none'}",
+                              "targets")
+        if not 0.0 <= self.dropout < 1.0:
+            raise QwenNPError(f"must be in [0, 1), got {self.dropout}", "dropout")
+        return LoraSettings(self.rank, float(2 * self.rank if self.alpha is None else self.alpha),
+                            tuple(key for key in PROJECTIONS if key in self.targets), float(self.dropout))
 
 
 @dataclass
@@ -62,11 +90,7 @@ def initial_adapter(out_features: int, in_features: int, rank: int,
 def add_adapters(model: Qwen3Model, rank: int, alpha: float | None = None,
                  targets: Sequence[str] = PROJECTIONS, seed: int = 0) -> None:
     """Wrap each target projection of every layer in an Adapted weight, in place (alpha default: 2 * rank)."""
-    if rank < 1:
-        raise QwenNPError(f"rank: must be at least 1, got {rank}")
-    unknown = sorted(set(targets) - set(PROJECTIONS))
-    if unknown or not targets:
-        raise QwenNPError(f"targets: expected some of {', '.join(PROJECTIONS)}, got {', '.join(unknown) or 'none'}")
+    LoraSettings(rank, alpha, tuple(targets)).check()
     scale = (2.0 * rank if alpha is None else alpha) / rank
     rng = np.random.default_rng(seed)
     for layer in model.layers:
@@ -93,6 +117,19 @@ def adapter_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
     return params
 
 
+def adapter_shapes(config: Qwen3Config, rank: int, targets: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """The shape of every adapter array add_adapters makes, by adapter_parameters' names: A [r, in], B [out, r]."""
+    shapes = expected_tensors(config)
+    out: dict[str, tuple[int, int]] = {}
+    for i in range(config.num_hidden_layers):
+        for key in PROJECTIONS:
+            if key in targets:
+                rows, columns = shapes[LAYER_TENSOR_NAMES[key].format(i=i)]
+                tensor = LAYER_TENSOR_NAMES[key].format(i=i)
+                out[adapter_name(tensor, "A")], out[adapter_name(tensor, "B")] = (rank, columns), (rows, rank)
+    return out
+
+
 def has_adapters(model: Qwen3Model) -> bool:
     return any(isinstance(getattr(layer, key), Adapted) for layer in model.layers for key in PROJECTIONS)
 
@@ -102,6 +139,39 @@ def dropped(x: np.ndarray, keep: np.ndarray | None, dropout: float) -> np.ndarra
 
     As peft's lora_dropout, it drops only what enters A, never the frozen path's input."""
     return x if keep is None else x * (keep * np.float32(1.0 / (1.0 - dropout)))
+
+
+@dataclass
+class Dropout:
+    """LoRA dropout in one piece of a training step (layers.ADAPTER_INPUTS while its forward and backward run).
+
+    Each adapter's keep mask is drawn afresh from a generator seeded by (seed: the run's seed, the step, the
+    piece; the adapter's number in the model), not kept: the backward (and a layer recomputed there) draws
+    the same mask again, and a resumed run the masks the unstopped run drew. Only the adapter's input is
+    dropped (peft's lora_dropout); the frozen path reads x whole."""
+
+    p: float
+    seed: tuple[int, ...]
+    numbers: dict[int, int]                     # id(adapter.a) -> the adapter's number, in model order
+
+    @classmethod
+    def of(cls, model: Qwen3Model, p: float, seed: tuple[int, ...]) -> "Dropout":
+        numbers = {id(getattr(layer, key).a): n for n, (layer, key) in enumerate(
+            (layer, key) for layer in model.layers for key in PROJECTIONS if isinstance(getattr(layer, key), Adapted))}
+        return cls(p, seed, numbers)
+
+    def piece(self, number: int) -> "Dropout":
+        """The dropout of piece `number` of the step (a micro-batch's shard): masks of its own."""
+        return Dropout(self.p, (*self.seed, number), self.numbers)
+
+    def keep(self, x: np.ndarray, weight: Adapted) -> np.ndarray:
+        """The 0/1 mask [x's shape] of this adapter's input (drawn over x's values in order, so the forward's
+        packed rows [B*T, in] and the backward's [B, T, in] get the same mask)."""
+        rng = np.random.default_rng([*self.seed, self.numbers[id(weight.a)]])
+        return (rng.random(x.size, dtype=np.float32) >= self.p).astype(x.dtype).reshape(x.shape)
+
+    def __call__(self, x: np.ndarray, weight: Adapted) -> np.ndarray:
+        return dropped(x, self.keep(x, weight), self.p)
 
 
 def adapter_forward(x: np.ndarray, weight: Adapted, keep: np.ndarray | None = None,
@@ -163,6 +233,22 @@ def save_adapter(folder: Path, model: Qwen3Model, base: str, dropout: float = 0.
     write_atomically(folder / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return folder
+
+
+def with_adapters(model: Qwen3Model, arrays: dict[str, np.ndarray]) -> Qwen3Model:
+    """A readable Qwen3Model on the same frozen weights (not copied) whose adapters hold `arrays` (by
+    adapter_parameters' names): a checkpoint's adapters written out without touching the model trained."""
+    layers = []
+    for i, layer in enumerate(model.layers):
+        swapped: dict[str, Any] = {}
+        for key in PROJECTIONS:
+            weight = getattr(layer, key)
+            if isinstance(weight, Adapted):
+                tensor = LAYER_TENSOR_NAMES[key].format(i=i)
+                swapped[key] = Adapted(weight.base, arrays[adapter_name(tensor, "A")], arrays[adapter_name(tensor, "B")],
+                                       weight.scale)
+        layers.append(dataclasses.replace(layer, **swapped))
+    return Qwen3Model(model.config, model.embed_tokens, layers, model.norm, model.lm_head)
 
 
 def merged_tensors(model: Qwen3Model) -> dict[str, np.ndarray]:

@@ -33,7 +33,8 @@ from ..numbers.numerics import Weight
 
 def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = False,
                        precision: str | MatmulInputs = "fp32", loss_scale: float = 1.0,
-                       weights: np.ndarray | None = None) -> tuple[float, dict[str, np.ndarray]]:
+                       weights: np.ndarray | None = None,
+                       dropout: lora.Dropout | None = None) -> tuple[float, dict[str, np.ndarray]]:
     """Mean next-token cross-entropy of a batch and every parameter's FP32 gradient.
 
     batch: int array [B, T+1]; the model reads batch[:, :-1] and predicts batch[:, 1:], the loss
@@ -46,11 +47,13 @@ def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = F
     by it before the backward (FP16's loss scaling), so the gradients come back scaled by it too
     (mixed.LossScaler.unscale divides them again). The loss itself is not scaled. weights [B, T]: each
     predicted token's weight in the loss (gradients.cross_entropy; chat SFT's assistant-only mask).
+    dropout: LoRA dropout on every adapter's input, in this forward and its backward (layers.ADAPTER_INPUTS).
     """
     batch = check_batch(batch, model.config.vocab_size)
     if not lora.has_adapters(model):    # an adapted model trains its FP32 adapters; its base may be any kind
         named_parameters(model)         # raises, naming the tensor, unless every weight is a float array
     hook = layers.MATMUL_INPUTS.set(mixed.operands(precision))     # this thread's forward and backward only
+    dropping = layers.ADAPTER_INPUTS.set(dropout)
     try:
         logits, tape = gradients.forward_with_tape(model, batch[:, :-1], recompute)  # [B, T, V]
         loss, d_logits = gradients.cross_entropy(logits, batch[:, 1:], weights)
@@ -61,6 +64,7 @@ def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = F
         with np.errstate(over="ignore", invalid="ignore"):
             return loss, gradients.backward(model, tape, d_logits * np.float32(loss_scale))
     finally:
+        layers.ADAPTER_INPUTS.reset(dropping)
         layers.MATMUL_INPUTS.reset(hook)
 
 
@@ -101,8 +105,8 @@ def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
 
 def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_batches: int,
                                    threads: int = 1, shards: int | None = None, recompute: bool = False,
-                                   precision: str = "fp32", loss_scale: float = 1.0,
-                                   learned: np.ndarray | None = None) -> tuple[float, dict[str, np.ndarray]]:
+                                   precision: str = "fp32", loss_scale: float = 1.0, learned: np.ndarray | None = None,
+                                   dropout: lora.Dropout | None = None) -> tuple[float, dict[str, np.ndarray]]:
     """Gradient accumulation: the batch's loss and gradient from `micro_batches` equal slices of its rows.
 
     Each slice's mean loss and gradient are averaged, which equals the whole batch's mean (equal-sized
@@ -113,7 +117,8 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
     recompute, precision, loss_scale: as loss_and_gradients, for every slice. learned [B, T+1] (chat SFT):
     the tokens the loss is over; the loss is then their mean over the whole batch: each token weighs
     pieces / count, so that the average over the pieces (micro-batches times shards) is sum / count
-    whatever piece a token falls in.
+    whatever piece a token falls in. dropout: LoRA dropout, each piece (micro-batch times shard, numbered in
+    order) with masks of its own (lora.Dropout.piece).
     """
     B = batch.shape[0]
     if micro_batches < 1 or B % micro_batches:
@@ -128,13 +133,15 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
         counted = np.asarray(learned, dtype=bool)[:, 1:]                            # [B, T]: predicted tokens
         weights = counted * (micro_batches * shards / max(1, int(counted.sum())))      # float64 [B, T]
 
-    def step(part: np.ndarray, part_weights: np.ndarray | None) -> tuple[float, dict[str, np.ndarray]]:
-        return loss_and_gradients(model, part, recompute, precision, loss_scale, part_weights)
+    def step(part: np.ndarray, part_weights: np.ndarray | None, piece: int) -> tuple[float, dict[str, np.ndarray]]:
+        return loss_and_gradients(model, part, recompute, precision, loss_scale, part_weights,
+                                  None if dropout is None else dropout.piece(piece))
 
     total_loss, total = 0.0, dict[str, np.ndarray]()
-    for start in range(0, B, rows):
+    for micro, start in enumerate(range(0, B, rows)):
         loss, grads = _loss_and_gradients_in_shards(batch[start:start + rows], shards, threads, step,
-                                                    None if weights is None else weights[start:start + rows])
+                                                    None if weights is None else weights[start:start + rows],
+                                                    micro * shards)
         total_loss += loss / micro_batches
         for g in grads.values():
             g *= np.float32(1.0 / micro_batches)
@@ -143,9 +150,10 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
 
 
 def _loss_and_gradients_in_shards(batch: np.ndarray, shards: int, threads: int,
-                                  step: Callable[[np.ndarray, np.ndarray | None], tuple[float, dict[str, np.ndarray]]],
-                                  weights: np.ndarray | None = None) -> tuple[float, dict[str, np.ndarray]]:
-    """step (a loss_and_gradients) of `shards` equal row slices, up to `threads` at once, averaged in shard order.
+                                  step: Callable[[np.ndarray, np.ndarray | None, int], tuple[float, dict[str, np.ndarray]]],
+                                  weights: np.ndarray | None = None, first: int = 0) -> tuple[float, dict[str, np.ndarray]]:
+    """step (a loss_and_gradients) of `shards` equal row slices, up to `threads` at once, averaged in shard order;
+    step's third argument numbers the slices from `first` (the step's pieces: LoRA dropout's masks).
 
     Why threads: NumPy runs every elementwise pass (softmax, SiLU, norms, the cross-entropy) on one
     core, and OpenBLAS's threads wait on each other between the many small attention products; one
@@ -162,7 +170,7 @@ def _loss_and_gradients_in_shards(batch: np.ndarray, shards: int, threads: int,
     weight_slices = [None if weights is None else weights[i * rows:(i + 1) * rows] for i in range(shards)]
     loss, grads = 0.0, dict[str, np.ndarray]()
     with single_threaded_blas(), ThreadPoolExecutor(max(1, min(shards, threads))) as pool:
-        for part_loss, part in pool.map(step, slices, weight_slices):   # in order
+        for part_loss, part in pool.map(step, slices, weight_slices, range(first, first + shards)):   # in order
             loss += part_loss
             _add(grads, part)
     for g in grads.values():

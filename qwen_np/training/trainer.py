@@ -33,10 +33,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import evaluation, mixed, run_folder, step as training
+from . import chats, evaluation, lora, mixed, run_folder, step as training
 from ..files.checkpoint import save_checkpoint, write_atomically
+from ..files.model_files import ModelFiles, open_model
+from ..files.tokenizer import Tokenizer
 from ..core.config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors
-from .data import END_OF_TEXT_ID
+from .data import END_OF_TEXT, END_OF_TEXT_ID
 from ..errors import QwenNPError
 from ..engine.memory import training_memory
 from ..core.model import LayerWeights, Qwen3Model
@@ -268,6 +270,10 @@ class RunState:
     epoch: int = 0                              # the data order's place (WindowOrder) at the last checkpoint:
     position: int = 0                           # its epoch and the windows of it used
     loss_scaler: mixed.LossScaler | None = None     # fp16 with loss scaling: a resumed run goes on with its scale
+    model: str | None = None                    # --model: the checkpoint the run started from (None: a preset or config)
+    base_sha256: str | None = None              # of its weight files (base_sha256): a resumed run checks them
+    adapters: dict[str, Any] | None = None      # a LoRA run's lora.LoraSettings and "memory" (how its frozen base is held)
+    val: str | None = None                      # --val: the chat file that validates (None: --data's last 5%)
 
     @property
     def step(self) -> int:
@@ -293,6 +299,8 @@ class RunState:
                 "data_sha256": self.data_sha256, "settings": asdict(self.settings), "config": self.config}
         if self.loss_scaler is not None:
             meta["loss_scaler"] = asdict(self.loss_scaler)
+        if self.model is not None:
+            meta.update(model=self.model, base_sha256=self.base_sha256, lora=self.adapters, val=self.val)
         return meta
 
     @classmethod
@@ -301,7 +309,21 @@ class RunState:
         scaler = meta.get("loss_scaler")
         return cls(meta["config"], Settings(**meta["settings"]), meta["data"], meta.get("data_sha256"), meta["history"],
                    meta["evals"], meta["best_loss"], meta["bad_evals"], meta["order"]["epoch"], meta["order"]["position"],
-                   None if scaler is None else mixed.LossScaler(**scaler))
+                   None if scaler is None else mixed.LossScaler(**scaler), meta.get("model"), meta.get("base_sha256"),
+                   meta.get("lora"), meta.get("val"))
+
+    @property
+    def lora_settings(self) -> lora.LoraSettings | None:
+        """The run's adapters (None: every weight is trained)."""
+        if self.adapters is None:
+            return None
+        saved = {key: value for key, value in self.adapters.items() if key != "memory"}
+        return lora.LoraSettings(**{**saved, "targets": tuple(saved["targets"])})
+
+    @property
+    def lora_memory(self) -> str:
+        """How a LoRA run holds its frozen base (engine.memory.MODES; fp32 for every other run)."""
+        return "fp32" if self.adapters is None else str(self.adapters["memory"])
 
 
 # --- The run ----------------------------------------------------------------------------------------
@@ -317,17 +339,17 @@ class Corpus:
     sha256: str                          # of the training and validation text (corpus_sha256)
 
 
-def load_corpus(data: str, out: Path, vocab_size: int, resume: bool, sha256: str | None = None) -> Corpus:
+def load_corpus(data: str, out: Path, vocab_size: int, resume: bool, sha256: str | None = None,
+                tokenizer: Tokenizer | None = None) -> Corpus:
     """Train (or, resuming, reload) the tokenizer in `out`, and encode the training and validation text.
+    tokenizer (a run from --model): the model's own encodes the text instead, each document after its
+    <|endoftext|>.
 
     --data shakespeare uses data.py's fixed by-play splits. A text FILE is split at a line boundary:
     the last 5% of its lines validate, the rest train. sha256 (a resumed run's): the text must be the
     one the run began on, or a QwenNPError names --data before any work is done.
     """
-    import tokenizers
-
     from . import data as corpora
-    from ..files.tokenizer import Tokenizer
 
     if data == "shakespeare":
         train_text, valid_text = corpora.shakespeare_split("train"), corpora.shakespeare_split("validation")
@@ -342,14 +364,15 @@ def load_corpus(data: str, out: Path, vocab_size: int, resume: bool, sha256: str
         raise QwenNPError(f"{data} is not the text the run in {out} began on (SHA-256 {digest[:16]}..., the "
                           f"checkpoint's {sha256[:16]}...: edited or replaced since); resuming would train on other "
                           "text with the old text's tokenizer: put the original back, or start a new run", "data")
-    if not resume:
-        corpora.save_tokenizer(corpora.train_tokenizer(train_text, vocab_size), out)
-    tokenizer = Tokenizer.from_folder(out)
-    bpe = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))       # encode_corpus's fast batch encoder
-    if tokenizer.vocab_size != vocab_size:
-        raise QwenNPError(f"{out}/tokenizer.json: {tokenizer.vocab_size} tokens, but the config's vocab_size is "
-                          f"{vocab_size} (the text is too small for that many BPE merges?)")
-    separator = np.array([END_OF_TEXT_ID], dtype=np.int32)
+    if tokenizer is None:
+        if not resume:
+            corpora.save_tokenizer(corpora.train_tokenizer(train_text, vocab_size), out)
+        tokenizer = Tokenizer.from_folder(out)
+        if tokenizer.vocab_size != vocab_size:
+            raise QwenNPError(f"{out}/tokenizer.json: {tokenizer.vocab_size} tokens, but the config's vocab_size is "
+                              f"{vocab_size} (the text is too small for that many BPE merges?)")
+    bpe = tokenizer.backend                                                  # encode_corpus's fast batch encoder
+    separator = np.array([tokenizer.token_to_id(END_OF_TEXT)], dtype=np.int32)
     train_docs = [corpora.encode_corpus(bpe, doc) for doc in evaluation.documents(train_text)]
     train = np.concatenate([part for doc in train_docs for part in (separator, doc)])
     valid, characters = evaluation.encoded_documents(tokenizer, valid_text)
@@ -405,14 +428,18 @@ KEPT_ON_RESUME = {"seed": "it orders the data: another seed would repeat some wi
 
 @dataclass
 class RunSpec:
-    """What to run: a new run (from a preset or a config.json) or the run in `out` resumed."""
+    """What to run: a new run (from a preset, a config.json or a checkpoint) or the run in `out` resumed."""
 
     out: Path                               # checkpoints, tokenizer, exported model/ (created on the first write)
     resume: bool = False
     preset: str | None = None               # a key of PRESET_CONFIGS
     config: Path | None = None              # a Qwen3 config.json to train from scratch
-    data: str | None = None                 # "shakespeare" or a UTF-8 text file (None: the run's own, resuming;
-                                            # else shakespeare)
+    data: str | None = None                 # "shakespeare", a UTF-8 text file or a chat file (.jsonl) (None: the
+                                            # run's own, resuming; else shakespeare)
+    model: str | None = None                # a checkpoint to start from (folder, hub id or GGUF) instead of a preset
+    lora: lora.LoraSettings | None = None   # train these adapters on --model, frozen (None: every weight)
+    memory: str | None = None               # how a LoRA run holds its frozen base (engine.memory.MODES; default fp32)
+    val: str | None = None                  # a chat file that validates (None: --data's last 5% of conversations)
     overrides: dict[str, Any] = field(default_factory=dict)   # Settings field -> value (None: not given)
 
 
@@ -450,9 +477,15 @@ def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
     is refused. A run that fails before its first checkpoint leaves no `out` folder behind."""
     events = events or RunEvents()
     out = spec.out
-    if not spec.resume and spec.preset is None and spec.config is None:
-        raise QwenNPError("say what to train (--preset tiny: seconds; --preset shakespeare, "
-                          "the bundled model: about 50 minutes on 2 cores)", "spec")
+    if not spec.resume and spec.preset is None and spec.config is None and spec.model is None:
+        raise QwenNPError("say what to train (--preset tiny: seconds; --preset shakespeare, the bundled model: about "
+                          "50 minutes on 2 cores; --model MODEL to fine-tune a checkpoint)", "spec")
+    if spec.model is not None and (spec.preset is not None or spec.config is not None):
+        raise QwenNPError("starts from a checkpoint's weights; a --preset or --config starts from random ones: "
+                          "give one of them", "model")
+    if spec.lora is not None and spec.model is None and not spec.resume:
+        raise QwenNPError("adapters train on a checkpoint's frozen weights: name it with --model (a --preset or "
+                          "--config model starts from random weights: train it whole)", "lora")
     if spec.resume and not out.exists():
         raise QwenNPError(f"{out} does not exist: there is no earlier run to continue (start one without "
                           "--resume)", "resume")
@@ -475,23 +508,53 @@ def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
 
 
 @dataclass
+class TextData:
+    """A text run's data and its place in the training windows (a chat run's: chats.ChatData)."""
+
+    corpus: Corpus
+    order: WindowOrder
+
+    @property
+    def sha256(self) -> str:
+        return self.corpus.sha256
+
+    def next_batch(self, batch_size: int) -> tuple[np.ndarray, None]:
+        """The next batch_size windows [B, context + 1]; every token is learned (None: no mask)."""
+        return self.order.next_batch(self.corpus.train, batch_size), None
+
+    def validate(self, model: Qwen3Model) -> dict[str, Any]:
+        """Loss on the validation documents, with the inference forward pass (what generation runs)."""
+        return evaluation.score_text(model.forward, self.corpus.validation, self.corpus.validation_characters,
+                                     self.order.context).summary()
+
+    def describe(self) -> str:
+        return f"{len(self.corpus.train):,} tokens"
+
+
+@dataclass
 class Run:
-    """A run in memory: its state and what a step acts on. The model's weights are `params` (the same
-    arrays, updated in place by the optimizer)."""
+    """A run in memory: its state and what a step acts on. The trained weights are `params`: the model's own
+    arrays (every weight, or a LoRA run's adapters alone), updated in place by the optimizer."""
 
     state: RunState
     params: dict[str, np.ndarray]
-    model: Qwen3Model                       # model_from_parameters(params)
+    model: Qwen3Model                       # model_from_parameters(params), or the frozen base with its adapters
     optimizer: training.AdamW
-    order: WindowOrder
-    corpus: Corpus
+    data: TextData | chats.ChatData
     out: Path                               # where save() writes
 
     def save(self, name: str) -> Path:
         """The run as it stands (weights, AdamW, state, the data order's place) into out/name."""
-        self.state.epoch, self.state.position = self.order.epoch, self.order.position
+        self.state.epoch, self.state.position = self.data.order.epoch, self.data.order.position
         save_state(self.out / name, self.params, self.optimizer, self.state.to_json())
         return self.out / name
+
+    def dropout(self, step: int) -> lora.Dropout | None:
+        """LoRA dropout for optimizer step `step` (None: not a LoRA run, or --lora-dropout 0)."""
+        settings = self.state.lora_settings
+        if settings is None or not settings.dropout:
+            return None
+        return lora.Dropout.of(self.model, settings.dropout, (self.state.settings.seed, step))
 
 
 def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
@@ -501,57 +564,205 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
     last, best = out / LAST, out / BEST
     notes = [] if left is None else [f"note: {out / run_folder.LOCK} was left by a train run that no longer runs "
                                      f"(PID {left or '?'}: killed, or its machine stopped); taken over"]
+    saved: dict[str, np.ndarray] | None = None
     if spec.resume:
-        state, params, adam_m, adam_v, optimizer_step = _resumed(spec, notes, left)
+        state, saved, adam_m, adam_v, optimizer_step = _resumed(spec, notes, left)
     else:
         if last.exists():
             raise QwenNPError(f"{out} already holds a run ({LAST}); pass --resume or another folder", "out")
-        state = RunState(hf_config(_model_config(spec)), resolve_settings(spec.overrides, spec.preset, None),
-                         spec.data or "shakespeare")
+        state = _new_state(spec)
     settings = state.settings
-    config = Qwen3Config.from_dict(state.config, source="--config")
+    config = Qwen3Config.from_dict(state.config, source=state.model or "--config")
     if settings.context > config.max_position_embeddings:
         raise QwenNPError(f"{settings.context} exceeds the model's max_position_embeddings "
                           f"({config.max_position_embeddings})", "context")
-    data = spec.data or state.data
-    if spec.resume and spec.data is None and data != "shakespeare" and not Path(data).exists():
-        raise QwenNPError(f"{data}, the run's text, is not there (moved? name its new place with --data)", "data")
-    corpus = load_corpus(data, out, config.vocab_size, spec.resume, state.data_sha256)   # a resumed run's: its own text
-    if spec.resume and state.data_sha256 is None:
-        notes.append(f"note: {last} keeps no hash of its text (written before checkpoints did): {data} is taken as "
-                     "the run's text unchecked, and its hash kept from now on")
-    if data != state.data:
-        notes.append(f"note: --data {data}: the run's text, read from there (it began on {state.data})")
-    state.data, state.data_sha256 = data, corpus.sha256
+    base = _base(spec, state, notes)
+    data = _data(spec, state, config, base, notes)
+    model, params = _model(state, config, base, saved)
     if not spec.resume:
-        params = init_parameters(config, settings.seed)
         (out / "config.json").write_text(json.dumps(state.config, indent=2) + "\n")
     optimizer = training.adamw_for(params, weight_decay=settings.weight_decay)
     if spec.resume:
         optimizer.m, optimizer.v, optimizer.step = adam_m, adam_v, optimizer_step
     scaling = settings.precision == "fp16" and settings.loss_scaling
     state.loss_scaler = (state.loss_scaler or mixed.LossScaler()) if scaling else None
-    order = WindowOrder(len(corpus.train), settings.context, settings.seed, state.epoch, state.position)
-    run = Run(state, params, model_from_parameters(config, params), optimizer, order, corpus, out)
+    run = Run(state, params, model, optimizer, data, out)
     baseline = peak_rss_bytes()
     # The tape is FP32 arrays whatever the precision (NumPy keeps the rounded values as FP32).
+    adapters = state.lora_settings
     estimate = training_memory(config, settings.batch_size // settings.grad_accum, settings.context,
-                               recompute=settings.recompute)
+                               recompute=settings.recompute, lora_rank=0 if adapters is None else adapters.rank,
+                               lora_targets=() if adapters is None else adapters.targets, frozen=state.lora_memory)
     for note in notes:
         events.noted(note)
-    events.started(settings, state.step,
-                   f"training {sum(p.size for p in params.values()):,} parameters on {len(corpus.train):,} tokens "
-                   f"({settings.batch_size}x{settings.context} tokens a step) -> {out}")
+    what = f"{sum(p.size for p in params.values()):,} parameters"
+    if adapters is not None:
+        what += f" (LoRA rank {adapters.rank} on {', '.join(adapters.targets)}; {state.model} frozen)"
+    elif state.model is not None:
+        what += f" (every weight of {state.model})"
+    events.started(settings, state.step, f"training {what} on {data.describe()} "
+                                         f"({settings.batch_size}x{settings.context} tokens a step) -> {out}")
     try:
         with Stops() as stops:
             stopped = _loop(run, stops, events)
             # The loop ends on an evaluation it has saved (the last step always evaluates), so best
             # and last hold it; a stop from here on re-exports on resuming.
-            exported = export_model(out / "model", state.config, load_state(best)[0], out)
+            exported = _export(run, base, load_state(best)[0])
     except KeyboardInterrupt:
         run.save(LAST)
         return RunResult(state, "", None, last, estimate, baseline, interrupted=True)
     return RunResult(state, stopped, exported, last, estimate, baseline)
+
+
+# --- Starting from a checkpoint (--model) and LoRA -----------------------------------------------------
+
+
+def _new_state(spec: RunSpec) -> RunState:
+    """A new run's state: a preset's or config's model from random weights, or --model's (every weight
+    trained, or --lora's adapters on it frozen)."""
+    settings = resolve_settings(spec.overrides, spec.preset, None)
+    if spec.model is None:
+        return RunState(hf_config(_model_config(spec)), settings, spec.data or "shakespeare")
+    adapters = None
+    if spec.lora is not None:
+        adapters = {**asdict(spec.lora.check()), "memory": spec.memory or "fp32"}
+    elif spec.memory not in (None, "fp32"):
+        raise QwenNPError(f"{spec.memory}: full fine-tuning updates every weight, held in FP32; a frozen base "
+                          "(--lora) may be held as bf16, int8, q8_0 or q4_0", "memory")
+    return RunState(base_config(open_model(spec.model)), settings, spec.data or "shakespeare", model=spec.model,
+                    adapters=adapters, val=spec.val)
+
+
+def base_config(base: ModelFiles) -> dict[str, Any]:
+    """The config.json of a --model run: the folder's own, or a GGUF's metadata as one."""
+    from ..core.config import read_json_object
+
+    if not base.gguf:
+        return read_json_object(base.path / "config.json")
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **base.config.to_dict()}
+
+
+def base_sha256(base: ModelFiles) -> str:
+    """The SHA-256 of a model's weight files (each name and its bytes, in name order): a resumed run from
+    --model reloads its base (a LoRA run's frozen weights, a full run's tokenizer) and checks it with this.
+    It reads every byte once (about a second a GB)."""
+    paths = [base.path] if base.gguf else sorted(base.path.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _base(spec: RunSpec, state: RunState, notes: list[str]) -> ModelFiles | None:
+    """The files of the run's --model (None: a preset's or config's run), checked to be the ones it began on."""
+    source = spec.model or state.model
+    if source is None:
+        return None
+    base = open_model(source)
+    digest = base_sha256(base)
+    if state.base_sha256 is not None and digest != state.base_sha256:
+        raise QwenNPError(f"{source} is not the model the run in {spec.out} began on (SHA-256 of its weights "
+                          f"{digest[:16]}..., the run's {state.base_sha256[:16]}...): a resumed run reloads its base "
+                          f"({state.model}); name it with --model", "model")
+    if state.model is not None and source != state.model:
+        notes.append(f"note: --model {source}: the run's base, read from there (it began on {state.model})")
+    state.model, state.base_sha256 = source, digest
+    return base
+
+
+def _data(spec: RunSpec, state: RunState, config: Qwen3Config, base: ModelFiles | None,
+          notes: list[str]) -> TextData | chats.ChatData:
+    """The run's text or chat file, read, checked to be the one it began on (resuming), and placed in its order."""
+    settings = state.settings
+    data = spec.data or state.data
+    if spec.resume and spec.data is None and data != "shakespeare" and not Path(data).exists():
+        raise QwenNPError(f"{data}, the run's text, is not there (moved? name its new place with --data)", "data")
+    val = spec.val or state.val
+    result: TextData | chats.ChatData
+    if chats.is_chat_file(Path(data)):
+        if base is None:
+            raise QwenNPError(f"{data}: a chat file trains a model from --model (its tokenizer and chat template)",
+                              "data")
+        tokenizer = base.tokenizer
+        train, validation, digest = chats.held_out(tokenizer, Path(data), None if val is None else Path(val))
+        if state.data_sha256 is not None and digest != state.data_sha256:
+            raise QwenNPError(f"{data}{' or ' + val if val else ''} is not the chat data the run in {spec.out} began on "
+                              f"(SHA-256 {digest[:16]}..., the checkpoint's {state.data_sha256[:16]}...: edited or "
+                              "replaced since): put the original back, or start a new run", "data")
+        order = chats.ConversationOrder(len(train), settings.seed, state.epoch, state.position)
+        pad = tokenizer.pad_token_id
+        result = chats.ChatData(train, validation, digest, order, settings.context,
+                                tokenizer.eos_token_id if pad is None else pad)
+    else:
+        if val is not None:
+            raise QwenNPError("validates a chat file's run (.jsonl); a text's last 5% of lines validate it", "val")
+        corpus = load_corpus(data, spec.out, config.vocab_size, spec.resume, state.data_sha256,
+                             None if base is None else base.tokenizer)   # a resumed run's: its own text
+        if spec.resume and state.data_sha256 is None:
+            notes.append(f"note: {spec.out / LAST} keeps no hash of its text (written before checkpoints did): {data} "
+                         "is taken as the run's text unchecked, and its hash kept from now on")
+        result = TextData(corpus, WindowOrder(len(corpus.train), settings.context, settings.seed, state.epoch,
+                                              state.position))
+    if data != state.data:
+        notes.append(f"note: --data {data}: the run's text, read from there (it began on {state.data})")
+    state.data, state.data_sha256, state.val = data, result.sha256, val
+    return result
+
+
+def _model(state: RunState, config: Qwen3Config, base: ModelFiles | None,
+           saved: dict[str, np.ndarray] | None) -> tuple[Qwen3Model, dict[str, np.ndarray]]:
+    """The model a run trains and its trained arrays: a preset's or config's random weights, --model's weights
+    (every one trained), or --model's frozen base (held as the run's "memory" says) with LoRA adapters
+    (A random, B zero); a resumed run's trained arrays are the checkpoint's (`saved`)."""
+    from ..engine.loading import load_model
+
+    adapters = state.lora_settings
+    if adapters is None or base is None:             # (a LoRA run always has its --model: _new_state)
+        if saved is not None:
+            params = saved
+        elif base is not None:
+            params = training.named_parameters(load_model(base, memory="fp32", fast=False))
+        else:
+            params = init_parameters(config, state.settings.seed)
+        return model_from_parameters(config, params), params
+    model = load_model(base, memory=state.lora_memory)
+    lora.add_adapters(model, adapters.rank, adapters.alpha, adapters.targets, seed=state.settings.seed)
+    params = lora.adapter_parameters(model)
+    if saved is not None:
+        for name, array in params.items():
+            array[...] = saved[name]
+    return model, params
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json")
+
+
+def _export(run: Run, base: ModelFiles | None, best: dict[str, np.ndarray]) -> Path:
+    """The best weights written out: a preset's or config's model as export_model; a --model run's as OUT/model
+    (the merged checkpoint in FP32, lora.save_merged, with the base's tokenizer files) and, for LoRA, OUT/adapter
+    in peft's format. Returns OUT/model."""
+    out, state = run.out, run.state
+    if base is None:
+        return export_model(out / "model", state.config, best, out)
+    adapters = state.lora_settings
+    if adapters is None:
+        tuned = model_from_parameters(run.model.config, best)
+    else:
+        tuned = lora.with_adapters(run.model, best)
+        name = str(base.path.resolve()) if Path(state.model or "").exists() else str(state.model)
+        lora.save_adapter(out / "adapter", tuned, base=name, dropout=adapters.dropout)
+    folder = lora.save_merged(out / "model", tuned, state.config)
+    if base.gguf:
+        base.tokenizer.save(folder)
+    else:
+        for file in TOKENIZER_FILES:
+            if (base.path / file).is_file():
+                shutil.copyfile(base.path / file, folder / file)
+    return folder
 
 
 # --- Resuming ---------------------------------------------------------------------------------------
@@ -577,6 +788,15 @@ def _resumed(spec: RunSpec, notes: list[str], left: str | None
         if differs:
             raise QwenNPError(f"{flag}: not the model of the run in {out} ({differs[0]} {wanted.get(differs[0])}, the run's "
                               f"{state.config.get(differs[0])}); a resumed run keeps its model: drop {flag}")
+    if spec.model is not None and state.model is None:
+        raise QwenNPError(f"the run in {out} trains a model from random weights (its --preset or --config); drop --model",
+                          "model")
+    if spec.lora is not None and spec.lora.check() != state.lora_settings:
+        raise QwenNPError(f"the run in {out} trains {_adapters(state.lora_settings)}, which a resumed run keeps (its "
+                          "checkpoints hold those); drop the --lora flags, or start a new run", "lora")
+    if spec.memory is not None and spec.memory != state.lora_memory:
+        raise QwenNPError(f"the run in {out} holds its frozen base as {state.lora_memory}, which a resumed run keeps (its "
+                          "products, so its updates, depend on it); drop --memory", "memory")
     saved = state.settings
     changed = {name: value for name, value in spec.overrides.items()
                if value is not None and value != getattr(saved, name)}
@@ -607,13 +827,24 @@ def read_checkpoint(path: Path) -> tuple[RunState, dict[str, np.ndarray], dict[s
     try:
         state, optimizer_step = RunState.from_json(meta), int(meta["optimizer_step"])
         config = Qwen3Config.from_dict(state.config, source=str(path))
+        adapters = state.lora_settings
     except (KeyError, TypeError, ValueError, AttributeError) as bad:
         raise QwenNPError(f"{path}: not a qwen_np training checkpoint (its run state: {_first_line(bad)})") from None
-    shapes = {name: tuple(shape) for name, shape in expected_tensors(config).items()}
+    trained = (expected_tensors(config) if adapters is None else
+               lora.adapter_shapes(config, adapters.rank, adapters.targets))     # a LoRA run's: its adapters alone
+    shapes = {name: tuple(shape) for name, shape in trained.items()}
     for group in (params, adam_m, adam_v):
         if {name: tensor.shape for name, tensor in group.items()} != shapes:
             raise QwenNPError(f"{path}: not a qwen_np training checkpoint (its tensors are not those of its config)")
     return state, params, adam_m, adam_v, optimizer_step
+
+
+def _adapters(settings: lora.LoraSettings | None) -> str:
+    """A run's LoRA settings as flags ("every weight" for a full run)."""
+    if settings is None:
+        return "every weight (no --lora)"
+    return (f"--lora {settings.rank} --lora-alpha {settings.alpha:g} --lora-targets "
+            f"{','.join(settings.targets)} --lora-dropout {settings.dropout:g}")
 
 
 def _fallback(out: Path) -> str:
@@ -701,7 +932,7 @@ def _loop(run: Run, stops: Stops, events: RunEvents) -> str:
         while True:
             step = state.step
             if step and (step % settings.eval_every == 0 or step >= settings.steps) and not state.evaluated(step):
-                result = validate(run.model, run.corpus, settings.context)
+                result = run.data.validate(run.model)
                 with stops.held():
                     improved = state.record_evaluation(step, result)
                     if improved:
@@ -714,7 +945,7 @@ def _loop(run: Run, stops: Stops, events: RunEvents) -> str:
                 return ""
             with stops.held():          # half an update could not be resumed: a stop waits for the step's end
                 state.history.append(_train_step(run))
-            events.stepped(state.history[-1], run.order.epoch)
+            events.stepped(state.history[-1], run.data.order.epoch)
 
 
 def _train_step(run: Run) -> dict[str, Any]:
@@ -727,11 +958,12 @@ def _train_step(run: Run) -> dict[str, Any]:
     started = time.perf_counter()
     settings, scaler, step = run.state.settings, run.state.loss_scaler, run.state.step
     lr = training.learning_rate(step, settings.lr, settings.warmup, settings.schedule_steps)
-    batch = run.order.next_batch(run.corpus.train, settings.batch_size)              # [B, T+1]
+    batch, learned = run.data.next_batch(settings.batch_size)                       # [B, T+1] each
     scale = scaler.scale if scaler is not None else 1.0
     loss, grads = training.loss_and_accumulated_gradients(run.model, batch, settings.grad_accum,
                                                           settings.threads or usable_cores(), settings.shards,
-                                                          settings.recompute, settings.precision, scale)
+                                                          settings.recompute, settings.precision, scale, learned,
+                                                          run.dropout(step))
     record: dict[str, Any] = {"step": step + 1, "loss": loss, "lr": lr}
     finite = True
     if scaler is not None:
@@ -744,10 +976,5 @@ def _train_step(run: Run) -> dict[str, Any]:
         run.optimizer.update(run.params, grads, lr)
     else:                                           # overflow: this step's gradients are unusable
         record.update(grad_norm=None, skipped=True)
-    record["tokens_per_s"] = settings.batch_size * settings.context / (time.perf_counter() - started)
+    record["tokens_per_s"] = batch[:, 1:].size / (time.perf_counter() - started)     # a chat batch's padding too
     return record
-
-
-def validate(model: Qwen3Model, corpus: Corpus, context: int) -> dict[str, Any]:
-    """Loss on the validation documents, with the inference forward pass (what generation runs)."""
-    return evaluation.score_text(model.forward, corpus.validation, corpus.validation_characters, context).summary()
