@@ -135,6 +135,8 @@ def test_a_call_cut_off_by_max_tokens_is_never_content_and_says_length(scripted)
     assert choice.message.content == "Let me see."
     [malformed] = choice.message.model_extra["malformed_tool_calls"]          # the block as far as it got
     assert '"arguments": {"city' in malformed and script.split("<tool_call>")[1].startswith(malformed)
+    resent = [{"role": "user", "content": script}, choice.message.model_dump(), {"role": "user", "content": "?"}]
+    assert say(scripted, script, messages=resent, tools=[WEATHER], max_tokens=1).finish_reason == "length"
 
 
 @pytest.mark.parametrize("broken", ['{"name": "get_weather", "arguments": {"city": Paris}}',

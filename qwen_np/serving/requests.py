@@ -64,9 +64,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
     "store": (None, False), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "web_search_options": (None,)}
-# A message's keys: what the template reads, what a client resending our own reply carries, and (refused
-# unless off) what this server does not do.
-MESSAGE_KEYS = ("role", "content", "name", "reasoning_content", "reasoning", "tool_call_id", "tool_calls")
+# A message's keys: what the template reads, what a client resending our own reply carries (its
+# malformed_tool_calls are not rendered: the model wrote no call there), and (refused unless off) what this
+# server does not do.
+MESSAGE_KEYS = ("role", "content", "name", "reasoning_content", "reasoning", "tool_call_id", "tool_calls",
+                "malformed_tool_calls")
 MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None,), "audio": (None,), "refusal": (None,), "annotations": (None, [])}
 # The request field of each library parameter an error may be about (QwenNPError.param): the library says
