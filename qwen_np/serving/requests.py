@@ -69,9 +69,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 # Why a refused field cannot be served, where that is the model's doing rather than this server's.
 UNSUPPORTED_WHY = {"suffix": "Qwen3 was not trained for fill-in-the-middle (it has no FIM tokens), so no text can be "
                              "generated to fit before a suffix"}
-# A message's keys: what the template reads, what a client resending our own reply carries, and (refused
-# unless off) what this server does not do.
-MESSAGE_KEYS = ("role", "content", "name", "reasoning_content", "reasoning", "tool_call_id", "tool_calls")
+# A message's keys: what the template reads, what a client resending our own reply carries (its
+# malformed_tool_calls are not rendered: the model wrote no call there), and (refused unless off) what this
+# server does not do.
+MESSAGE_KEYS = ("role", "content", "name", "reasoning_content", "reasoning", "tool_call_id", "tool_calls",
+                "malformed_tool_calls")
 MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None,), "audio": (None,), "refusal": (None,), "annotations": (None, [])}
 # The request field of each library parameter an error may be about (QwenNPError.param): the library says
