@@ -205,8 +205,7 @@ class Service:
         fits = max(1, min(room, generator.capacity - len(prompt), self.default_max_tokens or room))
         constrained = grammar(body, read_tools(body), self.vocabulary, enable_thinking is not False) if chat else None
         request = Request(prompt, params, max_tokens or fits, _stops(body), grammar=constrained,
-                          logprobs=_logprobs(body, chat), ending=self._ending(body, max_tokens or fits))
-        request = Request(prompt, params, max_tokens or fits, _stops(body), ending=self._ending(body, max_tokens or fits),
+                          logprobs=_logprobs(body, chat), ending=self._ending(body, max_tokens or fits),
                           adapter=self.adapters.get(body.get("model") or ""))
         try:
             generator.check(request)          # what is left to check: the KV cache's capacity; here, not at
