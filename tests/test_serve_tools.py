@@ -353,6 +353,8 @@ BAD = [
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
     ({"logit_bias": {"151936": 1}}, "logit_bias"),
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    ({"logit_bias": {"5": float("nan")}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"5": True}}, "logit_bias"),
     ({"logit_bias": [5]}, "logit_bias"),
