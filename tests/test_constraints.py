@@ -140,7 +140,7 @@ def test_bad_schemas_and_tools_are_errors_naming_the_field(vocab) -> None:
         constraints.tool_call_grammar([WEATHER, WEATHER], vocab)
     with pytest.raises(QwenNPError, match=r"^tools\[0\]\.function\.parameters: unsupported JSON Schema keyword"):
         constraints.tool_call_grammar([{"type": "function", "function": {"name": "f", "parameters": {"if": {}}}}], vocab)
-    with pytest.raises(QwenNPError, match=r"^tool_choice: must be 'auto', 'required' or the name"):
+    with pytest.raises(QwenNPError, match=r"^tool_choice: must be 'auto', 'required', 'none' or the name"):
         constraints.tool_call_grammar([WEATHER], vocab, choice="get_time")
     with pytest.raises(QwenNPError, match=r"^grammar: not a valid GBNF grammar"):
         constraints.text_grammar('root ::= ("a"', vocab)
@@ -189,6 +189,15 @@ def test_auto_tool_choice_is_free_text_until_the_model_opens_a_call_then_holds_i
     assert len(parsed.tool_calls) >= 2                           # parallel calls, each whole ...
     validate_calls([(call.name, json.loads(call.arguments)) for call in parsed.tool_calls])
     assert finish == "length" and len(parsed.malformed) <= 1     # ... but the one -n cut off
+
+
+def test_tool_choice_none_never_allows_a_call_but_lets_the_reply_think_and_end(tok, vocab, eos) -> None:
+    state = constraints.tool_call_grammar([WEATHER], vocab, "none", thinking=True).constraint()
+    allowed = state.allowed()
+    assert not allowed[TOOL_CALL] and allowed[THINK] and allowed[eos[0]] and allowed.sum() > 150_000
+    for token in tok.encode("<think>\nno call\n</think>\n\nText", parse_special=True):
+        state.consume(token)
+    assert not state.allowed()[TOOL_CALL] and state.allowed()[eos[0]]
 
 
 def test_batched_rows_each_follow_their_own_grammar(model, tok, eos, vocab) -> None:

@@ -73,8 +73,9 @@ def server(running: Running) -> str:
 
 
 @contextlib.contextmanager
-def serving(env: dict[str, str], model: str, *flags: str):
-    process = subprocess.Popen([sys.executable, "-m", "qwen_np", "serve", "--model", model, "--port", "0", *flags],
+def serving(env: dict[str, str], model: str, *flags: str, launcher: tuple[str, ...] = ("-m", "qwen_np")):
+    """`serve` of `model` (launcher: what python runs, the CLI by default) until the block ends."""
+    process = subprocess.Popen([sys.executable, *launcher, "serve", "--model", model, "--port", "0", *flags],
                                cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                bufsize=0)        # unbuffered: a line read ahead would hide from select()
     assert process.stderr is not None

@@ -24,7 +24,6 @@ Imports structured.py of serving/ (and the layers below it).
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from dataclasses import dataclass
@@ -68,9 +67,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 # Why a refused field cannot be served, where that is the model's doing rather than this server's.
 UNSUPPORTED_WHY = {"suffix": "Qwen3 was not trained for fill-in-the-middle (it has no FIM tokens), so no text can be "
                              "generated to fit before a suffix"}
-# A message's keys: what the template reads, what a client resending our own reply carries, and (refused
-# unless off) what this server does not do.
-MESSAGE_KEYS = ("role", "content", "name", "reasoning_content", "reasoning", "tool_call_id", "tool_calls")
+# A message's keys: what the template reads, what a client resending our own reply carries (its
+# malformed_tool_calls are not rendered: the model wrote no call there), and (refused unless off) what this
+# server does not do.
+MESSAGE_KEYS = ("role", "content", "name", "reasoning_content", "reasoning", "tool_call_id", "tool_calls",
+                "malformed_tool_calls")
 MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None,), "audio": (None,), "refusal": (None,), "annotations": (None, [])}
 # The request field of each library parameter an error may be about (QwenNPError.param): the library says
@@ -205,24 +206,19 @@ class Service:
             raise problem from None
         return request
 
-    def _logit_bias(self, body: dict[str, Any]) -> dict[int, float] | None:
-        """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (JSON keys are strings), ids of the model's."""
+    def _logit_bias(self, body: dict[str, Any]) -> dict[int, Any] | None:
+        """OpenAI's logit_bias, {"token id": bias} (JSON keys are strings), keyed by the model's token ids; the
+        biases are SamplingParams' to check (numbers in [-100, 100])."""
         bias = body.get("logit_bias")
         if bias is None:
             return None
         vocab = self.model.config.vocab_size
         if not isinstance(bias, dict):
             raise APIError(400, 'logit_bias: must be an object of token ids and biases, {"198": -100}', "logit_bias")
-        checked = {}
-        for key, value in bias.items():
-            if not (key.isascii() and key.isdigit() and int(key) < vocab):
+        for key in bias:
+            if not (key.isascii() and key.isdigit() and len(key) <= len(str(vocab)) and int(key) < vocab):
                 raise APIError(400, f"logit_bias: keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
-            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                    or not -100 <= value <= 100):
-                raise APIError(400, f"logit_bias: the bias of token {key} must be a number in [-100, 100], got "
-                                    f"{value!r}", "logit_bias")
-            checked[int(key)] = float(value)
-        return checked
+        return {int(key): value for key, value in bias.items()}
 
     def _ending(self, body: dict[str, Any], max_tokens: int) -> Ending:
         """vLLM's stop_token_ids, ignore_eos and min_tokens of `body`, checked."""
