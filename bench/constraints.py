@@ -61,7 +61,8 @@ def mask_costs(grammar: constraints.Grammar, reply: list[int], repeats: int) -> 
     return statistics.median(first), later
 
 
-def mask_part(repeats: int) -> float:
+def mask_part(repeats: int) -> tuple[float, float]:
+    """The mask's seconds per token, (median, mean), of the costlier grammar of each."""
     tokenizer = Tokenizer.from_folder(TOKENIZER)
     started = time.perf_counter()
     vocab = constraints.vocabulary(tokenizer, VOCAB, EOS)
@@ -70,21 +71,25 @@ def mask_part(repeats: int) -> float:
     cases = {"json_schema": (constraints.json_schema_grammar(SCHEMA, vocab), json.dumps(ANSWER)),
              "tool_calls auto": (constraints.tool_call_grammar(TOOLS, vocab, "auto"), TOOL_REPLY)}
     print(f"   {'grammar':<16} {'tokens':>6} {'first':>8} {'median':>8} {'p90':>8} {'mean':>8}")
-    medians = []
+    medians, means = [], []
     for name, (grammar, text) in cases.items():
         reply = tokenizer.encode(text)
         first, later = mask_costs(grammar, reply, repeats)
         medians.append(statistics.median(later))
+        means.append(statistics.mean(later))
         print(f"   {name:<16} {len(reply):>6} {first * 1e3:>6.2f}ms {medians[-1] * 1e3:>6.3f}ms "
               f"{np.percentile(later, 90) * 1e3:>6.3f}ms {statistics.mean(later) * 1e3:>6.3f}ms", flush=True)
-    return max(medians)
+    return max(medians), max(means)
 
 
-def share_part(mask_seconds: float, repeats: int) -> None:
+def share_part(mask: tuple[float, float], repeats: int) -> None:
+    """The mask's median and mean over a Qwen3-0.6B decode step's time, measured in this run."""
     model = load_model(ensure_checkpoint("0.6b"), max_tokens=256)
     step = step_costs(model, (1,), repeats)[1]
+    median, mean = mask
     print(f"2. Qwen3-0.6B decode step ({model.plan.mode if model.plan else '?'} weights, 128 cached positions): "
-          f"{step * 1e3:.1f} ms; the mask's median adds {mask_seconds * 1e3:.3f} ms = {mask_seconds / step:.1%}")
+          f"{step * 1e3:.1f} ms; the mask adds {median * 1e3:.3f} ms at the median = {median / step:.2%}, "
+          f"{mean * 1e3:.3f} ms on average = {mean / step:.2%} (the issue's goal: at most 5%)")
 
 
 def main() -> None:

@@ -249,7 +249,7 @@ BAD_COMPLETIONS = {                    # the id: (body, status, param)
     "max-tokens-past-context": ({"model": MODEL, "prompt": "Hi", "max_tokens": 5000}, 400, "prompt"),  # 4096 context
     "prompt-past-context": ({"model": MODEL, "prompt": "Hi " * 5000}, 400, "prompt"),
     "infinite-temperature": ({"model": MODEL, "prompt": "Hi", "temperature": float("inf")}, 400, None),
-    "n-2": ({"model": MODEL, "prompt": "Hi", "n": 2}, 400, "n"),
+    "n-past-the-batch": ({"model": MODEL, "prompt": "Hi", "n": 9}, 400, "n"),      # --max-batch 8
     "empty-prompt": ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     "bad-stop": ({"model": MODEL, "prompt": "Hi", "stop": 3}, 400, "stop"),
     "vanishing-temperature": ({"model": MODEL, "prompt": "Hi", "temperature": 1e-300}, 400, "temperature"),
@@ -384,7 +384,7 @@ def test_bad_chat_requests_and_routes_are_4xx_through_the_client(client, server)
         chat(client, "Hi", max_tokens=4096)
     with pytest.raises(openai.BadRequestError, match="role"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "Hi"}])
-    code, answer = post(server + "/embeddings", {"model": MODEL, "input": "Hi"})
+    code, answer = post(server + "/audio/speech", {"model": MODEL, "input": "Hi"})
     assert code == 404 and "error" in answer
 
 

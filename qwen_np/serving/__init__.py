@@ -29,6 +29,7 @@ The modules, one job each, in the order they import one another (each only those
     requests.py   an OpenAI body checked field by field and made into a batch row (Service)
     responses.py  a row's token events shaped as OpenAI's objects and stream chunks (Reply), tool calls and
                   log-probabilities included
+    choices.py    a request's rows as one response: n choices, best_of, a completion's echo (its prompt scored)
     embeddings.py /v1/embeddings: inputs checked, their forward passes between the batch's steps
     metrics.py    GET /metrics in Prometheus' text format
     explorer.py   the web page's endpoints (one traced forward pass as JSON) and files (web/)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -26,8 +27,8 @@ from ..errors import APIError
 from ..generation.batching import Request
 from ..generation.logprobs import PromptLogprobs
 from ..generation.speculative import SpeculationCounts
-from .requests import Service, _number
-from .responses import Echo, Reply, _sse, beside, prompt_logprobs
+from .requests import Service, _number, sent_prompt
+from .responses import Echo, Reply, beside, prompt_logprobs
 
 
 def choice_requests(service: Service, body: dict[str, Any], request: Request, chat: bool) -> tuple[list[Request], int]:
@@ -57,7 +58,8 @@ def echoes(body: dict[str, Any]) -> bool:
 
 def scores_only(body: dict[str, Any]) -> bool:
     """Whether a completion body asks only for its prompt echoed (max_tokens: 0, with echo): nothing generated."""
-    return echoes(body) and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
+    tokens = body.get("max_tokens")
+    return echoes(body) and type(tokens) is int and tokens == 0 and body.get("max_completion_tokens") is None
 
 
 async def echo_of(service: Service, body: dict[str, Any], request: Request, http: Any) -> Echo | None:
@@ -65,8 +67,7 @@ async def echo_of(service: Service, body: dict[str, Any], request: Request, http
     `logprobs` its tokens' log-probabilities, computed on the batching thread between generation steps."""
     if not echoes(body):
         return None
-    prompt = body.get("prompt")
-    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)) else prompt
+    prompt = sent_prompt(body)
     text = prompt if isinstance(prompt, str) else service.tokenizer.decode(list(request.prompt))
     if request.logprobs is None:
         return Echo(text)
@@ -167,3 +168,8 @@ class Choices:
         finally:
             for task in tasks:                                # the client left: every row is cancelled
                 task.cancel()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    """One Server-Sent Event."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

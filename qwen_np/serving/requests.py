@@ -291,9 +291,7 @@ class Service:
         return ids, thinking
 
     def completion_prompt(self, body: dict[str, Any]) -> list[int]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]                                  # a batch of one prompt
+        prompt = sent_prompt(body)
         parse = body.get("parse_special_tokens", True)
         if parse not in (True, False):
             raise APIError(400, "parse_special_tokens: must be true or false", "parse_special_tokens")
@@ -306,6 +304,14 @@ class Service:
                                                        for t in prompt):
             return list(prompt)                                 # token ids
         raise APIError(400, "prompt: must be a non-empty string or list of token ids (one prompt per request)", "prompt")
+
+
+def sent_prompt(body: dict[str, Any]) -> Any:
+    """A completion body's prompt as sent: a text or token ids (a batch of one prompt taken out of its list)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]
+    return prompt
 
 
 def check_fields(body: dict[str, Any], endpoint: str) -> None:

@@ -1,5 +1,5 @@
 """Batch rows to responses: one request's row, its token events arriving on the event loop, shaped as OpenAI's
-chat.completion / text_completion objects or their stream chunks (Server-Sent Events), with usage (cached
+chat.completion / text_completion objects or their stream chunks, with usage (cached
 prompt tokens, and drafted and accepted ones when speculating), a chat reply's thinking apart, its tool
 calls as OpenAI's tool_calls (whole, or as delta.tool_calls the official client assembles), and each
 token's log-probabilities when asked for (chat's format, or the completions' legacy one).
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -138,12 +137,6 @@ class Reply:
                 echo.logprobs, completion_logprobs(logprobs, pieces, len(echo.text))))
         return self._object("chat.completion" if self.chat else "text_completion", choice, usage=self.usage())
 
-    async def stream(self, include_usage: bool) -> AsyncIterator[str]:
-        """Server-Sent Events: chunks(), then [DONE]."""
-        async for payload in self.chunks(include_usage):
-            yield _sse(payload)
-        yield "data: [DONE]\n\n"
-
     async def chunks(self, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         """The stream's chunks: an echoed prompt first (with its logprobs), one chunk per delta (a piece of text,
         of reasoning, of a call), each token's log-probabilities on the first chunk its text gives (on a chunk
@@ -165,7 +158,7 @@ class Reply:
             if self.chat:
                 yield chunk({"role": "assistant", "content": ""})
             if echo.text:
-                yield chunk(echo.text, logprobs=echo.logprobs if self.request.logprobs is not None else None)
+                yield chunk(echo.text, logprobs=echo.logprobs)
             async for event in self._events():
                 logprobs = [event.logprobs] if event.logprobs is not None else []
                 if self.chat:
@@ -294,10 +287,6 @@ def completion_logprobs(logprobs: Sequence[Logprobs], texts: Sequence[str], offs
             "token_logprobs": [entry.chosen.logprob for entry in logprobs],
             "top_logprobs": [{top.text: top.logprob for top in entry.top} for entry in logprobs],
             "text_offset": list(accumulate((len(text) for text in texts[:-1]), initial=offset))}
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def prompt_logprobs(first: str, entries: Sequence[Logprobs]) -> dict[str, Any]:
