@@ -1,7 +1,8 @@
 """Chat batches, padded or packed: conversation tokens a second of a LoRA training step (`python -m bench.chat_batches`).
 
 A random Qwen3 (hidden 64, 2 layers, the real tokenizer's vocabulary, tied; LoRA rank 8 on all seven projections),
-conversations of 4 to 42 words (about 25 to 80 tokens) rendered by Qwen3's chat template, batches of 8 at --context 128, three ways:
+conversations of 4 to 42 words (about 25 to 80 tokens) rendered by Qwen3's chat template, batches of 8 at
+--context 128, three ways:
   padded to the context   every row context + 1 tokens (the padding computed, never learned)
   padded to the longest   every row as long as the batch's longest conversation (the trainer's way: chats.padded_rows)
   packed                  conversations one after another, cut into rows of context + 1 (no padding, but a
