@@ -1,7 +1,8 @@
 """Chat batches, padded or packed: conversation tokens a second of a LoRA training step (`python -m bench.chat_batches`).
 
 A random Qwen3 (hidden 64, 2 layers, the real tokenizer's vocabulary, tied; LoRA rank 8 on all seven projections),
-conversations of 6 to 90 words rendered by Qwen3's chat template, batches of 8 at --context 128, three ways:
+conversations of 4 to 42 words (about 25 to 80 tokens) rendered by Qwen3's chat template, batches of 8 at
+--context 128, three ways:
   padded to the context   every row context + 1 tokens (the padding computed, never learned)
   padded to the longest   every row as long as the batch's longest conversation (the trainer's way: chats.padded_rows)
   packed                  conversations one after another, cut into rows of context + 1 (no padding, but a
@@ -35,8 +36,8 @@ def conversations(tokenizer: Tokenizer, count: int, seed: int) -> list[chats.Cha
     rng = random.Random(seed)
     out = []
     for _ in range(count):
-        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30)))
-        answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60)))
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12)))
+        answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 30)))
         out.append(chats.chat_tokens(tokenizer, [{"role": "user", "content": question},
                                                  {"role": "assistant", "content": answer}]))
     return out
@@ -59,7 +60,7 @@ def packed(batch: list[chats.Chat], context: int) -> tuple[np.ndarray, np.ndarra
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

@@ -273,3 +273,28 @@ def test_the_assistant_only_loss_is_the_batch_mean_over_learned_tokens_however_t
             assert np.allclose(g, results[0][1][name], rtol=1e-9, atol=1e-12), name
     unmasked, _ = loss_and_accumulated_gradients(model, batch, 1)
     assert abs(unmasked - float(nll.mean())) <= 1e-9 * unmasked, "no mask: every token, as before"
+
+
+def test_dropout_in_the_training_step_is_the_same_mask_forward_and_backward() -> None:
+    """loss_and_gradients with LoRA dropout: every adapter gradient is the central difference of the loss under
+    the same masks (the backward draws the forward's mask again), the same with --recompute, a piece of its own
+    drops differently, and inference (no dropout set) drops nothing."""
+    model, rng = micro_model(8)
+    lora.add_adapters(model, rank=2, seed=8)
+    for layer in model.layers:                         # float64 adapters, B nonzero: central differences to 1e-6
+        for key in lora.PROJECTIONS:
+            w = getattr(layer, key)
+            setattr(layer, key, Adapted(w.base, 0.3 * rng.standard_normal(w.a.shape), 0.3 * rng.standard_normal(w.b.shape),
+                                        w.scale))
+    params = lora.adapter_parameters(model)
+    batch = rng.integers(0, 13, size=(2, 7))
+    dropout = lora.Dropout.of(model, 0.4, (8, 0))
+    loss, grads = loss_and_gradients(model, batch, dropout=dropout)
+    for name in ("model.layers.0.self_attn.q_proj.lora_A.weight", "model.layers.1.mlp.down_proj.lora_B.weight"):
+        numeric = central_difference(lambda: loss_and_gradients(model, batch, dropout=dropout)[0], params[name])
+        assert np.abs(grads[name] - numeric).max() <= 1e-6 * max(1.0, np.abs(numeric).max()), name
+    recomputed = loss_and_gradients(model, batch, recompute=True, dropout=dropout)
+    assert recomputed[0] == loss and all(np.array_equal(recomputed[1][n], g) for n, g in grads.items())
+    assert loss_and_gradients(model, batch, dropout=dropout.piece(1))[0] != loss
+    plain = loss_and_gradients(model, batch)[0]
+    assert plain != loss and layers.ADAPTER_INPUTS.get() is None

@@ -309,7 +309,7 @@ def test_a_new_run_without_preset_or_config_is_refused_before_anything_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--out", str(tmp_path / "run"), "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --preset or --config:") and "50 minutes" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: --preset, --config or --model:") and "50 minutes" in err[0]
     assert not (tmp_path / "run").exists()
 
 
@@ -364,7 +364,7 @@ def test_a_run_stopped_anywhere_and_resumed_is_the_run_never_stopped(
         if where == "optimizer step":
             stop_on_call(patch, training.AdamW, "update", call)
         else:
-            stop_on_call(patch, trainer, "validate", call)
+            stop_on_call(patch, trainer.TextData, "validate", call)
         assert train(tmp_path / "stopped", data, config, "--steps", "8") == 130
     assert main(["train", "--out", str(tmp_path / "stopped"), "--resume"]) == 0
     assert_same_run(tmp_path / "stopped", tmp_path / "straight")

@@ -96,7 +96,8 @@ RESUME_HELP = (
     "(--steps changes the learning-rate schedule when the run has no --decay-steps: noted); "
     f"{_flags(trainer.NOT_BIT_EXACT)} apply, with a one-line note that the run is no longer bit-exact; "
     f"{_flags(list(trainer.KEPT_ON_RESUME))}, a --preset or --config of another model and a --data of another text "
-    "are refused (the text is checked by its SHA-256, so an edited file is noticed, a moved one may be named). "
+    "are refused (the text is checked by its SHA-256, so an edited file is noticed, a moved one may be named), and "
+    "so are other --lora flags or --memory; a run from --model reloads it and checks its weights' SHA-256. "
     f"One train at a time uses DIR (it holds DIR/{run_folder.LOCK}; a second is refused, a dead one's lock taken over).")
 
 

@@ -16,6 +16,14 @@ runs), and train.lock while a trainer runs there (run_folder.py: one at a time).
 Resuming (RunSpec.resume) continues the run bit for bit from last.safetensors; a flag given again is kept,
 applied with a notice, or refused (NOT_BIT_EXACT, KEPT_ON_RESUME); a damaged checkpoint (its SHA-256) or
 an edited text is one line saying what is there.
+
+Fine-tuning (RunSpec.model, --model): the run starts from a checkpoint's weights and keeps its tokenizer
+and chat template; its data may be chats (chats.ChatData: the loss on the assistant's tokens). With
+RunSpec.lora (--lora) the checkpoint stays frozen (held as --memory says) and only LoRA adapters are
+trained (lora.py): the checkpoints hold the adapters and their moments, and the base is reloaded on
+resuming, checked by base_sha256. The same loop runs every kind of run: what differs is the data
+(TextData or chats.ChatData), the trained arrays (`params`) and what _export writes (model/, and
+adapter/ in peft's format).
 """
 
 from __future__ import annotations
