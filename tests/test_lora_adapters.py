@@ -72,7 +72,8 @@ def rewritten(source: Path, folder: Path, **settings: object) -> Path:
                                           ("modules_to_save", ["lm_head"]), ("rank_pattern", {"q_proj": 8}),
                                           ("alpha_pattern", {"q_proj": 2}), ("lora_bias", True),
                                           ("peft_type", "IA3"), ("r", 0), ("lora_alpha", "x"),
-                                          ("target_modules", ["q_proj", "lm_head"])])
+                                          ("target_modules", ["q_proj", "lm_head"]), ("use_qalora", True),
+                                          ("alora_invocation_tokens", [1, 2])])
 def test_what_an_adapter_asks_for_beyond_lora_is_refused_naming_the_file_and_field(adapters, tmp_path, field,
                                                                                    value) -> None:
     folder = rewritten(adapters["attn"], tmp_path / "bad", **{field: value})
