@@ -72,7 +72,8 @@ def rewritten(source: Path, folder: Path, **settings: object) -> Path:
                                           ("modules_to_save", ["lm_head"]), ("rank_pattern", {"q_proj": 8}),
                                           ("alpha_pattern", {"q_proj": 2}), ("lora_bias", True),
                                           ("peft_type", "IA3"), ("r", 0), ("lora_alpha", "x"),
-                                          ("target_modules", ["q_proj", "lm_head"])])
+                                          ("target_modules", ["q_proj", "lm_head"]), ("use_qalora", True),
+                                          ("alora_invocation_tokens", [1, 2])])
 def test_what_an_adapter_asks_for_beyond_lora_is_refused_naming_the_file_and_field(adapters, tmp_path, field,
                                                                                    value) -> None:
     folder = rewritten(adapters["attn"], tmp_path / "bad", **{field: value})
@@ -286,6 +287,17 @@ def test_generate_lora_with_peft_s_own_adapter_gives_peft_s_greedy_text_and_the_
 
 
 # --- serve --lora ----------------------------------------------------------------------------------
+
+def test_the_servers_default_kv_budget_leaves_the_adapters_their_bytes(adapters) -> None:
+    from qwen_np.serving.launch import default_kv_memory
+
+    model = load_model(QWEN3_RANDOM)
+    held = sum(read_adapter(folder, model.config).nbytes for folder in adapters.values())
+    assert held > 0 and model.plan is not None
+    unbounded = 2 ** 62
+    assert default_kv_memory(model, unbounded, None, held) == max(model.plan.room_for_kv_cache - held, 0)
+    assert default_kv_memory(model, unbounded) == max(model.plan.room_for_kv_cache, 0)
+
 
 @pytest.mark.slow
 def test_serve_answers_as_each_adapter_and_as_the_base_with_rows_of_all_three_in_one_batch(adapters, tmp_path) -> None:

@@ -229,13 +229,19 @@ def output_rows(rows: list[slice], last_only: bool, tails: Sequence[int] | None)
     return [i for tail, row in zip(tails, rows) for i in range(row.stop - tail, row.stop)]
 
 
-def adapter_rows(rows: list[slice], adapters: Sequence[Adapter | None]) -> list[tuple[Adapter, np.ndarray]]:
-    """Each adapter that sequences ask for (in first-asked order), with the packed rows [n] of all its sequences."""
+def adapter_rows(rows: list[slice], adapters: Sequence[Adapter | None]) -> list[tuple[Adapter, slice | np.ndarray]]:
+    """Each adapter that sequences ask for (in first-asked order), with the packed rows of all its sequences: a
+    slice where they are consecutive (x[rows] is then a view, not a copy of a prompt's rows), else their indices [n]."""
     grouped: dict[int, tuple[Adapter, list[np.ndarray]]] = {}
     for row, adapter in zip(rows, adapters):
         if adapter is not None:
             grouped.setdefault(id(adapter), (adapter, []))[1].append(np.arange(row.start, row.stop))
-    return [(adapter, np.concatenate(parts)) for adapter, parts in grouped.values()]
+    found: list[tuple[Adapter, slice | np.ndarray]] = []
+    for adapter, parts in grouped.values():
+        indices = np.concatenate(parts)                              # ascending: the sequences are packed in order
+        consecutive = int(indices[-1]) - int(indices[0]) + 1 == len(indices)
+        found.append((adapter, slice(int(indices[0]), int(indices[-1]) + 1) if consecutive else indices))
+    return found
 
 
 def advance(caches: Sequence[SequenceCache | None], ids: np.ndarray, rows: list[slice]) -> None:
@@ -256,7 +262,7 @@ class Batch:
     cos: np.ndarray                           # [T, Dh] RoPE tables at those positions
     sin: np.ndarray                           # [T, Dh]
     # Each LoRA adapter the batch's sequences ask for, with the packed rows of those sequences (adapter_rows).
-    adapters: list[tuple[Adapter, np.ndarray]] = field(default_factory=list)
+    adapters: list[tuple[Adapter, slice | np.ndarray]] = field(default_factory=list)
 
     def layer_weights(self, i: int, weights: LayerWeights) -> LayerWeights:
         """Layer i's weights as this batch's rows see them: the layer's own when no row asks for an adapter;

@@ -8,7 +8,8 @@ a folder saved with the adapter's own name in it (lora_A.default.weight) reads t
 scale (x A^T) B^T with scale = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora (rsLoRA,
 Kalajdzievski 2023). What changes the network beyond that is refused by name (one line naming the file
 and the field or tensor) rather than half applied: DoRA's magnitudes, biases, fan_in_fan_out's transposed
-layout, modules_to_save (whole replaced modules, e.g. lm_head), per-module ranks and alphas, trainable tokens.
+layout, modules_to_save (whole replaced modules, e.g. lm_head), per-module ranks and alphas, trainable tokens,
+and the variants that compute another update (QALoRA, aLoRA, Arrow, KaSA, MonteCLoRA, block-diagonal LoRA).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX = "adapter_config.json", "adapter_m
 REFUSED: dict[str, tuple[Any, ...]] = {
     "use_dora": (None, False), "lora_bias": (None, False), "bias": (None, "none"), "fan_in_fan_out": (None, False),
     "modules_to_save": (None, []), "rank_pattern": (None, {}), "alpha_pattern": (None, {}),
-    "trainable_token_indices": (None, [], {}), "layer_replication": (None, []), "target_parameters": (None, [])}
+    "trainable_token_indices": (None, [], {}), "layer_replication": (None, []), "target_parameters": (None, []),
+    "use_qalora": (None, False), "alora_invocation_tokens": (None, []), "use_bdlora": (None, False),
+    "arrow_config": (None,), "kasa_config": (None,), "monteclora_config": (None,)}
 # lora_A.weight, or lora_A.<adapter name>.weight as a folder saved with its adapter's name holds it.
 NAMED = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
 

@@ -340,13 +340,13 @@ class RowAdapters:
     it multiplies: a batch whose rows ask for different adapters (a server's; core/model.py's Batch makes
     it for one forward pass, from that pass's rows, and no model holds it).
 
-    groups: (rows, Adapted) pairs, rows [n] the indices of the packed rows of x that see that Adapted weight
-    W + s_g B_g A_g; a row in no group sees W. layers.linear and fast.linear multiply W once for every row
+    groups: (rows, Adapted) pairs, rows the packed rows of x that see that Adapted weight W + s_g B_g A_g (a
+    slice, or their indices [n]); a row in no group sees W. layers.linear and fast.linear multiply W once for every row
     and add each group's rank-r update to its own rows only: one base serves every adapter, nothing copied.
     """
 
     base: Weight                                       # [out, in], the one frozen W of every group
-    groups: tuple[tuple[np.ndarray, Adapted], ...]     # (rows of x [n], the weight those rows see)
+    groups: tuple[tuple[slice | np.ndarray, Adapted], ...]     # (rows of x, the weight those rows see)
 
     @property
     def shape(self) -> tuple[int, ...]:
