@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "qwen_np"
 # Parameters the command line shows under their own names: no command passes them through as they are
 # (generate checks --attention LAYER:HEAD in its own words first), or no flag sets them (vocab_size is the
-# model config's field, from --preset or --config; logit_bias is a request's field, which no flag sets).
-OWN_NAMES = {"layer", "head", "vocab_size", "logit_bias"}
+# model config's field, from --preset or --config; logit_bias and dimensions, of qwen_np.embed, are a
+# request's fields, which no flag sets).
+OWN_NAMES = {"layer", "head", "vocab_size", "logit_bias", "dimensions"}
 
 
 def library_errors() -> list[tuple[Path, ast.Call]]:
@@ -67,7 +68,7 @@ def test_every_parameter_a_library_error_names_reads_as_a_flag_of_some_command()
     parser = build_parser()
     options = {option for command in parser._subparsers._group_actions[0].choices.values()      # type: ignore[union-attr]
                for action in command._actions for option in action.option_strings}
-    flags = {flag for words in FLAGS.values() for flag in words.split() if flag.startswith("--")}
+    flags = {flag.rstrip(",") for words in FLAGS.values() for flag in words.split() if flag.startswith("--")}
     assert flags <= options, flags - options
 
 

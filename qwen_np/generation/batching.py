@@ -323,11 +323,12 @@ class BatchGenerator:
         """Whether `row` (not yet started) has the prompt of a row in the batch that is still reading it: joining
         once that one has read it, it takes the prompt's full blocks from the prefix cache and computes only
         the last, partly filled one. How the n choices of one request (submitted together) share one
-        prefill; a prompt shorter than a block has nothing to share."""
-        prompt = row.request.prompt
+        prefill; a prompt shorter than a block has nothing to share, nor has a row of another adapter (its
+        keys and values differ)."""
+        prompt, adapter = row.request.prompt, row.request.adapter
         return row.continuation is None and len(prompt) > self.pool.block_size and any(
             other.cache is not None and other.cache.length < len(prompt) and len(other.request.prompt) == len(prompt)
-            and list(other.request.prompt) == list(prompt) for other in self.rows)
+            and other.request.adapter is adapter and list(other.request.prompt) == list(prompt) for other in self.rows)
 
     def _join(self, row: Row) -> bool:
         """Give `row` a cache (taking what the prefix cache holds of its tokens) if the pool has blocks for the
