@@ -36,7 +36,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGML
 from gguf import LlamaFileType
 
-from qwen_np.core.config import PRESETS, Qwen3Config
+from qwen_np.core.config import LAYER_MATRICES, PRESETS, Qwen3Config
 from qwen_np.files.gguf_file import Mix
 
 from .checkpoints import FORMAT_VERSION, TOKENIZER, cache_dir, ensure_checkpoint
@@ -139,6 +139,8 @@ def worker(path: str, memory: str, decode: int, threads: int) -> dict[str, Any]:
     import qwen_np
     from qwen_np.engine import runtime
 
+    from qwen_np.inspection.bandwidth import measure_bandwidth
+
     from .big_models import current_rss_bytes
     from .worker import read_into_page_cache
 
@@ -160,10 +162,20 @@ def worker(path: str, memory: str, decode: int, threads: int) -> dict[str, Any]:
         started = time.perf_counter()
         token = int(model.forward([token], cache)[-1].argmax())
         steps.append(time.perf_counter() - started)
+    peak = high_water_rss_bytes()                    # before the bandwidth probe's arrays add to it
+    read = per_token_bytes(model)
+    bandwidth = measure_bandwidth(threads=threads)
     return {"file_gb": sum(f.stat().st_size for f in files) / 1e9, "mode": model.plan.mode, "load_s": load_s,
             "prefill_s": prefill_s, "decode_tps": len(steps) / sum(steps), "median_step_s": float(np.median(steps)),
-            "peak_rss_bytes": high_water_rss_bytes(), "baseline_rss_bytes": baseline,
-            "predicted_bytes": model.plan.total_bytes}
+            "peak_rss_bytes": peak, "baseline_rss_bytes": baseline, "predicted_bytes": model.plan.total_bytes,
+            "token_bytes": read, "bandwidth_gbs": bandwidth / 1e9, "limit_tps": bandwidth / read}
+
+
+def per_token_bytes(model: Any) -> int:
+    """Bytes of the weights a decode step reads as held: every layer's matrices and the LM head (of the
+    embedding table only a row)."""
+    matrices = [getattr(layer, name) for layer in model.layers for name in LAYER_MATRICES]
+    return sum(int(m.nbytes) for m in matrices) + int(model.lm_head.nbytes)
 
 
 def high_water_rss_bytes() -> int:
@@ -223,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 HEADER = ("| file | --memory | file GB | plan GiB | peak RSS GiB | load s | decode tok/s | x BF16 (same round) "
-          "| load average |\n" + "|---" * 9 + "|")
+          "| GB read a token | limit tok/s (copy GB/s) | x limit | load average |\n" + "|---" * 12 + "|")
 
 
 def row(name: str, runs: list[dict[str, Any]], bf16: list[dict[str, Any]]) -> str:
@@ -234,7 +246,9 @@ def row(name: str, runs: list[dict[str, Any]], bf16: list[dict[str, Any]]) -> st
     ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
     return (f"| {CONFIGURATIONS[name][0]} | {CONFIGURATIONS[name][1]} | {runs[0]['file_gb']:.2f} "
             f"| {runs[0]['predicted_bytes'] / GiB:.2f} | {median('peak_rss_bytes') / GiB:.2f} | {median('load_s'):.1f} "
-            f"| {median('decode_tps'):.2f} | {ratio} | {min(loads):.1f}-{max(loads):.1f} |")
+            f"| {median('decode_tps'):.2f} | {ratio} | {runs[0]['token_bytes'] / 1e9:.2f} "
+            f"| {median('limit_tps'):.2f} ({median('bandwidth_gbs'):.0f}) | {median('decode_tps') / median('limit_tps'):.2f} "
+            f"| {min(loads):.1f}-{max(loads):.1f} |")
 
 
 if __name__ == "__main__":
