@@ -117,9 +117,11 @@ GROUPED_M_MAX = 8
 # FP32 bytes of codes each thread casts per block of rows of a grouped product: the codes and the
 # batched product's reads of them stay in L2.
 GROUPED_BLOCK_BYTES = 512 * 1024
-# Codes decoded per groups() call: the bit fields' NumPy calls cost microseconds each whatever their
-# size, so a call handles many rows (its bytes stream through L3), then tiles of them are cast and multiplied.
-GROUPED_DECODE_VALUES = 4 * 1024 ** 2
+# Codes decoded per coded() call: the bit fields' NumPy calls cost microseconds each whatever their
+# size, so a call handles many rows, then tiles of them are cast and multiplied. 1 Mi values keeps a
+# call's planes (1 MiB) near L2: one thread, [4096, 1024], busy machine, ns a weight (min / median of 9):
+# Q4_K 1.48 / 2.82 against 2.54 / 3.39 at 4 Mi, Q6_K 3.34 / 4.25 against 4.21 / 4.97; 256 Ki slower.
+GROUPED_DECODE_VALUES = 1024 ** 2
 
 
 # --- matrix products -------------------------------------------------------------------------------
