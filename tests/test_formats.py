@@ -422,3 +422,25 @@ def test_groups_are_codes_scales_and_offsets_whose_widening_is_the_weight(kind: 
     assert a.shape == (rows, columns // held.group) and (b is None or b.shape == a.shape)
     by_group = codes.reshape(rows, -1, held.group).astype(np.float64) * a[..., None] + (0 if b is None else b[..., None])
     assert np.allclose(by_group.reshape(rows, columns), upcast(held), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", [*FP16_FIELDS, "q8_0", "q4_0"])
+def test_coded_codes_are_the_groups_codes_in_code_order(kind: str) -> None:
+    """coded(), the fast path's unpacking: the same codes as groups(), read in code_order (the value index of
+    each input), planes [P, rows, in/P], and a, b per group of that order; the values a q + b are the weight's."""
+    from qwen_np.numbers.ggml_blocks import BlockRows
+    from qwen_np.numbers.formats import FormatRows
+    from qwen_np.numbers.numerics import Grouped
+
+    if kind in FP16_FIELDS:
+        held: Grouped = BlockRows(kind, random_blocks(kind, 6, 2, seed=5))
+    else:
+        held = FormatRows(kind, get_format(kind).quantize(random_weights(6, 512, seed=5)), 512)
+    rows, columns = held.shape
+    order = np.arange(columns) if held.code_order is None else held.code_order
+    assert sorted(order) == list(range(columns))
+    planes, a, b = (None if part is None else np.array(part) for part in held.coded())
+    codes = np.moveaxis(planes, 0, 1).reshape(rows, columns)                       # [rows, in] in code order
+    assert a.shape == (columns // held.group, rows) and (b is None or b.shape == a.shape)
+    values = codes.reshape(rows, -1, held.group).astype(np.float64) * a.T[..., None] + (0 if b is None else b.T[..., None])
+    assert np.allclose(values.reshape(rows, columns), upcast(held)[:, order], rtol=1e-6, atol=0)

@@ -685,3 +685,29 @@ def test_tensors_written_as_given_blocks_are_held_as_those_bytes(tmp_path: Path)
     blocks = given[LAYER_TENSORS["down_proj"].name.format(i=1)].reshape(*scales.shape, 18)
     assert np.array_equal(codes, blocks[..., 2:]) and np.array_equal(scales, blocks[..., :2].view(np.float16)[..., 0])
     assert np.array_equal(model.layers[1].input_layernorm, given[LAYER_TENSORS["input_layernorm"].name.format(i=1)])
+
+
+def test_a_mix_writes_each_matrix_in_its_own_type(tmp_path: Path) -> None:
+    """write_gguf_tensors with a Mix (llama.cpp's per-tensor choices, as a Q4_K_M file's): every matrix in the
+    type the mix names for it, 1-D tensors F32, and the file type the mix declares."""
+    from gguf import LlamaFileType
+
+    from qwen_np.files.gguf_file import Mix
+
+    config = read_config(tiny_checkpoint(tmp_path / "src"))
+    mix = Mix(LlamaFileType.MOSTLY_Q4_K_M, lambda name: GGML.Q8_0 if "ffn_down" in name else GGML.Q4_0)
+
+    def tensor_data(hf: str, gguf_name: str, shape: tuple[int, ...], kind: GGML) -> np.ndarray:
+        if len(shape) == 1:
+            return np.ones(shape, np.float32)
+        return gguf.quants.quantize(np.full(shape, 0.01, np.float32), kind)
+
+    path = tmp_path / "mix.gguf"
+    write_gguf_tensors(path, config, read_tokenizer(tmp_path / "src"), SamplingParams(), tensor_data, mix)
+    reader = open_reader(path)
+    types = {t.name: GGML(t.tensor_type) for t in reader.tensors}
+    assert {name for name, kind in types.items() if kind == GGML.Q8_0} == \
+        {f"blk.{i}.ffn_down.weight" for i in range(config.num_hidden_layers)}
+    assert all(kind == (GGML.F32 if name.endswith("norm.weight") else GGML.Q4_0)
+               for name, kind in types.items() if "ffn_down" not in name)
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == LlamaFileType.MOSTLY_Q4_K_M

@@ -118,9 +118,11 @@ GROUPED_M_MAX = 8
 # FP32 bytes of codes each thread casts per block of rows of a grouped product: the codes and the
 # batched product's reads of them stay in L2.
 GROUPED_BLOCK_BYTES = 512 * 1024
-# Codes decoded per groups() call: the bit fields' NumPy calls cost microseconds each whatever their
-# size, so a call handles many rows (its bytes stream through L3), then tiles of them are cast and multiplied.
-GROUPED_DECODE_VALUES = 4 * 1024 ** 2
+# Codes decoded per coded() call: the bit fields' NumPy calls cost microseconds each whatever their
+# size, so a call handles many rows, then tiles of them are cast and multiplied. 1 Mi values keeps a
+# call's planes (1 MiB) near L2: one thread, [4096, 1024], busy machine, ns a weight (min / median of 9):
+# Q4_K 1.48 / 2.82 against 2.54 / 3.39 at 4 Mi, Q6_K 3.34 / 4.25 against 4.21 / 4.97; 256 Ki slower.
+GROUPED_DECODE_VALUES = 1024 ** 2
 
 
 # --- matrix products -------------------------------------------------------------------------------
@@ -144,7 +146,9 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     if isinstance(weight, Panels):
         return _panel_products(x, weight, out)
     if isinstance(weight, Grouped) and x.shape[0] <= GROUPED_M_MAX:
-        by_group = np.ascontiguousarray(x.reshape(x.shape[0], -1, weight.group).transpose(1, 2, 0))   # [G, g, M]
+        order = weight.code_order                                   # x in the order of the codes
+        coded = x if order is None else x[:, order]
+        by_group = np.ascontiguousarray(coded.reshape(x.shape[0], -1, weight.group).transpose(1, 2, 0))   # [G, g, M]
         sums = by_group.sum(axis=1).T                                                                # [M, G]
         runtime.split(weight.shape[0], _parts(x, weight), lambda rows: grouped_rows(by_group, sums, weight, out, rows))
         return out
@@ -157,9 +161,10 @@ def grouped_rows(by_group: np.ndarray, sums: np.ndarray, weight: Grouped, out: n
 
         y[m, o] = sum_G a[o, G] (q[o, G] . x[m, G]) + sum_G b[o, G] sums[m, G]
 
-    by_group: x as [G, g, M] (group G's inputs of every row of x); sums: [M, G], each group's sum of x.
-    A block of rows at a time: its codes cast into this thread's FP32 scratch (exact), one batched
-    product (a GEMV per group, over the block's rows), then a and b applied per group."""
+    by_group: x as [G, g, M] (group G's inputs of every row of x), in the weight's code_order; sums: [M, G],
+    each group's sum of x. A block of rows at a time (coded(): the codes as planes, a and b in the same
+    order): its codes cast into this thread's FP32 scratch (exact), one batched product (a GEMV per
+    group, over the block's rows), then a and b applied per group."""
     G, g, M = by_group.shape
     rows = max(1, GROUPED_DECODE_VALUES // (G * g))
     tile = max(1, GROUPED_BLOCK_BYTES // (4 * G * g))
@@ -167,14 +172,14 @@ def grouped_rows(by_group: np.ndarray, sums: np.ndarray, weight: Grouped, out: n
     partial = _thread_buffer("partial", tile * G * M)
     for start in range(part.start, part.stop, rows):
         stop = min(start + rows, part.stop)
-        codes, a, b = weight[start:stop].groups()                       # codes [n, in]; a, b [n, G] (views)
-        scale, offset = a.T, None if b is None else b.T                 # [G, n]
+        planes, scale, offset = weight[start:stop].coded()              # planes [P, n, in/P]; a, b [G, n]
         for first in range(0, stop - start, tile):
             last = min(first + tile, stop - start)
-            q = codes_f32[:(last - first) * G * g].reshape(last - first, G, g)
-            q[...] = codes[first:last].reshape(q.shape)                  # exact: small integers
+            q = codes_f32[:(last - first) * G * g].reshape(last - first, len(planes), -1)
+            for p, plane in enumerate(planes):
+                q[:, p] = plane[first:last]                              # exact: small integers
             dots = partial[:G * (last - first) * M].reshape(G, last - first, M)
-            np.matmul(q.transpose(1, 0, 2), by_group, out=dots)          # [G, n, M]: q . x per group
+            np.matmul(q.reshape(last - first, G, g).transpose(1, 0, 2), by_group, out=dots)   # [G, n, M]: q . x per group
             y = out[:, start + first:start + last]                       # [M, n]
             for m in range(M):                                           # long loops over n, not M
                 products = dots[..., m]

@@ -34,6 +34,7 @@ import os
 import re
 import struct
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -617,16 +618,32 @@ def write_gguf(path: str | Path, checkpoint: Checkpoint, tokenizer: Tokenizer, s
 TensorData = Callable[[str, str, tuple[int, ...], GGML], np.ndarray]
 
 
+@dataclass(frozen=True)
+class Mix:
+    """A file type whose matrices differ in type, as llama.cpp's K-quant mixes choose per tensor (Q4_K_M:
+    Q4_K, with Q6_K for the output and some layers' attn_v and ffn_down): the general.file_type it
+    declares, and each matrix's type by its GGUF name."""
+
+    file_type: LlamaFileType
+    matrix_type: Callable[[str], GGML]
+
+
 def write_gguf_tensors(path: str | Path, config: Qwen3Config, tokenizer: Tokenizer, sampling: SamplingParams,
-                       tensor_data: TensorData, file_type: str = "f16", name: str = "qwen3") -> list[str]:
+                       tensor_data: TensorData, file_type: str | Mix = "f16", name: str = "qwen3") -> list[str]:
     """write_gguf with each tensor's data from tensor_data(...), called once per tensor in file order and
-    written at once (so the model never has to be in memory: bench/big_models.py writes random blocks)."""
+    written at once (so the model never has to be in memory: bench/big_models.py writes random blocks).
+    file_type: a FILE_TYPES name, or a Mix (bench/gguf_kinds.py's random K-quant files)."""
     path = Path(path)
-    matrix_type, llama_file_type = FILE_TYPES[file_type]
-    layout = {hf: (_gguf_name(hf, config.num_hidden_layers), shape, _tensor_type(shape, matrix_type))
-              for hf, shape in expected_tensors(config).items()}
-    notes = [f"{gguf_name} stays F16: its rows ({shape[-1]} values) are not whole {matrix_type.name} blocks"
-             for gguf_name, shape, kind in layout.values() if len(shape) == 2 and kind != matrix_type]
+    if isinstance(file_type, Mix):
+        llama_file_type, matrix_type = file_type.file_type, file_type.matrix_type
+    else:
+        kind, llama_file_type = FILE_TYPES[file_type]
+        matrix_type = lambda gguf_name: kind                                          # noqa: E731
+    layout = {hf: (gguf_name, shape, _tensor_type(shape, matrix_type(gguf_name)))
+              for hf, shape in expected_tensors(config).items()
+              for gguf_name in [_gguf_name(hf, config.num_hidden_layers)]}
+    notes = [f"{gguf_name} stays F16: its rows ({shape[-1]} values) are not whole {matrix_type(gguf_name).name} blocks"
+             for gguf_name, shape, kind in layout.values() if len(shape) == 2 and kind != matrix_type(gguf_name)]
     temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
     writer = GGUFWriter(temporary, ARCHITECTURE)
     try:

@@ -452,6 +452,12 @@ class FormatRows:
     def groups(self) -> tuple[np.ndarray, np.ndarray, None]:
         return (q8_0_groups if self.fmt == "q8_0" else q4_0_groups)(*self.parts)
 
+    code_order = None                 # coded() is groups() in value order
+
+    def coded(self) -> tuple[np.ndarray, np.ndarray, None]:
+        codes, a, _ = self.groups()
+        return codes[None], a.T, None
+
 
 def bits_per_weight(fmt: str) -> float:
     """Storage bits per weight of a format, block scales included (fp16 16, q8_0 8.5, q4_0 4.5)."""

@@ -36,6 +36,7 @@ contiguous field, and the runs put in value order as void items (_runs). No Pyth
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,23 +89,30 @@ def _every_byte(value: int) -> np.uint64:
     return np.uint64(0x0101010101010101 * value)
 
 
-def _bit_planes(packed: np.ndarray, bits: int, name: str, at: int = 0) -> np.ndarray:
-    """Bytes [..., n, L] -> codes [..., n, 8 / bits, L]: field j of every byte (its bits j*bits .. +bits),
-    moved to bit `at`, is run j.
+def _planes(packed: np.ndarray, bits: int, name: str, at: int = 0, count: int | None = None) -> np.ndarray:
+    """Bytes [..., L] (C-contiguous, L a multiple of 8) -> planes [count, ..., L]: plane j holds field j of
+    every byte (its bits j*bits .. +bits), moved to bit `at`; count defaults to every field (8 / bits).
 
-    The masks and shifts run on 8 bytes at a time, as uint64 lanes (L is a multiple of 8): a mask after
-    each shift drops what moved in from the neighbouring byte. Trap: NumPy's uint8 left shift is not
-    vectorised (0.5 ns a byte here, 15x a mask)."""
-    lanes, mask, parts = packed.view(np.uint64), _every_byte(((1 << bits) - 1) << at), []
-    for j in range(8 // bits):
-        part, shift = scratch(f"ggml.{name}.{j}", lanes.shape, np.uint64), bits * j - at
+    The masks and shifts run on 8 bytes at a time, as uint64 lanes: a mask after each shift drops what
+    moved in from the neighbouring byte. Trap: NumPy's uint8 left shift is not vectorised (0.5 ns a
+    byte here, 15x a mask)."""
+    count = 8 // bits if count is None else count
+    lanes, mask = packed.view(np.uint64), _every_byte(((1 << bits) - 1) << at)
+    out = scratch(f"ggml.{name}", (count, *packed.shape), U8)
+    for j, part in enumerate(out.view(np.uint64)):
+        shift = bits * j - at
         if shift > 0:
             np.right_shift(lanes, np.uint64(shift), out=part)
         elif shift < 0:
             np.left_shift(lanes, np.uint64(-shift), out=part)
         np.bitwise_and(part if shift else lanes, mask, out=part)
-        parts.append(part.view(np.uint8))
-    return _runs(parts, name)
+    return out
+
+
+def _bit_planes(packed: np.ndarray, bits: int, name: str, at: int = 0) -> np.ndarray:
+    """Bytes [..., n, L] -> codes [..., n, 8 / bits, L]: field j of every byte (_planes), moved to bit
+    `at`, is run j."""
+    return _runs(list(_planes(packed, bits, f"{name}.planes", at)), name)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -161,11 +169,16 @@ def _q5_1(blocks: np.ndarray) -> Groups:
 
 def _q2_k(blocks: np.ndarray) -> Groups:
     codes = _bit_planes(_field(blocks, 16, 64, "qs").reshape(*blocks.shape[:-1], 2, 32), 2, "codes")   # [R, nb, 2, 4, 32]
+    return (_values(codes), *_q2_k_scales(blocks))
+
+
+def _q2_k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q2_K's a = d * (s & 15) and b = -dmin * (s >> 4) per group of 16, [G, R] each (s: 16 bytes)."""
     scales = _by_group(blocks, 0, 16, "scales")                                   # [nb, 16, R]: low a, high b
     part = scratch("ggml.part", scales.shape, U8)
     a = _scaled(_by_group(blocks, 80, 1, "d", F32), np.bitwise_and(scales, np.uint8(0x0F), out=part), "a")
     b = _scaled(_by_group(blocks, 82, 1, "dmin", F32), np.right_shift(scales, np.uint8(4), out=part), "b", negate=True)
-    return _values(codes), a, b
+    return a, b
 
 
 def _q3_k(blocks: np.ndarray) -> Groups:
@@ -174,6 +187,13 @@ def _q3_k(blocks: np.ndarray) -> Groups:
     high = _bit_planes(_field(blocks, 0, 32, "hmask")[..., None, :], 1, "high", at=2).reshape(*lead, 256)
     codes = _or(low, high)
     codes -= np.uint8(4)                      # q = low - 4 (1 - high bit), as gguf: wraps, read as int8
+    return _values(codes).view(np.int8), _q3_k_scales(blocks), None
+
+
+def _q3_k_scales(blocks: np.ndarray) -> np.ndarray:
+    """Q3_K's a = d * (s6 - 32) per group of 16, [G, R]: 16 6-bit scales, the low nibbles in bytes 0-7,
+    their top two bits in bytes 8-11 (bits 2j, 2j+1 of each byte: scales 4j .. 4j+3)."""
+    lead = blocks.shape[:-1]
     packed = _by_group(blocks, 96, 12, "scales")                                  # [nb, 12, R]
     scales = scratch("ggml.part", (lead[1], 16, lead[0]), U8)                     # 16 6-bit scales
     np.bitwise_and(packed[:, :8], np.uint8(0x0F), out=scales[:, :8])
@@ -186,7 +206,7 @@ def _q3_k(blocks: np.ndarray) -> Groups:
         scales[:, 4 * j:4 * j + 4] |= high_bits
     signed = scales.view(np.int8)
     signed -= np.int8(32)                                                         # -32..31
-    return _values(codes).view(np.int8), _scaled(_by_group(blocks, 108, 1, "d", F32), signed, "a"), None
+    return _scaled(_by_group(blocks, 108, 1, "d", F32), signed, "a")
 
 
 def _q4_k(blocks: np.ndarray) -> Groups:
@@ -226,8 +246,64 @@ def _q6_k(blocks: np.ndarray) -> Groups:
     high = _bit_planes(_field(blocks, 128, 64, "qh").reshape(*lead, 2, 32), 2, "high", at=4).reshape(*lead, 256)
     codes = _or(low, high)
     codes -= np.uint8(32)                                      # wraps: as int8 the bytes read q - 32
+    return _values(codes).view(np.int8), _q6_k_scales(blocks), None
+
+
+def _q6_k_scales(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K's a = d * s8 per group of 16, [G, R] (s8: 16 int8 scales)."""
     scales = _by_group(blocks, 192, 16, "scales").view(np.int8)                    # [nb, 16, R]
-    return _values(codes).view(np.int8), _scaled(_by_group(blocks, 208, 1, "d", F32), scales, "a"), None
+    return _scaled(_by_group(blocks, 208, 1, "d", F32), scales, "a")
+
+
+# ---- the K-kinds in code order: blocks [R, nb, bytes] -> (planes, a, b) --------------------------------
+#
+# The fast path needs the codes of a group side by side, not in value order: a product q . x is the
+# same in any order of the inputs, so x is put in the codes' order once per token (code_order) instead
+# of every code in x's order. Each kind's bit fields are then taken out as planes [P, R, nb, L], with
+# masks and shifts over whole contiguous fields and no interleaving of runs (_runs: ~40% of a
+# groups() call for Q6_K, Q5_K, Q3_K). Two layouts, within a block of 256 values:
+#   "fields"  (Q2_K, Q3_K, Q6_K): plane j (4), position t = 32 i + l  holds value 128 i + 32 j + l
+#   "nibbles" (Q4_K, Q5_K):       plane h (2), position t = 32 j + l  holds value 64 j + 32 h + l
+# a and b are returned in value order ([nb * groups, R], as the decoders above); a code offset
+# (Q3_K's -4, Q6_K's -32) is left to b = -offset * a (fast.grouped_rows' sums of x).
+
+def _q2_k_planes(blocks: np.ndarray) -> Groups:
+    return (_planes(_field(blocks, 16, 64, "qs"), 2, "codes"), *_q2_k_scales(blocks))
+
+
+def _q3_k_planes(blocks: np.ndarray) -> Groups:
+    low = _planes(_field(blocks, 32, 64, "qs"), 2, "codes")                          # [4, R, nb, 64]
+    hmask = _field(blocks, 0, 32, "hmask")                                            # bit 4i + j: value 128 i + 32 j + l
+    shifted = scratch("ggml.hmask4", hmask.shape, U8)
+    np.right_shift(hmask.view(np.uint64), np.uint64(4), out=shifted.view(np.uint64))
+    by_half = _runs([hmask, shifted], "hmask2").reshape(*hmask.shape[:-1], 64)        # [R, nb, 64]: i, l
+    return _or(low, _planes(by_half, 1, "high", at=2, count=4)), _q3_k_scales(blocks), None
+
+
+def _q4_k_planes(blocks: np.ndarray) -> Groups:
+    return (_planes(_field(blocks, 16, 128, "qs"), 4, "codes"), *_k_scales(blocks))
+
+
+def _q5_k_planes(blocks: np.ndarray) -> Groups:
+    low = _planes(_field(blocks, 48, 128, "qs"), 4, "codes")                         # [2, R, nb, 128]
+    qh = _field(blocks, 16, 32, "qh")                                                 # bit m: value 32 m + l
+    shifted = [qh] + [scratch(f"ggml.qh.{j}", qh.shape, U8) for j in range(1, 4)]
+    for j in range(1, 4):
+        np.right_shift(qh.view(np.uint64), np.uint64(2 * j), out=shifted[j].view(np.uint64))
+    by_run = _runs(shifted, "qh4").reshape(*qh.shape[:-1], 128)                      # [R, nb, 128]: j, l
+    return (_or(low, _planes(by_run, 1, "high", at=4, count=2)), *_k_scales(blocks))
+
+
+def _q6_k_planes(blocks: np.ndarray) -> Groups:
+    rows, count = blocks.shape[:2]
+    runs = np.dtype((np.void, 32))
+    ql = scratch("ggml.ql", (2, rows, count, 2, 32), U8)                             # [jj, R, nb, i, l]
+    items = blocks[..., :128].view(runs).reshape(rows, count, 2, 2)                  # run 2 i + jj
+    for jj, out in enumerate(ql.view(runs)[..., 0]):
+        out[...] = items[..., jj]
+    low = _planes(ql.reshape(2, rows, count, 64), 4, "codes").reshape(4, rows, count, 64)   # j = 2 h + jj
+    high = _planes(_field(blocks, 128, 64, "qh"), 2, "high", at=4)                  # [4, R, nb, 64]
+    return _or(low, high), _q6_k_scales(blocks), None
 
 
 @dataclass(frozen=True)
@@ -239,18 +315,42 @@ class BlockKind:
     size: int                                   # bytes per block
     group: int                                  # values per scale
     decode: Callable[[np.ndarray], Groups]
+    planes: Callable[[np.ndarray], Groups] | None = None     # the codes in code order (above), if defined
+    layout: str = ""                            # the planes' layout: "fields" | "nibbles"
+    offset: int = 0                             # planes hold q + offset (b = -offset * a)
 
 
 BLOCK_KINDS: dict[str, BlockKind] = {kind.name: kind for kind in [
     BlockKind("Q4_1", 32, 20, 32, _q4_1),
     BlockKind("Q5_0", 32, 22, 32, _q5_0),
     BlockKind("Q5_1", 32, 24, 32, _q5_1),
-    BlockKind("Q2_K", 256, 84, 16, _q2_k),
-    BlockKind("Q3_K", 256, 110, 16, _q3_k),
-    BlockKind("Q4_K", 256, 144, 32, _q4_k),
-    BlockKind("Q5_K", 256, 176, 32, _q5_k),
-    BlockKind("Q6_K", 256, 210, 16, _q6_k),
+    BlockKind("Q2_K", 256, 84, 16, _q2_k, _q2_k_planes, "fields"),
+    BlockKind("Q3_K", 256, 110, 16, _q3_k, _q3_k_planes, "fields", offset=4),
+    BlockKind("Q4_K", 256, 144, 32, _q4_k, _q4_k_planes, "nibbles"),
+    BlockKind("Q5_K", 256, 176, 32, _q5_k, _q5_k_planes, "nibbles"),
+    BlockKind("Q6_K", 256, 210, 16, _q6_k, _q6_k_planes, "fields", offset=32),
 ]}
+
+
+@functools.cache
+def code_order(layout: str, blocks: int) -> np.ndarray:
+    """The value index (0 .. in-1) of each code of a row held in `layout` (see the planes above), read
+    plane by plane: [P * blocks * L] int64, planes [P, R, blocks, L] being read as [R, P * blocks * L]."""
+    if layout == "fields":                                    # plane j, position 32 i + k: value 128 i + 32 j + k
+        j, i, k = np.ix_(range(4), range(2), range(32))
+        within = (128 * i + 32 * j + k).reshape(4, 64)
+    else:                                                     # plane h, position 32 j + k: value 64 j + 32 h + k
+        h, j, k = np.ix_(range(2), range(4), range(32))
+        within = (64 * j + 32 * h + k).reshape(2, 128)
+    order = np.arange(blocks)[None, :, None] * 256 + within[:, None, :]       # [P, blocks, L]
+    order.flags.writeable = False
+    return order.reshape(-1)
+
+
+@functools.cache
+def _group_order(layout: str, blocks: int, group: int) -> np.ndarray:
+    """The value-order group (0 .. in/g - 1) of each group of codes in `layout`'s order."""
+    return code_order(layout, blocks)[::group] // group
 
 
 @dataclass(frozen=True)
@@ -293,3 +393,26 @@ class BlockRows:
     def widen(self, out: np.ndarray) -> None:
         """The rows' FP32 values into out (their shape), bit for bit as gguf.quants.dequantize."""
         widen_groups(*self.groups(), out=out.reshape(-1, out.shape[-1]))
+
+    @property
+    def code_order(self) -> np.ndarray | None:
+        """The value index of each input in coded()'s order; None: value order."""
+        kind = BLOCK_KINDS[self.kind]
+        return None if kind.planes is None else code_order(kind.layout, self.blocks.shape[-2])
+
+    def coded(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(codes [P, rows, in/P] uint8/int8, a [in/g, rows] FP32, b [in/g, rows] or None), read as codes
+        [rows, in] in code_order's order and groups of g in that order: w = a q + b as in groups(), for the
+        fast path (numerics.Grouped). Views of this thread's scratch memory, valid until its next call."""
+        kind, blocks = BLOCK_KINDS[self.kind], self.blocks.reshape(-1, *self.blocks.shape[-2:])
+        if kind.planes is None:
+            codes, a, b = kind.decode(blocks)
+            return codes[None], a, b
+        planes, a, b = kind.planes(blocks)                                  # [P, R, nb, L]; a, b in value order
+        order = _group_order(kind.layout, blocks.shape[1], kind.group)
+        a = np.take(a, order, axis=0, out=scratch("ggml.coded.a", a.shape, F32))
+        if b is not None:
+            b = np.take(b, order, axis=0, out=scratch("ggml.coded.b", b.shape, F32))
+        elif kind.offset:
+            b = np.multiply(a, np.float32(-kind.offset), out=scratch("ggml.coded.b", a.shape, F32))
+        return planes.reshape(planes.shape[0], planes.shape[1], -1), a, b

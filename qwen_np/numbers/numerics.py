@@ -230,7 +230,10 @@ class Grouped(Held, Protocol):
     groups() gives (codes [rows, in] int8/uint8, a [rows, in/g] FP32, b [rows, in/g] FP32 or None), views
     of this thread's scratch memory valid until its next groups() call (a and b transposed views of
     group-major arrays); widen() is widen_groups of them. The fast path multiplies the codes and
-    applies a and b per group (fast.py): the same values, summed in another order."""
+    applies a and b per group (fast.py): the same values, summed in another order. coded() gives the
+    same codes in the order its bit fields unpack cheapest (code_order: the value index of each input;
+    None for value order) as planes [P, rows, in/P], and a and b group-major [in/g, rows] in that order:
+    the fast path puts x in that order instead (ggml_blocks, "code order")."""
 
     @property
     def group(self) -> int: ...                 # g: inputs per scale
@@ -238,6 +241,11 @@ class Grouped(Held, Protocol):
     def __getitem__(self, rows: Any) -> "Grouped": ...
 
     def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]: ...
+
+    @property
+    def code_order(self) -> np.ndarray | None: ...     # the value index of each input in coded()'s order
+
+    def coded(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]: ...
 
 
 _scratch = threading.local()
