@@ -51,7 +51,7 @@ import functools
 import math
 import threading
 from contextlib import nullcontext
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
@@ -63,6 +63,7 @@ from .memory import MemoryPlan
 from ..core.kv_cache import SequenceCache
 from ..core.model import LayerWeights, Qwen3Model, Trace, advance, output_rows
 from .paged import OwnPoolCache, PagedKVCache
+from ..errors import QwenNPError
 from ..numbers.numerics import Adapted, Grouped, Int8Rows, Panels, Weight
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
@@ -316,10 +317,20 @@ class _Fused:
     def __init__(self, w: LayerWeights) -> None:
         self.parts = (w.q_proj, w.k_proj, w.v_proj, w.gate_proj, w.up_proj)
         self.qkv = _joined([w.q_proj, w.k_proj, w.v_proj])            # [(H + 2 KVH) Dh, D] or None
-        self.gate_up = _joined([w.gate_proj, w.up_proj])               # [2F, D] or None
+        self.gate_up = _joined([qwen3_weight(w.gate_proj, "gate_proj"), w.up_proj])   # [2F, D] or None
 
     def current(self, w: LayerWeights) -> bool:
         return all(a is b for a, b in zip(self.parts, (w.q_proj, w.k_proj, w.v_proj, w.gate_proj, w.up_proj)))
+
+
+AnyWeight = TypeVar("AnyWeight", bound=Weight)    # a norm vector (np.ndarray) or a projection
+
+
+def qwen3_weight(weight: AnyWeight | None, name: str) -> AnyWeight:
+    """A weight every Qwen3 layer has. Only an ablation's layer lacks one, and FastQwen3Model refuses ablations."""
+    if weight is None:
+        raise QwenNPError(f"fast: the layer has no {name} (an ablation's layer; the fast path runs Qwen3 only)")
+    return weight
 
 
 def _joined(parts: list[Weight]) -> Weight | None:
@@ -362,6 +373,9 @@ class FastQwen3Model(Qwen3Model):
 
     def __init__(self, config: Qwen3Config, embed_tokens: Weight, decoder_layers: list[LayerWeights],
                  norm: np.ndarray, lm_head: Weight | None, plan: MemoryPlan | None = None) -> None:
+        if config.ablations:
+            raise QwenNPError(f"fast: the fast path computes Qwen3 only, not the ablation {config.ablations}; use the "
+                              "readable Qwen3Model (load_model(..., fast=False))")
         super().__init__(config, embed_tokens, decoder_layers, norm, lm_head, plan)
         self._decode_buffers = threading.local()              # .by_size: {T: _Buffers}, per thread
         self._fused: list[_Fused | None] = [None] * len(self.layers)
@@ -446,6 +460,7 @@ class FastQwen3Model(Qwen3Model):
         H, KVH, Dh, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         q_end, k_end, F = H * Dh, (H + KVH) * Dh, c.intermediate_size
         qkv_weight, gate_up_weight = self.fused_weights(i)
+        q_norm, k_norm = qwen3_weight(w.q_norm, "q_norm"), qwen3_weight(w.k_norm, "k_norm")
 
         def by_rows(step: Callable[[slice], object], within: slice = slice(0, T)) -> None:
             n = within.stop - within.start
@@ -458,8 +473,8 @@ class FastQwen3Model(Qwen3Model):
         def qk_norm_and_rope(r: slice) -> None:
             qk = b.qkv[r, :k_end].reshape(-1, H + KVH, Dh)     # q heads, then k heads: one norm, one RoPE
             _rms_norm(qk, None, eps, out=qk)
-            qk[:, :H] *= w.q_norm
-            qk[:, H:] *= w.k_norm
+            qk[:, :H] *= q_norm
+            qk[:, H:] *= k_norm
             _rope(qk, cos[r], sin[r], b.rope_scratch[:, r])
 
         by_rows(lambda r: _rms_norm(x[r], w.input_layernorm, eps, out=b.h[r]))
@@ -497,7 +512,7 @@ class FastQwen3Model(Qwen3Model):
         if gate_up_weight is not None:
             linear(b.h, gate_up_weight, b.gate_up)
         else:
-            linear(b.h, w.gate_proj, b.gate_up[:, :F])
+            linear(b.h, qwen3_weight(w.gate_proj, "gate_proj"), b.gate_up[:, :F])
             linear(b.h, w.up_proj, b.gate_up[:, F:])
         gate, up = b.gate_up[:, :F], b.gate_up[:, F:]
         by_rows(lambda r: _silu_times(gate[r], up[r], b.silu_scratch[r]))
