@@ -398,9 +398,9 @@ def pieces_part(rec: dict[str, Any]) -> str:
   the seed spread, from one run each. A likely reason it starts slower: SwiGLU's output `silu(gate(x)) * up(x)`
   is a product of two projections, each starting at about 0.02·√D = {0.02 * CONFIG['hidden_size'] ** 0.5:.2f}
   per feature, so at initialisation it is roughly that factor times GELU's `gelu(up(x))` (about half of one
-  such projection), and its gradient is second order in the weights: the gated MLP switches on late. Its published gain (Shazeer, 2020) is a few percent
-  of perplexity after long training at scale; a {rec['run']['steps']}-step run of a 2-layer model measures the
-  start, not that."""
+  such projection), and its gradient is second order in the weights: the gated MLP switches on late. Its
+  published gain (Shazeer, 2020) is a few percent of perplexity after long training at scale; a
+  {rec['run']['steps']}-step run of a 2-layer model measures the start, not that."""
 
 
 def heads_part(rec: dict[str, Any]) -> str:
