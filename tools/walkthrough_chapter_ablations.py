@@ -287,12 +287,12 @@ they are `num_key_value_heads`.
 |---|---|---|---|
 {rows}
 
-The decoder layer reads them in the lines marked `ablation:` (a piece taken away passes its input on,
-under its step's name). The hand-written backward (`training/gradients.py`) reverses each: a skipped RoPE
-or QK-norm passes its gradient through, `residual_block_backward` is one block in each placement (with or
-without the residual), `gelu_mlp_backward` the GELU MLP; `tests/test_gradients.py` checks every weight's
-gradient of each against central differences. The fast path (`engine/fast.py`) is Qwen3's alone and
-refuses an ablation; `load_model` gives an ablated checkpoint the readable path, so `generate` runs it:"""
+The hand-written backward (`training/gradients.py`) reverses each: a skipped RoPE or QK-norm passes its
+gradient through, `residual_block_backward` is one block in each placement (with or without the residual),
+`gelu_mlp_backward` the GELU MLP; `tests/test_gradients.py` checks every weight's gradient of each against
+central differences. The fast path (`engine/fast.py`) is Qwen3's alone and refuses an ablation; `load_model`
+gives an ablated checkpoint the readable path, so `generate` runs it. The decoder layer reads the fields in
+its lines marked `ablation:`, each one line beside the Qwen3 step it changes:"""
 
 
 ABLATION_MEANING = {

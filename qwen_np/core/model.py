@@ -34,7 +34,8 @@ from .config import Qwen3Config
 from .kv_cache import KVCache, SequenceCache
 
 # trace(name, value) is called with every intermediate of the forward pass when given (see inspection),
-# each under one of these names, in this order (a decoder layer's prefixed "model.layers.{i}."):
+# each under one of these names, in this order (a decoder layer's prefixed "model.layers.{i}."). An ablation's
+# layer notes fewer (no q_norm, k_norm, or gate_proj) or two more (post-norm: post_norm_attn, post_norm_mlp).
 Trace = layers.Note
 LAYER_STEPS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_norm",
                "self_attn.k_norm", "self_attn.rope_q", "self_attn.rope_k", "self_attn.scores", "self_attn.softmax",
@@ -152,8 +153,8 @@ class Qwen3Model:
         x holds the packed tokens of `batch` (their positions, RoPE tables and caches); `note` sees every
         step, named as LAYER_STEPS. The one place a decoder layer is written: the precision lab rounds its
         input, training recomputes it in the backward, the inspection steps point at its lines.
-        The lines marked "ablation:" take one piece away when the config says so (config.ABLATION_CHOICES); a
-        piece taken away passes its input on under its step's name. Qwen3 runs every piece."""
+        The lines marked "ablation:" take one piece away when the config says so (config.ABLATION_CHOICES): its
+        step then notes its input unchanged (QK-norm's and the gate's are not noted). Qwen3 runs every piece."""
         c, w, eps, t = self.config, self.layers[i], self.config.rms_norm_eps, Notes(note, f"model.layers.{i}.")
         H, KVH, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         pre = c.norm_position == "pre"               # ablation: "post" normalizes after each residual sum instead
