@@ -291,8 +291,9 @@ The hand-written backward (`training/gradients.py`) reverses each: a skipped RoP
 gradient through, `residual_block_backward` is one block in each placement (with or without the residual),
 `gelu_mlp_backward` the GELU MLP; `tests/test_gradients.py` checks every weight's gradient of each against
 central differences. The fast path (`engine/fast.py`) is Qwen3's alone and refuses an ablation; `load_model`
-gives an ablated checkpoint the readable path, so `generate` runs it. The decoder layer reads the fields in
-its lines marked `ablation:`, each one line beside the Qwen3 step it changes:"""
+gives an ablated checkpoint the readable path, so `generate` runs it. The decoder layer reads the fields as
+one-line choices beside the Qwen3 steps they change (`if pre`, `if c.use_rope`, `if c.use_residual`, and
+the weights an ablated layer lacks):"""
 
 
 ABLATION_MEANING = {

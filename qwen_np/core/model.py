@@ -153,8 +153,9 @@ class Qwen3Model:
         x holds the packed tokens of `batch` (their positions, RoPE tables and caches); `note` sees every
         step, named as LAYER_STEPS. The one place a decoder layer is written: the precision lab rounds its
         input, training recomputes it in the backward, the inspection steps point at its lines.
-        The lines marked "ablation:" take one piece away when the config says so (config.ABLATION_CHOICES): its
-        step then notes its input unchanged (QK-norm's and the gate's are not noted). Qwen3 runs every piece."""
+        The ablations (config.ABLATION_CHOICES) are one-line choices beside the steps they change: `pre`,
+        `c.use_rope`, `c.use_residual`, and the weights an ablated layer lacks (q_norm, gate_proj). A step taken
+        away notes its input unchanged (QK-norm's and the gate's are not noted). Qwen3 runs every piece."""
         c, w, eps, t = self.config, self.layers[i], self.config.rms_norm_eps, Notes(note, f"model.layers.{i}.")
         H, KVH, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         pre = c.norm_position == "pre"               # ablation: "post" normalizes after each residual sum instead
