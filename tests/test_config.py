@@ -53,6 +53,11 @@ def test_head_dim_comes_from_config_not_hidden_over_heads():
     ({"layer_types": "full_attention"}, "layer_types must be a list"),
     ({"num_key_value_heads": 0}, "num_key_value_heads must be positive"),
     ({"head_dim": 0}, "head_dim must be positive"),
+    ({"use_rope": "no"}, 'use_rope must be one of true, false, got "no"'),
+    ({"use_qk_norm": 0}, "use_qk_norm must be one of true, false, got 0"),
+    ({"norm_position": "sandwich"}, 'norm_position must be one of "pre", "post", got "sandwich"'),
+    ({"use_residual": None}, "use_residual must be one of true, false, got null"),
+    ({"mlp_type": "relu"}, 'mlp_type must be one of "swiglu", "gelu", got "relu"'),
 ])
 def test_invalid_configs_are_refused_with_the_field_named(change, message):
     with pytest.raises(QwenNPError) as error:

@@ -78,13 +78,34 @@ MICRO = dict(vocab_size=13, hidden_size=8, intermediate_size=12, num_hidden_laye
 @pytest.mark.parametrize("tied", [True, False])
 def test_every_gradient_matches_float64_central_differences(tied: bool) -> None:
     """d loss / d w for EVERY scalar weight of a micro model, in float64, by (L(w+h) - L(w-h)) / 2h."""
-    config = Qwen3Config(**MICRO, tie_word_embeddings=tied, rope_theta=100.0)
+    assert_central_differences(Qwen3Config(**MICRO, tie_word_embeddings=tied, rope_theta=100.0))
+
+
+# Every ablation (config.ABLATION_CHOICES) and two together: post-norm's blocks without their residual.
+ABLATIONS = [{"use_rope": False}, {"use_qk_norm": False}, {"norm_position": "post"}, {"use_residual": False},
+             {"mlp_type": "gelu"}, {"norm_position": "post", "use_residual": False}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ablation", ABLATIONS, ids=lambda a: "+".join(f"{k}={v}" for k, v in a.items()))
+def test_every_ablation_gradient_matches_float64_central_differences(ablation: dict) -> None:
+    """The backward of each ablated layer (residual_block_backward, gelu_mlp_backward, the skipped RoPE and
+    QK-norm), every scalar weight by central differences; with recomputation, the same bits."""
+    assert_central_differences(Qwen3Config(**MICRO, tie_word_embeddings=True, rope_theta=100.0, **ablation),
+                               recompute_too=True)
+
+
+def assert_central_differences(config: Qwen3Config, recompute_too: bool = False) -> None:
     rng = np.random.default_rng(3)
     params = {n: (p.astype(np.float64) + (0.3 if p.ndim == 1 else 0.25) * rng.standard_normal(p.shape))
               for n, p in init_parameters(config, seed=3).items()}
     model = model_from_parameters(config, params)
     batch = rng.integers(0, config.vocab_size, size=(2, 7))
     _, grads = loss_and_gradients(model, batch)
+    assert sorted(grads) == sorted(params), "one gradient per tensor the config has"
+    if recompute_too:
+        _, recomputed = loss_and_gradients(model, batch, recompute=True)
+        assert all(np.array_equal(recomputed[name], g) for name, g in grads.items())
 
     def loss() -> float:
         return gradients.cross_entropy(gradients.forward_with_tape(model, batch[:, :-1])[0], batch[:, 1:])[0]
@@ -101,6 +122,14 @@ def test_every_gradient_matches_float64_central_differences(tied: bool) -> None:
             p[index] = saved
             numeric[index] = (up - down) / (2 * h)
         assert np.abs(grads[name] - numeric).max() <= 1e-7 * max(1.0, np.abs(numeric).max()), name
+
+
+def test_gelu_backward_is_the_derivative_of_gelu() -> None:
+    """gelu_backward against central differences of layers.gelu, over the range where the tanh bends and saturates."""
+    x = np.linspace(-8, 8, 401)
+    h = 1e-6
+    numeric = (layers.gelu(x + h) - layers.gelu(x - h)) / (2 * h)
+    assert np.abs(gradients.gelu_backward(np.ones_like(x), x) - numeric).max() < 1e-8
 
 
 def test_rope_backward_is_the_transpose_of_rope() -> None:

@@ -22,7 +22,8 @@ import numpy as np
 from walkthrough_training import rounded
 
 FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "formats",
-           "precision_kld", "hardware", "training_memory", "training_remedies", "mixed_precision", "training_run")
+           "precision_kld", "hardware", "training_memory", "training_remedies", "mixed_precision", "training_run",
+           "ablations")
 
 
 # Figures whose data is a measurement recorded by its own command (walkthrough_chapter_measured.RECORDS): written
@@ -43,13 +44,14 @@ def draw(name: str, data: dict[str, Any]) -> Any:
     from walkthrough_chapter_measured import hardware_figure, mixed_precision_figure, remedies_figure
 
     from qwen_np.commands.precision import kld_figure
+    from walkthrough_chapter_ablations import figure as ablations
     from walkthrough_chapter_train import figure as training_run
 
     return {"decoder_layer": _decoder_layer, "rope": _rope, "attention": _attention, "logit_lens": _logit_lens,
             "sampling": _sampling, "formats": _formats, "residual_stream": _residual_stream,
             "training_memory": _training_memory, "training_run": training_run, "hardware": hardware_figure,
             "training_remedies": remedies_figure, "mixed_precision": mixed_precision_figure,
-            "precision_kld": kld_figure}[name](data)
+            "precision_kld": kld_figure, "ablations": ablations}[name](data)
 
 
 # Where each step of a decoder layer sits in the drawing (column, row), and what feeds it: q, k and v are three
@@ -397,7 +399,7 @@ def notebook_cells(page: Any) -> list[tuple[str, str]]:
     settings = trainer.PRESET_SETTINGS[PRESET]
     fill = {"train_text": TRAIN_TEXT, "context": CONTEXT, "batch": BATCH, "warmup": settings["warmup"],
             "peak": settings["lr"], "steps": settings["steps"]}
-    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code(), 12: serving_code()}
+    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code(), 13: serving_code()}
     cells = [("markdown", page.sections[0]), ("code", SETUP.format(prompt=page.run.prompt))]
     for number, section in enumerate(page.sections[1:], start=1):
         cells.append(("markdown", section))
@@ -466,14 +468,17 @@ GLOSSARY = (
      "not needed to run", "qwen_np.training.step.AdamW", "--resume", 11),
     ("gradient accumulation / 梯度累积", "a batch computed as N micro-batches whose gradients are averaged: the same "
      "update, 1/N of the activations", "qwen_np.training.step.loss_and_accumulated_gradients", "--grad-accum", 11),
+    ("ablation / 消融实验", "the same training run with one piece of the architecture taken away, to measure what "
+     "the piece is for (here: RoPE, QK-norm, pre-norm, the residual, SwiGLU, the KV heads)",
+     "qwen_np.core.config.ABLATION_CHOICES", "--config", 12),
     ("paged KV cache / block table", "the KV cache in fixed-size blocks from one pool; a sequence's block table says "
      "which block holds which positions, so a server's requests share one memory budget",
-     "qwen_np.engine.paged.PagedKVCache", "--kv-memory", 12),
+     "qwen_np.engine.paged.PagedKVCache", "--kv-memory", 13),
     ("prefix caching", "reusing the KV blocks of a prompt's longest prefix seen before (named by a hash of their "
      "tokens), so a shared system prompt or a resent conversation is prefilled once",
-     "qwen_np.engine.paged.BlockPool.lookup", "--kv-memory", 12),
+     "qwen_np.engine.paged.BlockPool.lookup", "--kv-memory", 13),
     ("continuous batching", "one forward pass for every running request, which join and leave between any two steps: "
-     "each weight read serves every row", "qwen_np.generation.batching.BatchGenerator", "--max-batch", 12),
+     "each weight read serves every row", "qwen_np.generation.batching.BatchGenerator", "--max-batch", 13),
     ("activations / 激活", "the intermediate arrays of a forward pass; training keeps them for the backward pass",
      "qwen_np.engine.memory.training_memory", "--grad-accum", 10),
     ("recomputation (activation checkpointing)", "keep only each layer's input and run the layer again in the "

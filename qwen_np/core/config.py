@@ -31,6 +31,18 @@ DIMENSIONS = {
 Shape = tuple[str, ...]   # a shape in those symbols, e.g. ("H*Dh", "D"); a bare integer string is a constant
 
 
+# The ablations (walkthrough: "Ablations"): fields no released Qwen3 sets, each of which takes one piece of
+# the architecture away so a learner can train without it and measure what it was for. Their defaults are
+# Qwen3's, so a config.json without them is Qwen3 unchanged. transformers does not know them: a checkpoint
+# that sets one loads in qwen_np only. MHA / GQA / MQA need no field of their own: num_key_value_heads.
+ABLATION_CHOICES: dict[str, tuple[Any, ...]] = {
+    "use_rope": (True, False),              # False: no rotary position embedding (only the causal mask orders tokens)
+    "use_qk_norm": (True, False),           # False: no RMSNorm of each query and key head (no q_norm / k_norm weights)
+    "norm_position": ("pre", "post"),       # "post": each block's norm after its residual sum (the 2017 Transformer)
+    "use_residual": (True, False),          # False: each block's output replaces the stream instead of adding to it
+    "mlp_type": ("swiglu", "gelu"),         # "gelu": down(gelu(up(x))), no gate_proj (GPT-2's MLP)
+}
+
 # The largest rms_norm_eps a config may hold: 100 times the largest of released models (1e-5; Qwen3: 1e-6).
 MAX_RMS_NORM_EPS = 1e-3
 
@@ -53,6 +65,17 @@ class Qwen3Config:
     bos_token_id: int | None = 151643
     eos_token_id: int | list[int] | None = 151645
     torch_dtype: str = "bfloat16"
+    # The ablations (ABLATION_CHOICES); Qwen3 by default.
+    use_rope: bool = True
+    use_qk_norm: bool = True
+    norm_position: str = "pre"
+    use_residual: bool = True
+    mlp_type: str = "swiglu"
+
+    @property
+    def ablations(self) -> dict[str, Any]:
+        """The ablation fields this config sets away from Qwen3 ({} for every released model)."""
+        return {name: getattr(self, name) for name, choices in ABLATION_CHOICES.items() if getattr(self, name) != choices[0]}
 
     @property
     def group_size(self) -> int:
@@ -65,7 +88,8 @@ class Qwen3Config:
         return id_list(self.eos_token_id)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as config.json holds them; an ablation field only where it is set (a Qwen3's dict is Qwen3's)."""
+        return {key: value for key, value in asdict(self).items() if key not in ABLATION_CHOICES or key in self.ablations}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "Qwen3Config":
@@ -89,6 +113,7 @@ class Qwen3Config:
                 eos_token_id=raw.get("eos_token_id"),
                 # Old files write torch_dtype, transformers >= 4.56 writes dtype.
                 torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
+                **{name: raw.get(name, choices[0]) for name, choices in ABLATION_CHOICES.items()},
             )
         except KeyError as missing:
             raise QwenNPError(f"{source}: missing required field {missing}") from None
@@ -116,6 +141,12 @@ class Qwen3Config:
             raise QwenNPError(f"{source}: rms_norm_eps is {self.rms_norm_eps}; it must be at most {MAX_RMS_NORM_EPS}")
         if not math.isfinite(self.rope_theta):
             raise QwenNPError(f"{source}: rope_theta must be finite, got {self.rope_theta}")
+        for name, choices in ABLATION_CHOICES.items():
+            value = getattr(self, name)
+            # type() as well: 1 == True in Python, and "use_rope": 1 in a JSON file is a mistake worth naming.
+            if not any(type(value) is type(choice) and value == choice for choice in choices):
+                raise QwenNPError(f"{source}: {name} must be one of {', '.join(json.dumps(c) for c in choices)}, "
+                                  f"got {json.dumps(value)}")
 
 
 def id_list(ids: int | list[int] | None) -> list[int]:
@@ -256,6 +287,13 @@ _MATRIX_NAMES = re.compile("|".join(re.escape(spec.name).replace(re.escape("{i}"
                                     for spec in [*LAYER_TENSORS.values(), *MODEL_TENSORS.values()] if len(spec.shape) == 2))
 
 
+def layer_tensors(config: Qwen3Config) -> dict[str, TensorSpec]:
+    """LAYER_TENSORS less the ones an ablation removes: q_norm and k_norm without QK-norm, gate_proj in a GELU MLP."""
+    removed = {"q_norm", "k_norm"} if not config.use_qk_norm else set()
+    removed |= {"gate_proj"} if config.mlp_type == "gelu" else set()
+    return {key: spec for key, spec in LAYER_TENSORS.items() if key not in removed}
+
+
 def is_matrix(name: str) -> bool:
     """Whether a checkpoint tensor name is a 2-D weight: a layer's projection, the embedding or the LM head."""
     return _MATRIX_NAMES.fullmatch(name) is not None
@@ -284,7 +322,7 @@ def expected_tensors(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     dims = dimensions(config)
     specs = [MODEL_TENSORS["embed_tokens"]]
     specs += [TensorSpec(spec.name.format(i=i), spec.shape)
-              for i in range(config.num_hidden_layers) for spec in LAYER_TENSORS.values()]
+              for i in range(config.num_hidden_layers) for spec in layer_tensors(config).values()]
     specs += [MODEL_TENSORS["norm"]] + ([] if config.tie_word_embeddings else [MODEL_TENSORS["lm_head"]])
     return {spec.name: tuple(resolve(spec.shape, dims)) for spec in specs}
 
@@ -296,7 +334,7 @@ def tensor_shapes(config: Qwen3Config) -> list[tuple[tuple[int, ...], int]]:
     own = [MODEL_TENSORS["embed_tokens"], MODEL_TENSORS["norm"]] + ([] if config.tie_word_embeddings
                                                                      else [MODEL_TENSORS["lm_head"]])
     return ([(tuple(resolve(spec.shape, dims)), 1) for spec in own] +
-            [(tuple(resolve(spec.shape, dims)), config.num_hidden_layers) for spec in LAYER_TENSORS.values()])
+            [(tuple(resolve(spec.shape, dims)), config.num_hidden_layers) for spec in layer_tensors(config).values()])
 
 
 def parameter_count(config: Qwen3Config) -> int:

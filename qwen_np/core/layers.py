@@ -232,6 +232,29 @@ def swiglu(x: np.ndarray, gate_proj: Weight, up_proj: Weight, down_proj: Weight,
     note("act_fn", act)
     return linear(act, down_proj)                                                     # [..., T, D]
 
+
+# GELU's tanh form (GPT-2's "gelu_new"): NumPy has no erf, and at FP32 the two differ by < 1e-3.
+GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+GELU_CUBIC = np.float32(0.044715)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """x * Phi(x) ~ 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). tanh saturates at +-1: no overflow."""
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(GELU_C * (x + GELU_CUBIC * x * x * x)))
+
+
+def gelu_mlp(x: np.ndarray, up_proj: Weight, down_proj: Weight, note: Note = ignore) -> np.ndarray:
+    """The plain MLP an ablation puts in SwiGLU's place: down(gelu(up(x))).  x [..., T, D] -> [..., T, F] -> [..., T, D].
+
+    Two matrices instead of SwiGLU's three: at equal parameters its F is 1.5 times SwiGLU's (2 D F' = 3 D F).
+    """
+    up = linear(x, up_proj)                                                           # [..., T, F]
+    note("up_proj", up)
+    act = gelu(up)                                                                    # [..., T, F]
+    note("act_fn", act)
+    return linear(act, down_proj)                                                     # [..., T, D]
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """[N, V] logits (any float) -> [N, V] log-probabilities in float64.
 

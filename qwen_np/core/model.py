@@ -35,7 +35,8 @@ from .config import LAYER_MATRICES, Qwen3Config
 from .kv_cache import KVCache, SequenceCache
 
 # trace(name, value) is called with every intermediate of the forward pass when given (see inspection),
-# each under one of these names, in this order (a decoder layer's prefixed "model.layers.{i}."):
+# each under one of these names, in this order (a decoder layer's prefixed "model.layers.{i}."). An ablation's
+# layer notes fewer (no q_norm, k_norm, or gate_proj) or two more (post-norm: post_norm_attn, post_norm_mlp).
 Trace = layers.Note
 LAYER_STEPS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_norm",
                "self_attn.k_norm", "self_attn.rope_q", "self_attn.rope_k", "self_attn.scores", "self_attn.softmax",
@@ -44,25 +45,26 @@ LAYER_STEPS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_
 TRACE_STEPS = ("model.embed_tokens", *(f"model.layers.{{i}}.{step}" for step in LAYER_STEPS), "model.norm", "lm_head")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerWeights:
     """One decoder layer's tensors, named as in the checkpoint (model.layers.{i}.<...>.weight).
 
     config.LAYER_TENSORS gives each one's checkpoint name and shape ([out, in] for projections;
     q_norm and k_norm are one [Dh] weight shared by every head). In "bf16" memory mode the
     projections are the checkpoint's stored values, memory-mapped (numerics.StoredRows); in "int8"
-    mode they are numerics.Int8Rows. The norm weights are always FP32.
+    mode they are numerics.Int8Rows. The norm weights are always FP32. An ablation's layer lacks what
+    it takes away (config.layer_tensors): None for q_norm and k_norm without QK-norm, gate_proj in a GELU MLP.
     """
 
     input_layernorm: np.ndarray
     q_proj: Weight
     k_proj: Weight
     v_proj: Weight
-    q_norm: np.ndarray
-    k_norm: np.ndarray
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
     o_proj: Weight
     post_attention_layernorm: np.ndarray
-    gate_proj: Weight
+    gate_proj: Weight | None = None
     up_proj: Weight
     down_proj: Weight
 
@@ -153,27 +155,36 @@ class Qwen3Model:
 
         x holds the packed tokens of `batch` (their positions, RoPE tables and caches); `note` sees every
         step, named as LAYER_STEPS. The one place a decoder layer is written: the precision lab rounds its
-        input, training recomputes it in the backward, the inspection steps point at its lines."""
+        input, training recomputes it in the backward, the inspection steps point at its lines.
+        The ablations (config.ABLATION_CHOICES) are one-line choices beside the steps they change: `pre`,
+        `c.use_rope`, `c.use_residual`, and the weights an ablated layer lacks (q_norm, gate_proj). A step taken
+        away notes its input unchanged (QK-norm's and the gate's are not noted). Qwen3 runs every piece."""
         c, eps, t = self.config, self.config.rms_norm_eps, Notes(note, f"model.layers.{i}.")
         w = batch.layer_weights(i, self.layers[i])        # with each row's own adapter, if any asks for one
         H, KVH, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        pre = c.norm_position == "pre"               # ablation: "post" normalizes after each residual sum instead
         # --- self-attention block ---
-        h = t("input_layernorm", layers.rms_norm(x, w.input_layernorm, eps))                       # [T, D]
+        h = t("input_layernorm", layers.rms_norm(x, w.input_layernorm, eps) if pre else x)         # [T, D]
         q = t("self_attn.q_proj", layers.linear(h, w.q_proj).reshape(-1, H, Dh))                  # [T, H, Dh]
         k = t("self_attn.k_proj", layers.linear(h, w.k_proj).reshape(-1, KVH, Dh))                # [T, KVH, Dh]
         v = t("self_attn.v_proj", layers.linear(h, w.v_proj).reshape(-1, KVH, Dh))                # [T, KVH, Dh]
-        q = t("self_attn.q_norm", layers.rms_norm(q, w.q_norm, eps))      # per head, over Dh, BEFORE RoPE
-        k = t("self_attn.k_norm", layers.rms_norm(k, w.k_norm, eps))      # v gets no norm
-        q = t("self_attn.rope_q", layers.rope(q, batch.cos, batch.sin))                           # [T, H, Dh]
-        k = t("self_attn.rope_k", layers.rope(k, batch.cos, batch.sin))                           # [T, KVH, Dh]
+        if w.q_norm is not None and w.k_norm is not None:                 # ablation: use_qk_norm=false has neither
+            q = t("self_attn.q_norm", layers.rms_norm(q, w.q_norm, eps))  # per head, over Dh, BEFORE RoPE
+            k = t("self_attn.k_norm", layers.rms_norm(k, w.k_norm, eps))  # v gets no norm
+        q = t("self_attn.rope_q", layers.rope(q, batch.cos, batch.sin) if c.use_rope else q)     # [T, H, Dh]
+        k = t("self_attn.rope_k", layers.rope(k, batch.cos, batch.sin) if c.use_rope else k)     # [T, KVH, Dh]
         mixed = t("self_attn.weighted_sum", batch.attention(i, q, k, v, t.inside("self_attn.")))  # [T, H*Dh]
         attn_out = t("self_attn.o_proj", layers.linear(mixed, w.o_proj))                          # [T, D]
-        x = t("residual_attn", x + attn_out)
+        x = t("residual_attn", x + attn_out if c.use_residual else attn_out)   # ablation: no residual, replaced
+        x = x if pre else t("post_norm_attn", layers.rms_norm(x, w.input_layernorm, eps))        # ablation: post-norm
         # --- MLP block (SwiGLU) ---
-        h = t("post_attention_layernorm", layers.rms_norm(x, w.post_attention_layernorm, eps))    # [T, D]
-        mlp_out = t("mlp.down_proj", layers.swiglu(h, w.gate_proj, w.up_proj, w.down_proj, t.inside("mlp.")))  # [T, D]
-        x = t("residual_mlp", x + mlp_out)
-        return x
+        h = t("post_attention_layernorm", layers.rms_norm(x, w.post_attention_layernorm, eps) if pre else x)  # [T, D]
+        if w.gate_proj is None:                                            # ablation: mlp_type "gelu"
+            mlp_out = t("mlp.down_proj", layers.gelu_mlp(h, w.up_proj, w.down_proj, t.inside("mlp.")))          # [T, D]
+        else:
+            mlp_out = t("mlp.down_proj", layers.swiglu(h, w.gate_proj, w.up_proj, w.down_proj, t.inside("mlp.")))  # [T, D]
+        x = t("residual_mlp", x + mlp_out if c.use_residual else mlp_out)
+        return x if pre else t("post_norm_mlp", layers.rms_norm(x, w.post_attention_layernorm, eps))
 
     def pack(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],
              adapters: Sequence[Adapter | None] | None = None) -> Batch:

@@ -51,7 +51,7 @@ import functools
 import math
 import threading
 from contextlib import nullcontext
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
@@ -64,6 +64,7 @@ from .memory import MemoryPlan
 from ..core.kv_cache import SequenceCache
 from ..core.model import LayerWeights, Qwen3Model, Trace, advance, output_rows
 from .paged import OwnPoolCache, PagedKVCache
+from ..errors import QwenNPError
 from ..numbers.numerics import Adapted, Grouped, Int8Rows, Panels, RowAdapters, Weight, without_adapters
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
@@ -321,13 +322,23 @@ class _Fused:
     from: if one is replaced, the fused views are made again."""
 
     def __init__(self, w: LayerWeights) -> None:
-        self.parts = (w.q_proj, w.k_proj, w.v_proj, w.gate_proj, w.up_proj)
+        self.parts = (w.q_proj, w.k_proj, w.v_proj, qwen3_weight(w.gate_proj, "gate_proj"), w.up_proj)
         q, k, v, gate, up = (without_adapters(part) for part in self.parts)
         self.qkv = _joined([q, k, v])                                  # [(H + 2 KVH) Dh, D] or None
         self.gate_up = _joined([gate, up])                             # [2F, D] or None
 
     def current(self, w: LayerWeights) -> bool:
         return all(a is b for a, b in zip(self.parts, (w.q_proj, w.k_proj, w.v_proj, w.gate_proj, w.up_proj)))
+
+
+AnyWeight = TypeVar("AnyWeight", bound=Weight)    # a norm vector (np.ndarray) or a projection
+
+
+def qwen3_weight(weight: AnyWeight | None, name: str) -> AnyWeight:
+    """A weight every Qwen3 layer has. Only an ablation's layer lacks one, and FastQwen3Model refuses ablations."""
+    if weight is None:
+        raise QwenNPError(f"fast: the layer has no {name} (an ablation's layer; the fast path runs Qwen3 only)")
+    return weight
 
 
 def _joined(parts: list[Weight]) -> Weight | None:
@@ -370,6 +381,9 @@ class FastQwen3Model(Qwen3Model):
 
     def __init__(self, config: Qwen3Config, embed_tokens: Weight, decoder_layers: list[LayerWeights],
                  norm: np.ndarray, lm_head: Weight | None, plan: MemoryPlan | None = None) -> None:
+        if config.ablations:
+            raise QwenNPError(f"fast: the fast path computes Qwen3 only, not the ablation {config.ablations}; use the "
+                              "readable Qwen3Model (load_model(..., fast=False))")
         super().__init__(config, embed_tokens, decoder_layers, norm, lm_head, plan)
         self._decode_buffers = threading.local()              # .by_size: {T: _Buffers}, per thread
         self._fused: list[_Fused | None] = [None] * len(self.layers)
@@ -456,6 +470,7 @@ class FastQwen3Model(Qwen3Model):
         H, KVH, Dh, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         q_end, k_end, F = H * Dh, (H + KVH) * Dh, c.intermediate_size
         qkv_weight, gate_up_weight = self.fused_weights(i)
+        q_norm, k_norm = qwen3_weight(w.q_norm, "q_norm"), qwen3_weight(w.k_norm, "k_norm")
 
         def by_rows(step: Callable[[slice], object], within: slice = slice(0, T)) -> None:
             n = within.stop - within.start
@@ -468,8 +483,8 @@ class FastQwen3Model(Qwen3Model):
         def qk_norm_and_rope(r: slice) -> None:
             qk = b.qkv[r, :k_end].reshape(-1, H + KVH, Dh)     # q heads, then k heads: one norm, one RoPE
             _rms_norm(qk, None, eps, out=qk)
-            qk[:, :H] *= w.q_norm
-            qk[:, H:] *= w.k_norm
+            qk[:, :H] *= q_norm
+            qk[:, H:] *= k_norm
             _rope(qk, cos[r], sin[r], b.rope_scratch[:, r])
 
         by_rows(lambda r: _rms_norm(x[r], w.input_layernorm, eps, out=b.h[r]))
@@ -507,9 +522,9 @@ class FastQwen3Model(Qwen3Model):
         by_rows(add_and_norm)
         if gate_up_weight is not None:
             linear(b.h, gate_up_weight, b.gate_up)
-            _add_adapters(b.h, [w.gate_proj, w.up_proj], b.gate_up)
+            _add_adapters(b.h, [qwen3_weight(w.gate_proj, "gate_proj"), w.up_proj], b.gate_up)
         else:
-            linear(b.h, w.gate_proj, b.gate_up[:, :F])
+            linear(b.h, qwen3_weight(w.gate_proj, "gate_proj"), b.gate_up[:, :F])
             linear(b.h, w.up_proj, b.gate_up[:, F:])
         gate, up = b.gate_up[:, :F], b.gate_up[:, F:]
         by_rows(lambda r: _silu_times(gate[r], up[r], b.silu_scratch[r]))

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..core.adapters import Adapter
-from ..core.config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS
+from ..core.config import LAYER_MATRICES, MODEL_TENSORS, layer_tensors
 from .fast import FastQwen3Model
 from ..numbers.formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
 from ..files.gguf_file import GGUFCheckpoint
@@ -44,7 +44,8 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
     rows' product costs about one row's) where BLAS has a small-matrix kernel (OpenBLAS's SkylakeX
     one; not Haswell's).
     max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
-    fast: a FastQwen3Model (qwen_np/engine/fast.py: same logits, tuned for speed); False gives the readable
+    fast: a FastQwen3Model (qwen_np/engine/fast.py: same logits, tuned for speed; a Qwen3 only: an ablation's
+    checkpoint, config.ABLATION_CHOICES, always loads readable); False gives the readable
     Qwen3Model, every call on model.py's code.
     """
     checkpoint = open_model(path).checkpoint()
@@ -102,16 +103,17 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
 
     decoder_layers = []
     for i in range(config.num_hidden_layers):
-        names = {key: spec.name.format(i=i) for key, spec in LAYER_TENSORS.items()}
+        names = {key: spec.name.format(i=i) for key, spec in layer_tensors(config).items()}   # an ablation's: fewer
         weights: dict[str, Any] = {key: vector(name) for key, name in names.items() if key not in LAYER_MATRICES}
-        weights.update(zip(LAYER_MATRICES, matrices([names[key] for key in LAYER_MATRICES])))
+        held = [key for key in LAYER_MATRICES if key in names]
+        weights.update(zip(held, matrices([names[key] for key in held])))
         decoder_layers.append(LayerWeights(**weights))
     embed_tokens, = matrices([MODEL_TENSORS["embed_tokens"].name])
     # An untied checkpoint without lm_head.weight (a bare Qwen3Model: Qwen3-Embedding) loads without a head.
     head = MODEL_TENSORS["lm_head"].name
     lm_head = (embed_tokens if config.tie_word_embeddings else
                matrices([head])[0] if head in checkpoint.tensors else None)
-    kind = FastQwen3Model if fast else Qwen3Model
+    kind = FastQwen3Model if fast and not config.ablations else Qwen3Model      # an ablation runs the readable path
     return kind(config, embed_tokens, decoder_layers, vector(MODEL_TENSORS["norm"].name), lm_head, plan)
 
 

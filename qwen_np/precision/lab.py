@@ -109,6 +109,8 @@ def formatted_model(base: Qwen3Model, fmt: str, flag: str = "--formats") -> Qwen
 
     A layer's matrices are laid out back to back, as load_model does, so the fast path fuses them.
     """
+    if base.config.ablations:
+        raise QwenNPError(f"{flag}: the precision lab compares Qwen3 models, not the ablation {base.config.ablations}")
     entry = get_format(fmt)
 
     def rounded(name: str, weight: Weight, out: np.ndarray | None = None) -> np.ndarray:

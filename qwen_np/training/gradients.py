@@ -16,7 +16,7 @@ layers.MATMUL_INPUTS that layers.linear and linear_backward read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Callable, TypeGuard
 
 import numpy as np
 
@@ -205,6 +205,23 @@ def swiglu_backward(d_out: np.ndarray, x: np.ndarray, gate: np.ndarray, up: np.n
     return dx_gate + dx_up, {"gate_proj": d_gate_proj, "up_proj": d_up_proj, "down_proj": d_down}
 
 
+def gelu_backward(d_out: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """layers.gelu reversed. With t = tanh(c (x + a x^3)):
+    d/dx [0.5 x (1 + t)] = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)."""
+    c, a = layers.GELU_C, layers.GELU_CUBIC
+    t = np.tanh(c * (x + a * x * x * x))
+    half = np.float32(0.5)
+    return d_out * (half * (np.float32(1.0) + t) + half * x * (np.float32(1.0) - t * t) * c * (np.float32(1.0) + 3 * a * x * x))
+
+
+def gelu_mlp_backward(d_out: np.ndarray, x: np.ndarray, up: np.ndarray, up_proj: Weight,
+                      down_proj: Weight) -> tuple[np.ndarray, dict[str, Gradient]]:
+    """down(gelu(up(x))) reversed (the GELU-MLP ablation).  d_out [B, T, D]; x [B, T, D]; up [B, T, F] from the forward."""
+    d_act, d_down = linear_backward(d_out, layers.gelu(up), down_proj)               # [B, T, F]
+    dx, d_up_proj = linear_backward(gelu_backward(d_act, up), x, up_proj)            # [B, T, D]
+    return dx, {"up_proj": d_up_proj, "down_proj": d_down}
+
+
 def cross_entropy(logits: np.ndarray, targets: np.ndarray,
                   weights: np.ndarray | None = None) -> tuple[float, np.ndarray]:
     """Mean next-token cross-entropy and its gradient, with the log-softmax fused in.
@@ -234,10 +251,11 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray,
 
 @dataclass
 class LayerTape:
-    """What one decoder layer's backward needs from its forward (all [B, T, ...] FP32)."""
+    """What one decoder layer's backward needs from its forward (all [B, T, ...] FP32). An ablation's layer
+    records the same steps, the ones it skips holding their input (model.decoder_layer)."""
 
     x: np.ndarray          # layer input (the residual stream)           [B, T, D]
-    h: np.ndarray          # input_layernorm(x)                           [B, T, D]
+    h: np.ndarray          # input_layernorm(x), attention's input        [B, T, D]
     q: np.ndarray          # q_proj(h), before q_norm                     [B, T, H, Dh]
     k: np.ndarray          # k_proj(h), before k_norm                     [B, T, KVH, Dh]
     v: np.ndarray          # v_proj(h)                                    [B, T, KVH, Dh]
@@ -246,9 +264,10 @@ class LayerTape:
     probs: np.ndarray      # softmax(masked scores)                       [B, H, T, T]
     mixed: np.ndarray      # attention output, o_proj's input             [B, T, H*Dh]
     x_mid: np.ndarray      # x + o_proj(mixed)                            [B, T, D]
-    h_mlp: np.ndarray      # post_attention_layernorm(x_mid)              [B, T, D]
-    gate: np.ndarray       # gate_proj(h_mlp)                             [B, T, F]
+    h_mlp: np.ndarray      # post_attention_layernorm(x_mid), MLP's input [B, T, D]
     up: np.ndarray         # up_proj(h_mlp)                               [B, T, F]
+    x_out: np.ndarray      # x_mid + mlp(h_mlp): the layer's output (post-norm: before its norm)  [B, T, D]
+    gate: np.ndarray | None = None     # gate_proj(h_mlp); None in a GELU MLP  [B, T, F]
 
 
 @dataclass
@@ -266,26 +285,62 @@ class Tape:
 
 def decoder_layer_backward(d_out: np.ndarray, w: LayerWeights, tape: LayerTape, cos: np.ndarray, sin: np.ndarray,
                            config: Qwen3Config) -> tuple[np.ndarray, dict[str, Gradient]]:
-    """model.py's decoder layer (as Recorder notes it) reversed.  d_out [B, T, D] -> dx [B, T, D] and the layer's 11 gradients.
+    """model.py's decoder layer (as Recorder notes it) reversed.  d_out [B, T, D] -> dx [B, T, D] and the layer's 11 gradients
+    (fewer for an ablation without some weights).
 
-    Each residual connection passes its gradient straight through and adds the branch's.
+    Two residual blocks (residual_block_backward), the MLP's then the attention's, each with its branch's backward.
     """
     B, T, _ = d_out.shape
     eps = config.rms_norm_eps
-    # --- MLP block: out = x_mid + mlp(norm(x_mid)) ---
-    d_h_mlp, grads = swiglu_backward(d_out, tape.h_mlp, tape.gate, tape.up, w.gate_proj, w.up_proj, w.down_proj)
-    dx_mid, grads["post_attention_layernorm"] = rms_norm_backward(d_h_mlp, tape.x_mid, w.post_attention_layernorm, eps)
-    dx_mid += d_out                                                                  # [B, T, D]
-    # --- attention block: x_mid = x + o_proj(attention(...)) ---
-    d_mixed, grads["o_proj"] = linear_backward(dx_mid, tape.mixed, w.o_proj)         # [B, T, H*Dh]
-    dq_rot, dk_rot, dv = attention_backward(d_mixed, tape.q_rot, tape.k_rot, tape.v, tape.probs)
-    dq, grads["q_norm"] = rms_norm_backward(rope_backward(dq_rot, cos, sin), tape.q, w.q_norm, eps)  # [B, T, H, Dh]
-    dk, grads["k_norm"] = rms_norm_backward(rope_backward(dk_rot, cos, sin), tape.k, w.k_norm, eps)  # [B, T, KVH, Dh]
-    dh_q, grads["q_proj"] = linear_backward(dq.reshape(B, T, -1), tape.h, w.q_proj)  # [B, T, D]
-    dh_k, grads["k_proj"] = linear_backward(dk.reshape(B, T, -1), tape.h, w.k_proj)
-    dh_v, grads["v_proj"] = linear_backward(dv.reshape(B, T, -1), tape.h, w.v_proj)
-    dx, grads["input_layernorm"] = rms_norm_backward(dh_q + dh_k + dh_v, tape.x, w.input_layernorm, eps)
-    return dx + dx_mid, grads
+    grads: dict[str, Gradient] = {}
+
+    def mlp_backward(d_mlp_out: np.ndarray) -> np.ndarray:                          # -> d h_mlp [B, T, D]
+        if w.gate_proj is None or tape.gate is None:                                 # ablation: the GELU MLP
+            d_h, branch = gelu_mlp_backward(d_mlp_out, tape.h_mlp, tape.up, w.up_proj, w.down_proj)
+        else:
+            d_h, branch = swiglu_backward(d_mlp_out, tape.h_mlp, tape.gate, tape.up, w.gate_proj, w.up_proj, w.down_proj)
+        grads.update(branch)
+        return d_h
+
+    def attention_branch_backward(d_attn_out: np.ndarray) -> np.ndarray:           # -> d h [B, T, D]
+        d_mixed, grads["o_proj"] = linear_backward(d_attn_out, tape.mixed, w.o_proj)   # [B, T, H*Dh]
+        dq, dk, dv = attention_backward(d_mixed, tape.q_rot, tape.k_rot, tape.v, tape.probs)
+        if config.use_rope:                                                          # ablation: no RoPE, nothing to undo
+            dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
+        if w.q_norm is not None and w.k_norm is not None:                            # ablation: no QK-norm
+            dq, grads["q_norm"] = rms_norm_backward(dq, tape.q, w.q_norm, eps)       # [B, T, H, Dh]
+            dk, grads["k_norm"] = rms_norm_backward(dk, tape.k, w.k_norm, eps)       # [B, T, KVH, Dh]
+        dh_q, grads["q_proj"] = linear_backward(dq.reshape(B, T, -1), tape.h, w.q_proj)   # [B, T, D]
+        dh_k, grads["k_proj"] = linear_backward(dk.reshape(B, T, -1), tape.h, w.k_proj)
+        dh_v, grads["v_proj"] = linear_backward(dv.reshape(B, T, -1), tape.h, w.v_proj)
+        return dh_q + dh_k + dh_v
+
+    between = tape.x_mid if config.norm_position == "pre" else tape.h_mlp          # the stream between the blocks
+    d_between, grads["post_attention_layernorm"] = residual_block_backward(
+        d_out, between, tape.x_out, w.post_attention_layernorm, mlp_backward, config)
+    dx, grads["input_layernorm"] = residual_block_backward(
+        d_between, tape.x, tape.x_mid, w.input_layernorm, attention_branch_backward, config)
+    return dx, grads
+
+
+def residual_block_backward(d_out: np.ndarray, x: np.ndarray, total: np.ndarray, norm: np.ndarray,
+                            branch_backward: Callable[[np.ndarray], np.ndarray],
+                            config: Qwen3Config) -> tuple[np.ndarray, np.ndarray]:
+    """One block of a decoder layer reversed: Qwen3's out = x + f(norm(x)), or an ablation's: post-norm
+    out = norm(x + f(x)); without the residual, f alone in place of x + f.  d_out, x, total [B, T, D].
+
+    total: the forward's sum x + f (f without the residual), which post-norm normalizes. branch_backward: f's
+    backward (d f -> d of f's input; it keeps f's weight gradients). Returns dx and the norm weight's gradient.
+    The residual passes d_out's gradient straight through to x, around the branch: why deep stacks train.
+    """
+    eps = config.rms_norm_eps
+    if config.norm_position == "pre":
+        d_total = d_out
+        dx, d_norm = rms_norm_backward(branch_backward(d_total), x, norm, eps)
+    else:
+        d_total, d_norm = rms_norm_backward(d_out, total, norm, eps)
+        dx = branch_backward(d_total)
+    return (dx + d_total if config.use_residual else dx), d_norm
 
 
 # The trace notes of model.py's decoder layer that its backward reads: LayerTape's field -> step name.
@@ -293,7 +348,7 @@ def decoder_layer_backward(d_out: np.ndarray, w: LayerWeights, tape: LayerTape, 
 TAPE_STEPS = {"h": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
               "q_rot": "self_attn.rope_q", "k_rot": "self_attn.rope_k", "probs": "self_attn.softmax",
               "mixed": "self_attn.weighted_sum", "x_mid": "residual_attn", "h_mlp": "post_attention_layernorm",
-              "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "x_out": "residual_mlp"}
 
 
 class Recorder:
@@ -312,8 +367,10 @@ class Recorder:
         if name in self.wanted:
             i, field = self.wanted[name]
             self.layers[i].setdefault(field, []).append(value)
-        elif name == "model.embed_tokens" or name == "model.norm" or name.endswith(".residual_mlp"):
+        if name == "model.embed_tokens" or name == "model.norm":
             self.outputs[name] = value
+        elif name.endswith((".residual_mlp", ".post_norm_mlp")):      # a layer's output: the last of these it notes
+            self.outputs[name.rsplit(".", 1)[0]] = value
 
     def layer_tape(self, i: int, x: np.ndarray, B: int, T: int) -> LayerTape:
         """Layer i's record, rows [B*T, ...] as [B, T, ...] and the softmaxes stacked; x: its input [B, T, D]."""
@@ -325,7 +382,7 @@ class Recorder:
         """The record as the backward reads it."""
         B, T = token_ids.shape
         cos, sin = layers.rope_angles(inv_freq, np.arange(T))                        # [T, Dh] each
-        names = ["model.embed_tokens"] + [f"model.layers.{i}.residual_mlp" for i in range(config.num_hidden_layers)]
+        names = ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
         inputs = [self.outputs[name].reshape(B, T, -1) for name in names]            # L + 1 x [B, T, D]
         kept = [self.layer_tape(i, inputs[i], B, T) for i in self.layers] if self.layers else None
         return Tape(token_ids, cos, sin, inputs[:-1], kept, inputs[-1], self.outputs["model.norm"].reshape(B, T, -1))

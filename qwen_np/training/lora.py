@@ -96,7 +96,7 @@ def add_adapters(model: Qwen3Model, rank: int, alpha: float | None = None,
     for layer in model.layers:
         for name in PROJECTIONS:                         # a fixed order, whatever order targets come in
             weight = getattr(layer, name)
-            if name in targets:
+            if name in targets and weight is not None:   # None: a projection an ablation removed (GELU's gate_proj)
                 if isinstance(weight, Adapted):
                     raise QwenNPError(f"{name}: the model already has adapters")
                 a, b = initial_adapter(weight.shape[0], weight.shape[1], rank, rng)
@@ -255,7 +255,8 @@ def merged_tensors(model: Qwen3Model) -> dict[str, np.ndarray]:
     """Every checkpoint tensor of the model in FP32, each adapted projection merged: W + (alpha / r) B A."""
     tensors = {EMBED_TOKENS: upcast(model.embed_tokens), FINAL_NORM: upcast(model.norm)}
     for i, layer in enumerate(model.layers):
-        tensors.update({template.format(i=i): upcast(getattr(layer, key)) for key, template in LAYER_TENSOR_NAMES.items()})
+        tensors.update({template.format(i=i): upcast(getattr(layer, key)) for key, template in LAYER_TENSOR_NAMES.items()
+                        if getattr(layer, key) is not None})        # an ablation's layer lacks some
     if not model.config.tie_word_embeddings:
         tensors[LM_HEAD] = upcast(model.lm_head)
     return tensors

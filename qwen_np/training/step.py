@@ -93,7 +93,8 @@ def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
     """
     params: dict[str, Weight] = {EMBED_TOKENS: model.embed_tokens}
     for i, layer in enumerate(model.layers):
-        params.update({template.format(i=i): getattr(layer, key) for key, template in LAYER_TENSOR_NAMES.items()})
+        params.update({template.format(i=i): getattr(layer, key) for key, template in LAYER_TENSOR_NAMES.items()
+                       if getattr(layer, key) is not None})                # an ablation's layer lacks some
     params[FINAL_NORM] = model.norm
     if not model.config.tie_word_embeddings:
         params[LM_HEAD] = model.lm_head

@@ -45,7 +45,7 @@ from . import chats, evaluation, lora, mixed, run_folder, step as training
 from ..files.checkpoint import save_checkpoint, write_atomically
 from ..files.model_files import ModelFiles, open_model
 from ..files.tokenizer import Tokenizer
-from ..core.config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors
+from ..core.config import Qwen3Config, expected_tensors, layer_tensors
 from .data import END_OF_TEXT, END_OF_TEXT_ID
 from ..errors import QwenNPError
 from ..engine.memory import training_memory
@@ -154,7 +154,7 @@ def init_parameters(config: Qwen3Config, seed: int) -> dict[str, np.ndarray]:
 
 def model_from_parameters(config: Qwen3Config, params: dict[str, np.ndarray]) -> Qwen3Model:
     """A Qwen3Model whose weights ARE these arrays (no copies): updating them in place trains it."""
-    layers = [LayerWeights(**{key: params[template.format(i=i)] for key, template in LAYER_TENSOR_NAMES.items()})
+    layers = [LayerWeights(**{key: params[spec.name.format(i=i)] for key, spec in layer_tensors(config).items()})
               for i in range(config.num_hidden_layers)]
     embed = params["model.embed_tokens.weight"]
     head = embed if config.tie_word_embeddings else params["lm_head.weight"]
