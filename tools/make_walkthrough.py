@@ -217,7 +217,8 @@ def render_page(model_dir: Path | None = None) -> Page:
         facts: dict[str, Any] = {}
         sections = [intro(run), tokens_section(run), embedding_section(run, shown), layer_section(run, shown),
                     remaining_layers_section(run), prediction_section(run, shown), kv_cache_section(run),
-                    formats_section(run), bandwidth_section(run), training_step_section(model_dir, num, code_block, facts),
+                    formats_section(run), bandwidth_section(run),
+                    training_step_section(model_dir, num, code_block, facts, run.figures),
                     memory_section(model_dir, num, run.figures), chapter_section(11), serving_section(run, 12, facts),
                     next_steps_section(run, 13)]
         sections = with_exercises(sections, run)

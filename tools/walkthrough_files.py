@@ -21,13 +21,14 @@ from typing import Any
 import numpy as np
 from walkthrough_training import rounded
 
-FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "formats",
-           "precision_kld", "hardware", "training_memory", "training_remedies", "mixed_precision", "training_run")
+FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "kv_cache", "formats",
+           "precision_kld", "hardware", "training_step", "training_memory", "training_remedies", "mixed_precision",
+           "training_run", "batching_timeline", "block_pool", "serving_streams")
 
 
 # Figures whose data is a measurement recorded by its own command (walkthrough_chapter_measured.RECORDS): written
 # back as recorded, since rounding them would change the digits the page prints from them.
-RECORDED = ("hardware", "training_remedies", "mixed_precision")
+RECORDED = ("hardware", "training_remedies", "mixed_precision", "serving_streams")
 
 
 def figure_data(page: Any) -> dict[str, Any]:
@@ -41,6 +42,9 @@ def draw(name: str, data: dict[str, Any]) -> Any:
     import matplotlib
     matplotlib.use("Agg")
     from walkthrough_chapter_measured import hardware_figure, mixed_precision_figure, remedies_figure
+    from walkthrough_chapter_prediction import kv_cache_figure
+    from walkthrough_training import training_step_figure
+    from walkthrough_chapter_serving import batching_timeline_figure, block_pool_figure, streams_figure
 
     from qwen_np.commands.precision import kld_figure
     from walkthrough_chapter_train import figure as training_run
@@ -49,7 +53,9 @@ def draw(name: str, data: dict[str, Any]) -> Any:
             "sampling": _sampling, "formats": _formats, "residual_stream": _residual_stream,
             "training_memory": _training_memory, "training_run": training_run, "hardware": hardware_figure,
             "training_remedies": remedies_figure, "mixed_precision": mixed_precision_figure,
-            "precision_kld": kld_figure}[name](data)
+            "precision_kld": kld_figure, "kv_cache": kv_cache_figure, "training_step": training_step_figure,
+            "batching_timeline": batching_timeline_figure, "block_pool": block_pool_figure,
+            "serving_streams": streams_figure}[name](data)
 
 
 # Where each step of a decoder layer sits in the drawing (column, row), and what feeds it: q, k and v are three
@@ -168,10 +174,11 @@ def _rope(data: dict[str, Any]) -> Any:
 def _attention(data: dict[str, Any]) -> Any:
     from qwen_np.inspection import attention_figure
 
-    weights = np.array(data["weights"])
-    heads = weights.shape[0]
-    return attention_figure(weights, data["labels"], [f"head {h}" for h in range(heads)],
-                            f"Layer {data['layer']}: attention weights of every head (query rows, key columns)")
+    weights, kv_heads = np.array(data["weights"]), data["kv_heads"]
+    return attention_figure(weights, data["labels"], [f"head {h}: reads KV head {kv}" for h, kv in enumerate(kv_heads)],
+                            f"Layer {data['layer']}: attention weights of every head (query rows, key columns); "
+                            f"one frame colour per KV head: the {len(kv_heads) // len(set(kv_heads))} query heads "
+                            "that share its keys and values", groups=kv_heads)
 
 
 def _logit_lens(data: dict[str, Any]) -> Any:
