@@ -199,6 +199,7 @@ class Page:
     model_dir: Path
     run: Run
     facts: dict[str, Any]                # numbers on the page that the notebook's code must reproduce
+    executed: Any = None                 # the notebook's code run here: its variables and outputs (walkthrough_files)
 
 
 def render_page(model_dir: Path | None = None) -> Page:

@@ -282,7 +282,7 @@ Measured: one `loss_and_gradients` call on a batch of {measured_rows} × {measur
 most {mib(peak)} of NumPy arrays at once (`tracemalloc`), against {mib(predicted)} predicted for its gradients
 and activations.
 
-{remedies_part(figures)}
+{remedies_part(figures, estimate)}
 
 **A checkpoint to resume training** (`last.safetensors`, `trainer.save_state`) must hold what the
 next step needs: the FP32 weights and both AdamW moments, **12 bytes per parameter**, plus the step,
