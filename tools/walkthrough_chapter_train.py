@@ -621,6 +621,8 @@ def figure(data_: dict[str, Any]) -> Any:
 def notebook_code() -> str:
     """The chapter's notebook cell: the run's first CHECKED_STEPS steps, as a reader types them."""
     return f'''import tempfile
+
+import matplotlib.pyplot as plt                                          # the plot extra
 from qwen_np.core.config import Qwen3Config
 
 CONFIG = {pformat(CONFIG, width=100, sort_dicts=False)}
@@ -643,7 +645,6 @@ for step in range(STEPS):
     if (step + 1) % 25 == 0:
         print(f"step {{step + 1}}: loss {{np.mean(losses[-25:]):.2f}} (mean of the last 25)")
 
-import matplotlib.pyplot as plt                                          # the plot extra
 plt.figure(figsize=(6, 3))
 plt.plot(range(1, STEPS + 1), losses, lw=1)
 plt.axhline(np.log(CONFIG["vocab_size"]), color="grey", ls=":", label="ln V: knowing nothing")

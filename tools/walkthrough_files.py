@@ -625,6 +625,8 @@ def cli_flags() -> set[str]:
 
 def glossary_markdown(page: Any) -> str:
     """docs/glossary.md; every function, flag and section it names is checked to exist."""
+    from qwen_np.serving.explorer import heading_anchor
+
     flags = cli_flags()
     headings = {int(m) for m in re.findall(r"^## (\d+)\. ", page.markdown, flags=re.MULTILINE)}
     rows = []
@@ -633,7 +635,7 @@ def glossary_markdown(page: Any) -> str:
         if (flag and flag not in flags) or section not in headings:
             raise AssertionError(f"glossary: {term}: flag {flag} or section {section} does not exist")
         title = re.search(rf"^## {section}\. (.+)$", page.markdown, flags=re.MULTILINE).group(1)   # type: ignore[union-attr]
-        anchor = re.sub(r"[^\w\- ]", "", f"{section}. {title}".lower()).replace(" ", "-")
+        anchor = heading_anchor(f"{section}. {title}")
         rows.append(f"| {term} | {what} | `{function.removeprefix('qwen_np.')}` | {f'`{flag}`' if flag else '—'} | "
                     f"[§{section}](walkthrough.md#{anchor}) |")
     return ("# Glossary\n\nThe words of training and running a language model, each with the qwen_np function "
