@@ -2,7 +2,9 @@
 (qwen_np/generation/batching.py), the paged KV cache's blocks and block table, prefix reuse (qwen_np/engine/paged.py),
 and speculative decoding (qwen_np/generation/speculative.py) with both drafters, each run on the bundled model with
 greedy decoding. The page prints counts only (rows, blocks, tokens, drafted and kept tokens), which are
-the same on every machine; timings are the machine's, and bench/ measures them.
+the same on every machine, and its figures are drawn from those runs (Recorder notes what each batched pass
+read). The one timing, tokens/s against the number of streams, is the machine's: it comes from a record
+that `python -m bench.streams --json` wrote (STREAMS_RECORD), shown as recorded and never re-measured here.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ class Recorder:
     from these notes of a real run."""
 
     def __init__(self, model: Qwen3Model) -> None:
-        self.model, self.rows, self.passes = model, [], []
+        self.model = model
+        self.rows: list[Row] = []                           # every row submitted through submit(), to name caches
+        self.passes: list[list[dict[str, Any]]] = []        # per forward pass: request, tokens fed, block table
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -394,7 +398,8 @@ def serving_section(run: Run, number: int, facts: dict[str, Any]) -> str:
 Everything so far runs one sequence. A server such as vLLM or `python -m qwen_np serve` runs many at
 once, and its job beyond the model is to share the hardware between them: one forward pass for all
 of them, one pool of KV cache memory, and no work done twice. Each part below runs qwen_np's own code
-on the bundled model and prints counts only (no timings: those are the machine's, measured in `bench/`).
+on the bundled model and prints counts only; the one timing (tokens/s against batch size) is a recorded
+`bench/` run, shown as the record has it.
 
 """ + "\n\n".join(parts)
 

@@ -118,7 +118,7 @@ def traced_run(model: Qwen3Model, ids: list[int]) -> Run:
             attention.append(value.copy())                                       # [H, T, T]
         if is_lens_step(name):
             residuals.append(value[-1].copy())                                   # [D]
-        if name.split(".", 3)[-1] in FLOW_STEPS or name in FLOW_STEPS:
+        if step_template(name).removeprefix("model.layers.{i}.") in FLOW_STEPS:
             flow.append((name, value[-1].copy()))                                # [D]
 
     logits = model.forward(ids, trace=watch)                                     # [T, V]
@@ -236,12 +236,13 @@ class Explorer:
         run = self.run(ids)
         lens = [{"label": label, "top": self._top(row, LENS_TOP)} for label, row in zip(lens_labels(self.model), run.lens)]
         probs = softmax(run.logits)
-        bins = np.array_split(probs, min(PROBABILITY_BINS, probs.size))
+        per_bin = -(-probs.size // PROBABILITY_BINS)                               # ids per bin, rounded up
         flow = [{"name": name, "step": step_template(name), "layer": layer_of(name), "values": values.tolist()}
                 for name, values in run.flow]
         return {"tokens": [self.token(i) for i in ids], "text": self.tokenizer.decode(ids), "steps": run.steps,
                 "lens": lens, "model_top": self._top(probs, LENS_TOP), "flow": flow,
-                "probability_bins": {"ids_per_bin": bins[0].size, "max": [float(b.max()) for b in bins]}}
+                "probability_bins": {"ids_per_bin": per_bin,
+                                     "max": [float(probs[i:i + per_bin].max()) for i in range(0, probs.size, per_bin)]}}
 
     def attention(self, body: dict[str, Any]) -> dict[str, Any]:
         ids, L = self.prompt(body), self.model.config.num_hidden_layers
