@@ -32,12 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SINGLE_STREAM = """
 import json, sys, time
-from qwen_np import load_model, runtime          # before NumPy, as the CLI (qwen_np/__init__.py)
+from qwen_np import load_model
+from qwen_np.engine import runtime            # before NumPy, as the CLI (qwen_np/__init__.py)
 import numpy as np
 folder, memory, prompt_len, decode, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 runtime.set_threads(threads)
 model = load_model(folder, memory=memory)
-prompt = np.random.default_rng(99).integers(0, 50000, prompt_len)
+prompt = np.random.default_rng(99).integers(0, min(50000, model.config.vocab_size), prompt_len)
 cache = model.new_cache(prompt_len + decode + 1)
 token = int(model.forward(prompt, cache, last_only=True)[-1].argmax())
 token = int(model.forward([token], cache)[-1].argmax())          # warm-up step: buffers, page faults
@@ -66,7 +67,8 @@ def batched(model, tokenizer, streams: int, prompt: int, decode: int, seed: int)
 
     rng = np.random.default_rng(seed)
     generator = BatchGenerator(model, tokenizer, max_batch=streams, prefill_chunk=streams * prompt)
-    rows = [generator.submit(Request(rng.integers(0, 50000, prompt).tolist(), SamplingParams(temperature=0), decode))
+    vocab = min(50000, model.config.vocab_size)           # random prompts, in any model's vocabulary
+    rows = [generator.submit(Request(rng.integers(0, vocab, prompt).tolist(), SamplingParams(temperature=0), decode))
             for _ in range(streams)]
     while not all(row.generated for row in rows):          # prefill: every stream gets its first token
         generator.step()
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, help="threads for qwen_np (default: all cores)")
     parser.add_argument("--baseline", type=Path, help="another checkout whose single-stream decode runs alongside")
+    parser.add_argument("--json", type=Path, help="also write the settings and every repeat's tok/s here")
     args = parser.parse_args(argv)
 
     from bench.checkpoints import MODELS, ensure_checkpoint
@@ -101,12 +104,15 @@ def main(argv: list[str] | None = None) -> None:
     folder = ensure_checkpoint(args.model) if args.model in MODELS else Path(args.model)
     runtime.set_threads(args.threads)
     model = load_model(folder, memory=args.memory)
-    tokenizer = Tokenizer.from_folder(ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random")   # the real Qwen3 tokenizer
+    # The checkpoint's own tokenizer, else the real Qwen3 one (bench's random checkpoints have none).
+    tokenizer = Tokenizer.from_folder(folder if (folder / "tokenizer.json").is_file()
+                                      else ROOT / "tests" / "fixtures" / "qwen3_tokenizer_random")
     names = ["single (generate loop)"] + ([f"single, baseline {args.baseline}"] if args.baseline else [])
     names += [f"{n} stream{'s' if n > 1 else ''} (batched)" for n in args.streams]
     results: dict[str, list[float]] = {name: [] for name in names}
     print(f"{folder.name}, {args.memory}, {runtime.threads()} threads, prompt {args.prompt}, "
           f"{args.decode - 2} timed decode steps, {args.repeats} repeats (interleaved)", file=sys.stderr)
+    load = os.getloadavg()[0]                              # what else was running when it started
     for repeat in range(args.repeats):
         results[names[0]].append(single_stream(ROOT, folder, args.memory, args.prompt, args.decode))
         if args.baseline:
@@ -124,6 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, values in results.items():
         rate = statistics.median(values)
         print(f"| {name} | {rate:.1f} | {rate / single:.2f} | {rate / one:.2f} |")
+    if args.json:
+        record = {"command": "python -m bench.streams " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "model": folder.name, "memory": args.memory, "threads": runtime.threads(), "prompt": args.prompt,
+                  "timed_decode_steps": args.decode - 2, "repeats": args.repeats, "load_average_at_start": load,
+                  "streams": args.streams, "tok_s": results}
+        args.json.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -47,9 +47,11 @@ def test_walkthrough_matches_a_fresh_run_on_the_bundled_model(page):
     _same(make_walkthrough.WALKTHROUGH, page.markdown)
 
 
-def test_notebook_and_glossary_match_a_fresh_run(page):
+def test_notebook_and_its_outputs_and_the_glossary_match_a_fresh_run(page):
     pytest.importorskip("nbformat", reason="the docs extra (nbformat) is not installed")
-    _same(DOCS / "walkthrough.ipynb", walkthrough_files.notebook_json(page))
+    committed = (DOCS / "walkthrough.ipynb").read_text(encoding="utf-8")
+    problems = walkthrough_files.notebook_drift(committed, walkthrough_files.notebook_json(page))
+    assert not problems, f"docs/walkthrough.ipynb has drifted; regenerate it with `{REGENERATE}`: " + "; ".join(problems)
     _same(DOCS / "glossary.md", walkthrough_files.glossary_markdown(page))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import urllib.error
 import urllib.request
@@ -27,6 +28,7 @@ from qwen_np.inspection import STEPS, attention_weights, lens_probabilities
 from qwen_np.inspection.steps import source_line
 from qwen_np.inspection.trace import statistics
 from qwen_np.core.sampling import SamplingParams, apply_repetition_penalty, warp
+from qwen_np.files.model_files import folder_generation_defaults
 from qwen_np.files.tokenizer import Tokenizer
 from conftest import HANG_SECONDS
 from test_serve import ROOT, MODEL, assert_openai_error, get, post, serving
@@ -143,6 +145,69 @@ def test_the_explorer_keeps_serve_s_rules(bundled) -> None:
     assert_openai_error(*get(bundled + "/", Host="evil.example"), 400)
 
 
+@pytest.mark.slow
+def test_the_flow_holds_the_trace_s_vectors_at_the_last_position(bundled, model, tokenizer) -> None:
+    status, answer = ask(bundled, "/explorer/analyze", prompt=PROMPT)
+    assert status == 200, answer
+    seen: dict[str, np.ndarray] = {}
+    logits = model.forward(tokenizer.encode(PROMPT), trace=lambda name, value: seen.__setitem__(name, value[-1].copy()))
+    L = model.config.num_hidden_layers
+    assert [row["name"] for row in answer["flow"]] == ["model.embed_tokens", *[f"model.layers.{i}.{step}" for i in range(L)
+            for step in ("self_attn.o_proj", "residual_attn", "mlp.down_proj", "residual_mlp")], "model.norm"]
+    for row in answer["flow"]:
+        np.testing.assert_allclose(row["values"], seen[row["name"]], rtol=1e-5, atol=1e-6, err_msg=row["name"])
+    probs = np.exp(logits[-1] - logits[-1].max())
+    probs /= probs.sum()
+    bins = answer["probability_bins"]
+    assert len(bins["max"]) == -(-model.config.vocab_size // bins["ids_per_bin"]) <= explorer.PROBABILITY_BINS
+    np.testing.assert_allclose(bins["max"][0], probs[:bins["ids_per_bin"]].max(), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_every_view_links_to_a_heading_of_the_walkthrough_which_serve_serves(bundled) -> None:
+    status, info = get(bundled + "/explorer/model")
+    assert status == 200
+    walkthrough = (ROOT / "docs" / "walkthrough.md").read_text(encoding="utf-8")
+    anchors = {explorer.heading_anchor(h) for h in re.findall(r"^#{2,3} (.+)$", walkthrough, flags=re.MULTILINE)}
+    links = {**info["links"]["views"], **info["links"]["steps"]}
+    assert set(info["links"]["views"]) == set(explorer.VIEW_SECTIONS) and set(info["links"]["steps"]) == {s.name for s in STEPS}
+    assert {link.split("#")[1] for link in links.values()} <= anchors
+    with urllib.request.urlopen(bundled + "/docs/walkthrough.md", timeout=HANG_SECONDS) as response:
+        assert response.status == 200 and response.read().decode() == walkthrough
+
+
+NAME_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"],
+               "additionalProperties": False}
+
+
+@pytest.mark.slow
+def test_the_mask_view_reports_each_step_s_allowed_tokens_and_the_likeliest_it_removed(bundled, model, tokenizer) -> None:
+    constraints = pytest.importorskip("qwen_np.generation.constraints")
+    pytest.importorskip("llguidance")
+    status, answer = ask(bundled, "/explorer/mask", prompt="ROMEO:", json_schema=NAME_SCHEMA, temperature=0, max_tokens=32)
+    assert status == 200, answer
+    reply = json.loads(answer["text"])
+    assert answer["complete"] and list(reply) == ["name"] and isinstance(reply["name"], str) and len(reply["name"]) <= 6
+    ends = folder_generation_defaults(ROOT / BUNDLED, model.config).eos_token_ids
+    vocab = constraints.vocabulary(tokenizer, model.config.vocab_size, ends)
+    constraint = constraints.json_schema_grammar(NAME_SCHEMA, vocab).constraint()
+    ids = tokenizer.encode("ROMEO:")
+    for step in answer["steps"]:                       # replayed: the grammar's own mask on the model's own logits
+        allowed, logits = constraint.allowed(), model.forward(ids)[-1]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        removed = [t["id"] for t in step["removed"]]
+        assert step["allowed"] == int(allowed.sum()) and allowed[step["token"]["id"]] and not allowed[removed].any()
+        np.testing.assert_allclose(step["removed_p"], probs[~allowed].sum(), rtol=1e-4, atol=1e-6)
+        assert removed == np.flatnonzero(~allowed)[np.argsort(-probs[~allowed], kind="stable")][:explorer.MASK_TOP].tolist()
+        if step["token"]["id"] in vocab.ends:
+            break
+        constraint.consume(step["token"]["id"])
+        ids.append(step["token"]["id"])
+    assert_openai_error(*ask(bundled, "/explorer/mask", prompt="x", json_schema=NAME_SCHEMA, max_tokens=999), 400, "max_tokens")
+    assert_openai_error(*ask(bundled, "/explorer/mask", prompt="x", json_schema=NAME_SCHEMA, stream=True), 400, "stream")
+
+
 def fetch_json(request: urllib.request.Request) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(request, timeout=HANG_SECONDS) as response:
@@ -203,9 +268,10 @@ def state(page, path: str):
 
 
 def explore(page, prompt: str) -> None:
+    runs = state(page, "runs")
     page.fill("#explore-prompt", prompt)
     page.press("#explore-prompt", "Control+Enter")
-    page.wait_for_function("() => window.qwenExplorer.filter !== null && window.qwenExplorer.heatmap !== null")
+    page.wait_for_function(f"() => window.qwenExplorer.runs > {runs}")
 
 
 def set_slider(page, name: str, value: float) -> None:
@@ -257,6 +323,36 @@ def test_moving_temperature_and_top_k_keeps_the_tokens_sampling_keeps(explored, 
     context = tokenizer.encode(PROMPT)
     ours = warp(apply_repetition_penalty(logits, context, settings["repetition_penalty"]), SamplingParams(**settings))
     assert sorted(kept) == np.flatnonzero(np.isfinite(ours)).tolist() and len(kept) <= 7
+
+
+@pytest.mark.slow
+def test_the_page_opens_on_the_default_prompt_s_numbers_and_draws_its_flow_as_strips(browser, bundled) -> None:
+    page = open_page(browser, bundled)                           # no click: the default prompt has run
+    analysis = state(page, "analysis")
+    assert analysis["text"] == page.input_value("#explore-prompt") and state(page, "runs") == 1
+    assert len(page.query_selector_all("#flow canvas.strip")) == len(analysis["flow"]) + 1          # and the probabilities
+    assert page.eval_on_selector("#flow canvas.strip", "c => c.width") >= len(analysis["flow"][0]["values"])
+    assert len(page.query_selector_all("#flow details.flow-layer")) == 6
+    hrefs = page.eval_on_selector_all("a.doc:not([hidden])", "links => links.map(a => a.getAttribute('href'))")
+    assert len(hrefs) >= 6 and all(href.startswith("/docs/walkthrough.md#") for href in hrefs)
+    assert not page.errors
+    page.close()
+
+
+@pytest.mark.slow
+def test_the_playground_with_a_schema_shows_each_step_s_mask(browser, bundled) -> None:
+    pytest.importorskip("llguidance")
+    page = open_page(browser, bundled)
+    page.click("#tab-playground")
+    page.fill("#play-schema", json.dumps(NAME_SCHEMA))
+    shown = play(page, "ROMEO:", 32)
+    status, answer = ask(bundled, "/explorer/mask", prompt="ROMEO:", json_schema=NAME_SCHEMA, max_tokens=32,
+                         **{field: shown_value for field, shown_value in state(page, "mask_settings").items()})
+    assert status == 200 and shown["text"] == answer["text"] == page.text_content("#reply")
+    assert state(page, "mask.steps") == answer["steps"]
+    assert len(page.query_selector_all("#mask-table tr")) == len(answer["steps"]) + 1 and page.is_visible("#mask-box")
+    assert not page.errors
+    page.close()
 
 
 @pytest.mark.slow

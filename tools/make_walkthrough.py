@@ -200,6 +200,7 @@ class Page:
     model_dir: Path
     run: Run
     facts: dict[str, Any]                # numbers on the page that the notebook's code must reproduce
+    executed: Any = None                 # the notebook's code run here: its variables and outputs (walkthrough_files)
 
 
 def render_page(model_dir: Path | None = None) -> Page:
@@ -220,7 +221,8 @@ def render_page(model_dir: Path | None = None) -> Page:
         facts: dict[str, Any] = {}
         sections = [intro(run), tokens_section(run), embedding_section(run, shown), layer_section(run, shown),
                     remaining_layers_section(run), prediction_section(run, shown), kv_cache_section(run),
-                    formats_section(run), bandwidth_section(run), training_step_section(model_dir, num, code_block, facts),
+                    formats_section(run), bandwidth_section(run),
+                    training_step_section(model_dir, num, code_block, facts, run.figures),
                     memory_section(model_dir, num, run.figures), chapter_section(11), ablation_section(12),
                     serving_section(run, 13, facts), next_steps_section(run, 14)]
         sections = with_exercises(sections, run)

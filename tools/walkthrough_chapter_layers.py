@@ -293,7 +293,9 @@ def remaining_layers_section(run: Run) -> str:
     head = f"{ATTENTION_LAYER}:0"
     weights = attention_weights(run.model, run.ids, ATTENTION_LAYER)                   # [H, T, T]
     labels = [token_text(run.tokenizer, i) for i in run.ids]
-    run.figures["attention"] = {"layer": ATTENTION_LAYER, "labels": labels, "weights": weights.tolist()}
+    group = run.model.config.group_size
+    run.figures["attention"] = {"layer": ATTENTION_LAYER, "labels": labels, "weights": weights.tolist(),
+                                "kv_heads": [h // group for h in range(weights.shape[0])]}
     lens_labels, lens, _ = lens_probabilities(run.model, run.ids)
     run.figures["logit_lens"] = logit_lens_grid(run)
     run.figures["residual_stream"] = residual_stream_data(run, labels)

@@ -19,6 +19,7 @@ import numpy as np
 
 from qwen_np.inspection import hardware
 from qwen_np.core import layers
+from qwen_np.engine import memory
 from qwen_np import preset
 from qwen_np.training import trainer
 from qwen_np.commands import hardware as hardware_command
@@ -172,7 +173,9 @@ def remedies_table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def remedies_part(figures: dict[str, Any]) -> str:
+def remedies_part(figures: dict[str, Any], step_estimate: dict[str, int]) -> str:
+    """The remedies measured; step_estimate: memory.training_memory of the shape bench.memory trains, whose total
+    the table above this part shows."""
     record = load("training_remedies")
     figures["training_remedies"] = record
     rows = record["rows"]
@@ -185,6 +188,9 @@ def remedies_part(figures: dict[str, Any]) -> str:
               f"Its speeds are left out: other jobs kept the load average at {load_average:.1f} when it started, and "
               "tokens/s on a loaded machine measure the other jobs more than the remedy (run the command on a quiet "
               "machine to see them). Recomputation costs one more forward pass of every layer, whatever the machine.")
+    total, weights = memory.training_total(step_estimate), step_estimate["weights"]
+    claim(record["rows"]["baseline"]["estimate"] == total - weights,
+          "the baseline's estimate is the step's total without the weights")
     real = preset(REAL)
     # inspect's memory report, its training half (the first paragraph is the memory to run the model)
     estimate = _render_memory({"memory": memory_breakdown(real, REMEDY_CONTEXT, REMEDY_BATCH)}).split("\n\n", 1)[1]
@@ -205,6 +211,10 @@ every array freed goes back to the OS, so it is what the step needs), then with 
 a few percent. {speeds}
 
 {remedies_table(record)}
+
+The baseline's estimate here is {mib(total - weights)}, where the table of the whole step above says {mib(total)}: the
+baseline RSS is taken once the model is built, so the FP32 weights ({mib(weights)}) are already in it, and the
+estimate this column compares with leaves them out (`bench/memory.py`: `training_total(estimate) − weights`).
 
 ![Peak memory of each remedy, measured, against the estimate](figures/training_remedies.png)
 

@@ -120,6 +120,60 @@ The explorer of `python -m qwen_np serve` (http://127.0.0.1:8000/, its "Next tok
 filters live on the distribution of any prompt, and samples and appends one token at a time."""
 
 
+# The contexts the KV cache figure is drawn at (tokens so far, for Qwen3-8B).
+FIGURE_CONTEXTS = (1, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 24576, 32768)
+
+
+def causal_prefill_flops(config: Qwen3Config, tokens: int) -> int:
+    """Matmul FLOPs of a forward pass over `tokens` tokens from scratch, counting only the query/key pairs a causal
+    kernel computes: forward_flops counts all T² of them, a causal kernel skips the T(T-1)/2 in the future
+    (2 FLOPs per multiply-add, in QK^T and in the weighted sum)."""
+    future = tokens * (tokens - 1) // 2
+    return forward_flops(config, tokens, tokens) - config.num_hidden_layers * 2 * 2 * config.num_attention_heads \
+        * config.head_dim * future
+
+
+def kv_cache_figure_data(real: Qwen3Config) -> dict[str, object]:
+    """What the cache holds and what it saves, at each of FIGURE_CONTEXTS: exact counts, no timings."""
+    mha = Qwen3Config(num_key_value_heads=real.num_attention_heads)
+    return {"model": REAL, "contexts": list(FIGURE_CONTEXTS),
+            "cache_bytes_bf16": [kv_cache_bytes_per_token(real, 2) * t for t in FIGURE_CONTEXTS],
+            "cache_bytes_bf16_mha": [kv_cache_bytes_per_token(mha, 2) * t for t in FIGURE_CONTEXTS],
+            "weight_bytes_bf16": 2 * parameter_count(real),
+            # the cost of the next token after t tokens: all t + 1 again, or the one new token over t + 1 positions
+            "recompute_flops": [causal_prefill_flops(real, t + 1) for t in FIGURE_CONTEXTS],
+            "cached_flops": [forward_flops(real, 1, t + 1) for t in FIGURE_CONTEXTS]}
+
+
+def kv_cache_figure(data: dict) -> object:
+    """Two panels: the cache's bytes growing with the tokens (GQA against one KV head per query head, the weights for
+    scale), and the FLOPs of the next token with and without it."""
+    import matplotlib.pyplot as plt
+
+    contexts = np.array(data["contexts"])
+    fig, (size, cost) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    gib = 2 ** 30
+    size.plot(contexts, np.array(data["cache_bytes_bf16"]) / gib, "o-", ms=3, label="KV cache, GQA (as Qwen3-8B is)")
+    size.plot(contexts, np.array(data["cache_bytes_bf16_mha"]) / gib, "s--", ms=3,
+              label="KV cache if every query head had its own KV head")
+    size.axhline(data["weight_bytes_bf16"] / gib, color="#555555", lw=1, ls=":", label="the weights themselves")
+    size.set(xlabel="tokens in the sequence (prompt + generated)", ylabel="GiB (BF16)",
+             title=f"{data['model']}: one sequence's KV cache grows by the same bytes every token")
+    size.legend(fontsize=8)
+    size.grid(alpha=0.3)
+    cost.loglog(contexts, np.array(data["recompute_flops"]) / 1e9, "o-", ms=3,
+                label="no cache: rerun all the tokens (causal pairs only)")
+    cost.loglog(contexts, np.array(data["cached_flops"]) / 1e9, "s-", ms=3, label="with the cache: the one new token")
+    cost.set(xlabel="tokens before the new one", ylabel="GFLOP to generate the next token",
+             title="The cost of one more token: recompute against cache")
+    cost.legend(fontsize=8)
+    cost.grid(alpha=0.3, which="both")
+    for panel in (size, cost):
+        panel.title.set_fontsize(9)
+    fig.tight_layout()
+    return fig
+
+
 def kv_cache_section(run: Run) -> str:
     c, real = run.model.config, preset(REAL)
     T = len(run.ids)
@@ -134,10 +188,9 @@ def kv_cache_section(run: Run) -> str:
     per_token = kv_cache_bytes_per_token(real, bytes_per_value=2)
     mha = kv_cache_bytes_per_token(Qwen3Config(num_key_value_heads=real.num_attention_heads), bytes_per_value=2)
     context = real.max_position_embeddings
-    # forward_flops counts every query/key pair; a causal kernel skips the masked ones: T(T+1)/2 of T².
-    masked_pairs = 1000 * 1000 - 1000 * 1001 // 2
-    prefill_pass = (forward_flops(real, 1000, 1000)
-                    - real.num_hidden_layers * 2 * 2 * real.num_attention_heads * real.head_dim * masked_pairs)
+    longest = per_token * FIGURE_CONTEXTS[-1]                      # bytes of the figure's longest sequence
+    prefill_pass = causal_prefill_flops(real, 1000)
+    run.figures["kv_cache"] = kv_cache_figure_data(real)
     return f"""## 6. Generating more: why the KV cache exists, and what it costs
 
 Generation is **autoregressive**: the model predicts one token from all the tokens before it, that
@@ -166,4 +219,12 @@ kernel skips the future); with the cache a decode step costs
 {context:,}-token context limit {num(per_token * context / 2 ** 30)} GiB, on top of the weights.
 Grouped-query attention is what keeps this down: with one KV head per query head (H = KVH =
 {real.num_attention_heads}) it would be {mha // 1024} KiB per token. (qwen_np keeps its cache in FP32, twice
-the BF16 figures.) The bundled model needs {kv_cache_bytes_per_token(c, 4):,} bytes per token in FP32."""
+the BF16 figures.) The bundled model needs {kv_cache_bytes_per_token(c, 4):,} bytes per token in FP32.
+
+![Qwen3-8B's KV cache against the tokens so far, and the FLOPs of the next token with and without it](figures/kv_cache.png)
+
+Left: the cache grows by the same {per_token // 1024} KiB with every token: at {FIGURE_CONTEXTS[-1]:,} tokens one
+sequence holds {num(longest / 2 ** 30, 3)} GiB, {num(longest / (2 * parameter_count(real)), 2)}× the weights' bytes, and a
+server holds one such cache per sequence. Right: without the cache the next token costs a whole
+pass over everything so far, which grows with the context (and faster once attention dominates);
+with it the cost stays near the weights' 2 FLOPs per parameter, plus one row of attention."""

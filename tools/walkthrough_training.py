@@ -57,7 +57,73 @@ def mib(n: float) -> str:
     return f"{n / 2 ** 20:.3g} MiB"
 
 
-def training_step_section(model_dir: Path, num: Any, code_block: Any, facts: dict[str, Any]) -> str:
+def training_step_data(config: Qwen3Config, batch: np.ndarray, params: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The shapes the training step diagram labels its arrows with: this step's, counted, no values."""
+    B, T = batch.shape[0], batch.shape[1] - 1
+    return {"B": B, "T": T, "V": config.vocab_size, "D": config.hidden_size, "L": config.num_hidden_layers,
+            "tensors": len(params), "parameters": int(sum(p.size for p in params.values()))}
+
+
+# The diagram's boxes (column, row, title, what it holds: filled from the data) and arrows, in the order of a step.
+STEP_BOXES = (
+    ("batch", 0, 0, "batch", "token ids [B, T+1] = [{B}, {T1}]"),
+    ("weights", 2, 0, "weights", "{tensors} tensors, {parameters:,} numbers (FP32)"),
+    ("forward", 1, 1, "forward pass, with a tape",
+     "reads batch[:, :-1] [B, T]; keeps each layer's\nactivations for the backward"),
+    ("logits", 1, 2, "logits", "[B, T, V] = [{B}, {T}, {V}]"),
+    ("loss", 0, 3, "cross-entropy loss", "against batch[:, 1:] [B, T]: one number,\nthe mean over B x T = {BT} predictions"),
+    ("backward", 1, 4, "backward pass (gradients.py)", "dlogits [B, T, V] back through the {L} layers,\nreading the tape"),
+    ("gradients", 1, 5, "gradients", "one per weight tensor, its shape:\n{parameters:,} numbers"),
+    ("clip", 0, 6, "clip_gradients", "all of them as one vector:\nnorm scaled down to at most 1"),
+    ("adamw", 2, 6, "AdamW.update", "m, v: 2 x {parameters:,} numbers;\nw -= lr (m^ / (sqrt(v^) + eps) + wd w)"),
+)
+STEP_ARROWS = (("batch", "forward"), ("weights", "forward"), ("forward", "logits"), ("logits", "loss"), ("batch", "loss"),
+               ("loss", "backward"), ("backward", "gradients"), ("gradients", "clip"), ("clip", "adamw"),
+               ("adamw", "weights"))
+
+
+def training_step_figure(data: dict[str, Any]) -> Any:
+    """The step of section 9 as boxes and arrows, each labelled with the shape it holds at this B and T."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+
+    fill = {**data, "T1": data["T"] + 1, "BT": data["B"] * data["T"]}
+    fig, ax = plt.subplots(figsize=(10, 7.2), dpi=100)
+    width, height = 3.0, 0.78
+    rows = max(row for _, _, row, _, _ in STEP_BOXES)
+    centre = {name: (column * 3.4, rows - row) for name, column, row, _, _ in STEP_BOXES}
+    colours = {"forward": "#dbe9f6", "logits": "#dbe9f6", "loss": "#f6e0c8", "backward": "#e2f0d9", "gradients": "#e2f0d9",
+               "clip": "#e8dff0", "adamw": "#e8dff0"}
+    for name, _, _, title, what in STEP_BOXES:
+        x, y = centre[name]
+        ax.add_patch(FancyBboxPatch((x - width / 2, y - height / 2), width, height, boxstyle="round,pad=0.03",
+                                    facecolor=colours.get(name, "#eeeeee"), edgecolor="#555555"))
+        ax.text(x, y + 0.2, title, ha="center", va="center", fontsize=8.5, weight="bold")
+        ax.text(x, y - 0.12, what.format(**fill), ha="center", va="center", fontsize=7, family="monospace")
+    for source, target in STEP_ARROWS:
+        (sx, sy), (tx, ty) = centre[source], centre[target]
+        if sy == ty:                                   # side by side: from edge to edge
+            start, end = (sx + np.sign(tx - sx) * width / 2, sy), (tx - np.sign(tx - sx) * width / 2, ty)
+        elif source == "adamw":                         # the loop back: up the right-hand side to the weights
+            start, end = (sx + width / 2, sy), (tx + width / 2, ty)
+        else:
+            start, end = (sx, sy - height / 2), (tx, ty + height / 2)
+        style = "arc3,rad=-0.35" if source == "adamw" else "arc3"
+        ax.annotate("", end, start, arrowprops={"arrowstyle": "->", "color": "#c0504d" if source == "adamw" else "#555555",
+                                                "lw": 1.3, "connectionstyle": style})
+    ax.text(centre["weights"][0] + width / 2 + 0.15, rows / 2, "the next step\nuses the\nupdated weights", fontsize=7.5,
+            color="#c0504d", va="center")
+    ax.set_xlim(-width / 2 - 0.2, centre["adamw"][0] + width / 2 + 1.2)
+    ax.set_ylim(-0.7, rows + 0.7)
+    ax.axis("off")
+    ax.set_title(f"One training step: B = {data['B']} windows of T = {data['T']} tokens, V = {data['V']:,}, "
+                 f"{data['L']} layers\nblue: forward, orange: the loss, green: backward, purple: the update", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def training_step_section(model_dir: Path, num: Any, code_block: Any, facts: dict[str, Any],
+                          figures: dict[str, Any]) -> str:
     """Section 9: a batch, the loss, gradients, clipping, the learning rate, one AdamW update."""
     settings = trainer.PRESET_SETTINGS[PRESET]
     model = load_model(model_dir, memory="fp32", fast=False)       # a private copy: the step changes it
@@ -67,6 +133,7 @@ def training_step_section(model_dir: Path, num: Any, code_block: Any, facts: dic
     batch = order.next_batch(tokens, BATCH)                                     # [B, T+1]
     params = training.named_parameters(model)
     optimizer = training.adamw_for(params, weight_decay=settings.get("weight_decay", 0.1))
+    figures["training_step"] = training_step_data(model.config, batch, params)
 
     loss, grads = training.loss_and_gradients(model, batch)
     facts["training loss"] = loss
@@ -107,7 +174,10 @@ into a [B, T+1] = {list(batch.shape)} integer array. Row 0 is `{first_row!r}`:
 {code_block(repr(batch), "text")}
 
 The model reads `batch[:, :-1]` ([B, T]) and is scored on predicting `batch[:, 1:]`: every position
-predicts the token after it, so one row gives T training examples.
+predicts the token after it, so one row gives T training examples. The whole step, with the shapes
+each part holds here:
+
+![One training step: forward, loss, backward, clipping and the AdamW update, with their shapes](figures/training_step.png)
 
 **The loss.** `training.loss_and_gradients` runs the forward pass with a tape (the activations the
 backward pass needs, `gradients.forward_with_tape`), the cross-entropy of the [B, T, V] logits
@@ -212,7 +282,7 @@ Measured: one `loss_and_gradients` call on a batch of {measured_rows} × {measur
 most {mib(peak)} of NumPy arrays at once (`tracemalloc`), against {mib(predicted)} predicted for its gradients
 and activations.
 
-{remedies_part(figures)}
+{remedies_part(figures, estimate)}
 
 **A checkpoint to resume training** (`last.safetensors`, `trainer.save_state`) must hold what the
 next step needs: the FP32 weights and both AdamW moments, **12 bytes per parameter**, plus the step,

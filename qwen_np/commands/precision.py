@@ -16,6 +16,10 @@ from ..engine.memory import GiB
 from . import common
 from .comparison import format_names, progress_bar
 
+# The figure's floor: a mean KLD below it (FP32's 0, FP16's ~1e-13 rounding) is named, not drawn, so the axis
+# spans the formats that do diverge instead of ten empty decades.
+SMALLEST_DRAWN_KLD = 1e-8
+
 
 def precision_parser(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Score a text with the model in FP32 and with its weights in each number format (FP16, BF16, "
@@ -103,28 +107,40 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
 
 
 def kld_figure(report: dict[str, Any]) -> Any:
-    """KLD mean against bits per weight, one labelled point per format (log scale; FP32's 0 left out).
-    Needs only report's "model", "text" and its rows' "format", "bits_per_weight" and "kld_mean"."""
+    """KLD mean against bits per weight, one labelled point per format (log scales). Formats whose KLD is
+    below SMALLEST_DRAWN_KLD (FP32's 0 among them) are named, not drawn. Needs only report's "model", "text"
+    and its rows' "format",
+    "bits_per_weight" and "kld_mean"."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in report["rows"] if r["kld_mean"] > 0]
+    rows = [r for r in report["rows"] if r["kld_mean"] >= SMALLEST_DRAWN_KLD]
     figure, axes = plt.subplots(figsize=(7.5, 4.5))
     # One marker and colour per format, named in the legend: formats of the same width share an x and
     # can sit a hair apart, where labels next to the dots would overprint or stand by the wrong dot.
     markers = "osD^vP*Xhp<>"
     for i, r in enumerate(rows):
         axes.scatter([r["bits_per_weight"]], [r["kld_mean"]], marker=markers[i % len(markers)], s=45,
-                     label=f"{r['format']}: {r['kld_mean']:.2g}", alpha=0.85)
-    axes.legend(fontsize=8, title="format: mean KLD", title_fontsize=8, loc="upper right")
-    exact = [r["format"] for r in report["rows"] if r["kld_mean"] == 0]
-    if exact:
-        axes.text(0.01, 0.02, f"KLD 0 (not drawn): {', '.join(exact)}", transform=axes.transAxes, ha="left", fontsize=8)
-    axes.set_xscale("log", base=2)
-    axes.set_xlim(3, 40)
-    axes.set_yscale("log")
+                     label=f"{r['format']} ({r['bits_per_weight']:g} bits): {r['kld_mean']:.2g}", alpha=0.85)
+    axes.legend(fontsize=8, title="format (bits per weight): mean KLD", title_fontsize=8, loc="upper right")
+    tiny = [r["format"] for r in report["rows"] if r["kld_mean"] < SMALLEST_DRAWN_KLD]
+    if tiny:
+        axes.text(0.01, 0.02, f"mean KLD below {SMALLEST_DRAWN_KLD:g}, not drawn: {', '.join(tiny)}",
+                  transform=axes.transAxes, ha="left", fontsize=8)
+    if rows:
+        bits = [r["bits_per_weight"] for r in rows]
+        klds = [r["kld_mean"] for r in rows]
+        axes.set_xscale("log", base=2)
+        low, high = min(bits) / 1.25, max(bits) * 1.8                # room on the right for the legend
+        axes.set_xlim(low, high)
+        ticks = [b for b in (2, 3, 4, 6, 8, 12, 16, 24, 32) if low <= b <= high]
+        axes.set_xticks(ticks, [str(b) for b in ticks])
+        axes.minorticks_off()
+        axes.set_yscale("log")
+        axes.set_ylim(min(klds) / 4, max(klds) * 4)
+    axes.grid(alpha=0.3, which="major")
     axes.set_xlabel("bits per weight")
     axes.set_ylabel("mean KL(FP32 || format), nats")
     axes.set_title(f"{Path(report['model']).name}: next-token KLD against FP32 ({report['text']})", fontsize=9)

@@ -14,6 +14,8 @@ import numpy as np
 
 from .png import write_png
 
+# Frame colours of the KV groups (matplotlib's tab10, light enough not to hide the heatmap's edge).
+GROUP_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 PNG_SIDE = 720          # pixels: the labelled PNG is square, a multiple of T on a side (as the bare grid)
 
 
@@ -26,10 +28,12 @@ def have_matplotlib() -> bool:
 
 
 def attention_figure(weights: np.ndarray, labels: Sequence[str], titles: Sequence[str], title: str,
-                     columns: int = 4, figsize: tuple[float, float] | None = None) -> Any:
+                     columns: int = 4, figsize: tuple[float, float] | None = None,
+                     groups: Sequence[int] | None = None) -> Any:
     """A matplotlib Figure: one heatmap per panel of weights [P, T, T], queries down, keys across.
 
-    The future (above the diagonal) is masked: drawn grey, not as a weight of 0.
+    The future (above the diagonal) is masked: drawn grey, not as a weight of 0. groups: the KV head each
+    panel's query head reads (grouped-query attention); panels of one KV head get frames of one colour.
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -48,6 +52,10 @@ def attention_figure(weights: np.ndarray, labels: Sequence[str], titles: Sequenc
             ax.axis("off")
             continue
         images.append(ax.imshow(np.ma.masked_array(weights[index], future), cmap=cmap, vmin=0.0, vmax=1.0))
+        if groups is not None:
+            for spine in ax.spines.values():
+                spine.set_edgecolor(GROUP_COLOURS[groups[index] % len(GROUP_COLOURS)])
+                spine.set_linewidth(3)
         ax.set_title(titles[index], fontsize=9)
         ax.set_xticks(range(T), labels, rotation=90, fontsize=7)
         ax.set_yticks(range(T), labels, fontsize=7)

@@ -6,16 +6,21 @@
     POST /explorer/attention  one layer's softmax weights [H, T, T] and which KV head each query head reads
     POST /explorer/filter     the next token's distribution after each sampling filter (sampling.py's own)
     POST /explorer/sample     one next token drawn as generate draws it
+    POST /explorer/mask       a reply constrained by a JSON schema, and at each step what the grammar's mask did:
+                              how many tokens it allowed, and the likeliest ones it removed
+    GET  /docs/...            the walkthrough (docs/ of a source checkout; a wheel has none), which views link to
 
-The numbers are the CLI's: statistics are trace.statistics of the values `Qwen3Model.forward` reports to a
-trace (what `--trace-layers` prints), the lens is lens.lens_rows over the same residual stream
-(`--lens`), attention the same softmax step `--attention` reads, the filters sampling.py's functions in
-sampling.py's order. One forward pass serves all of them: its results are kept for the last few prompts
-(CACHE_SIZE), so moving a sampling slider or picking another layer runs no model.
+The numbers are the CLI's: the flow's vectors are the values the trace reports at the last position,
+statistics are trace.statistics of the same values (what `--trace-layers` prints), the lens is
+lens.lens_rows over the same residual stream (`--lens`), attention the same softmax step `--attention`
+reads, the filters sampling.py's functions in sampling.py's order, the mask constraints.py's
+Constraint.allowed applied as sampling.processed_logits applies it. One forward pass serves all but the
+mask: its results are kept for the last few prompts (CACHE_SIZE), so moving a sampling slider or picking
+another layer runs no model.
 
 A POST body is serve's: the checks of app.create_app (loopback Host, application/json, API key, body
-limit, `model` naming the served model) apply, its fields are requests.REQUEST_FIELDS["/explorer/"] (any
-other refused by name), and the prompt is serve's too (`prompt`: text or token ids,
+limit, `model` naming the served model) apply, its fields are requests.REQUEST_FIELDS["/explorer/"] (and
+MASK_FIELDS for /explorer/mask; any other refused by name), and the prompt is serve's too (`prompt`: text or token ids,
 requests.Service.completion_prompt's checks), at most MAX_TOKENS tokens, since the trace holds every step of
 every layer for each of them. The sampling fields are /v1/completions' (Service.request checks them).
 
@@ -25,6 +30,7 @@ Imports requests.py of serving/.
 from __future__ import annotations
 
 import math
+import re
 import sys
 import threading
 from collections import OrderedDict
@@ -42,7 +48,8 @@ from ..inspection.lens import is_lens_step, lens_labels, lens_rows
 from ..inspection.steps import STEPS, source_line
 from ..inspection.trace import layer_of, statistics, step_shape, step_template
 from ..core.model import Qwen3Model
-from ..core.sampling import SamplingParams, apply_repetition_penalty, next_token, require_distribution, softmax, warp_stages
+from ..core.sampling import (SamplingParams, apply_repetition_penalty, next_token, pick, processed_logits,
+                             require_distribution, softmax, warp_stages)
 from ..files.tokenizer import Tokenizer
 
 
@@ -64,10 +71,22 @@ class Served(Protocol):
     def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Any: ...
 
 WEB = Path(__file__).parent / "web"          # the page: plain HTML, CSS and JS, no build step, nothing fetched
+DOCS = Path(__file__).resolve().parents[2] / "docs"     # the walkthrough, in a source checkout (a wheel has none)
 MAX_TOKENS = 64                              # a prompt's tokens the explorer traces
 CACHE_SIZE = 4                               # prompts whose forward pass is kept
 LENS_TOP = 5                                 # tokens per row of the logit lens
 LISTED = 40                                  # tokens the filter view lists, the most likely first
+PROBABILITY_BINS = 512                       # the flow's probability strip: the largest probability of each bin of ids
+MASK_TOP = 5                                 # removed tokens the mask view lists per step, the most likely first
+MASK_MAX_TOKENS = 64                         # a constrained reply's tokens, each step's mask reported
+MASK_FIELDS = ("json_schema", "max_tokens")  # /explorer/mask's own fields, beside REQUEST_FIELDS["/explorer/"]
+# The forward pass as the flow view draws it: the steps whose output vector (at the last position) it shows.
+FLOW_STEPS = ("model.embed_tokens", "self_attn.o_proj", "residual_attn", "mlp.down_proj", "residual_mlp", "model.norm")
+# Each view's section of the walkthrough, found by the words its heading starts with (not its number, which
+# moves when a chapter is added); each step's by its name in backticks (section 3's headings).
+VIEW_SECTIONS = {"tokens": "Prompt → token ids", "embedding": "Token ids → vectors", "steps": "Inside layer 0",
+                 "attention": "`self_attn.softmax`", "lens": "The other layers", "next": "Final norm → logits",
+                 "flow": "Inside layer 0", "mask": "What a serving engine adds"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,7 @@ class Run:
     attention: list[np.ndarray]        # L x [H, T, T] softmax weights
     lens: np.ndarray                   # [L+1, V] lens probabilities at the last position
     logits: np.ndarray                 # [V] the model's logits at the last position
+    flow: list[tuple[str, np.ndarray]]  # (step name, its output at the last position [D]) for FLOW_STEPS, in order
 
 
 def traced_run(model: Qwen3Model, ids: list[int]) -> Run:
@@ -87,6 +107,7 @@ def traced_run(model: Qwen3Model, ids: list[int]) -> Run:
     steps: list[dict[str, Any]] = []
     attention: list[np.ndarray] = []
     residuals: list[np.ndarray] = []
+    flow: list[tuple[str, np.ndarray]] = []
 
     def watch(name: str, value: np.ndarray) -> None:
         mean, std, largest, masked = statistics(value)
@@ -97,9 +118,34 @@ def traced_run(model: Qwen3Model, ids: list[int]) -> Run:
             attention.append(value.copy())                                       # [H, T, T]
         if is_lens_step(name):
             residuals.append(value[-1].copy())                                   # [D]
+        if step_template(name).removeprefix("model.layers.{i}.") in FLOW_STEPS:
+            flow.append((name, value[-1].copy()))                                # [D]
 
     logits = model.forward(ids, trace=watch)                                     # [T, V]
-    return Run(tuple(ids), steps, attention, lens_rows(model, np.stack(residuals)), logits[-1])
+    return Run(tuple(ids), steps, attention, lens_rows(model, np.stack(residuals)), logits[-1], flow)
+
+
+def heading_anchor(heading: str) -> str:
+    """The anchor GitHub gives a markdown heading: lower case, punctuation dropped (not - and _), spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def walkthrough_links(walkthrough: Path) -> dict[str, dict[str, str]]:
+    """Links from the page into docs/walkthrough.md: each view's section (VIEW_SECTIONS) and each step's
+    (section 3's headings name them), as /docs/walkthrough.md#anchor. Empty where the file is not there."""
+    if not walkthrough.is_file():
+        return {"views": {}, "steps": {}}
+    headings = re.findall(r"^#{2,3} (.+)$", walkthrough.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    titles = {heading: re.sub(r"^[\d.]+ ", "", heading) for heading in headings}      # without "3.2 "
+
+    def link(start: str) -> str | None:
+        found = next((heading for heading, title in titles.items() if title.startswith(start)), None)
+        return f"/docs/{walkthrough.name}#{heading_anchor(found)}" if found else None
+
+    views = {view: link(start) for view, start in VIEW_SECTIONS.items()}
+    steps = {step.name: link(f"`{step.name.removeprefix('model.layers.{i}.')}`") for step in STEPS}
+    steps["model.embed_tokens"], steps["model.norm"], steps["lm_head"] = views["embedding"], views["next"], views["next"]
+    return {"views": {k: v for k, v in views.items() if v}, "steps": {k: v for k, v in steps.items() if v}}
 
 
 def _finite(x: float) -> float | None:
@@ -182,14 +228,21 @@ class Explorer:
                           "source": {"file": file, "line": line, "code": code}})
         return {"model": self.service.model_id, "dimensions": dimensions(config), "symbols": DIMENSIONS,
                 "group_size": config.group_size, "steps": steps, "max_tokens": MAX_TOKENS,
-                "chat": self.tokenizer.has_chat_template, "defaults": vars(self.service.defaults.sampling)}
+                "chat": self.tokenizer.has_chat_template, "defaults": vars(self.service.defaults.sampling),
+                "links": walkthrough_links(DOCS / "walkthrough.md"), "mask_max_tokens": MASK_MAX_TOKENS}
 
     def analyze(self, body: dict[str, Any]) -> dict[str, Any]:
         ids = self.prompt(body)
         run = self.run(ids)
         lens = [{"label": label, "top": self._top(row, LENS_TOP)} for label, row in zip(lens_labels(self.model), run.lens)]
+        probs = softmax(run.logits)
+        per_bin = -(-probs.size // PROBABILITY_BINS)                               # ids per bin, rounded up
+        flow = [{"name": name, "step": step_template(name), "layer": layer_of(name), "values": values.tolist()}
+                for name, values in run.flow]
         return {"tokens": [self.token(i) for i in ids], "text": self.tokenizer.decode(ids), "steps": run.steps,
-                "lens": lens, "model_top": self._top(softmax(run.logits), LENS_TOP)}
+                "lens": lens, "model_top": self._top(probs, LENS_TOP), "flow": flow,
+                "probability_bins": {"ids_per_bin": per_bin,
+                                     "max": [float(probs[i:i + per_bin].max()) for i in range(0, probs.size, per_bin)]}}
 
     def attention(self, body: dict[str, Any]) -> dict[str, Any]:
         ids, L = self.prompt(body), self.model.config.num_hidden_layers
@@ -219,6 +272,41 @@ class Explorer:
         chosen = next_token(self.run(ids).logits, params, np.random.default_rng(params.seed), ids, [])
         return self.token(chosen)
 
+    def mask(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A reply to `prompt` under `json_schema`, generated here token by token as generate() does, and at
+        each step what the grammar's mask did to the model's distribution: the tokens it allowed, the
+        probability it removed, and the likeliest tokens it removed (probabilities before any filter)."""
+        from ..generation.constraints import json_schema_grammar, vocabulary
+
+        ids = self.service.completion_prompt(body)
+        max_tokens = body.get("max_tokens", MASK_MAX_TOKENS)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MASK_MAX_TOKENS:
+            raise APIError(400, f"max_tokens: must be an integer in [1, {MASK_MAX_TOKENS}]", "max_tokens")
+        params = self.service.request({**body, "max_tokens": max_tokens}, ids, None).params
+        vocab = vocabulary(self.tokenizer, self.model.config.vocab_size, self.service.defaults.eos_token_ids)
+        grammar = json_schema_grammar(body.get("json_schema"), vocab)
+        ends = vocab.ends
+        constraint, rng = grammar.constraint(), np.random.default_rng(params.seed)
+        cache = self.model.new_cache(len(ids) + max_tokens)
+        logits = self.model.forward(ids, cache=cache)[-1]                              # [V]
+        generated: list[int] = []
+        steps = []
+        for _ in range(max_tokens):
+            allowed = constraint.allowed()                                              # bool [V]
+            token = pick(processed_logits(logits, params, [*ids, *generated], generated, allowed), params, rng)
+            probs = softmax(logits)
+            removed = np.flatnonzero(~allowed)
+            top = removed[np.argsort(-probs[removed], kind="stable")[:MASK_TOP]]
+            steps.append({"token": self.token(token), "allowed": int(allowed.sum()), "removed_p": float(probs[removed].sum()),
+                          "removed": [{**self.token(int(i)), "p": float(probs[i])} for i in top]})
+            if token in ends:
+                break
+            constraint.consume(token)
+            generated.append(token)
+            logits = self.model.forward([token], cache=cache)[-1]
+        return {"vocab_size": self.model.config.vocab_size, "steps": steps, "text": self.tokenizer.decode(generated),
+                "complete": constraint.done}
+
     def _params(self, body: dict[str, Any], ids: list[int]) -> SamplingParams:
         """The sampling settings of `body`, checked and defaulted as /v1/completions does."""
         return self.service.request(body, ids, None).params
@@ -239,7 +327,8 @@ class Explorer:
             async def handle(http: Any) -> Response:
                 try:
                     body = await read_body(http)
-                    check_fields(body, "/explorer/")
+                    own = MASK_FIELDS if method == self.mask else ()
+                    check_fields({key: value for key, value in body.items() if key not in own}, "/explorer/")
                     return JSONResponse(await run_in_threadpool(method, body))
                 except APIError as problem:
                     return error(problem)
@@ -256,8 +345,9 @@ class Explorer:
         async def page(http: Any) -> Response:
             return FileResponse(WEB / "index.html")          # its headers: app.create_app's, as every page file's
 
-        return [Route("/", page, methods=["GET"]), Mount("/web", StaticFiles(directory=WEB), name="web"),
+        docs = [Mount("/docs", StaticFiles(directory=DOCS), name="docs")] if (DOCS / "walkthrough.md").is_file() else []
+        return [Route("/", page, methods=["GET"]), Mount("/web", StaticFiles(directory=WEB), name="web"), *docs,
                 Route("/explorer/model", describe, methods=["GET"]),
                 *[Route(f"/explorer/{name}", posted(getattr(self, name)), methods=["POST"])
-                  for name in ("analyze", "attention", "filter", "sample")]]
+                  for name in ("analyze", "attention", "filter", "sample", "mask")]]
 

@@ -5,7 +5,7 @@
 
 // Everything the page shows, as the server sent it: the browser tests read their numbers here.
 const state = { model: null, info: null, ids: null, analysis: null, attention: null, heatmap: null,
-                filter: null, chosen: null, play: null };
+                filter: null, chosen: null, play: null, mask: null, mask_settings: null, runs: 0 };
 window.qwenExplorer = state;
 
 const $ = (id) => document.getElementById(id);
@@ -87,9 +87,11 @@ async function explore() {
   $("explore-prompt").value = state.analysis.text;
   $("explore-out").hidden = false;
   showTokens(state.analysis.tokens);
+  showFlow(state.analysis);
   showLens(state.analysis);
   showSteps(state.analysis.steps);
   await Promise.all([showAttention(), showFilter()]);
+  state.runs += 1;                                 // every view shows this prompt now
 }
 
 function showTokens(tokens) {
@@ -97,6 +99,72 @@ function showTokens(tokens) {
     { title: `position ${position}, id ${token.id}, bytes ${token.bytes}`, dataset: { id: token.id, bytes: token.bytes } },
     el("span", { className: token.text === null ? "partial" : "text", textContent: tokenLabel(token) }),
     el("span", { className: "id", textContent: token.id }))));
+}
+
+// --- the flow: the last token's vector through the model ---
+
+function divergingColour(t) {                    // -1 blue, 0 white, +1 red
+  const a = Math.round(255 - 200 * Math.min(1, Math.abs(t)));
+  return t >= 0 ? `rgb(255, ${a}, ${a})` : `rgb(${a}, ${a}, 255)`;
+}
+
+// values as one row of cells: width per value chosen so that a row is at most ~560 px where it can be
+function drawStrip(canvas, values, colour) {
+  const cell = Math.max(1, Math.floor(560 / values.length)), height = 18, scale = window.devicePixelRatio || 1;
+  canvas.width = values.length * cell * scale;
+  canvas.height = height * scale;
+  canvas.style.width = `${values.length * cell}px`;
+  canvas.style.height = `${height}px`;
+  const g = canvas.getContext("2d");
+  g.scale(scale, scale);
+  values.forEach((v, i) => { g.fillStyle = colour(v); g.fillRect(i * cell, 0, cell, height); });
+  return cell;
+}
+
+function stripNode(label, what, values, link, readout) {
+  const largest = Math.max(...values.map(Math.abs)) || 1;
+  const rms = Math.sqrt(values.reduce((sum, v) => sum + v * v, 0) / values.length);
+  const canvas = el("canvas", { className: "strip", role: "img" });
+  canvas.setAttribute("aria-label", `${label}: ${values.length} values, largest |x| ${fmt(largest)}`);
+  const cell = drawStrip(canvas, values, (v) => divergingColour(v / largest));
+  const value = el("span", { className: "muted readout" });
+  canvas.addEventListener("mousemove", (event) => {
+    const i = Math.floor((event.clientX - canvas.getBoundingClientRect().left) / cell);
+    if (i >= 0 && i < values.length) value.textContent = readout(i, values[i]);
+  });
+  const title = el("div", { className: "node-title" }, el("strong", { textContent: label }),
+    el("span", { className: "muted", textContent: ` ${what} · ${values.length} values, RMS ${fmt(rms)}, max|x| ${fmt(largest)} ` }));
+  if (link) title.append(el("a", { href: link, className: "doc", textContent: "walkthrough" }));
+  return el("div", { className: "node" }, title, el("div", { className: "scroll" }, canvas), value);
+}
+
+const FLOW_WHAT = { "model.embed_tokens": "the token's row of the embedding table", "self_attn.o_proj": "what attention adds",
+  residual_attn: "the stream after attention", "mlp.down_proj": "what the MLP adds", residual_mlp: "the stream after the layer",
+  "model.norm": "the final RMSNorm, what lm_head reads" };
+
+function showFlow(analysis) {
+  const links = state.info.links.steps, arrow = () => el("div", { className: "arrow", textContent: "↓" });
+  const node = (row) => stripNode(row.name.replace(/^model\.layers\.\d+\./, ""), FLOW_WHAT[row.step.replace(/^model\.layers\.\{i\}\./, "")] || "",
+    row.values, links[row.step], (i, v) => `dimension ${i}: ${fmt(v)}`);
+  const parts = [];
+  const layers = new Map();
+  for (const row of analysis.flow) {
+    if (row.layer === null) { parts.push(node(row)); continue; }
+    if (!layers.has(row.layer)) {
+      const box = el("details", { className: "flow-layer", open: row.layer === 0 },
+        el("summary", { textContent: `layer ${row.layer}: attention, then the MLP, each added to the stream` }));
+      layers.set(row.layer, box);
+      parts.push(box);
+    }
+    layers.get(row.layer).append(node(row));
+  }
+  const bins = analysis.probability_bins, top = analysis.model_top.map((t) => `${tokenLabel(t)} ${percent(t.p)}`).join(", ");
+  const largest = Math.max(...bins.max) || 1;
+  const probabilities = stripNode("probabilities", `softmax(lm_head(x)): the largest of each ${bins.ids_per_bin} ids; top: ${top}`,
+    bins.max, state.info.links.steps.lm_head, (i, p) => `ids ${i * bins.ids_per_bin}-${(i + 1) * bins.ids_per_bin - 1}: up to ${percent(p)}`);
+  drawStrip(probabilities.querySelector("canvas"), bins.max, (p) => weightColour(p / largest));
+  parts.push(probabilities);
+  $("flow").replaceChildren(...parts.flatMap((part, i) => (i ? [arrow(), part] : [part])));
 }
 
 function showLens(analysis) {
@@ -119,12 +187,13 @@ function stepRow(row, step) {
     el("td", { textContent: shapeText(row) }), el("td", { textContent: fmt(row.mean) }), el("td", { textContent: fmt(row.std) }),
     el("td", { textContent: fmt(row.max_abs) }), el("td", { textContent: row.masked ? row.masked.toLocaleString() : "" }),
     el("td", { textContent: step.what, className: "what" }),
-    el("td", { className: "code", textContent: `${source.file}:${source.line}  ${source.code.replace(/\s+#.*$/, "")}` }));
+    el("td", { className: "code", textContent: `${source.file}:${source.line}  ${source.code.replace(/\s+#.*$/, "")}` }),
+    el("td", {}, state.info.links.steps[row.step] ? el("a", { href: state.info.links.steps[row.step], textContent: "§" }) : ""));
 }
 
 function stepTable(rows) {
   const steps = Object.fromEntries(state.info.steps.map((step) => [step.name, step]));
-  const head = el("tr", {}, ...["step", "shape", "mean", "std", "max|x|", "masked", "what", "code"].map((h) => el("th", { textContent: h })));
+  const head = el("tr", {}, ...["step", "shape", "mean", "std", "max|x|", "masked", "what", "code", "read"].map((h) => el("th", { textContent: h })));
   return el("div", { className: "scroll" }, el("table", { className: "numbers" }, head, ...rows.map((row) => stepRow(row, steps[row.step]))));
 }
 
@@ -377,7 +446,41 @@ function showTranscript() {
   $("transcript").hidden = !transcript.length;
 }
 
+// With a JSON schema, a completion goes to /explorer/mask: the reply under the grammar, and each step's mask.
+async function playMasked() {
+  state.mask_settings = playSettings();
+  if ($("play-seed").value !== "") state.mask_settings.seed = Number($("play-seed").value);
+  const body = { prompt: $("play-prompt").value, max_tokens: Math.min(Number($("play-max").value), state.info.mask_max_tokens),
+                 ...state.mask_settings };
+  try { body.json_schema = JSON.parse($("play-schema").value); } catch (error) { throw new Error(`JSON schema: ${error.message}`); }
+  state.play = { text: "", reasoningContent: "", usage: null, finish: null, done: false };
+  state.mask = null;
+  $("play-stats").textContent = "";
+  try {
+    state.mask = await api("/explorer/mask", body);
+    state.play.text = state.mask.text;
+    showReply();
+    showMask(state.mask);
+  } finally {
+    state.play.done = true;
+  }
+}
+
+function showMask(mask) {
+  const head = el("tr", {}, ...["step", "token", `allowed (of ${mask.vocab_size.toLocaleString()})`, "p removed", "likeliest removed"]
+    .map((h) => el("th", { textContent: h })));
+  const rows = mask.steps.map((step, i) => el("tr", {}, el("td", { textContent: i + 1 }),
+    el("td", { className: "tokenish", textContent: tokenLabel(step.token) }), el("td", { textContent: step.allowed.toLocaleString() }),
+    el("td", { textContent: percent(step.removed_p) }),
+    el("td", { className: "tokenish removed", textContent: step.removed.map((t) => `${tokenLabel(t)} ${percent(t.p)}`).join("  ") })));
+  $("mask-table").replaceChildren(head, ...rows);
+  $("mask-box").hidden = false;
+  $("play-stats").textContent = `${mask.steps.length} steps under the grammar · ${mask.complete ? "the JSON is complete" : "stopped at max tokens"}`;
+}
+
 async function play() {
+  $("mask-box").hidden = true;
+  if (!chatMode() && $("play-schema").value.trim()) return playMasked();
   const [path, body] = playBody();
   state.play = { text: "", reasoningContent: "", usage: null, finish: null, start: performance.now(), first: null, last: null, done: false };
   $("play-stats").textContent = "";
@@ -409,6 +512,8 @@ async function play() {
 function setMode() {
   const chat = chatMode();
   $("thinking-box").hidden = !chat;
+  $("play-schema").hidden = chat;
+  $("schema-label").hidden = chat;
   $("play-label").firstChild.textContent = chat ? "Your message " : "Text to continue ";
   transcript = [];
   showTranscript();
@@ -479,6 +584,12 @@ async function start() {
   $("mode-chat").disabled = !info.chat;
   $("chat-note").textContent = info.chat ? "" : "this model has no chat template: it continues text";
   $("key-box").hidden = true;
+  document.querySelectorAll("a.doc[data-view]").forEach((link) => {
+    const href = info.links.views[link.dataset.view];
+    link.hidden = !href;
+    if (href) link.href = href;
+  });
+  await explore();                                 // the default prompt, at once: the page opens on the model's numbers
   document.body.dataset.ready = "true";
 }
 
