@@ -65,7 +65,7 @@ SPEAKER = re.compile(r"^([A-Z][A-Za-z' ]*[A-Za-z]):$")    # a speech's heading, 
 MAX_LINE = 40                     # characters of a quoted line: the chats stay short
 TRAIN_CHATS = 512
 HELD_OUT_CHATS = 48
-RUN = {"steps": 48, "batch_size": 8, "context": 128, "lr": 2e-2, "warmup": 4, "eval_every": 16, "seed": 0,
+RUN: dict[str, Any] = {"steps": 48, "batch_size": 8, "context": 128, "lr": 2e-2, "warmup": 4, "eval_every": 16, "seed": 0,
        "threads": 2, "shards": 2}
 RANKS = (2, 8, 32)                # the rank sweep; MAIN_RANK's run is the chapter's main one
 MAIN_RANK = 8
