@@ -9,7 +9,7 @@ output is deterministic: BLAS runs on one thread and numbers are printed to 4 si
 The page is assembled here from its chapters: the shared run and formatting in walkthrough_common.py,
 sections 3-4 in walkthrough_chapter_layers.py, 5-6 in walkthrough_chapter_prediction.py, 7-8 in
 walkthrough_chapter_numbers.py, 9-10 in walkthrough_training.py, 11 in walkthrough_chapter_train.py,
-12 in walkthrough_chapter_serving.py; the recorded measurements that 8 and 10 show in
+12 in walkthrough_chapter_finetune.py, 13 in walkthrough_chapter_serving.py; the recorded measurements that 8 and 10 show in
 walkthrough_chapter_measured.py; the opening, sections 1-2 and the last section are in this file.
 
 Usage: python tools/make_walkthrough.py [--model weights]     (writes the page, figures and notebook)
@@ -59,8 +59,10 @@ the real shapes and numbers it produces and a short reason for the design; what 
 memory bandwidth do to it, with this machine's caches measured (7, 8); one training step on it (9) and
 what training holds in memory, with the remedies and mixed precision measured (10); then a model like
 it trained by you from random weights in a few minutes (11): the data, the loss falling, words
-appearing, validation, early stopping, batch size, checkpoints and the test split; last, what a
-serving engine adds to run many requests at once (12).
+appearing, validation, early stopping, batch size, checkpoints and the test split; the bundled
+model fine-tuned on chats with LoRA (12): the assistant-only loss, base against tuned on held-out
+plays, rank against quality and memory, merging; last, what a serving engine adds to run many
+requests at once (13).
 
 The dimensions (symbols used everywhere in qwen_np's shape comments):
 
@@ -205,6 +207,7 @@ def render_page(model_dir: Path | None = None) -> Page:
     """The whole walkthrough, from a real run on the model in `model_dir` (default: BUNDLED_MODEL)."""
     model_dir = model_dir or BUNDLED_MODEL
     from walkthrough_chapter_serving import serving_section
+    from walkthrough_chapter_finetune import chapter_section as finetune_section
     from walkthrough_chapter_train import chapter_section, load_record
     from walkthrough_training import memory_section, training_step_section
 
@@ -218,8 +221,8 @@ def render_page(model_dir: Path | None = None) -> Page:
         sections = [intro(run), tokens_section(run), embedding_section(run, shown), layer_section(run, shown),
                     remaining_layers_section(run), prediction_section(run, shown), kv_cache_section(run),
                     formats_section(run), bandwidth_section(run), training_step_section(model_dir, num, code_block, facts),
-                    memory_section(model_dir, num, run.figures), chapter_section(11), serving_section(run, 12, facts),
-                    next_steps_section(run, 13)]
+                    memory_section(model_dir, num, run.figures), chapter_section(11),
+                    finetune_section(12, qwen3_tokenizer()), serving_section(run, 13, facts), next_steps_section(run, 14)]
         sections = with_exercises(sections, run)
     return Page("\n\n".join(sections) + "\n", sections, run.figures, model_dir, run, facts)
 
