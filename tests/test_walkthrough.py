@@ -16,6 +16,7 @@ from conftest import HANG_SECONDS, ROOT
 sys.path.insert(0, str(ROOT / "tools"))
 
 import make_walkthrough  # noqa: E402
+import walkthrough_chapter_finetune  # noqa: E402
 import walkthrough_chapter_measured  # noqa: E402
 import walkthrough_chapter_train  # noqa: E402
 import walkthrough_files  # noqa: E402
@@ -84,6 +85,25 @@ def _assert_close(committed, fresh, where: str) -> None:
 def test_recorded_training_run_repeats_its_first_steps():
     """The chapter's run is recorded (too slow to repeat here): its first steps must still come out of the code."""
     walkthrough_chapter_train.check_first_steps(walkthrough_chapter_train.load_record())   # raises naming the step
+
+
+def test_recorded_fine_tuning_run_repeats_the_base_loss_and_its_first_steps():
+    """The fine-tuning chapter's LoRA runs are recorded (minutes): the base's held-out loss and the rank-2 run's
+    first steps must still come out of `train --model --lora` within rtol 1e-3 (the record's 4 digits)."""
+    walkthrough_chapter_finetune.check_first_steps(walkthrough_chapter_finetune.load_record())   # raises naming it
+
+
+def test_fine_tuning_chapter_prints_the_records_figures(page):
+    """Every loss and count the chapter's tables show is the record's, as the page rounds it."""
+    chapter = walkthrough_chapter_finetune
+    rec = chapter.load_record()
+    section = next(s for s in page.sections if s.startswith("## 13. Fine-tune one yourself"))
+    held, n = rec["held_out_chats"], len(rec["held_out_chats"])
+    for run in (rec["base"], *rec["ranks"]):
+        assert f"| {chapter.two(run['held_out']['loss'])} | {chapter.right(run['answers'], held)} of {n} |" in section
+    for run in rec["ranks"]:
+        assert f"| {run['rank']} | {run['trainable']:,} |" in section
+    assert f"{rec['seconds']:,.0f} s on {rec['cores']} shared cores" in section
 
 
 def test_recorded_mixed_precision_runs_repeat_their_first_steps():

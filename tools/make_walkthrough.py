@@ -9,7 +9,8 @@ output is deterministic: BLAS runs on one thread and numbers are printed to 4 si
 The page is assembled here from its chapters: the shared run and formatting in walkthrough_common.py,
 sections 3-4 in walkthrough_chapter_layers.py, 5-6 in walkthrough_chapter_prediction.py, 7-8 in
 walkthrough_chapter_numbers.py, 9-10 in walkthrough_training.py, 11 in walkthrough_chapter_train.py,
-12 in walkthrough_chapter_ablations.py, 13 in walkthrough_chapter_serving.py; the recorded measurements that 8 and 10 show in
+12 in walkthrough_chapter_ablations.py, 13 in walkthrough_chapter_finetune.py, 14 in
+walkthrough_chapter_serving.py; the recorded measurements that 8 and 10 show in
 walkthrough_chapter_measured.py; the opening, sections 1-2 and the last section are in this file.
 
 Usage: python tools/make_walkthrough.py [--model weights]     (writes the page, figures and notebook)
@@ -60,8 +61,10 @@ memory bandwidth do to it, with this machine's caches measured (7, 8); one train
 what training holds in memory, with the remedies and mixed precision measured (10); then a model like
 it trained by you from random weights in a few minutes (11): the data, the loss falling, words
 appearing, validation, early stopping, batch size, checkpoints and the test split; each piece of
-Qwen3 taken away in turn and that model trained again, to measure what the piece is for (12); last, what a
-serving engine adds to run many requests at once (13).
+Qwen3 taken away in turn and that model trained again, to measure what the piece is for (12); the bundled
+model fine-tuned on chats with LoRA (13): the assistant-only loss, base against tuned on held-out
+plays, rank against quality and memory, merging; last, what a serving engine adds to run many
+requests at once (14).
 
 The dimensions (symbols used everywhere in qwen_np's shape comments):
 
@@ -208,6 +211,7 @@ def render_page(model_dir: Path | None = None) -> Page:
     model_dir = model_dir or BUNDLED_MODEL
     from walkthrough_chapter_ablations import chapter_section as ablation_section, load_record as ablation_record
     from walkthrough_chapter_serving import serving_section
+    from walkthrough_chapter_finetune import chapter_section as finetune_section
     from walkthrough_chapter_train import chapter_section, load_record
     from walkthrough_training import memory_section, training_step_section
 
@@ -224,7 +228,7 @@ def render_page(model_dir: Path | None = None) -> Page:
                     formats_section(run), bandwidth_section(run),
                     training_step_section(model_dir, num, code_block, facts, run.figures),
                     memory_section(model_dir, num, run.figures), chapter_section(11), ablation_section(12),
-                    serving_section(run, 13, facts), next_steps_section(run, 14)]
+                    finetune_section(13, qwen3_tokenizer()), serving_section(run, 14, facts), next_steps_section(run, 15)]
         sections = with_exercises(sections, run)
     return Page("\n\n".join(sections) + "\n", sections, run.figures, model_dir, run, facts)
 

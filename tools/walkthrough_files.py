@@ -423,7 +423,7 @@ def notebook_cells(page: Any) -> list[tuple[str, str]]:
     settings = trainer.PRESET_SETTINGS[PRESET]
     fill = {"train_text": TRAIN_TEXT, "context": CONTEXT, "batch": BATCH, "warmup": settings["warmup"],
             "peak": settings["lr"], "steps": settings["steps"]}
-    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code(), 13: serving_code()}
+    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code(), 14: serving_code()}
     cells = [("markdown", INSTALL), ("markdown", page.sections[0]), ("code", SETUP.format(prompt=page.run.prompt))]
     for number, section in enumerate(page.sections[1:], start=1):
         cells.append(("markdown", section))
@@ -565,14 +565,18 @@ GLOSSARY = (
     ("ablation / 消融实验", "the same training run with one piece of the architecture taken away, to measure what "
      "the piece is for (here: RoPE, QK-norm, pre-norm, the residual, SwiGLU, the KV heads)",
      "qwen_np.core.config.ABLATION_CHOICES", "--config", 12),
+    ("fine-tuning (SFT) / 微调", "training a trained model further on examples of the answers wanted: chats, the loss "
+     "on the assistant's tokens only", "qwen_np.training.chats.chat_tokens", "--data", 13),
+    ("LoRA / 低秩适配", "the weights frozen, a rank-r product B A trained beside each projection and added as "
+     "W + (alpha / r) B A; merged, an ordinary checkpoint", "qwen_np.training.lora.LoraSettings", "--lora", 13),
     ("paged KV cache / block table", "the KV cache in fixed-size blocks from one pool; a sequence's block table says "
      "which block holds which positions, so a server's requests share one memory budget",
-     "qwen_np.engine.paged.PagedKVCache", "--kv-memory", 13),
+     "qwen_np.engine.paged.PagedKVCache", "--kv-memory", 14),
     ("prefix caching", "reusing the KV blocks of a prompt's longest prefix seen before (named by a hash of their "
      "tokens), so a shared system prompt or a resent conversation is prefilled once",
-     "qwen_np.engine.paged.BlockPool.lookup", "--kv-memory", 13),
+     "qwen_np.engine.paged.BlockPool.lookup", "--kv-memory", 14),
     ("continuous batching", "one forward pass for every running request, which join and leave between any two steps: "
-     "each weight read serves every row", "qwen_np.generation.batching.BatchGenerator", "--max-batch", 13),
+     "each weight read serves every row", "qwen_np.generation.batching.BatchGenerator", "--max-batch", 14),
     ("activations / 激活", "the intermediate arrays of a forward pass; training keeps them for the backward pass",
      "qwen_np.engine.memory.training_memory", "--grad-accum", 10),
     ("recomputation (activation checkpointing)", "keep only each layer's input and run the layer again in the "
