@@ -459,7 +459,7 @@ GLOSSARY = (
     ("early stopping / 早停", "stop when validation has not improved for a number of evaluations, keep the best step",
      "qwen_np.training.trainer.run", "--patience", 11),
     ("overfitting / 过拟合", "training loss falls while validation loss rises: the model memorises its text",
-     "qwen_np.training.trainer.validate", "--eval-every", 11),
+     "qwen_np.training.trainer.TextData.validate", "--eval-every", 11),
     ("checkpoint / 检查点", "a saved state: the weights to run (2 B/parameter, BF16) or everything to resume "
      "training (12 B/parameter)", "qwen_np.training.trainer.save_state", "--resume", 11),
     ("optimizer state / 优化器状态", "AdamW's two moments per parameter and its step count; saved to resume, "
