@@ -243,7 +243,7 @@ def test_exported_model_gives_transformers_the_same_logits(tmp_path: Path, run_i
 @pytest.mark.parametrize("flags, message", [
     (["--grad-accum", "3"], "--grad-accum"),
     (["--steps", "0"], "--steps"),
-    (["--context", "65"], "--context"),
+    (["--context", "65"], "--ctx-size"),        # --context is -c/--ctx-size's alias: errors name the long name
     (["--resume"], "--resume"),
     (["--precision", "fp4"], "--precision"),
 ])
