@@ -30,8 +30,7 @@ from qwen_np.core.model import Qwen3Model  # noqa: E402
 from qwen_np.engine.memory import kv_cache_bytes_per_token  # noqa: E402
 from qwen_np.training import trainer, step as training  # noqa: E402
 from walkthrough_chapter_train import CONFIG, load_data, validation_loss  # noqa: E402
-from walkthrough_common import code_block  # noqa: E402
-from walkthrough_training import rounded  # noqa: E402
+from walkthrough_common import code_block, two  # noqa: E402
 import walkthrough_common  # noqa: E402
 
 RECORD = REPO_ROOT / "docs" / "figures" / "ablations.json"
@@ -176,16 +175,8 @@ def check_first_steps(recorded: dict[str, Any], keys: tuple[str, ...] = CHECKED_
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Train the walkthrough's ablations (about ten minutes on 2 cores) "
-                                                 "and record what the chapter shows.")
-    parser.add_argument("--out", type=Path, default=RECORD,
-                        help=f"where to write the record (default: {RECORD.relative_to(REPO_ROOT)}, which the page is made from)")
-    out = parser.parse_args(argv).out
-    result = rounded(record())
-    out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(f"wrote {out}")
+    walkthrough_common.record_main("Train the walkthrough's ablations (about ten minutes on 2 cores) "
+                                   "and record what the chapter shows.", RECORD, record, argv)
 
 
 if __name__ == "__main__":
@@ -195,18 +186,11 @@ if __name__ == "__main__":
 # --- The page ---------------------------------------------------------------------------------------
 
 def load_record() -> dict[str, Any]:
-    if not RECORD.is_file():
-        raise AssertionError(f"{RECORD} is missing: run `python tools/walkthrough_chapter_ablations.py` (about ten minutes)")
-    return json.loads(RECORD.read_text(encoding="utf-8"))
+    return walkthrough_common.read_record(RECORD, "python tools/walkthrough_chapter_ablations.py", "about ten minutes")
 
 
 def claim(holds: bool, what: str) -> None:
     walkthrough_common.claim(holds, what, "ablation chapter")
-
-
-def two(x: float) -> str:
-    """Losses to 2 decimals, as chapter 11 prints them (a long run's later digits are the BLAS kernel's)."""
-    return f"{x:.2f}"
 
 
 def figure(data_: dict[str, Any]) -> Any:

@@ -50,8 +50,9 @@ from qwen_np.files.adapter import read_adapter  # noqa: E402
 from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
 from qwen_np.generation.generate import generate  # noqa: E402
 from qwen_np.training import chats, data, evaluation, lora, trainer  # noqa: E402
-from walkthrough_training import mib, rounded  # noqa: E402
+from walkthrough_training import mib  # noqa: E402
 import walkthrough_common  # noqa: E402
+from walkthrough_common import two  # noqa: E402
 
 RECORD = REPO_ROOT / "docs" / "figures" / "finetune_run.json"
 BUNDLED = walkthrough_common.BUNDLED_MODEL
@@ -216,16 +217,8 @@ def record(progress: Callable[[str], None] = print) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Run the walkthrough's fine-tuning chapter (minutes on 2 cores) "
-                                                 "and record what it shows.")
-    parser.add_argument("--out", type=Path, default=RECORD,
-                        help=f"where to write the record (default: {RECORD.relative_to(REPO_ROOT)}, which the page is made from)")
-    out = parser.parse_args(argv).out
-    result = rounded(record())
-    out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(f"wrote {out}")
+    walkthrough_common.record_main("Run the walkthrough's fine-tuning chapter (minutes on 2 cores) "
+                                   "and record what it shows.", RECORD, record, argv)
 
 
 if __name__ == "__main__":
@@ -255,18 +248,11 @@ def check_first_steps(recorded: dict[str, Any], steps: int = CHECKED_STEPS) -> N
 # --- The page ---------------------------------------------------------------------------------------
 
 def load_record() -> dict[str, Any]:
-    if not RECORD.is_file():
-        raise AssertionError(f"{RECORD} is missing: run `python tools/walkthrough_chapter_finetune.py` (minutes)")
-    return json.loads(RECORD.read_text(encoding="utf-8"))
+    return walkthrough_common.read_record(RECORD, "python tools/walkthrough_chapter_finetune.py", "minutes")
 
 
 def claim(holds: bool, what: str) -> None:
     walkthrough_common.claim(holds, what, "fine-tuning chapter")
-
-
-def two(x: float) -> str:
-    """Losses to 2 decimals: their later digits are the BLAS kernel's (see the module docstring)."""
-    return f"{x:.2f}"
 
 
 def marked(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> str:

@@ -37,6 +37,7 @@ from qwen_np.core.sampling import SamplingParams  # noqa: E402
 from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
 from walkthrough_training import below, mib, rounded  # noqa: E402
 import walkthrough_common  # noqa: E402
+from walkthrough_common import two  # noqa: E402
 
 RECORD = REPO_ROOT / "docs" / "figures" / "training_run.json"
 # Where the early-stopping run's best and stop steps land over seeds and BLAS kernels (--spread adds to it).
@@ -346,18 +347,11 @@ if __name__ == "__main__":
 # --- The page ---------------------------------------------------------------------------------------
 
 def load_record() -> dict[str, Any]:
-    if not RECORD.is_file():
-        raise AssertionError(f"{RECORD} is missing: run `python tools/walkthrough_chapter_train.py` (a few minutes)")
-    return json.loads(RECORD.read_text(encoding="utf-8"))
+    return walkthrough_common.read_record(RECORD, "python tools/walkthrough_chapter_train.py", "a few minutes")
 
 
 def claim(holds: bool, what: str) -> None:
     walkthrough_common.claim(holds, what, "training chapter")
-
-
-def two(x: float) -> str:
-    """Losses to 2 decimals: a long run's later digits are the BLAS kernel's (see the module docstring)."""
-    return f"{x:.2f}"
 
 
 def data_part(rec: dict[str, Any]) -> str:

@@ -7,12 +7,13 @@ import contextlib
 import hashlib
 import inspect
 import io
+import json
 import re
 import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -220,3 +221,31 @@ def claim(holds: bool, what: str, where: str) -> None:
     generator stops, so that text cannot drift from what the code or the measurement shows."""
     if not holds:
         raise AssertionError(f"{where}: the run or record no longer shows that {what}; re-run or re-record, then rewrite")
+
+
+# --- The recorded chapters (11-13): a run too slow for every test, recorded once, the page made from it ---
+
+def read_record(path: Path, command: str, takes: str) -> dict[str, Any]:
+    """A chapter's recorded run, or an AssertionError naming the command that records it (and how long it takes)."""
+    if not path.is_file():
+        raise AssertionError(f"{path} is missing: run `{command}` ({takes})")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def record_main(description: str, default: Path, record: Callable[[], Any], argv: list[str] | None) -> None:
+    """A chapter script's command line: run `record` and write what it returns (rounded) to --out."""
+    import argparse
+
+    from walkthrough_training import rounded
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=default,
+                        help=f"where to write the record (default: {default.relative_to(REPO_ROOT)}, the page's source)")
+    out = parser.parse_args(argv).out
+    out.write_text(json.dumps(rounded(record()), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
+
+
+def two(x: float) -> str:
+    """Losses to 2 decimals, as the recorded chapters print them: a long run's later digits are the BLAS kernel's."""
+    return f"{x:.2f}"
