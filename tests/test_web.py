@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reference.logit_match import RELATIVE_TOLERANCE, max_relative_error
 
 from qwen_np.serving import explorer
 from qwen_np import load_model
@@ -154,8 +155,8 @@ def test_the_flow_holds_the_trace_s_vectors_at_the_last_position(bundled, model,
     L = model.config.num_hidden_layers
     assert [row["name"] for row in answer["flow"]] == ["model.embed_tokens", *[f"model.layers.{i}.{step}" for i in range(L)
             for step in ("self_attn.o_proj", "residual_attn", "mlp.down_proj", "residual_mlp")], "model.norm"]
-    for row in answer["flow"]:
-        np.testing.assert_allclose(row["values"], seen[row["name"]], rtol=1e-5, atol=1e-6, err_msg=row["name"])
+    for row in answer["flow"]:        # the suite's one closeness rule: the kernels round the last digits apart
+        assert max_relative_error(np.asarray(row["values"]), seen[row["name"]]) <= RELATIVE_TOLERANCE, row["name"]
     probs = np.exp(logits[-1] - logits[-1].max())
     probs /= probs.sum()
     bins = answer["probability_bins"]
