@@ -14,6 +14,7 @@ from qwen_np.core.config import Qwen3Config
 from qwen_np.engine.loading import load_model
 from qwen_np.training.trainer import init_parameters, model_from_parameters
 from qwen_np.training.step import loss_and_gradients
+from reference.finite_differences import central_difference
 from reference.logit_match import max_relative_error
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gradients"
@@ -110,17 +111,8 @@ def assert_central_differences(config: Qwen3Config, recompute_too: bool = False)
     def loss() -> float:
         return gradients.cross_entropy(gradients.forward_with_tape(model, batch[:, :-1])[0], batch[:, 1:])[0]
 
-    h = 1e-6
     for name, p in params.items():
-        numeric = np.empty_like(p)
-        for index in np.ndindex(p.shape):
-            saved = p[index]
-            p[index] = saved + h
-            up = loss()
-            p[index] = saved - h
-            down = loss()
-            p[index] = saved
-            numeric[index] = (up - down) / (2 * h)
+        numeric = central_difference(loss, p)
         assert np.abs(grads[name] - numeric).max() <= 1e-7 * max(1.0, np.abs(numeric).max()), name
 
 

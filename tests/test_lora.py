@@ -16,6 +16,7 @@ from qwen_np.numbers.numerics import Adapted, upcast
 from qwen_np.training import gradients, lora
 from qwen_np.training.step import loss_and_gradients
 from qwen_np.training.trainer import init_parameters, model_from_parameters
+from reference.finite_differences import central_difference
 
 MICRO = dict(vocab_size=13, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=4, max_position_embeddings=16)
@@ -25,19 +26,6 @@ def random_adapter(rng: np.random.Generator, out: int, inp: int, rank: int, dtyp
     """An adapter with B nonzero too (a fresh one's B is zero, which would leave dA zero and untested)."""
     return Adapted(rng.standard_normal((out, inp)).astype(dtype), rng.standard_normal((rank, inp)).astype(dtype),
                    rng.standard_normal((out, rank)).astype(dtype), scale=0.75)
-
-
-def central_difference(f, p: np.ndarray, h: float = 1e-6) -> np.ndarray:
-    numeric = np.empty_like(p)
-    for index in np.ndindex(p.shape):
-        saved = p[index]
-        p[index] = saved + h
-        up = f()
-        p[index] = saved - h
-        down = f()
-        p[index] = saved
-        numeric[index] = (up - down) / (2 * h)
-    return numeric
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
