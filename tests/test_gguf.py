@@ -1,7 +1,8 @@
 """GGUF in and out: export -> load round trips, the metadata and tensor mapping, damaged files, the
 tokenizer rebuilt from tokenizer.ggml.* on the real Qwen3 vocabulary, and the CLI.
 
-llama.cpp cannot be installed offline here: files are checked through gguf's own reader and qwen_np.
+Files llama.cpp itself made (its converter and quantizer) are committed fixtures (tests/fixtures/llama_cpp);
+the rest are checked through gguf's own reader and writer and qwen_np.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from qwen_np.files.model_files import open_checkpoint, read_config, read_generat
 from qwen_np.numbers.numerics import upcast
 from qwen_np.core.sampling import SamplingParams
 from conftest import BUNDLED, HANG_SECONDS, QWEN3_RANDOM, ROOT, write_random_checkpoint
+from reference.logit_match import assert_logits_match
 
 PROMPT = [5, 17, 300, 42, 1999, 7, 7, 64, 1024, 3]
 
@@ -510,33 +512,35 @@ def test_every_block_kind_is_kept_as_views_of_the_file_and_planned_at_its_size(b
     assert stored < blocks_file.stat().st_size                      # the rest: metadata and the vocabulary
 
 
-def test_a_block_kind_gguf_gives_transformers_logits_on_ggufs_own_dequantization(blocks_file: Path) -> None:
-    """The done-when's check, on a tiny random Qwen3: transformers' Qwen3ForCausalLM with the file's tensors
-    as transformers' own GGUF loader reads them (gguf.quants.dequantize, its name mapping) against
-    qwen_np kept as stored, fast and readable, a prompt at once and then decoded a token and 5 at a time:
-    within 1e-4 of the largest logit, the same argmax."""
+def assert_transformers_logits_on_ggufs_dequantization(path: Path, config_folder: Path) -> None:
+    """The done-when's check: transformers' Qwen3ForCausalLM with the file's tensors as transformers' own GGUF
+    loader reads them (gguf.quants.dequantize, its name mapping) against qwen_np kept as stored, fast and
+    readable, a prompt at once and then decoded a token and 5 at a time: within 1e-4 of the largest logit,
+    the same argmax (tests/reference/logit_match.py at the done-when's tolerance)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from transformers import AutoConfig, Qwen3ForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(blocks_file.parent / "ckpt")
+    config = AutoConfig.from_pretrained(config_folder)
     config._attn_implementation = "eager"
     reference = Qwen3ForCausalLM(config).float().eval()
-    tensors = load_gguf_checkpoint(blocks_file, return_tensors=True, model_to_load=reference)["tensors"]
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=reference)["tensors"]
     missing, unexpected = reference.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}          # tied: the embedding's
     ids = [5, 17, 300, 42, 1999, 7, 7, 64, 1024, 3, 11, 12, 13, 14, 15, 16]
     with torch.no_grad():
         want = reference(torch.tensor([ids])).logits[0].numpy()
     for fast in (True, False):
-        model = load_model(blocks_file, memory="stored", fast=fast)
+        model = load_model(path, memory="stored", fast=fast)
         cache = model.new_cache(32)
         got = np.concatenate([model.forward(ids[:10], cache), model.forward(ids[10:11], cache),
                               model.forward(ids[11:], cache)])
-        error = np.abs(got - want).max() / np.abs(want).max()
-        assert error < 1e-4, f"fast={fast}: {error:.2e} of the largest logit"
-        assert np.array_equal(got.argmax(-1), want.argmax(-1))
+        assert_logits_match(got, want, f"{path.name}, fast={fast}", tolerance=1e-4)
+
+
+def test_a_block_kind_gguf_gives_transformers_logits_on_ggufs_own_dequantization(blocks_file: Path) -> None:
+    assert_transformers_logits_on_ggufs_dequantization(blocks_file, blocks_file.parent / "ckpt")
 
 
 def test_int8_from_a_block_kind_gguf_requantizes_its_dequantized_rows(blocks_file: Path) -> None:
@@ -559,6 +563,39 @@ def test_an_extensionless_copy_of_a_block_kind_gguf_loads_as_the_file(blocks_fil
     shutil.copy(blocks_file, blob)
     assert np.array_equal(load_model(blob, memory="stored").forward(PROMPT),
                           load_model(blocks_file, memory="stored").forward(PROMPT))
+
+
+# --- Files llama.cpp made ----------------------------------------------------------------------------
+# Made by llama.cpp's own converter and quantizer (tests/fixtures/llama_cpp/README.md; remade by
+# tools/make_llama_cpp_ggufs.py): its scales and minima as its quantizer picks them, its per-tensor mixes
+# (Q4_K_M's Q6_K layers, Q3_K_M's four kinds, Q4_0's Q6_K embedding), its metadata and alignment.
+
+LLAMA_CPP = ROOT / "tests" / "fixtures" / "llama_cpp"
+LLAMA_CPP_FILES = sorted(LLAMA_CPP.glob("*.gguf"))
+
+
+def test_the_llama_cpp_fixtures_are_the_done_whens_six_mixes() -> None:
+    assert {p.stem for p in LLAMA_CPP_FILES} >= {"Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q8_0", "Q4_0", "Q4_K_M-untied"}
+
+
+@pytest.mark.parametrize("path", LLAMA_CPP_FILES, ids=lambda p: p.stem)
+def test_a_file_llama_cpps_quantizer_made_is_held_as_its_blocks_at_its_size(path: Path) -> None:
+    from qwen_np.numbers.formats import FormatRows
+    from qwen_np.numbers.ggml_blocks import BlockRows
+
+    model = load_model(path, memory="stored")
+    assert GGUFCheckpoint(path).dequantization_note() is None          # nothing widened to FP32 at load
+    for layer in model.layers:
+        for key in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            assert isinstance(getattr(layer, key), (BlockRows, FormatRows)), f"{path.name}: {key}"
+    assert model.plan.stored_weight_bytes <= 1.25 * path.stat().st_size
+
+
+@pytest.mark.parametrize("path", LLAMA_CPP_FILES, ids=lambda p: p.stem)
+def test_a_file_llama_cpps_quantizer_made_gives_transformers_logits_on_its_dequantization(path: Path, tmp_path: Path) -> None:
+    config = json.loads((LLAMA_CPP / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": "untied" not in path.stem}))
+    assert_transformers_logits_on_ggufs_dequantization(path, tmp_path)
 
 
 # --- The tokenizer on the real Qwen3 vocabulary ----------------------------------------------------
