@@ -364,6 +364,19 @@ def edge_blocks(kind: str) -> np.ndarray:
     return np.array(blocks)[:, None, :]                                 # one block per row
 
 
+# The kinds a GGUF kept as stored may hold: each BlockRows kind, and Q6_K with its codes unpacked at load.
+HELD_BLOCK_KINDS = [*FP16_FIELDS, "Q6_K-unpacked"]
+
+
+def block_rows(kind: str, raw: np.ndarray):
+    """`raw` blocks as `kind` holds them: BlockRows, or for "Q6_K-unpacked" BlockRows(...).unpacked()."""
+    from qwen_np.numbers.ggml_blocks import BlockRows
+
+    name, _, unpacked = kind.partition("-")
+    held = BlockRows(name, raw)
+    return held.unpacked() if unpacked else held
+
+
 def test_the_block_kinds_have_ggufs_block_sizes(gguf) -> None:
     from qwen_np.numbers.ggml_blocks import BLOCK_KINDS
 
@@ -371,18 +384,17 @@ def test_the_block_kinds_have_ggufs_block_sizes(gguf) -> None:
         assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]] == (kind.values, kind.size), name
 
 
-@pytest.mark.parametrize("kind", list(FP16_FIELDS))
+@pytest.mark.parametrize("kind", HELD_BLOCK_KINDS)
 def test_every_block_kind_widens_bit_for_bit_as_ggufs_dequantizer(gguf, kind: str) -> None:
     """Random blocks (every byte value, any finite FP16 scale) and edge blocks (the largest, subnormal and
     zero scales with codes all 0 or all 1): the same FP32 bits as gguf.quants.dequantize, for the whole
     matrix, a slice of its rows widened into part of a larger buffer, and gathered rows."""
-    from qwen_np.numbers.ggml_blocks import BlockRows
-
-    qtype = gguf.GGMLQuantizationType[kind]
-    for raw in (random_blocks(kind, 12, 5, seed=1), edge_blocks(kind)):
+    name = kind.partition("-")[0]
+    qtype = gguf.GGMLQuantizationType[name]
+    for raw in (random_blocks(name, 12, 5, seed=1), edge_blocks(name)):
         reference = gguf.quants.dequantize(raw.reshape(len(raw), -1), qtype)       # [rows, in]
         assert np.isfinite(reference).all()
-        held = BlockRows(kind, raw)
+        held = block_rows(kind, raw)
         assert held.shape == reference.shape
         widened = np.empty(reference.shape, np.float32)
         held.widen(widened)
@@ -405,15 +417,14 @@ def test_blocks_quantized_by_gguf_widen_to_its_dequantization(gguf, kind: str) -
     assert same_bits(upcast(BlockRows(kind, blocks.reshape(16, 8, -1))), reference)
 
 
-@pytest.mark.parametrize("kind", [*FP16_FIELDS, "q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", [*HELD_BLOCK_KINDS, "q8_0", "q4_0"])
 def test_groups_are_codes_scales_and_offsets_whose_widening_is_the_weight(kind: str) -> None:
     """What the fast path multiplies: w = a q + b per group, q small integers, a and b [rows, in/g]."""
-    from qwen_np.numbers.ggml_blocks import BlockRows
     from qwen_np.numbers.formats import FormatRows
     from qwen_np.numbers.numerics import Grouped
 
-    if kind in FP16_FIELDS:
-        held: Grouped = BlockRows(kind, random_blocks(kind, 6, 2, seed=3))
+    if kind in HELD_BLOCK_KINDS:
+        held: Grouped = block_rows(kind, random_blocks(kind.partition("-")[0], 6, 2, seed=3))
     else:
         held = FormatRows(kind, get_format(kind).quantize(random_weights(6, 512, seed=3)), 512)
     codes, a, b = held.groups()
@@ -424,16 +435,15 @@ def test_groups_are_codes_scales_and_offsets_whose_widening_is_the_weight(kind: 
     assert np.allclose(by_group.reshape(rows, columns), upcast(held), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("kind", [*FP16_FIELDS, "q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", [*HELD_BLOCK_KINDS, "q8_0", "q4_0"])
 def test_coded_codes_are_the_groups_codes_in_code_order(kind: str) -> None:
     """coded(), the fast path's unpacking: the same codes as groups(), read in code_order (the value index of
     each input), planes [P, rows, in/P], and a, b per group of that order; the values a q + b are the weight's."""
-    from qwen_np.numbers.ggml_blocks import BlockRows
     from qwen_np.numbers.formats import FormatRows
     from qwen_np.numbers.numerics import Grouped
 
-    if kind in FP16_FIELDS:
-        held: Grouped = BlockRows(kind, random_blocks(kind, 6, 2, seed=5))
+    if kind in HELD_BLOCK_KINDS:
+        held: Grouped = block_rows(kind, random_blocks(kind.partition("-")[0], 6, 2, seed=5))
     else:
         held = FormatRows(kind, get_format(kind).quantize(random_weights(6, 512, seed=5)), 512)
     rows, columns = held.shape

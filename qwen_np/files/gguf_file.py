@@ -50,7 +50,7 @@ from .checkpoint import Checkpoint, TensorInfo
 from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors
 from ..errors import QwenNPError
 from ..numbers.formats import FormatRows
-from ..numbers.ggml_blocks import BLOCK_KINDS, BlockRows
+from ..numbers.ggml_blocks import BLOCK_KINDS, UNPACKED_KINDS, BlockRows
 from ..numbers.numerics import Weight, upcast
 from ..core.sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -61,6 +61,9 @@ STORED_TYPES = {GGML.F32: "F32", GGML.F16: "F16", GGML.BF16: "BF16"}
 # Held as their blocks when the weights are kept as stored (--memory bf16, or auto when FP32 does not fit):
 # ggml type -> the formats.HELD_FORMATS name whose parts hold the same scales and codes.
 BLOCK_FORMATS = {GGML.Q8_0: "q8_0", GGML.Q4_0: "q4_0"}
+# Kept as stored, the Q6_K tensors (ggml_blocks.UNPACKED_KINDS) are held unpacked while that adds at most this
+# share to the bytes of the file's tensors (GGUFCheckpoint._unpacked): speed for a bounded cost in memory.
+UNPACK_BUDGET = 0.15
 # Qwen2's pre-tokenizer regex (tokenizer.ggml.pre = "qwen2"), as in llama.cpp's src/llama-vocab.cpp and
 # in the Split of every Qwen2/Qwen3 tokenizer.json.
 QWEN2_PRE = "qwen2"
@@ -238,6 +241,16 @@ class _Reader(GGUFReader):
     @data.setter
     def data(self, mapped: np.memmap) -> None:
         self._bytes = mapped.view(np.ndarray)   # the same pages; the view keeps the map alive
+        self._map: mmap.mmap = mapped._mmap     # type: ignore[attr-defined]
+
+    def release(self, start: int, nbytes: int) -> None:
+        """Drop the whole pages of bytes [start, start + nbytes) from this process's memory (the page cache
+        keeps them; a later read maps them again): a tensor copied out of the file would otherwise count
+        twice in the process's resident memory, as its copy and as the file's pages it was read from."""
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > first and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def open_reader(path: str | Path) -> _Reader:
@@ -413,6 +426,7 @@ class GGUFCheckpoint(Checkpoint):
         self._maps = {}
         self._quantized: dict[str, Any] = {}
         self.tensors = self._index()
+        self.unpacked = self._unpacked()           # names held as ggml_blocks.UnpackedRows
 
     def _index(self) -> dict[str, TensorInfo]:
         reader = open_reader(self.folder)
@@ -457,11 +471,51 @@ class GGUFCheckpoint(Checkpoint):
     def held(self, name: str) -> Weight:
         """Q8_0 and Q4_0 tensors as their blocks (formats.FormatRows: the file's scales and codes as two
         strided views of its memory-mapped blocks), the other block kinds as their blocks' bytes
-        (ggml_blocks.BlockRows, a view of the file); the rest as Checkpoint holds them (IQ kinds
-        dequantized to FP32)."""
+        (ggml_blocks.BlockRows, a view of the file), those of unpacked() with their codes unpacked
+        (ggml_blocks.UnpackedRows, the file's pages then let go); the rest as Checkpoint holds them (IQ
+        kinds dequantized to FP32)."""
+        blocks = self._blocks(name)
+        if blocks is None:
+            return super().held(name)
+        if name not in self.unpacked:
+            return blocks
+        assert isinstance(blocks, BlockRows)
+        unpacked, tensor = blocks.unpacked(), self._quantized[name]
+        open_reader(self.folder).release(int(tensor.data_offset), int(tensor.n_bytes))
+        return unpacked
+
+    def _unpacked(self) -> frozenset[str]:
+        """The tensors held with their codes unpacked (ggml_blocks.UNPACKED_KINDS: Q6_K), in the table's
+        order while they add at most UNPACK_BUDGET to the bytes the file's tensors hold: a file mixing in
+        Q6_K (Q4_K_M, Q5_K_M, ...: its Q6_K is a quarter to a half of the bytes) gets all of them, an
+        all-Q6_K file about half."""
+        budget = UNPACK_BUDGET * sum(int(t.n_bytes) for t in _tensors_by_name(open_reader(self.folder)).values())
+        chosen = []
+        for name, tensor in self._quantized.items():
+            if tensor.tensor_type.name not in UNPACKED_KINDS:
+                continue
+            extra = self._held_bytes(name, unpacked=True) - int(tensor.n_bytes)
+            if extra <= budget:
+                budget -= extra
+                chosen.append(name)
+        return frozenset(chosen)
+
+    def _held_bytes(self, name: str, unpacked: bool) -> int:
+        """The bytes tensor `name` takes held as stored: the file's bytes as blocks; unpacked (UnpackedRows),
+        a byte a code and one a group's scale, 4 bytes a block's d; 4 a value dequantized to FP32."""
         tensor = self._quantized.get(name)
         if tensor is None or not _held_as_blocks(tensor):
-            return super().held(name)
+            return self.tensors[name].nbytes
+        if not unpacked:
+            return int(tensor.n_bytes)
+        kind, values = BLOCK_KINDS[tensor.tensor_type.name], math.prod(self.tensors[name].shape)
+        return values + values // kind.group + 4 * values // kind.values
+
+    def _blocks(self, name: str) -> Weight | None:
+        """A quantized tensor held as blocks (FormatRows or BlockRows, views of the file), else None."""
+        tensor = self._quantized.get(name)
+        if tensor is None or not _held_as_blocks(tensor):
+            return None
         rows, columns = self.tensors[name].shape
         block_values, _ = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
         blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, columns // block_values, -1)   # [out, in/QK, bytes]
@@ -475,14 +529,10 @@ class GGUFCheckpoint(Checkpoint):
         return FormatRows(fmt, (codes.view(np.int8) if fmt == "q8_0" else codes, scales), columns)
 
     def held_bytes_per_value(self) -> float:
-        """As held "as stored": the file's bytes for F32/F16/BF16 and the tensors held as their blocks; 4 a
-        value for the tensors dequantized to FP32 (their TensorInfo counts them so)."""
-        def held_bytes(name: str, info: TensorInfo) -> int:
-            tensor = self._quantized.get(name)
-            return int(tensor.n_bytes) if tensor is not None and _held_as_blocks(tensor) else info.nbytes
-
+        """As held "as stored": the file's bytes for F32/F16/BF16 and the tensors held as their blocks, the
+        unpacked ones' codes and scales, 4 a value for the tensors dequantized to FP32 (_held_bytes)."""
         values = sum(math.prod(info.shape) for info in self.tensors.values())
-        return sum(held_bytes(name, info) for name, info in self.tensors.items()) / values
+        return sum(self._held_bytes(name, name in self.unpacked) for name in self.tensors) / values
 
     def mapped(self, name: str) -> np.ndarray:
         return self._dequantized(name) if name in self._quantized else super().mapped(name)
@@ -494,8 +544,9 @@ class GGUFCheckpoint(Checkpoint):
         """A quantized tensor in FP32: its blocks widened (the same bits as gguf.quants.dequantize, ~50x
         faster) where it is held as blocks, else gguf's dequantizer."""
         tensor = self._quantized[name]
-        if _held_as_blocks(tensor):
-            return upcast(self.held(name))
+        blocks = self._blocks(name)
+        if blocks is not None:
+            return upcast(blocks)
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:

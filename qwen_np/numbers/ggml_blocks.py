@@ -416,3 +416,97 @@ class BlockRows:
         elif kind.offset:
             b = np.multiply(a, np.float32(-kind.offset), out=scratch("ggml.coded.b", a.shape, F32))
         return planes.reshape(planes.shape[0], planes.shape[1], -1), a, b
+
+    def unpacked(self) -> "UnpackedRows":
+        """These rows with their codes taken out of the blocks once (UnpackedRows), a block of rows at a time."""
+        kind, blocks = BLOCK_KINDS[self.kind], self.blocks.reshape(-1, *self.blocks.shape[-2:])
+        assert kind.planes is not None and kind.offset and kind.name in UNPACKED_KINDS, kind.name
+        rows, count = blocks.shape[:2]
+        codes = np.empty((rows, count * kind.values), np.int8)
+        scales = np.empty((count * kind.values // kind.group, rows), np.int8)
+        d = np.empty((count, rows), F32)
+        order = _group_order(kind.layout, count, kind.group)
+        step = max(1, UNPACK_VALUES // (count * kind.values))
+        for start in range(0, rows, step):
+            part = blocks[start:start + step]
+            planes = kind.planes(part)[0]                                       # [P, n, nb, L]: q + offset
+            np.subtract(planes.reshape(planes.shape[0], len(part), -1).transpose(1, 0, 2), kind.offset,
+                        out=codes[start:start + step].reshape(len(part), planes.shape[0], -1), casting="unsafe")
+            value_scales = _by_group(part, 192, 16, "scales").view(np.int8)     # [nb, 16, n]
+            np.take(value_scales.reshape(-1, len(part)), order, axis=0, out=scales[:, start:start + step])
+            d[:, start:start + step] = _by_group(part, 208, 1, "d", F32)[:, 0]
+        return UnpackedRows(self.kind, codes, scales, d)
+
+
+# Q6_K's codes are unpacked once, at load, when its file is kept as stored (gguf_file decides which
+# tensors, within a memory budget): its 6-bit fields in groups of 16 made taking them apart ~45% of
+# every product (one thread, [3072, 1024], one token: 1.9x BF16's time as blocks, 1.0x unpacked; a
+# loaded machine, ratios side by side). A byte a code and a byte a scale of 16 is 1.30x its blocks' 210
+# bytes per 256 values. Its layout is the one the unpacking above reads (scales at 192, d at 208).
+UNPACKED_KINDS = frozenset({"Q6_K"})
+UNPACK_VALUES = 1024 ** 2                     # codes unpacked per step: the planes' scratch stays near L2
+
+
+@dataclass(frozen=True)
+class UnpackedRows:
+    """A Q6_K matrix [out, in] with its codes taken out of the blocks: codes int8 [out, in] in code_order's
+    order (q itself, -32..31), the integer scales s int8 [in/16, out] of its groups in that order, and
+    each block's d FP32 [in/256, out]; w = a q with a = d s per group (exact in FP32: 11 + 8 bits), the
+    values BlockRows gives, bit for bit (tests/test_formats.py). A numerics.Grouped weight kind."""
+
+    kind: str
+    codes: np.ndarray                           # int8 [out, in], code order
+    scales: np.ndarray                          # int8 [G, out], code order
+    d: np.ndarray                               # FP32 [in/QK, out]
+
+    dtype = np.dtype(np.int8)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def group(self) -> int:
+        return BLOCK_KINDS[self.kind].group
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.d.nbytes
+
+    def __getitem__(self, rows: Any) -> "UnpackedRows":
+        return UnpackedRows(self.kind, self.codes[rows], self.scales[:, rows], self.d[:, rows])
+
+    @property
+    def code_order(self) -> np.ndarray:
+        return code_order(BLOCK_KINDS[self.kind].layout, self.d.shape[0])
+
+    def _a(self) -> np.ndarray:
+        """a = d s [G, rows] in code order, into this thread's scratch."""
+        kind = BLOCK_KINDS[self.kind]
+        block_of_group = _group_order(kind.layout, self.d.shape[0], kind.group) // (kind.values // kind.group)
+        a = np.take(self.d, block_of_group, axis=0, out=scratch("ggml.unpacked.a", self.scales.shape, F32))
+        a *= self.scales
+        return a
+
+    def coded(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(codes [1, rows, in] int8, a [in/g, rows] FP32, None): as BlockRows.coded(), the offset already
+        taken off the codes; a is a view of this thread's scratch, valid until its next call."""
+        return self.codes[None], self._a(), None
+
+    def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(codes [rows, in], a [rows, in/g], None) in value order, as BlockRows.groups()."""
+        kind = BLOCK_KINDS[self.kind]
+        order = self.code_order
+        codes = scratch("ggml.unpacked.codes", self.codes.shape, np.int8)
+        codes[:, order] = self.codes
+        a = scratch("ggml.unpacked.value_a", self.scales.shape, F32)
+        a[_group_order(kind.layout, self.d.shape[0], kind.group)] = self._a()
+        return codes, a.T, None
+
+    def widen(self, out: np.ndarray) -> None:
+        """The rows' FP32 values into out (their shape), bit for bit as gguf.quants.dequantize."""
+        widen_groups(*self.groups(), out=out.reshape(-1, out.shape[-1]))
