@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import numpy as np
@@ -16,14 +19,16 @@ import pytest
 from qwen_np import cli
 from qwen_np.core.sampling import SamplingParams
 from qwen_np.engine.loading import load_model
-from qwen_np.errors import QwenNPError
-from qwen_np.files.model_files import read_generation_defaults
+from qwen_np.errors import APIError, QwenNPError
+from qwen_np.files.model_files import open_model, read_generation_defaults
 from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.generation import constraints
-from qwen_np.generation.batching import BatchGenerator, Request
+from qwen_np.generation.batching import BatchGenerator, BatchRunner, Request
 from qwen_np.generation.generate import Continuation, generate, prompt_ids
 from qwen_np.generation.speculative import Draft, draft_speculation, lookup_speculation
 from qwen_np.generation.tool_calls import parse_reply
+from qwen_np.serving import launch
+from qwen_np.serving.requests import Service
 
 from conftest import QWEN3_RANDOM, write_random_checkpoint
 
@@ -296,3 +301,71 @@ def test_without_llguidance_constraints_are_one_clear_error(tok, monkeypatch) ->
     monkeypatch.setitem(sys.modules, "llguidance", None)       # what a missing package looks like to import
     with pytest.raises(QwenNPError, match=r"llguidance package \(pip install 'qwen_np\[constraints\]'\)"):
         constraints.vocabulary(Tokenizer.from_folder(QWEN3_RANDOM), 151936, [151645])
+
+
+# --- serve's vocabulary: built on first need, once ------------------------------------------------------
+
+SCHEMA_BODY = {"messages": [{"role": "user", "content": "Describe a person."}], "max_tokens": 8,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+
+
+def served(model, announce=lambda line: None):
+    """A Service over the random Qwen3 as `serve` makes it: its files read afresh (so its vocabulary is new)."""
+    files = open_model(QWEN3_RANDOM)
+    generator = BatchGenerator(model, files.tokenizer, eos_token_ids=files.generation_defaults.eos_token_ids,
+                               max_batch=2, context=256)
+    return Service((str(QWEN3_RANDOM),), files.tokenizer, files.generation_defaults, BatchRunner(generator), 256, 8,
+                   vocabulary=launch.grammar_vocabulary(files, announce))
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list[int]:
+    """The engine tokenizers built while a test runs (one entry each: the thread that built it). Each build
+    waits a moment first, GIL released, as a loaded machine might: a second thread then has every chance to
+    start a build of its own."""
+    import llguidance
+
+    built, real = [], llguidance.LLTokenizer
+
+    def counted(*args, **kwargs):
+        built.append(threading.get_ident())
+        time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", counted)
+    return built
+
+
+def ask(service, body: dict) -> Request:
+    prompt, thinking = service.chat_prompt(body)
+    return service.request(body, prompt, thinking, chat=True)
+
+
+def test_serve_builds_the_grammar_vocabulary_at_the_first_grammar_request_never_before(model, builds) -> None:
+    service = served(model)
+    assert ask(service, {**SCHEMA_BODY, "response_format": None}).grammar is None
+    service.request({"prompt": "Hello", "max_tokens": 4}, service.completion_prompt({"prompt": "Hello"}), None)
+    assert builds == []                                   # started and served, no grammar asked for: none built
+    first, second = ask(service, SCHEMA_BODY), ask(service, {**SCHEMA_BODY, "tools": [WEATHER], "response_format": None})
+    assert len(builds) == 1 and first.grammar is not None and second.grammar is not None
+    assert first.grammar.vocabulary is second.grammar.vocabulary is service.vocabulary
+
+
+def test_two_grammar_requests_at_once_build_the_vocabulary_once(model, builds) -> None:
+    service = served(model)
+    start = threading.Barrier(2)
+    with ThreadPoolExecutor(2) as pool:
+        requests = list(pool.map(lambda body: (start.wait(), ask(service, body))[1], [SCHEMA_BODY, SCHEMA_BODY]))
+    assert len(builds) == 1 and all(request.grammar is not None for request in requests)
+
+
+def test_without_llguidance_serve_says_so_at_start_and_refuses_grammar_requests_by_field(model, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    lines: list[str] = []
+    service = served(model, lines.append)
+    assert service.vocabulary is None and lines == [
+        "tools and response_format are refused: constrained decoding needs llguidance (pip install 'qwen_np[constraints]')"]
+    assert ask(service, {**SCHEMA_BODY, "response_format": None}).grammar is None
+    with pytest.raises(APIError, match="response_format: needs constrained decoding") as refused:
+        ask(service, SCHEMA_BODY)
+    assert refused.value.status == 400 and refused.value.param == "response_format"

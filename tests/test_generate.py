@@ -11,11 +11,14 @@ import pytest
 import qwen_np.generation.generate as generation
 from qwen_np import load_model
 from qwen_np.errors import QwenNPError
-from qwen_np.generation.generate import ChatSession, GenerationStats, context_budget, generate, prompt_ids, resolve_sampling
+from qwen_np.generation.generate import (ChatSession, Chosen, GenerationStats, context_budget, generate, prompt_ids,
+                                        resolve_sampling)
 from qwen_np.files.model_files import read_generation_defaults
+from qwen_np.generation.speculative import lookup_speculation
 from qwen_np.core.sampling import SamplingParams
 from qwen_np.files.tokenizer import Tokenizer, chat_delta
 from conftest import QWEN3_RANDOM
+from reference.logit_match import assert_logits_match
 
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=11)
@@ -105,6 +108,17 @@ def test_same_seed_same_tokens(model, tok) -> None:
     assert [e.token_id for e in run(model, tok, ids, SAMPLED, n=10)] == first
     other = dataclasses.replace(SAMPLED, seed=12)
     assert [e.token_id for e in run(model, tok, ids, other, n=10)] != first
+
+
+@pytest.mark.parametrize("speculation", [None, lookup_speculation(2, 3)], ids=["plain", "lookup"])
+def test_an_observer_sees_each_chosen_token_with_its_raw_logits_and_changes_nothing(model, tok, speculation) -> None:
+    ids = tok.encode("Once upon a time, once upon a time")
+    seen: list[Chosen] = []
+    events = run(model, tok, ids, SAMPLED, n=10, speculation=speculation, observe=seen.append)
+    assert events == run(model, tok, ids, SAMPLED, n=10, speculation=speculation)
+    assert [c.token for c in seen] == [e.token_id for e in events] and all(c.allowed is None for c in seen)
+    for i, chosen in enumerate(seen):                    # the model's own logits at that position, unfiltered
+        assert_logits_match(chosen.logits, model.forward(ids + [e.token_id for e in events[:i]])[-1], f"step {i}")
 
 
 def test_trace_sees_the_prefill_and_the_first_decode_step_only(model, tok) -> None:

@@ -31,6 +31,7 @@ from qwen_np.inspection.trace import statistics
 from qwen_np.core.sampling import SamplingParams, apply_repetition_penalty, warp
 from qwen_np.files.model_files import folder_generation_defaults
 from qwen_np.files.tokenizer import Tokenizer
+from qwen_np.generation.generate import generate, resolve_sampling
 from conftest import HANG_SECONDS
 from test_serve import ROOT, MODEL, assert_openai_error, get, post, serving
 
@@ -207,6 +208,24 @@ def test_the_mask_view_reports_each_step_s_allowed_tokens_and_the_likeliest_it_r
         ids.append(step["token"]["id"])
     assert_openai_error(*ask(bundled, "/explorer/mask", prompt="x", json_schema=NAME_SCHEMA, max_tokens=999), 400, "max_tokens")
     assert_openai_error(*ask(bundled, "/explorer/mask", prompt="x", json_schema=NAME_SCHEMA, stream=True), 400, "stream")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [{"temperature": 0}, {"temperature": 1.0, "seed": 3}, {"temperature": 1.2, "seed": 8}],
+                         ids=["greedy", "seed 3", "seed 8"])
+def test_the_mask_view_s_reply_is_generate_s_for_the_same_schema_settings_and_seed(bundled, model, tokenizer,
+                                                                                    settings) -> None:
+    constraints = pytest.importorskip("qwen_np.generation.constraints")
+    pytest.importorskip("llguidance")
+    status, answer = ask(bundled, "/explorer/mask", prompt="ROMEO:", json_schema=NAME_SCHEMA, max_tokens=32, **settings)
+    assert status == 200, answer
+    defaults = folder_generation_defaults(ROOT / BUNDLED, model.config)
+    vocab = constraints.vocabulary(tokenizer, model.config.vocab_size, defaults.eos_token_ids)
+    events = list(generate(model, tokenizer, tokenizer.encode("ROMEO:"), resolve_sampling(defaults, **settings), 32,
+                           eos_token_ids=defaults.eos_token_ids, grammar=constraints.json_schema_grammar(NAME_SCHEMA, vocab)))
+    assert answer["text"] == "".join(event.text for event in events)
+    assert [step["token"]["id"] for step in answer["steps"]] == [event.token_id for event in events]
+    assert answer["complete"] == (events[-1].finish_reason in ("stop", "eos"))
 
 
 def fetch_json(request: urllib.request.Request) -> tuple[int, dict]:

@@ -47,9 +47,9 @@ vLLM, which added a switch to turn it off); this one cannot.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
@@ -90,12 +90,20 @@ class Vocabulary:
         _engine()                            # a missing package is said at once
         self.tokenizer, self.size = tokenizer, vocab_size
         self.ends = list(dict.fromkeys(int(i) for i in eos_token_ids)) or [tokenizer.eos_token_id]
+        self._tokens: llguidance.LLTokenizer | None = None
+        self._building = threading.Lock()     # a server's request threads may all ask for it at once
 
-    @functools.cached_property
+    @property
     def engine(self) -> llguidance.LLTokenizer:
-        """The engine's tokenizer, built on first use (it reads every token: about a second for Qwen3's, so
-        a grammar's own errors are found first). It reads the tokenizers JSON itself: no transformers."""
-        return _engine().LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.size, eos_token=self.ends)
+        """The engine's tokenizer, built on first use and only once (it reads every token: about 1.6 s for
+        Qwen3's, so a server pays it when a request first asks for a grammar, never at start or for requests
+        without one, and a grammar's own errors are found first); a thread that asks while another builds it
+        waits for that build. It reads the tokenizers JSON itself: no transformers."""
+        with self._building:
+            if self._tokens is None:
+                self._tokens = _engine().LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.size,
+                                                     eos_token=self.ends)
+            return self._tokens
 
     def has_token(self, text: str) -> bool:
         return self.tokenizer.backend.token_to_id(text) is not None
@@ -106,14 +114,18 @@ _VOCABULARIES: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[int, tuple[int, .
     weakref.WeakKeyDictionary()
 
 
+_KNOWING = threading.Lock()                   # two threads asking at once get the one Vocabulary
+
+
 def vocabulary(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> Vocabulary:
-    """The engine's view of `tokenizer` over a model's `vocab_size` ids, built once and kept while the
-    tokenizer lives."""
+    """The engine's view of `tokenizer` over a model's `vocab_size` ids, made once and kept while the
+    tokenizer lives (its engine tokenizer is built on first use: Vocabulary.engine)."""
     key = (vocab_size, tuple(eos_token_ids))
-    known = _VOCABULARIES.setdefault(tokenizer, {})
-    if key not in known:
-        known[key] = Vocabulary(tokenizer, vocab_size, eos_token_ids)
-    return known[key]
+    with _KNOWING:
+        known = _VOCABULARIES.setdefault(tokenizer, {})
+        if key not in known:
+            known[key] = Vocabulary(tokenizer, vocab_size, eos_token_ids)
+        return known[key]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -148,7 +148,8 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
              stats: GenerationStats | None = None, stop: Sequence[str] = (),
              kv_dtype: str = "fp32", speculation: Speculation | None = None,
              drafter: Drafter | None = None, grammar: Grammar | None = None,
-             logprobs: int | None = None, ending: Ending | None = None) -> Iterator[TokenEvent]:
+             logprobs: int | None = None, ending: Ending | None = None,
+             observe: Observer | None = None) -> Iterator[TokenEvent]:
     """Yield one TokenEvent per generated token until an EOS id, a stop string, max_new_tokens or the
     context limit.
 
@@ -161,7 +162,8 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     the caller keeps (a chat's, whose draft cache then holds the conversation across turns) instead of a
     new one from `speculation`, left as it is at the end. `grammar`: the reply follows it (constraints.py);
     `logprobs`: each event carries its token's log-probabilities and this many top alternatives (0-20);
-    `ending`: vLLM's stop_token_ids, ignore_eos and min_tokens (Ending).
+    `ending`: vLLM's stop_token_ids, ignore_eos and min_tokens (Ending); `observe`: sees each position's
+    choice (Chosen) as it is made.
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -184,7 +186,8 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
         return
 
     sequence = Continuation(tokenizer, prompt, params, max_new_tokens, limit, eos_token_ids=eos_token_ids,
-                            stop=stop, rng=rng, grammar=grammar, logprobs=logprobs, ending=ending)
+                            stop=stop, rng=rng, grammar=grammar, logprobs=logprobs, ending=ending,
+                            observe=observe)
     if speculation is not None or drafter is not None:
         yield from _speculative_decode(model, sequence, cache, logits, stats, speculation, drafter, trace)
         return
@@ -254,18 +257,33 @@ class Ending:
     min_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """One position's choice as Continuation.verify makes it, for an observer (the explorer's mask view
+    reports what the grammar removed): the model's own logits there, the grammar's mask and the token."""
+
+    logits: np.ndarray                 # [V] raw: before min_tokens, the penalties, the mask and the filters
+    allowed: np.ndarray | None         # bool [V]: the tokens the grammar allowed (None: no grammar)
+    token: int
+
+
+Observer = Callable[[Chosen], None]
+
+
 class Continuation:
     """One sequence's generation between forward passes: its tokens so far, its sampler's random
     stream, its streaming detokeniser and its stop strings; with a grammar, its place in it (the tokens
     the grammar forbids are masked out of every position's distribution); with logprobs, how many top
-    alternatives each event reports. `verify(logits, draft)` picks the next token(s) of one target step
-    and says what text each completes. generate() drives one; batching.BatchGenerator drives one per row.
+    alternatives each event reports; with an observer, who sees each choice (Chosen). `verify(logits,
+    draft)` picks the next token(s) of one target step and says what text each completes. generate()
+    drives one; batching.BatchGenerator drives one per row.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], params: SamplingParams, max_new_tokens: int,
                  limit: int, *, eos_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
                  rng: np.random.Generator | None = None, grammar: Grammar | None = None,
-                 logprobs: int | None = None, ending: Ending | None = None) -> None:
+                 logprobs: int | None = None, ending: Ending | None = None,
+                 observe: Observer | None = None) -> None:
         self.params, self.max_new_tokens, self.limit = params, max_new_tokens, limit
         ending = ending or Ending()
         self.eos = set() if ending.ignore_eos else set(eos_token_ids)
@@ -280,6 +298,7 @@ class Continuation:
         # Constrained decoding and log-probabilities (constraints.py, logprobs.py): None when not asked for.
         self.constraint = grammar.constraint() if grammar is not None else None
         self.tokenizer, self.logprobs = tokenizer, None if logprobs is None else check_top_logprobs(logprobs)
+        self.observe = observe
 
     def room(self, k: int) -> int:
         """How many tokens a step may draft: at most k, leaving room in max_new_tokens for the target's own
@@ -304,6 +323,8 @@ class Continuation:
                 token = pick(processed, self.params, self.rng)
             else:
                 token = accept(softmax(processed), draft.distribution(i), drafted, self.rng)
+            if self.observe is not None:
+                self.observe(Chosen(row, allowed, token))
             if drafted is not None:
                 self.counts.drafted_tokens += 1
                 self.counts.accepted_tokens += token == drafted

@@ -117,15 +117,14 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
 
 
 def grammar_vocabulary(files: ModelFiles, announce: Callable[[str], None]) -> Vocabulary | None:
-    """The grammar engine's view of the tokenizer, made now (about a second for Qwen3's 151,669 tokens), not
-    under the first client that sends a schema or tools; None, said in a start line, without llguidance."""
+    """The grammar engine's view of the tokenizer, shared by every request and the explorer; None, said in a
+    start line, without llguidance. Its costly part (about 1.6 s for Qwen3's 151,669 tokens) is built when a
+    request first asks for a grammar (Vocabulary.engine), not at every start: most servers never need it."""
     try:
-        grammars = vocabulary(files.tokenizer, files.config.vocab_size, files.generation_defaults.eos_token_ids)
+        return vocabulary(files.tokenizer, files.config.vocab_size, files.generation_defaults.eos_token_ids)
     except QwenNPError:
         announce(f"tools and response_format are refused: constrained decoding needs llguidance ({INSTALL})")
         return None
-    _ = grammars.engine                          # built now, and kept (a cached property)
-    return grammars
 
 
 def speculation_over(pool: BlockPool, model: Qwen3Model, max_batch: int, tokens: int) -> Speculation:

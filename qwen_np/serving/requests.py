@@ -141,7 +141,9 @@ class Service:
     message_tokens: int = 0
     split_reasoning: bool = True         # a chat reply's <think> part apart, as reasoning_content and reasoning
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS     # max_tokens of a request without one (None: no cap)
-    vocabulary: Vocabulary | None = None  # the grammar engine's view of the tokenizer (None: llguidance missing)
+    # The grammar engine's view of the tokenizer, for requests and the explorer (None: llguidance missing);
+    # its costly part is built on the first request that asks for a grammar (Vocabulary.engine).
+    vocabulary: Vocabulary | None = None
     adapters: Mapping[str, Adapter] = field(default_factory=dict)    # name -> adapter, over the one base
     created: int = int(time.time())
 

@@ -81,9 +81,7 @@ def grammar(body: dict[str, Any], tools: Tools | None, vocabulary: Vocabulary | 
     field = "response_format" if response is not None else "tools"
     if response is None and tools is None:
         return None
-    if vocabulary is None:
-        raise APIError(400, f"{field}: needs constrained decoding, and the server lacks the llguidance package "
-                            f"({INSTALL})", field)
+    vocabulary = grammar_vocabulary(vocabulary, field)
     try:
         if response is not None:
             kind, schema = response
@@ -95,6 +93,15 @@ def grammar(body: dict[str, Any], tools: Tools | None, vocabulary: Vocabulary | 
                                  thinking=thinking)
     except QwenNPError as bad:        # its message names the field: tools[0].function.name: ..., tool_choice: ...
         raise APIError(400, str(bad), "tool_choice" if str(bad).startswith("tool_choice") else field) from None
+
+
+def grammar_vocabulary(vocabulary: Vocabulary | None, field: str) -> Vocabulary:
+    """The server's grammar vocabulary for a request whose `field` asks for a grammar; a 400 naming the field
+    when the server has none (llguidance is not installed)."""
+    if vocabulary is None:
+        raise APIError(400, f"{field}: needs constrained decoding, and the server lacks the llguidance package "
+                            f"({INSTALL})", field)
+    return vocabulary
 
 
 def _response_format(body: dict[str, Any]) -> tuple[str, Any] | None:
