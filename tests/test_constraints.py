@@ -182,6 +182,19 @@ def test_a_named_tool_choice_calls_that_tool(model, tok, eos, vocab) -> None:
     validate_calls(calls)
 
 
+@pytest.mark.parametrize("name", ["auto", "none", "required"])
+def test_a_tool_named_like_a_choice_is_called_when_named(model, tok, eos, vocab, name: str) -> None:
+    """OpenAI's named choice {"type": "function", "function": {"name": ...}} picks the tool, whatever its name:
+    a tool called "none" is called (not forbidden), one called "auto" is called at once."""
+    from qwen_np.serving.structured import read_tools
+
+    odd = {"type": "function", "function": {"name": name, "parameters": {"type": "object", "maxProperties": 0}}}
+    tools = read_tools({"tools": [odd, WEATHER], "tool_choice": {"type": "function", "function": {"name": name}}})
+    assert tools is not None and tools.callable and tools.tool == name
+    text, finish = reply(model, tok, eos, constraints.tool_call_grammar(tools.declared, vocab, tools.choice, tool=tools.tool), 2)
+    assert finish == "stop" and [(call.name, call.arguments) for call in parse_reply(text).tool_calls] == [(name, "{}")]
+
+
 def test_auto_tool_choice_is_free_text_until_the_model_opens_a_call_then_holds_it_to_the_tools(
         model, tok, eos, vocab) -> None:
     grammar = constraints.tool_call_grammar([WEATHER, CLOCK], vocab, "auto")

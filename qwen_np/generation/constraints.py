@@ -219,35 +219,37 @@ def text_grammar(text: str, vocab: Vocabulary, *, thinking: bool = False, where:
     return _with_thinking("@user", [{"name": "user", "lark_grammar": lark}], vocab, thinking, "grammar")
 
 
-def tool_call_grammar(tools: Sequence[Any], vocab: Vocabulary, choice: str = "auto", *, parallel: bool = True,
-                      thinking: bool = False) -> Grammar:
+def tool_call_grammar(tools: Sequence[Any], vocab: Vocabulary, choice: str = "auto", *, tool: str | None = None,
+                      parallel: bool = True, thinking: bool = False) -> Grammar:
     """Replies whose tool calls are Qwen3's, each valid against its tool's declared parameters:
 
         <tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>
 
     tools: OpenAI's [{"type": "function", "function": {"name", "parameters"}}, ...]. choice "auto": free text
     with calls anywhere in it (llama.cpp's "lazy" grammar: unconstrained until the model opens <tool_call>,
-    then held to the declared tools until </tool_call>); "required": only calls, at least one; a tool's name:
-    one call of that tool; "none": free text and no call (OpenAI's "the model will not call a tool": the
-    tools stay in the prompt, so the model knows them, but <tool_call> is never allowed). parallel False:
-    at most one call."""
+    then held to the declared tools until </tool_call>); "required": only calls, at least one; "none": free
+    text and no call (OpenAI's "the model will not call a tool": the tools stay in the prompt, so the model
+    knows them, but <tool_call> is never allowed). tool: a declared tool's name, one call of that tool
+    (OpenAI's named choice, whatever the name: a tool may be called "auto"); a choice that is not one of
+    the three is read as a tool's name too. parallel False: at most one call."""
     calls = _tool_alternatives(tools)
-    if choice not in TOOL_CHOICES and choice not in calls:
+    named = tool if tool is not None else None if choice in TOOL_CHOICES else choice
+    if named is not None and named not in calls:
         raise QwenNPError(f"tool_choice: must be 'auto', 'required', 'none' or the name of a declared tool, "
-                          f"got {choice!r}")
+                          f"got {named!r}")
     for token in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
         if not vocab.has_token(token):
             raise QwenNPError(f"tools: this tokenizer has no {token} token (the model was not trained to call tools)")
-    chosen = calls if choice in TOOL_CHOICES else {choice: calls[choice]}
+    chosen = calls if named is None else {named: calls[named]}
     rules = [f"call: {TOOL_CALL_OPEN} \"\\n\" ({' | '.join(f'call_{i}' for i in range(len(chosen)))}) \"\\n\" {TOOL_CALL_CLOSE}"]
     rules += [f"call_{i}: {rule}" for i, rule in enumerate(chosen.values())]
-    if choice in ("auto", "none"):
-        body = "TEXT" if choice == "none" else "TEXT (call TEXT)*" if parallel else "TEXT (call TEXT)?"
+    mode = "named" if named is not None else choice
+    if mode in ("auto", "none"):
+        body = "TEXT" if mode == "none" else "TEXT (call TEXT)*" if parallel else "TEXT (call TEXT)?"
         rules.append("TEXT: /(.|\\n)*/")          # text holds no special token: <tool_call> opens only a call
     else:
-        body = "call (\"\\n\" call)*" if parallel and choice == "required" else "call"
-    return _with_thinking(body, [], vocab, thinking, f"tool_calls:{choice if choice in TOOL_CHOICES else 'named'}",
-                          extra_rules="\n".join(rules) + "\n")
+        body = "call (\"\\n\" call)*" if parallel and mode == "required" else "call"
+    return _with_thinking(body, [], vocab, thinking, f"tool_calls:{mode}", extra_rules="\n".join(rules) + "\n")
 
 
 def _tool_alternatives(tools: Sequence[Any]) -> dict[str, str]:

@@ -30,16 +30,18 @@ TOOL_CHOICES = ("auto", "none", "required")
 @dataclass(frozen=True)
 class Tools:
     """A request's declared tools (as the template renders them), which it may call (`choice`: "auto",
-    "none", "required" or a tool's name) and whether several calls at once (`parallel`)."""
+    "none", "required"; or `tool`, a named choice: that tool's name) and whether several calls at once
+    (`parallel`)."""
 
     declared: list[Any]
     choice: str
     parallel: bool
+    tool: str | None = None
 
     @property
     def callable(self) -> bool:
         """Whether the reply may hold calls (and is read for them: responses.Reply)."""
-        return self.choice != "none"
+        return self.tool is not None or self.choice != "none"
 
 
 def read_tools(body: dict[str, Any]) -> Tools | None:
@@ -60,7 +62,7 @@ def read_tools(body: dict[str, Any]) -> Tools | None:
         if not isinstance(name, str):
             raise APIError(400, 'tool_choice: a named choice must be {"type": "function", "function": {"name": ...}}',
                            "tool_choice")
-        choice = name
+        return Tools(declared, "required", parallel is not False, tool=name)
     elif choice is None:
         choice = "auto"                                     # OpenAI's default when tools are present
     elif choice not in TOOL_CHOICES:
@@ -89,7 +91,7 @@ def grammar(body: dict[str, Any], tools: Tools | None, vocabulary: Vocabulary | 
                     json_schema_grammar(schema, vocabulary, thinking=thinking,
                                         where="response_format.json_schema.schema"))
         assert tools is not None
-        return tool_call_grammar(tools.declared, vocabulary, tools.choice, parallel=tools.parallel,
+        return tool_call_grammar(tools.declared, vocabulary, tools.choice, tool=tools.tool, parallel=tools.parallel,
                                  thinking=thinking)
     except QwenNPError as bad:        # its message names the field: tools[0].function.name: ..., tool_choice: ...
         raise APIError(400, str(bad), "tool_choice" if str(bad).startswith("tool_choice") else field) from None
