@@ -74,13 +74,17 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
     # int8, q8_0 and q4_0 from a GGUF quantize its tensors as held (views of the file gguf's reader maps
     # anyway; its blocks widened a block of rows at a time): no FP32 copy of a whole tensor, and no buffer.
     quantized = plan.mode == "int8" or plan.mode in HELD_FORMATS
-    from_gguf = quantized and isinstance(checkpoint, GGUFCheckpoint)
+    gguf = checkpoint if quantized and isinstance(checkpoint, GGUFCheckpoint) else None
     largest = max(info.nbytes for info in checkpoint.tensors.values())
-    reads = (quantized and not from_gguf) or (plan.mode == "fp32" and cached is None)
+    reads = (quantized and gguf is None) or (plan.mode == "fp32" and cached is None)
     buffer = allocate((largest,), np.uint8) if reads else None
 
     def source(name: str) -> Weight:
-        return checkpoint.held(name) if from_gguf else checkpoint.read(name, buffer)
+        return checkpoint.read(name, buffer) if gguf is None else gguf.as_stored(name)
+
+    def copied(name: str) -> None:                 # a GGUF's tensor quantized: its pages need not stay resident
+        if gguf is not None:
+            gguf.release(name)
 
     def matrices(names: list[str]) -> list[Weight]:
         if cached is not None:
@@ -92,10 +96,15 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
             return [fp32_matrix(checkpoint.read(name, buffer), kept, layout)
                     for name, kept in zip(names, back_to_back(shapes, np.float32))]
         if plan.mode in HELD_FORMATS:
-            return [quantize_blocks(source(name), plan.mode) for name in names]
+            blocks: list[Weight] = []
+            for name in names:
+                blocks.append(quantize_blocks(source(name), plan.mode))
+                copied(name)
+            return blocks
         codes, scales = back_to_back(shapes, np.int8), back_to_back([shape[:1] for shape in shapes], np.float32)
         for name, q, scale in zip(names, codes, scales):
             quantize_int8_into(source(name), q, scale)
+            copied(name)
         return [Int8Rows(q, scale) for q, scale in zip(codes, scales)]
 
     def vector(name: str) -> np.ndarray:

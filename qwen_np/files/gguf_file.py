@@ -480,9 +480,22 @@ class GGUFCheckpoint(Checkpoint):
         if name not in self.unpacked:
             return blocks
         assert isinstance(blocks, BlockRows)
-        unpacked, tensor = blocks.unpacked(), self._quantized[name]
-        open_reader(self.folder).release(int(tensor.data_offset), int(tensor.n_bytes))
+        unpacked = blocks.unpacked()
+        self.release(name)
         return unpacked
+
+    def release(self, name: str) -> None:
+        """Let go of the file's pages of tensor `name` once it has been copied out of them (_Reader.release):
+        unpacked, dequantized, or requantized by the loader (--memory int8, q8_0, q4_0)."""
+        tensor, info = self._quantized.get(name), self.tensors[name]
+        start, nbytes = (info.start, info.nbytes) if tensor is None else (int(tensor.data_offset), int(tensor.n_bytes))
+        open_reader(self.folder).release(start, nbytes)
+
+    def as_stored(self, name: str) -> Weight:
+        """Tensor `name` as the file stores it, views of its mapped bytes: quantized ones as their blocks
+        (FormatRows, BlockRows: never unpacked), the rest as Checkpoint holds them."""
+        blocks = self._blocks(name)
+        return super().held(name) if blocks is None else blocks
 
     def _unpacked(self) -> frozenset[str]:
         """The tensors held with their codes unpacked (ggml_blocks.UNPACKED_KINDS: Q6_K), in the table's
@@ -546,7 +559,9 @@ class GGUFCheckpoint(Checkpoint):
         tensor = self._quantized[name]
         blocks = self._blocks(name)
         if blocks is not None:
-            return upcast(blocks)
+            values = upcast(blocks)
+            self.release(name)           # the copy replaces the file's pages
+            return values
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
