@@ -89,6 +89,21 @@ def test_one_error_reads_as_its_parameter_the_flag_and_the_field() -> None:
     assert api_error(QwenNPError("expected one of fp32, bf16, fp16, got 'x'", "kv_dtype")).param is None
 
 
+def test_a_parameter_named_again_in_the_message_reads_as_the_flag_there_too() -> None:
+    problem = QwenNPError("the run has `seed` 0, which a resumed run keeps; drop `seed` (or `nothing_known`)", "seed")
+    assert str(problem) == "seed: the run has `seed` 0, which a resumed run keeps; drop `seed` (or `nothing_known`)"
+    assert error_line(problem) == "--seed: the run has --seed 0, which a resumed run keeps; drop --seed (or `nothing_known`)"
+
+
+def test_a_library_function_names_the_parameter_its_caller_gave_the_value_as() -> None:
+    from qwen_np.files.model_files import open_model
+
+    for param, flag in (("model", "--model"), ("draft", "--draft")):
+        with pytest.raises(QwenNPError) as caught:
+            open_model("/no/such/folder", param)
+        assert caught.value.param == param and error_line(caught.value).startswith(f"{flag}: '/no/such/folder' is not")
+
+
 def test_an_error_copied_or_pickled_keeps_its_parameter() -> None:
     import copy
     import pickle

@@ -364,15 +364,15 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def resolve_model_path(model: str | Path, flag: str = "--model") -> Path:
+def resolve_model_path(model: str | Path, param: str = "model") -> Path:
     """A local checkpoint folder or GGUF file, or a hub id ('Qwen/Qwen3-8B') fetched into the HF cache;
-    `flag` names the flag it came from in the error."""
+    `param` names the caller's parameter it came from in the error (QwenNPError.param)."""
     path = Path(model).expanduser()
     if path.is_dir() or is_gguf(path):
         return path
     text = str(model)
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
-        raise QwenNPError(f"{flag}: {text!r} is not a checkpoint folder, a GGUF file or a hub id like 'Qwen/Qwen3-8B'")
+        raise QwenNPError(f"{text!r} is not a checkpoint folder, a GGUF file or a hub id like 'Qwen/Qwen3-8B'", param)
     return download(text)
 
 

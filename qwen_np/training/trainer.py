@@ -430,7 +430,7 @@ NOT_BIT_EXACT = ("lr", "batch_size", "grad_accum", "warmup", "decay_steps", "wei
 # Refused (the state saved would not fit: the run would not be a continuation), and so are a --preset or
 # --config of another model and a --data of another text:
 KEPT_ON_RESUME = {"seed": "it orders the data: another seed would repeat some windows of this epoch and skip others",
-                  "context": "the data order is over windows of --context + 1 tokens: another length would repeat "
+                  "context": "the data order is over windows of `context` + 1 tokens: another length would repeat "
                              "some and skip others"}
 
 
@@ -455,8 +455,9 @@ class RunEvents:
     """What a run reports as it goes; the command draws it (a progress bar), a test may record it."""
 
     def noted(self, line: str) -> None:
-        """Before the first step: a one-line notice ("note: ..."), e.g. a flag that makes a resumed run no
-        longer bit-exact, or a dead trainer's lock taken over."""
+        """Before the first step: a one-line notice ("note: ..."), e.g. a setting that makes a resumed run no
+        longer bit-exact, or a dead trainer's lock taken over. A setting it names is in backticks ("`lr` 0.005"),
+        for the front end to word as its own (errors.reworded)."""
 
     def started(self, settings: Settings, done: int, description: str) -> None:
         """Before the first step: `done` steps of settings.steps are behind (resuming)."""
@@ -790,12 +791,12 @@ def _resumed(spec: RunSpec, notes: list[str], left: str | None
     except QwenNPError as bad:
         raise QwenNPError(f"{bad}; {_fallback(out)}", "resume") from None
     if spec.preset is not None or spec.config is not None:
-        flag = "--preset" if spec.preset is not None else "--config"
+        given = "preset" if spec.preset is not None else "config"
         wanted = hf_config(_model_config(spec))
         differs = sorted(key for key in wanted.keys() | state.config.keys() if wanted.get(key) != state.config.get(key))
         if differs:
-            raise QwenNPError(f"{flag}: not the model of the run in {out} ({differs[0]} {wanted.get(differs[0])}, the run's "
-                              f"{state.config.get(differs[0])}); a resumed run keeps its model: drop {flag}")
+            raise QwenNPError(f"not the model of the run in {out} ({differs[0]} {wanted.get(differs[0])}, the run's "
+                              f"{state.config.get(differs[0])}); a resumed run keeps its model: drop `{given}`", given)
     if spec.model is not None and state.model is None:
         raise QwenNPError(f"the run in {out} trains a model from random weights (its --preset or --config); drop --model",
                           "model")
@@ -810,9 +811,8 @@ def _resumed(spec: RunSpec, notes: list[str], left: str | None
                if value is not None and value != getattr(saved, name)}
     for name, why in KEPT_ON_RESUME.items():
         if name in changed:
-            flag = "--" + name.replace("_", "-")
-            raise QwenNPError(f"{flag}: the run in {out} has {flag} {getattr(saved, name)}, which a resumed run keeps "
-                              f"({why}); drop {flag}, or start a new run")
+            raise QwenNPError(f"the run in {out} has `{name}` {getattr(saved, name)}, which a resumed run keeps "
+                              f"({why}); drop `{name}`, or start a new run", name)
     overrides = dict(spec.overrides)
     if changed.keys() & {"batch_size", "grad_accum"} and "shards" not in changed:
         overrides["shards"] = 0                      # rows of another size: cut into shards chosen again
@@ -821,9 +821,8 @@ def _resumed(spec: RunSpec, notes: list[str], left: str | None
     if "steps" in changed and not state.settings.decay_steps:
         inexact.append("steps")                      # the cosine schedule spans --steps: it changes with them
     if inexact:
-        flags = ", ".join(f"--{name.replace('_', '-')} {getattr(state.settings, name)} (was {getattr(saved, name)})"
-                          for name in inexact)
-        notes.append(f"note: {flags}: applied; the run goes on from step {state.step}, but is no longer bit for bit "
+        given = ", ".join(f"`{name}` {getattr(state.settings, name)} (was {getattr(saved, name)})" for name in inexact)
+        notes.append(f"note: {given}: applied; the run goes on from step {state.step}, but is no longer bit for bit "
                      "the run it was")
     return state, params, adam_m, adam_v, optimizer_step
 
