@@ -59,6 +59,22 @@ def test_no_library_error_is_worded_as_a_command_line_flag() -> None:
     assert len(library_errors()) > 100 and flagged == []
 
 
+def test_no_library_function_takes_a_command_line_flag_to_name_in_its_errors() -> None:
+    """A library function told where a value came from is told the parameter ("draft"), not the flag."""
+    flagged = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "commands" or path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.Call)):
+                values = (node.args.defaults + node.args.kw_defaults if isinstance(node, ast.FunctionDef)
+                          else node.args + [keyword.value for keyword in node.keywords])
+                flagged += [f"{path.relative_to(ROOT)}:{node.lineno}" for value in values
+                            if isinstance(value, ast.Constant) and isinstance(value.value, str)
+                            and value.value.startswith("--") and value.value[2:3].isalpha()]
+    assert flagged == []
+
+
 def test_every_parameter_a_library_error_names_reads_as_a_flag_of_some_command() -> None:
     named = {call.args[1].value for _, call in library_errors()
              if len(call.args) > 1 and isinstance(call.args[1], ast.Constant)}
