@@ -151,7 +151,7 @@ def concurrent_requests(folder: Path, args: argparse.Namespace) -> None:
 def parse_size(text: str) -> int:
     from qwen_np.engine.memory import parse_size as parse
 
-    return parse(text, "--kv-memory")
+    return parse(text, "kv_memory")
 
 
 def prefix_reuse(folder: Path, args: argparse.Namespace) -> None:

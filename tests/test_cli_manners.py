@@ -66,6 +66,14 @@ def test_a_command_s_help_loads_its_own_module_and_not_the_others(env, command, 
         assert "ml_dtypes" not in loaded
 
 
+@pytest.mark.parametrize("argv", [["generate", "--help"], ["train", "--help"], ["serve", "--help"],
+                                  ["precision", "--help"], ["eval", "--bogus"]])
+def test_a_command_s_help_and_usage_error_load_no_ml_dtypes(env, argv) -> None:
+    """ml_dtypes (most of a second to import) comes with the first BF16 or FP8 dtype (numerics.dtype_named),
+    which neither the help nor a usage error asks for."""
+    assert "ml_dtypes" not in loaded_after(env, argv)
+
+
 def subcommands(parser) -> dict:
     return next(a for a in parser._actions if isinstance(a, cli.argparse._SubParsersAction)).choices
 

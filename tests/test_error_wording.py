@@ -59,6 +59,22 @@ def test_no_library_error_is_worded_as_a_command_line_flag() -> None:
     assert len(library_errors()) > 100 and flagged == []
 
 
+def test_no_library_function_takes_a_command_line_flag_to_name_in_its_errors() -> None:
+    """A library function told where a value came from is told the parameter ("draft"), not the flag."""
+    flagged = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "commands" or path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.Call)):
+                values = (node.args.defaults + node.args.kw_defaults if isinstance(node, ast.FunctionDef)
+                          else node.args + [keyword.value for keyword in node.keywords])
+                flagged += [f"{path.relative_to(ROOT)}:{node.lineno}" for value in values
+                            if isinstance(value, ast.Constant) and isinstance(value.value, str)
+                            and value.value.startswith("--") and value.value[2:3].isalpha()]
+    assert flagged == []
+
+
 def test_every_parameter_a_library_error_names_reads_as_a_flag_of_some_command() -> None:
     named = {call.args[1].value for _, call in library_errors()
              if len(call.args) > 1 and isinstance(call.args[1], ast.Constant)}
@@ -87,6 +103,21 @@ def test_one_error_reads_as_its_parameter_the_flag_and_the_field() -> None:
     assert (renamed.message, renamed.param) == ("max_tokens: must be >= 1, got 0", "max_tokens")
     # A parameter no request carries is not passed off as a field.
     assert api_error(QwenNPError("expected one of fp32, bf16, fp16, got 'x'", "kv_dtype")).param is None
+
+
+def test_a_parameter_named_again_in_the_message_reads_as_the_flag_there_too() -> None:
+    problem = QwenNPError("the run has `seed` 0, which a resumed run keeps; drop `seed` (or `nothing_known`)", "seed")
+    assert str(problem) == "seed: the run has `seed` 0, which a resumed run keeps; drop `seed` (or `nothing_known`)"
+    assert error_line(problem) == "--seed: the run has --seed 0, which a resumed run keeps; drop --seed (or `nothing_known`)"
+
+
+def test_a_library_function_names_the_parameter_its_caller_gave_the_value_as() -> None:
+    from qwen_np.files.model_files import open_model
+
+    for param, flag in (("model", "--model"), ("draft", "--draft")):
+        with pytest.raises(QwenNPError) as caught:
+            open_model("/no/such/folder", param)
+        assert caught.value.param == param and error_line(caught.value).startswith(f"{flag}: '/no/such/folder' is not")
 
 
 def test_an_error_copied_or_pickled_keeps_its_parameter() -> None:

@@ -6,6 +6,7 @@ Both paths run the same math; only the FP32 rounding of BLAS sums may differ, so
 
 from __future__ import annotations
 
+import threading
 import tracemalloc
 from pathlib import Path
 from typing import Callable
@@ -130,6 +131,22 @@ def test_bf16_decode_never_materialises_a_whole_fp32_weight(make_checkpoint: Cal
         tracemalloc.stop()
     assert isinstance(model.lm_head, StoredRows)
     assert peak < lm_head_fp32 / 8, f"decode step peaked at {peak} bytes; lm_head in FP32 is {lm_head_fp32}"
+
+
+def test_scratch_is_reused_by_its_thread_grown_when_too_small_and_never_shared_between_threads() -> None:
+    """numerics.scratch, the fast path's per-block buffers: the same memory each call of a thread (no fresh
+    pages per block), another thread's own."""
+    first = numerics.scratch("test.scratch", (64, 32))
+    smaller = numerics.scratch("test.scratch", (16,), np.int32)
+    assert first.shape == (64, 32) and first.dtype == np.float32 and first.flags.c_contiguous
+    assert np.shares_memory(first, smaller) and smaller.shape == (16,) and smaller.dtype == np.int32
+    elsewhere: list[np.ndarray] = []
+    worker = threading.Thread(target=lambda: elsewhere.append(numerics.scratch("test.scratch", (64, 32))))
+    worker.start()
+    worker.join()
+    assert not np.shares_memory(first, elsewhere[0])
+    grown = numerics.scratch("test.scratch", (128, 32))
+    assert not np.shares_memory(first, grown) and np.shares_memory(grown, numerics.scratch("test.scratch", (64, 32)))
 
 
 def test_fp32_load_fuses_projections_without_copying(checkpoint: Path) -> None:

@@ -215,10 +215,10 @@ def test_a_half_precision_cache_halves_the_memory_and_moves_predictions_little(d
 @pytest.mark.parametrize("text, size", [("512MiB", 512 * 2 ** 20), ("2GiB", 2 * 2 ** 30), ("1.5GB", 1_500_000_000),
                                         ("64 kib", 65536), ("4096", 4096)])
 def test_sizes_read_binary_and_decimal_units(text, size) -> None:
-    assert parse_size(text, "--kv-memory") == size
+    assert parse_size(text, "kv_memory") == size
 
 
 @pytest.mark.parametrize("text", ["", "lots", "-1GiB", "2XB", "1e9"])
-def test_a_bad_size_names_the_flag(text) -> None:
-    with pytest.raises(QwenNPError, match="--kv-memory: expected a size such as 512MiB"):
-        parse_size(text, "--kv-memory")
+def test_a_bad_size_names_the_parameter(text) -> None:
+    with pytest.raises(QwenNPError, match="^kv_memory: expected a size such as 512MiB"):
+        parse_size(text, "kv_memory")

@@ -73,8 +73,8 @@ def test_fp8_weights_have_one_scale_per_128x128_block() -> None:
             assert np.array_equal(bits(ours[r:r + 128, c:c + 128]), bits(round_trip(block, "fp8_e4m3")))
 
 
-def test_an_unknown_precision_names_the_flag() -> None:
-    with pytest.raises(QwenNPError, match="--precision: expected one of fp32, bf16, fp16, fp8"):
+def test_an_unknown_precision_names_the_parameter() -> None:
+    with pytest.raises(QwenNPError, match="^precision: expected one of fp32, bf16, fp16, fp8"):
         mixed.operands("fp4")
 
 

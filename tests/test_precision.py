@@ -13,6 +13,7 @@ from qwen_np import QwenNPError, preset
 from qwen_np.precision import divergence, lab as precision
 from qwen_np.engine import memory
 from qwen_np.cli import main
+from qwen_np.commands import error_line
 from qwen_np.commands.comparison import format_comparison, render_comparison
 from qwen_np.core.config import expected_tensors, load_config, parameter_count
 from qwen_np.precision.divergence import Comparison
@@ -99,21 +100,21 @@ def test_rounding_the_residual_to_bf16_moves_the_logits_a_little(base) -> None:
 def test_scored_documents_keep_the_first_tokens_and_refuse_a_text_shorter_than_a_window() -> None:
     kept = precision.scored_documents(DOCS, context=8, max_tokens=20)
     assert sum(len(d) - 1 for d in kept) == 20 and np.array_equal(kept[0], DOCS[0])
-    with pytest.raises(QwenNPError, match=r"--text: the text has 23 tokens, shorter than one window of 30"):
+    with pytest.raises(QwenNPError, match=r"text: the text has 23 tokens, shorter than one window of 30"):
         precision.scored_documents(DOCS, context=30, max_tokens=None)
 
 
-def test_unknown_format_and_a_shape_the_format_cannot_hold_name_the_flag(base, make_checkpoint) -> None:
-    with pytest.raises(QwenNPError, match="--compare: unknown format 'int3'; expected one of fp32"):
+def test_unknown_format_and_a_shape_the_format_cannot_hold_name_the_parameter(base, make_checkpoint) -> None:
+    with pytest.raises(QwenNPError, match="^formats: unknown format 'int3'; expected one of fp32"):
         precision.compare_formats(base, DOCS, ["int3"], context=8)
     narrow = qwen_np.load_model(make_checkpoint(intermediate_size=48), memory="fp32", max_tokens=16)
-    with pytest.raises(QwenNPError, match=r"--compare: q4_0 cannot hold model\.layers\.0\.mlp\.down_proj\.weight"):
+    with pytest.raises(QwenNPError, match=r"^formats: q4_0 cannot hold model\.layers\.0\.mlp\.down_proj\.weight"):
         precision.compare_formats(narrow, DOCS, ["q4_0"], context=8)
 
 
 def test_a_model_too_big_to_hold_twice_in_fp32_is_refused_before_loading(make_checkpoint, monkeypatch) -> None:
     monkeypatch.setattr("qwen_np.engine.memory.available_memory", lambda: 1024)
-    with pytest.raises(QwenNPError, match=r"--compare: comparing holds the model in FP32 twice"):
+    with pytest.raises(QwenNPError, match=r"^folder: comparing holds the model in FP32 twice"):
         precision.load_reference(make_checkpoint(), context=16)
 
 
@@ -173,5 +174,6 @@ def test_eval_compare_prints_every_format_against_fp32(capsys) -> None:
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["format", "PPL", "PPL/FP32"] and lines[1].startswith("fp32")
     assert lines[2].startswith("fp8_e4m3") and "over" in lines[-1]
-    with pytest.raises(QwenNPError, match="--compare: unknown format"):
+    with pytest.raises(QwenNPError) as refused:
         format_comparison(ROOT / "weights", docs, 64, ["fp7"])
+    assert error_line(refused.value).startswith("--compare: unknown format")

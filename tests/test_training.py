@@ -482,10 +482,10 @@ def test_an_fp16_overflow_skips_the_step_halves_the_scale_and_is_logged(tmp_path
     assert "step 1: FP16 overflow: step skipped, loss scale halved" in capsys.readouterr().out   # tqdm.write
 
 
-def test_a_library_run_with_an_unknown_precision_is_refused_naming_the_flag() -> None:
+def test_a_library_run_with_an_unknown_precision_is_refused_naming_the_setting() -> None:
     from qwen_np.training.trainer import resolve_settings
 
-    with pytest.raises(training.QwenNPError, match="--precision: expected one of fp32, bf16, fp16, fp8, got 'fp4'"):
+    with pytest.raises(training.QwenNPError, match="^precision: expected one of fp32, bf16, fp16, fp8, got 'fp4'"):
         resolve_settings({"precision": "fp4"}, "tiny", None)
 
 

@@ -196,7 +196,7 @@ def test_two_trainers_started_at_once_on_one_folder_never_both_succeed(tmp_path:
 
 @pytest.mark.parametrize("flags, message", [
     (["--seed", "7"], "--seed: the run in {out} has --seed 0, which a resumed run keeps (it orders the data"),
-    (["--context", "8"], "--context: the run in {out} has --context 16, which a resumed run keeps"),
+    (["--context", "8"], "--ctx-size: the run in {out} has --ctx-size 16, which a resumed run keeps"),
     (["--preset", "tiny"], "--preset: not the model of the run in {out} (head_dim 8, the run's 4); a resumed run keeps "
                            "its model: drop --preset"),
 ])

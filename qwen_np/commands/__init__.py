@@ -13,18 +13,23 @@ from ..errors import QwenNPError
 EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIGINT, as shells report it)
 
 # The command line's name for each library parameter an error is about (QwenNPError.param): the library says
-# "kv_dtype: ...", the user reads "--kv-dtype: ..." (cli.main's error funnel words every error with it).
+# "kv_dtype: ...", the user reads "--kv-dtype: ..." (cli.main's error funnel words every error with it, and train
+# its notices, errors.reworded). A caller that passes a library function a value of its own names it with its
+# own parameter, as commands do with their flags' (eval's `compare` formats: "--compare").
 FLAGS = {
-    "adapters": "--lora", "alpha": "--lora-alpha", "batch_size": "--batch-size", "context": "--ctx-size", "data": "--data",
-    "default_max_tokens": "--default-max-tokens", "draft": "--draft", "draft_tokens": "--draft-tokens",
-    "dropout": "--lora-dropout", "eval_every": "--eval-every", "grad_accum": "--grad-accum", "kv_dtype": "--kv-dtype",
-    "lora": "--lora", "lr": "--lr", "max_batch": "--max-batch", "max_new_tokens": "--max-new-tokens",
-    "max_ngram": "--lookup", "memory": "--memory", "micro_batches": "--grad-accum", "min_p": "--min-p",
-    "model": "--model", "num_blocks": "--kv-memory", "out": "--out", "presence_penalty": "--presence-penalty",
-    "preset": "--preset", "rank": "--lora", "repetition_penalty": "--repetition-penalty", "resume": "--resume",
-    "seed": "--seed", "shards": "--shards", "spec": "--preset, --config or --model", "steps": "--steps", "system": "--system",
+    "adapters": "--lora", "alpha": "--lora-alpha", "batch_size": "--batch-size", "clip": "--clip",
+    "compare": "--compare", "config": "--config", "context": "--ctx-size", "data": "--data",
+    "decay_steps": "--decay-steps", "default_max_tokens": "--default-max-tokens", "draft": "--draft",
+    "draft_tokens": "--draft-tokens", "dropout": "--lora-dropout", "eval_every": "--eval-every", "folder": "--model",
+    "formats": "--formats", "grad_accum": "--grad-accum", "kv_dtype": "--kv-dtype", "kv_memory": "--kv-memory",
+    "lora": "--lora", "loss_scaling": "--loss-scaling", "lr": "--lr", "max_batch": "--max-batch",
+    "max_new_tokens": "--max-new-tokens", "max_ngram": "--lookup", "memory": "--memory",
+    "micro_batches": "--grad-accum", "min_p": "--min-p", "model": "--model", "num_blocks": "--kv-memory",
+    "out": "--out", "precision": "--precision", "presence_penalty": "--presence-penalty", "preset": "--preset",
+    "rank": "--lora", "repetition_penalty": "--repetition-penalty", "resume": "--resume", "seed": "--seed",
+    "shards": "--shards", "spec": "--preset, --config or --model", "steps": "--steps", "system": "--system",
     "targets": "--lora-targets", "temperature": "--temperature", "text": "--text", "tokens": "--tokens",
-    "top_k": "--top-k", "top_p": "--top-p", "val": "--val",
+    "top_k": "--top-k", "top_p": "--top-p", "val": "--val", "warmup": "--warmup", "weight_decay": "--weight-decay",
 }
 
 

@@ -98,7 +98,7 @@ def check_speculation(args: argparse.Namespace, config: Qwen3Config, tokenizer: 
         raise QwenNPError("--draft-tokens: drafts only with --draft MODEL or --lookup N")
     if args.draft is None:
         return None
-    draft = open_model(draft_folder(args.draft), "--draft")
+    draft = open_model(draft_folder(args.draft), "draft")
     check_draft_folder(draft, config, tokenizer)
     return draft
 
@@ -106,7 +106,7 @@ def check_speculation(args: argparse.Namespace, config: Qwen3Config, tokenizer: 
 def draft_folder(draft: str) -> Path:
     """The checkpoint of --draft: the bundled draft (BUNDLED_DRAFT), or a folder, GGUF file or hub id."""
     if draft != BUNDLED_DRAFT:
-        return resolve_model_path(draft, "--draft")
+        return resolve_model_path(draft, "draft")
     folder = BUNDLED_MODEL / "draft"
     if not (folder / "config.json").is_file():
         raise QwenNPError(f"--draft {BUNDLED_DRAFT}: the bundled draft is not at {folder} (reinstall qwen_np, or pass "

@@ -49,8 +49,8 @@ def format_comparison(folder: Path, docs: list[np.ndarray], context: int, format
     """What `eval --compare` reports: every format against the FP32 model on eval's own documents and
     windows (a text shorter than one window is one window, as eval scores it)."""
     with progress_bar() as bar:
-        return precision.compare_formats(precision.load_reference(folder, context, "--compare"), docs, formats,
-                                         context, "--compare", progress=bar.report)
+        return precision.compare_formats(precision.load_reference(folder, context, "compare"), docs, formats,
+                                         context, "compare", progress=bar.report)
 
 
 def render_comparison(results: dict[str, dict[str, Any]]) -> str:

@@ -47,7 +47,7 @@ PARSERS = {"eval": eval_parser}      # cli.py builds the command's parser with i
 def run(args: argparse.Namespace) -> int:
     """Load, score window by window with a progress bar (and compare the formats), then print the figures:
     nothing is printed before all of them are known, so a bad input is the only line."""
-    formats = precision.check_formats(format_names(args.compare), "--compare") if args.compare else []
+    formats = precision.check_formats(format_names(args.compare), "compare") if args.compare else []
     folder = common.model_folder(args.model)
     config = read_config(folder)
     context = min(config.max_position_embeddings, evaluation.DEFAULT_WINDOW) if args.ctx_size is None else args.ctx_size

@@ -48,7 +48,7 @@ PARSERS = {"precision": precision_parser}      # cli.py builds the command's par
 
 
 def run(args: argparse.Namespace) -> int:
-    formats = precision.check_formats(format_names(args.formats), "--formats")
+    formats = precision.check_formats(format_names(args.formats))
     if args.png and importlib.util.find_spec("matplotlib") is None:
         raise QwenNPError("--png: needs matplotlib (pip install 'qwen_np[plot]')")
     folder = common.model_folder(args.model)

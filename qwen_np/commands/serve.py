@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise QwenNPError(f"--port: must be in 0..65535, got {args.port}")
     if args.api_key == "":
         raise QwenNPError(f"--api-key: empty (give a key, or unset {API_KEY_ENV} for none)")
-    kv_memory = parse_size(args.kv_memory, "--kv-memory") if args.kv_memory is not None else None
+    kv_memory = parse_size(args.kv_memory, "kv_memory") if args.kv_memory is not None else None
     if args.default_max_tokens == 0 or args.default_max_tokens < -1:
         raise QwenNPError(f"--default-max-tokens: must be at least 1, or -1 for what the context has left, "
                           f"got {args.default_max_tokens}")

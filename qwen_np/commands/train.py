@@ -11,12 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import QwenNPError
+from ..errors import QwenNPError, reworded
 from ..training import run_folder, trainer
 from ..training.lora import PROJECTIONS, LoraSettings
 from ..training.mixed import PRECISIONS, LossScaler
 from ..engine.memory import training_total
 from ..engine.runtime import peak_rss_bytes
+from . import FLAGS
 
 
 # The help of Settings' on/off fields (their flags come with a --no- form).
@@ -111,7 +112,7 @@ class ProgressBar(trainer.RunEvents):
         self.bar: Any = None
 
     def noted(self, line: str) -> None:
-        print(line, file=sys.stderr)
+        print(reworded(line, FLAGS), file=sys.stderr)
 
     def started(self, settings: trainer.Settings, done: int, description: str) -> None:
         from tqdm import tqdm

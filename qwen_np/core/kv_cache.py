@@ -19,20 +19,20 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import QwenNPError
+from ..numbers.numerics import dtype_named
 from .config import Qwen3Config
 
-KV_DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16)}
+KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}     # name -> its NumPy dtype's (dtype_named)
 
 
 def kv_dtype(name: str) -> np.dtype:
     """The NumPy dtype of a KV cache dtype name (KV_DTYPES)."""
     if name not in KV_DTYPES:
         raise QwenNPError(f"expected one of {', '.join(KV_DTYPES)}, got {name!r}", "kv_dtype")
-    return KV_DTYPES[name]
+    return dtype_named(KV_DTYPES[name])
 
 
 class SequenceCache(Protocol):

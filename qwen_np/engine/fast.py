@@ -65,7 +65,7 @@ from ..core.kv_cache import SequenceCache
 from ..core.model import LayerWeights, Qwen3Model, Trace, advance, output_rows
 from .paged import OwnPoolCache, PagedKVCache
 from ..errors import QwenNPError
-from ..numbers.numerics import Adapted, Grouped, Int8Rows, Panels, RowAdapters, Weight, without_adapters
+from ..numbers.numerics import Adapted, Grouped, Int8Rows, Panels, RowAdapters, Weight, scratch, without_adapters
 
 # FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
 # cache between its upcast and its product (block sizes measured: bench/README.md).
@@ -169,8 +169,8 @@ def grouped_rows(by_group: np.ndarray, sums: np.ndarray, weight: Grouped, out: n
     G, g, M = by_group.shape
     rows = max(1, GROUPED_DECODE_VALUES // (G * g))
     tile = max(1, GROUPED_BLOCK_BYTES // (4 * G * g))
-    codes_f32 = _thread_buffer("codes", tile * G * g)
-    partial = _thread_buffer("partial", tile * G * M)
+    codes_f32 = scratch("fast.codes", (tile * G * g,))
+    partial = scratch("fast.partial", (tile * G * M,))
     for start in range(part.start, part.stop, rows):
         stop = min(start + rows, part.stop)
         planes, scale, offset = weight[start:stop].coded()              # planes [P, n, in/P]; a, b [G, n]
@@ -205,7 +205,7 @@ def _panel_products(x: np.ndarray, weight: Panels, out: np.ndarray) -> np.ndarra
     its small GEMM of 2 rows (Qwen3-0.6B, one token: 107-125 ms against 100-108; bench/README.md,
     "Panels"), and the second row costs no extra read of W."""
     if x.shape[0] == 1:
-        twice = _thread_buffer("twice", 2 * out.shape[1])[:2 * out.shape[1]].reshape(2, -1)
+        twice = scratch("fast.twice", (2, out.shape[1]))
         _panel_products(np.concatenate([x, x]), weight, twice)
         out[...] = twice[:1]
         return out
@@ -241,7 +241,7 @@ def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
         _products(x, weight[part], out[:, part], step)
         return
     rows, hi = _block_rows(weight.shape[1]), part.stop
-    buffer = _thread_buffer("block", rows * weight.shape[1])
+    buffer = scratch("fast.block", (rows * weight.shape[1],))
     for start in range(part.start, hi, rows):
         stop = min(start + rows, hi)
         block = buffer[:(stop - start) * weight.shape[1]].reshape(stop - start, weight.shape[1])
@@ -273,7 +273,7 @@ def _products(x: np.ndarray, weight: np.ndarray, out: np.ndarray, step: int | No
 def _dot(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
     """out = x weight^T by np.dot, which lets go of the GIL whatever the size (GIL_FREE_OUTPUT), into this
     thread's contiguous scratch (the only `out` np.dot takes), then copied to `out`."""
-    product = _thread_buffer("product", out.size)[:out.size].reshape(out.shape)
+    product = scratch("fast.product", out.shape)
     np.dot(x, weight.T, out=product)
     out[...] = product
 
@@ -283,19 +283,6 @@ def _block_rows(columns: int) -> int:
     (whole GEMM panels: measured faster for both the prefill GEMM and the decode GEMV)."""
     rows = max(1, BLOCK_BYTES // (4 * columns))
     return rows - rows % 64 if rows >= 64 else rows
-
-
-_local = threading.local()
-
-
-def _thread_buffer(name: str, size: int) -> np.ndarray:
-    """This thread's reused FP32 scratch called `name`, at least `size` values (allocating per block
-    would fault in fresh pages each time)."""
-    buffer = getattr(_local, name, None)
-    if buffer is None or buffer.size < size:
-        buffer = np.empty(size, dtype=np.float32)
-        setattr(_local, name, buffer)
-    return buffer
 
 
 # --- the forward pass --------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import numpy as np
 from ..core.adapters import Adapter
 from ..core.config import LAYER_MATRICES, LAYER_TENSORS, Qwen3Config, dimensions, resolve
 from ..errors import QwenNPError
-from ..numbers.numerics import STORAGE_DTYPES
+from ..numbers.numerics import STORAGE_DTYPES, dtype_named
 from .checkpoint import read_header
 
 # peft's file names in an adapter folder, and the prefix its tensor names carry (PeftModel's base_model.model).
@@ -115,7 +115,7 @@ def _matrices(path: Path, config: Qwen3Config, rank: int) -> dict[tuple[int, str
             raise QwenNPError(f"{path}: tensor {stored!r} is {info.dtype}: expected one of {', '.join(STORAGE_DTYPES)}")
         with open(path, "rb") as f:
             f.seek(info.start)
-            stored_values = np.fromfile(f, STORAGE_DTYPES[info.dtype], count=math.prod(shape)).reshape(shape)
+            stored_values = np.fromfile(f, dtype_named(STORAGE_DTYPES[info.dtype]), count=math.prod(shape)).reshape(shape)
         values = stored_values.astype(np.float32)
         if not np.isfinite(values).all():
             raise QwenNPError(f"{path}: tensor {stored!r} holds NaN or Inf")

@@ -28,12 +28,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-import ml_dtypes
 import numpy as np
 
 from ..core.config import EMBED_TOKENS, LAYER_TENSORS, LM_HEAD, Qwen3Config, expected_tensors
 from ..errors import QwenNPError
-from ..numbers.numerics import STORAGE_DTYPES, Weight, held
+from ..numbers.numerics import STORAGE_DTYPES, Weight, dtype_named, held
 
 MAX_HEADER_BYTES = 100_000_000        # the Rust reader's MAX_HEADER_SIZE
 SINGLE_FILE = "model.safetensors"
@@ -192,7 +191,7 @@ class Checkpoint:
         if info.path not in self._maps:
             with open(info.path, "rb") as f:
                 self._maps[info.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        dtype = STORAGE_DTYPES[info.dtype]
+        dtype = dtype_named(STORAGE_DTYPES[info.dtype])
         count = info.nbytes // dtype.itemsize
         return np.frombuffer(self._maps[info.path], dtype=dtype, count=count, offset=info.start).reshape(info.shape)
 
@@ -202,7 +201,7 @@ class Checkpoint:
         buffer: bytes (uint8) to read into and return a view of, reused from tensor to tensor.
         """
         info = self.tensors[name]
-        dtype = STORAGE_DTYPES[info.dtype]
+        dtype = dtype_named(STORAGE_DTYPES[info.dtype])
         with open(info.path, "rb", buffering=0) as f:
             f.seek(info.start)
             if buffer is None:
@@ -265,18 +264,15 @@ def _sharded_tensors(index_path: Path) -> dict[str, TensorInfo]:
 
 # --- Writing safetensors (test checkpoints, benchmarks, the bundled model) -----------------------
 
-# dtype name -> the NumPy dtype FP32 values are rounded to on writing (BF16: round to nearest even).
-WRITE_DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype("<f2"), "F32": np.dtype("<f4")}
-
-
 def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], dtype: str = "BF16") -> None:
     """Write arrays as one safetensors file in `dtype`, through the safetensors package's own writer.
 
-    FP32 values are rounded to `dtype` (BF16: to nearest even); arrays already in it are written as they are.
+    FP32 values are rounded to `dtype` (a STORAGE_DTYPES name; BF16: to nearest even); arrays already in it are
+    written as they are.
     """
     from safetensors.numpy import save_file   # runtime dependency, imported where used
 
-    target = WRITE_DTYPES[dtype]
+    target = dtype_named(STORAGE_DTYPES[dtype])
     stored = {name: np.ascontiguousarray(value if value.dtype == target else value.astype(np.float32).astype(target))
               for name, value in ((name, np.asarray(value)) for name, value in tensors.items())}
     write_atomically(path, lambda tmp: save_file(stored, tmp, metadata={"format": "pt"}))
@@ -364,15 +360,15 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def resolve_model_path(model: str | Path, flag: str = "--model") -> Path:
+def resolve_model_path(model: str | Path, param: str = "model") -> Path:
     """A local checkpoint folder or GGUF file, or a hub id ('Qwen/Qwen3-8B') fetched into the HF cache;
-    `flag` names the flag it came from in the error."""
+    `param` names the caller's parameter it came from in the error (QwenNPError.param)."""
     path = Path(model).expanduser()
     if path.is_dir() or is_gguf(path):
         return path
     text = str(model)
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
-        raise QwenNPError(f"{flag}: {text!r} is not a checkpoint folder, a GGUF file or a hub id like 'Qwen/Qwen3-8B'")
+        raise QwenNPError(f"{text!r} is not a checkpoint folder, a GGUF file or a hub id like 'Qwen/Qwen3-8B'", param)
     return download(text)
 
 

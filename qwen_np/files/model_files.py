@@ -61,9 +61,9 @@ class ModelFiles:
     is fetched into the Hugging Face cache first) and what they say, each read on first use and kept, so
     that whoever holds it never asks "is it a GGUF, where is it, what is its config" again."""
 
-    def __init__(self, source: str | Path, flag: str = "--model") -> None:
+    def __init__(self, source: str | Path, param: str = "model") -> None:
         self.source = str(source)                          # as given: a folder, a GGUF file or a hub id
-        self.path = resolve_model_path(source, flag)       # `flag` names where it came from in the error
+        self.path = resolve_model_path(source, param)      # `param`: the caller's name for it, in the error
         self.gguf = is_gguf(self.path)                      # by its magic: Ollama's blobs have no suffix
 
     @functools.cached_property
@@ -98,9 +98,10 @@ class ModelFiles:
         return checkpoint
 
 
-def open_model(source: str | Path | ModelFiles, flag: str = "--model") -> ModelFiles:
-    """The ModelFiles of a folder, GGUF file or hub id (one already opened is handed back as it is)."""
-    return source if isinstance(source, ModelFiles) else ModelFiles(source, flag)
+def open_model(source: str | Path | ModelFiles, param: str = "model") -> ModelFiles:
+    """The ModelFiles of a folder, GGUF file or hub id (one already opened is handed back as it is); `param`:
+    the caller's parameter it came from, named in the error (e.g. "draft")."""
+    return source if isinstance(source, ModelFiles) else ModelFiles(source, param)
 
 
 # One question each, for a caller that needs only that one.

@@ -325,9 +325,11 @@ def check_draft_folder(path: str | Path | ModelFiles, config: Qwen3Config, token
     """Raise QwenNPError (about the draft) unless the checkpoint at `path` can draft for a model of `config`
     and `tokenizer` (speculative.check_draft), reading only its small files."""
     try:
-        draft = open_model(path, "--draft")
+        draft = open_model(path, "draft")
         draft_config, draft_tokenizer = draft.config, draft.tokenizer
     except QwenNPError as problem:
+        if problem.param == "draft":        # already about the draft: its path
+            raise
         raise QwenNPError(str(problem), "draft") from None
     check_draft(config, tokenizer, draft_config, draft_tokenizer)
 

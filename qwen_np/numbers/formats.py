@@ -33,11 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import QwenNPError
-from .numerics import bf16_bits_to_f32, f32_to_bf16_bits, scratch, widen_groups
+from .numerics import bf16_bits_to_f32, dtype_named, f32_to_bf16_bits, scratch, widen_groups
 
 BLOCK = 32                                   # values per block in q8_0, q4_0 and mxfp4
 E4M3_MAX = np.float32(448.0)                 # largest finite float8_e4m3fn
@@ -202,9 +201,10 @@ def dequantize_bf16(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
 
 # ---- scaled floats: FP8 E4M3FN / E5M2, per tensor or per row ---------------------------------------
 
-def _quantize_fp8(x: np.ndarray, dtype: type, largest: np.float32, per_row: bool, fmt: str,
+def _quantize_fp8(x: np.ndarray, dtype: str, largest: np.float32, per_row: bool, fmt: str,
                   scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """x [..., in] -> (codes [..., in] of `dtype`, FP32 scale: [] per tensor or [...] per row).
+    """x [..., in] -> (codes [..., in] of the dtype named `dtype` (dtype_named), FP32 scale: [] per tensor or
+    [...] per row).
 
     The scale maps each group's amax onto `largest`, unless one is given (e.g. a calibrated or shared
     scale); then values past the range saturate instead of becoming NaN.
@@ -219,7 +219,7 @@ def _quantize_fp8(x: np.ndarray, dtype: type, largest: np.float32, per_row: bool
         raise QwenNPError(f"{fmt}: scales must be positive and finite, got {scale.ravel()[:4]}")
     scaled = x / scale[..., None]
     np.clip(scaled, -largest, largest, out=scaled)              # saturate (see module notes)
-    return scaled.astype(dtype), scale
+    return scaled.astype(dtype_named(dtype)), scale
 
 
 def dequantize_scaled(codes: np.ndarray, scale: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -232,22 +232,22 @@ def dequantize_scaled(codes: np.ndarray, scale: np.ndarray, out: np.ndarray | No
 
 def quantize_fp8_e4m3(x: np.ndarray,
                       scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    return _quantize_fp8(x, ml_dtypes.float8_e4m3fn, E4M3_MAX, per_row=False, fmt="fp8_e4m3", scale=scale)
+    return _quantize_fp8(x, "float8_e4m3fn", E4M3_MAX, per_row=False, fmt="fp8_e4m3", scale=scale)
 
 
 def quantize_fp8_e5m2(x: np.ndarray,
                       scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    return _quantize_fp8(x, ml_dtypes.float8_e5m2, E5M2_MAX, per_row=False, fmt="fp8_e5m2", scale=scale)
+    return _quantize_fp8(x, "float8_e5m2", E5M2_MAX, per_row=False, fmt="fp8_e5m2", scale=scale)
 
 
 def quantize_fp8_e4m3_rows(x: np.ndarray,
                            scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    return _quantize_fp8(x, ml_dtypes.float8_e4m3fn, E4M3_MAX, per_row=True, fmt="fp8_e4m3_rows", scale=scale)
+    return _quantize_fp8(x, "float8_e4m3fn", E4M3_MAX, per_row=True, fmt="fp8_e4m3_rows", scale=scale)
 
 
 def quantize_fp8_e5m2_rows(x: np.ndarray,
                            scale: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    return _quantize_fp8(x, ml_dtypes.float8_e5m2, E5M2_MAX, per_row=True, fmt="fp8_e5m2_rows", scale=scale)
+    return _quantize_fp8(x, "float8_e5m2", E5M2_MAX, per_row=True, fmt="fp8_e5m2_rows", scale=scale)
 
 
 # ---- INT8 per output row ---------------------------------------------------------------------------
@@ -347,7 +347,7 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     e = np.where(amax > 0, exponent - 1 - E2M1_EMAX + E8M0_BIAS, 0)
     e = np.clip(e, 0, 254).astype(np.uint8)                              # 255 is E8M0's NaN
     scaled = np.ldexp(blocks, (E8M0_BIAS - e.astype(np.int32))[..., None])   # exact: a power of two
-    codes = scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8)        # [out, in/32, 32] in 0..15
+    codes = scaled.astype(dtype_named("float4_e2m1fn")).view(np.uint8)        # [out, in/32, 32] in 0..15
     return _pack_nibbles(codes).reshape(*w.shape[:-1], -1), e
 
 
@@ -355,7 +355,7 @@ def dequantize_mxfp4(nibbles: np.ndarray, e: np.ndarray, out: np.ndarray | None 
     """nibbles uint8 [out, in/2], e uint8 [out, in/32] -> FP32 [out, in]: E2M1 value * 2^(e - 127)."""
     out = _output(e.shape[:-1] + (e.shape[-1] * BLOCK,), out)
     codes = _unpack_nibbles(nibbles.reshape(e.shape + (BLOCK // 2,)))   # [out, in/32, 32]
-    values = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    values = codes.view(dtype_named("float4_e2m1fn")).astype(np.float32)
     np.ldexp(values, (e.astype(np.int32) - E8M0_BIAS)[..., None], out=out.reshape(codes.shape))
     return out
 

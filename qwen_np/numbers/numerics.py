@@ -23,20 +23,16 @@ StoredRows lets ml_dtypes' bfloat16 dtype do the same in C).
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-import ml_dtypes
 import numpy as np
 
-# On-disk dtype name (safetensors) -> the NumPy dtype whose bytes we read.
-STORAGE_DTYPES: dict[str, np.dtype] = {
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F16": np.dtype("<f2"),
-    "F32": np.dtype("<f4"),
-}
+# On-disk dtype name (safetensors) -> the name of the NumPy dtype (dtype_named) whose bytes we read and write.
+STORAGE_DTYPES = {"BF16": "bfloat16", "F16": "<f2", "F32": "<f4"}
 BYTES_PER_VALUE = {"FP32": 4, "BF16": 2, "FP16": 2, "FP8": 1, "INT8": 1, "INT4": 0.5}
 
 
@@ -246,6 +242,19 @@ class Grouped(Held, Protocol):
     def code_order(self) -> np.ndarray | None: ...     # the value index of each input in coded()'s order
 
     def coded(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]: ...
+
+
+@functools.cache
+def dtype_named(name: str) -> np.dtype:
+    """NumPy's dtype `name`, or ml_dtypes' (bfloat16, float8_e4m3fn, float4_e2m1fn, ...). ml_dtypes is imported
+    here alone, on first use: its import takes most of a second, which a command's --help or usage error
+    never needs (qwen_np/__init__.py)."""
+    try:
+        return np.dtype(name)
+    except TypeError:                        # not NumPy's own: ml_dtypes' (importing it registers its names)
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
 
 
 _scratch = threading.local()

@@ -104,22 +104,23 @@ So long lives this, and this gives life to thee.
 
 # --- The models compared ---------------------------------------------------------------------------
 
-def formatted_model(base: Qwen3Model, fmt: str, flag: str = "--formats") -> Qwen3Model:
+def formatted_model(base: Qwen3Model, fmt: str, param: str = "fmt") -> Qwen3Model:
     """base (FP32 weights) with every matrix replaced by round_trip(matrix, fmt); norm weights stay FP32.
+    A model or format that cannot be compared is a QwenNPError about `param` (the caller's name for the formats).
 
     A layer's matrices are laid out back to back, as load_model does, so the fast path fuses them.
     """
     if base.config.ablations:
-        raise QwenNPError(f"{flag}: the precision lab compares Qwen3 models, not the ablation {base.config.ablations}")
+        raise QwenNPError(f"the precision lab compares Qwen3 models, not the ablation {base.config.ablations}", param)
     entry = get_format(fmt)
 
     def rounded(name: str, weight: Weight, out: np.ndarray | None = None) -> np.ndarray:
         if not isinstance(weight, np.ndarray) or weight.dtype != np.float32:
-            raise QwenNPError(f"{flag}: the reference model must hold FP32 weights (load it with memory='fp32')")
+            raise QwenNPError("the reference model must hold FP32 weights (load it with memory='fp32')", param)
         try:
             return entry.dequantize(*entry.quantize(weight), out=out)
         except QwenNPError as problem:
-            raise QwenNPError(f"{flag}: {fmt} cannot hold {name}: {problem}") from None
+            raise QwenNPError(f"{fmt} cannot hold {name}: {problem}", param) from None
 
     decoder_layers = []
     for i, w in enumerate(base.layers):
@@ -175,35 +176,36 @@ class ActivationRanges:
 
 # --- Scoring ---------------------------------------------------------------------------------------
 
-def check_formats(formats: Sequence[str], flag: str, allowed: Sequence[str] = FORMATS) -> list[str]:
-    """The format names, each checked (an unknown one is a QwenNPError naming the flag)."""
+def check_formats(formats: Sequence[str], param: str = "formats", allowed: Sequence[str] = FORMATS) -> list[str]:
+    """The format names, each checked (an unknown one is a QwenNPError about `param`, the caller's name for them)."""
     if not formats:
-        raise QwenNPError(f"{flag}: give at least one format ({', '.join(allowed)})")
+        raise QwenNPError(f"give at least one format ({', '.join(allowed)})", param)
     bad = [fmt for fmt in formats if fmt not in allowed]
     if bad:
-        raise QwenNPError(f"{flag}: unknown format {bad[0]!r}; expected one of {', '.join(allowed)}")
+        raise QwenNPError(f"unknown format {bad[0]!r}; expected one of {', '.join(allowed)}", param)
     return list(formats)
 
 
-def load_reference(folder: Path, context: int, flag: str = "--compare") -> Qwen3Model:
-    """The FP32 model to compare against, once the plan shows room for it and one format's copy."""
+def load_reference(folder: Path, context: int, param: str = "folder") -> Qwen3Model:
+    """The FP32 model to compare against, once the plan shows room for it and one format's copy (else a
+    QwenNPError about `param`, the caller's name for what asked for the comparison)."""
 
     plan = candidate_plans(read_config(folder), context)["fp32"]
     need = plan.total_bytes + plan.fp32_weight_bytes
     if need > plan.available_bytes * SAFETY_FRACTION:
-        raise QwenNPError(f"{flag}: comparing holds the model in FP32 twice (the reference and one format), "
+        raise QwenNPError(f"comparing holds the model in FP32 twice (the reference and one format), "
                           f"{need / GiB:.1f} GiB with buffers, but only {plan.available_bytes / GiB:.1f} GiB is "
-                          f"available; use a smaller model")
+                          f"available; use a smaller model", param)
     return load_model(folder, memory="fp32", max_tokens=context)
 
 
-def scored_documents(docs: list[np.ndarray], context: int, max_tokens: int | None, flag: str = "--text") -> list[np.ndarray]:
-    """The documents cut to their first `max_tokens` predicted tokens; a QwenNPError if the text is
-    shorter than one window of `context` tokens."""
+def scored_documents(docs: list[np.ndarray], context: int, max_tokens: int | None) -> list[np.ndarray]:
+    """The documents cut to their first `max_tokens` predicted tokens; a QwenNPError (about precision_report's
+    `text`) if the text is shorter than one window of `context` tokens."""
     total = sum(len(ids) - 1 for ids in docs)
     if total < context:
-        raise QwenNPError(f"{flag}: the text has {total + 1} tokens, shorter than one window of {context} + 1; "
-                          "give a longer text or a smaller --context")
+        raise QwenNPError(f"the text has {total + 1} tokens, shorter than one window of {context} + 1; "
+                          "give a longer text or a smaller `context`", "text")
     kept, left = [], total if max_tokens is None else max_tokens
     for ids in docs:
         if left <= 0:
@@ -231,7 +233,7 @@ def compare(base: Qwen3Model, other: Qwen3Model, docs: list[np.ndarray], context
 
 
 def compare_formats(base: Qwen3Model, docs: list[np.ndarray], formats: Sequence[str], context: int,
-                    flag: str = "--compare", activations: str | None = None,
+                    param: str = "formats", activations: str | None = None,
                     each: Callable[[str, Qwen3Model, dict[str, Any]], None] | None = None,
                     progress: Callable[[str, int, int], object] = lambda fmt, n, total: None) -> dict[str, dict[str, Any]]:
     """format -> llama-perplexity's statistics against `base` (FP32) over `docs`, windows of `context`.
@@ -240,12 +242,13 @@ def compare_formats(base: Qwen3Model, docs: list[np.ndarray], formats: Sequence[
     its row says how many inf/NaN that made (`residual_nonfinite`). One format's model exists at a
     time; each(fmt, model, stats), when given, sees it before it goes (and may add to the stats).
     progress(fmt, n, total) hears of every n positions scored, of `total` (formats x the documents' positions).
+    A format that cannot be compared is a QwenNPError about `param` (the caller's name for `formats`).
     """
-    formats = check_formats(formats, flag)
+    formats = check_formats(formats, param)
     results: dict[str, dict[str, Any]] = {}
     total = sum(len(ids) - 1 for ids in docs) * len(formats)
     for fmt in formats:
-        model = formatted_model(base, fmt, flag)
+        model = formatted_model(base, fmt, param)
         if activations:
             model = RoundedResidual(model, activations)
         stats = results[fmt] = compare(base, model, docs, context, lambda n: progress(fmt, n, total)).summary()  # noqa: B023
@@ -280,13 +283,13 @@ def precision_report(folder: Path, text: str, text_name: str, formats: Sequence[
     """Everything `precision` shows, as plain data: one row per format, and the activation ranges.
     progress(fmt, n, total): as compare_formats'."""
 
-    formats = check_formats(formats, "--formats")
+    formats = check_formats(formats)
     config = read_config(folder)
     context = min(context, config.max_position_embeddings)
     tokenizer = read_tokenizer(folder)
     docs, _ = encoded_documents(tokenizer, text)
     docs = scored_documents(docs, context, max_tokens)
-    base = load_reference(folder, context, "--model")
+    base = load_reference(folder, context)
     prompt = [int(t) for t in docs[0][:PROMPT_TOKENS]]
     ranges = ActivationRanges(config.num_hidden_layers)
     if activations:                         # the FP32 model's ranges, read by a traced pass over the same text
@@ -300,7 +303,7 @@ def precision_report(folder: Path, text: str, text_name: str, formats: Sequence[
                      weight_bytes_qwen3_8b=weight_bytes(preset("qwen3-8b"), fmt),
                      continuation=greedy_text(model, tokenizer, prompt, continuation))
 
-    results = compare_formats(base, docs, formats, context, "--formats", activations, describe, progress)
+    results = compare_formats(base, docs, formats, context, "formats", activations, describe, progress)
     rows = [{"format": fmt, **stats} for fmt, stats in results.items()]
     report: dict[str, Any] = {
         "model": str(folder), "text": text_name, "context": context, "activations": activations or "fp32",

@@ -64,7 +64,7 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
     config, tokenizer, defaults = files.config, files.tokenizer, files.generation_defaults
     context = effective_context(config, context)
     if draft is not None:
-        draft = open_model(draft, "--draft")
+        draft = open_model(draft, "draft")
         check_draft_folder(draft, config, tokenizer)       # the files the command checked: nothing is read again
     model = load_model(files, memory=memory, max_tokens=context)
     check_weights_finite(model)                  # NaN/Inf weights: one line naming the layer, before listening

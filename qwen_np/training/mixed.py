@@ -38,9 +38,9 @@ TILE = 128                    # DeepSeek-V3's FP8 tile: 1x128 for activations an
 FP8_FORMAT = "fp8_e4m3_rows"  # formats' E4M3FN with one amax/448 scale per row: each row here is one tile
 
 
-def check_precision(precision: str, flag: str = "--precision") -> str:
+def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
-        raise QwenNPError(f"{flag}: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+        raise QwenNPError(f"expected one of {', '.join(PRECISIONS)}, got {precision!r}", "precision")
     return precision
 
 

@@ -430,7 +430,7 @@ NOT_BIT_EXACT = ("lr", "batch_size", "grad_accum", "warmup", "decay_steps", "wei
 # Refused (the state saved would not fit: the run would not be a continuation), and so are a --preset or
 # --config of another model and a --data of another text:
 KEPT_ON_RESUME = {"seed": "it orders the data: another seed would repeat some windows of this epoch and skip others",
-                  "context": "the data order is over windows of --context + 1 tokens: another length would repeat "
+                  "context": "the data order is over windows of `context` + 1 tokens: another length would repeat "
                              "some and skip others"}
 
 
@@ -455,8 +455,9 @@ class RunEvents:
     """What a run reports as it goes; the command draws it (a progress bar), a test may record it."""
 
     def noted(self, line: str) -> None:
-        """Before the first step: a one-line notice ("note: ..."), e.g. a flag that makes a resumed run no
-        longer bit-exact, or a dead trainer's lock taken over."""
+        """Before the first step: a one-line notice ("note: ..."), e.g. a setting that makes a resumed run no
+        longer bit-exact, or a dead trainer's lock taken over. A setting it names is in backticks ("`lr` 0.005"),
+        for the front end to word as its own (errors.reworded)."""
 
     def started(self, settings: Settings, done: int, description: str) -> None:
         """Before the first step: `done` steps of settings.steps are behind (resuming)."""
@@ -486,17 +487,17 @@ def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
     events = events or RunEvents()
     out = spec.out
     if not spec.resume and spec.preset is None and spec.config is None and spec.model is None:
-        raise QwenNPError("say what to train (--preset tiny: seconds; --preset shakespeare, the bundled model: about "
-                          "50 minutes on 2 cores; --model MODEL to fine-tune a checkpoint)", "spec")
+        raise QwenNPError("say what to train (`preset` tiny: seconds; `preset` shakespeare, the bundled model: about "
+                          "50 minutes on 2 cores; `model` MODEL to fine-tune a checkpoint)", "spec")
     if spec.model is not None and (spec.preset is not None or spec.config is not None):
-        raise QwenNPError("starts from a checkpoint's weights; a --preset or --config starts from random ones: "
+        raise QwenNPError("starts from a checkpoint's weights; a `preset` or `config` starts from random ones: "
                           "give one of them", "model")
     if spec.lora is not None and spec.model is None and not spec.resume:
-        raise QwenNPError("adapters train on a checkpoint's frozen weights: name it with --model (a --preset or "
-                          "--config model starts from random weights: train it whole)", "lora")
+        raise QwenNPError("adapters train on a checkpoint's frozen weights: name it with `model` (a `preset` or "
+                          "`config` model starts from random weights: train it whole)", "lora")
     if spec.resume and not out.exists():
         raise QwenNPError(f"{out} does not exist: there is no earlier run to continue (start one without "
-                          "--resume)", "resume")
+                          "`resume`)", "resume")
     if out.exists() and not out.is_dir():
         raise QwenNPError(f"{out} is a file, not a folder", "out")
     created = not out.exists()
@@ -577,7 +578,7 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
         state, saved, adam_m, adam_v, optimizer_step = _resumed(spec, notes, left)
     else:
         if last.exists():
-            raise QwenNPError(f"{out} already holds a run ({LAST}); pass --resume or another folder", "out")
+            raise QwenNPError(f"{out} already holds a run ({LAST}); pass `resume` or another folder", "out")
         state = _new_state(spec)
     settings = state.settings
     config = Qwen3Config.from_dict(state.config, source=state.model or "--config")
@@ -636,7 +637,7 @@ def _new_state(spec: RunSpec) -> RunState:
         adapters = {**asdict(spec.lora.check()), "memory": spec.memory or "fp32"}
     elif spec.memory not in (None, "fp32"):
         raise QwenNPError(f"{spec.memory}: full fine-tuning updates every weight, held in FP32; a frozen base "
-                          "(--lora) may be held as bf16, int8, q8_0 or q4_0", "memory")
+                          "(`lora`) may be held as bf16, int8, q8_0 or q4_0", "memory")
     return RunState(base_config(open_model(spec.model)), settings, spec.data or "shakespeare", model=spec.model,
                     adapters=adapters, val=spec.val)
 
@@ -676,7 +677,7 @@ def _base(spec: RunSpec, state: RunState, notes: list[str]) -> ModelFiles | None
                           f"{digest[:16]}..., the run's {state.base_sha256[:16]}...): a resumed run reloads its base "
                           f"({state.model}); name it with --model", "model")
     if state.model is not None and source != state.model:
-        notes.append(f"note: --model {source}: the run's base, read from there (it began on {state.model})")
+        notes.append(f"note: `model` {source}: the run's base, read from there (it began on {state.model})")
     state.model, state.base_sha256 = source, digest
     return base
 
@@ -687,12 +688,12 @@ def _data(spec: RunSpec, state: RunState, config: Qwen3Config, base: ModelFiles 
     settings = state.settings
     data = spec.data or state.data
     if spec.resume and spec.data is None and data != "shakespeare" and not Path(data).exists():
-        raise QwenNPError(f"{data}, the run's text, is not there (moved? name its new place with --data)", "data")
+        raise QwenNPError(f"{data}, the run's text, is not there (moved? name its new place with `data`)", "data")
     val = spec.val or state.val
     result: TextData | chats.ChatData
     if chats.is_chat_file(Path(data)):
         if base is None:
-            raise QwenNPError(f"{data}: a chat file trains a model from --model (its tokenizer and chat template)",
+            raise QwenNPError(f"{data}: a chat file trains a model from `model` (its tokenizer and chat template)",
                               "data")
         tokenizer = base.tokenizer
         train, validation, digest = chats.held_out(tokenizer, Path(data), None if val is None else Path(val))
@@ -715,7 +716,7 @@ def _data(spec: RunSpec, state: RunState, config: Qwen3Config, base: ModelFiles 
         result = TextData(corpus, WindowOrder(len(corpus.train), settings.context, settings.seed, state.epoch,
                                               state.position))
     if data != state.data:
-        notes.append(f"note: --data {data}: the run's text, read from there (it began on {state.data})")
+        notes.append(f"note: `data` {data}: the run's text, read from there (it began on {state.data})")
     state.data, state.data_sha256, state.val = data, result.sha256, val
     return result
 
@@ -790,29 +791,28 @@ def _resumed(spec: RunSpec, notes: list[str], left: str | None
     except QwenNPError as bad:
         raise QwenNPError(f"{bad}; {_fallback(out)}", "resume") from None
     if spec.preset is not None or spec.config is not None:
-        flag = "--preset" if spec.preset is not None else "--config"
+        given = "preset" if spec.preset is not None else "config"
         wanted = hf_config(_model_config(spec))
         differs = sorted(key for key in wanted.keys() | state.config.keys() if wanted.get(key) != state.config.get(key))
         if differs:
-            raise QwenNPError(f"{flag}: not the model of the run in {out} ({differs[0]} {wanted.get(differs[0])}, the run's "
-                              f"{state.config.get(differs[0])}); a resumed run keeps its model: drop {flag}")
+            raise QwenNPError(f"not the model of the run in {out} ({differs[0]} {wanted.get(differs[0])}, the run's "
+                              f"{state.config.get(differs[0])}); a resumed run keeps its model: drop `{given}`", given)
     if spec.model is not None and state.model is None:
-        raise QwenNPError(f"the run in {out} trains a model from random weights (its --preset or --config); drop --model",
+        raise QwenNPError(f"the run in {out} trains a model from random weights (its `preset` or `config`); drop `model`",
                           "model")
     if spec.lora is not None and spec.lora.check() != state.lora_settings:
         raise QwenNPError(f"the run in {out} trains {_adapters(state.lora_settings)}, which a resumed run keeps (its "
-                          "checkpoints hold those); drop the --lora flags, or start a new run", "lora")
+                          "checkpoints hold those); drop `lora` and its settings, or start a new run", "lora")
     if spec.memory is not None and spec.memory != state.lora_memory:
         raise QwenNPError(f"the run in {out} holds its frozen base as {state.lora_memory}, which a resumed run keeps (its "
-                          "products, so its updates, depend on it); drop --memory", "memory")
+                          "products, so its updates, depend on it); drop `memory`", "memory")
     saved = state.settings
     changed = {name: value for name, value in spec.overrides.items()
                if value is not None and value != getattr(saved, name)}
     for name, why in KEPT_ON_RESUME.items():
         if name in changed:
-            flag = "--" + name.replace("_", "-")
-            raise QwenNPError(f"{flag}: the run in {out} has {flag} {getattr(saved, name)}, which a resumed run keeps "
-                              f"({why}); drop {flag}, or start a new run")
+            raise QwenNPError(f"the run in {out} has `{name}` {getattr(saved, name)}, which a resumed run keeps "
+                              f"({why}); drop `{name}`, or start a new run", name)
     overrides = dict(spec.overrides)
     if changed.keys() & {"batch_size", "grad_accum"} and "shards" not in changed:
         overrides["shards"] = 0                      # rows of another size: cut into shards chosen again
@@ -821,9 +821,8 @@ def _resumed(spec: RunSpec, notes: list[str], left: str | None
     if "steps" in changed and not state.settings.decay_steps:
         inexact.append("steps")                      # the cosine schedule spans --steps: it changes with them
     if inexact:
-        flags = ", ".join(f"--{name.replace('_', '-')} {getattr(state.settings, name)} (was {getattr(saved, name)})"
-                          for name in inexact)
-        notes.append(f"note: {flags}: applied; the run goes on from step {state.step}, but is no longer bit for bit "
+        given = ", ".join(f"`{name}` {getattr(state.settings, name)} (was {getattr(saved, name)})" for name in inexact)
+        notes.append(f"note: {given}: applied; the run goes on from step {state.step}, but is no longer bit for bit "
                      "the run it was")
     return state, params, adam_m, adam_v, optimizer_step
 
@@ -848,11 +847,11 @@ def read_checkpoint(path: Path) -> tuple[RunState, dict[str, np.ndarray], dict[s
 
 
 def _adapters(settings: lora.LoraSettings | None) -> str:
-    """A run's LoRA settings as flags ("every weight" for a full run)."""
+    """A run's LoRA settings, each named in backticks for the front end to word ("every weight" for a full run)."""
     if settings is None:
-        return "every weight (no --lora)"
-    return (f"--lora {settings.rank} --lora-alpha {settings.alpha:g} --lora-targets "
-            f"{','.join(settings.targets)} --lora-dropout {settings.dropout:g}")
+        return "every weight (no `lora`)"
+    return (f"`rank` {settings.rank} `alpha` {settings.alpha:g} `targets` {','.join(settings.targets)} "
+            f"`dropout` {settings.dropout:g}")
 
 
 def _fallback(out: Path) -> str:
