@@ -608,6 +608,34 @@ def test_a_file_llama_cpps_quantizer_made_gives_transformers_logits_on_its_dequa
     assert_transformers_logits_on_ggufs_dequantization(path, tmp_path)
 
 
+def resident_bytes(path: Path) -> int:
+    """This process's resident bytes of its mappings of `path` (/proc/self/smaps' Rss lines)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+@pytest.mark.parametrize("memory", ["int8", "q8_0", "stored"])
+def test_a_tensor_copied_out_of_a_gguf_lets_go_of_the_files_pages(tmp_path: Path, memory: str) -> None:
+    """--memory int8 / q8_0 copy every matrix out of the file, and kept as stored Q6_K is unpacked: the file's
+    pages of what was copied leave the process's resident memory (the page cache keeps them), so a load
+    costs its copy, not its copy and the file. Q4_K_M's Q6_K tensors: a quarter of this file's bytes."""
+    path = tmp_path / "copy.gguf"
+    shutil.copy(LLAMA_CPP / "Q4_K_M.gguf", path)                     # a reader of its own: no pages touched before
+    model = load_model(path, memory=memory)
+    tensors = GGUFReader(path).tensors
+    q6_k = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == "Q6_K")
+    copied = sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2) if memory != "stored" else q6_k
+    model.forward(PROMPT)                                            # stored: the blocks' pages are read here
+    assert q6_k > 0.2 * path.stat().st_size
+    assert resident_bytes(path) <= path.stat().st_size - copied + 4096 * (2 * len(tensors) + 16)
+
+
 # --- The tokenizer on the real Qwen3 vocabulary ----------------------------------------------------
 
 @pytest.fixture(scope="module")
