@@ -69,7 +69,8 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
             optimizer.update(params, grads, 1e-3)
             seconds.append(time.perf_counter() - started)
             del grads
-    estimate = memory.training_memory(config, args.batch // args.grad_accum, args.context, recompute=args.recompute)
+    estimate = memory.training_memory(config, args.batch // args.grad_accum, args.context, recompute=args.recompute,
+                                      micro_batches=args.grad_accum, precision=args.precision)
     predicted = memory.training_total(estimate) - estimate["weights"]        # the weights are in the baseline
     return {"peak_above_baseline": peak_rss_bytes() - baseline, "estimate": predicted,
             "tokens_per_s": args.batch * args.context / float(np.median(seconds[1:]))}
