@@ -186,7 +186,7 @@ def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
 # BF16, so 2 is the upper bound.
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
-# A step's memory peaks at one of five moments; what is alive then, beyond what it holds throughout
+# A step's memory peaks at one of six moments; what is alive then, beyond what it holds throughout
 # (TRAINING_HELD: the weights, the frozen base of LoRA, AdamW's moments), by training_memory's names.
 # Measured with tracemalloc against the real step in tests/test_memory.py.
 TRAINING_HELD = ("frozen_base", "weights", "adamw")
@@ -195,8 +195,9 @@ TRAINING_MOMENTS = {
     "forward": ("activations", "logits", "stacked_probabilities"),        # the record stacked into the tape
     "loss": ("activations", "logits", "logit_gradient", "loss_temporaries"),   # gradients.cross_entropy
     "head_backward": (*_LOGITS, "piece_gradients", "head_gradient", "rounded_head", "frozen_upcast"),   # the head's
-    "backward": (*_LOGITS, "gradients", "piece_gradients", "tied_embedding_gradients",
-                 "recomputed_probabilities"),                             # its last product, the embedding's
+    "layer_backward": (*_LOGITS, "gradients", "piece_gradients", "layer_temporaries",
+                       "recomputed_probabilities"),                       # a layer's (the first layer's gradients, at most)
+    "backward": (*_LOGITS, "gradients", "piece_gradients", "tied_embedding_gradients"),   # its last: the embedding's
     "update": ("gradients", "adamw_temporaries"),                          # AdamW.update of the largest weight
 }
 # What rounding an FP32 array to a precision's values allocates at its peak, in copies of the array (the
@@ -230,9 +231,13 @@ def training_memory(config: Qwen3Config, rows: int, context: int, recompute: boo
     and the logits' gradient rounded for the input gradient's product ("rounded_head", the rounding's
     integer codes included: ROUNDING_COPIES); a tied model's "tied_embedding_gradients" at the backward's
     end, the embedding's scattered gradient and the head's, [V, D] each, alive while they are added into the
-    table's one gradient; "adamw_temporaries", the two arrays like the largest weight that AdamW.update's
-    expressions make. The layers' own backward temporaries and rounded operands are one layer's, one matrix
-    at a time, below these (up to 4% of the peak in tests/test_memory.py's shapes).
+    table's one gradient; "layer_temporaries", a layer's backward's own arrays, the larger of its MLP's
+    (silu(gate), its product with up, and the three gradients of the [T, F] steps: 5 F a token) and its
+    attention's (softmax's backward: the probabilities' gradient, the scores' and a product, 3 H x T a
+    token, and the repeated keys and values and their gradients, 5 H*Dh), counted with every layer's
+    gradients (an upper bound: the layers below have none yet); "adamw_temporaries", the two arrays like
+    the largest weight that AdamW.update's expressions make. The layers' rounded operands (mixed precision)
+    are one matrix at a time, below these.
     Pieces computed at once (min(shards, threads)) each hold their own tape, gradients and transients, and
     while an earlier piece's or micro-batch's gradient is kept to add into, the backward holds one set more
     ("piece_gradients"): an upper bound, as the pieces' threads do not reach their peaks at the same instant.
@@ -269,6 +274,7 @@ def training_memory(config: Qwen3Config, rows: int, context: int, recompute: boo
              "scaled_logit_gradient": row if loss_scaling else 0,
              "stacked_probabilities": 0 if recompute else L * probabilities,
              "recomputed_probabilities": probabilities if recompute else 0,
+             "layer_temporaries": 4 * tokens * max(5 * F, 3 * H * context + 5 * H * Dh),
              "head_gradient": 0 if lora_rank else at_once * table,
              "rounded_head": at_once * int(max(rounding * row, row + rounding * table)) if rounding else 0,
              "frozen_upcast": at_once * table if widened else 0,
