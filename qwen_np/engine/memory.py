@@ -276,7 +276,7 @@ def training_memory(config: Qwen3Config, rows: int, context: int, recompute: boo
              "recomputed_probabilities": probabilities if recompute else 0,
              "layer_temporaries": 4 * tokens * max(5 * F, 3 * H * context + 5 * H * Dh),
              "head_gradient": 0 if lora_rank else at_once * table,
-             "rounded_head": int(max(rounding * row, row + at_once * rounding * table)),   # d_logits, then W
+             "rounded_head": int(max(rounding * row, row + at_once * rounding * table)) if rounding else 0,
              "frozen_upcast": at_once * table if widened else 0,
              "tied_embedding_gradients": at_once * 2 * table if config.tie_word_embeddings and not lora_rank else 0,
              "piece_gradients": 4 * params * (at_once - 1 + again), "adamw_temporaries": 2 * 4 * largest}
