@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -100,7 +101,8 @@ def one(name: str, rows: int, tokens: int, steps: int, threads: int) -> dict[str
     lora = name.endswith("lora")
     estimate = training_memory(preset("qwen3-0.6b"), rows, tokens, lora_rank=RANK if lora else 0,
                                lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                             "down_proj") if lora else ())
+                                             "down_proj") if lora else (), shards=math.gcd(rows, threads),
+                               threads=threads)      # as loss_and_accumulated_gradients cuts the rows
     return {"name": name, "tokens_per_s": rows * tokens / statistics.median(seconds),
             "peak_above_baseline": peak_rss_bytes() - baseline, "estimate": training_total(estimate)}
 

@@ -24,7 +24,11 @@ import os
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 from pathlib import Path
+
+if TYPE_CHECKING:
+    from qwen_np.core.config import Qwen3Config
 
 # glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, so later arrays come
 # from the heap, which keeps its high-water mark: with micro-batches or recomputation the freed tape of
@@ -42,11 +46,20 @@ CONFIGS: dict[str, dict[str, object]] = {
 }
 
 
+def estimate(config: Qwen3Config, context: int, batch: int = 16, grad_accum: int = 1, recompute: bool = False,
+             precision: str = "fp32") -> int:
+    """memory.training_memory's peak of the step a worker trains, less the weights (its baseline holds them)."""
+    from qwen_np.engine import memory
+
+    parts = memory.training_memory(config, batch // grad_accum, context, recompute=recompute,
+                                   micro_batches=grad_accum, precision=precision)
+    return memory.training_total(parts) - parts["weights"]
+
+
 def worker(args: argparse.Namespace) -> dict[str, float]:
     """One process: `args.steps` timed training steps after one warm-up; peak RSS and median tokens/s."""
     import numpy as np
 
-    from qwen_np.engine import memory
     from qwen_np.training import step as training
     from qwen_np.core.config import Qwen3Config
     from qwen_np.engine.runtime import peak_rss_bytes, steady_threads
@@ -69,8 +82,7 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
             optimizer.update(params, grads, 1e-3)
             seconds.append(time.perf_counter() - started)
             del grads
-    estimate = memory.training_memory(config, args.batch // args.grad_accum, args.context, recompute=args.recompute)
-    predicted = memory.training_total(estimate) - estimate["weights"]        # the weights are in the baseline
+    predicted = estimate(config, args.context, args.batch, args.grad_accum, args.recompute, args.precision)
     return {"peak_above_baseline": peak_rss_bytes() - baseline, "estimate": predicted,
             "tokens_per_s": args.batch * args.context / float(np.median(seconds[1:]))}
 

@@ -10,7 +10,8 @@ from qwen_np import preset
 from qwen_np.cli import main
 from qwen_np.errors import QwenNPError
 from qwen_np.inspection import inspect_report
-from qwen_np.engine.memory import attention_probabilities, kv_cache_bytes_per_token, training_memory, training_total
+from qwen_np.engine.memory import (attention_probabilities, kv_cache_bytes_per_token, training_memory, training_peak,
+                                   training_remedies, training_total)
 
 BANDWIDTH = 10e9
 
@@ -48,24 +49,35 @@ def test_a_zero_batch_is_refused_naming_the_parameter():
 
 
 def test_each_remedy_saves_what_it_removes_for_qwen3_8b_at_4096_tokens():
-    """inspect's remedies: a quarter of the batch and --grad-accum 4 cut the tape by 4, BF16 halves what is
-    not FP32 logits, --recompute keeps one layer's activations; weights, gradients and AdamW stay."""
+    """inspect's remedies where the forward's end is the peak (the tape, its attention probabilities stacked
+    once more, the logits: all of them per token): a quarter of the batch cuts that by 4, --grad-accum 4 as
+    much (the gradients kept to add into come after the forward), BF16 halves the tape, --recompute keeps
+    one layer's activations; weights, gradients and AdamW stay."""
     config = preset("qwen3-8b")
     training = inspect_report(config, 7, "8b", BANDWIDTH, context=4096, batch_size=16)["memory"]["training"]
     tape, remedies = training["activations"], training["remedies"]
+    assert training["peak"] == "forward"
+    per_token = training["total"] - training["weights"] - training["adamw"]
     assert remedies["grad_accum_4"] == remedies["quarter_batch"]
-    assert remedies["grad_accum_4"]["saves"] == tape - tape // 4
-    assert remedies["bf16_activations"]["saves"] == (tape - 16 * 4096 * 12 * config.vocab_size) // 2
+    assert remedies["quarter_batch"]["saves"] == per_token - per_token // 4
+    assert remedies["bf16_activations"]["saves"] == tape // 2
     L = config.num_hidden_layers
     assert remedies["recompute"]["saves"] > training["attention_probabilities"] * (L - 1) / L
     assert remedies["all_three"]["saves"] > max(r["saves"] for name, r in remedies.items() if name != "all_three")
+
+
+def test_grad_accum_keeps_one_more_set_of_gradients_where_the_backward_is_the_peak():
+    config = preset("qwen3-0.6b")
+    remedies = training_remedies(config, 4, 128)
+    assert training_peak(remedies["quarter_batch"]) == training_peak(remedies["grad_accum_4"]) == "backward"
+    assert remedies["grad_accum_4"]["total"] - remedies["quarter_batch"]["total"] == remedies["baseline"]["gradients"]
 
 
 def test_recompute_keeps_each_layers_input_and_one_layers_activations():
     config = preset("qwen3-0.6b")
     full, recomputed = training_memory(config, 2, 256), training_memory(config, 2, 256, recompute=True)
     L, D = config.num_hidden_layers, config.hidden_size
-    layer = (full["activations_per_token"] - 4 * (2 * D + 3 * config.vocab_size)) // L    # one layer's, per token
+    layer = (full["activations_per_token"] - 4 * 2 * D) // L                 # one layer's, per token
     assert recomputed["activations_per_token"] == full["activations_per_token"] - (L - 1) * layer + (L - 1) * 4 * D
     assert attention_probabilities(config, 2, 256, recompute=True) * L == attention_probabilities(config, 2, 256)
     assert attention_probabilities(config, 2, 256) == 4 * L * config.num_attention_heads * 256 * 256 * 2

@@ -212,7 +212,7 @@ def record(progress: Callable[[str], None] = print) -> dict[str, Any]:
             "base": before, "ranks": runs, "merging": merged,
             "full_memory": {"parameters": parameter_count(model.config), "weights": plan["weights"],
                             "gradients": plan["gradients"], "adamw": plan["adamw"],
-                            "total": sum(v for k, v in plan.items() if k != "activations_per_token")},
+                            "total": memory.training_total(plan)},
             "seconds": round(time.perf_counter() - started), "cores": os.cpu_count()}
 
 
@@ -436,7 +436,8 @@ def rank_part(rec: dict[str, Any]) -> str:
     claim(right(low["answers"], held) > right(high["answers"], held) and spike(high) > spike(low),
           "the larger rank learns worse at the same learning rate, its training loss jumping back up")
     rows = "\n".join(f"| {x['rank']} | {x['trainable']:,} | {mib(trained_state(x['memory']))} | "
-                     f"{mib(sum(x['memory'].values()))} | {two(x['held_out']['loss'])} | {right(x['answers'], held)} of {n} |"
+                     f"{mib(memory.training_total(x['memory']))} | {two(x['held_out']['loss'])} | "
+                     f"{right(x['answers'], held)} of {n} |"
                      for x in rec["ranks"])
     return f"""**Rank against quality and memory.** The same run at {len(rec['ranks'])} ranks. A rank-r adapter on a
 projection W [out, in] is two matrices, A [r, in] and B [out, r] (A random, B zero: the tuned model

@@ -218,8 +218,11 @@ estimate this column compares with leaves them out (`bench/memory.py`: `training
 
 ![Peak memory of each remedy, measured, against the estimate](figures/training_remedies.png)
 
-The measured peaks sit above the estimate by the step's temporaries (a layer's scores before the softmax,
-the backward's [B, H, T, T] gradients). `--precision` changes no memory here: qwen_np keeps its tape in
+The estimate is the step's peak moment with its temporaries (the attention probabilities stacked a second
+time at the forward's end, the loss's [T, V] arrays, a layer's backward arrays: `memory.TRAINING_MOMENTS`;
+the column is today's plan, the peaks the record's), so the peaks with a fixed threshold sit within a tenth of
+it: under with --grad-accum, over with --recompute alone, which it counts with every layer's gradients at
+once. `--precision` changes no memory here: qwen_np keeps its tape in
 FP32 arrays and only rounds the matrix products' inputs, extra elementwise passes in NumPy that a GPU's
 narrow inputs get for free."""
 

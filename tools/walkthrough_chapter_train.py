@@ -159,7 +159,7 @@ def gradient_noise(corpus: trainer.Corpus) -> dict[str, Any]:
             cosines.append(float(np.dot(g, ref) / (np.linalg.norm(g) * np.linalg.norm(ref))))
         estimate = memory.training_memory(model.config, B, T)
         rows.append({"batch": B, "cosine": float(np.mean(cosines)),
-                     "memory": sum(v for k, v in estimate.items() if k != "activations_per_token"),
+                     "memory": memory.training_total(estimate),
                      "activations": estimate["activations"]})
     return {"reference_rows": NOISE_REFERENCE, "draws": NOISE_DRAWS, "rows": rows}
 

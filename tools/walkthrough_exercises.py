@@ -23,7 +23,7 @@ GiB = 2 ** 30
 CHAT_MESSAGE = "Hello!"                      # exercise 1's chat turn
 KV_MODEL, KV_NAME = "qwen3-14b", "Qwen3-14B"   # exercise 4's model
 BF16_PROBES = (1000.0, 1001.0, 1002.0, 1003.0, 1004.0)
-TRAIN_MODEL, TRAIN_ROWS, TRAIN_CONTEXT, TRAIN_BUDGET = "qwen3-0.6b", 4, 1024, 16 * GiB   # exercise 7
+TRAIN_MODEL, TRAIN_ROWS, TRAIN_CONTEXT, TRAIN_BUDGET = "qwen3-0.6b", 8, 1024, 24 * GiB   # exercise 7
 FLASH_SHAPE = (24, 4, 2, 16)                 # exercise 8: T, H, KVH, Dh
 # Exercise 9: the tiny preset's model, a fixed batch of random ids, a few clipped AdamW steps per rate. A run
 # "blows up" when some step's loss rises more than BLOW_UP nats above the first (a margin: the exact losses
@@ -137,20 +137,21 @@ bytes, whatever the core count.""")
 
 def training_fit(run: Run) -> tuple[str, str, str]:
     remedies = memory.training_remedies(preset(TRAIN_MODEL), TRAIN_ROWS, TRAIN_CONTEXT)
-    names = {"baseline": "nothing", "quarter_batch": "--batch-size 1", "bf16_activations": "activations in BF16",
+    names = {"baseline": "nothing", "quarter_batch": f"--batch-size {TRAIN_ROWS // 4}", "bf16_activations": "activations in BF16",
              "grad_accum_4": "--grad-accum 4", "recompute": "--recompute", "all_three": "all three"}
     rows = "\n".join(f"| {names[k]} | {num(v['total'] / GiB)} GiB | {'yes' if v['total'] <= TRAIN_BUDGET else 'no'} |"
                      for k, v in remedies.items())
-    return ("which remedy fits Qwen3-0.6B in 16 GiB",
+    budget = f"{TRAIN_BUDGET / GiB:g} GiB"
+    return (f"which remedy fits Qwen3-0.6B in {budget}",
             f"Training Qwen3-0.6B on batches of {TRAIN_ROWS} × {TRAIN_CONTEXT:,} tokens, which single remedy of "
-            f"section 10 brings the step under 16 GiB, keeping the same update? (`memory.training_remedies`.)",
-            f"""| remedy | total | fits in 16 GiB |
+            f"section 10 brings the step under {budget}, keeping the same update? (`memory.training_remedies`.)",
+            f"""| remedy | total | fits in {budget} |
 |---|---:|---|
 {rows}
 
-**`--grad-accum 4`**: the same update in four passes of one row. `--recompute` alone is just over
-(the logits' three [V] rows per token are kept whatever the layers do), and a smaller batch changes the
-update.""")
+**`--grad-accum 4`**: the same update in four passes of {TRAIN_ROWS // 4} rows, for one more set of gradients (the
+one it adds into). `--recompute` alone is over (the logits' [T, V] arrays, FP32, are kept whatever the
+layers do), and a smaller batch changes the update.""")
 
 
 def flash_blocks(run: Run) -> tuple[str, str, str]:

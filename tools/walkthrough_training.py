@@ -236,7 +236,8 @@ def memory_section(model_dir: Path, num: Any, figures: dict[str, Any]) -> str:
     table = "\n".join(f"| {what} | {mib(estimate[key])} |" for key, what in (
         ("weights", "weights (FP32)"), ("gradients", "gradients (FP32)"), ("adamw", "AdamW moments m and v (FP32)"),
         ("activations", f"activations: {estimate['activations_per_token'] / 1024:.4g} KiB per token × {rows} × {context}")))
-    total = sum(v for k, v in estimate.items() if k != "activations_per_token")
+    total = memory.training_total(estimate)            # the step's peak moment, its transients included
+    transients = total - sum(estimate[key] for key in ("weights", "gradients", "adamw", "activations"))
     figures["training_memory"] = {"preset": PRESET, "rows": rows, "context": context,
                                   "parts": {key: estimate[key] for key in ("weights", "gradients", "adamw", "activations")},
                                   "grad_accum_4": memory.training_memory(config, rows // 4, context)["activations"]}
@@ -249,7 +250,8 @@ def memory_section(model_dir: Path, num: Any, figures: dict[str, Any]) -> str:
     training.loss_and_gradients(model, tokens)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    predicted = small["gradients"] + small["activations"]
+    moments = memory.training_moments(small)             # one loss_and_gradients: every moment but the update's
+    predicted = max(v for k, v in moments.items() if k != "update") - small["weights"] - small["adamw"]
 
     params = training.named_parameters(model)
     optimizer = training.adamw_for(params)
@@ -273,14 +275,15 @@ at {LONG_CONTEXT:,} tokens they are {share:.0%} of a layer's activations. For th
 | what | bytes |
 |---|---:|
 {table}
+| transients at the step's peak (the logits and their gradient, copies: `memory.training_peak`) | {mib(transients)} |
 | **total** | **{mib(total)}** |
 
 ![Training memory of the preset's step, whole and with --grad-accum 4](figures/training_memory.png)
 
 The activations dominate; `--grad-accum N` divides them by N (N micro-batches, one alive at a time).
 Measured: one `loss_and_gradients` call on a batch of {measured_rows} × {measured_context} tokens allocates at
-most {mib(peak)} of NumPy arrays at once (`tracemalloc`), against {mib(predicted)} predicted for its gradients
-and activations.
+most {mib(peak)} of NumPy arrays at once (`tracemalloc`), against {mib(predicted)} predicted for its gradients,
+activations and transients at their peak.
 
 {remedies_part(figures, estimate)}
 
@@ -334,8 +337,9 @@ def flash_part(num: Any) -> str:
         estimate = memory.training_memory(real, rows, context, recompute=recompute)
         probabilities = memory.attention_probabilities(real, rows, context, recompute=recompute)
         kept_rows = 4 * (1 if recompute else L) * H * context * rows      # one FP32 number per query row and head
-        total = memory.training_total(estimate)
-        return total / gib, (total - probabilities + kept_rows) / gib
+        flash = {**estimate, "activations": estimate["activations"] - probabilities + kept_rows,
+                 "stacked_probabilities": 0, "recomputed_probabilities": 0}   # no probabilities to stack either
+        return memory.training_total(estimate) / gib, memory.training_total(flash) / gib
 
     whole, whole_flash = totals(False)
     again, again_flash = totals(True)
@@ -390,9 +394,9 @@ gradients and AdamW moments for every expert. qwen_np implements the dense archi
 
 def attention_share(config: Qwen3Config, context: int) -> float:
     """The attention probabilities' share of the layers' training activations: memory.training_memory's tape,
-    less its parts outside the layers (final norm, logits), against H * T numbers per token per layer."""
+    less its part outside the layers (the final norm's input and output), against H * T numbers per token per layer."""
     per_token = memory.training_memory(config, 1, context)["activations_per_token"]
-    layers = per_token - 4 * (2 * config.hidden_size + 3 * config.vocab_size)
+    layers = per_token - 4 * 2 * config.hidden_size
     return 4 * config.num_hidden_layers * config.num_attention_heads * context / layers
 
 

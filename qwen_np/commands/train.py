@@ -15,7 +15,7 @@ from ..errors import QwenNPError, reworded
 from ..training import run_folder, trainer
 from ..training.lora import PROJECTIONS, LoraSettings
 from ..training.mixed import PRECISIONS, LossScaler
-from ..engine.memory import training_total
+from ..engine.memory import training_peak, training_total
 from ..engine.runtime import peak_rss_bytes
 from . import FLAGS
 
@@ -176,11 +176,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def memory_report(estimate: dict[str, int], baseline: int) -> str:
-    """The estimate as one table (MiB), with the process's measured peak next to the prediction."""
+    """The estimate as one table (MiB), with the process's measured peak next to the prediction (its parts are
+    alive at different moments of a step: the prediction is the peak moment's, training_peak)."""
     predicted = baseline + training_total(estimate)
-    lines = [f"  {key:<22} {value / 2**20:9.1f} MiB" for key, value in estimate.items() if key != "activations_per_token"]
-    lines.append(f"  {'activations per token':<22} {estimate['activations_per_token'] / 1024:9.1f} KiB")
-    lines.append(f"  predicted peak RSS {predicted / 2**20:.0f} MiB (process before training: {baseline / 2**20:.0f} MiB); "
+    lines = [f"  {key:<26} {value / 2**20:9.1f} MiB" for key, value in estimate.items() if key != "activations_per_token"]
+    lines.append(f"  {'activations per token':<26} {estimate['activations_per_token'] / 1024:9.1f} KiB")
+    lines.append(f"  predicted peak RSS {predicted / 2**20:.0f} MiB at the step's {training_peak(estimate).replace('_', ' ')} "
+                 f"(process before training: {baseline / 2**20:.0f} MiB); "
                  f"measured peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
     return "\n".join(lines)
 

@@ -10,7 +10,7 @@ from ..core.config import DIMENSIONS, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
 from ..numbers.formats import HELD_FORMATS, bits_per_weight
 from ..engine.memory import (DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
-                             attention_probabilities, kv_cache_bytes_per_token, lora_parameters, training_memory,
+                             attention_probabilities, kv_cache_bytes_per_token, lora_parameters, training_memory, training_peak,
                              training_remedies, training_total, weight_bytes, working_bytes)
 from ..numbers.numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
@@ -84,13 +84,14 @@ def memory_breakdown(config: Qwen3Config, context: int, batch_size: int, lora_ra
                                        frozen=mode) for mode in stored}
         lora = {"lora": {"rank": lora_rank, "trainable": lora_parameters(config, lora_rank, PROJECTIONS),
                          **{key: value for key, value in plans["fp32"].items() if key != "frozen_base"},
+                         "peak": training_peak(plans["fp32"]), "frozen_upcast": plans["bf16"]["frozen_upcast"],
                          "by_frozen_base": {mode: {"frozen_base": plan["frozen_base"], "total": training_total(plan)}
                                             for mode, plan in plans.items()}}}
     return {
         "context": context,
         "inference": {"weights": stored, "kv_cache_fp32": context * kv_cache_bytes_per_token(config, 4),
                       "working_buffers": working_bytes(config, context)},
-        "training": {"batch_size": batch_size, **baseline,
+        "training": {"batch_size": batch_size, **baseline, "peak": training_peak(baseline),
                      "attention_probabilities": attention_probabilities(config, batch_size, context),
                      "remedies": {name: {"total": r["total"], "saves": baseline["total"] - r["total"]}
                                   for name, r in remedies.items()}},
@@ -158,11 +159,7 @@ def _render_memory(report: dict[str, Any]) -> str:
               f"  {'working buffers (a prefill chunk)':<38}{_size(inference['working_buffers']):>12}",
               "", f"Memory to train it (qwen_np train: FP32 weights, gradients, AdamW and tape), a batch of {batch} x "
               f"{context:,} tokens (--batch-size)"]
-    rows = (("weights", "weights"), ("gradients", "gradients"), ("adamw", "AdamW moments m and v"),
-            ("activations", f"activations ({training['activations_per_token'] / 1024:,.1f} KiB/token x {batch} x {context:,})"),
-            ("attention_probabilities", f"  of which attention probabilities (H x {context:,} x {context:,})"),
-            ("total", "total"))
-    lines += [f"  {label:<56}{_size(training[key]):>12}" for key, label in rows]
+    lines += _training_parts(training, batch, context)
     quarter = max(1, batch // 4)
     labels = {"quarter_batch": f"--batch-size {quarter} (another, noisier update)",
               "bf16_activations": "activations in BF16 (a GPU run; qwen_np keeps FP32)",
@@ -177,14 +174,42 @@ def _render_memory(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# training_memory's parts as `inspect` names them (the rest of memory.training_memory's docstring).
+TRAINING_PARTS = {
+    "weights": "weights", "gradients": "gradients", "adamw": "AdamW moments m and v",
+    "activations": "activations ({per_token:,.1f} KiB/token x {batch} x {context:,})",
+    "attention_probabilities": "  of which attention probabilities (H x {context:,} x {context:,})",
+    "logits": "logits [T, V] (FP32)", "logit_gradient": "their gradient",
+    "scaled_logit_gradient": "their gradient scaled up (FP16's loss scaling)",
+    "loss_temporaries": "the loss's shifted logits and exponentials",
+    "stacked_probabilities": "the forward's probabilities, stacked into the tape",
+    "recomputed_probabilities": "a recomputed layer's probabilities, stacked",
+    "head_gradient": "the LM head's gradient, the backward's first",
+    "rounded_head": "the LM head and its input gradient rounded",
+    "frozen_upcast": "a base not in FP32: its LM head widened to FP32",
+    "tied_embedding_gradients": "the tied table's two gradients, before they are added",
+    "piece_gradients": "gradients of another piece, to add into",
+    "adamw_temporaries": "AdamW's temporaries (twice the largest weight)",
+    "total": "total, at the step's peak ({peak})",
+}
+
+
+def _training_parts(training: dict[str, Any], batch: int, context: int, totals: bool = True) -> list[str]:
+    """One line a part of a training_memory estimate that has it, and (totals) its peak's total: the parts
+    are alive at different moments of the step (memory.TRAINING_MOMENTS), so the total is not their sum."""
+    values = {"per_token": training["activations_per_token"] / 1024, "batch": batch, "context": context,
+              "peak": training["peak"].replace("_", " ")}
+    return [f"  {label.format(**values):<56}{_size(training[key]):>12}" for key, label in TRAINING_PARTS.items()
+            if key in training and (totals or key != "total")]
+
+
 def _lora_lines(lora: dict[str, Any], batch: int, context: int) -> list[str]:
     """inspect --lora R: LoRA training's memory (train --model M --lora R), the frozen base held each way."""
     lines = [f"Memory to train LoRA adapters of rank {lora['rank']} on all seven projections (train --lora "
              f"{lora['rank']}), a batch of {batch} x {context:,} tokens",
              f"  {'trainable weights (' + format(lora['trainable'], ',') + ', FP32)':<56}{_size(lora['weights']):>12}",
-             f"  {'their gradients':<56}{_size(lora['gradients']):>12}",
-             f"  {'their AdamW moments m and v':<56}{_size(lora['adamw']):>12}",
-             f"  {'activations (the same tape as training every weight)':<56}{_size(lora['activations']):>12}",
+             *_training_parts({key: value for key, value in lora.items() if key != "weights"}, batch, context,
+                              totals=False),
              f"  {'the frozen base (--memory), no gradient nor moments':<56}{'base':>12}{'total':>12}"]
     lines += [f"  {'  held as ' + mode:<56}{_size(plan['frozen_base']):>12}{_size(plan['total']):>12}"
               for mode, plan in lora["by_frozen_base"].items()]
@@ -303,7 +328,7 @@ def _billions(n: int) -> str:
 
 def _size(n: float) -> str:
     """GiB, or MiB below one GiB (a small model's figures would all read 0.00 GiB)."""
-    return _gib(n) if n >= GiB else f"{n / 2 ** 20:.2f} MiB"
+    return _gib(n) if abs(n) >= GiB else f"{n / 2 ** 20:.2f} MiB"
 
 
 def _gib(n: float) -> str:

@@ -601,7 +601,10 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
     adapters = state.lora_settings
     estimate = training_memory(config, settings.batch_size // settings.grad_accum, settings.context,
                                recompute=settings.recompute, lora_rank=0 if adapters is None else adapters.rank,
-                               lora_targets=() if adapters is None else adapters.targets, frozen=state.lora_memory)
+                               lora_targets=() if adapters is None else adapters.targets, frozen=state.lora_memory,
+                               micro_batches=settings.grad_accum, shards=settings.shards,
+                               threads=settings.threads or usable_cores(), precision=settings.precision,
+                               loss_scaling=scaling)
     for note in notes:
         events.noted(note)
     what = f"{sum(p.size for p in params.values()):,} parameters"
