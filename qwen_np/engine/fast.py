@@ -116,14 +116,16 @@ GIL_FREE_OUTPUT = 501
 # widening over the rows. One thread, [2048, 1024], busy machine, ns a weight folded / widened:
 # Q4_K 1.26 / 2.70 at 1 row, 1.89 / 2.67 at 5, 3.39 / 3.39 at 16; Q8_0 0.77 / 1.37, 1.20 / 1.55, 2.89 / 2.01.
 GROUPED_M_MAX = 8
-# FP32 bytes of codes each thread casts per block of rows of a grouped product: the codes and the
-# batched product's reads of them stay in L2.
-GROUPED_BLOCK_BYTES = 512 * 1024
-# Codes decoded per coded() call: the bit fields' NumPy calls cost microseconds each whatever their
-# size, so a call handles many rows, then tiles of them are cast and multiplied. 1 Mi values keeps a
-# call's planes (1 MiB) near L2: one thread, [4096, 1024], busy machine, ns a weight (min / median of 9):
-# Q4_K 1.48 / 2.82 against 2.54 / 3.39 at 4 Mi, Q6_K 3.34 / 4.25 against 4.21 / 4.97; 256 Ki slower.
-GROUPED_DECODE_VALUES = 1024 ** 2
+# The sizes of a grouped product's work, per thread: codes decoded per coded() call (its bit fields'
+# NumPy calls cost microseconds each whatever their size), and FP32 bytes of them cast and multiplied
+# per tile. Both large, though a tile then spills L2 to L3: each NumPy call lets go of the GIL and
+# takes it back, and with two threads these short calls queued for it (the trap: more threads, slower
+# products). Two threads, quiet machine, ns a weight (x BF16's product of the same shape, side by side),
+# 1 Mi values / 512 KiB tiles -> 2 Mi / 2 MiB: Q4_K [6144, 1024] 1.26 (2.44x) -> 0.79 (1.53x), [1024, 3072]
+# 1.45 (2.70x) -> 0.82 (1.53x); Q6_K unpacked 0.75 (1.45x) -> 0.44 (0.84x); 4 Mi / 4 MiB no better. One
+# thread: within the noise (Q4_K [8192, 1024] 0.69 -> 0.62).
+GROUPED_DECODE_VALUES = 2 * 1024 ** 2
+GROUPED_BLOCK_BYTES = 2 * 1024 * 1024
 
 
 # --- matrix products -------------------------------------------------------------------------------
