@@ -121,9 +121,9 @@ GROUPED_M_MAX = 8
 # per tile. Both large, though a tile then spills L2 to L3: each NumPy call lets go of the GIL and
 # takes it back, and with two threads these short calls queued for it (the trap: more threads, slower
 # products). Two threads, quiet machine, ns a weight (x BF16's product of the same shape, side by side),
-# 1 Mi values / 512 KiB tiles -> 2 Mi / 2 MiB: Q4_K [6144, 1024] 1.26 (2.44x) -> 0.79 (1.53x), [1024, 3072]
-# 1.45 (2.70x) -> 0.82 (1.53x); Q6_K unpacked 0.75 (1.45x) -> 0.44 (0.84x); 4 Mi / 4 MiB no better. One
-# thread: within the noise (Q4_K [8192, 1024] 0.69 -> 0.62).
+# 1 Mi values / 512 KiB tiles -> 2 Mi / 2 MiB: Q4_K [6144, 1024] 1.45 (2.57x) -> 0.97 (1.71x), [1024, 3072]
+# 1.85 (2.29x) -> 1.13 (1.40x); Q6_K unpacked 0.82 (1.45x) -> 0.47 (0.84x); 4 Mi / 4 MiB better for some
+# shapes, worse for [1024, 3072] (1.96x). One thread: within the noise (Q4_K [8192, 1024] 0.69 -> 0.62).
 GROUPED_DECODE_VALUES = 2 * 1024 ** 2
 GROUPED_BLOCK_BYTES = 2 * 1024 * 1024
 
