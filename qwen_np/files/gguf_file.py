@@ -250,7 +250,10 @@ class _Reader(GGUFReader):
         first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
         end = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > first and hasattr(mmap, "MADV_DONTNEED"):
-            self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
+            except OSError:                     # a kernel that refuses it: the pages merely stay resident
+                pass
 
 
 def open_reader(path: str | Path) -> _Reader:
