@@ -260,11 +260,11 @@ def training_memory(config: Qwen3Config, rows: int, context: int, recompute: boo
     probabilities = 4 * H * context * tokens                                 # one layer's [B, H, T, T]
     table = 4 * V * D                                                        # one FP32 [V, D] array
     params = parameter_count(config)
-    largest = max(math.prod(shape) for shape in expected_tensors(config).values())    # values of one weight
+    shapes = expected_tensors(config)
+    largest = max(math.prod(shape) for shape in shapes.values())                # values of one weight
     held = {}
     if lora_rank:
         params = lora_parameters(config, lora_rank, lora_targets)
-        shapes = expected_tensors(config)
         largest = lora_rank * max((max(shapes[LAYER_TENSOR_NAMES[key].format(i=0)]) for key in lora_targets), default=0)
         held = {"frozen_base": held_weight_bytes(config, frozen)}
     widened = lora_rank > 0 and ALIASES.get(frozen, frozen) != "fp32"    # a stored frozen head is upcast, not rounded

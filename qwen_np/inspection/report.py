@@ -84,7 +84,7 @@ def memory_breakdown(config: Qwen3Config, context: int, batch_size: int, lora_ra
                                        frozen=mode) for mode in stored}
         lora = {"lora": {"rank": lora_rank, "trainable": lora_parameters(config, lora_rank, PROJECTIONS),
                          **{key: value for key, value in plans["fp32"].items() if key != "frozen_base"},
-                         "peak": training_peak(plans["fp32"]), "frozen_upcast": plans["bf16"]["frozen_upcast"],
+                         "peak": training_peak(plans["fp32"]), "frozen_upcast": plans["bf16"].get("frozen_upcast", 0),
                          "by_frozen_base": {mode: {"frozen_base": plan["frozen_base"], "total": training_total(plan)}
                                             for mode, plan in plans.items()}}}
     return {
