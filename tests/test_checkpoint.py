@@ -12,7 +12,8 @@ import pytest
 
 from qwen_np import QwenNPError, load_model
 from qwen_np.files.checkpoint import read_header
-from qwen_np.numbers.numerics import bf16_bits_to_f32, f32_to_bf16_bits
+from qwen_np.numbers import numerics
+from qwen_np.numbers.numerics import StoredRows, bf16_bits_to_f32, dtype_named, f32_to_bf16_bits
 
 
 def test_bf16_upcast_is_exact_for_all_65536_bit_patterns():
@@ -190,6 +191,28 @@ def test_pickled_checkpoints_are_never_loaded(tmp_path):
     from qwen_np.core.config import Qwen3Config
     with pytest.raises(QwenNPError, match="only safetensors checkpoints are read"):
         Checkpoint(tmp_path, Qwen3Config())
+
+
+@pytest.mark.parametrize("way", ["cast", "shift"])
+def test_stored_bf16_rows_widen_to_the_same_bits_by_either_way(monkeypatch, way):
+    # bf16_widening picks the faster way on the machine; both must give every bit pattern's own FP32 word
+    assert numerics.bf16_widening() in ("cast", "shift")
+    monkeypatch.setattr(numerics, "_widening", [way])
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    out = np.full((256, 256), 7.0, np.float32)
+    StoredRows(bits.view(dtype_named("bfloat16"))).widen(out)
+    assert np.array_equal(out.view(np.uint32), bits.astype(np.uint32) << 16)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_either_bf16_widening_gives_the_same_logits(make_checkpoint, monkeypatch, fast):
+    # the shift also widens in smaller blocks on the fast path (fast.SHIFT_BLOCK_BYTES): the same numbers
+    folder, ids = make_checkpoint(seed=3), [3, 1, 4, 1, 5, 9, 2, 6]
+    logits = {}
+    for way in ("cast", "shift"):
+        monkeypatch.setattr(numerics, "_widening", [way])
+        logits[way] = load_model(folder, memory="bf16", fast=fast).forward(ids)
+    np.testing.assert_allclose(logits["shift"], logits["cast"], rtol=0, atol=1e-6 * np.abs(logits["cast"]).max())
 
 
 def test_sharded_and_single_file_checkpoints_give_identical_logits(make_checkpoint):

@@ -17,8 +17,9 @@ FP32 values into `out` and returns the per-row scale still to be applied to the 
 of weight (a new memory mode) is one class here and the loader that makes it.
 
 BF16 is the top half of an IEEE float32 (1 sign, 8 exponent, 7 mantissa bits), so widening it is
-exact: put the 16 bits in the high half of a uint32 and reinterpret (bf16_bits_to_f32 shows it;
-StoredRows lets ml_dtypes' bfloat16 dtype do the same in C).
+exact: put the 16 bits in the high half of a uint32 and reinterpret (bf16_bits_to_f32 does it in two
+NumPy passes; ml_dtypes' bfloat16 cast does the same in one C loop). Which is faster depends on the
+machine (bf16_widening), never the bits.
 """
 
 from __future__ import annotations
@@ -48,6 +49,40 @@ def bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndar
     words[...] = bits      # widen first: np.left_shift(bits, 16, dtype=uint32) casts through a
     words <<= 16           # buffered loop and measured 1.3-4.5x slower on this machine
     return out
+
+
+# Which exact BF16 -> FP32 widening StoredRows uses: "cast" (ml_dtypes' cast, one pass) or "shift"
+# (bf16_bits_to_f32: NumPy's uint16 -> uint32 copy, then a shift in place). The faster differs by
+# machine by more than 1.5x either way: single thread, BF16 bytes a second, ml_dtypes' cast 11-24 GB/s
+# and the shift 6-16 GB/s on an AVX-512 Xeon, but 1.9-2.3 against 3.2-3.8 GB/s on an AVX2-only EPYC
+# (bench/README.md, "BF16 upcast"). So it is timed once per process on a block in cache (a few
+# milliseconds), under a lock: both give the same bits, only the time differs.
+_widening: list[str] = []
+_widening_lock = threading.Lock()
+
+
+def bf16_widening() -> str:
+    """"cast" or "shift": the faster exact BF16 widening on this machine (timed once, then remembered)."""
+    with _widening_lock:
+        if not _widening:
+            _widening.append(_time_bf16_widenings())
+        return _widening[0]
+
+
+def _time_bf16_widenings(rows: int = 256, columns: int = 2048, rounds: int = 5) -> str:
+    """Best of `rounds` (interleaved) of each widening of a [rows, columns] BF16 block into FP32, in cache."""
+    import time
+
+    bits = np.random.default_rng(0).integers(0x3C00, 0x3D00, (rows, columns), dtype=np.uint16)
+    values, out = bits.view(dtype_named("bfloat16")), np.empty((rows, columns), np.float32)
+    ways = {"cast": lambda: np.copyto(out, values, casting="unsafe"), "shift": lambda: bf16_bits_to_f32(bits, out)}
+    best = dict.fromkeys(ways, math.inf)
+    for _ in range(rounds):
+        for name, way in ways.items():
+            start = time.perf_counter()
+            way()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return min(best, key=best.__getitem__)
 
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -92,7 +127,10 @@ class StoredRows:
 
     def widen(self, out: np.ndarray) -> None:
         """Exact FP32 values into out (same shape); no scale remains."""
-        np.copyto(out, self.values, casting="unsafe")
+        if self.values.dtype.name == "bfloat16" and bf16_widening() == "shift":
+            bf16_bits_to_f32(self.values.view(np.uint16), out)
+        else:
+            np.copyto(out, self.values, casting="unsafe")
 
 
 @dataclass(frozen=True)
