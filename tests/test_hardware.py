@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from qwen_np.engine import runtime
 from qwen_np.inspection import hardware
 from qwen_np.cli import main
 
@@ -48,6 +49,14 @@ def test_topology_counts_cores_siblings_and_caches_from_the_os_files(tmp_path: P
     assert topology.governor is None and any("governor" in what for what in topology.unknown)
 
 
+def test_the_fast_paths_l2_is_the_first_usable_cores_level_2_cache(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {1, 2})
+    cpu_root = fake_sysfs(tmp_path, 4, smt=False)[0]
+    (cpu_root / "cpu1" / "cache" / "index1" / "size").write_text("512K\n")     # cpu0's stays 2048K
+    assert runtime.l2_bytes(cpu_root) == 512 * 1024
+    assert runtime.l2_bytes(tmp_path / "no-cpu") is None                    # fast.BLOCK_BYTES then takes 8 MiB
+
+
 def test_what_the_os_does_not_say_is_named(tmp_path: Path) -> None:
     topology = hardware.read_topology(tmp_path / "no-cpu", tmp_path / "no-node", tmp_path / "no-cpuinfo")
     assert topology.cores is None and topology.caches == [] and len(topology.unknown) == 5
@@ -55,7 +64,7 @@ def test_what_the_os_does_not_say_is_named(tmp_path: Path) -> None:
 
 def test_cpu_lists_and_sizes_read_as_the_os_writes_them() -> None:
     assert hardware.cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
-    assert [hardware.size_bytes(s) for s in ("32K", "1024K", "32M", "512")] == [32768, 1048576, 33554432, 512]
+    assert [runtime.cache_size_bytes(s) for s in ("32K", "1024K", "32M", "512")] == [32768, 1048576, 33554432, 512]
 
 
 @pytest.mark.slow

@@ -65,17 +65,14 @@ from ..core.kv_cache import SequenceCache
 from ..core.model import LayerWeights, Qwen3Model, Trace, advance, output_rows
 from .paged import OwnPoolCache, PagedKVCache
 from ..errors import QwenNPError
-from ..numbers.numerics import (Adapted, Grouped, Int8Rows, Panels, RowAdapters, StoredRows, Weight, bf16_widening,
-                                scratch, without_adapters)
+from ..numbers.numerics import Adapted, Grouped, Int8Rows, Panels, RowAdapters, Weight, scratch, without_adapters
 
-# FP32 bytes each thread upcasts per block of a BF16 weight: small enough that the block stays in
-# cache between its upcast and its product (block sizes measured: bench/README.md).
-BLOCK_BYTES = 8 * 1024 ** 2
-# BF16 widened by the shift (numerics.bf16_widening: the faster where ml_dtypes' cast is slow) passes over
-# its block twice before the product reads it, and smaller blocks ran faster there: an AVX2-only EPYC,
-# Qwen3-0.6B BF16, one token, two threads: 301 ms with 2 MiB blocks, 320 with 4, 378 with 8 (the cast:
-# 444-454 ms with 4 or 8).
-SHIFT_BLOCK_BYTES = 2 * 1024 ** 2
+# FP32 bytes each thread upcasts per block of a BF16 (or int8) weight: small enough that the block stays in
+# cache between its upcast and its product, large enough that Python's per-block calls stay few. The best
+# size differed with the core's L2 on the two machines measured: 8 MiB with a 1 MiB L2 (an AVX-512 EPYC:
+# Qwen3-8B decode with 2, 4, 8 MiB blocks 1.41, 1.47, 1.60 tok/s), 2 MiB with a 512 KiB one (an AVX2-only
+# EPYC: Qwen3-0.6B BF16, one token, 2 / 3 / 4 MiB 315 / 362 / 396 ms). 8 MiB where the OS does not say.
+BLOCK_BYTES = 2 * 1024 ** 2 if (runtime.l2_bytes() or 1024 ** 2) < 1024 ** 2 else 8 * 1024 ** 2
 # A product of a few rows (a batched decode step: one token per sequence; a few new tokens of one
 # sequence) costs OpenBLAS far more than its FLOPs: its GEMM packs the whole weight first, which a GEMV
 # never does. Where BLAS has a small-matrix kernel (M*N*K <= 100^3, no packing) x [M, in] with
@@ -248,7 +245,7 @@ def _rows(x: np.ndarray, weight: Weight, out: np.ndarray, part: slice) -> None:
     if isinstance(weight, np.ndarray):                                  # FP32: as it is
         _products(x, weight[part], out[:, part], step)
         return
-    rows, hi = _block_rows(weight), part.stop
+    rows, hi = _block_rows(weight.shape[1]), part.stop
     buffer = scratch("fast.block", (rows * weight.shape[1],))
     for start in range(part.start, hi, rows):
         stop = min(start + rows, hi)
@@ -286,12 +283,10 @@ def _dot(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
     out[...] = product
 
 
-def _block_rows(weight: Weight) -> int:
-    """Rows of a BF16 (or int8) weight upcast per block: BLOCK_BYTES of FP32 (SHIFT_BLOCK_BYTES for BF16 widened
-    by the shift), rounded down to a multiple of 64 (whole GEMM panels: measured faster for both the prefill
-    GEMM and the decode GEMV)."""
-    shifted = isinstance(weight, StoredRows) and weight.dtype.name == "bfloat16" and bf16_widening() == "shift"
-    rows = max(1, (SHIFT_BLOCK_BYTES if shifted else BLOCK_BYTES) // (4 * weight.shape[1]))
+def _block_rows(columns: int) -> int:
+    """Rows of a BF16 (or int8) weight upcast per block: BLOCK_BYTES of FP32, rounded down to a multiple of 64
+    (whole GEMM panels: measured faster for both the prefill GEMM and the decode GEMV)."""
+    rows = max(1, BLOCK_BYTES // (4 * columns))
     return rows - rows % 64 if rows >= 64 else rows
 
 

@@ -20,6 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -28,6 +29,29 @@ import numpy as np
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity, e.g. a container's share), not the host's."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+SYSFS_CPU = Path("/sys/devices/system/cpu")
+
+
+def cache_size_bytes(text: str) -> int:
+    """A sysfs cache size, "32K" / "1024K" / "32M", in bytes."""
+    units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+@functools.cache
+def l2_bytes(cpu_root: Path = SYSFS_CPU) -> int | None:
+    """One core's L2 cache (of the first CPU this process may use), as sysfs gives it; None where it does not."""
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    for index in sorted((cpu_root / f"cpu{usable[0]}" / "cache").glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+            if level == "2" and kind in ("Data", "Unified"):
+                return cache_size_bytes(size)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
 
 
 _threads = usable_cores()          # the most threads we may use (set_threads, the CLI's --threads)

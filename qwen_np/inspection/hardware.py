@@ -24,7 +24,7 @@ from numpy.lib.stride_tricks import as_strided
 from ..engine import runtime
 from ..core.config import Qwen3Config, parameter_count
 
-SYSFS_CPU = Path("/sys/devices/system/cpu")
+SYSFS_CPU = runtime.SYSFS_CPU
 SYSFS_NODE = Path("/sys/devices/system/node")
 KiB = 1024
 # Working-set sizes of the read-rate curve: 16 KiB (inside any L1) to 1 GiB (far beyond any L3), x4 steps.
@@ -78,12 +78,6 @@ def cpu_list(text: str) -> list[int]:
     return cpus
 
 
-def size_bytes(text: str) -> int:
-    """A sysfs cache size, "32K" / "1024K" / "32M", in bytes."""
-    units = {"K": KiB, "M": KiB ** 2, "G": KiB ** 3}
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-
-
 def read_topology(cpu_root: Path = SYSFS_CPU, node_root: Path = SYSFS_NODE,
                   cpuinfo: Path = Path("/proc/cpuinfo")) -> Topology:
     """The machine as the OS describes it; what it does not describe is listed in `unknown`."""
@@ -111,7 +105,7 @@ def read_topology(cpu_root: Path = SYSFS_CPU, node_root: Path = SYSFS_NODE,
         if level is None or kind is None or size is None:
             continue
         line, shared = _read(index / "coherency_line_size"), _read(index / "shared_cpu_list")
-        caches.append(Cache(int(level), kind, size_bytes(size), int(line) if line else None,
+        caches.append(Cache(int(level), kind, runtime.cache_size_bytes(size), int(line) if line else None,
                             cpu_list(shared) if shared else []))
     if not caches:
         unknown.append("cache sizes (/sys/devices/system/cpu/cpuN/cache)")

@@ -54,7 +54,7 @@ def bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndar
 # Which exact BF16 -> FP32 widening StoredRows uses: "cast" (ml_dtypes' cast, one pass) or "shift"
 # (bf16_bits_to_f32: NumPy's uint16 -> uint32 copy, then a shift in place). The faster differs by
 # machine by more than 1.5x either way: single thread, BF16 bytes a second, ml_dtypes' cast 11-24 GB/s
-# and the shift 6-16 GB/s on an AVX-512 Xeon, but 1.9-2.3 against 3.2-3.8 GB/s on an AVX2-only EPYC
+# and the shift 6-16 GB/s on an AVX-512 EPYC (Zen 4), but 1.9-2.3 against 3.2-3.8 GB/s on an AVX2-only one (Zen 3)
 # (bench/README.md, "BF16 upcast"). So it is timed once per process on a block in cache (a few
 # milliseconds), under a lock: both give the same bits, only the time differs.
 _widening: list[str] = []
