@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -62,17 +63,16 @@ _widening_lock = threading.Lock()
 
 
 def bf16_widening() -> str:
-    """"cast" or "shift": the faster exact BF16 widening on this machine (timed once, then remembered)."""
-    with _widening_lock:
-        if not _widening:
-            _widening.append(_time_bf16_widenings())
-        return _widening[0]
+    """The faster exact BF16 widening on this machine, "cast" or "shift" (timed once, then remembered)."""
+    if not _widening:
+        with _widening_lock:
+            if not _widening:
+                _widening.append(_time_bf16_widenings())
+    return _widening[0]
 
 
 def _time_bf16_widenings(rows: int = 256, columns: int = 2048, rounds: int = 5) -> str:
     """Best of `rounds` (interleaved) of each widening of a [rows, columns] BF16 block into FP32, in cache."""
-    import time
-
     bits = np.random.default_rng(0).integers(0x3C00, 0x3D00, (rows, columns), dtype=np.uint16)
     values, out = bits.view(dtype_named("bfloat16")), np.empty((rows, columns), np.float32)
     ways = {"cast": lambda: np.copyto(out, values, casting="unsafe"), "shift": lambda: bf16_bits_to_f32(bits, out)}
