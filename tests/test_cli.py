@@ -108,7 +108,10 @@ def test_ctrl_c_stops_cleanly_and_prints_stats(env) -> None:
     """Interrupted once it streams text, it stops: exit 130, no traceback, a stats line saying so. What it
     waits for is output and the exit, however long a loaded machine takes; the timer only ends a hang."""
     command = [sys.executable, "-m", "qwen_np", "generate", *QWEN3, "--no-chat", "-n", "30000", "--seed", "0", "Hello"]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT as a terminal's Ctrl-C delivers it: a suite started in the background of a shell without job
+    # control inherits SIGINT ignored, and Python then leaves it ignored (the run would go to its end)
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     hung = threading.Timer(HANG_SECONDS, process.kill)
     hung.start()
     try:

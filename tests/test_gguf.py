@@ -633,7 +633,10 @@ def test_a_tensor_copied_out_of_a_gguf_lets_go_of_the_files_pages(tmp_path: Path
     copied = sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2) if memory != "stored" else q6_k
     model.forward(PROMPT)                                            # stored: the blocks' pages are read here
     assert q6_k > 0.2 * path.stat().st_size
-    assert resident_bytes(path) <= path.stat().st_size - copied + 4096 * (2 * len(tensors) + 16)
+    # Not every copied page stays out: Linux's fault-around maps up to 64 KiB of cached pages around each
+    # later read of the file (its header, the norms kept mapped), some of them a copied tensor's; how many
+    # varies with the kernel and the run (the whole file stays resident without the release)
+    assert resident_bytes(path) <= path.stat().st_size - copied // 3
 
 
 # --- The tokenizer on the real Qwen3 vocabulary ----------------------------------------------------
