@@ -136,6 +136,15 @@ def write_random_checkpoint(folder: Path, seed: int = 0, shards: int = 1, dtype:
 # Byte offsets of the FP16 fields (d, and m or dmin) in the block of each GGUF kind qwen_np.numbers.ggml_blocks holds.
 FP16_FIELDS = {"Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
                "Q5_K": (0, 2), "Q6_K": (208,)}
+# Q8_0's and Q4_0's blocks (formats.FormatRows, or ggml_blocks.RepackedRows): their bytes and their FP16 d's offset.
+FORMAT_BLOCKS = {"Q8_0": 34, "Q4_0": 18}
+
+
+def block_bytes(kind: str) -> tuple[int, tuple[int, ...]]:
+    """A ggml kind's bytes a block and the offsets of its FP16 fields."""
+    from qwen_np.numbers.ggml_blocks import BLOCK_KINDS
+
+    return (BLOCK_KINDS[kind].size, FP16_FIELDS[kind]) if kind in BLOCK_KINDS else (FORMAT_BLOCKS[kind], (0,))
 
 
 def random_blocks(kind: str, rows: int, count: int, seed: int,
@@ -143,11 +152,10 @@ def random_blocks(kind: str, rows: int, count: int, seed: int,
     """[rows, count, bytes] blocks of a ggml_blocks kind, every byte random, as a file's: the FP16 fields
     any finite FP16 (subnormals, zeros, negatives), or uniform in `scales` (values of a trained matrix's
     size for scales ~1e-3)."""
-    from qwen_np.numbers.ggml_blocks import BLOCK_KINDS
-
+    size, fields = block_bytes(kind)
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows, count, BLOCK_KINDS[kind].size), dtype=np.uint8)
-    for at in FP16_FIELDS[kind]:
+    raw = rng.integers(0, 256, size=(rows, count, size), dtype=np.uint8)
+    for at in fields:
         bits = raw[..., at:at + 2].view(np.uint16)
         if scales is None:
             bits[(bits & 0x7C00) == 0x7C00] &= np.uint16(0xBFFF)      # inf/NaN exponent -> a finite one

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from qwen_np import QwenNPError
-from conftest import FP16_FIELDS, random_blocks
+from conftest import FP16_FIELDS, block_bytes, random_blocks
 from qwen_np.numbers.numerics import upcast
 from qwen_np.numbers.formats import (FORMATS, bits_per_weight, storage_bytes, dequantize_int8_rows, dequantize_q4_0,
                                      dequantize_q8_0, get_format, quantize_fp8_e4m3, quantize_int8_rows, quantize_mxfp4,
@@ -348,9 +348,7 @@ EDGE_HALVES = np.array([65504, -65504, 2.0 ** -24, -(2.0 ** -24), 2.0 ** -14, 0.
 def edge_blocks(kind: str) -> np.ndarray:
     """Blocks whose FP16 fields are EDGE_HALVES (each with each, as the kind has one or two) and whose
     codes and packed scales are all zero bits, all one bits, or random."""
-    from qwen_np.numbers.ggml_blocks import BLOCK_KINDS
-
-    size, fields = BLOCK_KINDS[kind].size, FP16_FIELDS[kind]
+    size, fields = block_bytes(kind)
     fillings = [np.zeros(size, np.uint8), np.full(size, 255, np.uint8),
                 np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)]
     pairs = [(a, b) for a in EDGE_HALVES for b in EDGE_HALVES] if len(fields) == 2 else [(a,) for a in EDGE_HALVES]
@@ -364,17 +362,27 @@ def edge_blocks(kind: str) -> np.ndarray:
     return np.array(blocks)[:, None, :]                                 # one block per row
 
 
-# The kinds a GGUF kept as stored may hold: each BlockRows kind, and Q6_K with its codes unpacked at load.
-HELD_BLOCK_KINDS = [*FP16_FIELDS, "Q6_K-unpacked"]
+# The kinds a GGUF kept as stored may hold: each BlockRows kind, and those repacked at load (RepackedRows).
+HELD_BLOCK_KINDS = [*FP16_FIELDS, "Q4_K-repacked", "Q6_K-repacked", "Q8_0-repacked", "Q4_0-repacked"]
+# The byte offsets of the FP16 fields of Q8_0's and Q4_0's blocks (d, the first two bytes).
+FORMAT_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,)}
 
 
 def block_rows(kind: str, raw: np.ndarray):
-    """`raw` blocks as `kind` holds them: BlockRows, or for "Q6_K-unpacked" BlockRows(...).unpacked()."""
-    from qwen_np.numbers.ggml_blocks import BlockRows
+    """`raw` blocks as `kind` holds them: BlockRows, or for "KIND-repacked" RepackedRows.from_blocks."""
+    from qwen_np.numbers.ggml_blocks import BlockRows, RepackedRows
 
-    name, _, unpacked = kind.partition("-")
-    held = BlockRows(name, raw)
-    return held.unpacked() if unpacked else held
+    name, _, repacked = kind.partition("-")
+    return RepackedRows.from_blocks(name, raw) if repacked else BlockRows(name, raw)
+
+
+def blocks_of(kind: str, raw: np.ndarray) -> np.ndarray:
+    """`raw` [rows, count, bytes] as rows `kind` can hold: repacked Q4_0 pairs blocks within 256 values, so its
+    rows are made 8 blocks long, at least 6 of them (the blocks in order, repeated from the first to fill)."""
+    if kind != "Q4_0-repacked":
+        return raw
+    flat = raw.reshape(-1, raw.shape[-1])
+    return np.resize(flat, (max(48, -(-len(flat) // 8) * 8), flat.shape[1])).reshape(-1, 8, flat.shape[1])
 
 
 def test_the_block_kinds_have_ggufs_block_sizes(gguf) -> None:
@@ -391,7 +399,7 @@ def test_every_block_kind_widens_bit_for_bit_as_ggufs_dequantizer(gguf, kind: st
     matrix, a slice of its rows widened into part of a larger buffer, and gathered rows."""
     name = kind.partition("-")[0]
     qtype = gguf.GGMLQuantizationType[name]
-    for raw in (random_blocks(name, 12, 5, seed=1), edge_blocks(name)):
+    for raw in (blocks_of(kind, random_blocks(name, 12, 5, seed=1)), blocks_of(kind, edge_blocks(name))):
         reference = gguf.quants.dequantize(raw.reshape(len(raw), -1), qtype)       # [rows, in]
         assert np.isfinite(reference).all()
         held = block_rows(kind, raw)
@@ -424,7 +432,7 @@ def test_groups_are_codes_scales_and_offsets_whose_widening_is_the_weight(kind: 
     from qwen_np.numbers.numerics import Grouped
 
     if kind in HELD_BLOCK_KINDS:
-        held: Grouped = block_rows(kind, random_blocks(kind.partition("-")[0], 6, 2, seed=3))
+        held: Grouped = block_rows(kind, blocks_of(kind, random_blocks(kind.partition("-")[0], 6, 2, seed=3)))
     else:
         held = FormatRows(kind, get_format(kind).quantize(random_weights(6, 512, seed=3)), 512)
     codes, a, b = held.groups()
@@ -443,7 +451,7 @@ def test_coded_codes_are_the_groups_codes_in_code_order(kind: str) -> None:
     from qwen_np.numbers.numerics import Grouped
 
     if kind in HELD_BLOCK_KINDS:
-        held: Grouped = block_rows(kind, random_blocks(kind.partition("-")[0], 6, 2, seed=5))
+        held: Grouped = block_rows(kind, blocks_of(kind, random_blocks(kind.partition("-")[0], 6, 2, seed=5)))
     else:
         held = FormatRows(kind, get_format(kind).quantize(random_weights(6, 512, seed=5)), 512)
     rows, columns = held.shape

@@ -20,7 +20,9 @@ Weights are held as the safetensors loader holds them: F32, F16 and BF16 tensors
 are zero-copy views of the memory-mapped file, read through checkpoint.Checkpoint. Quantized tensors
 kept as stored are zero-copy views too, dequantized block of rows by block of rows on use: Q8_0 and
 Q4_0 as their blocks' scales and codes (formats.FormatRows), Q4_1, Q5_0, Q5_1 and the K-quants as
-their blocks' bytes (ggml_blocks.BlockRows). The other types (the IQ kinds, ...) are dequantized to
+their blocks' bytes (ggml_blocks.BlockRows); but Q8_0, Q4_0, Q4_K and Q6_K, within a memory budget,
+are repacked at load (ggml_blocks.RepackedRows: their parts taken apart once, not on every product). The
+other types (the IQ kinds, ...) are dequantized to
 FP32 at load with gguf.quants.dequantize, so they cost 4 bytes per weight in memory.
 """
 
@@ -50,7 +52,7 @@ from .checkpoint import Checkpoint, TensorInfo
 from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors
 from ..errors import QwenNPError
 from ..numbers.formats import FormatRows
-from ..numbers.ggml_blocks import BLOCK_KINDS, UNPACKED_KINDS, BlockRows
+from ..numbers.ggml_blocks import BLOCK_KINDS, REPACKINGS, BlockRows, RepackedRows, repackable
 from ..numbers.numerics import Weight, upcast
 from ..core.sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -61,9 +63,11 @@ STORED_TYPES = {GGML.F32: "F32", GGML.F16: "F16", GGML.BF16: "BF16"}
 # Held as their blocks when the weights are kept as stored (--memory bf16, or auto when FP32 does not fit):
 # ggml type -> the formats.HELD_FORMATS name whose parts hold the same scales and codes.
 BLOCK_FORMATS = {GGML.Q8_0: "q8_0", GGML.Q4_0: "q4_0"}
-# Kept as stored, the Q6_K tensors (ggml_blocks.UNPACKED_KINDS) are held unpacked while that adds at most this
-# share to the bytes of the file's tensors (GGUFCheckpoint._unpacked): speed for a bounded cost in memory.
-UNPACK_BUDGET = 0.15
+# Kept as stored, the tensors of the kinds ggml_blocks repacks (REPACKINGS: Q8_0, Q4_0, Q4_K, Q6_K) are held
+# repacked while that adds at most this share to the bytes of the file's tensors (GGUFCheckpoint._repacked):
+# speed for a bounded cost in memory. Q8_0, Q4_0 and Q4_K add 6-11%, Q6_K 30%: a Q4_K_M file (Qwen3-0.6B's
+# tied Q6_K embedding included) gets all of them, an all-Q6_K file about two thirds.
+REPACK_BUDGET = 0.2
 # Qwen2's pre-tokenizer regex (tokenizer.ggml.pre = "qwen2"), as in llama.cpp's src/llama-vocab.cpp and
 # in the Split of every Qwen2/Qwen3 tokenizer.json.
 QWEN2_PRE = "qwen2"
@@ -429,7 +433,7 @@ class GGUFCheckpoint(Checkpoint):
         self._maps = {}
         self._quantized: dict[str, Any] = {}
         self.tensors = self._index()
-        self.unpacked = self._unpacked()           # names held as ggml_blocks.UnpackedRows
+        self.repacked = self._repacked()           # names held as ggml_blocks.RepackedRows
 
     def _index(self) -> dict[str, TensorInfo]:
         reader = open_reader(self.folder)
@@ -474,67 +478,68 @@ class GGUFCheckpoint(Checkpoint):
     def held(self, name: str) -> Weight:
         """Q8_0 and Q4_0 tensors as their blocks (formats.FormatRows: the file's scales and codes as two
         strided views of its memory-mapped blocks), the other block kinds as their blocks' bytes
-        (ggml_blocks.BlockRows, a view of the file), those of unpacked() with their codes unpacked
-        (ggml_blocks.UnpackedRows, the file's pages then let go); the rest as Checkpoint holds them (IQ
+        (ggml_blocks.BlockRows, a view of the file), those of repacked() with their parts taken apart
+        (ggml_blocks.RepackedRows, the file's pages then let go); the rest as Checkpoint holds them (IQ
         kinds dequantized to FP32)."""
+        if name in self.repacked:
+            tensor = self._quantized[name]
+            repacked = RepackedRows.from_blocks(tensor.tensor_type.name, self._block_bytes(name))
+            self.release(name)
+            return repacked
         blocks = self._blocks(name)
-        if blocks is None:
-            return super().held(name)
-        if name not in self.unpacked:
-            return blocks
-        assert isinstance(blocks, BlockRows)
-        unpacked = blocks.unpacked()
-        self.release(name)
-        return unpacked
+        return super().held(name) if blocks is None else blocks
 
     def release(self, name: str) -> None:
         """Let go of the file's pages of tensor `name` once it has been copied out of them (_Reader.release):
-        unpacked, dequantized, or requantized by the loader (--memory int8, q8_0, q4_0)."""
+        repacked, dequantized, or requantized by the loader (--memory int8, q8_0, q4_0)."""
         tensor, info = self._quantized.get(name), self.tensors[name]
         start, nbytes = (info.start, info.nbytes) if tensor is None else (int(tensor.data_offset), int(tensor.n_bytes))
         open_reader(self.folder).release(start, nbytes)
 
     def as_stored(self, name: str) -> Weight:
         """Tensor `name` as the file stores it, views of its mapped bytes: quantized ones as their blocks
-        (FormatRows, BlockRows: never unpacked), the rest as Checkpoint holds them."""
+        (FormatRows, BlockRows: never repacked), the rest as Checkpoint holds them."""
         blocks = self._blocks(name)
         return super().held(name) if blocks is None else blocks
 
-    def _unpacked(self) -> frozenset[str]:
-        """The tensors held with their codes unpacked (ggml_blocks.UNPACKED_KINDS: Q6_K), in the table's
-        order while they add at most UNPACK_BUDGET to the bytes the file's tensors hold: a file mixing in
-        Q6_K (Q4_K_M, Q5_K_M, ...: its Q6_K is a quarter to a half of the bytes) gets all of them, an
-        all-Q6_K file about half."""
-        budget = UNPACK_BUDGET * sum(int(t.n_bytes) for t in _tensors_by_name(open_reader(self.folder)).values())
+    def _repacked(self) -> frozenset[str]:
+        """The tensors held repacked (ggml_blocks.REPACKINGS), the cheapest in extra bytes per byte first,
+        while together they add at most REPACK_BUDGET to the bytes the file's tensors hold."""
+        budget = REPACK_BUDGET * sum(int(t.n_bytes) for t in _tensors_by_name(open_reader(self.folder)).values())
+        candidates = [(self._held_bytes(name, repacked=True) / int(tensor.n_bytes), name)
+                      for name, tensor in self._quantized.items()
+                      if repackable(tensor.tensor_type.name, self.tensors[name].shape[-1])]
         chosen = []
-        for name, tensor in self._quantized.items():
-            if tensor.tensor_type.name not in UNPACKED_KINDS:
-                continue
-            extra = self._held_bytes(name, unpacked=True) - int(tensor.n_bytes)
+        for _, name in sorted(candidates):
+            extra = self._held_bytes(name, repacked=True) - int(self._quantized[name].n_bytes)
             if extra <= budget:
                 budget -= extra
                 chosen.append(name)
         return frozenset(chosen)
 
-    def _held_bytes(self, name: str, unpacked: bool) -> int:
-        """The bytes tensor `name` takes held as stored: the file's bytes as blocks; unpacked (UnpackedRows),
-        a byte a code and one a group's scale, 4 bytes a block's d; 4 a value dequantized to FP32."""
+    def _held_bytes(self, name: str, repacked: bool) -> int:
+        """The bytes tensor `name` takes held as stored: the file's bytes as blocks; repacked, what
+        ggml_blocks.Repacking.held_bytes counts; 4 a value dequantized to FP32."""
         tensor = self._quantized.get(name)
         if tensor is None or not _held_as_blocks(tensor):
             return self.tensors[name].nbytes
-        if not unpacked:
+        if not repacked:
             return int(tensor.n_bytes)
-        kind, values = BLOCK_KINDS[tensor.tensor_type.name], math.prod(self.tensors[name].shape)
-        return values + values // kind.group + 4 * values // kind.values
+        return REPACKINGS[tensor.tensor_type.name].held_bytes(math.prod(self.tensors[name].shape))
+
+    def _block_bytes(self, name: str) -> np.ndarray:
+        """A quantized tensor's blocks, [out, in/QK, bytes] uint8: a view of the mapped file."""
+        tensor = self._quantized[name]
+        rows, columns = self.tensors[name].shape
+        block_values, _ = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        return np.asarray(tensor.data, dtype=np.uint8).reshape(rows, columns // block_values, -1)
 
     def _blocks(self, name: str) -> Weight | None:
         """A quantized tensor held as blocks (FormatRows or BlockRows, views of the file), else None."""
         tensor = self._quantized.get(name)
         if tensor is None or not _held_as_blocks(tensor):
             return None
-        rows, columns = self.tensors[name].shape
-        block_values, _ = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, columns // block_values, -1)   # [out, in/QK, bytes]
+        blocks, columns = self._block_bytes(name), self.tensors[name].shape[1]          # [out, in/QK, bytes]
         fmt = BLOCK_FORMATS.get(tensor.tensor_type)
         if fmt is None:
             return BlockRows(tensor.tensor_type.name, blocks)
@@ -546,9 +551,9 @@ class GGUFCheckpoint(Checkpoint):
 
     def held_bytes_per_value(self) -> float:
         """As held "as stored": the file's bytes for F32/F16/BF16 and the tensors held as their blocks, the
-        unpacked ones' codes and scales, 4 a value for the tensors dequantized to FP32 (_held_bytes)."""
+        repacked ones' parts, 4 a value for the tensors dequantized to FP32 (_held_bytes)."""
         values = sum(math.prod(info.shape) for info in self.tensors.values())
-        return sum(self._held_bytes(name, name in self.unpacked) for name in self.tensors) / values
+        return sum(self._held_bytes(name, name in self.repacked) for name in self.tensors) / values
 
     def mapped(self, name: str) -> np.ndarray:
         return self._dequantized(name) if name in self._quantized else super().mapped(name)

@@ -2,7 +2,8 @@
 K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Q4_K_M file is Q4_K and Q6_K tensors; the _S/_M/_L mixes are
 per-tensor choices of these). A matrix is held as its blocks (BlockRows: the file's bytes, a view of
 the mapped file) and widened a block of rows at a time, bit for bit as gguf's reference dequantizer
-(gguf.quants.dequantize, tests/test_formats.py). Q8_0 and Q4_0 are formats.FormatRows.
+(gguf.quants.dequantize, tests/test_formats.py). Q8_0 and Q4_0 are formats.FormatRows. Those two, Q4_K
+and Q6_K may instead be held repacked at load (RepackedRows, at the end).
 
 A row is blocks of QK values (32 for the legacy kinds, 256 for the K-quants), each a fixed number of
 bytes. Whatever the packing, every kind means the same thing: groups of g consecutive values (g = 32 or
@@ -222,7 +223,14 @@ def _q5_k(blocks: np.ndarray) -> Groups:
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's a = d * s6 and b = -dmin * m6 per group of 32, [G, R] each, from the 12 scale bytes.
+    """Q4_K/Q5_K's a = d * s6 and b = -dmin * m6 per group of 32, [G, R] each (_k_scale_codes)."""
+    scales, minimums = _k_scale_codes(blocks)
+    a = _scaled(_by_group(blocks, 0, 1, "d", F32), scales, "a")
+    return a, _scaled(_by_group(blocks, 2, 1, "dmin", F32), minimums, "b", negate=True)
+
+
+def _k_scale_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 6-bit s6 and m6 [nb, 8, R] (uint8) from the 12 scale bytes.
 
     Bytes 0-3 hold s6[0..3] in their low 6 bits, 4-7 m6[0..3]; bytes 8-11 hold s6[4..7] (low nibble)
     and m6[4..7] (high nibble), whose top two bits are the top bits of bytes 0-3 and 4-7."""
@@ -236,8 +244,7 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     np.bitwise_and(mins, np.uint8(0x3F), out=minimums[:, :4])
     np.right_shift(high, np.uint8(4), out=minimums[:, 4:])
     minimums[:, 4:] |= np.bitwise_and(np.right_shift(mins, np.uint8(2), out=top), np.uint8(0x30), out=top)
-    a = _scaled(_by_group(blocks, 0, 1, "d", F32), scales, "a")
-    return a, _scaled(_by_group(blocks, 2, 1, "dmin", F32), minimums, "b", negate=True)
+    return scales, minimums
 
 
 def _q6_k(blocks: np.ndarray) -> Groups:
@@ -417,53 +424,120 @@ class BlockRows:
             b = np.multiply(a, np.float32(-kind.offset), out=scratch("ggml.coded.b", a.shape, F32))
         return planes.reshape(planes.shape[0], planes.shape[1], -1), a, b
 
-    def unpacked(self) -> "UnpackedRows":
-        """These rows with their codes taken out of the blocks once (UnpackedRows), a block of rows at a time."""
-        kind, blocks = BLOCK_KINDS[self.kind], self.blocks.reshape(-1, *self.blocks.shape[-2:])
-        assert kind.planes is not None and kind.offset and kind.name in UNPACKED_KINDS, kind.name
-        rows, count = blocks.shape[:2]
-        codes = np.empty((rows, count * kind.values), np.int8)
-        scales = np.empty((count * kind.values // kind.group, rows), np.int8)
-        d = np.empty((count, rows), F32)
-        order = _group_order(kind.layout, count, kind.group)
-        step = max(1, UNPACK_VALUES // (count * kind.values))
-        for start in range(0, rows, step):
-            part = blocks[start:start + step]
-            planes = kind.planes(part)[0]                                       # [P, n, nb, L]: q + offset
-            np.subtract(planes.reshape(planes.shape[0], len(part), -1).transpose(1, 0, 2), kind.offset,
-                        out=codes[start:start + step].reshape(len(part), planes.shape[0], -1), casting="unsafe")
-            value_scales = _by_group(part, 192, 16, "scales").view(np.int8)     # [nb, 16, n]
-            np.take(value_scales.reshape(-1, len(part)), order, axis=0, out=scales[:, start:start + step])
-            d[:, start:start + step] = _by_group(part, 208, 1, "d", F32)[:, 0]
-        return UnpackedRows(self.kind, codes, scales, d)
+
+# ---- repacked at load: a block's parts taken apart once ------------------------------------------------
+#
+# Taking a block's parts apart on every product (its bit fields, FP16 scales, packed 6-bit scales) cost
+# about as much as the product itself for the kinds GGUFs mostly hold. One token, [3072, 1024] x 12
+# weights, two threads, an AVX2-only EPYC, ns a weight, as blocks / repacked: Q4_K 1.28 / 0.82, and Q6_K
+# 1.9x / 1.0x BF16's time (bench/README.md, "Repacked at load"). So a GGUF kept as stored has these kinds'
+# tensors repacked when it is loaded (gguf_file decides which, within a memory budget): the codes as
+# contiguous bytes in code order, each group's integer scale (and minimum) a byte in the same order, each
+# block's d (and dmin) as FP32; every part exact, so the values are the blocks' bit for bit.
+
+@dataclass(frozen=True)
+class Repacking:
+    """How a kind's parts are held once repacked: QK values a block (`values`), g a group, `bits` a code
+    (8: a byte a code; 4: two, the "nibbles" layout: a byte's low nibble in plane 0, its high one in plane
+    1), the codes' order (`layout`, "" for value order), and the offset the codes keep (b = -offset a)."""
+
+    values: int
+    group: int
+    bits: int
+    layout: str
+    offset: int = 0
+    scales: bool = False                        # a = d s per group (else a = d: one group a block)
+    minimums: bool = False                      # b = -dmin m per group
+
+    def held_bytes(self, values: int) -> int:
+        """Bytes a [out, in] matrix of `values` takes repacked: codes, integer scales and minimums, FP32 d, dmin."""
+        groups, blocks = values // self.group, values // self.values
+        return (values * self.bits // 8 + groups * (self.scales + self.minimums)
+                + 4 * blocks * (1 + self.minimums))
 
 
-# Q6_K's codes are unpacked once, at load, when its file is kept as stored (gguf_file decides which
-# tensors, within a memory budget): its 6-bit fields in groups of 16 made taking them apart ~45% of
-# every product (one thread, [3072, 1024], one token: 1.9x BF16's time as blocks, 1.0x unpacked; a
-# loaded machine, ratios side by side). A byte a code and a byte a scale of 16 is 1.30x its blocks' 210
-# bytes per 256 values. Its layout is the one the unpacking above reads (scales at 192, d at 208).
-UNPACKED_KINDS = frozenset({"Q6_K"})
-UNPACK_VALUES = 1024 ** 2                     # codes unpacked per step: the planes' scratch stays near L2
+# Q4_0 pairs its blocks (block 2p's codes the low nibbles of 32 bytes, block 2p + 1's the high ones):
+# Q4_K's "nibbles" layout, so a row needs a multiple of 256 values (repackable). Q6_K's codes are unpacked
+# to a byte each (its 6-bit fields in groups of 16 are the dearest to take apart: 1.30x its blocks' bytes).
+REPACKINGS = {"Q8_0": Repacking(32, 32, 8, ""), "Q4_0": Repacking(32, 32, 4, "nibbles", offset=8),
+              "Q4_K": Repacking(256, 32, 4, "nibbles", scales=True, minimums=True),
+              "Q6_K": Repacking(256, 16, 8, "fields", scales=True)}
+REPACK_VALUES = 1024 ** 2                     # values repacked per step: the scratch stays near L2
+F16_AT = {"Q8_0": 0, "Q4_0": 0, "Q4_K": 0, "Q6_K": 208}     # the byte offset of each block's FP16 d
+
+
+def repackable(kind: str, columns: int) -> bool:
+    """Whether a [out, columns] matrix of ggml kind `kind` can be held as RepackedRows."""
+    return kind in REPACKINGS and (REPACKINGS[kind].layout == "" or columns % 256 == 0)
 
 
 @dataclass(frozen=True)
-class UnpackedRows:
-    """A Q6_K matrix [out, in] with its codes taken out of the blocks: codes int8 [out, in] in code_order's
-    order (q itself, -32..31), the integer scales s int8 [in/16, out] of its groups in that order, and
-    each block's d FP32 [in/256, out]; w = a q with a = d s per group (exact in FP32: 11 + 8 bits), the
-    values BlockRows gives, bit for bit (tests/test_formats.py). A numerics.Grouped weight kind."""
+class RepackedRows:
+    """A matrix [out, in] of a REPACKINGS kind with its blocks' parts taken apart: codes [out, in * bits/8]
+    in code_order's order (int8 q itself for Q8_0 and Q6_K; uint8 nibbles 0..15 for Q4_0 and Q4_K); for a
+    kind with scales their integers s [G, out] in that order, and each block's d FP32 [in/QK, out], so that
+    a = d s per group (exact in FP32: 11 + 8 bits); without scales d is a itself [G, out] in code order;
+    with minimums m [G, out] and -dmin [in/QK, out], b = -dmin m. The values BlockRows gives, bit for bit
+    (tests/test_formats.py). A numerics.Grouped weight kind."""
 
     kind: str
-    codes: np.ndarray                           # int8 [out, in], code order
-    scales: np.ndarray                          # int8 [G, out], code order
-    d: np.ndarray                               # FP32 [in/QK, out]
+    codes: np.ndarray
+    d: np.ndarray
+    scales: np.ndarray | None = None
+    dmin: np.ndarray | None = None              # negated
+    mins: np.ndarray | None = None
 
-    dtype = np.dtype(np.int8)
+    @staticmethod
+    def from_blocks(kind: str, blocks: np.ndarray) -> "RepackedRows":
+        """A GGUF's blocks [out, in/QK, bytes] of `kind` repacked (repackable), REPACK_VALUES at a time."""
+        packing = REPACKINGS[kind]
+        rows, count = blocks.shape[:2]
+        columns = count * packing.values
+        order = (np.arange(columns // packing.group) if not packing.layout
+                 else _group_order(packing.layout, columns // 256, packing.group))
+        codes = np.empty((rows, columns * packing.bits // 8), np.int8 if packing.bits == 8 else U8)
+        per_group = packing.values == packing.group
+        d = np.empty((len(order) if per_group else count, rows), F32)
+        scales = np.empty((len(order), rows), U8) if packing.scales else None
+        mins = np.empty((len(order), rows), U8) if packing.minimums else None
+        dmin = np.empty((count, rows), F32) if packing.minimums else None
+        step = max(1, REPACK_VALUES // columns)
+        for start in range(0, rows, step):
+            part, at = blocks[start:start + step], slice(start, start + step)
+            d_part = _by_group(part, F16_AT[kind], 1, "repack.d", F32)[:, 0]                   # [nb, n]
+            d[:, at] = d_part[order] if per_group else d_part
+            if kind in ("Q8_0", "Q4_0"):
+                value_codes = _field(part, 2, packing.values * packing.bits // 8, "repack.qs")   # [n, nb, 32 | 16]
+                if kind == "Q8_0":
+                    codes[at] = value_codes.reshape(len(part), -1).view(np.int8)
+                else:
+                    _pair_blocks(value_codes, codes[at])
+            elif kind == "Q4_K":
+                codes[at] = _field(part, 16, 128, "repack.qs").reshape(len(part), -1)
+                s6, m6 = _k_scale_codes(part)                                                   # [nb, 8, n]
+                assert scales is not None and mins is not None and dmin is not None
+                np.take(s6.reshape(-1, len(part)), order, axis=0, out=scales[:, at])
+                np.take(m6.reshape(-1, len(part)), order, axis=0, out=mins[:, at])
+                np.negative(_by_group(part, 2, 1, "repack.dmin", F32)[:, 0], out=dmin[:, at])
+            else:                                                                               # Q6_K
+                planes = _q6_k_planes(part)[0]                                                  # [4, n, nb, 64]: q + 32
+                np.subtract(planes.reshape(4, len(part), -1).transpose(1, 0, 2), 32,
+                            out=codes[at].reshape(len(part), 4, -1), casting="unsafe")
+                assert scales is not None
+                value_scales = _by_group(part, 192, 16, "repack.scales")                        # [nb, 16, n] int8
+                np.take(value_scales.reshape(-1, len(part)), order, axis=0, out=scales[:, at])
+        if kind == "Q6_K":
+            assert scales is not None
+            scales = scales.view(np.int8)
+        return RepackedRows(kind, codes, d, scales, dmin, mins)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.codes.dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.codes.shape
+        return (self.codes.shape[0], self.codes.shape[1] * 8 // REPACKINGS[self.kind].bits)
 
     @property
     def ndim(self) -> int:
@@ -471,42 +545,84 @@ class UnpackedRows:
 
     @property
     def group(self) -> int:
-        return BLOCK_KINDS[self.kind].group
+        return REPACKINGS[self.kind].group
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes + self.d.nbytes
+        return sum(part.nbytes for part in (self.codes, self.d, self.scales, self.dmin, self.mins) if part is not None)
 
-    def __getitem__(self, rows: Any) -> "UnpackedRows":
-        return UnpackedRows(self.kind, self.codes[rows], self.scales[:, rows], self.d[:, rows])
+    def __getitem__(self, rows: Any) -> "RepackedRows":
+        def picked(part: np.ndarray | None) -> np.ndarray | None:
+            return None if part is None else part[:, rows]
+        return RepackedRows(self.kind, self.codes[rows], self.d[:, rows], picked(self.scales), picked(self.dmin),
+                            picked(self.mins))
 
     @property
-    def code_order(self) -> np.ndarray:
-        return code_order(BLOCK_KINDS[self.kind].layout, self.d.shape[0])
+    def code_order(self) -> np.ndarray | None:
+        """The value index of each input in coded()'s order; None: value order (Q8_0)."""
+        layout = REPACKINGS[self.kind].layout
+        return code_order(layout, self.shape[1] // 256) if layout else None
 
-    def _a(self) -> np.ndarray:
-        """a = d s [G, rows] in code order, into this thread's scratch."""
-        kind = BLOCK_KINDS[self.kind]
-        block_of_group = _group_order(kind.layout, self.d.shape[0], kind.group) // (kind.values // kind.group)
-        a = np.take(self.d, block_of_group, axis=0, out=scratch("ggml.unpacked.a", self.scales.shape, F32))
-        a *= self.scales
-        return a
+    def _per_group(self, per_block: np.ndarray, integers: np.ndarray, name: str) -> np.ndarray:
+        """per_block [in/QK, rows] (FP32) times each group's integer [G, rows] (code order) -> FP32 [G, rows],
+        into this thread's scratch."""
+        packing = REPACKINGS[self.kind]
+        block_of_group = _group_order(packing.layout, self.shape[1] // 256, packing.group) // (packing.values // packing.group)
+        out = np.take(per_block, block_of_group, axis=0, out=scratch(name, integers.shape, F32))
+        out *= integers
+        return out
 
     def coded(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(codes [1, rows, in] int8, a [in/g, rows] FP32, None): as BlockRows.coded(), the offset already
-        taken off the codes; a is a view of this thread's scratch, valid until its next call."""
-        return self.codes[None], self._a(), None
+        """(codes [P, rows, in/P], a [G, rows] FP32, b [G, rows] or None), as BlockRows.coded(); a and b views
+        of this thread's scratch (or of d), valid until its next call."""
+        packing = REPACKINGS[self.kind]
+        planes = self.codes[None] if packing.bits == 8 else _planes(np.ascontiguousarray(self.codes), 4, "repacked.codes")
+        a = self.d if self.scales is None else self._per_group(self.d, self.scales, "repacked.a")
+        if self.mins is not None:
+            assert self.dmin is not None
+            return planes, a, self._per_group(self.dmin, self.mins, "repacked.b")
+        if packing.offset:
+            return planes, a, np.multiply(a, np.float32(-packing.offset), out=scratch("repacked.b", a.shape, F32))
+        return planes, a, None
 
     def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(codes [rows, in], a [rows, in/g], None) in value order, as BlockRows.groups()."""
-        kind = BLOCK_KINDS[self.kind]
-        order = self.code_order
-        codes = scratch("ggml.unpacked.codes", self.codes.shape, np.int8)
-        codes[:, order] = self.codes
-        a = scratch("ggml.unpacked.value_a", self.scales.shape, F32)
-        a[_group_order(kind.layout, self.d.shape[0], kind.group)] = self._a()
-        return codes, a.T, None
+        """(codes [rows, in], a [rows, in/g], b [rows, in/g] or None) in value order, as BlockRows.groups(): a
+        code offset taken off the codes (int8), as gguf's dequantizer does, so widen() rounds as it does."""
+        packing, order = REPACKINGS[self.kind], self.code_order
+        planes, a, b = self.coded()
+        rows, columns = self.shape
+        codes = scratch("repacked.values", (rows, columns), planes.dtype)
+        in_code_order = planes.transpose(1, 0, 2).reshape(rows, columns)
+        if order is None:
+            codes[...] = in_code_order
+        else:
+            codes[:, order] = in_code_order
+        if packing.offset:                                   # wraps: as int8 the bytes read q - offset
+            codes -= np.uint8(packing.offset)
+            codes, b = codes.view(np.int8), None
+        groups = np.arange(columns // packing.group) if order is None else order[::packing.group] // packing.group
+        value_a = scratch("repacked.value_a", a.shape, F32)
+        value_a[groups] = a
+        if b is None:
+            return codes, value_a.T, None
+        value_b = scratch("repacked.value_b", b.shape, F32)
+        value_b[groups] = b
+        return codes, value_a.T, value_b.T
 
     def widen(self, out: np.ndarray) -> None:
         """The rows' FP32 values into out (their shape), bit for bit as gguf.quants.dequantize."""
         widen_groups(*self.groups(), out=out.reshape(-1, out.shape[-1]))
+
+
+def _pair_blocks(codes: np.ndarray, out: np.ndarray) -> None:
+    """Q4_0's nibbles [n, nb, 16] (value k: byte k's low nibble, value 16 + k: its high one) -> the "nibbles"
+    layout [n, nb * 16]: for each pair of blocks, byte k holds block 2p's value k low and 2p + 1's high."""
+    n, count = codes.shape[:2]
+    lanes = codes.reshape(n, count // 2, 2, 16).view(np.uint64)                     # [n, pairs, 2 blocks, 2 lanes]
+    low_mask = _every_byte(0x0F)
+    paired = out.reshape(n, count // 2, 2, 16).view(np.uint64)                     # [n, pairs, half, 2 lanes]
+    first, second = lanes[:, :, 0], lanes[:, :, 1]
+    # byte k of half 0 (values 0..15): block 2p's low nibble | block 2p+1's low nibble << 4
+    np.bitwise_or(first & low_mask, (second & low_mask) << np.uint64(4), out=paired[:, :, 0])
+    # byte k of half 1 (values 16..31): their high nibbles
+    np.bitwise_or((first >> np.uint64(4)) & low_mask, second & ~low_mask, out=paired[:, :, 1])
