@@ -446,7 +446,7 @@ def test_groups_are_codes_scales_and_offsets_whose_widening_is_the_weight(kind: 
 @pytest.mark.parametrize("kind", [*HELD_BLOCK_KINDS, "q8_0", "q4_0"])
 def test_coded_codes_are_the_groups_codes_in_code_order(kind: str) -> None:
     """coded(), the fast path's unpacking: the same codes as groups(), read in code_order (the value index of
-    each input), planes [P, rows, in/P], and a, b per group of that order; the values a q + b are the weight's."""
+    each input), group-major [G, rows, g], and a, b per group of that order; the values a q + b are the weight's."""
     from qwen_np.numbers.formats import FormatRows
     from qwen_np.numbers.numerics import Grouped
 
@@ -458,6 +458,7 @@ def test_coded_codes_are_the_groups_codes_in_code_order(kind: str) -> None:
     order = np.arange(columns) if held.code_order is None else held.code_order
     assert sorted(order) == list(range(columns))
     planes, a, b = (None if part is None else np.array(part) for part in held.coded())
+    assert planes.shape == (columns // held.group, rows, held.group)
     codes = np.moveaxis(planes, 0, 1).reshape(rows, columns)                       # [rows, in] in code order
     assert a.shape == (columns // held.group, rows) and (b is None or b.shape == a.shape)
     values = codes.reshape(rows, -1, held.group).astype(np.float64) * a.T[..., None] + (0 if b is None else b.T[..., None])

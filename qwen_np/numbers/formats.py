@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import QwenNPError
-from .numerics import bf16_bits_to_f32, dtype_named, f32_to_bf16_bits, scratch, widen_groups
+from .numerics import bf16_bits_to_f32, dtype_named, f32_to_bf16_bits, group_major, scratch, widen_groups
 
 BLOCK = 32                                   # values per block in q8_0, q4_0 and mxfp4
 E4M3_MAX = np.float32(448.0)                 # largest finite float8_e4m3fn
@@ -456,7 +456,7 @@ class FormatRows:
 
     def coded(self) -> tuple[np.ndarray, np.ndarray, None]:
         codes, a, _ = self.groups()
-        return codes[None], a.T, None
+        return group_major(codes[None], BLOCK, f"{self.fmt}.coded"), a.T, None
 
 
 def bits_per_weight(fmt: str) -> float:

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from .numerics import scratch, widen_groups
+from .numerics import group_major, scratch, widen_groups
 
 # (codes [R, in] int8/uint8 in value order, a [G, R] FP32, b [G, R] FP32 or None) of R rows of blocks
 # [R, in/QK, bytes], G = in/g groups. a and b are group-major (one row per group, the rows of W along
@@ -408,13 +408,13 @@ class BlockRows:
         return None if kind.planes is None else code_order(kind.layout, self.blocks.shape[-2])
 
     def coded(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(codes [P, rows, in/P] uint8/int8, a [in/g, rows] FP32, b [in/g, rows] or None), read as codes
-        [rows, in] in code_order's order and groups of g in that order: w = a q + b as in groups(), for the
+        """(codes [G, rows, g] uint8/int8, a [G, rows] FP32, b [G, rows] or None): the codes of each row in
+        code_order's order, as groups of g in that order (group-major), w = a q + b as in groups(), for the
         fast path (numerics.Grouped). Views of this thread's scratch memory, valid until its next call."""
         kind, blocks = BLOCK_KINDS[self.kind], self.blocks.reshape(-1, *self.blocks.shape[-2:])
         if kind.planes is None:
             codes, a, b = kind.decode(blocks)
-            return codes[None], a, b
+            return group_major(codes[None], kind.group, "ggml.coded.codes"), a, b
         planes, a, b = kind.planes(blocks)                                  # [P, R, nb, L]; a, b in value order
         order = _group_order(kind.layout, blocks.shape[1], kind.group)
         a = np.take(a, order, axis=0, out=scratch("ggml.coded.a", a.shape, F32))
@@ -422,7 +422,7 @@ class BlockRows:
             b = np.take(b, order, axis=0, out=scratch("ggml.coded.b", b.shape, F32))
         elif kind.offset:
             b = np.multiply(a, np.float32(-kind.offset), out=scratch("ggml.coded.b", a.shape, F32))
-        return planes.reshape(planes.shape[0], planes.shape[1], -1), a, b
+        return group_major(planes.reshape(*planes.shape[:2], -1), kind.group, "ggml.coded.codes"), a, b
 
 
 # ---- repacked at load: a block's parts taken apart once ------------------------------------------------
@@ -439,7 +439,8 @@ class BlockRows:
 class Repacking:
     """How a kind's parts are held once repacked: QK values a block (`values`), g a group, `bits` a code
     (8: a byte a code; 4: two, the "nibbles" layout: a byte's low nibble in plane 0, its high one in plane
-    1), the codes' order (`layout`, "" for value order), and the offset the codes keep (b = -offset a)."""
+    1), the codes' order (`layout`, "" for value order), and the offset the codes keep (held as q + offset,
+    unpacked as q)."""
 
     values: int
     group: int
@@ -473,12 +474,13 @@ def repackable(kind: str, columns: int) -> bool:
 
 @dataclass(frozen=True)
 class RepackedRows:
-    """A matrix [out, in] of a REPACKINGS kind with its blocks' parts taken apart: codes [out, in * bits/8]
-    in code_order's order (int8 q itself for Q8_0 and Q6_K; uint8 nibbles 0..15 for Q4_0 and Q4_K); for a
-    kind with scales their integers s [G, out] in that order, and each block's d FP32 [in/QK, out], so that
-    a = d s per group (exact in FP32: 11 + 8 bits); without scales d is a itself [G, out] in code order;
-    with minimums m [G, out] and -dmin [in/QK, out], b = -dmin m. The values BlockRows gives, bit for bit
-    (tests/test_formats.py). A numerics.Grouped weight kind."""
+    """A matrix [out, in] of a REPACKINGS kind with its blocks' parts taken apart. Its codes group-major, in
+    code_order's order: int8 q itself [G, out, g] for Q8_0 and Q6_K; for Q4_0 and Q4_K two groups' nibbles
+    (0..15) in each of [G/2, out, 32] (the low nibbles group h = 0 of that run, the high ones h = 1:
+    code-order group h G/2 + run). For a kind with scales their integers s [G, out] in that order, and each
+    block's d FP32 [in/QK, out], so that a = d s per group (exact in FP32: 11 + 8 bits); without scales d
+    is a itself [G, out] in code order; with minimums m [G, out] and -dmin [in/QK, out], b = -dmin m. The
+    values BlockRows gives, bit for bit (tests/test_formats.py). A numerics.Grouped weight kind."""
 
     kind: str
     codes: np.ndarray
@@ -495,7 +497,8 @@ class RepackedRows:
         columns = count * packing.values
         order = (np.arange(columns // packing.group) if not packing.layout
                  else _group_order(packing.layout, columns // 256, packing.group))
-        codes = np.empty((rows, columns * packing.bits // 8), np.int8 if packing.bits == 8 else U8)
+        run = 32 if packing.bits == 4 else packing.group                     # bytes a run of codes
+        codes = np.empty((columns * packing.bits // 8 // run, rows, run), np.int8 if packing.bits == 8 else U8)
         per_group = packing.values == packing.group
         d = np.empty((len(order) if per_group else count, rows), F32)
         scales = np.empty((len(order), rows), U8) if packing.scales else None
@@ -506,14 +509,12 @@ class RepackedRows:
             part, at = blocks[start:start + step], slice(start, start + step)
             d_part = _by_group(part, F16_AT[kind], 1, "repack.d", F32)[:, 0]                   # [nb, n]
             d[:, at] = d_part[order] if per_group else d_part
-            if kind in ("Q8_0", "Q4_0"):
-                value_codes = _field(part, 2, packing.values * packing.bits // 8, "repack.qs")   # [n, nb, 32 | 16]
-                if kind == "Q8_0":
-                    codes[at] = value_codes.reshape(len(part), -1).view(np.int8)
-                else:
-                    _pair_blocks(value_codes, codes[at])
+            if kind == "Q8_0":
+                runs = _field(part, 2, 32, "repack.qs").view(np.int8)                        # [n, nb, 32]
+            elif kind == "Q4_0":
+                runs = _pair_blocks(_field(part, 2, 16, "repack.qs"))                         # [n, nb / 2, 32]
             elif kind == "Q4_K":
-                codes[at] = _field(part, 16, 128, "repack.qs").reshape(len(part), -1)
+                runs = _field(part, 16, 128, "repack.qs").reshape(len(part), -1, 32)          # [n, nb * 4, 32]
                 s6, m6 = _k_scale_codes(part)                                                   # [nb, 8, n]
                 assert scales is not None and mins is not None and dmin is not None
                 np.take(s6.reshape(-1, len(part)), order, axis=0, out=scales[:, at])
@@ -521,11 +522,14 @@ class RepackedRows:
                 np.negative(_by_group(part, 2, 1, "repack.dmin", F32)[:, 0], out=dmin[:, at])
             else:                                                                               # Q6_K
                 planes = _q6_k_planes(part)[0]                                                  # [4, n, nb, 64]: q + 32
-                np.subtract(planes.reshape(4, len(part), -1).transpose(1, 0, 2), 32,
-                            out=codes[at].reshape(len(part), 4, -1), casting="unsafe")
+                runs = scratch("repack.q", (len(part), 4, planes[0, 0].size), np.int8)
+                np.subtract(planes.reshape(4, len(part), -1).transpose(1, 0, 2), 32, out=runs, casting="unsafe")
+                runs = runs.reshape(len(part), -1, 16)                                         # [n, G, 16] code order
                 assert scales is not None
                 value_scales = _by_group(part, 192, 16, "repack.scales")                        # [nb, 16, n] int8
                 np.take(value_scales.reshape(-1, len(part)), order, axis=0, out=scales[:, at])
+            item = np.dtype((np.void, run))
+            codes[:, at].view(item)[..., 0] = runs.view(item)[..., 0].T                      # group-major
         if kind == "Q6_K":
             assert scales is not None
             scales = scales.view(np.int8)
@@ -537,7 +541,8 @@ class RepackedRows:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.codes.shape[0], self.codes.shape[1] * 8 // REPACKINGS[self.kind].bits)
+        runs, rows, run = self.codes.shape
+        return (rows, runs * run * 8 // REPACKINGS[self.kind].bits)
 
     @property
     def ndim(self) -> int:
@@ -554,8 +559,9 @@ class RepackedRows:
     def __getitem__(self, rows: Any) -> "RepackedRows":
         def picked(part: np.ndarray | None) -> np.ndarray | None:
             return None if part is None else part[:, rows]
-        return RepackedRows(self.kind, self.codes[rows], self.d[:, rows], picked(self.scales), picked(self.dmin),
-                            picked(self.mins))
+        codes = picked(self.codes)
+        assert codes is not None
+        return RepackedRows(self.kind, codes, self.d[:, rows], picked(self.scales), picked(self.dmin), picked(self.mins))
 
     @property
     def code_order(self) -> np.ndarray | None:
@@ -573,56 +579,62 @@ class RepackedRows:
         return out
 
     def coded(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(codes [P, rows, in/P], a [G, rows] FP32, b [G, rows] or None), as BlockRows.coded(); a and b views
-        of this thread's scratch (or of d), valid until its next call."""
+        """(codes [G, rows, g], a [G, rows] FP32, b [G, rows] or None), as BlockRows.coded(), but the codes are
+        q itself (int8; Q4_0's offset taken off as they are unpacked: no b to apply), as gguf's dequantizer has
+        them (so widen() rounds as it does). The codes a view of this matrix's (8 bits) or of this thread's
+        scratch (4 bits), a and b of d or of the scratch: valid until the thread's next call."""
         packing = REPACKINGS[self.kind]
-        planes = self.codes[None] if packing.bits == 8 else _planes(np.ascontiguousarray(self.codes), 4, "repacked.codes")
+        if packing.bits == 8:
+            return self.codes, self.d if self.scales is None else self._per_group(self.d, self.scales, "repacked.a"), None
+        codes = _planes(self.codes, 4, "repacked.codes").reshape(-1, self.codes.shape[1], 32)   # [2 * runs, rows, 32]
+        if packing.offset:                  # Q4_0: the planes are this thread's scratch
+            codes = _less(codes, packing.offset)
         a = self.d if self.scales is None else self._per_group(self.d, self.scales, "repacked.a")
-        if self.mins is not None:
-            assert self.dmin is not None
-            return planes, a, self._per_group(self.dmin, self.mins, "repacked.b")
-        if packing.offset:
-            return planes, a, np.multiply(a, np.float32(-packing.offset), out=scratch("repacked.b", a.shape, F32))
-        return planes, a, None
+        if self.mins is None:
+            return codes, a, None
+        assert self.dmin is not None
+        return codes, a, self._per_group(self.dmin, self.mins, "repacked.b")
 
     def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(codes [rows, in], a [rows, in/g], b [rows, in/g] or None) in value order, as BlockRows.groups(): a
-        code offset taken off the codes (int8), as gguf's dequantizer does, so widen() rounds as it does."""
-        packing, order = REPACKINGS[self.kind], self.code_order
-        planes, a, b = self.coded()
-        rows, columns = self.shape
-        codes = scratch("repacked.values", (rows, columns), planes.dtype)
-        in_code_order = planes.transpose(1, 0, 2).reshape(rows, columns)
-        if order is None:
-            codes[...] = in_code_order
-        else:
-            codes[:, order] = in_code_order
-        if packing.offset:                                   # wraps: as int8 the bytes read q - offset
-            codes -= np.uint8(packing.offset)
-            codes, b = codes.view(np.int8), None
-        groups = np.arange(columns // packing.group) if order is None else order[::packing.group] // packing.group
-        value_a = scratch("repacked.value_a", a.shape, F32)
-        value_a[groups] = a
-        if b is None:
-            return codes, value_a.T, None
-        value_b = scratch("repacked.value_b", b.shape, F32)
-        value_b[groups] = b
-        return codes, value_a.T, value_b.T
+        """(codes [rows, in], a [rows, in/g], b [rows, in/g] or None) in value order, as BlockRows.groups():
+        each code-order group moved to its place in value order as one void item."""
+        order = self.code_order
+        codes, a, b = self.coded()
+        G, rows, g = codes.shape
+        by_value = np.arange(G) if order is None else np.argsort(order[::g] // g)    # code-order group of each value group
+        item = np.dtype((np.void, g))
+        values = scratch("repacked.values", (rows, G, g), codes.dtype)
+        values.view(item)[..., 0] = np.take(codes.view(item)[..., 0], by_value, axis=0).T
+        value_a = np.take(a, by_value, axis=0, out=scratch("repacked.value_a", a.shape, F32))
+        value_b = None if b is None else np.take(b, by_value, axis=0, out=scratch("repacked.value_b", b.shape, F32))
+        return values.reshape(rows, -1), value_a.T, None if value_b is None else value_b.T
 
     def widen(self, out: np.ndarray) -> None:
         """The rows' FP32 values into out (their shape), bit for bit as gguf.quants.dequantize."""
         widen_groups(*self.groups(), out=out.reshape(-1, out.shape[-1]))
 
 
-def _pair_blocks(codes: np.ndarray, out: np.ndarray) -> None:
-    """Q4_0's nibbles [n, nb, 16] (value k: byte k's low nibble, value 16 + k: its high one) -> the "nibbles"
-    layout [n, nb * 16]: for each pair of blocks, byte k holds block 2p's value k low and 2p + 1's high."""
+def _less(codes: np.ndarray, offset: int) -> np.ndarray:
+    """codes - offset as int8, in place, for byte codes 0 <= q < 128 + offset: each byte of a uint64 lane plus
+    128 - offset (no carry leaves a byte), then its top bit flipped (minus 128, modulo 256)."""
+    lanes = codes.view(np.uint64)
+    lanes += _every_byte(128 - offset)
+    lanes ^= _every_byte(0x80)
+    return codes.view(np.int8)
+
+
+def _pair_blocks(codes: np.ndarray) -> np.ndarray:
+    """Q4_0's nibbles [n, nb, 16] (value k: byte k's low nibble, value 16 + k: its high one) -> runs [n, nb/2, 32]
+    of the "nibbles" layout: for each pair of blocks, byte k holds block 2p's value k low and 2p + 1's high
+    (this thread's scratch)."""
     n, count = codes.shape[:2]
     lanes = codes.reshape(n, count // 2, 2, 16).view(np.uint64)                     # [n, pairs, 2 blocks, 2 lanes]
-    low_mask = _every_byte(0x0F)
+    out = scratch("ggml.paired", (n, count // 2, 32), U8)
     paired = out.reshape(n, count // 2, 2, 16).view(np.uint64)                     # [n, pairs, half, 2 lanes]
+    low_mask = _every_byte(0x0F)
     first, second = lanes[:, :, 0], lanes[:, :, 1]
     # byte k of half 0 (values 0..15): block 2p's low nibble | block 2p+1's low nibble << 4
     np.bitwise_or(first & low_mask, (second & low_mask) << np.uint64(4), out=paired[:, :, 0])
     # byte k of half 1 (values 16..31): their high nibbles
     np.bitwise_or((first >> np.uint64(4)) & low_mask, second & ~low_mask, out=paired[:, :, 1])
+    return out

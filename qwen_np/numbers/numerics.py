@@ -266,8 +266,9 @@ class Grouped(Held, Protocol):
     group-major arrays); widen() is widen_groups of them. The fast path multiplies the codes and
     applies a and b per group (fast.py): the same values, summed in another order. coded() gives the
     same codes in the order its bit fields unpack cheapest (code_order: the value index of each input;
-    None for value order) as planes [P, rows, in/P], and a and b group-major [in/g, rows] in that order:
-    the fast path puts x in that order instead (ggml_blocks, "code order")."""
+    None for value order), group-major: [G, rows, g], each group's codes of a row side by side (the layout
+    in which the fast path's batched product runs fastest: grouped_rows), and a and b [G, rows] in that
+    order; the fast path puts x in that order instead (ggml_blocks, "code order")."""
 
     @property
     def group(self) -> int: ...                 # g: inputs per scale
@@ -310,6 +311,18 @@ def scratch(name: str, shape: tuple[int, ...], dtype: np.dtype | type = np.float
         buffer = np.empty(max(nbytes, 1), np.uint8)
         setattr(_scratch, name, buffer)
     return buffer[:nbytes].view(dtype).reshape(shape)
+
+
+def group_major(codes: np.ndarray, group: int, name: str) -> np.ndarray:
+    """Codes [P, rows, n] (their last axis contiguous; n a multiple of g), read as [rows, P * n], as groups of
+    g: [P * n / g, rows, g] C-contiguous, this thread's scratch `name`. Each group's g codes move as one
+    void item: a copy whose inner loop ran over g = 16 or 32 elements would cost more per loop than the
+    copy (formats._contiguous_blocks' trap)."""
+    planes, rows, n = codes.shape
+    item = np.dtype((np.void, group * codes.itemsize))
+    out = scratch(name, (planes, n // group, rows, group), codes.dtype)
+    out.view(item)[..., 0] = codes.view(item).transpose(0, 2, 1)
+    return out.reshape(-1, rows, group)
 
 
 def widen_groups(codes: np.ndarray, a: np.ndarray, b: np.ndarray | None, out: np.ndarray) -> np.ndarray:
