@@ -504,11 +504,13 @@ class GGUFCheckpoint(Checkpoint):
 
     def _repacked(self) -> frozenset[str]:
         """The tensors held repacked (ggml_blocks.REPACKINGS), the cheapest in extra bytes per byte first,
-        while together they add at most REPACK_BUDGET to the bytes the file's tensors hold."""
+        while together they add at most REPACK_BUDGET to the bytes the file's tensors hold. An untied
+        model's token embedding is not: only the prompt's rows of it are ever read."""
         budget = REPACK_BUDGET * sum(int(t.n_bytes) for t in _tensors_by_name(open_reader(self.folder)).values())
+        lookup_only = set() if self.config.tie_word_embeddings else {MODEL_TENSORS["embed_tokens"].name}
         candidates = [(self._held_bytes(name, repacked=True) / int(tensor.n_bytes), name)
                       for name, tensor in self._quantized.items()
-                      if repackable(tensor.tensor_type.name, self.tensors[name].shape[-1])]
+                      if repackable(tensor.tensor_type.name, self.tensors[name].shape[-1]) and name not in lookup_only]
         chosen = []
         for _, name in sorted(candidates):
             extra = self._held_bytes(name, repacked=True) - int(self._quantized[name].n_bytes)
