@@ -493,7 +493,7 @@ def test_every_block_kind_is_kept_as_views_of_the_file_or_repacked_and_planned_a
     extra bytes first, within 20% of the file's tensor bytes); the plan counts what is held."""
     from qwen_np.files.gguf_file import REPACK_BUDGET
     from qwen_np.numbers.formats import FormatRows
-    from qwen_np.numbers.ggml_blocks import REPACKINGS, BlockRows, RepackedRows
+    from qwen_np.numbers.ggml_blocks import REPACKINGS, BlockRows, RepackedRows, repackable
 
     model = load_model(blocks_file, memory="stored")
     checkpoint = GGUFCheckpoint(blocks_file)
@@ -516,6 +516,10 @@ def test_every_block_kind_is_kept_as_views_of_the_file_or_repacked_and_planned_a
                 assert np.shares_memory(weight.blocks, open_reader(blocks_file).data)   # a view of the mapped file
     assert seen >= set(BLOCK_KIND_CYCLE) - {"Q4_0"}                  # 14 matrices: every kind in the layers but one
     assert repacked >= {"Q8_0", "Q4_K"} & seen                       # the cheap ones first
+    embedding = MODEL_TENSORS["embed_tokens"].name
+    assert repackable(file_types["token_embd.weight"], model.config.hidden_size)
+    if not model.config.tie_word_embeddings:                        # untied: only its prompt rows are read
+        assert embedding not in checkpoint.repacked and not isinstance(model.embed_tokens, RepackedRows)
     tensors = {t.name: t for t in GGUFReader(blocks_file).tensors}
     stored = sum(int(t.n_bytes) for t in tensors.values())
     extra = sum(REPACKINGS[t.tensor_type.name].held_bytes(int(t.n_elements)) - int(t.n_bytes)
