@@ -272,7 +272,8 @@ def _q6_k_scales(blocks: np.ndarray) -> np.ndarray:
 #   "fields"  (Q2_K, Q3_K, Q6_K): plane j (4), position t = 32 i + l  holds value 128 i + 32 j + l
 #   "nibbles" (Q4_K, Q5_K):       plane h (2), position t = 32 j + l  holds value 64 j + 32 h + l
 # a and b are returned in value order ([nb * groups, R], as the decoders above); a code offset
-# (Q3_K's -4, Q6_K's -32) is left to b = -offset * a (fast.grouped_rows' sums of x).
+# (Q3_K's -4, Q6_K's -32) is left to b = -offset * a (fast.grouped_rows' sums of x). coded() then moves
+# the planes' groups group-major, [G, R, g] (numerics.group_major): the layout the product wants.
 
 def _q2_k_planes(blocks: np.ndarray) -> Groups:
     return (_planes(_field(blocks, 16, 64, "qs"), 2, "codes"), *_q2_k_scales(blocks))
