@@ -38,8 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"SkylakeX (unset)": {}, "Haswell": {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512"}}
 # "0.6b-fp32" holds plain [out, in] arrays (memory="fp32" by name); "0.6b-auto" what load_model's
 # default holds when FP32 fits, numerics.Panels (the same values in the fast path's layout).
+# "0.6b-q4_k_m" and "0.6b-q8_0": bench.gguf_kinds' GGUFs of those shapes, kept as stored (the block kinds'
+# grouped products: fast.grouped_rows).
 MODELS = {"0.6b-auto": ("0.6b", "auto"), "0.6b-fp32": ("0.6b", "fp32"), "0.6b-bf16": ("0.6b", "bf16"),
-          "8b-bf16": ("8b", "bf16")}
+          "8b-bf16": ("8b", "bf16"), "0.6b-q4_k_m": ("0.6b", "stored"), "0.6b-q8_0": ("0.6b", "stored")}
 TIMED_STEPS = ("_attention", "_decode_attention", "_rms_norm", "_rope", "_silu_times")
 TIMED_CACHE = ("write", "append", "runs")
 
@@ -179,8 +181,11 @@ def main(argv: list[str] | None = None) -> None:
     from qwen_np.core.config import PRESETS
 
     trees = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
-    folders = {name: ensure_checkpoint(model, layers=args.layers if model == "8b" else None)
-               for name, (model, _) in MODELS.items() if name in args.models}
+    from bench.gguf_kinds import ensure_gguf
+
+    folders = {name: ensure_gguf(model, name.partition("-")[2]) if memory == "stored" else
+               ensure_checkpoint(model, layers=args.layers if model == "8b" else None)
+               for name, (model, memory) in MODELS.items() if name in args.models}
     from bench.run import busy_cpu_seconds, children_cpu_seconds, wait_for_quiet
 
     configs = [(m, kernel, tree) for m in args.models for kernel in args.kernels for tree in trees]

@@ -383,22 +383,27 @@ def block_weight(kind: str, rows: int, columns: int, seed: int) -> numerics.Grou
     trained matrix's size) or of --memory q8_0/q4_0 (quantized normal weights)."""
     from conftest import random_blocks
     from qwen_np.numbers.formats import FormatRows, get_format
-    from qwen_np.numbers.ggml_blocks import BLOCK_KINDS, BlockRows
+    from qwen_np.numbers.ggml_blocks import REPACKINGS, BlockRows, RepackedRows
 
     if kind in ("q8_0", "q4_0"):
         w = 0.05 * np.random.default_rng(seed).standard_normal((rows, columns), np.float32)
         return FormatRows(kind, get_format(kind).quantize(w), columns)
-    return BlockRows(kind, random_blocks(kind, rows, columns // BLOCK_KINDS[kind].values, seed, scales=(2e-4, 2e-3)))
+    name, _, repacked = kind.partition("-")                          # "KIND-repacked": as a GGUF's load holds it
+    values = 256 if name.endswith("_K") else 32
+    blocks = random_blocks(name, rows, columns // values, seed, scales=(2e-4, 2e-3))
+    assert not repacked or name in REPACKINGS
+    return RepackedRows.from_blocks(name, blocks) if repacked else BlockRows(name, blocks)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("M", [1, 2, 5, 8, 16, 17])
-@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "q8_0", "q4_0"])
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 16, 17, fast.GROUPED_M_MAX, fast.GROUPED_M_MAX + 1])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "q8_0", "q4_0",
+                                  "Q8_0-repacked", "Q4_0-repacked", "Q4_K-repacked", "Q6_K-repacked"])
 def test_block_kinds_products_equal_the_readable_widen_then_multiply(kind: str, M: int, threads: int,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """fast.linear of a block kind (a few rows: scales folded out of the codes' product; more: widened
-    blocks) equals layers.linear, the readable definition (widen a block of rows, multiply), for one row
-    and a few, split between threads, over several decode calls and tiles with a short last one each."""
+    """fast.linear of a block kind (up to GROUPED_M_MAX rows: scales folded out of the codes' product; more:
+    widened blocks) equals layers.linear, the readable definition (widen a block of rows, multiply), for one
+    row and a few, split between threads, over several decode calls and tiles with a short last one each."""
     from qwen_np.core import layers
 
     monkeypatch.setattr(fast, "SPLIT_MIN_BYTES", 0)

@@ -116,9 +116,11 @@ MATVEC_SLICE_BYTES = 512 * 1024
 GIL_FREE_OUTPUT = 501
 # Block kinds (numerics.Grouped) with up to this many rows of x fold the scales out of the product
 # (grouped_rows); more rows (a prompt) widen a block of rows and multiply it, the GEMM amortising the
-# widening over the rows. One thread, [2048, 1024], busy machine, ns a weight folded / widened:
-# Q4_K 1.26 / 2.70 at 1 row, 1.89 / 2.67 at 5, 3.39 / 3.39 at 16; Q8_0 0.77 / 1.37, 1.20 / 1.55, 2.89 / 2.01.
-GROUPED_M_MAX = 8
+# widening over the rows. Repacked GGUF kinds (ggml_blocks.RepackedRows), [3072, 1024], two threads, an
+# AVX2-only EPYC, ns a weight folded / widened: Q4_K 0.88 / 3.04 at 1 row, 1.45 / 3.21 at 5, 1.40 / 2.69
+# at 16, 3.17 / 4.27 at 32, 4.67 / 5.00 at 64; Q8_0 0.56 / 1.57, 0.82 / 2.00, 1.19 / 2.02, 1.90 / 2.66,
+# 3.66 / 3.31 (the rows widened as blocks were cheaper: 8 was the limit before).
+GROUPED_M_MAX = 32
 # The sizes of a grouped product's work, per thread: codes decoded per coded() call (its bit fields'
 # NumPy calls cost microseconds each whatever their size), and FP32 bytes of them cast and multiplied
 # per tile. Both large, though a tile then spills L2 to L3: each NumPy call lets go of the GIL and
@@ -154,8 +156,8 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
     if isinstance(weight, Grouped) and x.shape[0] <= GROUPED_M_MAX:
         order = weight.code_order                                   # x in the order of the codes
         coded = x if order is None else x[:, order]
-        by_group = np.ascontiguousarray(coded.reshape(x.shape[0], -1, weight.group).transpose(1, 2, 0))   # [G, g, M]
-        sums = by_group.sum(axis=1).T                                                                # [M, G]
+        by_group = np.ascontiguousarray(coded.reshape(x.shape[0], -1, weight.group).transpose(1, 0, 2))   # [G, M, g]
+        sums = by_group.sum(axis=2).T                                                                # [M, G]
         runtime.split(weight.shape[0], _parts(x, weight), lambda rows: grouped_rows(by_group, sums, weight, out, rows))
         return out
     runtime.split(weight.shape[0], _parts(x, weight), lambda rows: _rows(x, weight, out, rows))
@@ -167,12 +169,14 @@ def grouped_rows(by_group: np.ndarray, sums: np.ndarray, weight: Grouped, out: n
 
         y[m, o] = sum_G a[o, G] (q[o, G] . x[m, G]) + sum_G b[o, G] sums[m, G]
 
-    by_group: x as [G, g, M] (group G's inputs of every row of x), in the weight's code_order; sums: [M, G],
+    by_group: x as [G, M, g] (group G's inputs of every row of x), in the weight's code_order; sums: [M, G],
     each group's sum of x. A block of rows at a time (coded(): the codes group-major, a and b in the same
-    order): its codes cast into this thread's FP32 scratch (exact), one batched product (a GEMV per
-    group over the block's rows, each group's codes contiguous: 2.3-2.6x faster than the same product
-    over [rows, G, g] codes, whose rows are in values apart), then a and b applied per group."""
-    G, g, M = by_group.shape
+    order): its codes cast into this thread's FP32 scratch (exact), one batched product (per group, x's
+    rows times the block's codes, each group's codes contiguous: 2.3-2.6x faster than the same product
+    over [rows, G, g] codes, whose rows are in values apart), then a and b applied per group: the
+    products [G, M, n] scaled in one broadcast and summed over G in one call (a loop over M of [G, n]
+    slices, strided by M, cost 1.3-1.4x more at M = 5: bench/README.md)."""
+    G, M, g = by_group.shape
     rows = max(1, GROUPED_DECODE_VALUES // (G * g))
     tile = max(1, GROUPED_BLOCK_BYTES // (4 * G * g))
     codes_f32 = scratch("fast.codes", (tile * G * g,))
@@ -184,13 +188,11 @@ def grouped_rows(by_group: np.ndarray, sums: np.ndarray, weight: Grouped, out: n
             last = min(first + tile, stop - start)
             q = codes_f32[:G * (last - first) * g].reshape(G, last - first, g)
             np.copyto(q, codes[:, first:last], casting="unsafe")        # exact: small integers
-            dots = partial[:G * (last - first) * M].reshape(G, last - first, M)
-            np.matmul(q, by_group, out=dots)                            # [G, n, M]: q . x per group
+            dots = partial[:G * M * (last - first)].reshape(G, M, last - first)
+            np.matmul(by_group, q.transpose(0, 2, 1), out=dots)         # [G, M, n]: x . q per group
+            dots *= scale[:, None, first:last]
             y = out[:, start + first:start + last]                       # [M, n]
-            for m in range(M):                                           # long loops over n, not M
-                products = dots[..., m]
-                products *= scale[:, first:last]
-                np.sum(products, axis=0, out=y[m])
+            np.sum(dots, axis=0, out=y)
             if offset is not None:
                 y += sums @ offset[:, first:last]
 
