@@ -21,9 +21,9 @@ are zero-copy views of the memory-mapped file, read through checkpoint.Checkpoin
 kept as stored are zero-copy views too, dequantized block of rows by block of rows on use: Q8_0 and
 Q4_0 as their blocks' scales and codes (formats.FormatRows), Q4_1, Q5_0, Q5_1 and the K-quants as
 their blocks' bytes (ggml_blocks.BlockRows); but Q8_0, Q4_0, Q4_K and Q6_K, within a memory budget,
-are repacked at load (ggml_blocks.RepackedRows: their parts taken apart once, not on every product). The
-other types (the IQ kinds, ...) are dequantized to
-FP32 at load with gguf.quants.dequantize, so they cost 4 bytes per weight in memory.
+are repacked at load (ggml_blocks.RepackedRows: their parts taken apart once, not on every product).
+The other types (the IQ kinds, ...) are dequantized to FP32 at load with gguf.quants.dequantize, so
+they cost 4 bytes per weight in memory.
 """
 
 from __future__ import annotations

@@ -436,17 +436,49 @@ class BlockRows:
 # contiguous bytes in code order, each group's integer scale (and minimum) a byte in the same order, each
 # block's d (and dmin) as FP32; every part exact, so the values are the blocks' bit for bit.
 
+# A step of rows' parts, taken out of their blocks: (runs of codes [n, G', L] in code order, the runs'
+# bytes; each group's integer scale [G, n] in value order or None; its minimum likewise; -dmin [nb, n] FP32
+# or None). RepackedRows.from_blocks puts them in place.
+Parts = tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]
+
+
+def _q8_0_parts(part: np.ndarray) -> Parts:
+    return _field(part, 2, 32, "repack.qs").view(np.int8), None, None, None                  # [n, nb, 32]
+
+
+def _q4_0_parts(part: np.ndarray) -> Parts:
+    return _pair_blocks(_field(part, 2, 16, "repack.qs")), None, None, None                  # [n, nb / 2, 32]
+
+
+def _q4_k_parts(part: np.ndarray) -> Parts:
+    runs = _field(part, 16, 128, "repack.qs").reshape(len(part), -1, 32)                      # [n, nb * 4, 32]
+    s6, m6 = _k_scale_codes(part)                                                               # [nb, 8, n]
+    dmin = np.negative(_by_group(part, 2, 1, "repack.dmin", F32)[:, 0])
+    return runs, s6.reshape(-1, len(part)), m6.reshape(-1, len(part)), dmin
+
+
+def _q6_k_parts(part: np.ndarray) -> Parts:
+    planes = _q6_k_planes(part)[0]                                                              # [4, n, nb, 64]: q + 32
+    runs = scratch("repack.q", (len(part), 4, planes[0, 0].size), np.int8)
+    np.subtract(planes.reshape(4, len(part), -1).transpose(1, 0, 2), 32, out=runs, casting="unsafe")
+    scales = _by_group(part, 192, 16, "repack.scales").view(np.int8)                            # [nb, 16, n]
+    return runs.reshape(len(part), -1, 16), scales.reshape(-1, len(part)), None, None         # [n, G, 16]
+
+
 @dataclass(frozen=True)
 class Repacking:
     """How a kind's parts are held once repacked: QK values a block (`values`), g a group, `bits` a code
     (8: a byte a code; 4: two, the "nibbles" layout: a byte's low nibble in plane 0, its high one in plane
-    1), the codes' order (`layout`, "" for value order), and the offset the codes keep (held as q + offset,
-    unpacked as q)."""
+    1), the codes' order (`layout`, "" for value order), the offset the codes keep (held as q + offset,
+    unpacked as q), the byte offset of each block's FP16 d, and the function taking a step of rows' other
+    parts out of their blocks."""
 
     values: int
     group: int
     bits: int
     layout: str
+    d_at: int
+    parts: Callable[[np.ndarray], Parts]
     offset: int = 0
     scales: bool = False                        # a = d s per group (else a = d: one group a block)
     minimums: bool = False                      # b = -dmin m per group
@@ -461,11 +493,11 @@ class Repacking:
 # Q4_0 pairs its blocks (block 2p's codes the low nibbles of 32 bytes, block 2p + 1's the high ones):
 # Q4_K's "nibbles" layout, so a row needs a multiple of 256 values (repackable). Q6_K's codes are unpacked
 # to a byte each (its 6-bit fields in groups of 16 are the dearest to take apart: 1.30x its blocks' bytes).
-REPACKINGS = {"Q8_0": Repacking(32, 32, 8, ""), "Q4_0": Repacking(32, 32, 4, "nibbles", offset=8),
-              "Q4_K": Repacking(256, 32, 4, "nibbles", scales=True, minimums=True),
-              "Q6_K": Repacking(256, 16, 8, "fields", scales=True)}
+REPACKINGS = {"Q8_0": Repacking(32, 32, 8, "", 0, _q8_0_parts),
+              "Q4_0": Repacking(32, 32, 4, "nibbles", 0, _q4_0_parts, offset=8),
+              "Q4_K": Repacking(256, 32, 4, "nibbles", 0, _q4_k_parts, scales=True, minimums=True),
+              "Q6_K": Repacking(256, 16, 8, "fields", 208, _q6_k_parts, scales=True)}
 REPACK_VALUES = 1024 ** 2                     # values repacked per step: the scratch stays near L2
-F16_AT = {"Q8_0": 0, "Q4_0": 0, "Q4_K": 0, "Q6_K": 208}     # the byte offset of each block's FP16 d
 
 
 def repackable(kind: str, columns: int) -> bool:
@@ -502,39 +534,25 @@ class RepackedRows:
         codes = np.empty((columns * packing.bits // 8 // run, rows, run), np.int8 if packing.bits == 8 else U8)
         per_group = packing.values == packing.group
         d = np.empty((len(order) if per_group else count, rows), F32)
-        scales = np.empty((len(order), rows), U8) if packing.scales else None
-        mins = np.empty((len(order), rows), U8) if packing.minimums else None
-        dmin = np.empty((count, rows), F32) if packing.minimums else None
+        held: dict[str, np.ndarray] = {}                                     # scales, mins, dmin: as the kind has them
         step = max(1, REPACK_VALUES // columns)
+        item = np.dtype((np.void, run))
         for start in range(0, rows, step):
             part, at = blocks[start:start + step], slice(start, start + step)
-            d_part = _by_group(part, F16_AT[kind], 1, "repack.d", F32)[:, 0]                   # [nb, n]
+            d_part = _by_group(part, packing.d_at, 1, "repack.d", F32)[:, 0]                    # [nb, n]
             d[:, at] = d_part[order] if per_group else d_part
-            if kind == "Q8_0":
-                runs = _field(part, 2, 32, "repack.qs").view(np.int8)                        # [n, nb, 32]
-            elif kind == "Q4_0":
-                runs = _pair_blocks(_field(part, 2, 16, "repack.qs"))                         # [n, nb / 2, 32]
-            elif kind == "Q4_K":
-                runs = _field(part, 16, 128, "repack.qs").reshape(len(part), -1, 32)          # [n, nb * 4, 32]
-                s6, m6 = _k_scale_codes(part)                                                   # [nb, 8, n]
-                assert scales is not None and mins is not None and dmin is not None
-                np.take(s6.reshape(-1, len(part)), order, axis=0, out=scales[:, at])
-                np.take(m6.reshape(-1, len(part)), order, axis=0, out=mins[:, at])
-                np.negative(_by_group(part, 2, 1, "repack.dmin", F32)[:, 0], out=dmin[:, at])
-            else:                                                                               # Q6_K
-                planes = _q6_k_planes(part)[0]                                                  # [4, n, nb, 64]: q + 32
-                runs = scratch("repack.q", (len(part), 4, planes[0, 0].size), np.int8)
-                np.subtract(planes.reshape(4, len(part), -1).transpose(1, 0, 2), 32, out=runs, casting="unsafe")
-                runs = runs.reshape(len(part), -1, 16)                                         # [n, G, 16] code order
-                assert scales is not None
-                value_scales = _by_group(part, 192, 16, "repack.scales")                        # [nb, 16, n] int8
-                np.take(value_scales.reshape(-1, len(part)), order, axis=0, out=scales[:, at])
-            item = np.dtype((np.void, run))
-            codes[:, at].view(item)[..., 0] = runs.view(item)[..., 0].T                      # group-major
-        if kind == "Q6_K":
-            assert scales is not None
-            scales = scales.view(np.int8)
-        return RepackedRows(kind, codes, d, scales, dmin, mins)
+            runs, part_scales, part_mins, part_dmin = packing.parts(part)
+            codes[:, at].view(item)[..., 0] = runs.view(item)[..., 0].T                       # group-major
+            for name, integers in (("scales", part_scales), ("mins", part_mins)):         # into code order
+                if integers is not None:
+                    if name not in held:
+                        held[name] = np.empty((len(order), rows), integers.dtype)
+                    np.take(integers, order, axis=0, out=held[name][:, at])
+            if part_dmin is not None:
+                if "dmin" not in held:
+                    held["dmin"] = np.empty((count, rows), F32)
+                held["dmin"][:, at] = part_dmin
+        return RepackedRows(kind, codes, d, held.get("scales"), held.get("dmin"), held.get("mins"))
 
     @property
     def dtype(self) -> np.dtype:
