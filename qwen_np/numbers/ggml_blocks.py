@@ -578,9 +578,8 @@ class RepackedRows:
     def __getitem__(self, rows: Any) -> "RepackedRows":
         def picked(part: np.ndarray | None) -> np.ndarray | None:
             return None if part is None else part[:, rows]
-        codes = picked(self.codes)
-        assert codes is not None
-        return RepackedRows(self.kind, codes, self.d[:, rows], picked(self.scales), picked(self.dmin), picked(self.mins))
+        return RepackedRows(self.kind, self.codes[:, rows], self.d[:, rows], picked(self.scales), picked(self.dmin),
+                            picked(self.mins))
 
     @property
     def code_order(self) -> np.ndarray | None:
@@ -602,12 +601,11 @@ class RepackedRows:
         q itself (int8; Q4_0's offset taken off as they are unpacked: no b to apply), as gguf's dequantizer has
         them (so widen() rounds as it does). The codes a view of this matrix's (8 bits) or of this thread's
         scratch (4 bits), a and b of d or of the scratch: valid until the thread's next call."""
-        packing = REPACKINGS[self.kind]
-        if packing.bits == 8:
-            return self.codes, self.d if self.scales is None else self._per_group(self.d, self.scales, "repacked.a"), None
-        codes = _planes(self.codes, 4, "repacked.codes").reshape(-1, self.codes.shape[1], 32)   # [2 * runs, rows, 32]
-        if packing.offset:                  # Q4_0: the planes are this thread's scratch
-            codes = _less(codes, packing.offset)
+        packing, codes = REPACKINGS[self.kind], self.codes
+        if packing.bits == 4:
+            codes = _planes(codes, 4, "repacked.codes").reshape(-1, codes.shape[1], 32)     # [2 * runs, rows, 32]
+            if packing.offset:              # Q4_0: the planes are this thread's scratch
+                codes = _less(codes, packing.offset)
         a = self.d if self.scales is None else self._per_group(self.d, self.scales, "repacked.a")
         if self.mins is None:
             return codes, a, None
