@@ -422,3 +422,22 @@ def test_block_kinds_products_equal_the_readable_widen_then_multiply(kind: str, 
     want = layers.linear(x, weight)
     assert_logits_match(wide[:, 203:406], want, f"{kind}, {M} rows")            # outputs, held to the one rule
     assert np.isnan(wide[:, :203]).all() and np.isnan(wide[:, 406:]).all()
+
+
+@pytest.mark.parametrize("M", [2, 5, fast.SMALL_M_MAX])
+@pytest.mark.parametrize("kind", ["Q4_K-repacked", "Q8_0-repacked", "q4_0", "Q5_K"])
+def test_block_kinds_products_in_small_kernel_tiles_equal_the_readable_path(kind: str, M: int,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where BLAS has the small-matrix kernel, a few rows' grouped products (groups of 32) run in tiles of
+    at most SMALL_TN_OUTPUT / M rows (here forced to 7, with a short last one): the same outputs as
+    layers.linear."""
+    from qwen_np.core import layers
+
+    monkeypatch.setattr(runtime, "blas_has_small_matrix_kernel", lambda: True)
+    monkeypatch.setattr(fast, "SMALL_TN_OUTPUT", 7 * M)
+    weight = block_weight(kind, 101, 512, seed=M)
+    x = np.random.default_rng(M + 1).standard_normal((M, 512), dtype=np.float32)
+    out = np.full((M, 101), np.nan, np.float32)
+    with runtime.single_threaded_blas():
+        fast.linear(x, weight, out)
+    assert_logits_match(out, layers.linear(x, weight), f"{kind}, {M} rows in 7-row tiles")
