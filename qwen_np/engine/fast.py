@@ -179,15 +179,15 @@ def grouped_rows(by_group: np.ndarray, sums: np.ndarray, weight: Grouped, out: n
 
     Trap: each group's product is OpenBLAS's "TN" case, whose AVX-512 small-matrix kernel stops at 1200
     outputs (SMALL_TN_OUTPUT); a 512-row tile at M = 5 (2560 outputs a group) took the packing GEMM, so
-    up to SMALL_M_MAX rows of x the tiles there are at most 1200 / M rows for groups of 32 (Q4_K [6144,
-    1024] at M = 5, one thread: 1.10 -> 0.57-0.85 ns a weight). Not for more rows (the small tiles' extra
-    NumPy calls cost more than they save), nor for groups of 16, whose small-kernel products ran slower
-    than the packing GEMM's (bench/README.md)."""
+    up to SMALL_M_MAX rows of x the tiles there are small_product_rows' slices (1200 / M rows) for groups
+    of 32 (Q4_K [6144, 1024] at M = 5, one thread: 1.05 -> 0.57 ns a weight). Not for more rows (the small
+    tiles' extra NumPy calls cost more than they save), nor for groups of 16, whose small-kernel products
+    ran slower than the packing GEMM's (bench/README.md)."""
     G, M, g = by_group.shape
     rows = max(1, GROUPED_DECODE_VALUES // (G * g))
     tile = max(1, GROUPED_BLOCK_BYTES // (4 * G * g))
-    if 1 < M <= SMALL_M_MAX and g >= 32 and runtime.blas_has_small_matrix_kernel():
-        tile = min(tile, SMALL_TN_OUTPUT // M)          # each group's product on the small-matrix kernel
+    if g >= 32 and runtime.blas_has_small_matrix_kernel():     # each group's product on the small-matrix kernel
+        tile = min(tile, small_product_rows(M, g) or tile)
     codes_f32 = scratch("fast.codes", (tile * G * g,))
     partial = scratch("fast.partial", (tile * G * M,))
     for start in range(part.start, part.stop, rows):
