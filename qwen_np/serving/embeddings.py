@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import APIError, QwenNPError
 from ..generation.embedding import Embedding, input_ids
-from .requests import Service
+from .requests import Service, is_token_id
 from .responses import beside
 
 MAX_INPUTS = 2048                    # OpenAI's limit on inputs in one request
@@ -60,6 +60,9 @@ def embedding_job(service: Service, body: dict[str, Any]) -> Embedding:
     for i, one in enumerate(ids):
         if len(one) > service.context:
             raise _too_long(service, i, f"{len(one)} tokens")
+        outside = next((t for t in one if not is_token_id(t, service.vocab)), None)
+        if outside is not None:                  # a text's ids are the tokenizer's; a list of ids may hold any
+            raise APIError(400, f"input[{i}]: id {outside} is outside the vocabulary [0, {service.vocab})", "input")
     try:
         return Embedding(service.model, ids, dimensions)
     except QwenNPError as bad:

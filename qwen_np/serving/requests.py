@@ -98,6 +98,14 @@ SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 MAX_STOP_TOKEN_IDS = 256
 
 
+def is_token_id(value: Any, vocab: int) -> bool:
+    """The one rule of every field that takes token ids (a prompt's, logit_bias's keys, stop_token_ids, an
+    embedding's input): an integer in [0, vocab), vocab the tokenizer's (Service.vocab). bool is an int in
+    Python, and no id. The model's embedding table may have more rows (Qwen3 pads its 151,669 ids to 151,936,
+    a multiple of 128): no text has those, they decode to nothing, and no field takes them."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab
+
+
 def api_error(problem: QwenNPError, code: str | None = None) -> APIError:
     """A library error as a 400 of this API: its parameter worded as the request field that sets it (FIELDS)."""
     return APIError(400, problem.worded(FIELDS), FIELDS.get(problem.param or ""), code)
@@ -150,6 +158,11 @@ class Service:
     @property
     def model_id(self) -> str:
         return self.model_ids[0]
+
+    @property
+    def vocab(self) -> int:
+        """How many token ids a request may name (is_token_id): the tokenizer's, not the model's padded rows."""
+        return self.tokenizer.vocab_size
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -223,20 +236,20 @@ class Service:
         bias = body.get("logit_bias")
         if bias is None:
             return None
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab
         if not isinstance(bias, dict):
             raise APIError(400, 'logit_bias: must be an object of token ids and biases, {"198": -100}', "logit_bias")
-        for key in bias:
-            if not (key.isascii() and key.isdigit() and len(key) <= len(str(vocab)) and int(key) < vocab):
+        for key in bias:           # digits first: int() would take " 1", "+1", "1_0" and thousands of digits
+            if not (key.isascii() and key.isdigit() and len(key) <= len(str(vocab)) and is_token_id(int(key), vocab)):
                 raise APIError(400, f"logit_bias: keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
         return {int(key): value for key, value in bias.items()}
 
     def _ending(self, body: dict[str, Any], max_tokens: int) -> Ending:
         """vLLM's stop_token_ids, ignore_eos and min_tokens of `body`, checked."""
         ids = body.get("stop_token_ids")
-        vocab = self.tokenizer.vocab_size
-        if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)):
+        vocab = self.vocab
+        if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS
+                                or not all(is_token_id(t, vocab) for t in ids)):
             raise APIError(400, f"stop_token_ids: must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
                                 f"[0, {vocab})", "stop_token_ids")
         ignore_eos = body.get("ignore_eos")
@@ -300,12 +313,10 @@ class Service:
         if isinstance(prompt, str) and prompt:
             self._check_length(body, [prompt])
             return self.tokenizer.encode(prompt, parse_special=parse)
-        vocab = self.tokenizer.vocab_size
-        # bool is an int in Python: [true, false] is no list of token ids.
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                       for t in prompt):
+        if isinstance(prompt, list) and prompt and all(is_token_id(t, self.vocab) for t in prompt):
             return list(prompt)                                 # token ids
-        raise APIError(400, "prompt: must be a non-empty string or list of token ids (one prompt per request)", "prompt")
+        raise APIError(400, f"prompt: must be a non-empty string or list of token ids in [0, {self.vocab}) (one prompt "
+                            "per request)", "prompt")
 
 
 def sent_prompt(body: dict[str, Any]) -> Any:
