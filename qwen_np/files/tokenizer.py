@@ -62,6 +62,17 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF_CHARACTER = _byte_level_alphabet()
 
 
+@dataclass(frozen=True)
+class ChatPiece:
+    """A stretch of a chat's ids as encode_chat makes them: one of the template's own special tokens
+    (`special`), or the text between two, a message's special-token strings in it read as text."""
+
+    text: str
+    ids: list[int]
+    offsets: list[tuple[int, int]]      # each id's [start, end) characters in `text`
+    special: bool
+
+
 class Tokenizer:
     """Qwen3's tokenizer, loaded from a checkpoint folder with ``Tokenizer.from_folder``."""
 
@@ -109,10 +120,14 @@ class Tokenizer:
         Qwen3-Embedding's appends <|endoftext|>, the token its embeddings are read at). With
         ``parse_special=False`` the special tokens' strings (``<|im_end|>``, ...) are read as the characters
         they are, as llama.cpp's ``parse_special=false`` reads them (the other added tokens keep their ids)."""
+        return self._encoding(text, add_special_tokens, parse_special).ids
+
+    def _encoding(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> tokenizers.Encoding:
+        """encode's tokenizers.Encoding (ids, and each token's characters in `text`: offsets)."""
         backend = self._backend if parse_special else self._literal_backend()
         # The binding's encode_batch releases the GIL while it works and encode holds it: a long text
         # tokenised on one thread (the server's workers) must not stop every other thread meanwhile.
-        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True,
                     enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -128,8 +143,18 @@ class Tokenizer:
         holds) after its first character, the chat is rendered, its text cut at the special tokens left
         (the template's own), and each piece between them is encoded: one with marks, the marks removed,
         with parse_special=False (whose backend is made only then), the others as they are."""
+        pieces = self.encode_chat_pieces(messages, add_generation_prompt, enable_thinking, tools)
+        return [token for piece in pieces for token in piece.ids]
+
+    def encode_chat_pieces(self, messages: list[Message], add_generation_prompt: bool = True,
+                           enable_thinking: bool | None = None,
+                           tools: list[dict[str, Any]] | None = None) -> list[ChatPiece]:
+        """encode_chat's ids in the pieces it made them in: each of the template's own special tokens, and the
+        text between two (with each token's characters in it), so that a caller can tell the template's
+        markup from a message's text by the tokens (training/chats.py finds the assistant's turns so)."""
         if self._special_split is None:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, enable_thinking, tools))
+            text = self.apply_chat_template(messages, add_generation_prompt, enable_thinking, tools)
+            return [self._text_piece(text, parse_special=True)]
         mark = _unused_character([messages, tools, self.chat_template])
         split = self._special_split
 
@@ -143,13 +168,17 @@ class Tokenizer:
             return value
 
         text = self.apply_chat_template(defuse(messages), add_generation_prompt, enable_thinking, defuse(tools))
-        ids: list[int] = []
+        pieces = []
         for piece in split.split(text):                  # odd pieces: the template's special tokens
             if piece in self._special:
-                ids.append(self._special[piece])
+                pieces.append(ChatPiece(piece, [self._special[piece]], [(0, len(piece))], special=True))
             elif piece:
-                ids.extend(self.encode(piece.replace(mark, ""), parse_special=mark not in piece))
-        return ids
+                pieces.append(self._text_piece(piece.replace(mark, ""), parse_special=mark not in piece))
+        return pieces
+
+    def _text_piece(self, text: str, parse_special: bool) -> ChatPiece:
+        encoding = self._encoding(text, parse_special=parse_special)
+        return ChatPiece(text, encoding.ids, encoding.offsets, special=False)
 
     def _literal_backend(self) -> tokenizers.Tokenizer:
         """A second backend that reads special tokens' strings as text (tokenizers' encode_special_tokens),

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..errors import QwenNPError
+from ..files.messages import tool_function
 from ..files.tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer
 from .tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
@@ -66,8 +67,6 @@ if TYPE_CHECKING:
 INSTALL = "pip install 'qwen_np[constraints]'"
 # The JSON style of every schema (see the module's docstring): llguidance's per-schema options.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# A tool's name as OpenAI accepts it.
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("auto", "required", "none")
 
 
@@ -260,12 +259,8 @@ def _tool_alternatives(tools: Sequence[Any]) -> dict[str, str]:
     alternatives: dict[str, str] = {}
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
-            raise QwenNPError(f"{where}: must be {{\"type\": \"function\", \"function\": {{...}}}}")
-        function = tool["function"]
-        name = function.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise QwenNPError(f"{where}.function.name: must be 1-64 letters, digits, _ or -, got {name!r}")
+        function = tool_function(tool, i)
+        name = function["name"]
         if name in alternatives:
             raise QwenNPError(f"{where}.function.name: {name!r} is declared twice")
         parameters = function.get("parameters", {"type": "object", "properties": {}, "additionalProperties": False})

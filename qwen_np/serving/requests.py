@@ -32,18 +32,18 @@ from typing import Any, Iterator, Mapping, Sequence
 from ..core.adapters import Adapter
 from ..core.model import Qwen3Model
 from ..errors import APIError, QwenNPError
+from ..files.messages import MessageError, chat_message
 from ..files.model_files import GenerationDefaults
-from ..files.tokenizer import Message, Tokenizer
+from ..files.tokenizer import Tokenizer
 from ..generation.batching import BatchGenerator, BatchRunner, Request
 from ..generation.constraints import Vocabulary
 from ..generation.generate import Ending, resolve_sampling
 from ..generation.logprobs import MAX_TOP_LOGPROBS
-from .structured import grammar, message_tool_calls, read_tools
+from .structured import grammar, read_tools
 
 # max_tokens of a request that gives none: 2,048 tokens are ~30 minutes of Qwen3-8B decode on two cores,
 # where "what the context has left" (32,768 - prompt) would keep a row busy for hours.
 DEFAULT_MAX_TOKENS = 2048
-ROLES = ("system", "developer", "user", "assistant", "tool")
 # The request fields, one catalogue (README's "Request fields" shows it; a test holds the two together):
 # what each endpoint reads, what every endpoint reads and leaves alone (it changes no answer), and what it
 # refuses unless "off". Any other field is refused by name.
@@ -68,13 +68,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 # Why a refused field cannot be served, where that is the model's doing rather than this server's.
 UNSUPPORTED_WHY = {"suffix": "Qwen3 was not trained for fill-in-the-middle (it has no FIM tokens), so no text can be "
                              "generated to fit before a suffix"}
-# A message's keys: what the template reads, what a client resending our own reply carries (its
-# malformed_tool_calls are not rendered: the model wrote no call there), and (refused unless off) what this
-# server does not do.
-MESSAGE_KEYS = ("role", "content", "name", "reasoning_content", "reasoning", "tool_call_id", "tool_calls",
-                "malformed_tool_calls")
-MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "function_call": (None,), "audio": (None,), "refusal": (None,), "annotations": (None, [])}
 # The request field of each library parameter an error may be about (QwenNPError.param): the library says
 # "max_new_tokens: ...", a client reads "max_tokens: ..." (api_error words every library error with it).
 FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -293,7 +286,10 @@ class Service:
         if thinking is not None and not isinstance(thinking, bool):
             raise APIError(400, "chat_template_kwargs.enable_thinking: must be true or false", "chat_template_kwargs")
         self._check_length(body, [], len(messages))          # 250,000 empty messages: refused unread
-        chat = [_message(m, i) for i, m in enumerate(messages)]
+        try:
+            chat = [chat_message(m, i) for i, m in enumerate(messages)]     # files/messages.py: the one rule
+        except MessageError as bad:
+            raise APIError(400, str(bad), "messages", bad.code) from None
         tools = read_tools(body)
         texts = [text for m in chat for text in (m["content"], m.get("reasoning_content")) if text]
         texts += [json.dumps(call["function"]) for m in chat for call in m.get("tool_calls", [])]
@@ -374,40 +370,6 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
         raise APIError(400, f"stop: must be a string or a list of at most {MAX_STOPS} strings, each at most "
                             f"{MAX_STOP_CHARS} characters", "stop")
     return tuple(stops)
-
-
-def _message(message: Any, index: int) -> Message:
-    """A chat message as the template reads it: role, text content (text parts joined; an assistant's null
-    content, valid OpenAI input beside tool calls, is empty), name and reasoning."""
-    where = f"messages[{index}]"
-    if not isinstance(message, dict) or message.get("role") not in ROLES:
-        raise APIError(400, f"{where}: must be an object with a role among {', '.join(ROLES)}", "messages")
-    for key, value in message.items():
-        if key in MESSAGE_UNSUPPORTED and value not in MESSAGE_UNSUPPORTED[key]:
-            raise APIError(400, f"{where}.{key}: not supported by this server", "messages", "unsupported_field")
-        if key not in MESSAGE_KEYS and key not in MESSAGE_UNSUPPORTED:
-            raise APIError(400, f"{where}.{key}: not a field of a message", "messages", "unknown_field")
-    content = message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                   for part in content):
-            raise APIError(400, f"{where}.content: only text parts are supported", "messages")
-        content = "".join(part["text"] for part in content)
-    if not isinstance(content, str) and not (content is None and message["role"] == "assistant"):
-        raise APIError(400, f"{where}.content: must be a string or a list of text parts", "messages")
-    for name in ("name", "reasoning_content", "reasoning", "tool_call_id"):    # the template calls string methods
-        if message.get(name) is not None and not isinstance(message[name], str):
-            raise APIError(400, f"{where}.{name}: must be a string", "messages")
-    calls = message_tool_calls(message["tool_calls"], where) if message.get("tool_calls") is not None else []
-    if calls and message["role"] != "assistant":
-        raise APIError(400, f"{where}.tool_calls: only an assistant message calls tools", "messages")
-    role = "system" if message["role"] == "developer" else message["role"]
-    # "reasoning": vLLM's name for it, which our replies carry too (a client may resend them as they came).
-    reasoning = next((message[key] for key in ("reasoning_content", "reasoning") if message.get(key) is not None), None)
-    return {**({"name": message["name"]} if message.get("name") is not None else {}),
-            **({"reasoning_content": reasoning} if reasoning is not None else {}),
-            **({"tool_calls": calls} if calls else {}),
-            "role": role, "content": content if content is not None else ""}
 
 
 def parse_body(raw: bytes, model_ids: Sequence[str]) -> dict[str, Any]:

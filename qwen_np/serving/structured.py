@@ -1,7 +1,7 @@
 """What a chat request asks of its reply's form: the tools it may call (`tools`, `tool_choice`,
 `parallel_tool_calls`) and the form of its answer (`response_format`), each read as OpenAI defines it and
-made into the grammar that constrained decoding holds the reply to (generation/constraints.py); and the
-tool calls of an assistant message sent back in a conversation, checked before the template renders them.
+made into the grammar that constrained decoding holds the reply to (generation/constraints.py). The tools'
+shape is files/messages.py's rule, as a chat file's (training) is read.
 
     tools + tool_choice "auto"      the tools in the system turn (Qwen3's template); free text, and a call
                                     once the model opens <tool_call>, held to a declared tool's schema
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import APIError, QwenNPError
+from ..files.messages import declared_tools
 from ..generation.constraints import (INSTALL, Grammar, Vocabulary, json_object_grammar, json_schema_grammar,
                                       tool_call_grammar)
 
@@ -50,8 +51,10 @@ def read_tools(body: dict[str, Any]) -> Tools | None:
     declared, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
     if parallel not in (None, True, False):
         raise APIError(400, "parallel_tool_calls: must be true or false", "parallel_tool_calls")
-    if declared is not None and not isinstance(declared, list):
-        raise APIError(400, "tools: must be a list of tools", "tools")
+    try:
+        declared = declared_tools(declared)
+    except QwenNPError as bad:                   # its message names the field: tools[0].function.name: ...
+        raise APIError(400, str(bad), "tools") from None
     if not declared:
         if choice not in (None, "none", "auto"):             # OpenAI's: a call needs a tool to call
             raise APIError(400, "tool_choice: calls a tool, but the request declares no tools", "tool_choice")
@@ -124,28 +127,3 @@ def _response_format(body: dict[str, Any]) -> tuple[str, Any] | None:
         raise APIError(400, "response_format.json_schema: must be an object with a name, a schema and optionally "
                             "strict (true or false)", "response_format")
     return kind, spec.get("schema", True)           # no schema: any JSON value (JSON Schema's `true`)
-
-
-def message_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant message's tool_calls as the template reads them (OpenAI's shape, checked; `where` names the
-    message): [{"id", "type": "function", "function": {"name", "arguments"}}], the arguments their JSON text
-    (an object is accepted, and written as the template writes one)."""
-    if not isinstance(value, list):
-        raise APIError(400, f"{where}.tool_calls: must be a list of tool calls", "messages")
-    calls = []
-    for i, call in enumerate(value):
-        at = f"{where}.tool_calls[{i}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or call.get("type", "function") != "function":
-            raise APIError(400, f'{at}: must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-                                '"arguments": ...}}}}', "messages")
-        if not isinstance(call.get("id", ""), str):
-            raise APIError(400, f"{at}.id: must be a string", "messages")
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise APIError(400, f"{at}.function.name: must be a non-empty string", "messages")
-        arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, (str, dict)):
-            raise APIError(400, f"{at}.function.arguments: must be a string of JSON (or an object)", "messages")
-        calls.append({"id": call.get("id", ""), "type": "function",
-                      "function": {"name": function["name"], "arguments": arguments}})
-    return calls

@@ -2,12 +2,16 @@
 the loss on the assistant's tokens only.
 
 A chat file is JSONL, one conversation a line in OpenAI's format: {"messages": [{"role": "system" |
-"user" | "assistant" | "tool", "content": ...}, ...]} and optionally "tools". Each conversation is
-rendered whole by the checkpoint's template (files/tokenizer.py's apply_chat_template, without a
-generation prompt) and tokenised as one text, as transformers' apply_chat_template(tokenize=True) does.
+"user" | "assistant" | "tool", "content": ...}, ...]} and optionally "tools", each line checked as the
+server checks a request's messages and tools (files/messages.py: one rule, an error naming FILE:LINE and
+the field). Each conversation is rendered whole by the checkpoint's template (without a generation
+prompt) and tokenised as the server tokenises a chat (Tokenizer.encode_chat): a message's text is text,
+a special token only ever the template's own, so a message holding "<|im_start|>assistant\\n..." opens
+no turn, and the model is taught what it will read when it serves.
 
-What is learned: every assistant turn's tokens after its "<|im_start|>assistant\\n" header through its
-"<|im_end|>" inclusive (so the model learns to stop). The system and user turns, the tool results and
+What is learned: every assistant turn the template opened, found by its tokens (its own <|im_start|>
+special token, then "assistant\\n"): the turn's tokens after that header through its "<|im_end|>"
+inclusive (so the model learns to stop). The system and user turns, the tool results and
 the headers are context: the model reads them but is not taught to write them (nanochat's SFT, mlx-lm's
 --mask-prompt). Qwen3's template shows earlier assistant turns without their <think> blocks and gives
 the last one an empty "<think>\\n\\n</think>\\n\\n" unless it has reasoning: each turn is taught as it
@@ -28,13 +32,16 @@ import numpy as np
 
 from . import evaluation
 from ..errors import QwenNPError
+from ..files.messages import MessageError, chat_message, declared_tools
 from ..files.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from ..core.model import Qwen3Model
 
-ASSISTANT_HEADER = "<|im_start|>assistant\n"
-TURN_END = "<|im_end|>"
+# Qwen3's turns: <|im_start|> (a special token), the role and a newline, the turn, <|im_end|>.
+TURN_START, ASSISTANT_ROLE, TURN_END = "<|im_start|>", "assistant\n", "<|im_end|>"
+# What a chat line holds (OpenAI's chat fine-tuning format); any other key is refused by name.
+LINE_KEYS = ("messages", "tools")
 
 
 @dataclass
@@ -52,56 +59,72 @@ def is_chat_file(path: Path) -> bool:
 
 
 def read_chats(path: Path) -> list[dict[str, Any]]:
-    """The conversations of a JSONL chat file, each {"messages": [...], "tools": [...] or absent}; a bad line
-    is named by its number."""
+    """The conversations of a JSONL chat file, each {"messages": [...], "tools": [...] or absent} as the
+    template reads them (chat_line); a bad line is named by its number."""
+    chats = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if line.strip():
+                    chats.append(chat_line(line, f"{path}:{number}"))
     except (OSError, UnicodeDecodeError) as exc:
         raise QwenNPError(f"{path}: cannot read the chat file ({exc})") from exc
-    chats = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            chat = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise QwenNPError(f"{path}:{number}: not JSON ({exc.msg})") from exc
-        messages = chat.get("messages") if isinstance(chat, dict) else None
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise QwenNPError(f'{path}:{number}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
-        if not any(m["role"] == "assistant" for m in messages):
-            raise QwenNPError(f"{path}:{number}: the conversation has no assistant turn to learn")
-        chats.append(chat)
     if not chats:
         raise QwenNPError(f"{path}: no conversations")
     return chats
 
 
+def chat_line(line: str, where: str) -> dict[str, Any]:
+    """One line of a chat file ({"messages": [...], "tools": [...]}), checked as the server checks a chat
+    request's messages and tools (files/messages.py) and made what the template reads; `where` (FILE:LINE)
+    starts each error."""
+    try:
+        chat = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise QwenNPError(f"{where}: not JSON ({exc.msg})") from exc
+    messages = chat.get("messages") if isinstance(chat, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise QwenNPError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+    unknown = next((key for key in chat if key not in LINE_KEYS), None)
+    if unknown is not None:
+        raise QwenNPError(f"{where}: {unknown}: not a field of a chat line ({', '.join(LINE_KEYS)})")
+    try:
+        read = [chat_message(message, index) for index, message in enumerate(messages)]
+        tools = declared_tools(chat.get("tools"))
+    except MessageError as bad:
+        raise QwenNPError(f"{where}: {bad}") from None
+    if not any(message["role"] == "assistant" for message in read):
+        raise QwenNPError(f"{where}: the conversation has no assistant turn to learn")
+    return {"messages": read, **({"tools": tools} if tools else {})}
+
+
 def chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None) -> Chat:
-    """The rendered conversation's ids and the mask of its assistant tokens.
-
-    The mask is found in the text, then carried to the tokens by their character offsets: a token is
-    learned when it starts at or after an assistant header's end and ends by that turn's <|im_end|>'s
-    end. (A token that straddled the header's end would be part header; Qwen3's tokenizer splits there,
-    as <think> and <|im_end|> are added tokens and the header ends in its own newline token.)
+    """The conversation's ids as the server reads a chat (Tokenizer.encode_chat) and the mask of its
+    assistant tokens, found by the template's own tokens: a piece of text right after a <|im_start|> special
+    token that starts "assistant\\n" is an assistant turn's header and what follows; the turn is learned
+    through the next <|im_end|> special token. A token is learned when it starts at or after the header's
+    end (one that straddled it would be part header; Qwen3's tokenizer splits there, as <think> is an added
+    token and the header ends in its own newline token unless the turn's text starts with a newline, which
+    Qwen3's template strips).
     """
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
-    spans = []                                                   # [start, end) of each assistant turn's text
-    start = text.find(ASSISTANT_HEADER)
-    while start != -1:
-        begin = start + len(ASSISTANT_HEADER)
-        end = text.find(TURN_END, begin)
-        end = len(text) if end == -1 else end + len(TURN_END)
-        spans.append((begin, end))
-        start = text.find(ASSISTANT_HEADER, end)
-    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
-    ids = np.asarray(encoding.ids, dtype=np.int64)
-    learned = np.zeros(len(ids), dtype=bool)
-    for index, (first, last) in enumerate(encoding.offsets):
-        learned[index] = any(begin <= first and last <= end for begin, end in spans)
-    return Chat(ids, learned, sum(end - begin for begin, end in spans))
+    ids: list[int] = []
+    learned: list[bool] = []
+    characters, in_turn, opened = 0, False, False      # opened: the piece before was <|im_start|>
+    for piece in tokenizer.encode_chat_pieces(messages, add_generation_prompt=False, tools=tools):
+        begin: int | None                               # where this piece's learned characters start (None: none)
+        if piece.special:                               # learned inside a turn: its <|im_end|>, which ends it
+            begin = 0 if in_turn else None
+            in_turn = in_turn and piece.text not in (TURN_START, TURN_END)
+            opened = piece.text == TURN_START
+        else:
+            header = opened and piece.text.startswith(ASSISTANT_ROLE)
+            begin = 0 if in_turn else len(ASSISTANT_ROLE) if header else None
+            in_turn, opened = begin is not None, False
+        ids += piece.ids
+        learned += [begin is not None and first >= begin for first, _ in piece.offsets]
+        characters += 0 if begin is None else len(piece.text) - begin
+    return Chat(np.asarray(ids, dtype=np.int64), np.asarray(learned, dtype=bool), characters)
 
 
 def encoded_chats(tokenizer: Tokenizer, path: Path) -> list[Chat]:
