@@ -1,6 +1,7 @@
 """Files: safetensors checkpoints (`checkpoint`), GGUF files (`gguf_file`), the tokenizer and chat template
-(`tokenizer`), a chat's messages and tools as the template reads them (`messages`), and one opened model's files, whatever holds them (`model_files`: config, tokenizer, generation
-defaults, tensors; the one place that tells a GGUF file from a folder).
+(`tokenizer`), a chat's messages and tools as the template reads them (`messages`), and one opened model's
+files, whatever holds them (`model_files`: config, tokenizer, generation defaults, tensors; the one place
+that tells a GGUF file from a folder).
 
 May import: core/, numbers/, qwen_np.errors.
 """
