@@ -326,9 +326,11 @@ def test_thinking_is_dimmed_on_a_terminal_and_left_alone_in_a_pipe(monkeypatch) 
 
 def test_an_install_without_the_bundled_model_asks_for_model(monkeypatch, tmp_path, capsys) -> None:
     import qwen_np.cli as cli
-    from qwen_np.commands import common
+    from qwen_np.files import checkpoint
 
-    monkeypatch.setattr(common, "BUNDLED_MODEL", tmp_path / "weights")
-    assert cli.main(["generate", "hi"]) == 2
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --model: not given, and the bundled model is not at")
+    monkeypatch.setattr(checkpoint, "bundled_model_path", lambda: tmp_path / "weights")
+    for argv in (["generate", "hi"], ["generate", "--model", "bundled", "hi"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"error: --model: the bundled model is not at {tmp_path / 'weights'} (reinstall qwen_np, or "
+                       "pass a hub id like Qwen/Qwen3-0.6B or a checkpoint folder)"]

@@ -117,7 +117,7 @@ def test_a_library_function_names_the_parameter_its_caller_gave_the_value_as() -
     for param, flag in (("model", "--model"), ("draft", "--draft")):
         with pytest.raises(QwenNPError) as caught:
             open_model("/no/such/folder", param)
-        assert caught.value.param == param and error_line(caught.value).startswith(f"{flag}: '/no/such/folder' is not")
+        assert caught.value.param == param and error_line(caught.value).startswith(f"{flag}: '/no/such/folder' does not exist")
 
 
 def test_an_error_copied_or_pickled_keeps_its_parameter() -> None:

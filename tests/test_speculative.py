@@ -264,7 +264,7 @@ def test_a_draft_with_another_vocabulary_or_that_is_no_checkpoint_is_one_line_na
         "error: --draft: its vocabulary has 151936 ids, the model's 2048: a draft needs the model's tokenizer"]
     assert cli.main(["generate", "--no-chat", "ROMEO:", "--draft", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --draft: ") and "is not a checkpoint folder" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: --draft: ") and "does not exist" in err[0]
 
 
 def test_a_draft_with_nan_weights_is_refused_naming_draft_not_the_sampling(capsys, tmp_path) -> None:

@@ -7,8 +7,10 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
+from ..core.adapters import Adapter
 from ..engine import runtime
-from ..files.checkpoint import bundled_model_path, resolve_model_path
+from ..files.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter
+from ..files.checkpoint import BUNDLED, bundled_model_path, resolve_model_path
 from ..engine.paged import OwnPoolCache
 from ..errors import QwenNPError
 from ..files.model_files import ModelFiles, open_model
@@ -20,10 +22,10 @@ from ..files.tokenizer import Tokenizer
 from ..engine.memory import DEFAULT_CONTEXT, MODES
 
 BUNDLED_MODEL = bundled_model_path()
-BUNDLED_NAME = "weights (bundled Shakespeare model)"
-# `--draft bundled`: the bundled model's own draft (BUNDLED_MODEL/draft) from any folder, as the bundled
-# model is --model's default from any folder. No hub id is a bare word; a folder named so is ./bundled.
-BUNDLED_DRAFT = "bundled"
+BUNDLED_NAME = BUNDLED        # what the bundled model is called where it is served and in stats lines
+# `--draft bundled`: the bundled model's own draft (BUNDLED_MODEL/draft) from any folder, as `--model bundled`
+# (its default) is the bundled model from any folder. No hub id is a bare word; a folder named so is ./bundled.
+BUNDLED_DRAFT = BUNDLED
 MEMORY_HELP = ("how to hold the weights: fp32 upcasts every weight once at load (fastest), bf16 (or stored) keeps them "
                "as stored (a GGUF's quantized blocks too) and widens them per use (half the RAM), int8 quantizes every "
                "matrix to int8 rows at load (a quarter, slightly different logits), q8_0 and q4_0 to llama.cpp's "
@@ -50,6 +52,14 @@ def add_model(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup
     parser.add_argument("-m", "--model", help="checkpoint folder, GGUF file or Hugging Face hub id, e.g. "
                                               "Qwen/Qwen3-0.6B (default: the bundled model, a tiny Qwen3 trained on "
                                               "Shakespeare)")
+
+
+def add_lora(parser: argparse.ArgumentParser) -> None:
+    """--lora DIR: an adapter to run the model through (generate, chat, eval; serve takes NAME=DIR, several)."""
+    parser.add_argument("--lora", metavar="DIR",
+                        help="apply the LoRA adapter in DIR (PEFT's format: adapter_config.json and "
+                             "adapter_model.safetensors, as `train --lora` and peft write it) without merging it: "
+                             "the model's weights stay as --memory holds them, the adapter's products are added")
 
 
 def add_memory(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +134,17 @@ def speculation(args: argparse.Namespace, draft: ModelFiles | None, max_tokens: 
     return lookup_speculation(args.lookup, tokens) if args.lookup is not None else None
 
 
+def read_lora(folder: str, config: Qwen3Config, name: str | None = None) -> Adapter:
+    """The LoRA adapter --lora names (files.adapter.read_adapter), checked for a model of `config`; a path that
+    is no folder is said to be one before its files are looked for (a GGUF adapter is a single file)."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise QwenNPError(f"--lora: {folder} {what}: a LoRA adapter is a folder holding {ADAPTER_CONFIG} and "
+                          f"{ADAPTER_WEIGHTS} (PEFT's format; GGUF adapters are not read)")
+    return read_adapter(path, config, name)
+
+
 def add_json(parser: argparse.ArgumentParser, what: str = "the table") -> None:
     parser.add_argument("--json", action="store_true", help=f"print JSON instead of {what}")
 
@@ -133,13 +154,8 @@ def add_quiet(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def model_folder(model: str | None) -> Path:
-    """The checkpoint folder of --model (fetched from the hub if need be), or the bundled one."""
-    if model is not None:
-        return resolve_model_path(model)
-    if not (BUNDLED_MODEL / "config.json").is_file():
-        raise QwenNPError(f"--model: not given, and the bundled model is not at {BUNDLED_MODEL} (reinstall qwen_np, "
-                          "or pass a hub id like Qwen/Qwen3-0.6B or a checkpoint folder)")
-    return BUNDLED_MODEL
+    """The checkpoint folder of --model (fetched from the hub if need be); not given, the bundled one."""
+    return resolve_model_path(BUNDLED if model is None else model)
 
 
 def is_bundled(folder: Path) -> bool:

@@ -14,7 +14,7 @@ from ..training import chats, evaluation
 from ..precision import lab as precision
 from ..errors import QwenNPError
 from ..engine.finite import check_finite
-from ..engine.loading import load_model
+from ..engine.loading import attach_adapter, load_model
 from ..files.model_files import read_config, read_tokenizer
 from . import common
 from .comparison import add_compare_argument, format_comparison, format_names, render_comparison
@@ -26,6 +26,7 @@ def eval_parser(parser: argparse.ArgumentParser) -> None:
                           "assistant's tokens); --compare also scores number "
                           "formats against FP32 on the same windows.")
     common.add_model(parser)
+    common.add_lora(parser)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text", type=Path, metavar="FILE",
                         help="a UTF-8 text file to score; a .jsonl file is chats ({\"messages\": [...]} a line), "
@@ -48,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
     """Load, score window by window with a progress bar (and compare the formats), then print the figures:
     nothing is printed before all of them are known, so a bad input is the only line."""
     formats = precision.check_formats(format_names(args.compare), "compare") if args.compare else []
+    if formats and args.lora is not None:
+        raise QwenNPError("--compare: compares the base model's number formats, not with --lora")
     folder = common.model_folder(args.model)
     config = read_config(folder)
+    adapter = common.read_lora(args.lora, config) if args.lora is not None else None
     context = min(config.max_position_embeddings, evaluation.DEFAULT_WINDOW) if args.ctx_size is None else args.ctx_size
     if context > config.max_position_embeddings:
         raise QwenNPError(f"--ctx-size: must be between 1 and the model's {config.max_position_embeddings} "
@@ -65,11 +69,15 @@ def run(args: argparse.Namespace) -> int:
         text_name, text = evaluation.read_eval_text(args.text, args.split)
         docs, characters = evaluation.encoded_documents(read_tokenizer(folder), text)
     model = load_model(folder, memory=args.memory, max_tokens=context)
+    if adapter is not None:
+        attach_adapter(model, adapter)
     with tqdm(total=sum(len(d) - 1 for d in docs), unit="tok", file=sys.stderr, disable=None, leave=False) as bar:
         result = evaluation.score_text(lambda ids: check_finite(model, ids, model.forward(ids)), docs, characters,
                                        context, bar.update, evaluation.window_jobs(model, context),
                                        learned).summary()
-    result.update(model=str(args.model or folder), text=text_name, context=context)
+    result.update(model=args.model or common.BUNDLED_NAME, text=text_name, context=context)
+    if args.lora is not None:
+        result.update(lora=args.lora)
     compared = format_comparison(folder, docs, context, formats) if formats else None
     if args.json:
         print(json.dumps(result if compared is None else {**result, "compare": compared}))

@@ -27,7 +27,6 @@ from ..generation.generate import (ChatSession, GenerationStats, TokenEvent, con
                                    prompt_ids, resolve_sampling)
 from ..files.model_files import GenerationDefaults
 from ..engine.loading import attach_adapter, load_model
-from ..files.adapter import read_adapter
 from ..files.model_files import ModelFiles, open_model
 from ..engine.memory import effective_context
 from ..core.model import Qwen3Model, Trace
@@ -92,10 +91,7 @@ def chat_parser(chat: argparse.ArgumentParser) -> None:
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     common.add_model(parser)
-    parser.add_argument("--lora", metavar="DIR",
-                        help="apply the LoRA adapter in DIR (PEFT's format: adapter_config.json and "
-                             "adapter_model.safetensors, as `train --lora` and peft write it) without merging it: "
-                             "the model's weights stay as --memory holds them, the adapter's products are added")
+    common.add_lora(parser)
     common.add_memory(parser)
     common.add_kv_dtype(parser)
     common.add_speculation(parser)
@@ -279,7 +275,7 @@ def _open_checkpoint(model: str | None) -> Opened:
 
 def _read_lora(args: argparse.Namespace, opened: Opened) -> Adapter | None:
     """The --lora adapter (None without it), read and checked against the model's config before any weight loads."""
-    return read_adapter(args.lora, opened.config) if args.lora is not None else None
+    return common.read_lora(args.lora, opened.config) if args.lora is not None else None
 
 
 def _load_weights(opened: Opened, args: argparse.Namespace, max_tokens: int, adapter: Adapter | None) -> Qwen3Model:

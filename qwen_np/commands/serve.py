@@ -11,7 +11,6 @@ from ..serving import launch
 from ..serving.access import API_KEY_ENV
 from ..serving.requests import DEFAULT_MAX_TOKENS
 from ..errors import QwenNPError
-from ..files.adapter import read_adapter
 from ..files.model_files import open_model
 from ..engine.memory import DEFAULT_CONTEXT, parse_size
 from ..generation.speculative import DEFAULT_DRAFT_TOKENS
@@ -76,19 +75,22 @@ def run(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model or common.BUNDLED_NAME]
     if any(not name.strip() for name in names) or len(set(names)) < len(names):
         raise QwenNPError(f"--served-model-name: names must be non-empty and distinct, got {names}")
-    files = open_model(common.model_folder(args.model))
-    draft = common.check_speculation(args, files.config, files.tokenizer)
-    adapters = [read_adapter(folder, files.config, name) for name, folder in _lora_flags(args.lora, names)]
+    lora = _lora_flags(args.lora, names)
+    # The address first: a port taken is said at once, not after the minutes a big model's files take to read.
     try:
         listener = socket.create_server((args.host, args.port))
     except OSError as error:
         raise QwenNPError(f"--host/--port: cannot listen on {args.host}:{args.port} ({error.strerror})") from None
-    launch.serve(names, files, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
-                memory=args.memory, kv_memory=kv_memory, kv_dtype=args.kv_dtype, api_key=args.api_key,
-                log=not args.quiet, split_reasoning=args.reasoning_format == "parsed",
-                default_max_tokens=None if args.default_max_tokens == -1 else args.default_max_tokens,
-                draft=draft, lookup=args.lookup, draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS,
-                adapters=adapters, announce=lambda line: print(line, file=sys.stderr, flush=True))
+    with listener:                     # closed however the rest ends (a bad model, Ctrl-C)
+        files = open_model(common.model_folder(args.model))
+        draft = common.check_speculation(args, files.config, files.tokenizer)
+        adapters = [common.read_lora(folder, files.config, name) for name, folder in lora]
+        launch.serve(names, files, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
+                     memory=args.memory, kv_memory=kv_memory, kv_dtype=args.kv_dtype, api_key=args.api_key,
+                     log=not args.quiet, split_reasoning=args.reasoning_format == "parsed",
+                     default_max_tokens=None if args.default_max_tokens == -1 else args.default_max_tokens,
+                     draft=draft, lookup=args.lookup, draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS,
+                     adapters=adapters, announce=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
 
 

@@ -348,6 +348,12 @@ def write_index(folder: Path, weight_map: Mapping[str, str], total_size: int) ->
 HUB_FILE_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "vocab.json", "merges.txt", "*.jinja"]
 
 
+# What --model means besides a path or a hub id: the bundled model, from any folder (`bundled` is no hub id,
+# which is always OWNER/NAME; a folder named so is ./bundled). Also its name where it is served.
+BUNDLED = "bundled"
+# A hub id as the hub spells one (huggingface_hub's validate_repo_id, with the owner required): a string that
+# is not one and names nothing on disk is a missing path, said so, not looked up on the hub.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 GGUF_MAGIC = b"GGUF"              # the first 4 bytes of a GGUF file (gguf_file.py reads the rest)
 
 
@@ -361,15 +367,31 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def resolve_model_path(model: str | Path, param: str = "model") -> Path:
-    """A local checkpoint folder or GGUF file, or a hub id ('Qwen/Qwen3-8B') fetched into the HF cache;
-    `param` names the caller's parameter it came from in the error (QwenNPError.param)."""
+    """A local checkpoint folder or GGUF file, the bundled model (BUNDLED, from any folder), or a hub id
+    ('Qwen/Qwen3-8B') fetched into the HF cache; `param` names the caller's parameter it came from in the
+    error (QwenNPError.param). The one place that says what a model argument means."""
+    if str(model) == BUNDLED:
+        return bundled_model(param)
     path = Path(model).expanduser()
     if path.is_dir() or is_gguf(path):
         return path
     text = str(model)
-    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
-        raise QwenNPError(f"{text!r} is not a checkpoint folder, a GGUF file or a hub id like 'Qwen/Qwen3-8B'", param)
+    if path.exists():
+        raise QwenNPError(f"{text!r} is a file but not a GGUF file (a model is a checkpoint folder, a GGUF file "
+                          "or a hub id like 'Qwen/Qwen3-8B')", param)
+    if not HUB_ID.fullmatch(text):         # OWNER/NAME and nothing else: any other string is a path
+        raise QwenNPError(f"{text!r} does not exist (a model is a checkpoint folder, a GGUF file or a hub id "
+                          "like 'Qwen/Qwen3-8B')", param)
     return download(text)
+
+
+def bundled_model(param: str = "model") -> Path:
+    """The bundled model's folder, checked to be there (a wheel built without weights/ has none)."""
+    folder = bundled_model_path()
+    if not (folder / "config.json").is_file():
+        raise QwenNPError(f"the bundled model is not at {folder} (reinstall qwen_np, or pass a hub id like "
+                          "Qwen/Qwen3-0.6B or a checkpoint folder)", param)
+    return folder
 
 
 def bundled_model_path() -> Path:
