@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -71,6 +72,14 @@ def test_load_model_bundled_loads_the_bundled_model_from_any_folder(tmp_path, mo
     model, reference = load_model("bundled"), load_model(bundled_model_path())
     ids = np.array([1, 2, 3])
     assert np.array_equal(model.forward(ids), reference.forward(ids))
+
+
+def test_the_walkthrough_s_tracing_snippet_runs_from_any_folder(env, tmp_path) -> None:
+    page = (ROOT / "docs" / "walkthrough.md").read_text(encoding="utf-8")
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL) if "Tracer()" in block)
+    result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+    assert "model.layers.0" in result.stdout.decode() + result.stderr.decode()      # the trace it prints
 
 
 @pytest.mark.slow
@@ -174,3 +183,45 @@ def test_serve_checks_its_address_before_reading_the_model(env, tmp_path, flag) 
     assert result.returncode == 2 and len(lines) == 1, lines
     assert lines[0].startswith("error: --host/--port: cannot listen on ") and "tokenizer" not in lines[0]
     assert time.monotonic() - started < 60
+
+
+# --- One vocabulary: a flag several commands take is spelt and takes its value alike in each --------------
+
+# The flags whose value differs by command on purpose, and what it is in each: --lora names an adapter to
+# run through (a folder; serve: several, each NAME=DIR) or, where adapters are made or planned, their rank;
+# --preset is a training run's preset in train and a published Qwen3 size in inspect.
+MEANINGS = {"--lora": {"generate": "DIR", "chat": "DIR", "eval": "DIR", "serve": "NAME=DIR", "train": "RANK",
+                       "inspect": "RANK"},
+            "--preset": {"train": "{shakespeare,tiny}", "inspect": "PRESET"}}
+
+
+def shown_value(action) -> str | None:
+    """What --help shows an option takes: its metavar, its choices, or its name in capitals; None: no value."""
+    if action.nargs == 0:
+        return None
+    if action.metavar is not None:
+        return action.metavar
+    return "{" + ",".join(action.choices) + "}" if action.choices else action.dest.upper()
+
+
+def test_a_flag_several_commands_take_has_the_same_spellings_and_value_in_each() -> None:
+    import argparse
+    from collections import defaultdict
+
+    from qwen_np.cli import build_parser
+
+    parsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    shapes: dict[str, dict[str, tuple]] = defaultdict(dict)
+    for command, parser in parsers.items():
+        for action in parser._actions:
+            for option in action.option_strings:
+                shapes[option][command] = (tuple(sorted(action.option_strings)), shown_value(action), action.nargs)
+    for option, meaning in MEANINGS.items():
+        assert {command: value for command, (_, value, _) in shapes[option].items()} == meaning, option
+    disagree = {option: by_command for option, by_command in shapes.items()
+                if option not in MEANINGS and len(set(by_command.values())) > 1}
+    assert disagree == {}
+    # and the flags a new user reached for: --model, --seed, --threads and --ctx-size with their letters
+    for option, letter in (("--model", "-m"), ("--seed", "-s"), ("--threads", "-t"), ("--ctx-size", "-c")):
+        assert all(letter in spellings for spellings, _, _ in shapes[option].values()), option
+    assert {"generate", "chat", "eval", "serve"} <= set(shapes["--lora"])

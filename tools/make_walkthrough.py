@@ -185,8 +185,8 @@ forward pass can be traced:
 ```python
 from qwen_np import load_model
 from qwen_np.inspection import Tracer
-from qwen_np.files.tokenizer import Tokenizer
-model, tokenizer = load_model("weights"), Tokenizer.from_folder("weights")
+from qwen_np.files.model_files import read_tokenizer
+model, tokenizer = load_model("bundled"), read_tokenizer("bundled")   # the bundled model, from any folder
 model.forward(tokenizer.encode({run.prompt!r}), trace=Tracer())
 ```
 

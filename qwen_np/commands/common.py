@@ -63,7 +63,7 @@ def add_lora(parser: argparse.ArgumentParser) -> None:
 
 
 def add_memory(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--memory", choices=MODES, default="auto", help=MEMORY_HELP)
+    parser.add_argument("--memory", choices=MODES, default="auto", metavar="MODE", help=MEMORY_HELP)
 
 
 def add_kv_dtype(parser: argparse.ArgumentParser) -> None:

@@ -128,9 +128,9 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--presence-penalty", type=float, metavar="P",
                         help="subtract P from the logit of every token already generated (the prompt does not "
                              "count), as OpenAI and vLLM do; 0 turns it off (default: 0)")
-    parser.add_argument("-s", "--seed", type=int, metavar="S",
+    parser.add_argument("-s", "--seed", type=int, metavar="N",
                         help="seed of the sampler: the same seed and flags give the same text (default: drawn at "
-                             "random and shown in the stats line; with several prompts, prompt i uses S + i)")
+                             "random and shown in the stats line; with several prompts, prompt i uses N + i)")
     parser.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                         help="let Qwen3 reason in a <think> block before answering, or not (--no-think renders "
                              "the chat template with enable_thinking=false and switches the sampling defaults to "

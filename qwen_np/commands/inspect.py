@@ -31,7 +31,7 @@ def inspect_parser(show: argparse.ArgumentParser) -> None:
     common.add_context(show, "sequence length of the memory breakdown and of this machine's memory plan: KV cache "
                              "positions to run, tokens per training sequence", minimum=1,
                        default_text=f"the model's context, at most {DEFAULT_CONTEXT}")
-    show.add_argument("--batch-size", type=common.at_least(1), default=16, metavar="B",
+    show.add_argument("--batch-size", type=common.at_least(1), default=16, metavar="N",
                       help="sequences per training step in the memory breakdown (default: 16)")
     show.add_argument("--lora", type=common.at_least(1), metavar="RANK",
                       help="also the memory to train LoRA adapters of this rank on all seven projections "

@@ -48,7 +48,7 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
                         help="model and run defaults: tiny trains in seconds, shakespeare (the bundled model) takes "
                              "about 50 minutes on 2 cores (a new run needs --preset or --config)")
     source.add_argument("--config", type=Path, metavar="JSON", help="a Qwen3 config.json to train from scratch")
-    source.add_argument("--model", metavar="MODEL",
+    source.add_argument("-m", "--model", metavar="MODEL",
                         help="a checkpoint to fine-tune (folder, hub id or GGUF), with its tokenizer and chat template: "
                              "every weight, or --lora's adapters")
     lora = parser.add_argument_group("LoRA (with --model)")
@@ -77,8 +77,9 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
                                      "loss dynamically, fp8 is E4M3 with 1x128 / 128x128 scales (DeepSeek-V3) "
                                      f"{default}")
         else:
-            # -t/--threads and -c/--ctx-size (--context), as every other command spells them
-            names = {"threads": ["-t", name], "context": ["-c", "--ctx-size", name]}.get(flag.name, [name])
+            # -t/--threads, -c/--ctx-size (--context) and -s/--seed, as every other command spells them
+            names = {"threads": ["-t", name], "context": ["-c", "--ctx-size", name],
+                     "seed": ["-s", name]}.get(flag.name, [name])
             parser.add_argument(*names, dest=flag.name, type=float if flag.type == "float" else int, default=None,
                                 metavar="N", help=default)
     parser.add_argument("--resume", action="store_true",
