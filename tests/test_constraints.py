@@ -24,8 +24,8 @@ from qwen_np.files.model_files import open_model, read_generation_defaults
 from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.generation import constraints
 from qwen_np.generation.batching import BatchGenerator, BatchRunner, Request
-from qwen_np.generation.generate import Continuation, generate, prompt_ids
-from qwen_np.generation.speculative import Draft, draft_speculation, lookup_speculation
+from qwen_np.generation.generate import Continuation, Ending, generate, prompt_ids
+from qwen_np.generation.speculative import NO_DRAFT, Draft, draft_speculation, lookup_speculation
 from qwen_np.generation.tool_calls import parse_reply
 from qwen_np.serving import launch
 from qwen_np.serving.requests import Service
@@ -256,6 +256,41 @@ def test_a_drafted_token_the_grammar_forbids_is_rejected_and_the_grammar_sees_on
         assert [event.token_id for event in events] == [quote, yes]  # kept, then the target's allowed choice
         assert sequence.counts.drafted_tokens == 2 and sequence.counts.accepted_tokens == 1
         assert sequence.constraint is not None and sequence.constraint.allowed()[closing]
+
+
+def one_token(vocab, token: int) -> np.ndarray:
+    logits = np.zeros((1, vocab.size), dtype=np.float32)
+    logits[0, token] = 10.0
+    return logits
+
+
+def test_a_stop_id_ends_a_grammar_only_where_it_could_end_and_min_tokens_that_bans_all_it_allows_is_named(
+        tok, vocab, eos) -> None:
+    """Under `start: "76" | "767"`, "7" is a stop id: inside the value (first) it is the value's text, where
+    the grammar could end (after "76") it ends the reply; when min_tokens also bans the grammar's end there,
+    nothing is left to sample: an error naming min_tokens (it blamed the model's weights)."""
+    six, seven = tok.encode("6")[0], tok.encode("7")[0]
+    grammar = constraints.text_grammar('start: "76" | "767"', vocab)
+    params = SamplingParams(temperature=0.0)
+    sequence = Continuation(tok, [1, 2], params, 10, 100, eos_token_ids=eos, grammar=grammar,
+                            ending=Ending(stop_token_ids=(seven,)))
+    events = [sequence.verify(one_token(vocab, token), NO_DRAFT)[0] for token in (seven, six, seven)]
+    assert [(e.text, e.finish_reason) for e in events] == [("7", None), ("6", None), ("", "stop")]
+    held = Continuation(tok, [1, 2], params, 10, 100, eos_token_ids=eos, grammar=grammar,
+                        ending=Ending(stop_token_ids=(seven,), min_tokens=3))
+    assert [held.verify(one_token(vocab, token), NO_DRAFT)[0].text for token in (seven, six)] == ["7", "6"]
+    with pytest.raises(QwenNPError) as conflict:
+        held.verify(one_token(vocab, seven), NO_DRAFT)
+    assert conflict.value.param == "min_tokens" and "the grammar" in str(conflict.value)
+
+
+def test_ignore_eos_under_a_grammar_never_takes_the_end_as_text(tok, vocab, eos) -> None:
+    grammar = constraints.json_schema_grammar({"type": "integer"}, vocab)
+    sequence = Continuation(tok, [1, 2], SamplingParams(temperature=0.0), 3, 100, eos_token_ids=eos,
+                            grammar=grammar, ending=Ending(ignore_eos=True))
+    events = [sequence.verify(one_token(vocab, token), NO_DRAFT)[0] for token in (tok.encode("6")[0], eos[0], eos[0])]
+    assert "".join(e.text for e in events).isdigit() and events[-1].finish_reason == "length"
+    assert not set(eos) & {e.token_id for e in events}
 
 
 @pytest.mark.parametrize("drafting", ["lookup", "draft model"])

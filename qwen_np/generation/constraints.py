@@ -143,7 +143,8 @@ class Grammar:
 
 class Constraint:
     """One sequence's place in its grammar: `allowed()` gives the tokens that may come next, `consume(token)`
-    moves past the chosen one, `done` says that nothing but the end of the sequence may follow."""
+    moves past the chosen one, `done` says that nothing but the end of the sequence may follow, `accepting`
+    that the sequence could end here (outside a value: where a stop may apply)."""
 
     def __init__(self, grammar: Grammar) -> None:
         llg = _engine()
@@ -152,9 +153,25 @@ class Constraint:
         self._check(grammar.describe)
         size = grammar.vocabulary.size
         self._bitmask = np.full((1, (size + 31) // 32), -1, dtype=np.int32)   # bit j of word w: token 32w + j
+        self._allowed: np.ndarray | None = None      # this place's mask, once computed (accepting asks for it too)
+
+    @property
+    def ends(self) -> list[int]:
+        """The ids that end the sequence, which the grammar allows only where it could end."""
+        return self.grammar.vocabulary.ends
 
     def allowed(self) -> np.ndarray:
-        """The tokens the grammar allows next, as bool [V]."""
+        """The tokens the grammar allows next, as bool [V] (computed once per place: do not write to it)."""
+        if self._allowed is None:
+            self._allowed = self._mask()
+        return self._allowed
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the sequence could end here: the grammar is complete, or allows an end id next."""
+        return self.done or bool(self.allowed()[self.ends].any())
+
+    def _mask(self) -> np.ndarray:
         from llguidance.numpy import fill_next_token_bitmask
 
         fill_next_token_bitmask(self._matcher, self._bitmask)
@@ -163,12 +180,14 @@ class Constraint:
         # byte's bits lowest first gives token 0, 1, 2, ... in order.
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[:self.grammar.vocabulary.size]
         allowed = bits.view(np.bool_)
+        allowed.flags.writeable = False               # shared by every use of this place's mask
         if not allowed.any():
             raise QwenNPError(f"{self.grammar.describe}: the grammar allows no next token")
         return allowed
 
     def consume(self, token: int) -> None:
         """Move past the chosen token; raises if the grammar forbids it (a bug: it was masked out)."""
+        self._allowed = None
         if not self._matcher.consume_token(int(token)):
             raise QwenNPError(f"{self.grammar.describe}: token {token} breaks the grammar "
                               f"({_first_line(self._matcher.get_error())})")

@@ -250,7 +250,13 @@ class Ending:
     with vLLM's meaning. stop_token_ids end it like an EOS id (finish "stop", the token's text left out);
     ignore_eos: the EOS ids are tokens like any other; min_tokens: until that many tokens are generated,
     the EOS and stop ids cannot be sampled (their logits are -inf) and stop strings are not looked for (a
-    stop string counts only in the text of the tokens after the first min_tokens)."""
+    stop string counts only in the text of the tokens after the first min_tokens).
+
+    Under a grammar, a stop (string or id) applies only where the grammar could end the sequence (its
+    free text): inside a value (a JSON answer, a tool call, a think block that must close) a stop id is one
+    of the value's tokens and no stop string is looked for, so no stop cuts a value. ignore_eos: the grammar
+    never takes an EOS id as text, and a value ends where it is complete, or at the token limit. An ending
+    that bans every token the grammar allows next is an error naming its field."""
 
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -286,6 +292,7 @@ class Continuation:
                  observe: Observer | None = None) -> None:
         self.params, self.max_new_tokens, self.limit = params, max_new_tokens, limit
         ending = ending or Ending()
+        self.ignore_eos = ending.ignore_eos
         self.eos = set() if ending.ignore_eos else set(eos_token_ids)
         self.stop_ids, self.min_tokens = set(ending.stop_token_ids), ending.min_tokens
         self.banned = np.array(sorted(self.eos | self.stop_ids), dtype=np.int64)   # while under min_tokens
@@ -313,11 +320,12 @@ class Continuation:
         events: list[TokenEvent] = []
         for i, row in enumerate(logits):
             drafted = draft.tokens[i] if i < len(draft.tokens) else None
+            free = self._free()                                   # a stop may end the sequence here
             masked = row                                 # row stays the raw logits the log-probabilities read
-            if len(self.generated) < self.min_tokens and self.banned.size:     # no ending yet: vLLM's min_tokens
+            if self.constraint is None and self._holding():                 # no ending yet: vLLM's min_tokens
                 masked = row.copy()
                 masked[self.banned[self.banned < row.size]] = -np.inf
-            allowed = self.constraint.allowed() if self.constraint is not None else None         # [V] or None
+            allowed = self._allowed(free)                                               # [V] or None
             processed = processed_logits(masked, self.params, self.sequence, self.generated, allowed)  # [V]
             if drafted is None or self.params.greedy:      # greedy: kept when it is the argmax
                 token = pick(processed, self.params, self.rng)
@@ -328,32 +336,65 @@ class Continuation:
             if drafted is not None:
                 self.counts.drafted_tokens += 1
                 self.counts.accepted_tokens += token == drafted
-            events.append(self._emit(token, row))
+            events.append(self._emit(token, row, free))
             if events[-1].finish_reason or token != drafted:
                 break
         self.counts.target_steps += 1
         return events
 
-    def _emit(self, token: int, logits: np.ndarray) -> TokenEvent:
-        """Append a chosen token (its position's raw logits [V]); its event says what text it completes and
-        whether the sequence ends."""
+    def _holding(self) -> bool:
+        """Whether min_tokens still holds the sequence's end back (its EOS and stop ids cannot be sampled)."""
+        return len(self.generated) < self.min_tokens and bool(self.banned.size)
+
+    def _allowed(self, free: bool) -> np.ndarray | None:
+        """The tokens the grammar allows next (bool [V]; None without a grammar), less the ones this sequence's
+        ending bans here: the EOS ids under ignore_eos (never the grammar's text), and under min_tokens, where
+        the grammar could end (free), the EOS and stop ids. Raises, naming the field, when that bans all."""
+        if self.constraint is None:
+            return None
+        allowed, n = self.constraint.allowed(), len(self.generated)
+        bans: list[tuple[str, Sequence[int], str]] = []          # (field, the ids it bans here, its rule)
+        if self.ignore_eos:
+            bans.append(("ignore_eos", self.constraint.ends, "the end of the sequence is never text"))
+        if free and self._holding():
+            bans.append(("min_tokens", self.banned.tolist(), f"no end (EOS or stop id) for {self.min_tokens} tokens"))
+        for name, banned, rule in bans:
+            allowed = allowed.copy()
+            allowed[[t for t in banned if t < allowed.size]] = False
+            if not allowed.any():
+                raise QwenNPError(f"{rule}, but after {n} tokens the grammar the reply follows allows nothing "
+                                  "else next", name)
+        return allowed
+
+    def _emit(self, token: int, logits: np.ndarray, free: bool = True) -> TokenEvent:
+        """Append a chosen token (its position's raw logits [V]; free: whether a stop could end the sequence
+        before it); its event says what text it completes and whether the sequence ends."""
         self.sequence.append(token)
         self.generated.append(token)
         logprobs = None if self.logprobs is None else token_logprobs(logits, token, self.logprobs, self.tokenizer)
+        # By its id (its own text left out); a stop id inside a grammar's value is one of the value's tokens.
+        ended = token in self.eos or (token in self.stop_ids and free)
         complete = False                           # the grammar is complete: nothing but an end may follow
-        if self.constraint is not None and token not in self.eos:
+        if self.constraint is not None and not ended:
             self.constraint.consume(token)
             complete = self.constraint.done
-        ended = token in self.eos or token in self.stop_ids          # by its id: its own text is left out
         finish = ("eos" if token in self.eos else "stop" if ended or complete else "length"
                   if len(self.generated) == self.max_new_tokens else "context" if len(self.sequence) >= self.limit
                   else None)
         text = self.decoder.flush() if ended else self.decoder.push(token) + (self.decoder.flush() if finish else "")
-        if len(self.generated) > self.min_tokens:         # stop strings count only after min_tokens tokens
+        # Stop strings count only after min_tokens tokens, and under a grammar only in text that the grammar
+        # could end both before and after (its free text), so that none cuts a value.
+        if len(self.generated) > self.min_tokens and free and (not self.stops.stops or self._free()):
             text, stopped = self.stops.push(text)
             if stopped:
                 return TokenEvent(token, text, "stop", logprobs)
+        else:
+            text = self.stops.flush() + text       # what was held could have been a stop only in free text
         return TokenEvent(token, text + self.stops.flush() if finish else text, finish, logprobs)
+
+    def _free(self) -> bool:
+        """Whether a stop could end the sequence where it is now (no grammar, or one that could end here)."""
+        return self.constraint is None or self.constraint.accepting
 
 
 class StopStrings:

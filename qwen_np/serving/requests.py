@@ -72,7 +72,8 @@ UNSUPPORTED_WHY = {"suffix": "Qwen3 was not trained for fill-in-the-middle (it h
 # "max_new_tokens: ...", a client reads "max_tokens: ..." (api_error words every library error with it).
 FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
           "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty", "seed": "seed",
-          "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "max_new_tokens": "max_tokens"}
+          "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "max_new_tokens": "max_tokens",
+          "min_tokens": "min_tokens", "ignore_eos": "ignore_eos"}
 # OpenAI's limit on stop strings, and a bound on each: stop strings are matched against the text at
 # every token, in time that grows with their number and the square of their length.
 MAX_STOPS, MAX_STOP_CHARS = 4, 256

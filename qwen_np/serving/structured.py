@@ -11,6 +11,11 @@ shape is files/messages.py's rule, as a chat file's (training) is read.
     response_format json_object     one JSON object; json_schema: one JSON value valid against the schema
                                     (enforced whatever `strict` says: a grammar cannot be half-kept)
 
+A reply that is all value (response_format, tool_choice "required" or a named tool) ends where its value is
+complete (finish "stop", or "tool_calls"), or is cut by max_tokens (finish "length"): `stop` and
+`stop_token_ids`, which could only cut the value, are refused by name. With tool_choice "auto" or "none" they
+apply to the reply's free text, never inside a call (generate.Ending).
+
 With thinking on, each grammar lets the reply open with its <think> block. A schema keyword the engine does
 not implement is a 400 naming it. Imports nothing of serving/ (requests.py imports it).
 """
@@ -86,6 +91,10 @@ def grammar(body: dict[str, Any], tools: Tools | None, vocabulary: Vocabulary | 
     field = "response_format" if response is not None else "tools"
     if response is None and tools is None:
         return None
+    if response is not None:
+        _refuse_stops(body, "response_format")
+    elif tools is not None and (tools.tool is not None or tools.choice == "required"):
+        _refuse_stops(body, "a named tool_choice" if tools.tool is not None else "tool_choice 'required'")
     vocabulary = grammar_vocabulary(vocabulary, field)
     try:
         if response is not None:
@@ -98,6 +107,15 @@ def grammar(body: dict[str, Any], tools: Tools | None, vocabulary: Vocabulary | 
                                  thinking=thinking)
     except QwenNPError as bad:        # its message names the field: tools[0].function.name: ..., tool_choice: ...
         raise APIError(400, str(bad), "tool_choice" if str(bad).startswith("tool_choice") else field) from None
+
+
+def _refuse_stops(body: dict[str, Any], what: str) -> None:
+    """A 400 naming `stop` or `stop_token_ids` when a reply that is all value (`what` asks for one) sets them:
+    a stop could apply only inside the value, and would cut it."""
+    for name in ("stop", "stop_token_ids"):
+        if body.get(name) not in (None, "", []):
+            raise APIError(400, f"{name}: cannot be combined with {what}: the reply is one value, which ends where "
+                                "it is complete (a stop could only cut it)", name)
 
 
 def grammar_vocabulary(vocabulary: Vocabulary | None, field: str) -> Vocabulary:
