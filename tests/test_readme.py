@@ -64,3 +64,24 @@ def test_a_client_example_of_the_readme_runs_against_serve(code: str, env, tmp_p
     flags = ("--served-model-name", *names, "--default-max-tokens", "16")     # a reply without max_tokens stays short
     with serving(env, str(QWEN3_RANDOM), *flags) as running:
         run_block(code.replace(SERVE_URL, running.url), env, tmp_path)
+
+
+def test_the_readme_documents_constrained_generation_and_installs_only_extras_that_exist() -> None:
+    """generate's flags that need an extra (their help names it) are in the README with that extra, and
+    every extra an install line of the README names is one pyproject.toml has."""
+    import argparse
+    import tomllib
+
+    from qwen_np.cli import build_parser
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    installed = {name for found in re.findall(r'pip install -e "\.\[([\w,]+)\]"', README) for name in found.split(",")}
+    assert installed and installed <= set(extras), installed - set(extras)
+    generate = next(a for a in build_parser(flags_of=["generate"])._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices["generate"]
+    needing = {option: re.search(r"qwen_np\[(\w+)\]", action.help)[1]
+               for action in generate._actions if action.help and "qwen_np[" in action.help
+               for option in action.option_strings}
+    assert "--json-schema" in needing
+    for option, extra in {**needing, "--grammar": needing["--json-schema"]}.items():   # --grammar: as --json-schema
+        assert f"`{option} FILE`" in README and f'".[{extra}]"' in README, option
