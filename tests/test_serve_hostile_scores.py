@@ -4,16 +4,25 @@ where a client would be):
 
 - every id field holds the same rule, the tokenizer's ids: logit_bias refuses the padded embedding rows past
   the tokenizer (Qwen3's 151,669-151,935 decode to nothing) as stop_token_ids, a prompt's ids and an
-  embedding's ids do.
+  embedding's ids do;
+- a LoRA adapter's prompt is read by the adapter on every path that reads one (`serve --lora NAME=DIR`, a
+  request naming NAME): an echo's scores, with `max_tokens: 0` (what lm-evaluation-harness sends) or
+  before generated text, are peft's own log-probabilities and the merged model's, never the base's; so
+  are its embeddings and the explorer's views (but the mask, which says it runs the base only); and every
+  response names the adapter asked for.
 """
 
 from __future__ import annotations
 
+import base64
 import os
+import shutil
 
+import numpy as np
 import pytest
 
 from qwen_np.files.tokenizer import Tokenizer
+from conftest import HANG_SECONDS, QWEN3_RANDOM
 from test_serve import MODEL, ROOT, assert_openai_error, post, serving
 
 openai = pytest.importorskip("openai")
@@ -64,3 +73,125 @@ def test_every_id_field_refuses_the_padded_rows_past_the_tokenizer_and_takes_its
     code, answer = post(server + path, body)
     assert code == 200, answer
 
+
+
+# --- a LoRA adapter's prompt is read by the adapter --------------------------------------------------
+
+STORY = "Tell me a story about a dragon who learned to count, and the village that taught it"
+TUNED = "tuned"                                      # the adapter's name on the server
+
+
+@pytest.fixture(scope="module")
+def peft_tuned(tmp_path_factory: pytest.TempPathFactory, tok) -> dict:
+    """A LoRA adapter made by peft on transformers' Qwen3 of the fixture (random non-zero A and B, every
+    projection), its merge_and_unload() saved as a checkpoint of its own, and peft's float64 log-probability
+    of each token of STORY given those before it."""
+    from reference import hf_reference  # noqa: F401  (sets USE_HUB_KERNELS before transformers loads)
+
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("peft_tuned")
+    base = transformers.Qwen3ForCausalLM.from_pretrained(QWEN3_RANDOM, dtype=torch.float32,
+                                                         attn_implementation="eager").eval()
+    tuned = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules="all-linear")).eval()
+    generator = torch.Generator().manual_seed(3)
+    ids = tok.encode(STORY)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+        tuned.save_pretrained(out / "adapter")
+        logprobs = torch.log_softmax(tuned(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1).numpy()
+    tuned.merge_and_unload().save_pretrained(out / "merged")
+    for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(QWEN3_RANDOM / file, out / "merged" / file)
+    return {"adapter": out / "adapter", "merged": out / "merged",
+            "scores": np.array([logprobs[t - 1, ids[t]] for t in range(1, len(ids))])}
+
+
+@pytest.fixture(scope="module")
+def lora_servers(env, peft_tuned):
+    """(a server of the base with the adapter as TUNED, a server of the merged checkpoint): their URLs."""
+    with serving(env, MODEL, "--lora", f"{TUNED}={peft_tuned['adapter']}") as tuned, \
+            serving(env, str(peft_tuned["merged"])) as merged:
+        yield tuned.url, merged.url
+
+
+def client_of(url: str):
+    return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=HANG_SECONDS)
+
+
+def scores(url: str, model: str, **fields) -> list[float]:
+    """An echo's log-probabilities of STORY's tokens after the first (`fields`: more of the request)."""
+    answer = client_of(url).completions.create(model=model, prompt=STORY, echo=True, logprobs=1,
+                                               **{"max_tokens": 0, **fields})
+    return answer.choices[0].logprobs.token_logprobs[1:]
+
+
+def test_an_adapters_echo_scores_the_prompt_with_the_adapter_as_peft_does_and_names_the_adapter(
+        lora_servers, peft_tuned) -> None:
+    url, merged = lora_servers
+    client = client_of(url)
+    answer = client.completions.create(model=TUNED, prompt=STORY, max_tokens=0, echo=True, logprobs=1)
+    assert answer.model == TUNED and answer.choices[0].text == STORY
+    tuned = answer.choices[0].logprobs.token_logprobs[1:]
+    np.testing.assert_allclose(tuned, peft_tuned["scores"], atol=1e-4)
+    np.testing.assert_allclose(tuned, scores(merged, str(peft_tuned["merged"])), atol=1e-4)
+    base = scores(url, MODEL)
+    assert np.max(np.abs(np.subtract(base, tuned))) > 0.1, "the adapter must change the scores to mean anything"
+    chunks = list(client.completions.create(model=TUNED, prompt=STORY, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True))
+    assert {chunk.model for chunk in chunks} == {TUNED}
+    assert chunks[0].choices[0].logprobs.token_logprobs[1:] == tuned
+
+
+def test_an_adapters_echo_before_generated_text_is_the_adapters_and_so_is_the_text(lora_servers, peft_tuned) -> None:
+    url, merged = lora_servers
+    fields = {"max_tokens": 4, "temperature": 0, "logprobs": 0}
+    mine = client_of(url).completions.create(model=TUNED, prompt=STORY, echo=True, **fields)
+    theirs = client_of(merged).completions.create(model=str(peft_tuned["merged"]), prompt=STORY, echo=True, **fields)
+    assert mine.model == TUNED and mine.choices[0].text == theirs.choices[0].text
+    np.testing.assert_allclose(mine.choices[0].logprobs.token_logprobs[1:],
+                               theirs.choices[0].logprobs.token_logprobs[1:], atol=1e-4)
+    np.testing.assert_allclose(mine.choices[0].logprobs.token_logprobs[1:len(peft_tuned["scores"]) + 1],
+                               peft_tuned["scores"], atol=1e-4)
+
+
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+def test_an_adapters_embeddings_are_its_merged_models_and_name_the_adapter(lora_servers, peft_tuned, encoding) -> None:
+    url, merged = lora_servers
+    texts = [STORY, "Hello"]
+
+    def vectors(server: str, model: str) -> tuple[np.ndarray, str]:
+        code, answer = post(server + "/embeddings", {"model": model, "input": texts, "encoding_format": encoding})
+        assert code == 200, answer
+        rows = [np.frombuffer(base64.b64decode(item["embedding"]), "<f4") if encoding == "base64"
+                else np.array(item["embedding"]) for item in answer["data"]]
+        return np.array(rows, dtype=np.float64), answer["model"]
+
+    tuned, name = vectors(url, TUNED)
+    reference, _ = vectors(merged, str(peft_tuned["merged"]))
+    base, _ = vectors(url, MODEL)
+    assert name == TUNED
+    assert np.min(np.sum(tuned * reference, axis=1)) >= 0.99999          # unit vectors: cosines
+    assert np.max(np.sum(tuned * base, axis=1)) < 0.999
+
+
+def test_the_explorers_views_of_an_adapter_are_its_merged_models_and_its_mask_refuses_it(lora_servers,
+                                                                                        peft_tuned) -> None:
+    url, merged = lora_servers
+
+    def top(server: str, model: str) -> list[tuple[int, float]]:
+        code, answer = post(server.removesuffix("/v1") + "/explorer/analyze", {"model": model, "prompt": STORY})
+        assert code == 200, answer
+        return [(item["id"], item["p"]) for item in answer["model_top"]]
+
+    tuned, reference, base = top(url, TUNED), top(merged, str(peft_tuned["merged"])), top(url, MODEL)
+    assert [i for i, _ in tuned] == [i for i, _ in reference] != [i for i, _ in base]
+    np.testing.assert_allclose([p for _, p in tuned], [p for _, p in reference], atol=1e-5)
+    code, answer = post(url.removesuffix("/v1") + "/explorer/mask",
+                        {"model": TUNED, "prompt": STORY, "json_schema": {"type": "integer"}})
+    assert_openai_error(code, answer, 400, "model")
+    assert "base model only" in answer["error"]["message"]

@@ -29,6 +29,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..core.adapters import Adapter
 from ..core.model import Qwen3Model, check_token_ids
 from ..engine.memory import PREFILL_CHUNK
 from ..engine.paged import blocks_for
@@ -52,9 +53,11 @@ class Embedding:
     """The embeddings of `ids` (input_ids' lists), computed one forward pass at a time: step() runs the
     next (at most PREFILL_CHUNK tokens: several short inputs packed, or one chunk of a long one), so a
     server can run them between its generation steps, each delaying the batch by one prefill chunk at
-    most (serving.embeddings). Checks everything before any pass."""
+    most (serving.embeddings). Checks everything before any pass. adapter: the LoRA adapter whose model embeds
+    them (None: the base), as a server's request names it."""
 
-    def __init__(self, model: Qwen3Model, ids: list[list[int]], dimensions: int | None = None) -> None:
+    def __init__(self, model: Qwen3Model, ids: list[list[int]], dimensions: int | None = None,
+                 adapter: Adapter | None = None) -> None:
         width = model.config.hidden_size
         if dimensions is not None and not 1 <= dimensions <= width:
             raise QwenNPError(f"must be in [1, {width}] (the model's hidden size), got {dimensions}", "dimensions")
@@ -63,7 +66,7 @@ class Embedding:
                 raise QwenNPError(f"input[{i}]: {len(one)} tokens, more than the model's "
                                   f"{model.config.max_position_embeddings}-token context")
             check_token_ids(one, model.config.vocab_size, f"input[{i}]")
-        self.model, self.ids, self.dimensions = model, ids, dimensions
+        self.model, self.ids, self.dimensions, self.adapter = model, ids, dimensions, adapter
         self.batches = _batches([len(one) for one in ids])
         self.passes = sum(blocks_for(len(ids[batch[0]]), PREFILL_CHUNK) if len(batch) == 1 else 1
                           for batch in self.batches)           # forward passes in all
@@ -97,11 +100,12 @@ class Embedding:
                 cache = self.model.new_cache(len(tokens))
                 for start in range(0, len(tokens), PREFILL_CHUNK):
                     self.hidden[batch] = self.model.forward_batch([tokens[start:start + PREFILL_CHUNK]], [cache],
-                                                                  last_only=True, head=False)
+                                                                  last_only=True, head=False, adapters=[self.adapter])
                     yield
             else:
                 self.hidden[batch] = self.model.forward_batch([self.ids[i] for i in batch], [None] * len(batch),
-                                                              last_only=True, head=False)
+                                                              last_only=True, head=False,
+                                                              adapters=[self.adapter] * len(batch))
                 yield
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.adapters import Adapter
 from ..core.layers import log_softmax
 from ..core.model import Qwen3Model
 from ..errors import QwenNPError
@@ -67,10 +68,13 @@ class PromptLogprobs:
     """The log-probability of each token of `ids` given the tokens before it, with its `top` alternatives (the
     first token has none: nothing predicts it): how an evaluation harness scores a text (a completion's echo
     with logprobs). Computed SCORE_CHUNK positions per step(), through a KV cache of its own, so a server can
-    run it between its generation steps (batching.Work); `entries` holds one Logprobs per token after the first."""
+    run it between its generation steps (batching.Work); `entries` holds one Logprobs per token after the first.
+    adapter: the LoRA adapter whose model scores them (None: the base), as a batch row of it generates."""
 
-    def __init__(self, model: Qwen3Model, ids: list[int], top: int, tokenizer: Tokenizer) -> None:
+    def __init__(self, model: Qwen3Model, ids: list[int], top: int, tokenizer: Tokenizer,
+                 adapter: Adapter | None = None) -> None:
         self.model, self.ids, self.top, self.tokenizer = model, ids, check_top_logprobs(top), tokenizer
+        self.adapter = adapter
         self.cache = model.new_cache(len(ids))
         self.entries: list[Logprobs] = []
 
@@ -78,7 +82,7 @@ class PromptLogprobs:
         """Score the next chunk of positions; whether every token is then scored."""
         start = self.cache.length
         chunk = self.ids[start:start + SCORE_CHUNK]
-        logits = self.model.forward(chunk, self.cache)                        # [T, V]: position t predicts t + 1
+        logits = self.model.forward_batch([chunk], [self.cache], adapters=[self.adapter])   # [T, V]: t predicts t + 1
         for t, row in enumerate(logits[:len(self.ids) - 1 - start]):
             self.entries.append(token_logprobs(row, self.ids[start + t + 1], self.top, self.tokenizer))
         return len(self.entries) == len(self.ids) - 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from ..errors import APIError, QwenNPError
 from .access import PAGE_HEADERS, is_page, log_line, loggable, refusal
@@ -73,13 +73,13 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
             raise APIError(413, f"request body: larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
         return b"".join(chunks)
 
-    async def read_body(http: HTTPRequest, names: Sequence[str] = service.model_ids) -> dict[str, Any]:
-        """The body, its `model` one of `names` (the explorer's: the base's; a completion's: any served_names)."""
+    async def read_body(http: HTTPRequest) -> dict[str, Any]:
+        """The body, its `model` one of served_names: the base's, or an adapter's (each endpoint runs it)."""
         try:
             raw = await asyncio.wait_for(read_raw(http), BODY_SECONDS)
         except asyncio.TimeoutError:
             raise APIError(408, f"request body: not received within {BODY_SECONDS:g}s") from None
-        return await run_in_threadpool(parse_body, raw, names)
+        return await run_in_threadpool(parse_body, raw, service.served_names)
 
     def guarded(respond: Callable[[HTTPRequest], Any]) -> Callable[[HTTPRequest], Any]:
         """The handler answering with `respond`'s response, or OpenAI's error JSON for what it raised."""
@@ -101,7 +101,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         path = "/v1/chat/completions" if chat else "/v1/completions"
 
         async def respond(http: HTTPRequest) -> Response:
-            body = await read_body(http, service.served_names)
+            body = await read_body(http)
             check_fields(body, path)                   # a field it does not read: refused by name
             service.check_generates()
             # Tokenising and templating take time in proportion to the prompt: on worker threads,

@@ -72,7 +72,7 @@ async def echo_of(service: Service, body: dict[str, Any], request: Request, http
     if request.logprobs is None:
         return Echo(text)
     ids = list(request.prompt)
-    job = PromptLogprobs(service.model, ids, request.logprobs, service.tokenizer)
+    job = PromptLogprobs(service.model, ids, request.logprobs, service.tokenizer, request.adapter)
     await beside(service, job, http, "scoring the prompt")
     return Echo(text, prompt_logprobs(service.tokenizer.decode(ids[:1]), job.entries))
 
@@ -85,6 +85,7 @@ class Choices:
                  echo: Echo | None = None, generate: bool = True, show_logprobs: bool = True) -> None:
         self.service, self.chat, self.n, self.echo, self.show_logprobs = service, chat, n, echo, show_logprobs
         self.prompt = requests[0].prompt
+        self.model = service.name_of(requests[0].adapter)          # the name asked for: an adapter's, or the base's
         self.replies = [Reply(service, request, chat, calls, i, echo) for i, request in enumerate(requests)] if generate else []
         self.id = self.replies[0].id if self.replies else f"cmpl-{uuid.uuid4().hex}"
         for reply in self.replies:
@@ -106,7 +107,7 @@ class Choices:
     async def whole(self, http: Any) -> dict[str, Any]:
         if not self.replies:
             return {"id": self.id, "object": "text_completion", "created": int(time.time()),
-                    "model": self.service.model_id, "choices": self._echoed(), "usage": self.usage()}
+                    "model": self.model, "choices": self._echoed(), "usage": self.usage()}
         tasks = [asyncio.ensure_future(reply.whole(http)) for reply in self.replies]
         try:
             answers = await asyncio.gather(*tasks)
@@ -127,7 +128,7 @@ class Choices:
         """Server-Sent Events: each choice's chunks as they come (an echo that generates nothing: one chunk
         per choice), then [usage] and [DONE]."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        head = {"id": self.id, "object": kind, "created": int(time.time()), "model": self.service.model_id}
+        head = {"id": self.id, "object": kind, "created": int(time.time()), "model": self.model}
         extra = {"usage": None} if include_usage else {}
         if self.replies:
             async for payload in self._merged(include_usage):

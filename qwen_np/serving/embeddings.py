@@ -64,7 +64,7 @@ def embedding_job(service: Service, body: dict[str, Any]) -> Embedding:
         if outside is not None:                  # a text's ids are the tokenizer's; a list of ids may hold any
             raise APIError(400, f"input[{i}]: id {outside} is outside the vocabulary [0, {service.vocab})", "input")
     try:
-        return Embedding(service.model, ids, dimensions)
+        return Embedding(service.model, ids, dimensions, service.adapter_of(body))
     except QwenNPError as bad:
         raise APIError(400, str(bad), bad.param or "input") from None     # input[i]'s ids, or dimensions
 
@@ -81,7 +81,7 @@ async def embeddings(service: Service, job: Embedding, body: dict[str, Any], htt
     base64_encoded = body.get("encoding_format") == "base64"
     data = [{"object": "embedding", "index": i, "embedding": encoded(vector, base64_encoded)}
             for i, vector in enumerate(job.vectors)]
-    return {"object": "list", "data": data, "model": service.model_id, "usage": usage(job)}
+    return {"object": "list", "data": data, "model": service.name_of(job.adapter), "usage": usage(job)}
 
 
 def usage(job: Embedding) -> dict[str, int]:

@@ -19,8 +19,9 @@ mask: its results are kept for the last few prompts (CACHE_SIZE), so moving a sa
 another layer runs no model.
 
 A POST body is serve's: the checks of app.create_app (loopback Host, application/json, API key, body
-limit, `model` naming the served model) apply, its fields are requests.REQUEST_FIELDS["/explorer/"] (and
-MASK_FIELDS for /explorer/mask; any other refused by name), and the prompt is serve's too (`prompt`: text or token ids,
+limit, `model` naming the served model or one of its LoRA adapters, whose model every view but the mask
+then shows) apply, its fields are requests.REQUEST_FIELDS["/explorer/"] (and MASK_FIELDS for /explorer/mask;
+any other refused by name), and the prompt is serve's too (`prompt`: text or token ids,
 requests.Service.completion_prompt's checks), at most MAX_TOKENS tokens, since the trace holds every step of
 every layer for each of them. The sampling fields are /v1/completions' (Service.request checks them).
 
@@ -40,6 +41,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import numpy as np
 
+from ..core.adapters import Adapter
 from ..core.config import DIMENSIONS, dimensions
 from ..errors import APIError, QwenNPError
 from .requests import api_error, check_fields
@@ -66,6 +68,8 @@ class Served(Protocol):
 
     @property
     def model_id(self) -> str: ...
+
+    def adapter_of(self, body: dict[str, Any]) -> Adapter | None: ...
 
     @property
     def model(self) -> Qwen3Model: ...
@@ -105,9 +109,9 @@ class Run:
     flow: list[tuple[str, np.ndarray]]  # (step name, its output at the last position [D]) for FLOW_STEPS, in order
 
 
-def traced_run(model: Qwen3Model, ids: list[int]) -> Run:
-    """Run `ids` through the model once, noting every step's statistics, each layer's attention
-    weights and the residual stream the lens reads."""
+def traced_run(model: Qwen3Model, ids: list[int], adapter: Adapter | None = None) -> Run:
+    """Run `ids` through the model (with `adapter`'s updates, None: the base) once, noting every step's
+    statistics, each layer's attention weights and the residual stream the lens reads."""
     steps: list[dict[str, Any]] = []
     attention: list[np.ndarray] = []
     residuals: list[np.ndarray] = []
@@ -125,7 +129,7 @@ def traced_run(model: Qwen3Model, ids: list[int]) -> Run:
         if step_template(name).removeprefix("model.layers.{i}.") in FLOW_STEPS:
             flow.append((name, value[-1].copy()))                                # [D]
 
-    logits = model.forward(ids, trace=watch)                                     # [T, V]
+    logits = model.forward_batch([ids], [None], trace=watch, adapters=[adapter])  # [T, V]
     return Run(tuple(ids), steps, attention, lens_rows(model, np.stack(residuals)), logits[-1], flow)
 
 
@@ -178,7 +182,7 @@ class Explorer:
         self.service = service
         self.model = service.model
         self.tokenizer = service.tokenizer
-        self.runs: OrderedDict[tuple[int, ...], Run] = OrderedDict()
+        self.runs: OrderedDict[tuple[bytes, tuple[int, ...]], Run] = OrderedDict()    # (adapter digest, ids)
         self.lock = threading.Lock()                 # handlers run on worker threads
 
     # --- the prompt and its run ---
@@ -190,14 +194,16 @@ class Explorer:
                            "prompt", "context_length_exceeded")
         return ids
 
-    def run(self, ids: list[int]) -> Run:
-        """The traced run of `ids`, from the cache when one of the last CACHE_SIZE prompts."""
-        key = tuple(ids)
+    def run(self, ids: list[int], body: dict[str, Any]) -> Run:
+        """The traced run of `ids` by the model `body` names (the base, or an adapter over it), from the cache
+        when one of the last CACHE_SIZE prompts of that model."""
+        adapter = self.service.adapter_of(body)
+        key = (adapter.digest if adapter is not None else b"", tuple(ids))
         with self.lock:
             if key in self.runs:
                 self.runs.move_to_end(key)
                 return self.runs[key]
-        run = traced_run(self.model, ids)           # outside the lock: other prompts need not wait
+        run = traced_run(self.model, ids, adapter)      # outside the lock: other prompts need not wait
         with self.lock:
             self.runs[key] = run
             while len(self.runs) > CACHE_SIZE:
@@ -237,7 +243,7 @@ class Explorer:
 
     def analyze(self, body: dict[str, Any]) -> dict[str, Any]:
         ids = self.prompt(body)
-        run = self.run(ids)
+        run = self.run(ids, body)
         lens = [{"label": label, "top": self._top(row, LENS_TOP)} for label, row in zip(lens_labels(self.model), run.lens)]
         probs = softmax(run.logits)
         per_bin = -(-probs.size // PROBABILITY_BINS)                               # ids per bin, rounded up
@@ -253,7 +259,7 @@ class Explorer:
         layer = body.get("layer")
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < L:
             raise APIError(400, f"layer: must be an integer in [0, {L})", "layer")
-        weights = self.run(ids).attention[layer]                                 # [H, T, T]
+        weights = self.run(ids, body).attention[layer]                                 # [H, T, T]
         group = self.model.config.group_size
         return {"layer": layer, "weights": weights.tolist(),
                 "kv_head": [h // group for h in range(weights.shape[0])]}
@@ -262,7 +268,7 @@ class Explorer:
         """The LISTED most likely tokens (after the repetition penalty) with their probability after each
         stage (null: filtered out), and how many tokens each stage keeps."""
         ids = self.prompt(body)
-        stages = filter_stages(self.run(ids).logits, self._params(body, ids), ids)
+        stages = filter_stages(self.run(ids, body).logits, self._params(body, ids), ids)
         probs = [softmax(logits) for _, logits in stages]                        # stages x [V]
         listed = np.argsort(-probs[1], kind="stable")[:LISTED]
         tokens = [{**self.token(int(i)), "p": [float(p[i]) if np.isfinite(logits[i]) else None
@@ -273,14 +279,17 @@ class Explorer:
     def sample(self, body: dict[str, Any]) -> dict[str, Any]:
         ids = self.prompt(body)
         params = self._params(body, ids)
-        chosen = next_token(self.run(ids).logits, params, np.random.default_rng(params.seed), ids, [])
+        chosen = next_token(self.run(ids, body).logits, params, np.random.default_rng(params.seed), ids, [])
         return self.token(chosen)
 
     def mask(self, body: dict[str, Any]) -> dict[str, Any]:
         """A reply to `prompt` under `json_schema`, generated by generate() (so its tokens are those generate
         gives for the same grammar, settings and seed), and at each step what the grammar's mask did to the
         model's distribution: the tokens it allowed, the probability it removed, and the likeliest tokens it
-        removed (probabilities before any filter)."""
+        removed (probabilities before any filter). The base model's only: generate() runs no adapter."""
+        if self.service.adapter_of(body) is not None:
+            raise APIError(400, f"model: the mask view runs the base model only, not an adapter; ask it of "
+                                f"`{self.service.model_id}`", "model")
         ids = self.service.completion_prompt(body)
         max_tokens = body.get("max_tokens", MASK_MAX_TOKENS)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MASK_MAX_TOKENS:

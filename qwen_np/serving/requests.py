@@ -154,14 +154,24 @@ class Service:
         return self.model_ids[0]
 
     @property
-    def vocab(self) -> int:
-        """How many token ids a request may name (is_token_id): the tokenizer's, not the model's padded rows."""
-        return self.tokenizer.vocab_size
-
-    @property
     def served_names(self) -> tuple[str, ...]:
         """Every name a request's `model` may give: the base's, then each adapter's."""
         return (*self.model_ids, *self.adapters)
+
+    def adapter_of(self, body: dict[str, Any]) -> Adapter | None:
+        """The LoRA adapter a body's `model` names (parse_body checked it is served); None: the base, by any
+        of its names, or no name. Every path that reads the prompt runs with it: generation, an echo's
+        scores, embeddings, the explorer."""
+        return self.adapters.get(body.get("model") or "")
+
+    def name_of(self, adapter: Adapter | None) -> str:
+        """The `model` a response names: the adapter asked for, or the base's first name."""
+        return adapter.name if adapter is not None else self.model_id
+
+    @property
+    def vocab(self) -> int:
+        """How many token ids a request may name (is_token_id): the tokenizer's, not the model's padded rows."""
+        return self.tokenizer.vocab_size
 
     @property
     def generator(self) -> BatchGenerator:
@@ -214,7 +224,7 @@ class Service:
         constrained = grammar(body, read_tools(body), self.vocabulary, enable_thinking is not False) if chat else None
         request = Request(prompt, params, max_tokens or fits, _stops(body), grammar=constrained,
                           logprobs=_logprobs(body, chat), ending=self._ending(body, max_tokens or fits),
-                          adapter=self.adapters.get(body.get("model") or ""))
+                          adapter=self.adapter_of(body))
         try:
             generator.check(request)          # what is left to check: the KV cache's capacity; here, not at
                                               # submit, so that a stream's refusal is a 4xx too

@@ -102,9 +102,7 @@ class Reply:
         return usage
 
     def _object(self, kind: str, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        adapter = self.request.adapter                     # the name the request asked for: an adapter's, or the base's
-        model = adapter.name if adapter is not None else self.service.model_id
-        return {"id": self.id, "object": kind, "created": self.created, "model": model,
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.service.name_of(self.request.adapter),
                 "choices": [{"index": self.index, "logprobs": None, **choice}] if choice else [], **extra}
 
     async def whole(self, http: Any) -> dict[str, Any]:
