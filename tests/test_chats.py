@@ -113,6 +113,17 @@ def test_a_chat_line_is_checked_as_the_server_checks_a_message(tmp_path: Path, t
     assert chats.encoded_chats(tok, path)[0].ids.tolist() == chats.chat_tokens(tok, [user, reply]).ids.tolist()
 
 
+def test_a_line_longer_than_any_context_holds_is_refused_by_its_number_before_it_is_parsed(tmp_path: Path) -> None:
+    """A 50 MB line took minutes and GBs to tokenise; now it is refused by FILE:LINE, read no further."""
+    path = tmp_path / "chats.jsonl"
+    short = json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ok."}]})
+    long = json.dumps({"messages": [{"role": "user", "content": "x" * 4_194_304},
+                                    {"role": "assistant", "content": "Ok."}]})
+    path.write_text(short + "\n" + long + "\n", encoding="utf-8")
+    with pytest.raises(QwenNPError, match=f"^{re.escape(str(path))}:2: longer than 4,194,304 characters"):
+        chats.read_chats(path)
+
+
 def test_eval_on_a_chat_file_is_transformers_mean_nll_over_the_assistant_tokens(tmp_path: Path, tok: Tokenizer) -> None:
     """eval --text FILE.jsonl --json: `tokens` counts exactly the assistant tokens, and loss_per_token equals
     transformers' mean NLL over them (the random fixture in FP32) within 1e-4."""

@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 TURN_START, ASSISTANT_ROLE, TURN_END = "<|im_start|>", "assistant\n", "<|im_end|>"
 # What a chat line holds (OpenAI's chat fine-tuning format); any other key is refused by name.
 LINE_KEYS = ("messages", "tools")
+# The longest line read, in characters: 131,072 tokens (Qwen3's longest context, with YaRN) at 32 characters
+# a token (8x English prose's ~4): no Qwen3 context holds a longer conversation whole. Tokenising one so long
+# takes ~20 s and ~0.7 GB (5 MB of prose: 24 s, 0.85 GB peak on two cores); a 50 MB line, unbounded, took
+# minutes and several GB. A longer line is refused before it is parsed, read at most this far.
+MAX_LINE_CHARACTERS = 131_072 * 32
 
 
 @dataclass
@@ -64,7 +69,10 @@ def read_chats(path: Path) -> list[dict[str, Any]]:
     chats = []
     try:
         with open(path, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
+            for number, line in enumerate(iter(lambda: lines.readline(MAX_LINE_CHARACTERS + 1), ""), 1):
+                if len(line.rstrip("\n")) > MAX_LINE_CHARACTERS:
+                    raise QwenNPError(f"{path}:{number}: longer than {MAX_LINE_CHARACTERS:,} characters, more than "
+                                      "any Qwen3 context holds: split the conversation")
                 if line.strip():
                     chats.append(chat_line(line, f"{path}:{number}"))
     except (OSError, UnicodeDecodeError) as exc:
