@@ -10,6 +10,8 @@ constrained reply and still had it called a success:
     stop, stop_token_ids   a reply that is all value (response_format, tool_choice "required" or a named tool)
                            refuses them, a 400 naming the field; with tool_choice "auto" they apply to the
                            free text, never inside a call
+    min_tokens             a value complete in fewer tokens is an error naming min_tokens (only the end,
+                           which it bans, could follow)
 """
 
 from __future__ import annotations
@@ -125,6 +127,22 @@ def test_a_stop_that_would_cut_a_constrained_value_is_a_400_naming_it(scripted, 
         say(scripted, json.dumps({"name": "Ann", "age": 30}), stream=stream, max_tokens=40, extra_body=extra,
             **fields)
     assert refused.value.param == field and refused.value.body["message"].startswith(f"{field}: ")
+
+
+# --- min_tokens: a value complete before them is a conflict, named -----------------------------------------
+
+@STREAMS
+def test_min_tokens_past_a_complete_value_is_an_error_naming_min_tokens(scripted, stream: bool) -> None:
+    # "{}" is one token and a whole object: only the end may follow, which min_tokens bans (it came back
+    # as "{}", finish "stop", the min_tokens asked for silently unmet).
+    with pytest.raises(openai.APIError) as conflict:
+        say(scripted, "{}", stream=stream, response_format={"type": "json_object"}, max_tokens=20,
+            extra_body={**NO_THINKING, "min_tokens": 5})
+    assert conflict.value.param == "min_tokens" and "grammar" in conflict.value.body["message"]
+    assert isinstance(conflict.value, openai.BadRequestError) != stream       # streamed: the stream's error
+    fine = say(scripted, "{}", stream=stream, response_format={"type": "json_object"}, max_tokens=20,
+               extra_body={**NO_THINKING, "min_tokens": 1})
+    assert (fine.message.content, fine.finish_reason) == ("{}", "stop")
 
 
 # --- tool_choice "auto": stops apply to the free text, never inside a call ---------------------------------

@@ -256,7 +256,8 @@ class Ending:
     free text): inside a value (a JSON answer, a tool call, a think block that must close) a stop id is one
     of the value's tokens and no stop string is looked for, so no stop cuts a value. ignore_eos: the grammar
     never takes an EOS id as text, and a value ends where it is complete, or at the token limit. An ending
-    that bans every token the grammar allows next is an error naming its field."""
+    that bans every token the grammar allows next (min_tokens of a value complete before them) is an error
+    naming its field."""
 
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -346,6 +347,10 @@ class Continuation:
         """Whether min_tokens still holds the sequence's end back (its EOS and stop ids cannot be sampled)."""
         return len(self.generated) < self.min_tokens and bool(self.banned.size)
 
+    @property
+    def _holds(self) -> str:
+        return f"no end (EOS or stop id) for {self.min_tokens} tokens"
+
     def _allowed(self, free: bool) -> np.ndarray | None:
         """The tokens the grammar allows next (bool [V]; None without a grammar), less the ones this sequence's
         ending bans here: the EOS ids under ignore_eos (never the grammar's text), and under min_tokens, where
@@ -357,13 +362,12 @@ class Continuation:
         if self.ignore_eos:
             bans.append(("ignore_eos", self.constraint.ends, "the end of the sequence is never text"))
         if free and self._holding():
-            bans.append(("min_tokens", self.banned.tolist(), f"no end (EOS or stop id) for {self.min_tokens} tokens"))
+            bans.append(("min_tokens", self.banned.tolist(), self._holds))
         for name, banned, rule in bans:
             allowed = allowed.copy()
             allowed[[t for t in banned if t < allowed.size]] = False
             if not allowed.any():
-                raise QwenNPError(f"{rule}, but after {n} tokens the grammar the reply follows allows nothing "
-                                  "else next", name)
+                raise _conflict(name, rule, n)
         return allowed
 
     def _emit(self, token: int, logits: np.ndarray, free: bool = True) -> TokenEvent:
@@ -378,6 +382,8 @@ class Continuation:
         if self.constraint is not None and not ended:
             self.constraint.consume(token)
             complete = self.constraint.done
+            if complete and self._holding():             # only an end may follow, and min_tokens bans it
+                raise _conflict("min_tokens", self._holds, len(self.generated))
         finish = ("eos" if token in self.eos else "stop" if ended or complete else "length"
                   if len(self.generated) == self.max_new_tokens else "context" if len(self.sequence) >= self.limit
                   else None)
@@ -395,6 +401,12 @@ class Continuation:
     def _free(self) -> bool:
         """Whether a stop could end the sequence where it is now (no grammar, or one that could end here)."""
         return self.constraint is None or self.constraint.accepting
+
+
+def _conflict(field: str, rule: str, tokens: int) -> QwenNPError:
+    """The error of an ending field (`rule`: what it asks) that bans every token a grammar allows next."""
+    return QwenNPError(f"{rule}, but after {tokens} tokens the grammar the reply follows allows nothing else next",
+                       field)
 
 
 class StopStrings:
