@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..files.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, download
+from ..files.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, download, is_gguf
 from ..core.config import Qwen3Config, preset
 from ..engine.memory import DEFAULT_CONTEXT
 from ..files.model_files import read_config
@@ -59,8 +59,12 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def _config_of(folder: Path) -> Qwen3Config:
-    """config.json, checked against the weights' headers when the folder holds weights (inspect needs none,
-    but describing a config its own weights contradict would describe another model)."""
+    """config.json, checked against the weights' headers when the folder holds weights, or a GGUF's metadata,
+    checked against its tensors and their values (inspect needs no weights, but describing a config its own
+    weights contradict would describe another model; a damaged file is refused as a load refuses it)."""
+    if is_gguf(folder):
+        from ..files.gguf_file import GGUFCheckpoint
+        return GGUFCheckpoint(folder).config
     config = read_config(folder)
     if (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file():
         Checkpoint(folder, config)

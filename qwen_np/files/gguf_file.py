@@ -52,7 +52,8 @@ from .checkpoint import Checkpoint, TensorInfo
 from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors
 from ..errors import QwenNPError
 from ..numbers.formats import FormatRows
-from ..numbers.ggml_blocks import BLOCK_KINDS, REPACKINGS, BlockRows, RepackedRows, repackable
+from ..numbers.ggml_blocks import (BLOCK_KINDS, EXPONENTS, FP16_FIELDS, REPACKINGS, BlockRows, RepackedRows,
+                                   first_bad_scale, first_not_finite, repackable)
 from ..numbers.numerics import Weight, upcast
 from ..core.sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -433,6 +434,7 @@ class GGUFCheckpoint(Checkpoint):
         self._maps = {}
         self._quantized: dict[str, Any] = {}
         self.tensors = self._index()
+        self._check_values()
         self.repacked = self._repacked()           # names held as ggml_blocks.RepackedRows
 
     def _index(self) -> dict[str, TensorInfo]:
@@ -461,6 +463,37 @@ class GGUFCheckpoint(Checkpoint):
             raise QwenNPError(f"{self.folder}: {len(extra)} tensor(s) the metadata does not account for, from "
                               f"{extra[0]!r} (a Qwen3 of this shape has no such tensor)")
         return tensors
+
+    def _check_values(self) -> None:
+        """Refuse a tensor with an inf or NaN where its values come from: any block's FP16 scales (every kind's
+        d, m and dmin: ggml_blocks.FP16_FIELDS) or an F32/F16/BF16 tensor's values. A start-up forward pass
+        reads the embedding rows of its own tokens only, so a bad row of an untied embedding would load and
+        serve NaN. Each tensor's pages are let go once checked (release): a view maps them again on use. The
+        kinds gguf dequantizes at load are checked once dequantized (_dequantized)."""
+        for name, info in self.tensors.items():
+            tensor = self._quantized.get(name)
+            if tensor is None:
+                found = first_not_finite(self._plain_bits(name), info.dtype)
+                where = None if found is None else f"row {found[0]}, column {found[1]} is {found[2]}"
+            elif tensor.tensor_type.name in FP16_FIELDS:
+                bad = first_bad_scale(tensor.tensor_type.name, self._block_bytes(name))
+                where = None if bad is None else f"block {bad[2]} of row {bad[1]} has {bad[0]} = {bad[3]}"
+            else:
+                continue
+            self.release(name)
+            if where is not None:
+                raise self._not_finite(name, where)
+
+    def _plain_bits(self, name: str) -> np.ndarray:
+        """An F32/F16/BF16 tensor's values as unsigned integers of their width, [rows, columns] (a 1-D one as one
+        row): a view of the mapped file."""
+        info = self.tensors[name]
+        data = open_reader(self.folder).data[info.start:info.start + info.nbytes]
+        return data.view(EXPONENTS[info.dtype][0]).reshape(-1, info.shape[-1])
+
+    def _not_finite(self, name: str, where: str) -> QwenNPError:
+        return QwenNPError(f"{self.folder}: tensor {_gguf_name(name, self.config.num_hidden_layers)!r} ({name}) is not "
+                           f"finite: {where} (a damaged file: its values would be NaN)")
 
     def dequantization_note(self) -> str | None:
         """What holding the tensors no weight kind holds (the IQ kinds, ...) as FP32 costs, against their size
@@ -577,7 +610,12 @@ class GGUFCheckpoint(Checkpoint):
         except NotImplementedError:
             raise QwenNPError(f"{self.folder}: tensor {tensor.name!r} is {tensor.tensor_type.name}, which "
                               "gguf.quants cannot dequantize") from None
-        return values.astype(np.float32, copy=False).reshape(self.tensors[name].shape)
+        shape = self.tensors[name].shape
+        values = values.astype(np.float32, copy=False).reshape(shape)
+        found = first_not_finite(values.view(np.uint32).reshape(-1, shape[-1]), "F32")
+        if found is not None:                   # a kind _check_values cannot read the scales of
+            raise self._not_finite(name, f"row {found[0]}, column {found[1]} dequantizes to {found[2]}")
+        return values
 
 
 def read_tokenizer(path: str | Path) -> Tokenizer:
