@@ -117,6 +117,63 @@ def test_peft_s_named_variant_and_rslora_scale_are_read(adapters, tmp_path) -> N
     assert named.digest != plain.digest
 
 
+@pytest.mark.parametrize("field, value", [("use_rslora", "yes"), ("use_rslora", 1), ("use_dora", 0),
+                                          ("fan_in_fan_out", 0), ("layers_to_transform", "0"),
+                                          ("layers_to_transform", [True]), ("layers_pattern", "h"),
+                                          ("exclude_modules", "q_.*")])
+def test_a_field_of_the_wrong_json_type_is_refused_naming_it(adapters, tmp_path, field, value) -> None:
+    """use_rslora: "yes" was read as true (and 0 as use_dora's false): booleans are JSON booleans."""
+    folder = rewritten(adapters["attn"], tmp_path / "bad", **{field: value})
+    config = load_model(QWEN3_RANDOM, memory="bf16").config
+    with pytest.raises(QwenNPError, match=rf"^{folder / ADAPTER_CONFIG}: {field}: "):
+        read_adapter(folder, config)
+
+
+@pytest.mark.parametrize("settings, kept", [
+    ({"target_modules": ["q_proj"]}, {(i, "q_proj") for i in range(2)}),
+    ({"target_modules": ["q_proj", "o_proj"], "exclude_modules": ["model.layers.0.self_attn.o_proj"]},
+     {(0, "q_proj"), (1, "q_proj"), (1, "o_proj")}),
+    ({"target_modules": ["k_proj"], "layers_to_transform": 1}, {(1, "k_proj")}),
+    ({"target_modules": ["model.layers.0.self_attn.k_proj", "o_proj"], "layers_to_transform": [1]},
+     {(0, "k_proj"), (1, "o_proj")})])
+def test_tensors_of_modules_the_config_does_not_target_are_left_out_as_peft_leaves_them(adapters, tmp_path, settings,
+                                                                                         kept) -> None:
+    """A ["q_proj"] adapter holding k and o tensors applies q alone, as peft's check_target_module_exists has it
+    (a module by its name or a dotted tail, exclude_modules, layers_to_transform; an exact name takes any layer)."""
+    folder = rewritten(adapters["attn"], tmp_path / "some", **settings)
+    config = load_model(QWEN3_RANDOM, memory="bf16").config
+    assert set(read_adapter(folder, config).matrices) == kept
+
+
+def test_an_adapter_whose_tensors_outside_its_targets_are_left_out_gives_peft_s_logits(tmp_path, prompt_ids) -> None:
+    """peft itself: q_proj and gate_proj tensors in the file, adapter_config.json saying ["gate_proj"]."""
+    from reference import hf_reference  # noqa: F401  (sets USE_HUB_KERNELS before transformers loads)
+
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+
+    def base() -> object:
+        return transformers.Qwen3ForCausalLM.from_pretrained(QWEN3_RANDOM, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+    tuned = peft.get_peft_model(base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj"],
+                                                        lora_dropout=0.0))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    tuned.save_pretrained(tmp_path / "both")
+    folder = rewritten(tmp_path / "both", tmp_path / "gate", target_modules=["gate_proj"])
+    with torch.inference_mode():
+        theirs = peft.PeftModel.from_pretrained(base(), folder).eval()(
+            input_ids=torch.from_numpy(prompt_ids)[None]).logits[0].numpy()
+    model = load_model(QWEN3_RANDOM)
+    attach_adapter(model, read_adapter(folder, model.config))
+    assert_logits_match(model.forward(prompt_ids), theirs, "the gate_proj-only adapter against peft's reading of it")
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "qwen_np", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=HANG_SECONDS, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -10,6 +10,12 @@ Kalajdzievski 2023). What changes the network beyond that is refused by name (on
 and the field or tensor) rather than half applied: DoRA's magnitudes, biases, fan_in_fan_out's transposed
 layout, modules_to_save (whole replaced modules, e.g. lm_head), per-module ranks and alphas, trainable tokens,
 and the variants that compute another update (QALoRA, aLoRA, Arrow, KaSA, MonteCLoRA, block-diagonal LoRA).
+
+Which tensors apply is peft's rule (tuners_utils.check_target_module_exists): a module is adapted when
+target_modules names it or a dotted tail of it, exclude_modules does not, and its layer is in
+layers_to_transform where that is given (a module named in full takes any layer); a tensor of the file
+for any other module is left out, as peft leaves it (a ["gate_proj"] adapter holding q_proj tensors
+adapts gate_proj alone). Each field is held to its JSON type: use_rslora: "yes" is no boolean.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -38,6 +44,8 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "trainable_token_indices": (None, [], {}), "layer_replication": (None, []), "target_parameters": (None, []),
     "use_qalora": (None, False), "alora_invocation_tokens": (None, []), "use_bdlora": (None, False),
     "arrow_config": (None,), "kasa_config": (None,), "monteclora_config": (None,)}
+# Where Qwen3's layer number sits in a module's name, as peft's default layers_pattern finds it (model.layers.N.).
+LAYERS_PATTERNS: tuple[Any, ...] = (None, "", "layers", [], ["layers"])
 # lora_A.weight, or lora_A.<adapter name>.weight as a folder saved with its adapter's name holds it.
 NAMED = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
 
@@ -54,7 +62,7 @@ def read_adapter(folder: str | Path, config: Qwen3Config, name: str | None = Non
     settings = _settings(folder / ADAPTER_CONFIG)
     rank, alpha = settings["r"], settings["lora_alpha"]
     scale = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
-    matrices = _matrices(folder / ADAPTER_WEIGHTS, config, rank)
+    matrices = _matrices(folder / ADAPTER_WEIGHTS, config, rank, _targeted(settings))
     digest = hashlib.sha256(repr(scale).encode())
     for key in sorted(matrices):
         for array in matrices[key]:
@@ -76,8 +84,18 @@ def _settings(path: Path) -> dict[str, Any]:
     if settings.get("peft_type", "LORA") != "LORA":
         raise QwenNPError(f"{path}: peft_type: only LORA adapters are supported, got {settings['peft_type']!r}")
     for field, off in REFUSED.items():
-        if settings.get(field) not in off:
+        if not _is_one_of(settings.get(field), off):
             raise QwenNPError(f"{path}: {field}: {settings[field]!r} is not supported (only {off[-1]!r})")
+    if not _is_one_of(settings.get("use_rslora"), (None, False, True)):
+        raise QwenNPError(f"{path}: use_rslora: must be true or false, got {settings['use_rslora']!r}")
+    layers = settings.get("layers_to_transform")
+    if layers is not None and not _is_int(layers) and not (isinstance(layers, list) and all(map(_is_int, layers))):
+        raise QwenNPError(f"{path}: layers_to_transform: must be a layer number or a list of them, got {layers!r}")
+    if not _is_one_of(settings.get("layers_pattern"), LAYERS_PATTERNS):
+        raise QwenNPError(f"{path}: layers_pattern: only Qwen3's \"layers\" is supported, got {settings['layers_pattern']!r}")
+    excluded = settings.get("exclude_modules")
+    if excluded is not None and not (isinstance(excluded, list) and all(isinstance(name, str) for name in excluded)):
+        raise QwenNPError(f"{path}: exclude_modules: only a list of module names is supported, got {excluded!r}")
     rank, alpha = settings.get("r"), settings.get("lora_alpha")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise QwenNPError(f"{path}: r: must be a positive integer, got {rank!r}")
@@ -93,9 +111,40 @@ def _settings(path: Path) -> dict[str, Any]:
     return settings
 
 
-def _matrices(path: Path, config: Qwen3Config, rank: int) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
-    """(layer, projection) -> (A [r, in], B [out, r]) in FP32, every tensor of the file one of a pair whose
-    shapes fit the model's projection, and finite."""
+def _is_one_of(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """value equals one of `allowed` and is of its JSON type: 0 is not false, 1 not true, as Python's == has them."""
+    return any(type(value) is type(one) and value == one for one in allowed)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _targeted(settings: dict[str, Any]) -> Callable[[str, int], bool]:
+    """Whether (module, layer) is adapted: peft's check_target_module_exists for checked settings, where a
+    module is its name in the base model (model.layers.0.self_attn.q_proj)."""
+    targets, excluded = settings["target_modules"], settings.get("exclude_modules") or []
+    layers = settings.get("layers_to_transform")
+    layers = None if layers in (None, []) else {layers} if isinstance(layers, int) else set(layers)
+
+    def names(module: str, listed: list[str]) -> bool:
+        return module in listed or any(module.endswith(f".{name}") for name in listed)
+
+    def targeted(module: str, layer: int) -> bool:
+        if names(module, excluded):
+            return False
+        if targets == "all-linear" or module in targets:       # a module named in full: any layer (peft's)
+            return True
+        return names(module, targets) and (layers is None or layer in layers)
+
+    return targeted
+
+
+def _matrices(path: Path, config: Qwen3Config, rank: int,
+              targeted: Callable[[str, int], bool]) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+    """(layer, projection) -> (A [r, in], B [out, r]) in FP32 for the modules the config targets (`targeted`;
+    a tensor of another is left out, as peft leaves it), every tensor of the file one of a pair whose shapes fit
+    the model's projection, and finite."""
     dims = dimensions(config)
     expected = {adapter_name(LAYER_TENSORS[key].name.format(i=i), which): (i, key, which)
                 for i in range(config.num_hidden_layers) for key in LAYER_MATRICES for which in "AB"}
@@ -106,6 +155,8 @@ def _matrices(path: Path, config: Qwen3Config, rank: int) -> dict[tuple[int, str
             raise QwenNPError(f"{path}: tensor {stored!r} is not a LoRA matrix of a projection of this "
                               f"{config.num_hidden_layers}-layer Qwen3 (lora_A / lora_B of {', '.join(LAYER_MATRICES)})")
         layer, key, which = expected[plain]
+        if not targeted(plain.rsplit(".lora_", 1)[0], layer):
+            continue
         out, inp = resolve(LAYER_TENSORS[key].shape, dims)
         shape = (rank, inp) if which == "A" else (out, rank)
         if info.shape != shape:
