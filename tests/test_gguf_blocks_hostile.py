@@ -141,3 +141,53 @@ def test_a_gguf_with_a_nan_scale_is_one_error_line_and_exit_2_on_the_cli(
     lines = result.stderr.decode().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr.decode()
     assert lines[0].startswith(f"error: {path}: tensor {EMBEDDING!r}") and "not finite" in lines[0]
+
+
+# --- Blocks that do not fit the file or the shape ----------------------------------------------------------
+
+def info_field(path: Path, name: str, part: int) -> int:
+    """Where part `part` of tensor `name`'s entry in the tensor list starts (0 the name's length, 1 the name,
+    2 the dimension count, 3 the dimensions, 4 the type, 5 the data offset)."""
+    tensor = tensor_of(path, name)
+    return tensor.field.offset + sum(int(p.nbytes) for p in tensor.field.parts[:part])
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", [EMBEDDING, "blk.0.attn_q.weight", "blk.1.ffn_down.weight", "output.weight"])
+def test_a_k_quant_file_cut_inside_a_tensor_is_refused_naming_that_tensor(
+        folder: Path, tmp_path: Path, kind: str, name: str) -> None:
+    good = kind_file(kind, folder)
+    tensor = tensor_of(good, name)
+    path = tmp_path / "cut.gguf"
+    for cut in (1, int(tensor.n_bytes) // 2 + 7, int(tensor.n_bytes) - 1):       # within its first, middle, last block
+        path.write_bytes(good.read_bytes()[:int(tensor.data_offset) + cut])
+        refused(path, f"tensor {name!r} runs to byte")
+
+
+@pytest.mark.parametrize("dims", [(128, 512), (384, 170), (255, 256), (257, 256)])
+def test_a_k_quant_row_that_is_not_whole_blocks_of_256_is_refused_naming_the_tensor(
+        folder: Path, tmp_path: Path, dims: tuple[int, int]) -> None:
+    good = kind_file("Q4_K", folder)
+    path = with_bytes(good, tmp_path / "rows.gguf", info_field(good, "blk.0.attn_q.weight", 3), struct.pack("<QQ", *dims))
+    refused(path, f"tensor 'blk.0.attn_q.weight': rows of {dims[0]} values are not whole Q4_K blocks of 256")
+
+
+def test_whole_blocks_in_another_shape_are_refused_not_loaded_as_that_shape(folder: Path, tmp_path: Path) -> None:
+    """[256, 256] as [128, 512]: the same blocks and bytes, rows of 512 values (whole blocks): the shape the
+    metadata implies is held against it."""
+    good = kind_file("Q4_K", folder)
+    path = with_bytes(good, tmp_path / "shape.gguf", info_field(good, "blk.0.attn_q.weight", 3), struct.pack("<QQ", 512, 128))
+    refused(path, "tensor 'blk.0.attn_q.weight' has shape [128, 512] (NumPy order) but the metadata implies [256, 256]")
+
+
+@pytest.mark.parametrize("kind", [GGML.Q5_K, GGML.Q6_K, GGML.Q2_K, GGML.Q3_K])
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "output.weight"])
+def test_a_tensor_whose_type_does_not_fit_its_bytes_is_refused_naming_it(
+        folder: Path, tmp_path: Path, name: str, kind: GGML) -> None:
+    """A Q4_K tensor's type set to a kind of other block bytes: its data, by its shape, ends before or after the
+    next tensor's (or the file's end, for the last one). The error names the tensor whose bytes do not fit,
+    not only its neighbour: a last tensor that ends early (Q2_K, Q3_K) left the rest of the file unread and
+    loaded (its random blocks, unless a scale happened to be NaN)."""
+    good = kind_file("Q4_K", folder)
+    path = with_bytes(good, tmp_path / "type.gguf", info_field(good, name, 4), struct.pack("<I", kind))
+    refused(path, f"tensor {name!r} as {kind.name} of shape [")

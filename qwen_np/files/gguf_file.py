@@ -38,7 +38,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import jinja2
@@ -49,6 +49,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType, Tok
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
 from .checkpoint import Checkpoint, TensorInfo
+from ..core.defaults import GGUF_FILE_TYPES
 from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors
 from ..errors import QwenNPError
 from ..numbers.formats import FormatRows
@@ -164,14 +165,36 @@ def _check_layout(path: Path, data: mmap.mmap) -> None:
             _skip_value(cursor, key, kind)
     tensors = [_tensor_span(cursor, index) for index in range(tensor_count)]
     data_start, expected = -(-cursor.offset // alignment) * alignment, 0
-    for name, offset, size in tensors:
-        if offset != expected:
-            raise QwenNPError(f"{path}: tensor {name!r} has data offset {offset} where ggml expects {expected} (tensors "
-                              f"lie back to back in file order, each padded to {alignment} bytes: none may share bytes)")
-        if data_start + offset + size > len(data):
-            raise QwenNPError(f"{path}: tensor {name!r} runs to byte {data_start + offset + size}, past the end of the "
-                              f"{len(data)}-byte file (truncated?)")
-        expected += -(-size // alignment) * alignment
+    for number, tensor in enumerate(tensors):
+        if tensor.offset != expected:
+            after = f", the end of {tensors[number - 1].described()}" if number else ""
+            raise QwenNPError(f"{path}: tensor {tensor.name!r} has data offset {tensor.offset} where ggml expects "
+                              f"{expected}{after} (tensors lie back to back in file order, each padded to {alignment} "
+                              "bytes: none may share bytes, and each takes the bytes its type and shape say)")
+        if data_start + tensor.offset + tensor.size > len(data):
+            raise QwenNPError(f"{path}: tensor {tensor.name!r} runs to byte {data_start + tensor.offset + tensor.size}, "
+                              f"past the end of the {len(data)}-byte file (truncated? or its type or shape is wrong: "
+                              f"{tensor.described()})")
+        expected += -(-tensor.size // alignment) * alignment
+    # The last tensor's data must end the file (padding aside): bytes after it are data its type or shape leaves
+    # unread, e.g. a Q4_K tensor marked Q2_K, whose 84-byte blocks would load from the first 7/12 of its bytes.
+    if tensors and len(data) > data_start + expected:
+        end = data_start + tensors[-1].offset + tensors[-1].size
+        raise QwenNPError(f"{path}: {len(data) - end} bytes follow the last {tensors[-1].described()}, which ends at "
+                          f"byte {end}: its type or shape does not match its data (or the file is corrupt)")
+
+
+class _TensorSpan(NamedTuple):
+    """A tensor-info entry as _check_layout places it: its name, ggml kind, dims (ne[0] first), data offset, bytes."""
+
+    name: str
+    kind: GGML
+    dims: list[int]
+    offset: int
+    size: int
+
+    def described(self) -> str:
+        return f"tensor {self.name!r} as {self.kind.name} of shape {self.dims[::-1]} ({self.size} bytes)"
 
 
 def _skip_value(cursor: _Cursor, key: str, kind: int) -> None:
@@ -200,8 +223,8 @@ def _skip_value(cursor: _Cursor, key: str, kind: int) -> None:
         raise QwenNPError(f"{cursor.path}: {what} has value type {kind}, which GGUF does not define")
 
 
-def _tensor_span(cursor: _Cursor, index: int) -> tuple[str, int, int]:
-    """One tensor-info entry, checked as ggml's reader checks it: (name, data offset, bytes)."""
+def _tensor_span(cursor: _Cursor, index: int) -> _TensorSpan:
+    """One tensor-info entry, checked as ggml's reader checks it."""
     name = cursor.text(f"the name of tensor #{index}")
     where = f"{cursor.path}: tensor {name!r}"
     if len(name.encode()) > MAX_NAME_BYTES:
@@ -221,7 +244,7 @@ def _tensor_span(cursor: _Cursor, index: int) -> tuple[str, int, int]:
     if dims and dims[0] % block:
         raise QwenNPError(f"{where}: rows of {dims[0]} values are not whole {kind.name} blocks of {block}")
     offset = cursor.number("<Q", f"the data offset of tensor {name!r}")
-    return name, offset, math.prod(dims) * type_bytes // block
+    return _TensorSpan(name, kind, dims, offset, math.prod(dims) * type_bytes // block)
 
 
 class _Reader(GGUFReader):
@@ -709,9 +732,9 @@ def read_sampling(path: str | Path) -> dict[str, Any]:
 
 # --type -> (the ggml type of every matrix, llama.cpp's general.file_type). Norm weights (1-D) are always
 # F32, as llama.cpp's converter writes them.
-FILE_TYPES = {"f32": (GGML.F32, LlamaFileType.ALL_F32), "f16": (GGML.F16, LlamaFileType.MOSTLY_F16),
-              "bf16": (GGML.BF16, LlamaFileType.MOSTLY_BF16), "q8_0": (GGML.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-              "q4_0": (GGML.Q4_0, LlamaFileType.MOSTLY_Q4_0)}
+FILE_TYPES = dict(zip(GGUF_FILE_TYPES, [(GGML.F32, LlamaFileType.ALL_F32), (GGML.F16, LlamaFileType.MOSTLY_F16),
+                                        (GGML.BF16, LlamaFileType.MOSTLY_BF16), (GGML.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+                                        (GGML.Q4_0, LlamaFileType.MOSTLY_Q4_0)], strict=True))   # the names: --help's
 # The types GGUFWriter takes as NumPy element arrays; it takes every other type as bytes.
 PLAIN_NUMPY: dict[GGML, np.dtype] = {GGML.F32: np.dtype(np.float32), GGML.F16: np.dtype(np.float16)}
 
