@@ -23,6 +23,7 @@ import math
 import mmap
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -286,13 +287,16 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
     or partly written file (the rename reaches the disk before the data). A crash, a full disk or a
     power loss leaves the previous file or the new one, never half of one. A failed write (the
     safetensors writer reports a full disk as its own error, not an OSError) is a QwenNPError naming
-    the file."""
+    the file. The file gets the mode a file created here gets (0666 less the umask, as the JSON files beside
+    it): the safetensors writer makes its files 0600, which another account or a container cannot read."""
     from safetensors import SafetensorError
 
     path = Path(path)
     tmp = path.with_name(f"{path.name}.partial")
     try:
+        mode = _created_mode(tmp)
         write(tmp)                                  # the writer has closed the file: its bytes are flushed
+        os.chmod(tmp, mode)
         _fsync(tmp)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as bad:
@@ -303,6 +307,18 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
         _fsync(path.parent)
     except OSError as bad:
         raise QwenNPError(f"{path}: written, but its folder could not be synced to the disk ({_reason(bad)})") from None
+
+
+def _created_mode(path: Path) -> int:
+    """The permission bits open() gives a new file at `path` (0666 less the process's umask, less what a
+    default ACL takes away), found by creating it: reading the umask means setting it, for every thread at
+    once. A leftover at `path` is removed first, so that its mode is not taken for the new file's."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
 
 
 def _fsync(path: Path) -> None:
