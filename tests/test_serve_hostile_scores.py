@@ -9,14 +9,21 @@ where a client would be):
   request naming NAME): an echo's scores, with `max_tokens: 0` (what lm-evaluation-harness sends) or
   before generated text, are peft's own log-probabilities and the merged model's, never the base's; so
   are its embeddings and the explorer's views (but the mask, which says it runs the base only); and every
-  response names the adapter asked for.
+  response names the adapter asked for;
+- a model whose numbers are not finite for some tokens (an untied checkpoint with a NaN in one embedding row,
+  what a NaN block scale gives) never answers 200 with NaN nor a 500: embeddings (float and base64), an
+  echo's scores, generation from such a prompt and generation that reaches such a token are a 422 naming
+  the field and the token, and the other requests of the batch get what they get alone.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -195,3 +202,112 @@ def test_the_explorers_views_of_an_adapter_are_its_merged_models_and_its_mask_re
                         {"model": TUNED, "prompt": STORY, "json_schema": {"type": "integer"}})
     assert_openai_error(code, answer, 400, "model")
     assert "base model only" in answer["error"]["message"]
+
+
+# --- a model whose numbers are not finite for one token ------------------------------------------------
+
+POISON = " poison"                 # one token, whose embedding row holds a NaN in the checkpoint below
+POISONED = "The poison apple fell"
+
+
+@pytest.fixture(scope="module")
+def nan_server(env, tmp_path_factory, tok):
+    """A server of the fixture untied (its LM head a copy of the embeddings), embed_tokens' row of POISON
+    holding one NaN: every other token's numbers are the fixture's, and the start-up check (token 0) passes."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("nan_row")
+    for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(QWEN3_RANDOM / file, folder / file)
+    config = json.loads((QWEN3_RANDOM / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    tensors = load_file(QWEN3_RANDOM / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embed.clone()
+    [token] = tok.encode(POISON)
+    embed[token, 5] = torch.nan
+    save_file(tensors, folder / "model.safetensors")
+    with serving(env, str(folder)) as running:
+        yield running.url, str(folder), token
+
+
+def assert_not_finite(code: int, answer: dict, param: str | None) -> None:
+    assert_openai_error(code, answer, 422, param)
+    message = answer["error"]["message"]
+    assert "not finite" in message and repr(POISON) in message and answer["error"]["code"] == "non_finite_numbers", message
+
+
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+def test_embeddings_of_a_token_whose_numbers_are_not_finite_are_a_422_naming_the_input(nan_server, encoding) -> None:
+    url, model, _ = nan_server
+    code, answer = post(url + "/embeddings", {"model": model, "input": ["Hello", POISONED], "encoding_format": encoding})
+    assert_not_finite(code, answer, "input")
+    assert answer["error"]["message"].startswith("input[1]: "), answer
+    code, answer = post(url + "/embeddings", {"model": model, "input": ["Hello"], "encoding_format": encoding})
+    assert code == 200, answer
+
+
+@pytest.mark.parametrize("fields", [{"max_tokens": 0, "echo": True, "logprobs": 1},
+                                    {"max_tokens": 3, "echo": True, "logprobs": 0},
+                                    {"max_tokens": 3}, {"max_tokens": 3, "logprobs": 2}],
+                         ids=["scores-only", "echo-and-generate", "generate", "generate-with-logprobs"])
+def test_a_prompt_whose_numbers_are_not_finite_is_a_422_naming_the_prompt(nan_server, fields) -> None:
+    url, model, _ = nan_server
+    assert_not_finite(*post(url + "/completions", {"model": model, "prompt": POISONED, **fields}), "prompt")
+
+
+def test_a_chat_whose_numbers_are_not_finite_is_a_422_naming_the_messages_whole_and_streamed(nan_server) -> None:
+    url, model, _ = nan_server
+    body = {"model": model, "messages": [{"role": "user", "content": POISONED}], "max_tokens": 3}
+    assert_not_finite(*post(url + "/chat/completions", body), "messages")
+    events = streamed(url + "/chat/completions", {**body, "stream": True})
+    assert "error" in events[-1], events
+    assert_not_finite(422, events[-1], "messages")
+
+
+def streamed(url: str, body: dict) -> list[dict]:
+    """The JSON events of a stream (before [DONE])."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=HANG_SECONDS) as response:
+        assert response.status == 200
+        lines = response.read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def test_a_reply_that_reaches_a_token_whose_numbers_are_not_finite_ends_with_a_422_naming_it(nan_server, tok) -> None:
+    url, model, token = nan_server
+    body = {"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "logit_bias": {str(token): 100}}
+    code, answer = post(url + "/completions", body)
+    assert_not_finite(code, answer, None)
+    assert "generated" in answer["error"]["message"]
+    events = streamed(url + "/completions", {**body, "stream": True})
+    assert events[0]["choices"][0]["text"] == POISON and "error" in events[-1], events
+    assert_not_finite(422, events[-1], None)
+
+
+def test_the_explorer_of_a_prompt_whose_numbers_are_not_finite_is_a_422(nan_server) -> None:
+    url, model, _ = nan_server
+    assert_not_finite(*post(url.removesuffix("/v1") + "/explorer/analyze", {"model": model, "prompt": POISONED}),
+                      "prompt")
+
+
+def test_requests_beside_ones_whose_numbers_are_not_finite_get_what_they_get_alone(nan_server) -> None:
+    url, model, token = nan_server
+    clean = [{"model": model, "prompt": text, "max_tokens": 12, "temperature": 0, "logprobs": 1}
+             for text in ("Once upon a time", "The quick brown fox", "1 2 3 4")]
+    alone = [post(url + "/completions", body) for body in clean]
+    assert all(code == 200 for code, _ in alone)
+    poisoned = [("/completions", {"model": model, "prompt": POISONED, "max_tokens": 8}),
+                ("/completions", {"model": model, "prompt": POISONED, "max_tokens": 0, "echo": True, "logprobs": 1}),
+                ("/completions", {"model": model, "prompt": "Hello", "max_tokens": 8, "logit_bias": {str(token): 100}}),
+                ("/embeddings", {"model": model, "input": [POISONED, "Hello"]})]
+    with ThreadPoolExecutor(len(clean) + len(poisoned)) as pool:
+        bad = [pool.submit(post, url + path, body) for path, body in poisoned]
+        together = [pool.submit(post, url + "/completions", body) for body in clean]
+        assert [future.result()[0] for future in bad] == [422] * len(poisoned)
+        answers = [future.result() for future in together]
+    for (code, answer), (_, solo) in zip(answers, alone):
+        assert code == 200 and answer["choices"][0]["text"] == solo["choices"][0]["text"]
+        np.testing.assert_allclose(answer["choices"][0]["logprobs"]["token_logprobs"],
+                                   solo["choices"][0]["logprobs"]["token_logprobs"], atol=1e-4)

@@ -20,6 +20,11 @@ from ..core.model import Qwen3Model
 LAYER = re.compile(r"model\.layers\.\d+")
 
 
+class NonFiniteLogits(QwenNPError):
+    """The model's own logits (before any sampling setting) are not finite for a sequence's tokens: its
+    weights' doing, not the caller's, so a server answers it apart from bad settings (serving/finite.py)."""
+
+
 class _NotFinite(Exception):
     """Raised inside the trace to stop the forward pass at the first step that is not finite."""
 
@@ -35,9 +40,9 @@ def check_finite(model: Qwen3Model, token_ids: Sequence[int] | np.ndarray, logit
         return logits
     step = first_non_finite_step(model, token_ids)
     if step is None:        # the readable path stayed finite where the fast one did not: say what is known
-        raise QwenNPError("model: the logits are not finite (NaN or Inf), though every traced step's output is")
+        raise NonFiniteLogits("model: the logits are not finite (NaN or Inf), though every traced step's output is")
     layer = match[0] if (match := LAYER.match(step)) else step
-    raise QwenNPError(f"model: the logits are not finite (NaN or Inf): {layer} is the first layer whose output is not "
+    raise NonFiniteLogits(f"model: the logits are not finite (NaN or Inf): {layer} is the first layer whose output is not "
                       f"(first at {step}); the checkpoint's weights hold NaN or Inf there, or overflow FP32")
 
 

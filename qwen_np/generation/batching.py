@@ -19,7 +19,9 @@ strings and a block table into the generator's one paged.BlockPool. Each `step()
    are often still in the prefix cache) and goes on exactly where it was, with the same sampler;
 3. every row whose tokens are all in its cache samples its next token (generate.Continuation: the same
    per-sequence logic as generate()). Sampling is each row's own: a row whose sampling raises (e.g.
-   settings that make its logits non-finite) ends alone with that error, and the others go on.
+   settings that make its logits non-finite), or whose logits the model itself makes non-finite (a NaN
+   in the embedding row of one of its tokens: NonFiniteLogits), ends alone with that error, and the
+   others go on (each row's numbers are its own in a forward pass).
 
 Rows join and leave between any two steps (continuous batching): a new request starts its prefill at
 the next step instead of waiting for the running ones to finish. BatchRunner runs the steps on a
@@ -42,6 +44,7 @@ from ..errors import QwenNPError
 from .generate import Continuation, Ending, TokenEvent
 from .constraints import Grammar
 from .logprobs import check_top_logprobs
+from ..engine.finite import NonFiniteLogits
 from ..engine.paged import BlockPool, PagedKVCache, blocks_for
 from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from ..core.adapters import Adapter
@@ -204,11 +207,15 @@ class BatchGenerator:
         tails = [1 + len(row.draft.tokens) for row, _ in feeds]       # logits of the last token and the drafted ones
         logits = self.model.forward_batch([ids for _, ids in feeds], [row.cache for row, _ in feeds], tails=tails,
                                           adapters=[row.request.adapter for row, _ in feeds])     # [sum(tails), V]
-        for (row, _), row_logits in zip(feeds, np.split(logits, np.cumsum(tails)[:-1])):
+        # A NaN or +inf anywhere in a row's logits is its maximum (NumPy's max propagates NaN): one pass for all.
+        peaks = np.split(np.max(logits, axis=-1), np.cumsum(tails)[:-1])
+        for (row, _), row_logits, row_peaks in zip(feeds, np.split(logits, np.cumsum(tails)[:-1]), peaks):
             if row.pending():
                 continue                                              # more prompt to read first
             assert row.continuation is not None and row.cache is not None
             try:
+                if not np.isfinite(row_peaks).all():      # the model's own numbers, before any setting: its weights'
+                    raise NonFiniteLogits("model: the logits are not finite (NaN or Inf) for this row's tokens")
                 verified = row.continuation.verify(row_logits, row.draft)
             except Exception as error:                                # this row's settings or stop strings
                 events.extend((failed, error) for failed in self.fail(error, [row]))

@@ -25,6 +25,7 @@ with a traceback.
 The modules, one job each, in the order they import one another (each only those before it):
     access.py     who may be served (Host, API key, JSON-only POSTs), the page's paths and headers, the log line
     protocol.py   the HTTP connection: uvicorn's h11 protocol with a deadline for each request's headers
+    finite.py     a response's numbers finite, or the request refused (422) naming the token the model fails on
     structured.py a chat's tools, tool_choice and response_format as the grammar its reply follows
     requests.py   an OpenAI body checked field by field and made into a batch row (Service)
     responses.py  a row's token events shaped as OpenAI's objects and stream chunks (Reply), tool calls and

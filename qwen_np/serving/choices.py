@@ -11,7 +11,7 @@ model's own, as `logprobs` reports it: OpenAI's "highest log probability per tok
 as OpenAI does (the best are known only at the end). Usage counts the prompt once and every candidate's
 tokens.
 
-Imports requests.py and responses.py of serving/.
+Imports requests.py, responses.py and finite.py of serving/.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ..errors import APIError
 from ..generation.batching import Request
 from ..generation.logprobs import PromptLogprobs
 from ..generation.speculative import SpeculationCounts
+from .finite import all_finite, not_finite
 from .requests import Service, _number, sent_prompt
 from .responses import Echo, Reply, beside, prompt_logprobs
 
@@ -74,6 +75,9 @@ async def echo_of(service: Service, body: dict[str, Any], request: Request, http
     ids = list(request.prompt)
     job = PromptLogprobs(service.model, ids, request.logprobs, service.tokenizer, request.adapter)
     await beside(service, job, http, "scoring the prompt")
+    numbers = [number for entry in job.entries for number in (entry.chosen.logprob, *(t.logprob for t in entry.top))]
+    if not all_finite(numbers):
+        raise not_finite(service.model, service.tokenizer, ids, "prompt", "prompt")
     return Echo(text, prompt_logprobs(service.tokenizer.decode(ids[:1]), job.entries))
 
 

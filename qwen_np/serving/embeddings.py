@@ -14,7 +14,7 @@ at most a prefill chunk's tokens each) run there, one after each generation step
 A running stream waits at most one such pass between two tokens, as it does for another request's prefill,
 and an embedding request advances at every step however busy the batch; requests take turns.
 
-Imports requests.py and responses.py of serving/.
+Imports requests.py, responses.py and finite.py of serving/.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import APIError, QwenNPError
 from ..generation.embedding import Embedding, input_ids
+from .finite import all_finite, not_finite
 from .requests import Service, is_token_id
 from .responses import beside
 
@@ -78,9 +79,13 @@ async def embeddings(service: Service, job: Embedding, body: dict[str, Any], htt
     """OpenAI's embeddings response for `job`, computed on the batching thread between generation steps; a
     client that leaves cancels the rest of its passes."""
     await beside(service, job, http, "embedding")
+    vectors = job.vectors
+    for i, vector in enumerate(vectors):
+        if not all_finite(vector):
+            raise not_finite(service.model, service.tokenizer, job.ids[i], f"input[{i}]", "input")
     base64_encoded = body.get("encoding_format") == "base64"
     data = [{"object": "embedding", "index": i, "embedding": encoded(vector, base64_encoded)}
-            for i, vector in enumerate(job.vectors)]
+            for i, vector in enumerate(vectors)]
     return {"object": "list", "data": data, "model": service.name_of(job.adapter), "usage": usage(job)}
 
 

@@ -25,7 +25,7 @@ any other refused by name), and the prompt is serve's too (`prompt`: text or tok
 requests.Service.completion_prompt's checks), at most MAX_TOKENS tokens, since the trace holds every step of
 every layer for each of them. The sampling fields are /v1/completions' (Service.request checks them).
 
-Imports requests.py and structured.py of serving/.
+Imports requests.py, structured.py and finite.py of serving/.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from ..core.sampling import (SamplingParams, apply_repetition_penalty, next_toke
 from ..files.tokenizer import Tokenizer
 from ..generation.constraints import Vocabulary, json_schema_grammar
 from ..generation.generate import Chosen, generate
+from .finite import not_finite
 from .structured import grammar_vocabulary
 
 
@@ -204,6 +205,8 @@ class Explorer:
                 self.runs.move_to_end(key)
                 return self.runs[key]
         run = traced_run(self.model, ids, adapter)      # outside the lock: other prompts need not wait
+        if not np.isfinite(run.logits).all():           # JSON has no NaN: no view of it, and none kept
+            raise not_finite(self.model, self.tokenizer, ids, "prompt", "prompt")
         with self.lock:
             self.runs[key] = run
             while len(self.runs) > CACHE_SIZE:

@@ -4,7 +4,7 @@ prompt tokens, and drafted and accepted ones when speculating), a chat reply's t
 calls as OpenAI's tool_calls (whole, or as delta.tool_calls the official client assembles), and each
 token's log-probabilities when asked for (chat's format, or the completions' legacy one).
 
-Imports requests.py (its Service and api_error) of serving/.
+Imports requests.py (its Service and api_error) and finite.py of serving/.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, AsyncIterator, Sequence
 
+from ..engine.finite import NonFiniteLogits
 from ..errors import APIError, QwenNPError
 from ..files.tokenizer import THINK_OPEN, ThinkingSplitter, split_thinking
 from ..generation.batching import Request, Row, Work
 from ..generation.generate import TokenEvent
 from ..generation.logprobs import Logprobs, TokenLogprob
 from ..generation.tool_calls import Delta, ReplyParser, TextDelta, parse_reply
+from .finite import not_finite
 from .requests import Service, api_error
 
 # Our finish reasons -> OpenAI's: the model ended or a stop string was met -> "stop"; a token limit -> "length".
@@ -69,6 +71,10 @@ class Reply:
 
     async def _next(self) -> TokenEvent:
         event = await self.events.get()
+        if isinstance(event, NonFiniteLogits):  # the model's numbers for this row's tokens: its weights' doing
+            field = "messages" if self.chat else "prompt"
+            tokens = self.row.tokens if self.row is not None else self.request.prompt
+            raise not_finite(self.service.model, self.service.tokenizer, tokens, field, field, len(self.request.prompt))
         if isinstance(event, QwenNPError):      # this request's own sampling failed (batching ends it alone)
             raise api_error(event)
         if isinstance(event, BaseException):
