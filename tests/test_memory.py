@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import tracemalloc
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -149,3 +151,28 @@ def test_pieces_computed_at_once_each_hold_their_gradients_and_tape():
     assert two["activations"] == 2 * one["activations"]          # a piece is 2 rows; two pieces alive at once
     assert two["piece_gradients"] == one["piece_gradients"] == one["gradients"]
     assert two["tied_embedding_gradients"] == 2 * one["tied_embedding_gradients"]
+
+
+# --- A run's plan against the peak it measured -------------------------------------------------------
+
+CHAT_RUNS = {"LoRA rank 8": ["--lora", "8"], "every weight": []}
+
+
+@pytest.mark.parametrize("kind", CHAT_RUNS)
+def test_a_chat_fine_tunes_printed_plan_is_within_15_percent_of_its_measured_peak(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str) -> None:
+    """README's command on 40 short chats (16 a step, --context 256), the 20 MB random Qwen3 with the real
+    152k vocabulary: the plan sizes the step by the rows the batches have (a batch is padded to its longest
+    conversation, about 27 tokens here), not by --context's 256 (4.7x over before), and the peak it is held
+    to is the training's (from the model's load through the last step)."""
+    from conftest import QWEN3_RANDOM
+    from test_lora_training import write_chats
+    from qwen_np.cli import main
+
+    data = write_chats(tmp_path / "chats.jsonl", 40, seed=0)
+    assert main(["train", "--model", str(QWEN3_RANDOM), "--data", str(data), "--out", str(tmp_path / "run"),
+                 "--steps", "2", *CHAT_RUNS[kind]]) == 0
+    report = re.search(r"predicted peak RSS (\d+) MiB .* measured peak RSS (\d+) MiB", capsys.readouterr().err)
+    assert report is not None
+    predicted, measured = (int(figure) for figure in report.groups())
+    assert abs(predicted / measured - 1) < 0.15, f"predicted {predicted} MiB, measured {measured} MiB"

@@ -15,8 +15,7 @@ from ..errors import QwenNPError, reworded
 from ..training import run_folder, trainer
 from ..training.lora import PROJECTIONS, LoraSettings
 from ..training.mixed import PRECISIONS, LossScaler
-from ..engine.memory import training_peak, training_total
-from ..engine.runtime import peak_rss_bytes
+from ..engine.memory import training_peak
 from . import FLAGS
 
 
@@ -26,6 +25,11 @@ SWITCHES = {"loss_scaling": "with --precision fp16: dynamic loss scaling (skip t
                             "what it prevents",
             "recompute": "activation checkpointing: keep each layer's input only and run the layer again in the "
                          "backward: less memory, about one more forward pass per step, the same weights bit for bit"}
+# Settings' fields whose default is not one number (their help says what it is instead).
+DEFAULTS = {"steps": "the preset's, else --epochs over the training data",
+            "epochs": f"{trainer.Settings.epochs:g}, used when neither --steps nor a --preset sets the steps",
+            "warmup": f"the preset's, else {trainer.Settings.warmup}; a new run's, at most "
+                      f"{trainer.WARMUP_FRACTION:g} of its steps"}
 
 
 def train_parser(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +70,8 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
                            "learn on the quantized base's outputs)")
     for flag in fields(trainer.Settings):
         name = "--" + flag.name.replace("_", "-")
-        default = f"(default: the preset's, else {flag.default})"
+        fallback = f"the preset's, else {flag.default}"
+        default = f"(default: {DEFAULTS.get(flag.name, fallback)})"
         if flag.type == "bool":            # --recompute / --no-recompute: a resumed run keeps its saved choice
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=None,
                                 help=f"{SWITCHES[flag.name]} {default}")
@@ -172,19 +177,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"{result.stopped or 'done'} at step {state.step}; best validation loss {state.best_loss:.4f} per "
           f"token ({state.evals[-1]['nats_per_character']:.4f} nats/char last); exported {result.exported}",
           file=sys.stderr)
-    print("memory:\n" + memory_report(result.estimate, result.baseline), file=sys.stderr)
+    print("memory:\n" + memory_report(result.memory), file=sys.stderr)
     return 0
 
 
-def memory_report(estimate: dict[str, int], baseline: int) -> str:
-    """The estimate as one table (MiB), with the process's measured peak next to the prediction (its parts are
-    alive at different moments of a step: the prediction is the peak moment's, training_peak)."""
-    predicted = baseline + training_total(estimate)
+def memory_report(memory: trainer.TrainingMemory) -> str:
+    """The estimate as one table (MiB), with the measured peak RSS next to the prediction (its parts are alive
+    at different moments of a step: the prediction is the peak moment's, training_peak)."""
+    estimate = memory.estimate
     lines = [f"  {key:<26} {value / 2**20:9.1f} MiB" for key, value in estimate.items() if key != "activations_per_token"]
     lines.append(f"  {'activations per token':<26} {estimate['activations_per_token'] / 1024:9.1f} KiB")
-    lines.append(f"  predicted peak RSS {predicted / 2**20:.0f} MiB at the step's {training_peak(estimate).replace('_', ' ')} "
-                 f"(process before training: {baseline / 2**20:.0f} MiB); "
-                 f"measured peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
+    lines.append(f"  predicted peak RSS {memory.predicted / 2**20:.0f} MiB at the step's "
+                 f"{training_peak(estimate).replace('_', ' ')} (the process before the model: {memory.baseline / 2**20:.0f} "
+                 f"MiB); measured peak RSS {memory.peak / 2**20:.0f} MiB "
+                 f"({memory.peak / memory.predicted:.2f}x the prediction; the model's load through the last step)")
     return "\n".join(lines)
 
 

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ..core.defaults import DEFAULT_CONTEXT, MODES   # defined there for --help, which loads no NumPy
 from ..core.config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors, parameter_count, tensor_shapes
 from ..errors import QwenNPError
 from ..numbers.formats import HELD_FORMATS, storage_bytes
+from .runtime import peak_rss_bytes
 
 GiB = 1024 ** 3
-MODES = ("auto", "fp32", "bf16", "stored", "int8", *HELD_FORMATS)   # HELD_FORMATS: q8_0, q4_0 (formats.FormatRows)
 # Other names for a mode: "stored" says what "bf16" does whatever the file holds (BF16, F16, or a GGUF's
 # quantized blocks: kept as they are and widened on use); the plan is the "bf16" one.
 ALIASES = {"stored": "bf16"}
@@ -30,7 +31,6 @@ SAFETY_FRACTION = 0.85   # leave room for the OS, the page cache of the BF16 pat
 # Prompt tokens per forward pass during prefill (generate.py): bounds the [T, V] logits and [H, T, S]
 # attention scores one pass allocates, so the plan can budget working buffers for it.
 PREFILL_CHUNK = 512
-DEFAULT_CONTEXT = 4096   # KV cache positions the plan reserves when the caller does not say
 
 
 def effective_context(config: Qwen3Config, asked: int | None = None) -> int:
@@ -60,6 +60,42 @@ def _cgroup_room() -> int | float:
     except (OSError, ValueError):
         return math.inf
     return math.inf if limit == "max" else max(int(limit) - used, 0)
+
+
+@dataclass
+class ResidentPeak:
+    """This process's resident memory from a moment on: the RSS then (`start`) and the most since (`peak`).
+
+    Linux's high-water mark (VmHWM in /proc/self/status) is restarted at that moment (writing 5 to
+    /proc/self/clear_refs), so an earlier peak (a tokenizer's parse, say) is not taken for the one watched.
+    Where that is not possible (not Linux) `peak` is runtime.peak_rss_bytes, the process's whole-life peak,
+    and `restarted` says so."""
+
+    start: int
+    restarted: bool
+
+    @classmethod
+    def begin(cls) -> "ResidentPeak":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            restarted = True
+        except OSError:
+            restarted = False
+        return cls(_status_bytes("VmRSS") or peak_rss_bytes(), restarted)
+
+    @property
+    def peak(self) -> int:
+        return (_status_bytes("VmHWM") if self.restarted else None) or peak_rss_bytes()
+
+
+def _status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is no such file."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def kv_cache_bytes_per_token(config: Qwen3Config, bytes_per_value: int = 4) -> int:

@@ -48,9 +48,9 @@ from ..files.tokenizer import Tokenizer
 from ..core.config import Qwen3Config, expected_tensors, layer_tensors
 from .data import END_OF_TEXT, END_OF_TEXT_ID
 from ..errors import QwenNPError
-from ..engine.memory import training_memory
+from ..engine.memory import ResidentPeak, training_memory, training_total
 from ..core.model import LayerWeights, Qwen3Model
-from ..engine.runtime import peak_rss_bytes, steady_threads, usable_cores
+from ..engine.runtime import steady_threads, usable_cores
 
 # The model configs a run can start from (`--preset`). "shakespeare" is the bundled default model;
 # "tiny" trains in seconds (CI, tests). data.END_OF_TEXT_ID is <|endoftext|> in the BPE that data.py trains.
@@ -73,13 +73,15 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
 class Settings:
     """A run's hyper-parameters (saved in every checkpoint; a resumed run keeps them)."""
 
-    steps: int = 1000             # optimizer steps in total (resuming continues up to this)
+    steps: int = 0                # optimizer steps in total (resuming continues up to this); 0: --epochs' worth,
+                                  # counted once the data is read (epoch_steps) and saved so
+    epochs: float = 3             # passes over the training data when neither --steps nor a preset sets the steps
     decay_steps: int = 0          # the cosine schedule's length (0: = steps)
     batch_size: int = 16          # sequences per optimizer step
     context: int = 256            # tokens per sequence
     grad_accum: int = 1           # micro-batches per step (same update, 1/grad_accum of the activations)
     lr: float = 1e-3              # peak learning rate
-    warmup: int = 100             # linear warmup steps
+    warmup: int = 100             # linear warmup steps; not given, at most a tenth of the schedule (capped_warmup)
     weight_decay: float = 0.1
     clip: float = 1.0             # global gradient norm limit
     seed: int = 0
@@ -395,13 +397,20 @@ def corpus_sha256(train_text: str, validation_text: str) -> str:
 def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[str, Any] | None) -> Settings:
     """The given settings (the command line's) over the saved run's (resuming) or the preset's, over
     Settings' defaults. overrides: Settings field -> value, None meaning not given."""
+    given = {name for name, value in overrides.items() if value is not None}
+    if {"steps", "epochs"} <= given:
+        raise QwenNPError(f"{overrides['epochs']:g} and `steps` {overrides['steps']} both say how long the run is: "
+                          "give one of them", "epochs")
     base = saved if saved is not None else PRESET_SETTINGS.get(preset or "", {})
-    values = {f.name: overrides[f.name] if overrides.get(f.name) is not None else base.get(f.name, f.default)
-              for f in fields(Settings)}
+    values = {f.name: overrides[f.name] if f.name in given else base.get(f.name, f.default) for f in fields(Settings)}
+    if "epochs" in given:
+        values["steps"] = 0          # counted from the data once it is read (epoch_steps), over a preset's or saved steps
     settings = Settings(**values)
-    for name in ("steps", "batch_size", "context", "grad_accum", "eval_every"):
+    for name in ("batch_size", "context", "grad_accum", "eval_every", *(("steps",) if "steps" in given else ())):
         if getattr(settings, name) < 1:
             raise QwenNPError(f"must be at least 1, got {getattr(settings, name)}", name)
+    if not settings.epochs > 0:
+        raise QwenNPError(f"must be positive, got {settings.epochs:g}", "epochs")
     if settings.batch_size % settings.grad_accum:
         raise QwenNPError(f"{settings.grad_accum} does not divide the batch size {settings.batch_size}", "grad_accum")
     if not settings.lr > 0:
@@ -419,10 +428,10 @@ LAST, BEST = "last.safetensors", "best.safetensors"
 
 # What a resumed run does with a flag given again, with another value than the run's own (the same value
 # changes nothing). Every Settings field is in one of the three. Applied, the run stays bit for bit the one
-# never stopped: --steps (with --decay-steps fixed: else the schedule, which then spans --steps, changes:
-# noted), --eval-every and --patience (when it evaluates, not the weights), --threads (the speed),
+# never stopped: --steps or --epochs (with --decay-steps fixed: else the schedule, which then spans --steps,
+# changes: noted), --eval-every and --patience (when it evaluates, not the weights), --threads (the speed),
 # --recompute (the same bits):
-BIT_EXACT = ("steps", "eval_every", "patience", "threads", "recompute")
+BIT_EXACT = ("steps", "epochs", "eval_every", "patience", "threads", "recompute")
 # Applied with a notice that it no longer is (each changes the updates from here on; the run goes on from
 # its weights, moments and data position):
 NOT_BIT_EXACT = ("lr", "batch_size", "grad_accum", "warmup", "decay_steps", "weight_decay", "clip", "shards",
@@ -476,9 +485,27 @@ class RunResult:
     stopped: str                            # why it stopped early ("" if it ran every step)
     exported: Path | None                   # the exported model, None when interrupted
     last: Path
-    estimate: dict[str, int]                # memory.training_memory of a step
-    baseline: int                           # the process's peak RSS before training (bytes)
+    memory: TrainingMemory                  # the plan and the measured peak
     interrupted: bool = False               # Ctrl-C / SIGTERM: `last` holds the state to resume
+
+
+@dataclass
+class TrainingMemory:
+    """A run's memory plan against what it used: the predicted peak RSS, the process's before the model is built
+    (`baseline`, less what the estimate counts that is already held) plus a step's at its peak (the estimate,
+    engine.memory.training_memory), and the peak RSS measured from the model's load through the last step."""
+
+    estimate: dict[str, int]
+    baseline: int
+    resident: ResidentPeak
+    peak: int = 0                           # measured (bytes); 0 until measure()
+
+    @property
+    def predicted(self) -> int:
+        return self.baseline + training_total(self.estimate)
+
+    def measure(self) -> None:
+        self.peak = self.resident.peak
 
 
 def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
@@ -576,7 +603,9 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
     saved: dict[str, np.ndarray] | None = None
     if spec.resume:
         state, saved, adam_m, adam_v, optimizer_step = _resumed(spec, notes, left)
+        read = sum(array.nbytes for group in (saved, adam_m, adam_v) for array in group.values())
     else:
+        read = 0
         if last.exists():
             raise QwenNPError(f"{out} already holds a run ({LAST}); pass `resume` or another folder", "out")
         state = _new_state(spec)
@@ -587,7 +616,13 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
                           f"({config.max_position_embeddings})", "context")
     base = _base(spec, state, notes)
     data = _data(spec, state, config, base, notes)
+    schedule = _schedule(spec, settings, data, notes)
+    # The plan's baseline: what the process holds before the model is built (its RSS), less the checkpoint's
+    # tensors already read, which the estimate counts (the trained weights, AdamW's moments); the peak is
+    # measured from here (the model's load included) through the last step, not the export after it.
+    resident = ResidentPeak.begin()
     model, params = _model(state, config, base, saved)
+    saved = None                                    # a resumed LoRA run's copies are in its adapters now
     if not spec.resume:
         (out / "config.json").write_text(json.dumps(state.config, indent=2) + "\n")
     optimizer = training.adamw_for(params, weight_decay=settings.weight_decay)
@@ -596,10 +631,9 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
     scaling = settings.precision == "fp16" and settings.loss_scaling
     state.loss_scaler = (state.loss_scaler or mixed.LossScaler()) if scaling else None
     run = Run(state, params, model, optimizer, data, out)
-    baseline = peak_rss_bytes()
     # The tape is FP32 arrays whatever the precision (NumPy keeps the rounded values as FP32).
     adapters = state.lora_settings
-    estimate = training_memory(config, settings.batch_size // settings.grad_accum, settings.context,
+    estimate = training_memory(config, settings.batch_size // settings.grad_accum, longest_row(data, settings.context),
                                recompute=settings.recompute, lora_rank=0 if adapters is None else adapters.rank,
                                lora_targets=() if adapters is None else adapters.targets, frozen=state.lora_memory,
                                micro_batches=settings.grad_accum, shards=settings.shards,
@@ -612,18 +646,75 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
         what += f" (LoRA rank {adapters.rank} on {', '.join(adapters.targets)}; {state.model} frozen)"
     elif state.model is not None:
         what += f" (every weight of {state.model})"
+    memory = TrainingMemory(estimate, resident.start - read, resident)
     events.started(settings, state.step, f"training {what} on {data.describe()} "
-                                         f"({settings.batch_size}x{settings.context} tokens a step) -> {out}")
+                                         f"({settings.batch_size}x{settings.context} tokens a step) -> {out}\n"
+                                         f"plan: {schedule}; memory at its peak: {memory.predicted / 2**20:,.0f} MiB "
+                                         "(predicted)")
     try:
         with Stops() as stops:
             stopped = _loop(run, stops, events)
+            memory.measure()
             # The loop ends on an evaluation it has saved (the last step always evaluates), so best
             # and last hold it; a stop from here on re-exports on resuming.
             exported = _export(run, base, load_state(best)[0])
     except KeyboardInterrupt:
+        memory.measure()
         run.save(LAST)
-        return RunResult(state, "", None, last, estimate, baseline, interrupted=True)
-    return RunResult(state, stopped, exported, last, estimate, baseline)
+        return RunResult(state, "", None, last, memory, interrupted=True)
+    return RunResult(state, stopped, exported, last, memory)
+
+
+def _schedule(spec: RunSpec, settings: Settings, data: TextData | chats.ChatData, notes: list[str]) -> str:
+    """The run's length and warmup settled once its data is read (in `settings`, saved with the run), and the
+    plan printed before its first step: --epochs' steps (epoch_steps) when no --steps or preset sets them; a new
+    run's warmup not given capped to a tenth of its schedule (capped_warmup); a note where a warmup longer
+    than the run leaves the learning rate below --lr throughout."""
+    sequences = sequences_per_epoch(data)
+    if not settings.steps:
+        settings.steps = epoch_steps(settings.epochs, sequences, settings.batch_size)
+    if not spec.resume and spec.overrides.get("warmup") is None:
+        settings.warmup = capped_warmup(settings.warmup, settings.schedule_steps)
+    if settings.warmup > settings.steps:
+        notes.append(f"note: `warmup` {settings.warmup} is longer than the run's `steps` {settings.steps}: the "
+                     f"learning rate rises to {settings.steps / settings.warmup:.0%} of `lr` {settings.lr:g} and never "
+                     f"reaches it (a `warmup` of at most {settings.steps} does)")
+    what = "conversations" if isinstance(data, chats.ChatData) else "windows"
+    epochs = settings.steps * settings.batch_size / sequences
+    return (f"{settings.steps:,} steps of {settings.batch_size} ({epochs:.3g} epochs of {sequences:,} {what}), "
+            f"warmup {settings.warmup}, peak lr {settings.lr:g}")
+
+
+def epoch_steps(epochs: float, sequences: int, batch_size: int) -> int:
+    """Optimizer steps that take `epochs` passes over `sequences` rows, `batch_size` a step (the last one whole)."""
+    return max(1, math.ceil(epochs * sequences / batch_size))
+
+
+# The default warmup's share of the schedule, at most: a run of a few epochs over small data (the default
+# --epochs: a handful of steps) warms up over its first tenth, not over 100 steps it never takes.
+WARMUP_FRACTION = 0.1
+
+
+def capped_warmup(warmup: int, schedule_steps: int) -> int:
+    """A warmup not given on the command line (the default's or a preset's), at most WARMUP_FRACTION of the schedule."""
+    return min(warmup, int(WARMUP_FRACTION * schedule_steps))
+
+
+def sequences_per_epoch(data: TextData | chats.ChatData) -> int:
+    """The rows an epoch over the run's data has: its conversations, or windows of the text (WindowOrder's,
+    counted from offset 0: an epoch's offset takes at most one away)."""
+    if isinstance(data, chats.ChatData):
+        return len(data.train)
+    return max(1, (len(data.corpus.train) - 1) // data.order.context)
+
+
+def longest_row(data: TextData | chats.ChatData, context: int) -> int:
+    """The most tokens a row of the run's batches learns from: the context, or, for chats, the longest
+    conversation's tokens less one (chats.padded_rows pads a batch to its longest, cut at context + 1 tokens:
+    its inputs are all but the last). What the memory plan sizes the step's activations and logits by."""
+    if isinstance(data, TextData):
+        return context
+    return max(1, min(context, max(len(chat.ids) for chat in data.train) - 1))
 
 
 # --- Starting from a checkpoint (--model) and LoRA -----------------------------------------------------
@@ -821,8 +912,8 @@ def _resumed(spec: RunSpec, notes: list[str], left: str | None
         overrides["shards"] = 0                      # rows of another size: cut into shards chosen again
     state.settings = resolve_settings(overrides, None, asdict(saved))
     inexact = [name for name in NOT_BIT_EXACT if getattr(state.settings, name) != getattr(saved, name)]
-    if "steps" in changed and not state.settings.decay_steps:
-        inexact.append("steps")                      # the cosine schedule spans --steps: it changes with them
+    if not state.settings.decay_steps:              # the cosine schedule spans --steps: it changes with them
+        inexact += [name for name in ("steps", "epochs") if name in changed]
     if inexact:
         given = ", ".join(f"`{name}` {getattr(state.settings, name)} (was {getattr(saved, name)})" for name in inexact)
         notes.append(f"note: {given}: applied; the run goes on from step {state.step}, but is no longer bit for bit "
