@@ -166,6 +166,47 @@ def test_cli_inspect_runs_on_a_bare_config_json_with_no_weights(bare_config_dir)
     assert report["parameters"]["total"] == 8_190_735_360
 
 
+def test_cli_inspect_on_a_gguf_reports_its_metadata_and_its_own_tensor_kinds_and_bytes(tmp_path: Path) -> None:
+    """A Q4_K / Q6_K / Q8_0 GGUF (norms F32): the config comes from the file's metadata, and the weight bytes are
+    the file's own, kind by kind (as gguf's reader counts them), not parameters x a generic width."""
+    from gguf import GGUFReader
+
+    from qwen_np.files.gguf_file import GGUFCheckpoint
+    from test_gguf import block_gguf, tiny_checkpoint
+
+    source = tiny_checkpoint(tmp_path / "ckpt", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=64)
+    path = block_gguf(source, tmp_path / "mix.gguf", kinds=["Q4_K", "Q6_K", "Q8_0"])
+    tensors = GGUFReader(path).tensors
+    kinds: dict[str, dict[str, int]] = {}
+    for tensor in tensors:
+        kind = kinds.setdefault(tensor.tensor_type.name, {"tensors": 0, "bytes": 0})
+        kind["tensors"] += 1
+        kind["bytes"] += int(tensor.n_bytes)
+    assert set(kinds) == {"Q4_K", "Q6_K", "Q8_0", "F32"}
+
+    def inspect(*flags: str) -> str:
+        run = subprocess.run([sys.executable, "-m", "qwen_np", "inspect", "--model", str(path), *flags],
+                             cwd=ROOT, capture_output=True, text=True, timeout=HANG_SECONDS)
+        assert run.returncode == 0, run.stderr
+        return run.stdout
+
+    report = json.loads(inspect("--json"))
+    assert report["config_source"] == "GGUF metadata"
+    held = GGUFCheckpoint(path)
+    weights = report["weights_file"]
+    assert weights["path"] == str(path) and weights["kinds"] == kinds
+    assert weights["tensor_bytes"] == sum(int(t.n_bytes) for t in tensors) < path.stat().st_size
+    assert weights["held_bytes"] == round(held.held_bytes_per_value() * report["parameters"]["total"])
+    assert report["memory"]["inference"]["weights"]["bf16"] == weights["held_bytes"]       # kept as stored
+    assert report["this_machine"]["stored_format"] == "/".join(sorted(kinds, key=lambda k: -kinds[k]["bytes"]))
+    text = inspect()
+    assert "follows from config.json" not in text and "the GGUF's metadata" in text
+    for kind, counted in kinds.items():
+        assert re.search(rf"\n  {kind}\s+{counted['tensors']}\s+{counted['bytes'] / 2 ** 20:.2f} MiB", text), text
+    assert "parameters x bytes per value" not in text
+
+
 # --- The live trace ------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from ..files.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, download, is_gguf
 from ..core.config import Qwen3Config, preset
@@ -51,21 +52,24 @@ def run_download(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     from ..inspection.report import inspect_command
     if args.preset:
-        config, name = preset(args.preset), args.preset
+        config, name, source, weights_file = preset(args.preset), args.preset, "preset", None
     else:
-        config, name = _config_of(common.model_folder(args.model)), args.model or common.BUNDLED_NAME
-    print(inspect_command(config, args.tokens, args.json, name, args.ctx_size, args.batch_size, args.lora))
+        (config, source, weights_file), name = _config_of(common.model_folder(args.model)), args.model or common.BUNDLED_NAME
+    print(inspect_command(config, args.tokens, args.json, name, args.ctx_size, args.batch_size, args.lora, source,
+                          weights_file))
     return 0
 
 
-def _config_of(folder: Path) -> Qwen3Config:
-    """config.json, checked against the weights' headers when the folder holds weights, or a GGUF's metadata,
-    checked against its tensors and their values (inspect needs no weights, but describing a config its own
-    weights contradict would describe another model; a damaged file is refused as a load refuses it)."""
+def _config_of(folder: Path) -> tuple[Qwen3Config, str, dict[str, Any] | None]:
+    """(config, where it came from, the file's own weights or None): config.json, checked against the weights'
+    headers when the folder holds weights, or a GGUF's metadata, checked against its tensors and their values,
+    with its tensors' kinds and bytes (inspect needs no weights, but describing a config its own weights
+    contradict would describe another model; a damaged file is refused as a load refuses it)."""
     if is_gguf(folder):
         from ..files.gguf_file import GGUFCheckpoint
-        return GGUFCheckpoint(folder).config
+        checkpoint = GGUFCheckpoint(folder)
+        return checkpoint.config, "GGUF metadata", checkpoint.file_summary()
     config = read_config(folder)
     if (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file():
         Checkpoint(folder, config)
-    return config
+    return config, "config.json", None

@@ -607,6 +607,22 @@ class GGUFCheckpoint(Checkpoint):
         codes = blocks[..., 2:]                                # [out, in/32, 32 | 16]: q8_0 int8, q4_0 nibbles
         return FormatRows(fmt, (codes.view(np.int8) if fmt == "q8_0" else codes, scales), columns)
 
+    def file_summary(self) -> dict[str, Any]:
+        """The file as `inspect` describes it, plain data: its path and size, its tensors' count and bytes per ggml
+        kind (the most bytes first), their bytes in all, and the bytes they take held as stored (held_bytes_per_value:
+        the repacked kinds' parts, the kinds dequantized to FP32)."""
+        kinds: dict[str, dict[str, int]] = {}
+        for name, info in self.tensors.items():
+            tensor = self._quantized.get(name)
+            kind = kinds.setdefault(info.dtype if tensor is None else tensor.tensor_type.name, {"tensors": 0, "bytes": 0})
+            kind["tensors"] += 1
+            kind["bytes"] += info.nbytes if tensor is None else int(tensor.n_bytes)
+        values = sum(math.prod(info.shape) for info in self.tensors.values())
+        return {"path": str(self.folder), "file_bytes": self.folder.stat().st_size,
+                "kinds": dict(sorted(kinds.items(), key=lambda item: -item[1]["bytes"])),
+                "tensor_bytes": sum(kind["bytes"] for kind in kinds.values()),
+                "held_bytes": round(self.held_bytes_per_value() * values)}
+
     def held_bytes_per_value(self) -> float:
         """As held "as stored": the file's bytes for F32/F16/BF16 and the tensors held as their blocks, the
         repacked ones' parts, 4 a value for the tensors dequantized to FP32 (_held_bytes)."""

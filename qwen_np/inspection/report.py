@@ -21,15 +21,22 @@ from ..training.lora import PROJECTIONS
 KV_FORMATS = (("BF16", 2), ("FP32", 4))   # how real runtimes store the KV cache, and how qwen_np does
 # config.json's torch_dtype -> the format name of numerics.BYTES_PER_VALUE
 STORED_FORMATS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}
+# Where the config of a report came from (inspect_report's config_source), as the text says it.
+CONFIG_SOURCES = {"config.json": "(no weights needed: every shape and count follows from config.json)",
+                  "preset": "(no weights needed: every shape and count follows from the preset's config)",
+                  "GGUF metadata": "(every shape and count follows from the GGUF's metadata, checked against its tensors)"}
 
 
 def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth: float,
-                   context: int | None = None, batch_size: int = 16, lora_rank: int | None = None) -> dict[str, Any]:
+                   context: int | None = None, batch_size: int = 16, lora_rank: int | None = None,
+                   config_source: str = "config.json", weights_file: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything `inspect` shows, as plain data (the JSON output, and what the text is rendered from).
 
     context: the KV cache / training sequence length of the memory breakdown (default: the model's
     context, at most memory.DEFAULT_CONTEXT); batch_size: the training batch of that breakdown; lora_rank:
     also LoRA training's at that rank (adapters on all seven projections, the frozen base held each way).
+    config_source: where the config came from (CONFIG_SOURCES); weights_file: a file's own weights
+    (gguf_file.GGUFCheckpoint.file_summary), whose bytes then stand for the weights kept as stored.
     """
     if tokens <= 0:
         raise QwenNPError(f"must be at least 1, got {tokens}", "tokens")
@@ -43,6 +50,8 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
     context = config.max_position_embeddings
     return {
         "model": model_name,
+        "config_source": config_source,
+        "weights_file": weights_file,
         "dimensions": dims,
         "steps": [_step_record(step, dims) for step in STEPS],
         "parameters": {
@@ -63,18 +72,22 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
             "decode_at_context_limit": {"tokens": 1, "positions": context,
                                         "flops": forward_flops(config, 1, context)},
         },
-        "memory": memory_breakdown(config, memory_context, batch_size, lora_rank),
-        "this_machine": _machine_report(config, bandwidth, memory_context),
+        "memory": memory_breakdown(config, memory_context, batch_size, lora_rank,
+                                   None if weights_file is None else weights_file["held_bytes"]),
+        "this_machine": _machine_report(config, bandwidth, memory_context, weights_file),
     }
 
 
-def memory_breakdown(config: Qwen3Config, context: int, batch_size: int, lora_rank: int | None = None) -> dict[str, Any]:
+def memory_breakdown(config: Qwen3Config, context: int, batch_size: int, lora_rank: int | None = None,
+                     stored_bytes: int | None = None) -> dict[str, Any]:
     """Bytes to run the model (weights, KV cache, working buffers) and to train it (memory.training_memory):
     every weight, and with lora_rank its LoRA adapters on all seven projections, the base frozen as each
-    memory mode holds it."""
+    memory mode holds it. stored_bytes: the weights kept as stored (the bf16 mode) where a file says what
+    they take (a GGUF's blocks), else BF16's 2 bytes a weight."""
 
     params = parameter_summary(config)["total"]
-    stored = {"fp32": 4 * params, "bf16": 2 * params, "int8": int8_weight_bytes(config),
+    stored = {"fp32": 4 * params, "bf16": 2 * params if stored_bytes is None else stored_bytes,
+              "int8": int8_weight_bytes(config),
               **{fmt: weight_bytes(config, fmt) for fmt in HELD_FORMATS}}
     remedies = training_remedies(config, batch_size, context)
     baseline = remedies.pop("baseline")
@@ -114,12 +127,18 @@ def _step_record(step: Step, dims: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _machine_report(config: Qwen3Config, bandwidth: float, context: int) -> dict[str, Any]:
+def _machine_report(config: Qwen3Config, bandwidth: float, context: int,
+                    weights_file: dict[str, Any] | None = None) -> dict[str, Any]:
     """Would the weights fit here in each way to hold them, with a KV cache of `context` positions (the
-    breakdown's, --ctx-size), and how fast could decode then go."""
+    breakdown's, --ctx-size), and how fast could decode then go. Kept as stored: config.json's torch_dtype,
+    or a file's own kinds at the bytes they are held in (weights_file)."""
     available = available_memory()
-    stored_format = STORED_FORMATS.get(config.torch_dtype, "BF16")
-    stored_width = int(BYTES_PER_VALUE[stored_format])
+    if weights_file is None:
+        stored_format = STORED_FORMATS.get(config.torch_dtype, "BF16")
+        stored_width: float = int(BYTES_PER_VALUE[stored_format])
+    else:
+        stored_format = "/".join(weights_file["kinds"])
+        stored_width = weights_file["held_bytes"] / parameter_summary(config)["total"]
     candidates = candidate_plans(config, context, stored_width, available)
     plans = {}
     # int8: one byte per weight; its FP32 row scales add 4 bytes per row of D >= 1024 values (< 0.4%).
@@ -136,9 +155,11 @@ def _machine_report(config: Qwen3Config, bandwidth: float, context: int) -> dict
 
 
 def inspect_command(config: Qwen3Config, tokens: int, as_json: bool, model_name: str,
-                    context: int | None = None, batch_size: int = 16, lora_rank: int | None = None) -> str:
+                    context: int | None = None, batch_size: int = 16, lora_rank: int | None = None,
+                    config_source: str = "config.json", weights_file: dict[str, Any] | None = None) -> str:
     """The output of `python -m qwen_np inspect`: text for people, or JSON when as_json."""
-    report = inspect_report(config, tokens, model_name, measure_bandwidth(), context, batch_size, lora_rank)
+    report = inspect_report(config, tokens, model_name, measure_bandwidth(), context, batch_size, lora_rank,
+                            config_source, weights_file)
     return json.dumps(report, indent=2) if as_json else render_report(report)
 
 
@@ -153,7 +174,10 @@ def _render_memory(report: dict[str, Any]) -> str:
     inference, training = memory["inference"], memory["training"]
     context, batch = memory["context"], training["batch_size"]
     lines = [f"Memory to run it, with a {context:,}-token KV cache (--ctx-size)"]
-    lines += [f"  weights {fmt.upper():<5}{' (+ FP32 row scales)' if fmt == 'int8' else '':<25}{_size(n):>12}"
+    notes, names = {"int8": " (+ FP32 row scales)"}, {}
+    if report["weights_file"] is not None:              # a GGUF's bf16 mode keeps the file's blocks
+        notes["bf16"], names["bf16"] = " (the file's kinds)", "STORED"
+    lines += [f"  weights {names.get(fmt, fmt.upper()):<6}{notes.get(fmt, ''):<24}{_size(n):>12}"
               for fmt, n in inference["weights"].items()]
     lines += [f"  {'KV cache (FP32, as qwen_np keeps it)':<38}{_size(inference['kv_cache_fp32']):>12}",
               f"  {'working buffers (a prefill chunk)':<38}{_size(inference['working_buffers']):>12}",
@@ -222,7 +246,8 @@ def _render_dimensions(report: dict[str, Any]) -> str:
     notes = {"KVH": f" (each serves H/KVH = {group} query heads)",
              "Dh": f" (D/H = {dims['D'] / dims['H']:g})" if dims["D"] != dims["H"] * dims["Dh"] else ""}
     lines = [f"{report['model']}: one forward pass over T = {dims['T']} tokens, step by step",
-             "(no weights needed: every shape and count follows from config.json)", "", "Dimensions"]
+             CONFIG_SOURCES[report["config_source"]],
+             "", "Dimensions"]
     lines += [f"  {sym:<4}{value:>8}  {DIMENSIONS[sym]}{notes.get(sym, '')}" for sym, value in dims.items()]
     return "\n".join(lines)
 
@@ -271,11 +296,7 @@ def _render_parameters(report: dict[str, Any]) -> str:
 def _render_bytes(report: dict[str, Any]) -> str:
     kv, L = report["kv_cache"], report["dimensions"]["L"]
     dims = report["dimensions"]
-    lines = ["Weight bytes by number format (parameters x bytes per value)"]
-    for fmt, n in report["weight_bytes"].items():
-        note = {"BF16": "  <- as released", "FP32": "  <- what qwen_np computes in",
-                "INT4": "  (INT8/INT4 also store scales, a few % more)"}.get(fmt, "")
-        lines.append(f"  {fmt:<6}{BYTES_PER_VALUE[fmt]:>4g} B/value  {_gib(n):>12}{note}")
+    lines = _file_bytes(report) if report["weights_file"] is not None else _format_bytes(report)
     per_token, at_limit = kv["bytes_per_token"], kv["bytes_at_context_limit"]
     lines += ["", "KV cache: the keys and values of every layer, kept for every position so far",
               f"  per token: 2 (k and v) x L x KVH x Dh = 2 x {L} x {dims['KVH']} x {dims['Dh']} = "
@@ -285,6 +306,31 @@ def _render_bytes(report: dict[str, Any]) -> str:
               f"  at the context limit ({kv['context_limit']:,} tokens): BF16 {_gib(at_limit['BF16'])}, "
               f"FP32 {_gib(at_limit['FP32'])}"]
     return "\n".join(lines)
+
+
+def _format_bytes(report: dict[str, Any]) -> list[str]:
+    """What the weights would take in each number format: parameters x bytes per value."""
+    lines = ["Weight bytes by number format (parameters x bytes per value)"]
+    for fmt, n in report["weight_bytes"].items():
+        note = {"BF16": "  <- as released", "FP32": "  <- what qwen_np computes in",
+                "INT4": "  (INT8/INT4 also store scales, a few % more)"}.get(fmt, "")
+        lines.append(f"  {fmt:<6}{BYTES_PER_VALUE[fmt]:>4g} B/value  {_gib(n):>12}{note}")
+    return lines
+
+
+def _file_bytes(report: dict[str, Any]) -> list[str]:
+    """A file's own weight bytes, kind by kind, and what they take held as stored."""
+    weights, total = report["weights_file"], report["parameters"]["total"]
+    kinds = weights["kinds"]
+    held = ("the file's bytes" if weights["held_bytes"] == weights["tensor_bytes"]
+            else "kinds repacked at load or dequantized to FP32 take more")
+    lines = [f"Weight bytes in this file ({weights['path']}, {_size(weights['file_bytes'])}), by ggml kind",
+             f"  {'kind':<8}{'tensors':>8}{'bytes':>14}"]
+    lines += [f"  {kind:<8}{n['tensors']:>8}{_size(n['bytes']):>14}" for kind, n in kinds.items()]
+    lines += [f"  {'all':<8}{sum(n['tensors'] for n in kinds.values()):>8}{_size(weights['tensor_bytes']):>14}  "
+              f"({8 * weights['tensor_bytes'] / total:.2f} bits a weight)",
+              f"  {'held':<8}{'':>8}{_size(weights['held_bytes']):>14}  (kept as stored, --memory bf16: {held})"]
+    return lines
 
 
 def _render_flops(report: dict[str, Any]) -> str:
