@@ -77,8 +77,8 @@ def test_an_installed_wheel_generates_offline_from_any_folder(wheel: Path, tmp_p
     run(python, "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall", "--quiet", wheel,
         cwd=elsewhere, env=env)
 
-    where = run(python, "-c", "import qwen_np.cli as cli, qwen_np.commands.common as common; "
-                "print(cli.__file__); print(common.BUNDLED_MODEL)",
+    where = run(python, "-c", "import qwen_np.cli as cli, qwen_np.files.checkpoint as checkpoint; "
+                "print(cli.__file__); print(checkpoint.bundled_model_path())",
                 cwd=elsewhere, env=env).stdout.decode().splitlines()
     package = Path(where[0]).resolve().parent
     assert package.is_relative_to(venv.resolve()), f"imported {package}, not the venv's qwen_np"

@@ -1,29 +1,28 @@
 """What every command shares: one definition of each common flag (the same name, letter, default and help
-wherever it appears), and which model --model means when it is not given (the bundled one)."""
+wherever it appears), and which model --model means when it is not given (the bundled one).
+
+Light at the top: a command's --help builds these flags and imports nothing heavy (the values they show
+come from core.defaults); what runs a model is imported by the functions that run it.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from ..core.adapters import Adapter
-from ..engine import runtime
-from ..files.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter
-from ..files.checkpoint import BUNDLED, bundled_model_path, resolve_model_path
-from ..engine.paged import OwnPoolCache
-from ..errors import QwenNPError
-from ..files.model_files import ModelFiles, open_model
 from ..core.config import Qwen3Config
-from ..core.kv_cache import KV_DTYPES
-from ..generation.speculative import check_draft_folder, load_draft
-from ..generation.speculative import DEFAULT_DRAFT_TOKENS, Speculation, draft_speculation, lookup_speculation
-from ..files.tokenizer import Tokenizer
-from ..engine.memory import DEFAULT_CONTEXT, MODES
+from ..core.defaults import BUNDLED, DEFAULT_CONTEXT, DEFAULT_DRAFT_TOKENS, KV_DTYPES, MODES, usable_cores
+from ..errors import QwenNPError
 
-BUNDLED_MODEL = bundled_model_path()
+if TYPE_CHECKING:
+    from ..core.adapters import Adapter
+    from ..files.model_files import ModelFiles
+    from ..files.tokenizer import Tokenizer
+    from ..generation.speculative import Speculation
+
 BUNDLED_NAME = BUNDLED        # what the bundled model is called where it is served and in stats lines
-# `--draft bundled`: the bundled model's own draft (BUNDLED_MODEL/draft) from any folder, as `--model bundled`
+# `--draft bundled`: the bundled model's own draft (bundled_model_path()/draft) from any folder, as `--model bundled`
 # (its default) is the bundled model from any folder. No hub id is a bare word; a folder named so is ./bundled.
 BUNDLED_DRAFT = BUNDLED
 MEMORY_HELP = ("how to hold the weights: fp32 upcasts every weight once at load (fastest), bf16 (or stored) keeps them "
@@ -73,9 +72,9 @@ def add_kv_dtype(parser: argparse.ArgumentParser) -> None:
 
 
 def add_threads(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-t", "--threads", type=at_least(1), default=runtime.usable_cores(), metavar="N",
+    parser.add_argument("-t", "--threads", type=at_least(1), default=usable_cores(), metavar="N",
                         help=f"threads for the matrix products, at most (fewer while other processes keep the cores "
-                             f"busy; default: all {runtime.usable_cores()} cores)")
+                             f"busy; default: all {usable_cores()} cores)")
 
 
 def add_context(parser: argparse.ArgumentParser, what: str, minimum: int = 2, default: int | None = None,
@@ -108,6 +107,8 @@ def check_speculation(args: argparse.Namespace, config: Qwen3Config, tokenizer: 
         raise QwenNPError("--draft-tokens: drafts only with --draft MODEL or --lookup N")
     if args.draft is None:
         return None
+    from ..files.model_files import open_model
+    from ..generation.speculative import check_draft_folder
     draft = open_model(draft_folder(args.draft), "draft")
     check_draft_folder(draft, config, tokenizer)
     return draft
@@ -115,9 +116,10 @@ def check_speculation(args: argparse.Namespace, config: Qwen3Config, tokenizer: 
 
 def draft_folder(draft: str) -> Path:
     """The checkpoint of --draft: the bundled draft (BUNDLED_DRAFT), or a folder, GGUF file or hub id."""
+    from ..files.checkpoint import bundled_model_path, resolve_model_path
     if draft != BUNDLED_DRAFT:
         return resolve_model_path(draft, "draft")
-    folder = BUNDLED_MODEL / "draft"
+    folder = bundled_model_path() / "draft"
     if not (folder / "config.json").is_file():
         raise QwenNPError(f"--draft {BUNDLED_DRAFT}: the bundled draft is not at {folder} (reinstall qwen_np, or pass "
                           "a checkpoint folder)")
@@ -127,6 +129,8 @@ def draft_folder(draft: str) -> Path:
 def speculation(args: argparse.Namespace, draft: ModelFiles | None, max_tokens: int) -> Speculation | None:
     """The speculation --draft (its checkpoint `draft`, loaded now; its cache stores --kv-dtype like the
     model's) or --lookup asks for, or None."""
+    from ..engine.paged import OwnPoolCache
+    from ..generation.speculative import draft_speculation, load_draft, lookup_speculation
     tokens = args.draft_tokens or DEFAULT_DRAFT_TOKENS
     if draft is not None:
         model = load_draft(draft, memory=args.memory, max_tokens=max_tokens + tokens)
@@ -137,6 +141,7 @@ def speculation(args: argparse.Namespace, draft: ModelFiles | None, max_tokens: 
 def read_lora(folder: str, config: Qwen3Config, name: str | None = None) -> Adapter:
     """The LoRA adapter --lora names (files.adapter.read_adapter), checked for a model of `config`; a path that
     is no folder is said to be one before its files are looked for (a GGUF adapter is a single file)."""
+    from ..files.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter
     path = Path(folder).expanduser()
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
@@ -155,8 +160,10 @@ def add_quiet(parser: argparse.ArgumentParser, what: str) -> None:
 
 def model_folder(model: str | None) -> Path:
     """The checkpoint folder of --model (fetched from the hub if need be); not given, the bundled one."""
+    from ..files.checkpoint import resolve_model_path
     return resolve_model_path(BUNDLED if model is None else model)
 
 
 def is_bundled(folder: Path) -> bool:
-    return folder.resolve() == BUNDLED_MODEL.resolve()
+    from ..files.checkpoint import bundled_model_path
+    return folder.resolve() == bundled_model_path().resolve()

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import numpy as np
 from tqdm import tqdm
 
-from ..precision import lab as precision
-from ..numbers.formats import FORMATS
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def add_compare_argument(parser: argparse.ArgumentParser) -> None:
@@ -18,8 +17,8 @@ def add_compare_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", nargs="+", metavar="FORMAT",
                         help="also score the model with its weights in each FORMAT (space- or comma-separated) against "
                              "itself in FP32 on the same windows: perplexity and its ratio to FP32, KL divergence of the "
-                             "next-token distribution (mean, median, p99), same top-1, RMS dp "
-                             f"({', '.join(FORMATS)})")
+                             "next-token distribution (mean, median, p99), same top-1, RMS dp (the formats "
+                             "`precision --formats` takes, e.g. bf16 q8_0 q4_0)")
 
 
 def format_names(given: Sequence[str]) -> list[str]:
@@ -48,6 +47,7 @@ def progress_bar(unit: str = "tok") -> Any:
 def format_comparison(folder: Path, docs: list[np.ndarray], context: int, formats: Sequence[str]) -> dict[str, dict[str, Any]]:
     """What `eval --compare` reports: every format against the FP32 model on eval's own documents and
     windows (a text shorter than one window is one window, as eval scores it)."""
+    from ..precision import lab as precision
     with progress_bar() as bar:
         return precision.compare_formats(precision.load_reference(folder, context, "compare"), docs, formats,
                                          context, "compare", progress=bar.report)

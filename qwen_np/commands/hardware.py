@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..inspection import hardware
 from ..core.config import preset
 from ..errors import QwenNPError
+
+if TYPE_CHECKING:
+    from ..inspection import hardware
 
 MODELS = ("qwen3-0.6b", "qwen3-8b")
 
@@ -28,6 +30,7 @@ PARSERS = {"hardware": hardware_parser}      # cli.py builds the command's parse
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..inspection import hardware     # here: --help needs none of it (nor NumPy)
     if args.png:
         _require_matplotlib()
     topology = hardware.read_topology()

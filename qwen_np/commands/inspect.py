@@ -7,10 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..files.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, download, is_gguf
 from ..core.config import Qwen3Config, preset
-from ..engine.memory import DEFAULT_CONTEXT
-from ..files.model_files import read_config
+from ..core.defaults import DEFAULT_CONTEXT
 from . import common
 
 
@@ -45,6 +43,7 @@ PARSERS = {"download": download_parser, "inspect": inspect_parser}      # cli.py
 
 
 def run_download(args: argparse.Namespace) -> int:
+    from ..files.checkpoint import download      # here: --help needs none of it (nor NumPy)
     print(download(args.repo_id))
     return 0
 
@@ -65,6 +64,8 @@ def _config_of(folder: Path) -> tuple[Qwen3Config, str, dict[str, Any] | None]:
     headers when the folder holds weights, or a GGUF's metadata, checked against its tensors and their values,
     with its tensors' kinds and bytes (inspect needs no weights, but describing a config its own weights
     contradict would describe another model; a damaged file is refused as a load refuses it)."""
+    from ..files.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, is_gguf
+    from ..files.model_files import read_config
     if is_gguf(folder):
         from ..files.gguf_file import GGUFCheckpoint
         checkpoint = GGUFCheckpoint(folder)

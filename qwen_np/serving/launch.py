@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..core.adapters import Adapter
+from ..core.defaults import DEFAULT_HOST, DEFAULT_MAX_BATCH, DEFAULT_PORT  # noqa: F401  (there for --help)
 from ..engine.paged import BlockPool, PagedKVCache, block_bytes, blocks_for
 from ..core.model import Qwen3Model
 from ..engine.finite import check_weights_finite
@@ -32,7 +33,6 @@ from .app import create_app
 from .protocol import KEEP_ALIVE_SECONDS, header_deadline_protocol
 from .requests import DEFAULT_MAX_TOKENS, LENGTH_FACTOR, Service, longest_token, tokens_per_message
 
-DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_BATCH = "127.0.0.1", 8000, 8
 
 
 def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.socket, *, max_batch: int = DEFAULT_MAX_BATCH,

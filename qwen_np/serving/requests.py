@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
+from ..core.defaults import DEFAULT_MAX_TOKENS   # defined there for --help, which loads no NumPy
 from ..core.adapters import Adapter
 from ..core.model import Qwen3Model
 from ..errors import APIError, QwenNPError
@@ -43,7 +44,6 @@ from .structured import grammar, read_tools
 
 # max_tokens of a request that gives none: 2,048 tokens are ~30 minutes of Qwen3-8B decode on two cores,
 # where "what the context has left" (32,768 - prompt) would keep a row busy for hours.
-DEFAULT_MAX_TOKENS = 2048
 # The request fields, one catalogue (README's "Request fields" shows it; a test holds the two together):
 # what each endpoint reads, what every endpoint reads and leaves alone (it changes no answer), and what it
 # refuses unless "off". Any other field is refused by name.

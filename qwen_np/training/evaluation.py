@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..core.defaults import DEFAULT_WINDOW  # noqa: F401  (defined there for --help, which loads no NumPy)
 from ..engine import memory, runtime
 from .data import END_OF_TEXT
 from ..core.layers import log_softmax
@@ -46,7 +47,6 @@ class TextScore:
                 "nats_per_character": per_char, "bits_per_character": per_char / math.log(2)}
 
 
-DEFAULT_WINDOW = 1024      # tokens per window when eval is not told: the model's context, at most this
 
 
 def documents(text: str) -> list[str]:
