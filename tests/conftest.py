@@ -36,6 +36,7 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from typing import Callable, Iterator  # noqa: E402
 
+import ml_dtypes  # noqa: E402,F401  safetensors.numpy reads a BF16 file only once ml_dtypes has registered bfloat16
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 

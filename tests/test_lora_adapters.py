@@ -188,7 +188,7 @@ def test_a_bad_lora_folder_is_one_line_and_exit_2(adapters, tmp_path) -> None:
             f"error: {folder / ADAPTER_CONFIG}: use_dora: True is not supported (only False)"], result.stderr
     result = run_cli("generate", "--model", str(QWEN3_RANDOM), "--lora", str(tmp_path / "none"), "Hi")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert str(tmp_path / "none" / ADAPTER_CONFIG) in result.stderr
+    assert result.stderr.startswith(f"error: --lora: {tmp_path / 'none'} does not exist"), result.stderr
 
 
 # --- one adapter, every row --------------------------------------------------------------------------
