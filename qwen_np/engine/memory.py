@@ -277,6 +277,9 @@ def training_memory(config: Qwen3Config, rows: int, context: int, recompute: boo
     Pieces computed at once (min(shards, threads)) each hold their own tape, gradients and transients, and
     while an earlier piece's or micro-batch's gradient is kept to add into, the backward holds one set more
     ("piece_gradients"): an upper bound, as the pieces' threads do not reach their peaks at the same instant.
+    But for one moment: the pieces reach their backward's end one after another, so a tied model's embedding
+    gradients there are one piece's (counted for each, the plan was 20% over the peak RSS of a full step on 2
+    threads: bench/README.md, "The training memory plan").
     lora_rank (LoRA, with lora_targets: the projections adapted): only the adapters have FP32 weights,
     gradients and AdamW moments; the frozen base is held as `frozen` says (a MODES name) with no gradient
     nor moments ("frozen_base"); a base not held in FP32 is widened whole, one matrix at a time, for the
@@ -314,7 +317,7 @@ def training_memory(config: Qwen3Config, rows: int, context: int, recompute: boo
              "head_gradient": 0 if lora_rank else at_once * table,
              "rounded_head": int(max(rounding * row, row + at_once * rounding * table)) if rounding else 0,
              "frozen_upcast": at_once * table if widened else 0,
-             "tied_embedding_gradients": at_once * 2 * table if config.tie_word_embeddings and not lora_rank else 0,
+             "tied_embedding_gradients": 2 * table if config.tie_word_embeddings and not lora_rank else 0,
              "piece_gradients": 4 * params * (at_once - 1 + again), "adamw_temporaries": 2 * 4 * largest}
     return {**held, "weights": 4 * params, "gradients": 4 * params, "adamw": 8 * params,
             "activations_per_token": per_token, **{name: value for name, value in parts.items() if value}}
