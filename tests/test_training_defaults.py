@@ -93,3 +93,20 @@ def test_steps_and_epochs_both_given_is_one_error_naming_them(tmp_path: Path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --epochs: 2 and --steps 5 both say how long the run is")
     assert not (tmp_path / "run").exists()
+
+
+def test_epochs_given_on_resuming_recount_the_runs_steps_with_a_note(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(hf_config(SMALL)))
+    data = write_text(tmp_path / "text.txt")
+    flags = ["--batch-size", "4", "--context", "16", "--lr", "1e-2"]
+    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(data), "--config", str(config), "--steps", "2",
+                 *flags]) == 0
+    one = plan_of(tmp_path / "one", config=config, data=str(data),
+                  overrides={"epochs": 0.1, "batch_size": 4, "context": 16})
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--epochs", "0.1"]) == 0
+    assert load_state(tmp_path / "run" / LAST)[3]["settings"]["steps"] == one.settings.steps > 2
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: --epochs")]
+    assert len(notes) == 1 and "no longer bit for bit" in notes[0]
