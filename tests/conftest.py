@@ -187,6 +187,14 @@ def make_checkpoint(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment a CLI or server subprocess runs in: no network, an empty Hugging Face cache (what a
+    fresh offline machine has), this checkout on the path."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
+            "PYTHONPATH": str(ROOT)}
+
+
 @pytest.fixture(autouse=True, scope="session")
 def no_weight_cache_in_home() -> Iterator[None]:
     """No test writes an FP32 weight cache into the user's cache folder (a full-width test model is

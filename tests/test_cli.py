@@ -3,7 +3,6 @@
 
 import io
 import json
-import os
 import re
 import resource
 import signal
@@ -24,13 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 STATS = re.compile(r"^stats: model=.+ prompt_tokens=(\d+) cached_tokens=(\d+) new_tokens=(\d+) load=[\d.]+s "
                    r"prefill=\S+ decode=\S+ peak_rss=\d+MiB finish=(\w+)$")
 DIM, RESET = ReplyWriter.DIM, ReplyWriter.RESET
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    """No network and an empty Hugging Face cache: what a fresh offline machine has."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
-            "PYTHONPATH": str(ROOT)}
 
 
 def qwen(env, *args: str, stdin: str | bytes | None = None) -> subprocess.CompletedProcess:

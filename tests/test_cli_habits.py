@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 
 import pytest
@@ -15,13 +14,6 @@ from qwen_np.commands.generate import ReplyWriter
 from test_cli import QWEN3, ROOT, assert_one_error_line, qwen
 
 pytestmark = pytest.mark.slow      # every test runs `python -m qwen_np` as a subprocess
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    """No network, an empty Hugging Face cache (as test_cli.py runs the CLI)."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
-            "PYTHONPATH": str(ROOT)}
 
 
 def replies(result) -> list[dict]:

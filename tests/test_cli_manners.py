@@ -6,7 +6,6 @@ nothing, `inspect`'s fit at the context it is given, and a model with a chat tem
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -24,13 +23,6 @@ from qwen_np.inspection.report import inspect_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT_TEXT = "To be, or not to be, that is the question."      # 15 tokens: shorter than eval's window (256)
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    """No network, an empty Hugging Face cache, this checkout on the path (as test_cli.py runs the CLI)."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
-            "PYTHONPATH": str(ROOT)}
 
 
 def loaded_after(env: dict[str, str], argv: list[str]) -> set[str]:

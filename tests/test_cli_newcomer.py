@@ -6,7 +6,6 @@ across the commands; every command's --help without NumPy."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -22,13 +21,6 @@ from qwen_np.cli import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT_TEXT = "To be, or not to be, that is the question."
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    """No network, an empty Hugging Face cache, this checkout on the path (as test_cli.py runs the CLI)."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
-            "PYTHONPATH": str(ROOT)}
 
 
 def error_lines(argv: list[str], capsys) -> list[str]:

@@ -9,7 +9,6 @@ the server's ephemeral port.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -25,13 +24,6 @@ BLOCKS = [(README.count("\n", 0, found.start()) + 2, found[1])        # (the fir
 SERVE_URL = "http://127.0.0.1:8000/v1"          # serve's default address, which a client block is written for
 LOCAL = [(line, code) for line, code in BLOCKS if SERVE_URL not in code]
 CLIENTS = [(line, code) for line, code in BLOCKS if SERVE_URL in code]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """No network and an empty Hugging Face cache: what a fresh offline machine has."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
-            "PYTHONPATH": str(ROOT)}
 
 
 def run_block(code: str, env: dict[str, str], folder: Path) -> subprocess.CompletedProcess:

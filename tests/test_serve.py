@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import select
 import socket
@@ -44,12 +43,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(QWEN3_RANDOM)       # the name clients ask for: the fixture's folder, as --model was given it
 PROMPTS = ["The quick brown fox", "Hello", "Once upon a time, in a land far away,", "1 2 3 4", "猫日本",
            "Why is the sky blue?", "def main():", "Bonjour"]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
-            "PYTHONPATH": str(ROOT)}
 
 
 @dataclass

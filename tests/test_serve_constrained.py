@@ -25,6 +25,7 @@ import pytest
 from conftest import HANG_SECONDS, QWEN3_RANDOM
 from qwen_np.files.tokenizer import Tokenizer
 from test_serve import ROOT, serving
+from test_serve_tools import CITY, NO_THINKING, call
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -34,21 +35,14 @@ pytest.importorskip("llguidance")
 pytestmark = pytest.mark.slow
 
 MODEL = str(QWEN3_RANDOM)
-CITY = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-        "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}}}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}}}
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 PARIS = {"city": "Paris", "unit": "C"}
 
 
 def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
-
-
-def call(name: str, arguments: dict) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 @pytest.fixture(scope="module")

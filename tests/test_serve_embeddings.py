@@ -20,7 +20,7 @@ from qwen_np.generation.embedding import Embedding
 from qwen_np.core.sampling import SamplingParams
 from conftest import HANG_SECONDS, QWEN3_RANDOM
 from test_embedding import TEXTS, bare_qwen3, last_token_pooling, with_embedding_tokenizer
-from test_serve import MODEL, ROOT, assert_openai_error, post, serving
+from test_serve import MODEL, assert_openai_error, post, serving
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
@@ -29,13 +29,6 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 pytestmark = pytest.mark.slow      # servers in subprocesses
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    import os
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
-            "PYTHONPATH": str(ROOT)}
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ assistant message with null content is valid input.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import urllib.error
@@ -33,12 +32,6 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 CHAT, COMPLETIONS = "/chat/completions", "/completions"
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
-            "PYTHONPATH": str(ROOT)}
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -37,12 +36,6 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 pytestmark = pytest.mark.slow      # servers in subprocesses
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
-            "PYTHONPATH": str(ROOT)}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ whole and streamed), for log-probabilities equal to transformers' and for the sa
 from __future__ import annotations
 
 import json
-import os
 
 import jsonschema
 import numpy as np
@@ -44,12 +43,6 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 def call(name: str, arguments: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
-            "PYTHONPATH": str(ROOT)}
 
 
 def client_of(url: str):
