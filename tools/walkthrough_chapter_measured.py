@@ -193,7 +193,8 @@ def remedies_part(figures: dict[str, Any], step_estimate: dict[str, int]) -> str
           "the baseline's estimate is the step's total without the weights")
     real = preset(REAL)
     # inspect's memory report, its training half (the first paragraph is the memory to run the model)
-    estimate = _render_memory({"memory": memory_breakdown(real, REMEDY_CONTEXT, REMEDY_BATCH)}).split("\n\n", 1)[1]
+    report = {"memory": memory_breakdown(real, REMEDY_CONTEXT, REMEDY_BATCH), "weights_file": None}   # no GGUF
+    estimate = _render_memory(report).split("\n\n", 1)[1]
     return f"""**The remedies, side by side.** Out of memory, the notes say: a smaller batch, BF16/FP16, gradient
 accumulation; and every large trainer adds **recomputation** (`train --recompute`: keep only each
 layer's input, run the layer again during the backward pass; the same weights bit for bit, one more

@@ -146,6 +146,11 @@ class Tokenizer:
         pieces = self.encode_chat_pieces(messages, add_generation_prompt, enable_thinking, tools)
         return [token for piece in pieces for token in piece.ids]
 
+    def is_special(self, text: str) -> bool:
+        """Whether `text` is one of this tokenizer's special tokens (Qwen3's <|im_start|>; a tokenizer of its own,
+        such as the bundled model's, may read the chat markup as plain text)."""
+        return text in self._special
+
     def encode_chat_pieces(self, messages: list[Message], add_generation_prompt: bool = True,
                            enable_thinking: bool | None = None,
                            tools: list[dict[str, Any]] | None = None) -> list[ChatPiece]:

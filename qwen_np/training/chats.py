@@ -115,7 +115,12 @@ def chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]],
     end (one that straddled it would be part header; Qwen3's tokenizer splits there, as <think> is an added
     token and the header ends in its own newline token unless the turn's text starts with a newline, which
     Qwen3's template strips).
+
+    A tokenizer that reads <|im_start|> as text (the bundled model's) cannot tell the template's markup from a
+    message's by the tokens, at training as at serving: its turns are found in the rendered text (text_turns).
     """
+    if not tokenizer.is_special(TURN_START):
+        return text_turns(tokenizer, messages, tools)
     ids: list[int] = []
     learned: list[bool] = []
     characters, in_turn, opened = 0, False, False      # opened: the piece before was <|im_start|>
@@ -133,6 +138,29 @@ def chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]],
         learned += [begin is not None and first >= begin for first, _ in piece.offsets]
         characters += 0 if begin is None else len(piece.text) - begin
     return Chat(np.asarray(ids, dtype=np.int64), np.asarray(learned, dtype=bool), characters)
+
+
+def text_turns(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Chat:
+    """chat_tokens for a tokenizer without the markup's special tokens: the rendered text's assistant turns,
+    each from the end of a "<|im_start|>assistant\\n" header through its "<|im_end|>", carried to the tokens
+    by their character offsets (a token is learned when it lies inside a turn)."""
+    pieces = tokenizer.encode_chat_pieces(messages, add_generation_prompt=False, tools=tools)
+    ids = [token for piece in pieces for token in piece.ids]
+    offsets, at = [], 0                                  # each token's characters in the whole text
+    for piece in pieces:
+        offsets += [(at + first, at + last) for first, last in piece.offsets]
+        at += len(piece.text)
+    text, header, spans = "".join(piece.text for piece in pieces), TURN_START + ASSISTANT_ROLE, []
+    start = text.find(header)
+    while start != -1:
+        begin = start + len(header)
+        end = text.find(TURN_END, begin)
+        end = len(text) if end == -1 else end + len(TURN_END)
+        spans.append((begin, end))
+        start = text.find(header, end)
+    learned = [any(begin <= first and last <= end for begin, end in spans) for first, last in offsets]
+    return Chat(np.asarray(ids, dtype=np.int64), np.asarray(learned, dtype=bool),
+                sum(end - begin for begin, end in spans))
 
 
 def encoded_chats(tokenizer: Tokenizer, path: Path) -> list[Chat]:
