@@ -221,13 +221,7 @@ def test_a_flag_several_commands_take_has_the_same_spellings_and_value_in_each()
 
 # --- Every command's --help without NumPy --------------------------------------------------------------
 
-# The commands whose --help still imports NumPy, and why: train's flags are trainer.Settings' fields and its
-# help names trainer's resume rules, all in the module that runs training (qwen_np/training/trainer.py).
-HELP_WITH_NUMPY = {"train": "train's flags are read from trainer.Settings, in the module that trains"}
-
-
-@pytest.mark.parametrize("command", [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=HELP_WITH_NUMPY[name]))
-                                     if name in HELP_WITH_NUMPY else name for name in COMMANDS])
+@pytest.mark.parametrize("command", list(COMMANDS))
 def test_a_command_s_help_imports_no_numpy(env, command) -> None:
     result = subprocess.run([sys.executable, "-X", "importtime", "-m", "qwen_np", command, "--help"], cwd=ROOT, env=env,
                             capture_output=True, timeout=120)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qwen_np.core import layers
-from qwen_np.core.config import Qwen3Config
+from qwen_np.core.config import LAYER_MATRICES, Qwen3Config
 from qwen_np.engine.loading import load_model
 from qwen_np.errors import QwenNPError
 from qwen_np.numbers.numerics import Adapted, upcast
@@ -65,7 +65,7 @@ def micro_model(seed: int, tied: bool = False):
     return model_from_parameters(config, params), rng
 
 
-@pytest.mark.parametrize("targets", [lora.PROJECTIONS, ("q_proj", "down_proj")])
+@pytest.mark.parametrize("targets", [LAYER_MATRICES, ("q_proj", "down_proj")])
 def test_the_networks_adapter_gradients_match_float64_central_differences(targets: tuple[str, ...]) -> None:
     """Through the whole network (adapters on some or all projections): every adapter weight's gradient,
     and no gradient for any frozen tensor."""
@@ -75,7 +75,7 @@ def test_the_networks_adapter_gradients_match_float64_central_differences(target
     for name, p in params.items():                     # float64 for the differences; B nonzero
         p[...] = rng.standard_normal(p.shape) * 0.3 if ".lora_B." in name else p
     for layer in model.layers:
-        for key in lora.PROJECTIONS:
+        for key in LAYER_MATRICES:
             w = getattr(layer, key)
             if isinstance(w, Adapted):
                 setattr(layer, key, Adapted(w.base, w.a.astype(np.float64), w.b.astype(np.float64), w.scale))
@@ -164,7 +164,7 @@ def test_loss_and_every_adapter_gradient_match_torch_and_peft(tmp_path: Path) ->
         if ".lora_B." in name:
             p[...] = rng.standard_normal(p.shape).astype(np.float32) * 0.1
     tuned = peft.get_peft_model(reference, peft.LoraConfig(r=4, lora_alpha=6.0, lora_dropout=0.0,
-                                                           target_modules=list(lora.PROJECTIONS)))
+                                                           target_modules=list(LAYER_MATRICES)))
     theirs = {n.removeprefix("base_model.model.").replace(".default", ""): p
               for n, p in tuned.named_parameters() if p.requires_grad}
     assert sorted(theirs) == sorted(ours), "peft's names for Qwen3, less its base_model.model. prefix"
@@ -270,7 +270,7 @@ def test_dropout_in_the_training_step_is_the_same_mask_forward_and_backward() ->
     model, rng = micro_model(8)
     lora.add_adapters(model, rank=2, seed=8)
     for layer in model.layers:                         # float64 adapters, B nonzero: central differences to 1e-6
-        for key in lora.PROJECTIONS:
+        for key in LAYER_MATRICES:
             w = getattr(layer, key)
             setattr(layer, key, Adapted(w.base, 0.3 * rng.standard_normal(w.a.shape), 0.3 * rng.standard_normal(w.b.shape),
                                         w.scale))

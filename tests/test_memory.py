@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from qwen_np import QwenNPError, preset
-from qwen_np.core.config import Qwen3Config
+from qwen_np.core.config import LAYER_MATRICES, Qwen3Config
 from qwen_np.engine.memory import (GiB, kv_cache_bytes_per_token, plan_memory, training_memory, training_moments,
                                    training_peak, training_total)
 from qwen_np.numbers.numerics import held
@@ -126,7 +126,7 @@ def measured_step_peak(config: Qwen3Config, rows: int, context: int, lora_rank: 
 @pytest.mark.parametrize("name", STEPS)
 def test_training_estimate_is_within_a_tenth_of_the_steps_measured_peak(name):
     config, rows, context, settings = STEPS[name]
-    targets = lora.PROJECTIONS if settings.get("lora_rank") else ()       # add_adapters' default: all seven
+    targets = LAYER_MATRICES if settings.get("lora_rank") else ()       # add_adapters' default: all seven
     estimate = training_total(training_memory(config, rows, context, lora_targets=targets, **settings))
     measured = measured_step_peak(config, rows, context, **settings)
     assert abs(estimate / measured - 1) < 0.10, f"estimate {estimate / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
@@ -136,11 +136,11 @@ def test_a_tied_full_steps_peak_is_its_backwards_end_with_the_two_embedding_grad
     estimate = training_memory(WIDE_VOCAB, 2, 64)
     assert training_peak(estimate) == "backward"
     assert estimate["tied_embedding_gradients"] == 2 * 4 * WIDE_VOCAB.vocab_size * WIDE_VOCAB.hidden_size
-    assert "tied_embedding_gradients" not in training_memory(WIDE_VOCAB, 2, 64, lora_rank=8, lora_targets=lora.PROJECTIONS)
+    assert "tied_embedding_gradients" not in training_memory(WIDE_VOCAB, 2, 64, lora_rank=8, lora_targets=LAYER_MATRICES)
 
 
 def test_the_total_is_the_largest_moment_not_every_transient_added():
-    estimate = training_memory(WIDE_VOCAB, 2, 64, lora_rank=8, lora_targets=lora.PROJECTIONS)
+    estimate = training_memory(WIDE_VOCAB, 2, 64, lora_rank=8, lora_targets=LAYER_MATRICES)
     moments = training_moments(estimate)
     assert training_total(estimate) == moments[training_peak(estimate)] == max(moments.values())
     assert training_total(estimate) < sum(v for k, v in estimate.items() if k != "activations_per_token")

@@ -17,7 +17,8 @@ from test_training import SMALL, write_text
 from qwen_np.cli import main
 from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.training import chats, trainer
-from qwen_np.training.lora import PROJECTIONS, LoraSettings
+from qwen_np.core.config import LAYER_MATRICES
+from qwen_np.training.lora import LoraSettings
 from qwen_np.training.trainer import LAST, hf_config, load_state
 
 
@@ -48,7 +49,7 @@ def test_a_lora_fine_tune_without_steps_takes_the_default_epochs_over_its_chats_
     """README's command on 40 chats: --epochs' passes over them (3 x 38 training conversations, 16 a step: 8
     steps, not the 1,000 of a fixed default), the plan printed before the first step."""
     data = write_chats(tmp_path / "chats.jsonl", 40, seed=0)
-    plan = plan_of(tmp_path / "run", model=str(QWEN3_RANDOM), data=str(data), lora=LoraSettings(8, None, PROJECTIONS))
+    plan = plan_of(tmp_path / "run", model=str(QWEN3_RANDOM), data=str(data), lora=LoraSettings(8, None, LAYER_MATRICES))
     conversations = len(chats.held_out(Tokenizer.from_folder(QWEN3_RANDOM), data, None)[0])
     steps = math.ceil(README_EPOCHS * conversations / trainer.Settings.batch_size)
     assert plan.settings.steps == steps and steps < 20

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
 from qwen_np.core.adapters import Adapter  # noqa: E402
-from qwen_np.core.config import parameter_count  # noqa: E402
+from qwen_np.core.config import LAYER_MATRICES, parameter_count  # noqa: E402
 from qwen_np.core.model import Qwen3Model  # noqa: E402
 from qwen_np.core.sampling import SamplingParams  # noqa: E402
 from qwen_np.engine import memory  # noqa: E402
@@ -167,8 +167,8 @@ def tuned_run(folder: Path, base: Path, tokenizer: Tokenizer, train: Path, held_
     tuned = load_model(folder / f"rank{rank}" / "model", memory="fp32")
     replies = answers(tuned, tokenizer, conversations)
     plan = memory.training_memory(tuned.config, RUN["batch_size"], RUN["context"], lora_rank=rank,
-                                  lora_targets=lora.PROJECTIONS)
-    return {"rank": rank, "trainable": memory.lora_parameters(tuned.config, rank, lora.PROJECTIONS),
+                                  lora_targets=LAYER_MATRICES)
+    return {"rank": rank, "trainable": memory.lora_parameters(tuned.config, rank, LAYER_MATRICES),
             "loss": [r["loss"] for r in result.state.history],
             "evals": [{"step": e["step"], "loss": e["loss_per_token"]} for e in result.state.evals],
             "held_out": held_out_loss(tuned, tokenizer, held_out), "answers": replies,

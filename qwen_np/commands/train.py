@@ -7,29 +7,31 @@ import argparse
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from ..core.config import LAYER_MATRICES
 from ..errors import QwenNPError, reworded
-from ..training import run_folder, trainer
-from ..training.lora import PROJECTIONS, LoraSettings
-from ..training.mixed import PRECISIONS, LossScaler
-from ..engine.memory import training_peak
+from ..training import run_folder
+from ..training.settings import (BIT_EXACT, KEPT_ON_RESUME, LOSS_SCALE_GROWTH_INTERVAL, NOT_BIT_EXACT, PRECISIONS,
+                                 PRESET_CONFIGS, WARMUP_FRACTION, RunEvents, Settings)
 from . import FLAGS
+
+if TYPE_CHECKING:                  # the parser needs none of these: `train --help` loads no NumPy
+    from ..training.lora import LoraSettings
+    from ..training.trainer import RunState, TrainingMemory
 
 
 # The help of Settings' on/off fields (their flags come with a --no- form).
 SWITCHES = {"loss_scaling": "with --precision fp16: dynamic loss scaling (skip the step and halve the scale on "
-                            f"overflow, double it after {LossScaler.growth_interval} clean steps); --no-loss-scaling shows "
+                            f"overflow, double it after {LOSS_SCALE_GROWTH_INTERVAL} clean steps); --no-loss-scaling shows "
                             "what it prevents",
             "recompute": "activation checkpointing: keep each layer's input only and run the layer again in the "
                          "backward: less memory, about one more forward pass per step, the same weights bit for bit"}
 # Settings' fields whose default is not one number (their help says what it is instead).
 DEFAULTS = {"steps": "the preset's, else --epochs over the training data",
-            "epochs": f"{trainer.Settings.epochs:g}, used when neither --steps nor a --preset sets the steps",
-            "warmup": f"the preset's, else {trainer.Settings.warmup}; a new run's, at most "
-                      f"{trainer.WARMUP_FRACTION:g} of its steps"}
+            "epochs": f"{Settings.epochs:g}, used when neither --steps nor a --preset sets the steps",
+            "warmup": f"the preset's, else {Settings.warmup}; a new run's, at most "
+                      f"{WARMUP_FRACTION:g} of its steps"}
 
 
 def train_parser(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +50,7 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val", metavar="FILE.jsonl",
                         help="a chat file that validates (default: the last 5%% of --data's conversations)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(trainer.PRESET_CONFIGS),
+    source.add_argument("--preset", choices=sorted(PRESET_CONFIGS),
                         help="model and run defaults: tiny trains in seconds, shakespeare (the bundled model) takes "
                              "about 50 minutes on 2 cores (a new run needs --preset or --config)")
     source.add_argument("--config", type=Path, metavar="JSON", help="a Qwen3 config.json to train from scratch")
@@ -61,14 +63,14 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
                            "alpha/rank); checkpoints hold the adapters and their AdamW moments only")
     lora.add_argument("--lora-alpha", type=float, metavar="ALPHA", help="the adapters' alpha (default: 2 x RANK)")
     lora.add_argument("--lora-targets", metavar="NAMES",
-                      help=f"comma-separated projections to adapt (default: all seven, {','.join(PROJECTIONS)})")
+                      help=f"comma-separated projections to adapt (default: all seven, {','.join(LAYER_MATRICES)})")
     lora.add_argument("--lora-dropout", type=float, metavar="P",
                       help="dropout on each adapter's input while training, as peft's lora_dropout (default: 0)")
     lora.add_argument("--memory", metavar="MODE",
                       help="how the frozen base is held: fp32 (default, fastest), bf16 (as stored, 2 bytes a weight), "
                            "int8, q8_0 or q4_0 (QLoRA's idea: a quarter of FP32 or less; the adapters stay FP32 and "
                            "learn on the quantized base's outputs)")
-    for flag in fields(trainer.Settings):
+    for flag in fields(Settings):
         name = "--" + flag.name.replace("_", "-")
         fallback = f"the preset's, else {flag.default}"
         default = f"(default: {DEFAULTS.get(flag.name, fallback)})"
@@ -96,13 +98,13 @@ def _flags(names: tuple[str, ...] | list[str]) -> str:
     return ", ".join("--" + name.replace("_", "-") for name in names)
 
 
-# train --help's last paragraph: what --resume does with each flag given again (trainer.NOT_BIT_EXACT, KEPT_ON_RESUME).
+# train --help's last paragraph: what --resume does with each flag given again (NOT_BIT_EXACT, KEPT_ON_RESUME).
 RESUME_HELP = (
     "--resume continues the run in DIR bit for bit as if it had never stopped. Flags given again with another "
-    f"value than the run's: {_flags(trainer.BIT_EXACT)} apply and keep it so "
+    f"value than the run's: {_flags(BIT_EXACT)} apply and keep it so "
     "(--steps changes the learning-rate schedule when the run has no --decay-steps: noted); "
-    f"{_flags(trainer.NOT_BIT_EXACT)} apply, with a one-line note that the run is no longer bit-exact; "
-    f"{_flags(list(trainer.KEPT_ON_RESUME))}, a --preset or --config of another model and a --data of another text "
+    f"{_flags(NOT_BIT_EXACT)} apply, with a one-line note that the run is no longer bit-exact; "
+    f"{_flags(list(KEPT_ON_RESUME))}, a --preset or --config of another model and a --data of another text "
     "are refused (the text is checked by its SHA-256, so an edited file is noticed, a moved one may be named), and "
     "so are other --lora flags or --memory; a run from --model reloads it and checks its weights' SHA-256. "
     f"One train at a time uses DIR (it holds DIR/{run_folder.LOCK}; a second is refused, a dead one's lock taken over).")
@@ -111,7 +113,7 @@ RESUME_HELP = (
 PARSERS = {"train": train_parser}      # cli.py builds the command's parser with it
 
 
-class ProgressBar(trainer.RunEvents):
+class ProgressBar(RunEvents):
     """The run drawn on stderr: a bar of steps with the loss and tokens/s, a line per evaluation."""
 
     def __init__(self) -> None:
@@ -120,7 +122,7 @@ class ProgressBar(trainer.RunEvents):
     def noted(self, line: str) -> None:
         print(reworded(line, FLAGS), file=sys.stderr)
 
-    def started(self, settings: trainer.Settings, done: int, description: str) -> None:
+    def started(self, settings: Settings, done: int, description: str) -> None:
         from tqdm import tqdm
 
         print(description, file=sys.stderr)
@@ -149,21 +151,25 @@ class ProgressBar(trainer.RunEvents):
 
 def lora_settings(args: argparse.Namespace) -> LoraSettings | None:
     """--lora and its companions as LoraSettings (checked by the trainer); None without --lora."""
+    from ..training.lora import LoraSettings
+
     if args.lora is None:
         given = [flag for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets),
                                           ("--lora-dropout", args.lora_dropout)) if value is not None]
         if given:
             raise QwenNPError(f"{given[0]}: sets LoRA's adapters: give --lora RANK too")
         return None
-    targets = PROJECTIONS if args.lora_targets is None else tuple(
+    targets = LAYER_MATRICES if args.lora_targets is None else tuple(
         name.strip() for name in args.lora_targets.split(",") if name.strip())
     return LoraSettings(args.lora, args.lora_alpha, targets, args.lora_dropout or 0.0)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..training import trainer
+
     spec = trainer.RunSpec(args.out, args.resume, args.preset, args.config, args.data,
                            args.model, lora_settings(args), args.memory, args.val,
-                           {f.name: getattr(args, f.name) for f in fields(trainer.Settings)})
+                           {f.name: getattr(args, f.name) for f in fields(Settings)})
     events = ProgressBar()
     try:
         result = trainer.run(spec, events)
@@ -181,9 +187,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def memory_report(memory: trainer.TrainingMemory) -> str:
+def memory_report(memory: TrainingMemory) -> str:
     """The estimate as one table (MiB), with the measured peak RSS next to the prediction (its parts are alive
     at different moments of a step: the prediction is the peak moment's, training_peak)."""
+    from ..engine.memory import training_peak
+
     estimate = memory.estimate
     lines = [f"  {key:<26} {value / 2**20:9.1f} MiB" for key, value in estimate.items() if key != "activations_per_token"]
     lines.append(f"  {'activations per token':<26} {estimate['activations_per_token'] / 1024:9.1f} KiB")
@@ -194,8 +202,10 @@ def memory_report(memory: trainer.TrainingMemory) -> str:
     return "\n".join(lines)
 
 
-def plot_losses(state: trainer.RunState, path: Path) -> None:
+def plot_losses(state: RunState, path: Path) -> None:
     """loss.png: training loss per step (and its running mean) and validation loss per evaluation."""
+    import numpy as np
+
     try:
         import matplotlib
         matplotlib.use("Agg")

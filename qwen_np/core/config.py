@@ -277,7 +277,8 @@ MODEL_TENSORS: dict[str, TensorSpec] = {
 }
 
 # Derived from the two tables, each named once: the 2-D weights of a layer, in memory order (q, k, v,
-# o, gate, up, down), and the full names of the tensors outside the layers.
+# o, gate, up, down: also the target_modules names peft gives them), and the full names of the tensors
+# outside the layers.
 LAYER_MATRICES: tuple[str, ...] = tuple(key for key, spec in LAYER_TENSORS.items() if len(spec.shape) == 2)
 LAYER_TENSOR_NAMES: dict[str, str] = {key: spec.name for key, spec in LAYER_TENSORS.items()}   # key -> "{i}" template
 EMBED_TOKENS = MODEL_TENSORS["embed_tokens"].name

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..core.config import DIMENSIONS, Qwen3Config, dimensions, evaluate, resolve
+from ..core.config import DIMENSIONS, LAYER_MATRICES, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
 from ..numbers.formats import HELD_FORMATS, bits_per_weight
 from ..engine.memory import (DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
@@ -16,7 +16,6 @@ from ..numbers.numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
 from .steps import STEPS, STEPS_BY_NAME, Shape, Step, format_shape
-from ..training.lora import PROJECTIONS
 
 KV_FORMATS = (("BF16", 2), ("FP32", 4))   # how real runtimes store the KV cache, and how qwen_np does
 # config.json's torch_dtype -> the format name of numerics.BYTES_PER_VALUE
@@ -93,9 +92,9 @@ def memory_breakdown(config: Qwen3Config, context: int, batch_size: int, lora_ra
     baseline = remedies.pop("baseline")
     lora = {}
     if lora_rank is not None:
-        plans = {mode: training_memory(config, batch_size, context, lora_rank=lora_rank, lora_targets=PROJECTIONS,
+        plans = {mode: training_memory(config, batch_size, context, lora_rank=lora_rank, lora_targets=LAYER_MATRICES,
                                        frozen=mode) for mode in stored}
-        lora = {"lora": {"rank": lora_rank, "trainable": lora_parameters(config, lora_rank, PROJECTIONS),
+        lora = {"lora": {"rank": lora_rank, "trainable": lora_parameters(config, lora_rank, LAYER_MATRICES),
                          **{key: value for key, value in plans["fp32"].items() if key != "frozen_base"},
                          "peak": training_peak(plans["fp32"]), "frozen_upcast": plans["bf16"].get("frozen_upcast", 0),
                          "by_frozen_base": {mode: {"frozen_base": plan["frozen_base"], "total": training_total(plan)}

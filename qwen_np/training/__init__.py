@@ -1,5 +1,6 @@
 """Training and evaluation: `gradients` (the backward pass by hand, op by op), `step` (loss_and_gradients,
 clipping, the schedule, AdamW), `mixed` (mixed precision), `trainer` (a run: checkpoints, resume, validation),
+`settings` (a run's presets and hyper-parameters: what `train --help` shows, without NumPy),
 `run_folder` (the --out folder's lock: one trainer at a time),
 `data` (corpora and the tokenizer trainer), `evaluation` (loss per token of a text).
 

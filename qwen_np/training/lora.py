@@ -28,16 +28,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..core import layers
-from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, Qwen3Config, expected_tensors
+from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_MATRICES, LAYER_TENSOR_NAMES, LM_HEAD, Qwen3Config, expected_tensors
 from ..core.model import Qwen3Model
 from ..errors import QwenNPError
 from ..files.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_name
 from ..files.checkpoint import save_checkpoint, write_atomically
 from ..numbers.numerics import Adapted, upcast
-
-# Qwen3's seven projections, as peft's target_modules names them (the last part of the module's name).
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 @dataclass
 class LoraSettings:
@@ -46,24 +42,24 @@ class LoraSettings:
 
     rank: int
     alpha: float | None = None                  # None: 2 * rank
-    targets: tuple[str, ...] = PROJECTIONS
+    targets: tuple[str, ...] = LAYER_MATRICES
     dropout: float = 0.0                        # the share of each adapter's input dropped while training
 
     def check(self) -> "LoraSettings":
-        """These settings as a run keeps them (alpha given, targets in PROJECTIONS' order), or a QwenNPError
+        """These settings as a run keeps them (alpha given, targets in LAYER_MATRICES' order), or a QwenNPError
         naming the one that is wrong (rank, alpha, targets, dropout)."""
         if self.rank < 1:
             raise QwenNPError(f"must be at least 1, got {self.rank}", "rank")
         if self.alpha is not None and not self.alpha > 0:
             raise QwenNPError(f"must be positive, got {self.alpha}", "alpha")
-        unknown = sorted(set(self.targets) - set(PROJECTIONS))
+        unknown = sorted(set(self.targets) - set(LAYER_MATRICES))
         if unknown or not self.targets:
-            raise QwenNPError(f"expected some of {', '.join(PROJECTIONS)}, got {', '.join(unknown) or 'none'}",
+            raise QwenNPError(f"expected some of {', '.join(LAYER_MATRICES)}, got {', '.join(unknown) or 'none'}",
                               "targets")
         if not 0.0 <= self.dropout < 1.0:
             raise QwenNPError(f"must be in [0, 1), got {self.dropout}", "dropout")
         return LoraSettings(self.rank, float(2 * self.rank if self.alpha is None else self.alpha),
-                            tuple(key for key in PROJECTIONS if key in self.targets), float(self.dropout))
+                            tuple(key for key in LAYER_MATRICES if key in self.targets), float(self.dropout))
 
 
 @dataclass
@@ -88,13 +84,13 @@ def initial_adapter(out_features: int, in_features: int, rank: int,
 
 
 def add_adapters(model: Qwen3Model, rank: int, alpha: float | None = None,
-                 targets: Sequence[str] = PROJECTIONS, seed: int = 0) -> None:
+                 targets: Sequence[str] = LAYER_MATRICES, seed: int = 0) -> None:
     """Wrap each target projection of every layer in an Adapted weight, in place (alpha default: 2 * rank)."""
     LoraSettings(rank, alpha, tuple(targets)).check()
     scale = (2.0 * rank if alpha is None else alpha) / rank
     rng = np.random.default_rng(seed)
     for layer in model.layers:
-        for name in PROJECTIONS:                         # a fixed order, whatever order targets come in
+        for name in LAYER_MATRICES:                         # a fixed order, whatever order targets come in
             weight = getattr(layer, name)
             if name in targets and weight is not None:   # None: a projection an ablation removed (GELU's gate_proj)
                 if isinstance(weight, Adapted):
@@ -109,7 +105,7 @@ def adapter_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
     names for Qwen3 without its "base_model.model." prefix)."""
     params: dict[str, np.ndarray] = {}
     for i, layer in enumerate(model.layers):
-        for key in PROJECTIONS:
+        for key in LAYER_MATRICES:
             weight = getattr(layer, key)
             if isinstance(weight, Adapted):
                 params[adapter_name(LAYER_TENSOR_NAMES[key].format(i=i), "A")] = weight.a
@@ -122,7 +118,7 @@ def adapter_shapes(config: Qwen3Config, rank: int, targets: Sequence[str]) -> di
     shapes = expected_tensors(config)
     out: dict[str, tuple[int, int]] = {}
     for i in range(config.num_hidden_layers):
-        for key in PROJECTIONS:
+        for key in LAYER_MATRICES:
             if key in targets:
                 rows, columns = shapes[LAYER_TENSOR_NAMES[key].format(i=i)]
                 tensor = LAYER_TENSOR_NAMES[key].format(i=i)
@@ -131,7 +127,7 @@ def adapter_shapes(config: Qwen3Config, rank: int, targets: Sequence[str]) -> di
 
 
 def has_adapters(model: Qwen3Model) -> bool:
-    return any(isinstance(getattr(layer, key), Adapted) for layer in model.layers for key in PROJECTIONS)
+    return any(isinstance(getattr(layer, key), Adapted) for layer in model.layers for key in LAYER_MATRICES)
 
 
 def dropped(x: np.ndarray, keep: np.ndarray | None, dropout: float) -> np.ndarray:
@@ -157,7 +153,7 @@ class Dropout:
     @classmethod
     def of(cls, model: Qwen3Model, p: float, seed: tuple[int, ...]) -> "Dropout":
         numbers = {id(getattr(layer, key).a): n for n, (layer, key) in enumerate(
-            (layer, key) for layer in model.layers for key in PROJECTIONS if isinstance(getattr(layer, key), Adapted))}
+            (layer, key) for layer in model.layers for key in LAYER_MATRICES if isinstance(getattr(layer, key), Adapted))}
         return cls(p, seed, numbers)
 
     def piece(self, number: int) -> "Dropout":
@@ -205,13 +201,13 @@ def adapter_backward(d_out: np.ndarray, x: np.ndarray, weight: Adapted, keep: np
 
 def adapter_settings(model: Qwen3Model) -> tuple[int, float, list[str]]:
     """(rank, alpha, targets) of a model's adapters (every adapter of a model has the same rank and alpha)."""
-    adapted = {key: weight for layer in model.layers for key in PROJECTIONS
+    adapted = {key: weight for layer in model.layers for key in LAYER_MATRICES
                if isinstance(weight := getattr(layer, key), Adapted)}
     if not adapted:
         raise QwenNPError("model: it has no adapters")
     first = next(iter(adapted.values()))
     rank = first.a.shape[0]
-    return rank, first.scale * rank, [key for key in PROJECTIONS if key in adapted]
+    return rank, first.scale * rank, [key for key in LAYER_MATRICES if key in adapted]
 
 
 def save_adapter(folder: Path, model: Qwen3Model, base: str, dropout: float = 0.0) -> Path:
@@ -241,7 +237,7 @@ def with_adapters(model: Qwen3Model, arrays: dict[str, np.ndarray]) -> Qwen3Mode
     layers = []
     for i, layer in enumerate(model.layers):
         swapped: dict[str, Any] = {}
-        for key in PROJECTIONS:
+        for key in LAYER_MATRICES:
             weight = getattr(layer, key)
             if isinstance(weight, Adapted):
                 tensor = LAYER_TENSOR_NAMES[key].format(i=i)

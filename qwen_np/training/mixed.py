@@ -32,8 +32,8 @@ import numpy as np
 from ..errors import QwenNPError
 from ..numbers.formats import round_trip
 from ..core.layers import MatmulInputs
+from .settings import LOSS_SCALE_GROWTH_INTERVAL, PRECISIONS
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 TILE = 128                    # DeepSeek-V3's FP8 tile: 1x128 for activations and gradients, 128x128 for weights
 FP8_FORMAT = "fp8_e4m3_rows"  # formats' E4M3FN with one amax/448 scale per row: each row here is one tile
 
@@ -98,11 +98,11 @@ class LossScaler:
     it doubles again, to keep as much of the small gradients as overflow allows.
 
     The scale stays a power of two, so scaling and unscaling are exact in FP32. Defaults: torch's
-    initial 2^16; a growth interval of 200 rather than torch's 2000, to fit runs of a few thousand steps.
+    initial 2^16; a growth interval of 200 (settings.LOSS_SCALE_GROWTH_INTERVAL) rather than torch's 2000.
     """
 
     scale: float = 2.0 ** 16
-    growth_interval: int = 200
+    growth_interval: int = LOSS_SCALE_GROWTH_INTERVAL
     clean_steps: int = 0                    # steps since the last overflow or growth
 
     def unscale(self, grads: dict[str, np.ndarray]) -> bool:
