@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..core.adapters import Adapter
-from ..core.defaults import DEFAULT_HOST, DEFAULT_MAX_BATCH, DEFAULT_PORT  # noqa: F401  (there for --help)
+from ..core.defaults import DEFAULT_MAX_BATCH
 from ..engine.paged import BlockPool, PagedKVCache, block_bytes, blocks_for
 from ..core.model import Qwen3Model
 from ..engine.finite import check_weights_finite

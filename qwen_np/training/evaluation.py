@@ -20,7 +20,6 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..core.defaults import DEFAULT_WINDOW  # noqa: F401  (defined there for --help, which loads no NumPy)
 from ..engine import memory, runtime
 from .data import END_OF_TEXT
 from ..core.layers import log_softmax
