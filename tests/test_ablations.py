@@ -19,7 +19,7 @@ from qwen_np.core.config import ABLATION_CHOICES, Qwen3Config, expected_tensors,
 from qwen_np.engine.fast import FastQwen3Model
 from qwen_np.training import data, trainer
 
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "walkthrough"))
 
 SMALL = dict(vocab_size=31, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=32)

@@ -1,4 +1,4 @@
-"""docs/walkthrough.md, its notebook, glossary and figures are exactly what tools/make_walkthrough.py writes
+"""docs/walkthrough.md, its notebook, glossary and figures are exactly what tools/walkthrough/make_walkthrough.py writes
 today from weights/: their code, numbers and command outputs have not drifted."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import HANG_SECONDS, ROOT
 
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "walkthrough"))
 
 import make_walkthrough  # noqa: E402
 import walkthrough_chapter_finetune  # noqa: E402
@@ -23,7 +23,7 @@ import walkthrough_files  # noqa: E402
 
 pytestmark = pytest.mark.slow      # a fresh run of the walkthrough, its notebook and its recorded training runs
 
-REGENERATE = "python tools/make_walkthrough.py"
+REGENERATE = "python tools/walkthrough/make_walkthrough.py"
 DOCS = make_walkthrough.DOCS
 
 

@@ -1,7 +1,7 @@
 """The walkthrough's chapter "Ablations": chapter 11's model trained again with one piece of Qwen3 taken away
 each time (config.ABLATION_CHOICES, and num_key_value_heads for MHA / GQA / MQA), its validation loss measured.
 
-RECORDED like chapter 11 (too slow for every test run): `python tools/walkthrough_chapter_ablations.py` trains
+RECORDED like chapter 11 (too slow for every test run): `python tools/walkthrough/walkthrough_chapter_ablations.py` trains
 every variant one after another and writes docs/figures/ablations.json; the page is rendered from that record.
 tests/test_ablations.py repeats the first steps of a few variants (check_first_steps) and fails when they no
 longer match the record.
@@ -21,9 +21,9 @@ from typing import Any, Callable
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tools"))
+sys.path.insert(0, str(REPO_ROOT / "tools" / "walkthrough"))
 
 from qwen_np.core.config import ABLATION_CHOICES, PRESETS, Qwen3Config, parameter_count  # noqa: E402
 from qwen_np.core.model import Qwen3Model  # noqa: E402
@@ -171,7 +171,8 @@ def check_first_steps(recorded: dict[str, Any], keys: tuple[str, ...] = CHECKED_
                 got = trial.step(corpus.train, i)
                 if not np.isclose(got, want, rtol=1e-3):
                     raise AssertionError(f"{variant['key']}: the loss of step {i + 1} is {got:.6g} now, {want:.6g} in "
-                                         f"{RECORD.name}: re-record with `python tools/walkthrough_chapter_ablations.py`")
+                                         f"{RECORD.name}: re-record with "
+                                         "`python tools/walkthrough/walkthrough_chapter_ablations.py`")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -186,7 +187,8 @@ if __name__ == "__main__":
 # --- The page ---------------------------------------------------------------------------------------
 
 def load_record() -> dict[str, Any]:
-    return walkthrough_common.read_record(RECORD, "python tools/walkthrough_chapter_ablations.py", "about ten minutes")
+    return walkthrough_common.read_record(RECORD, "python tools/walkthrough/walkthrough_chapter_ablations.py",
+                                          "about ten minutes")
 
 
 def claim(holds: bool, what: str) -> None:
@@ -242,7 +244,7 @@ chapter 11's model ({base['parameters']:,} parameters) is trained again, from ra
 same seed, on the same batches: {run['steps']} steps of B × T = {run['batch_size']} × {run['context']} tokens, peak learning rate
 {run['lr']:g} ({run['warmup']} warmup steps, then cosine decay), its validation loss measured every
 {run['eval_every']} steps on chapter 11's validation sample. One change per run, so a difference is that
-piece's doing. The {len(rec['runs'])} runs are one recording of `python tools/walkthrough_chapter_ablations.py`
+piece's doing. The {len(rec['runs'])} runs are one recording of `python tools/walkthrough/walkthrough_chapter_ablations.py`
 ({rec['seconds']:,} s on the {rec['cores']} cores of the machine that recorded them), kept in
 `docs/figures/ablations.json`; the page is written from it, and `tests/test_ablations.py` repeats the first
 {CHECKED_STEPS} steps of {', '.join(f'`{k}`' for k in CHECKED_VARIANTS)} to check the record still comes out of the code.
@@ -429,4 +431,4 @@ the validation plays, not the first tokens of each, so its numbers differ a litt
 The exported `config.json` keeps the fields, and qwen_np loads and runs the checkpoint (on the readable
 path). transformers knows none of them: it would ignore `use_rope: false` and fill in missing weights at
 random, so an ablated checkpoint is for qwen_np only. To repeat this chapter's runs, all of them:
-`python tools/walkthrough_chapter_ablations.py --out my_ablations.json` (`--out` keeps the committed record)."""
+`python tools/walkthrough/walkthrough_chapter_ablations.py --out my_ablations.json` (`--out` keeps the committed record)."""

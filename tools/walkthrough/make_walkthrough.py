@@ -13,7 +13,7 @@ walkthrough_chapter_numbers.py, 9-10 in walkthrough_training.py, 11 in walkthrou
 walkthrough_chapter_serving.py; the recorded measurements that 8 and 10 show in
 walkthrough_chapter_measured.py; the opening, sections 1-2 and the last section are in this file.
 
-Usage: python tools/make_walkthrough.py [--model weights]     (writes the page, figures and notebook)
+Usage: python tools/walkthrough/make_walkthrough.py [--model weights]     (writes the page, figures and notebook)
 """
 
 from __future__ import annotations
@@ -27,15 +27,13 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 # walkthrough_common first: it puts this checkout on sys.path. Some names are imported for the tests.
-from walkthrough_common import (BUNDLED_MODEL, DOCS, LAYER, MODEL_CODE, QWEN3_TOKENIZER_FOLDERS,  # noqa: F401
-                                REAL, WALKTHROUGH, Run, code_block, generate_command, model_digest, num, run_prompt,
-                                shape_of, shell_quote, step_code, values)
+from walkthrough_common import (BUNDLED_MODEL, DOCS, LAYER, MODEL_CODE,  # noqa: F401
+                                REAL, WALKTHROUGH, Run, code_block, generate_command, model_digest, num, qwen3_tokenizer,
+                                run_prompt, shape_of, shell_quote, step_code, values)
 
 from qwen_np import preset
 from qwen_np.core.config import parameter_count
-from qwen_np.errors import QwenNPError
 from qwen_np.inspection import STEPS, STEPS_BY_NAME, SYMBOL_MEANINGS, dimensions, token_text  # noqa: F401
-from qwen_np.files.tokenizer import Tokenizer
 from walkthrough_chapter_layers import decoder_layer_data, layer_section, remaining_layers_section, rope_figure_data
 from walkthrough_chapter_numbers import bandwidth_section, formats_section
 from walkthrough_chapter_prediction import kv_cache_section, prediction_section
@@ -76,7 +74,7 @@ The dimensions (symbols used everywhere in qwen_np's shape comments):
 {parameter_count(real):,}. Every step below is exactly what Qwen3-8B computes, only wider and deeper. To
 see every shape at Qwen3-8B's size, run `python -m qwen_np inspect --preset qwen3-8b`.
 
-This page is **generated**: `python tools/make_walkthrough.py` runs qwen_np on the bundled model in
+This page is **generated**: `python tools/walkthrough/make_walkthrough.py` runs qwen_np on the bundled model in
 `weights/` (weights digest `{model_digest(run.model_dir)}`) and writes this file, its figures in `docs/figures/`,
 the notebook `docs/walkthrough.ipynb` (the same steps as code cells) and the glossary, and
 `tests/test_walkthrough.py` fails if a committed file differs from a fresh run, so the code, numbers
@@ -103,15 +101,6 @@ From here on the model sees only these T = {len(run.ids)} integers.
 
 
 CHAT_QUESTION = "Who wrote Hamlet?"
-
-
-def qwen3_tokenizer() -> Tokenizer:
-    """The real Qwen3 tokenizer of QWEN3_TOKENIZER_FOLDERS (one with a <think> chat template)."""
-    for folder in QWEN3_TOKENIZER_FOLDERS:
-        config = folder / "tokenizer_config.json"
-        if config.is_file() and "<think>" in config.read_text(encoding="utf-8"):
-            return Tokenizer.from_folder(folder)
-    raise QwenNPError(f"make_walkthrough: no Qwen3 tokenizer with a chat template in {QWEN3_TOKENIZER_FOLDERS}")
 
 
 def chat_template_note() -> str:

@@ -2,7 +2,7 @@
 Shakespeare train split, in a few minutes on 2 cores (the record keeps its seconds), with all a learner should watch.
 
 The run is too slow to repeat in every test (the suite runs twice, under two BLAS kernels), so it is
-RECORDED: `python tools/walkthrough_chapter_train.py` runs it and writes docs/figures/training_run.json,
+RECORDED: `python tools/walkthrough/walkthrough_chapter_train.py` runs it and writes docs/figures/training_run.json,
 and the page is rendered from that record. tests/test_walkthrough.py repeats the record's first steps
 (check_first_steps) and fails when they no longer match: the record cannot drift from the code
 unnoticed. Its later digits are the BLAS kernel's (a long run amplifies rounding), so the page prints
@@ -24,9 +24,9 @@ import numpy as np
 import tokenizers
 from threadpoolctl import threadpool_limits
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tools"))
+sys.path.insert(0, str(REPO_ROOT / "tools" / "walkthrough"))
 
 from qwen_np.training import data, evaluation, trainer, step as training  # noqa: E402
 from qwen_np.engine import memory  # noqa: E402
@@ -35,9 +35,9 @@ from qwen_np.generation.generate import generate  # noqa: E402
 from qwen_np.core.model import Qwen3Model  # noqa: E402
 from qwen_np.core.sampling import SamplingParams  # noqa: E402
 from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
-from walkthrough_training import below, mib, rounded  # noqa: E402
+from walkthrough_training import below, mib  # noqa: E402
 import walkthrough_common  # noqa: E402
-from walkthrough_common import two  # noqa: E402
+from walkthrough_common import rounded, two  # noqa: E402
 
 RECORD = REPO_ROOT / "docs" / "figures" / "training_run.json"
 # Where the early-stopping run's best and stop steps land over seeds and BLAS kernels (--spread adds to it).
@@ -297,7 +297,7 @@ def check_first_steps(recorded: dict[str, Any], steps: int = CHECKED_STEPS) -> N
         if not np.isclose(got, want, rtol=1e-3):
             what = "the validation loss at init" if index == 0 else f"the loss of step {index}"
             raise AssertionError(f"{what} is {got:.6g} now, {want:.6g} in {RECORD.name}: the code changed; "
-                                 "re-record with `python tools/walkthrough_chapter_train.py`")
+                                 "re-record with `python tools/walkthrough/walkthrough_chapter_train.py`")
 
 
 def early_stopping_spread(progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
@@ -347,7 +347,7 @@ if __name__ == "__main__":
 # --- The page ---------------------------------------------------------------------------------------
 
 def load_record() -> dict[str, Any]:
-    return walkthrough_common.read_record(RECORD, "python tools/walkthrough_chapter_train.py", "a few minutes")
+    return walkthrough_common.read_record(RECORD, "python tools/walkthrough/walkthrough_chapter_train.py", "a few minutes")
 
 
 def claim(holds: bool, what: str) -> None:
@@ -438,7 +438,7 @@ def early_stopping_part(rec: dict[str, Any]) -> str:
     return f"""**Early stopping.** Now the same model on a small text it can learn by heart: the first
 {e['lines']} lines of Hamlet ({e['characters']:,} characters), with the `train` command's own loop
 (`trainer.run`; `--data FILE` validates on the file's last 5% of lines, here {e['lines'] // 20}; `chapter.json` is
-`CONFIG` of `tools/walkthrough_chapter_train.py` written out):
+`CONFIG` of `tools/walkthrough/walkthrough_chapter_train.py` written out):
 
 ```bash
 python -m qwen_np train --config chapter.json --data small.txt --out /tmp/small \\
@@ -473,7 +473,7 @@ def spread_note(best_step: int, stop_step: int) -> str:
 trajectory. Rerun with seeds {', '.join(str(x) for x in SPREAD_SEEDS)} on {len(kernels)} BLAS kernels
 ({' and '.join(named)}, which sum in different orders), {len(runs)} runs in all, the best step came between
 {min(best)} and {max(best)} and the stop between {min(stop)} and {max(stop)}: every run overfitted and stopped early, at a step
-of its own (`python tools/walkthrough_chapter_train.py --spread` records them in
+of its own (`python tools/walkthrough/walkthrough_chapter_train.py --spread` records them in
 `docs/figures/early_stopping_spread.json`). Read the steps above as one draw from that range."""
 
 
@@ -565,7 +565,7 @@ Sections 9 and 10 took one step on the finished model. Here a Qwen3 learns from 
 {rec['parameters']:,} parameters (the bundled model's shape, smaller: D = {c['hidden_size']}, L = {c['num_hidden_layers']},
 V = {c['vocab_size']}), {run['steps']:,} steps of B × T = {run['batch_size']} × {run['context']} tokens, peak learning rate
 {run['lr']:g}.
-Everything below is one run of `python tools/walkthrough_chapter_train.py` ({rec['seconds']:,.0f} s on
+Everything below is one run of `python tools/walkthrough/walkthrough_chapter_train.py` ({rec['seconds']:,.0f} s on
 2 cores when it was recorded), which recorded it in `docs/figures/training_run.json`; the page
 is written from that record, and the test suite repeats its first {CHECKED_STEPS} steps to check the
 record still matches the code. Run it yourself (`--out my_run.json` keeps the committed record) and
@@ -628,7 +628,7 @@ params = trainer.init_parameters(config, seed={RUN['seed']})             # rando
 small = trainer.model_from_parameters(config, params)                    # the model IS these arrays
 optimizer = training.adamw_for(params, weight_decay={RUN['weight_decay']})
 order = trainer.WindowOrder(len(corpus.train), T, seed={RUN['seed']})
-STEPS = {NOTEBOOK_STEPS}           # the chapter's run: {RUN['steps']} (python tools/walkthrough_chapter_train.py)
+STEPS = {NOTEBOOK_STEPS}           # the chapter's run: {RUN['steps']} (python tools/walkthrough/walkthrough_chapter_train.py)
 losses = []
 for step in range(STEPS):
     windows = order.next_batch(corpus.train, B)                          # [B, T+1]

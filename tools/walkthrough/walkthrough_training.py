@@ -42,17 +42,6 @@ def below(x: float, bound: float) -> str:
     return f"{bound:g}"
 
 
-def rounded(value: Any) -> Any:
-    """Floats to 4 significant digits, recursively: the JSON stays small and machine-independent."""
-    if isinstance(value, float):
-        return float(f"{value:.4g}")
-    if isinstance(value, dict):
-        return {k: rounded(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [rounded(v) for v in value]
-    return value
-
-
 def mib(n: float) -> str:
     return f"{n / 2 ** 20:.3g} MiB"
 

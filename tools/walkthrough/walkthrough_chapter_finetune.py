@@ -14,7 +14,7 @@ a copy of its tokenizer_config.json. Its tokenizer has no <|im_start|> / <|im_en
 markers are plain text to it, a few tokens each; training.chats finds the assistant's tokens by their
 characters, so its mask is the same rule as for a real Qwen3.
 
-Like the training chapter, the runs are RECORDED: `python tools/walkthrough_chapter_finetune.py` writes
+Like the training chapter, the runs are RECORDED: `python tools/walkthrough/walkthrough_chapter_finetune.py` writes
 docs/figures/finetune_run.json and the page is rendered from it. tests/test_walkthrough.py repeats the
 base's held-out loss and the first steps of the rank-2 run (check_first_steps). The page prints losses
 to 2 decimals and answers as counts: their later digits would be the BLAS kernel's.
@@ -36,9 +36,9 @@ from typing import Any, Callable
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tools"))
+sys.path.insert(0, str(REPO_ROOT / "tools" / "walkthrough"))
 
 from qwen_np.core.adapters import Adapter  # noqa: E402
 from qwen_np.core.config import LAYER_MATRICES, parameter_count  # noqa: E402
@@ -242,13 +242,13 @@ def check_first_steps(recorded: dict[str, Any], steps: int = CHECKED_STEPS) -> N
         if not np.isclose(got, want, rtol=1e-3):
             what = "the base's held-out loss" if index == 0 else f"the loss of the rank-{MAIN_RANK} run's step {index}"
             raise AssertionError(f"{what} is {got:.6g} now, {want:.6g} in {RECORD.name}: the code changed; "
-                                 "re-record with `python tools/walkthrough_chapter_finetune.py`")
+                                 "re-record with `python tools/walkthrough/walkthrough_chapter_finetune.py`")
 
 
 # --- The page ---------------------------------------------------------------------------------------
 
 def load_record() -> dict[str, Any]:
-    return walkthrough_common.read_record(RECORD, "python tools/walkthrough_chapter_finetune.py", "minutes")
+    return walkthrough_common.read_record(RECORD, "python tools/walkthrough/walkthrough_chapter_finetune.py", "minutes")
 
 
 def claim(holds: bool, what: str) -> None:
@@ -305,12 +305,12 @@ format, its stop, the held-out loss) is what any SFT run must get right first.
 
 **The base.** The bundled model has no chat template: it continues text. So the chapter builds its
 instruct-style base honestly: the bundled weights unchanged, with a minimal ChatML template (Qwen3's
-turn layout, without tools or `<think>`: `CHAT_TEMPLATE` in `tools/walkthrough_chapter_finetune.py`)
+turn layout, without tools or `<think>`: `CHAT_TEMPLATE` in `tools/walkthrough/walkthrough_chapter_finetune.py`)
 written into a copy of its `tokenizer_config.json`. The bundled tokenizer has no `<|im_start|>` or
 `<|im_end|>` token, so to it those markers are plain text, a few tokens each; the loss mask below is
 found from the rendered text's characters, so it is the same rule as for a real Qwen3.
 
-The run, as commands (`chat_base/` is that folder; `python tools/walkthrough_chapter_finetune.py` does
+The run, as commands (`chat_base/` is that folder; `python tools/walkthrough/walkthrough_chapter_finetune.py` does
 it all and records it):
 
 ```bash
@@ -494,7 +494,8 @@ Section {number - 1} trained a model from random weights. More often you start f
 teach it one thing, from a few hundred conversations: **supervised fine-tuning** (SFT) on chats, here
 with **LoRA** (low-rank adapters: the weights stay frozen, small matrices beside them are trained).
 The model taught is the bundled one. Everything below is one run of
-`python tools/walkthrough_chapter_finetune.py` ({rec['seconds']:,.0f} s on {rec['cores']} shared cores when it was recorded),
+`python tools/walkthrough/walkthrough_chapter_finetune.py` ({rec['seconds']:,.0f} s on {rec['cores']} shared cores
+when it was recorded),
 which recorded it in `docs/figures/finetune_run.json`; the page is written from that record, and the
 test suite repeats the base's held-out loss and the rank-{MAIN_RANK} run's first {CHECKED_STEPS} steps to check the
 record still matches the code. Losses are printed to 2 decimals and answers counted: their later

@@ -17,7 +17,7 @@ from qwen_np.numbers import formats
 from qwen_np.core.config import Qwen3Config
 from qwen_np.training import gradients, trainer
 from qwen_np.training import step as training
-from walkthrough_common import EXAMPLE_BANDWIDTH, REAL, Run, num
+from walkthrough_common import EXAMPLE_BANDWIDTH, REAL, Run, num, qwen3_tokenizer
 
 GiB = 2 ** 30
 CHAT_MESSAGE = "Hello!"                      # exercise 1's chat turn
@@ -44,8 +44,6 @@ def exercise(number: int, title: str, question: str, solution: str) -> str:
 
 
 def chat_tokens(run: Run) -> tuple[str, str, str]:
-    from make_walkthrough import qwen3_tokenizer
-
     tokenizer = qwen3_tokenizer()
     text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_MESSAGE}], enable_thinking=False)
     ids = tokenizer.encode(text)

@@ -1,5 +1,5 @@
 """What every chapter of the walkthrough shares: the traced run of the prompt, and how numbers, shapes, code
-and commands are written on the page (tools/make_walkthrough.py assembles the chapters)."""
+and commands are written on the page (tools/walkthrough/make_walkthrough.py assembles the chapters)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))   # run from a checkout without installing the package
-sys.path.insert(0, str(REPO_ROOT / "tools"))
+sys.path.insert(0, str(REPO_ROOT / "tools" / "walkthrough"))
 
 from qwen_np.core import layers  # noqa: E402
 from qwen_np import load_model  # noqa: E402
@@ -223,6 +223,15 @@ def claim(holds: bool, what: str, where: str) -> None:
         raise AssertionError(f"{where}: the run or record no longer shows that {what}; re-run or re-record, then rewrite")
 
 
+def qwen3_tokenizer() -> Tokenizer:
+    """The real Qwen3 tokenizer of QWEN3_TOKENIZER_FOLDERS (one with a <think> chat template)."""
+    for folder in QWEN3_TOKENIZER_FOLDERS:
+        config = folder / "tokenizer_config.json"
+        if config.is_file() and "<think>" in config.read_text(encoding="utf-8"):
+            return Tokenizer.from_folder(folder)
+    raise QwenNPError(f"make_walkthrough: no Qwen3 tokenizer with a chat template in {QWEN3_TOKENIZER_FOLDERS}")
+
+
 # --- The recorded chapters (11-13): a run too slow for every test, recorded once, the page made from it ---
 
 def read_record(path: Path, command: str, takes: str) -> dict[str, Any]:
@@ -232,11 +241,20 @@ def read_record(path: Path, command: str, takes: str) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def rounded(value: Any) -> Any:
+    """Floats to 4 significant digits, recursively: the JSON stays small and machine-independent."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v) for v in value]
+    return value
+
+
 def record_main(description: str, default: Path, record: Callable[[], Any], argv: list[str] | None) -> None:
     """A chapter script's command line: run `record` and write what it returns (rounded) to --out."""
     import argparse
-
-    from walkthrough_training import rounded
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, default=default,

@@ -39,9 +39,9 @@ OTHER_TEXT = PASSAGES[2] + "\n\n" + PASSAGES[4]          # the second sequence's
 WATCHED_POSITION = 20
 # Speculative decoding: greedy tokens after a prompt, with each drafter (the draft ships in weights/draft).
 SPECULATION_PROMPT, SPECULATION_TOKENS, LOOKUP_NGRAM = "ROMEO:\n", 64, 3
-BUNDLED_DRAFT = Path(__file__).resolve().parents[1] / "weights" / "draft"
+BUNDLED_DRAFT = Path(__file__).resolve().parents[2] / "weights" / "draft"
 # Tokens/s against the number of streams: a timing, so recorded once (bench/streams.py --json), never re-run here.
-STREAMS_RECORD = Path(__file__).resolve().parents[1] / "docs" / "figures" / "serving_streams.json"
+STREAMS_RECORD = Path(__file__).resolve().parents[2] / "docs" / "figures" / "serving_streams.json"
 
 
 class Recorder:

