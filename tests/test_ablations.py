@@ -130,6 +130,7 @@ def test_mqa_and_mha_are_num_key_value_heads():
         assert notes["model.layers.0.self_attn.k_proj"].shape == (len(IDS), kv_heads, SMALL["head_dim"])
 
 
+@pytest.mark.slow
 def test_the_fast_path_refuses_an_ablation_and_load_model_runs_it_readable(tmp_path: Path):
     """An ablated run trains, checkpoints and exports (config.json keeps the fields; transformers would not
     load it: it knows none of them), and load_model gives it the readable path, which the fast one refuses."""

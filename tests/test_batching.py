@@ -39,6 +39,7 @@ def run_batch(generator: BatchGenerator) -> dict[int, list[TokenEvent]]:
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=7)],
                          ids=["greedy", "seeded"])
+@pytest.mark.slow
 def test_every_row_of_a_batch_gets_what_it_gets_alone(model, tok, params) -> None:
     generator = BatchGenerator(model, tok, max_batch=8)
     sizes = [12, 3, 9, 16, 5, 12, 7, 1]           # rows leave at different steps

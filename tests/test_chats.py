@@ -124,6 +124,7 @@ def test_a_line_longer_than_any_context_holds_is_refused_by_its_number_before_it
         chats.read_chats(path)
 
 
+@pytest.mark.slow
 def test_eval_on_a_chat_file_is_transformers_mean_nll_over_the_assistant_tokens(tmp_path: Path, tok: Tokenizer) -> None:
     """eval --text FILE.jsonl --json: `tokens` counts exactly the assistant tokens, and loss_per_token equals
     transformers' mean NLL over them (the random fixture in FP32) within 1e-4."""

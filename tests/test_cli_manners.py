@@ -114,6 +114,7 @@ def test_a_usage_error_of_a_command_points_at_that_command_s_help(argv, capsys) 
 
 # --- The bundled draft by name ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_bundled_draft_is_named_bundled_and_works_from_any_folder(env, tmp_path) -> None:
     def greedy(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "qwen_np", "generate", "--no-chat", "ROMEO:", "-n", "12",
@@ -135,6 +136,7 @@ def short_text(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_eval_compare_on_a_text_shorter_than_a_window_compares_on_eval_s_own_window(short_text, capsys) -> None:
     assert main(["eval", "--text", str(short_text), "--compare", "bf16,q8_0"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -143,6 +145,7 @@ def test_eval_compare_on_a_text_shorter_than_a_window_compares_on_eval_s_own_win
     assert rows[:2] == ["bf16", "q8_0"] and "over 15 positions" in out[-1]
 
 
+@pytest.mark.slow
 def test_eval_json_with_compare_prints_exactly_one_json_document(short_text, capsys) -> None:
     assert main(["eval", "--text", str(short_text), "--compare", "bf16", "q8_0", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)            # the whole of stdout, or this raises
@@ -178,6 +181,7 @@ def test_inspect_s_fit_on_this_machine_uses_the_context_it_is_given() -> None:
 
 # --- A model with a chat template, offline -----------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_readme_recipe_makes_a_model_that_chats(env, tmp_path) -> None:
     readme = (ROOT / "README.md").read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL) if "make_bundled_model.py" in b)

@@ -33,6 +33,7 @@ def error_lines(argv: list[str], capsys) -> list[str]:
 
 # --- `bundled`: the bundled model wherever a model is taken -------------------------------------------
 
+@pytest.mark.slow
 def test_model_bundled_is_the_bundled_model_in_every_command_from_any_folder(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)                      # nothing called weights/ or bundled/ here
     text = tmp_path / "short.txt"
@@ -66,6 +67,7 @@ def test_load_model_bundled_loads_the_bundled_model_from_any_folder(tmp_path, mo
     assert np.array_equal(model.forward(ids), reference.forward(ids))
 
 
+@pytest.mark.slow
 def test_the_walkthrough_s_tracing_snippet_runs_from_any_folder(env, tmp_path) -> None:
     page = (ROOT / "docs" / "walkthrough.md").read_text(encoding="utf-8")
     snippet = next(block for block in re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL) if "Tracer()" in block)
@@ -116,6 +118,7 @@ LORA_COMMANDS = {"generate": ["generate", "-m", str(QWEN3_RANDOM), "hi", "--lora
                  "serve": ["serve", "-m", str(QWEN3_RANDOM), "--port", "0", "--lora"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", LORA_COMMANDS)
 @pytest.mark.parametrize("what", ["is a file, not a folder", "does not exist"])
 def test_a_lora_that_is_no_adapter_folder_names_lora_and_says_what_an_adapter_is(command, what, tmp_path,
@@ -131,6 +134,7 @@ def test_a_lora_that_is_no_adapter_folder_names_lora_and_says_what_an_adapter_is
 
 # --- eval --lora: the score of the fine-tune, not of its base ------------------------------------------
 
+@pytest.mark.slow
 def test_eval_lora_scores_the_text_through_the_adapter(tmp_path, capsys) -> None:
     from qwen_np.engine.loading import attach_adapter, load_model
     from qwen_np.files.adapter import read_adapter

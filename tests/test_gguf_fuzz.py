@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
+import pytest
 
 from conftest import ROOT
 from test_gguf import PROMPT, export, tiny_checkpoint
@@ -270,6 +271,7 @@ def run_workers(original: Path, planned: list[dict[str, Any]], folder: Path) -> 
     return sorted(results, key=lambda line: line["index"])
 
 
+@pytest.mark.slow
 def test_mutated_ggufs_are_a_one_line_error_or_the_model_they_declare(tmp_path: Path) -> None:
     original = export(tiny_checkpoint(tmp_path / "ckpt"), tmp_path / "tiny.gguf", "q8_0")
     planned = mutations(original)

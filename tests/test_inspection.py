@@ -166,6 +166,7 @@ def test_cli_inspect_runs_on_a_bare_config_json_with_no_weights(bare_config_dir)
     assert report["parameters"]["total"] == 8_190_735_360
 
 
+@pytest.mark.slow
 def test_cli_inspect_on_a_gguf_reports_its_metadata_and_its_own_tensor_kinds_and_bytes(tmp_path: Path) -> None:
     """A Q4_K / Q6_K / Q8_0 GGUF (norms F32): the config comes from the file's metadata, and the weight bytes are
     the file's own, kind by kind (as gguf's reader counts them), not parameters x a generic width."""
@@ -271,6 +272,7 @@ def test_logit_lens_last_layer_is_the_models_own_prediction(tiny_model):
     assert rows["model"][0] == f"'t{int(np.argmax(final))}'"
 
 
+@pytest.mark.slow
 def test_attention_view_shows_weights_that_sum_to_one_and_writes_a_png(tiny_model, tmp_path):
     ids = [5, 6, 7, 8, 9, 10]
     weights = attention_weights(tiny_model, ids, layer=1)                       # [H, T, T]

@@ -52,6 +52,7 @@ def test_the_block_table_maps_position_p_to_slot_p_mod_block_size_of_its_block(m
     assert [len(k) for k, _ in second.runs(0, 40)] == [40]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", ["scattered", "in order"])
 def test_decode_over_scattered_blocks_equals_the_full_forward(model, kv) -> None:
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, 50)
@@ -66,6 +67,7 @@ def test_decode_over_scattered_blocks_equals_the_full_forward(model, kv) -> None
     assert_logits_match(np.concatenate(steps), full, f"decode over {kv} blocks")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_contiguous_and_the_paged_cache_hold_the_same_keys_and_give_the_same_logits(model, dtype) -> None:
     ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 40)

@@ -65,6 +65,7 @@ def micro_model(seed: int, tied: bool = False):
     return model_from_parameters(config, params), rng
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("targets", [LAYER_MATRICES, ("q_proj", "down_proj")])
 def test_the_networks_adapter_gradients_match_float64_central_differences(targets: tuple[str, ...]) -> None:
     """Through the whole network (adapters on some or all projections): every adapter weight's gradient,
@@ -144,6 +145,7 @@ def test_bad_adapter_settings_name_the_parameter(make_checkpoint) -> None:
         lora.add_adapters(model, rank=2)
 
 
+@pytest.mark.slow
 def test_loss_and_every_adapter_gradient_match_torch_and_peft(tmp_path: Path) -> None:
     """The same base weights and the same A and B in transformers + peft (LoraConfig, all seven projections):
     loss and every lora_A / lora_B gradient within 1e-5 (relative to max(1, max|reference|))."""
@@ -185,6 +187,7 @@ def test_loss_and_every_adapter_gradient_match_torch_and_peft(tmp_path: Path) ->
         assert error <= 1e-5, name
 
 
+@pytest.mark.slow
 def test_the_adapter_loads_in_peft_and_gives_the_merged_models_greedy_text(tmp_path: Path) -> None:
     """save_adapter's folder in peft.PeftModel.from_pretrained on the base, the merged FP32 checkpoint in
     transformers and in qwen_np: one greedy continuation, not the base's (the adapters change it)."""

@@ -179,6 +179,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=HANG_SECONDS, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.slow
 def test_a_bad_lora_folder_is_one_line_and_exit_2(adapters, tmp_path) -> None:
     folder = rewritten(adapters["attn"], tmp_path / "dora", use_dora=True)
     for command in ("generate", "chat"):
@@ -242,6 +243,7 @@ def test_rows_of_different_adapters_in_one_pass_each_get_what_they_get_alone(ada
         assert_logits_match(step[b:b + 1], last, f"row {b}'s decode step")
 
 
+@pytest.mark.slow
 def test_the_batch_generator_runs_each_rows_adapter_and_never_shares_cached_blocks_across_adapters(adapters) -> None:
     """Greedy rows of the base and of two adapters together give generate()'s text with that adapter attached;
     a row reuses prefix-cache blocks only of rows of its own adapter."""

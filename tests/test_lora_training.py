@@ -81,6 +81,7 @@ def tuned(inputs: tuple[Path, Path, Path], tmp_path_factory: pytest.TempPathFact
     return out
 
 
+@pytest.mark.slow
 def test_lora_halves_the_held_out_loss_and_trains_only_the_adapters(inputs: tuple[Path, Path, Path],
                                                                     tuned: Path) -> None:
     """The held-out assistant tokens' loss at most half the base's; the merged OUT/model scores what the run's
@@ -96,6 +97,7 @@ def test_lora_halves_the_held_out_loss_and_trains_only_the_adapters(inputs: tupl
     assert state[3]["lora"]["rank"] == 8
 
 
+@pytest.mark.slow
 def test_the_adapter_loads_in_peft_and_gives_the_merged_models_greedy_text(inputs: tuple[Path, Path, Path],
                                                                            tuned: Path) -> None:
     """OUT/adapter in peft.PeftModel.from_pretrained on the base: the same greedy tokens as qwen_np on OUT/model."""
@@ -127,6 +129,7 @@ def greedy(folder: Path, prompt: list[int], tokens: int = 8) -> list[int]:
     return ids
 
 
+@pytest.mark.slow
 def test_a_resumed_lora_run_is_bit_for_bit_the_run_never_stopped(inputs: tuple[Path, Path, Path],
                                                                  tmp_path: Path) -> None:
     """6 steps straight == 3 steps, stop, --resume, 3 more, with dropout (its masks drawn again), two micro-batches
@@ -144,6 +147,7 @@ def test_a_resumed_lora_run_is_bit_for_bit_the_run_never_stopped(inputs: tuple[P
     assert load_state(tmp_path / "halves" / BEST)[3]["lora"]["dropout"] == 0.2
 
 
+@pytest.mark.slow
 def test_a_resumed_lora_run_refuses_another_base(inputs: tuple[Path, Path, Path], tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     base, data, _ = inputs
@@ -159,6 +163,7 @@ def test_a_resumed_lora_run_refuses_another_base(inputs: tuple[Path, Path, Path]
     assert line.startswith(f"error: --model: {other} is not the model the run") and "\n" not in line
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_from_a_checkpoint_lowers_the_loss(inputs: tuple[Path, Path, Path], tmp_path: Path) -> None:
     """No --lora: every weight trained from the base's; OUT/model is the tuned checkpoint, with the base's tokenizer."""
     base, data, val = inputs

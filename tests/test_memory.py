@@ -123,6 +123,7 @@ def measured_step_peak(config: Qwen3Config, rows: int, context: int, lora_rank: 
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", STEPS)
 def test_training_estimate_is_within_a_tenth_of_the_steps_measured_peak(name):
     config, rows, context, settings = STEPS[name]
@@ -158,6 +159,7 @@ def test_pieces_computed_at_once_each_hold_their_gradients_and_tape():
 CHAT_RUNS = {"LoRA rank 8": ["--lora", "8"], "every weight": []}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", CHAT_RUNS)
 def test_a_chat_fine_tunes_printed_plan_is_within_15_percent_of_its_measured_peak(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str) -> None:

@@ -57,6 +57,7 @@ def test_config_fields_match_transformers_interpretation(name: str) -> None:
     assert actual == expected, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, mode", CASES, ids=CASE_IDS)
 def test_full_forward_matches_transformers_logits_at_every_position(name: str, mode: str) -> None:
     """One uncached forward over the whole input gives the reference logits everywhere."""
@@ -66,6 +67,7 @@ def test_full_forward_matches_transformers_logits_at_every_position(name: str, m
     print(f"\n{name} [{mode}]: full forward, T={len(logits)}, max relative error {error:.2e}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, mode", CASES, ids=CASE_IDS)
 def test_cached_prefill_then_decode_matches_transformers_logits(name: str, mode: str) -> None:
     """Prefilling half the input into a KV cache, then decoding one token at a time,

@@ -258,6 +258,7 @@ def test_rolling_back_into_a_named_block_unnames_it_so_no_other_sequence_reuses_
     assert PagedKVCache(pool, 64).reuse_prefix(rejected) == 0
 
 
+@pytest.mark.slow
 def test_a_draft_with_another_vocabulary_or_that_is_no_checkpoint_is_one_line_naming_draft(capsys, tmp_path) -> None:
     assert cli.main(["generate", "--no-chat", "ROMEO:", "--draft", str(QWEN3_RANDOM)]) == 2
     assert capsys.readouterr().err.splitlines() == [
@@ -287,6 +288,7 @@ def test_draft_and_lookup_together_are_refused_by_the_parser(capsys) -> None:
     assert refused.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_json_output_has_the_speculation_usage(capsys) -> None:
     assert cli.main(["generate", "--no-chat", "ROMEO:", "-n", "20", "--temperature", "0", "--lookup", "2",
                      "--json", "-q"]) == 0
@@ -317,6 +319,7 @@ def test_forward_batch_tails_are_those_rows_of_the_full_logits(random_pair, path
         run(tails=[3, 3, 1])
 
 
+@pytest.mark.slow
 def test_a_speculative_chat_replies_as_the_plain_one_turn_after_turn(tok) -> None:
     model = load_model(QWEN3_RANDOM)
     sessions = [ChatSession(model, tok, GREEDY, max_tokens=256, speculation=speculation)
@@ -326,6 +329,7 @@ def test_a_speculative_chat_replies_as_the_plain_one_turn_after_turn(tok) -> Non
         assert replies[1] == replies[0] and replies[2] == replies[0]
 
 
+@pytest.mark.slow
 def test_a_chats_draft_reads_only_each_turns_new_tokens(tok, monkeypatch) -> None:
     target, draft = load_model(QWEN3_RANDOM), load_model(QWEN3_RANDOM)     # the draft: a second copy, counted
     session = ChatSession(target, tok, GREEDY, max_tokens=256, speculation=draft_speculation(draft, 3))

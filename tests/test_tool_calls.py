@@ -178,6 +178,7 @@ def test_an_assistant_call_with_content_null_and_tool_results_render(tok: Tokeni
                                     *AGENT_TURNS[2:]], tools=[WEATHER_TOOL]) == rendered
 
 
+@pytest.mark.slow
 def test_the_agent_turns_render_as_transformers_renders_them_with_empty_content(tok: Tokenizer) -> None:
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(str(QWEN3_RANDOM))

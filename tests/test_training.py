@@ -440,6 +440,7 @@ def test_every_precision_resumes_bit_exactly_with_gradient_accumulation_and_expo
     assert load_model(tmp_path / "split" / "model", memory="fp32").forward([1, 2, 3]).shape == (3, SMALL["vocab_size"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp8"])
 def test_a_tiny_preset_run_learns_in_every_precision(tmp_path: Path, run_inputs: tuple[Path, Path], precision: str) -> None:
     data, _ = run_inputs

@@ -44,6 +44,7 @@ def plan_of(out: Path, **spec: Any) -> PlanOnly:
     return events
 
 
+@pytest.mark.slow
 def test_a_lora_fine_tune_without_steps_takes_the_default_epochs_over_its_chats_and_says_so_first(
         tmp_path: Path) -> None:
     """README's command on 40 chats: --epochs' passes over them (3 x 38 training conversations, 16 a step: 8
@@ -96,6 +97,7 @@ def test_steps_and_epochs_both_given_is_one_error_naming_them(tmp_path: Path, ca
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_epochs_given_on_resuming_recount_the_runs_steps_with_a_note(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "config.json"

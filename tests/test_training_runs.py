@@ -186,6 +186,7 @@ def test_the_lock_of_a_trainer_killed_by_sigkill_is_taken_over(tmp_path: Path, i
     assert f"was left by a train run that no longer runs (PID {dead.pid}" in err and "taken over" in err
 
 
+@pytest.mark.slow
 def test_two_trainers_started_at_once_on_one_folder_never_both_succeed(tmp_path: Path,
                                                                        inputs: tuple[Path, Path]) -> None:
     """The probe's reproduction: both exited 0 with different losses, and the folder held one of the runs."""
@@ -310,6 +311,7 @@ def hash_of(path: Path) -> str:
     return corpus_sha256("".join(lines[:cut]), "".join(lines[cut:]))
 
 
+@pytest.mark.slow
 def test_a_moved_data_file_named_again_resumes_the_same_run(tmp_path: Path, inputs: tuple[Path, Path],
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     data, config = inputs
@@ -327,6 +329,7 @@ def test_a_moved_data_file_named_again_resumes_the_same_run(tmp_path: Path, inpu
 # --- A trainer killed before its first checkpoint ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resuming_a_run_killed_before_its_first_checkpoint_says_what_the_folder_holds(
         tmp_path: Path, inputs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     data, config = inputs
