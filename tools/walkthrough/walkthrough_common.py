@@ -229,7 +229,7 @@ def qwen3_tokenizer() -> Tokenizer:
         config = folder / "tokenizer_config.json"
         if config.is_file() and "<think>" in config.read_text(encoding="utf-8"):
             return Tokenizer.from_folder(folder)
-    raise QwenNPError(f"make_walkthrough: no Qwen3 tokenizer with a chat template in {QWEN3_TOKENIZER_FOLDERS}")
+    raise QwenNPError(f"walkthrough: no Qwen3 tokenizer with a chat template in {QWEN3_TOKENIZER_FOLDERS}")
 
 
 # --- The recorded chapters (11-13): a run too slow for every test, recorded once, the page made from it ---
