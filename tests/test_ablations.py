@@ -15,7 +15,9 @@ import pytest
 from conftest import ROOT, TINY_CONFIG
 from qwen_np import QwenNPError, load_model
 from qwen_np.core import layers
+from qwen_np.core.ablations import AblatedModel, model_class
 from qwen_np.core.config import ABLATION_CHOICES, Qwen3Config, expected_tensors, parameter_count
+from qwen_np.core.model import Qwen3Model
 from qwen_np.engine.fast import FastQwen3Model
 from qwen_np.training import data, trainer
 
@@ -48,6 +50,24 @@ def test_qwen3_is_unchanged_by_the_ablation_fields():
     ablated = Qwen3Config.from_dict({**TINY_CONFIG, "use_rope": False, "mlp_type": "gelu"})
     assert ablated.ablations == {"use_rope": False, "mlp_type": "gelu"}
     assert Qwen3Config.from_dict({**ablated.to_dict(), "model_type": "qwen3"}) == ablated
+
+
+def test_an_ablated_model_with_every_choice_at_qwen3s_value_is_qwen3():
+    """AblatedModel's layer is Qwen3's where they coincide: same logits and the same notes, bit for bit, as the
+    pure Qwen3Model on the same weights; a config picks Qwen3Model unless it asks for an ablation."""
+    qwen3 = model_of()
+    assert type(qwen3) is model_class(qwen3.config) is not AblatedModel
+    ablated = AblatedModel(qwen3.config, qwen3.embed_tokens, qwen3.layers, qwen3.norm, qwen3.lm_head)
+    (logits, notes), (ablated_logits, ablated_notes) = traced(qwen3), traced(ablated)
+    assert np.array_equal(logits, ablated_logits) and list(notes) == list(ablated_notes)
+    assert all(np.array_equal(notes[name], ablated_notes[name]) for name in notes)
+    assert type(model_of(use_rope=False)) is AblatedModel
+
+
+def test_qwen3model_refuses_an_ablations_config():
+    ablated = model_of(norm_position="post")
+    with pytest.raises(QwenNPError, match="computes Qwen3 only"):
+        Qwen3Model(ablated.config, ablated.embed_tokens, ablated.layers, ablated.norm, ablated.lm_head)
 
 
 def test_without_rope_the_logits_do_not_depend_on_rope_theta():

@@ -12,31 +12,32 @@ The KV cache (kv_cache.py) keeps the post-RoPE keys and the values of every posi
 a decode step only computes the new token's q/k/v and attends over the cache instead of re-running
 the prompt.
 
-Several sequences run as one batch (`forward_batch`), each with its own cache, length and positions.
-Every step but attention treats tokens one at a time, so the batch's tokens are packed one sequence
-after another into one [T, D] matrix: each weight is read once for all of them, which is why a
-memory-bound decode step for 8 sequences costs little more than one for a single sequence. Only
-attention looks across tokens, and it runs per sequence, over that sequence's own keys: there is no
-padding, so nothing can attend to another sequence's tokens or to padding.
+Several sequences run as one batch (`forward_batch`), packed one after another into one [T, D] matrix
+(batch.py: the packing, the input checks, each row's adapter; attention runs per sequence).
+
+This is Qwen3 and nothing else; ablations.py holds the model whose layer takes pieces away (the lesson
+of config.ABLATION_CHOICES), and `ablations.model_class(config)` picks the one a config asks for.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence, cast
 
 import numpy as np
 
 from ..errors import QwenNPError
-from ..numbers.numerics import RowAdapters, Weight
+from ..numbers.numerics import Weight
 from . import layers
 from .adapters import Adapter
-from .config import LAYER_MATRICES, Qwen3Config
+from .batch import Batch, advance, output_rows, pack
+from .config import LAYER_TENSORS, Qwen3Config
 from .kv_cache import KVCache, SequenceCache
 
 # trace(name, value) is called with every intermediate of the forward pass when given (see inspection),
 # each under one of these names, in this order (a decoder layer's prefixed "model.layers.{i}."). An ablation's
-# layer notes fewer (no q_norm, k_norm, or gate_proj) or two more (post-norm: post_norm_attn, post_norm_mlp).
+# layer (ablations.py) notes fewer (no q_norm, k_norm, or gate_proj) or two more (post-norm: post_norm_attn,
+# post_norm_mlp).
 Trace = layers.Note
 LAYER_STEPS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_norm",
                "self_attn.k_norm", "self_attn.rope_q", "self_attn.rope_k", "self_attn.scores", "self_attn.softmax",
@@ -69,6 +70,15 @@ class LayerWeights:
     down_proj: Weight
 
 
+class Qwen3LayerWeights(LayerWeights):
+    """LayerWeights as Qwen3's layer reads them (the type alone: Qwen3Model checks that its layers hold every
+    tensor of config.LAYER_TENSORS when it is built; only an ablation's layer lacks some)."""
+
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    gate_proj: Weight
+
+
 class Qwen3Model:
     """A loaded Qwen3 checkpoint. `forward` maps token ids to logits, optionally through a KVCache.
 
@@ -77,9 +87,17 @@ class Qwen3Model:
     """
 
     fast = False
+    ablated = False       # whether the class computes config.ablations (ablations.AblatedModel's does)
 
     def __init__(self, config: Qwen3Config, embed_tokens: Weight, decoder_layers: list[LayerWeights],
                  norm: np.ndarray, lm_head: Weight | None, plan: Any = None) -> None:
+        if config.ablations and not self.ablated:       # else it would run Qwen3's layer on an ablation's weights
+            raise QwenNPError(f"{type(self).__name__} computes Qwen3 only, not the ablation {config.ablations}: "
+                              "build it with core.ablations.model_class(config)")
+        lacking = [f"layer {i}'s {key}" for i, layer in enumerate(decoder_layers) for key in LAYER_TENSORS
+                   if not self.ablated and getattr(layer, key) is None]
+        if lacking:                                      # what Qwen3LayerWeights promises Qwen3's layer
+            raise QwenNPError(f"a Qwen3 layer holds every tensor of config.LAYER_TENSORS; missing {lacking[0]}")
         self.config = config
         self.embed_tokens = embed_tokens      # [V, D]
         self.layers = decoder_layers          # L x LayerWeights
@@ -154,150 +172,40 @@ class Qwen3Model:
         """Layer i: x + attention(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).  [T, D] -> [T, D].
 
         x holds the packed tokens of `batch` (their positions, RoPE tables and caches); `note` sees every
-        step, named as LAYER_STEPS. The one place a decoder layer is written: the precision lab rounds its
+        step, named as LAYER_STEPS. The one place Qwen3's layer is written: the precision lab rounds its
         input, training recomputes it in the backward, the inspection steps point at its lines.
-        The ablations (config.ABLATION_CHOICES) are one-line choices beside the steps they change: `pre`,
-        `c.use_rope`, `c.use_residual`, and the weights an ablated layer lacks (q_norm, gate_proj). A step taken
-        away notes its input unchanged (QK-norm's and the gate's are not noted). Qwen3 runs every piece."""
+        (ablations.AblatedModel's layer is this one with each piece an ablation takes away made a choice.)"""
         c, eps, t = self.config, self.config.rms_norm_eps, Notes(note, f"model.layers.{i}.")
-        w = batch.layer_weights(i, self.layers[i])        # with each row's own adapter, if any asks for one
+        w = self.weights(i, batch)                   # with each row's own adapter, if any asks for one
         H, KVH, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        pre = c.norm_position == "pre"               # ablation: "post" normalizes after each residual sum instead
         # --- self-attention block ---
-        h = t("input_layernorm", layers.rms_norm(x, w.input_layernorm, eps) if pre else x)         # [T, D]
-        q = t("self_attn.q_proj", layers.linear(h, w.q_proj).reshape(-1, H, Dh))                  # [T, H, Dh]
-        k = t("self_attn.k_proj", layers.linear(h, w.k_proj).reshape(-1, KVH, Dh))                # [T, KVH, Dh]
-        v = t("self_attn.v_proj", layers.linear(h, w.v_proj).reshape(-1, KVH, Dh))                # [T, KVH, Dh]
-        if w.q_norm is not None and w.k_norm is not None:                 # ablation: use_qk_norm=false has neither
-            q = t("self_attn.q_norm", layers.rms_norm(q, w.q_norm, eps))  # per head, over Dh, BEFORE RoPE
-            k = t("self_attn.k_norm", layers.rms_norm(k, w.k_norm, eps))  # v gets no norm
-        q = t("self_attn.rope_q", layers.rope(q, batch.cos, batch.sin) if c.use_rope else q)     # [T, H, Dh]
-        k = t("self_attn.rope_k", layers.rope(k, batch.cos, batch.sin) if c.use_rope else k)     # [T, KVH, Dh]
-        mixed = t("self_attn.weighted_sum", batch.attention(i, q, k, v, t.inside("self_attn.")))  # [T, H*Dh]
-        attn_out = t("self_attn.o_proj", layers.linear(mixed, w.o_proj))                          # [T, D]
-        x = t("residual_attn", x + attn_out if c.use_residual else attn_out)   # ablation: no residual, replaced
-        x = x if pre else t("post_norm_attn", layers.rms_norm(x, w.input_layernorm, eps))        # ablation: post-norm
-        # --- MLP block (SwiGLU) ---
-        h = t("post_attention_layernorm", layers.rms_norm(x, w.post_attention_layernorm, eps) if pre else x)  # [T, D]
-        if w.gate_proj is None:                                            # ablation: mlp_type "gelu"
-            mlp_out = t("mlp.down_proj", layers.gelu_mlp(h, w.up_proj, w.down_proj, t.inside("mlp.")))          # [T, D]
-        else:
-            mlp_out = t("mlp.down_proj", layers.swiglu(h, w.gate_proj, w.up_proj, w.down_proj, t.inside("mlp.")))  # [T, D]
-        x = t("residual_mlp", x + mlp_out if c.use_residual else mlp_out)
-        return x if pre else t("post_norm_mlp", layers.rms_norm(x, w.post_attention_layernorm, eps))
+        h = t("input_layernorm", layers.rms_norm(x, w.input_layernorm, eps))          # [T, D]
+        q = t("self_attn.q_proj", layers.linear(h, w.q_proj).reshape(-1, H, Dh))     # [T, H, Dh]
+        k = t("self_attn.k_proj", layers.linear(h, w.k_proj).reshape(-1, KVH, Dh))   # [T, KVH, Dh]
+        v = t("self_attn.v_proj", layers.linear(h, w.v_proj).reshape(-1, KVH, Dh))   # [T, KVH, Dh]
+        q = t("self_attn.q_norm", layers.rms_norm(q, w.q_norm, eps))   # per head, over Dh, BEFORE RoPE
+        k = t("self_attn.k_norm", layers.rms_norm(k, w.k_norm, eps))   # v gets no norm
+        q = t("self_attn.rope_q", layers.rope(q, batch.cos, batch.sin))             # [T, H, Dh]
+        k = t("self_attn.rope_k", layers.rope(k, batch.cos, batch.sin))             # [T, KVH, Dh]
+        mixed = t("self_attn.weighted_sum", batch.attention(i, q, k, v, t.inside("self_attn.")))
+        x = t("residual_attn", x + t("self_attn.o_proj", layers.linear(mixed, w.o_proj)))   # [T, D]
+        # --- MLP block ---
+        h = t("post_attention_layernorm", layers.rms_norm(x, w.post_attention_layernorm, eps))
+        return t("residual_mlp", x + t("mlp.down_proj", self.mlp(h, w, t.inside("mlp."))))
+
+    def weights(self, i: int, batch: Batch) -> Qwen3LayerWeights:
+        """Layer i's weights as the batch's rows see them (Batch.layer_weights): all of them, checked in __init__."""
+        return cast(Qwen3LayerWeights, batch.layer_weights(i, self.layers[i]))
+
+    def mlp(self, h: np.ndarray, w: Qwen3LayerWeights, note: Trace) -> np.ndarray:
+        """The layer's MLP: SwiGLU, down(silu(gate(h)) * up(h)).  [T, D] -> [T, D]. Its own method so that
+        another MLP (a mixture of experts) can sit beside it; `note` sees gate_proj, up_proj and act_fn."""
+        return layers.swiglu(h, w.gate_proj, w.up_proj, w.down_proj, note)
 
     def pack(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],
              adapters: Sequence[Adapter | None] | None = None) -> Batch:
-        """The sequences' checked ids, one sequence after another, as a Batch (with each one's adapter); their
-        caches reserve room for them (every row checked first: nothing half-done)."""
-        if len(token_ids) != len(caches) or not token_ids or (adapters is not None and len(adapters) != len(caches)):
-            raise QwenNPError(f"forward_batch: {len(token_ids)} sequences of token ids for {len(caches)} caches"
-                              + (f" and {len(adapters)} adapters" if adapters is not None else ""))
-        held = [id(cache) for cache in caches if cache is not None]
-        if len(set(held)) < len(held):
-            raise QwenNPError("forward_batch: the same KV cache is given for two sequences")
-        ids = [self._check_ids(one) for one in token_ids]
-        starts = [cache.length if cache is not None else 0 for cache in caches]
-        for one, start, cache in zip(ids, starts, caches):
-            if cache is not None and start + len(one) > cache.max_tokens:
-                raise QwenNPError(f"cache: {start} cached + {len(one)} new tokens exceed its {cache.max_tokens} positions")
-        for one, cache in zip(ids, caches):
-            if cache is not None:
-                cache.reserve(len(one))
-        ends = np.cumsum([len(one) for one in ids]).tolist()
-        positions = np.concatenate([np.arange(start, start + len(one)) for one, start in zip(ids, starts)])
-        cos, sin = layers.rope_angles(self.inv_freq, positions)                          # [T, Dh] each
-        rows = [slice(end - len(one), end) for end, one in zip(ends, ids)]
-        return Batch(np.concatenate(ids), positions, rows, list(caches), cos, sin,
-                     adapter_rows(rows, adapters or [None] * len(rows)))
-
-    def _check_ids(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        return check_token_ids(token_ids, self.config.vocab_size)
-
-
-def check_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int, name: str = "token_ids") -> np.ndarray:
-    """The ids as an int64 array [T], if they are a non-empty 1-D sequence of integers in [0, vocab_size): the
-    one check, for a forward pass and for a request before it joins a batch (whose forward pass a bad id would
-    fail for every row). `name`: the parameter they came in, for the error."""
-    ids = np.asarray(token_ids)
-    # bool is an int in Python, and an array of them would index the embedding table as a mask.
-    if (ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer)
-            or (not isinstance(token_ids, np.ndarray) and any(isinstance(t, (bool, np.bool_)) for t in token_ids))):
-        raise QwenNPError(f"{name}: expected a non-empty 1-D sequence of integers, got shape {ids.shape} {ids.dtype}")
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
-    if bad.size:
-        raise QwenNPError(f"{name}: id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
-    return ids.astype(np.int64)
-
-
-def output_rows(rows: list[slice], last_only: bool, tails: Sequence[int] | None) -> list[int] | None:
-    """The packed rows whose logits a forward_batch call returns (None: all): each sequence's last
-    tails[b] rows, or its last one with last_only."""
-    if tails is None:
-        return [row.stop - 1 for row in rows] if last_only else None
-    if len(tails) != len(rows) or not all(1 <= tail <= row.stop - row.start for tail, row in zip(tails, rows)):
-        raise QwenNPError(f"forward_batch: tails {list(tails)} do not fit sequences of {[r.stop - r.start for r in rows]} tokens")
-    return [i for tail, row in zip(tails, rows) for i in range(row.stop - tail, row.stop)]
-
-
-def adapter_rows(rows: list[slice], adapters: Sequence[Adapter | None]) -> list[tuple[Adapter, slice | np.ndarray]]:
-    """Each adapter that sequences ask for (in first-asked order), with the packed rows of all its sequences: a
-    slice where they are consecutive (x[rows] is then a view, not a copy of a prompt's rows), else their indices [n]."""
-    grouped: dict[int, tuple[Adapter, list[np.ndarray]]] = {}
-    for row, adapter in zip(rows, adapters):
-        if adapter is not None:
-            grouped.setdefault(id(adapter), (adapter, []))[1].append(np.arange(row.start, row.stop))
-    found: list[tuple[Adapter, slice | np.ndarray]] = []
-    for adapter, parts in grouped.values():
-        indices = np.concatenate(parts)                              # ascending: the sequences are packed in order
-        consecutive = int(indices[-1]) - int(indices[0]) + 1 == len(indices)
-        found.append((adapter, slice(int(indices[0]), int(indices[-1]) + 1) if consecutive else indices))
-    return found
-
-
-def advance(caches: Sequence[SequenceCache | None], ids: np.ndarray, rows: list[slice]) -> None:
-    """After a forward pass: each cache counts its sequence's tokens (ids[rows[b]]) as held."""
-    for row, cache in zip(rows, caches):
-        if cache is not None:
-            cache.advance(ids[row])
-
-
-@dataclass
-class Batch:
-    """The tokens of forward_batch's sequences packed one after another: T rows, rows[b] sequence b's."""
-
-    ids: np.ndarray                           # [T] token ids
-    positions: np.ndarray                     # [T] each token's position in its own sequence
-    rows: list[slice]                         # B slices of the T rows
-    caches: list[SequenceCache | None]        # B caches (None: a sequence from position 0, not kept)
-    cos: np.ndarray                           # [T, Dh] RoPE tables at those positions
-    sin: np.ndarray                           # [T, Dh]
-    # Each LoRA adapter the batch's sequences ask for, with the packed rows of those sequences (adapter_rows).
-    adapters: list[tuple[Adapter, slice | np.ndarray]] = field(default_factory=list)
-
-    def layer_weights(self, i: int, weights: LayerWeights) -> LayerWeights:
-        """Layer i's weights as this batch's rows see them: the layer's own when no row asks for an adapter;
-        else each projection some adapter of the batch adapts is a numerics.RowAdapters, its base once for
-        every row and each adapter's rank-r update on that adapter's rows only."""
-        if not self.adapters:
-            return weights
-        adapted: dict[str, Any] = {}                      # projection key -> its RowAdapters
-        for key in LAYER_MATRICES:
-            base = getattr(weights, key)
-            groups = tuple((rows, one) for adapter, rows in self.adapters
-                           if (one := adapter.adapted(i, key, base)) is not None)
-            if groups:
-                adapted[key] = RowAdapters(base, groups)
-        return replace(weights, **adapted)
-
-    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, note: Trace) -> np.ndarray:
-        """Each sequence attends over its own keys only: its cached ones and these.  q [T, H, Dh],
-        k/v [T, KVH, Dh] -> [T, H*Dh]. Appends this layer's k, v to each sequence's cache."""
-        heads = []
-        for row, cache in zip(self.rows, self.caches):
-            keys, values = (k[row], v[row]) if cache is None else cache.append(layer, k[row], v[row])  # [S, KVH, Dh]
-            heads.append(layers.attention(q[row], keys, values, self.positions[row], note))
-        return np.concatenate(heads)                                                   # [T, H*Dh]
+        """The sequences as one Batch for this model's vocabulary and RoPE frequencies (batch.pack)."""
+        return pack(token_ids, caches, adapters, self.config.vocab_size, self.inv_freq)
 
 
 class Notes:

@@ -62,7 +62,8 @@ from . import runtime
 from ..core.config import LAYER_MATRICES, Qwen3Config
 from .memory import MemoryPlan
 from ..core.kv_cache import SequenceCache
-from ..core.model import LayerWeights, Qwen3Model, Trace, advance, output_rows
+from ..core.batch import advance, output_rows
+from ..core.model import LayerWeights, Qwen3Model, Trace
 from .paged import OwnPoolCache, PagedKVCache
 from ..errors import QwenNPError
 from ..numbers.numerics import Adapted, Grouped, Int8Rows, Panels, RowAdapters, Weight, scratch, without_adapters

@@ -16,6 +16,7 @@ from .fast import FastQwen3Model
 from ..numbers.formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
 from ..files.gguf_file import GGUFCheckpoint
 from .memory import effective_context, plan_memory
+from ..core.ablations import model_class
 from ..core.model import LayerWeights, Qwen3Model
 from ..numbers.numerics import PANEL, Int8Rows, Panels, Weight, panel_shape, panels, upcast
 from . import runtime
@@ -126,7 +127,7 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
     head = MODEL_TENSORS["lm_head"].name
     lm_head = (embed_tokens if config.tie_word_embeddings else
                matrices([head])[0] if head in checkpoint.tensors else None)
-    kind = FastQwen3Model if fast and not config.ablations else Qwen3Model      # an ablation runs the readable path
+    kind = FastQwen3Model if fast and not config.ablations else model_class(config)   # an ablation: readable
     return kind(config, embed_tokens, decoder_layers, vector(MODEL_TENSORS["norm"].name), lm_head, plan)
 
 

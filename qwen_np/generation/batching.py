@@ -48,7 +48,8 @@ from ..engine.finite import NonFiniteLogits
 from ..engine.paged import BlockPool, PagedKVCache, blocks_for
 from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK
 from ..core.adapters import Adapter
-from ..core.model import check_token_ids, Qwen3Model
+from ..core.batch import check_token_ids
+from ..core.model import Qwen3Model
 from ..core.sampling import SamplingParams
 from .speculative import NO_DRAFT, Draft, Drafter, Job, Speculation, propose_together
 from ..files.tokenizer import Tokenizer

@@ -30,7 +30,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..core.adapters import Adapter
-from ..core.model import Qwen3Model, check_token_ids
+from ..core.batch import check_token_ids
+from ..core.model import Qwen3Model
 from ..engine.memory import PREFILL_CHUNK
 from ..engine.paged import blocks_for
 from ..errors import QwenNPError

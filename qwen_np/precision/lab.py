@@ -39,7 +39,8 @@ from ..generation.generate import generate
 from ..engine.loading import back_to_back, load_model
 from ..files.model_files import read_config, read_tokenizer
 from ..engine.memory import GiB, SAFETY_FRACTION, candidate_plans, weight_bytes
-from ..core.model import Batch, Qwen3Model, Trace
+from ..core.batch import Batch
+from ..core.model import Qwen3Model, Trace
 from ..numbers.numerics import Weight
 from ..core.sampling import SamplingParams
 from ..files.tokenizer import Tokenizer

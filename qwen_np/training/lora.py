@@ -29,6 +29,7 @@ import numpy as np
 
 from ..core import layers
 from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_MATRICES, LAYER_TENSOR_NAMES, LM_HEAD, Qwen3Config, expected_tensors
+from ..core.ablations import model_class
 from ..core.model import Qwen3Model
 from ..errors import QwenNPError
 from ..files.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_name
@@ -244,7 +245,7 @@ def with_adapters(model: Qwen3Model, arrays: dict[str, np.ndarray]) -> Qwen3Mode
                 swapped[key] = Adapted(weight.base, arrays[adapter_name(tensor, "A")], arrays[adapter_name(tensor, "B")],
                                        weight.scale)
         layers.append(dataclasses.replace(layer, **swapped))
-    return Qwen3Model(model.config, model.embed_tokens, layers, model.norm, model.lm_head)
+    return model_class(model.config)(model.config, model.embed_tokens, layers, model.norm, model.lm_head)
 
 
 def merged_tensors(model: Qwen3Model) -> dict[str, np.ndarray]:

@@ -49,6 +49,7 @@ from ..core.config import Qwen3Config, expected_tensors, layer_tensors
 from .data import END_OF_TEXT, END_OF_TEXT_ID
 from ..errors import QwenNPError
 from ..engine.memory import ResidentPeak, training_memory, training_total
+from ..core.ablations import model_class
 from ..core.model import LayerWeights, Qwen3Model
 from ..engine.runtime import steady_threads, usable_cores
 from .settings import KEPT_ON_RESUME, NOT_BIT_EXACT, PRESET_CONFIGS, PRESET_SETTINGS, RunEvents, Settings, capped_warmup
@@ -114,7 +115,7 @@ def model_from_parameters(config: Qwen3Config, params: dict[str, np.ndarray]) ->
               for i in range(config.num_hidden_layers)]
     embed = params["model.embed_tokens.weight"]
     head = embed if config.tie_word_embeddings else params["lm_head.weight"]
-    return Qwen3Model(config, embed, layers, params["model.norm.weight"], head)
+    return model_class(config)(config, embed, layers, params["model.norm.weight"], head)
 
 
 def hf_config(model_config: dict[str, Any]) -> dict[str, Any]:

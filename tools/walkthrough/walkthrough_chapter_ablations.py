@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tools" / "walkthrough"))
 
 from qwen_np.core.config import ABLATION_CHOICES, PRESETS, Qwen3Config, parameter_count  # noqa: E402
+from qwen_np.core.ablations import AblatedModel  # noqa: E402
 from qwen_np.core.model import Qwen3Model  # noqa: E402
 from qwen_np.engine.memory import kv_cache_bytes_per_token  # noqa: E402
 from qwen_np.training import trainer, step as training  # noqa: E402
@@ -251,7 +252,7 @@ piece's doing. The {len(rec['runs'])} runs are one recording of `python tools/wa
 
 {options_part()}
 
-{code_block(inspect.getsource(Qwen3Model.decoder_layer))}
+{code_block(inspect.getsource(AblatedModel.decoder_layer))}
 
 {results_part(rec)}
 

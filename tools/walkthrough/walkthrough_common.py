@@ -26,7 +26,8 @@ from qwen_np import load_model  # noqa: E402
 from qwen_np.errors import QwenNPError  # noqa: E402
 from qwen_np.inspection import STEPS, Step, dimensions, format_shape, resolve, token_text  # noqa: E402
 from qwen_np.inspection.steps import source_line  # noqa: E402
-from qwen_np.core.model import Batch, Qwen3Model  # noqa: E402
+from qwen_np.core.batch import Batch  # noqa: E402
+from qwen_np.core.model import Qwen3Model  # noqa: E402
 from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
 
 BUNDLED_MODEL = REPO_ROOT / "weights"
@@ -195,7 +196,7 @@ ALSO_SHOWN = {"model.layers.{i}.self_attn.rope_q": " layers.rope_angles("}
 
 
 def step_code(step: Step, shown: set[str]) -> str:
-    """The line of a step, then the source of each function of layers.py or method of model.Batch it
+    """The line of a step, then the source of each function of layers.py or method of batch.Batch it
     calls (once per page), and of the layers.py functions those methods call."""
     parts, sources = [code_block(MODEL_CODE[step.name])], [MODEL_CODE[step.name] + ALSO_SHOWN.get(step.name, "")]
     while sources:
@@ -208,7 +209,7 @@ def step_code(step: Step, shown: set[str]) -> str:
                 continue
             shown.add(key)
             source = textwrap.dedent(inspect.getsource(function))
-            title = f"`Batch.{name}`, from `qwen_np/core/model.py`" if where is Batch else \
+            title = f"`Batch.{name}`, from `qwen_np/core/batch.py`" if where is Batch else \
                 f"`layers.{name}`, from `qwen_np/core/layers.py`"
             parts.append(f"{title}:\n\n" + code_block(source))
             if where is Batch:                                  # the layers.py functions it calls, in turn
