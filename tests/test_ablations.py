@@ -4,8 +4,11 @@ still come out of the code. Their backward is checked by finite differences in t
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import math
+import textwrap
 import sys
 from pathlib import Path
 
@@ -62,6 +65,17 @@ def test_an_ablated_model_with_every_choice_at_qwen3s_value_is_qwen3():
     assert np.array_equal(logits, ablated_logits) and list(notes) == list(ablated_notes)
     assert all(np.array_equal(notes[name], ablated_notes[name]) for name in notes)
     assert type(model_of(use_rope=False)) is AblatedModel
+
+
+def test_qwen3s_layer_is_short_and_makes_no_ablation_choice():
+    """A student holds Qwen3's layer in view: at most 16 lines of code, each under 100 characters, and not one
+    of them an ablation's choice (no branch, no ablation field: those are AblatedModel's)."""
+    source = textwrap.dedent(inspect.getsource(Qwen3Model.decoder_layer))
+    body = ast.parse(source).body[0].body[1:]                          # the statements after the docstring
+    code = [line for line in source.splitlines()[body[0].lineno - 1:] if not line.strip().startswith("#")]
+    assert len(code) <= 16 and all(len(line) + 4 < 100 for line in source.splitlines())
+    assert not [node for node in ast.walk(ast.Module(body, [])) if isinstance(node, (ast.If, ast.IfExp))]
+    assert not [word for word in (*ABLATION_CHOICES, "norm_position", "ablations") if word in "\n".join(code)]
 
 
 def test_qwen3model_refuses_an_ablations_config():

@@ -169,32 +169,33 @@ class Qwen3Model:
         return logits
 
     def decoder_layer(self, i: int, x: np.ndarray, batch: Batch, note: Trace) -> np.ndarray:
-        """Layer i: x + attention(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).  [T, D] -> [T, D].
+        """Layer i: x + attention(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).
 
-        x holds the packed tokens of `batch` (their positions, RoPE tables and caches); `note` sees every
-        step, named as LAYER_STEPS. The one place Qwen3's layer is written: the precision lab rounds its
-        input, training recomputes it in the backward, the inspection steps point at its lines.
-        (ablations.AblatedModel's layer is this one with each piece an ablation takes away made a choice.)"""
+        [T, D] -> [T, D]. x holds the packed tokens of `batch` (positions, RoPE tables, caches);
+        `note` sees every step, named as LAYER_STEPS. The one place Qwen3's layer is written: the
+        precision lab rounds its input, training recomputes it in the backward, the inspection
+        steps point at its lines. (ablations.AblatedModel's layer takes pieces of it away.)"""
         c, eps, t = self.config, self.config.rms_norm_eps, Notes(note, f"model.layers.{i}.")
-        w = self.weights(i, batch)                   # with each row's own adapter, if any asks for one
+        w = self.weights(i, batch)                  # with each row's own adapter, if any
         H, KVH, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         # --- self-attention block ---
         h = t("input_layernorm", layers.rms_norm(x, w.input_layernorm, eps))          # [T, D]
         q = t("self_attn.q_proj", layers.linear(h, w.q_proj).reshape(-1, H, Dh))     # [T, H, Dh]
         k = t("self_attn.k_proj", layers.linear(h, w.k_proj).reshape(-1, KVH, Dh))   # [T, KVH, Dh]
         v = t("self_attn.v_proj", layers.linear(h, w.v_proj).reshape(-1, KVH, Dh))   # [T, KVH, Dh]
-        q = t("self_attn.q_norm", layers.rms_norm(q, w.q_norm, eps))   # per head, over Dh, BEFORE RoPE
+        q = t("self_attn.q_norm", layers.rms_norm(q, w.q_norm, eps))   # per head, BEFORE RoPE
         k = t("self_attn.k_norm", layers.rms_norm(k, w.k_norm, eps))   # v gets no norm
         q = t("self_attn.rope_q", layers.rope(q, batch.cos, batch.sin))             # [T, H, Dh]
         k = t("self_attn.rope_k", layers.rope(k, batch.cos, batch.sin))             # [T, KVH, Dh]
         mixed = t("self_attn.weighted_sum", batch.attention(i, q, k, v, t.inside("self_attn.")))
-        x = t("residual_attn", x + t("self_attn.o_proj", layers.linear(mixed, w.o_proj)))   # [T, D]
+        x = t("residual_attn", x + t("self_attn.o_proj", layers.linear(mixed, w.o_proj)))  # [T, D]
         # --- MLP block ---
         h = t("post_attention_layernorm", layers.rms_norm(x, w.post_attention_layernorm, eps))
         return t("residual_mlp", x + t("mlp.down_proj", self.mlp(h, w, t.inside("mlp."))))
 
     def weights(self, i: int, batch: Batch) -> Qwen3LayerWeights:
-        """Layer i's weights as the batch's rows see them (Batch.layer_weights): all of them, checked in __init__."""
+        """Layer i's weights as the batch's rows see them (Batch.layer_weights): every tensor of
+        config.LAYER_TENSORS, as __init__ checked."""
         return cast(Qwen3LayerWeights, batch.layer_weights(i, self.layers[i]))
 
     def mlp(self, h: np.ndarray, w: Qwen3LayerWeights, note: Trace) -> np.ndarray:
