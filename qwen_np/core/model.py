@@ -191,7 +191,8 @@ class Qwen3Model:
         x = t("residual_attn", x + t("self_attn.o_proj", layers.linear(mixed, w.o_proj)))  # [T, D]
         # --- MLP block ---
         h = t("post_attention_layernorm", layers.rms_norm(x, w.post_attention_layernorm, eps))
-        return t("residual_mlp", x + t("mlp.down_proj", self.mlp(h, w, t.inside("mlp."))))
+        x = t("residual_mlp", x + t("mlp.down_proj", self.mlp(h, w, t.inside("mlp."))))   # [T, D]
+        return x
 
     def weights(self, i: int, batch: Batch) -> Qwen3LayerWeights:
         """Layer i's weights as the batch's rows see them (Batch.layer_weights): every tensor of
