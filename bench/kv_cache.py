@@ -32,7 +32,8 @@ import numpy as np
 from qwen_np import load_model
 from qwen_np.generation.batching import BatchGenerator, Request
 from qwen_np.precision.divergence import Comparison
-from qwen_np.engine.paged import BlockPool, PagedKVCache, block_runs, blocks_for
+from qwen_np.engine.budget import blocks_for
+from qwen_np.engine.paged import BlockPool, PagedKVCache, block_runs
 from qwen_np.core.sampling import SamplingParams
 from qwen_np.files.tokenizer import Tokenizer
 

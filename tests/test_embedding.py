@@ -15,7 +15,7 @@ import pytest
 
 import qwen_np
 from qwen_np.engine.loading import load_model
-from qwen_np.engine.memory import PREFILL_CHUNK
+from qwen_np.engine.budget import PREFILL_CHUNK
 from qwen_np.errors import QwenNPError
 from qwen_np.files.tokenizer import Tokenizer
 

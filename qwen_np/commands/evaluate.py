@@ -44,6 +44,7 @@ PARSERS = {"eval": eval_parser}      # cli.py builds the command's parser with i
 def run(args: argparse.Namespace) -> int:
     """Load, score window by window with a progress bar (and compare the formats), then print the figures:
     nothing is printed before all of them are known, so a bad input is the only line."""
+    from ..engine.budget import context_for
     from ..engine.finite import check_finite          # here, not at the top: --help needs none of it (nor NumPy)
     from ..engine.loading import attach_adapter, load_model
     from ..files.model_files import read_config, read_tokenizer
@@ -55,10 +56,7 @@ def run(args: argparse.Namespace) -> int:
     folder = common.model_folder(args.model)
     config = read_config(folder)
     adapter = common.read_lora(args.lora, config) if args.lora is not None else None
-    context = min(config.max_position_embeddings, DEFAULT_WINDOW) if args.ctx_size is None else args.ctx_size
-    if context > config.max_position_embeddings:
-        raise QwenNPError(f"--ctx-size: must be between 1 and the model's {config.max_position_embeddings} "
-                          f"positions, got {context}")
+    context = context_for(config, args.ctx_size, default=DEFAULT_WINDOW, param="context")
     learned = None
     if args.text is not None and chats.is_chat_file(args.text):      # conversations: the assistant's tokens
         if formats:

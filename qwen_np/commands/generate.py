@@ -486,11 +486,12 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
                     stats: GenerationStats, speculation: Speculation | None, grammar: Grammar | None) -> list[PromptReply]:
     """Several prompts as one batch (batching.BatchGenerator). Each reply prints when those before it
     have: the first streams live, the others show what they have so far when their turn comes."""
-    from ..engine.paged import BlockPool, blocks_for
+    from ..engine.budget import context_for, pool_blocks
+    from ..engine.paged import BlockPool
     from ..generation.batching import BatchGenerator, Request
     from ..generation.speculative import SpeculationCounts
-    context = model.config.max_position_embeddings
-    pool = BlockPool(model.config, sum(blocks_for(min(len(one) + max_new_tokens, context)) for one in ids),
+    positions = [context_for(model.config, len(one) + max_new_tokens, default=None) for one in ids]
+    pool = BlockPool(model.config, pool_blocks(positions),
                      args.kv_dtype, prefix_caching=True)          # room for every row at once: none waits
     generator = BatchGenerator(model, opened.tokenizer, eos_token_ids=opened.defaults.eos_token_ids,
                                max_batch=len(ids), pool=pool, speculation=speculation)
@@ -558,7 +559,7 @@ def _show_inspections(args: argparse.Namespace, model: Qwen3Model, ids: list[int
 
 def run_chat(args: argparse.Namespace) -> int:
     from ..engine.finite import check_weights_finite
-    from ..engine.memory import effective_context
+    from ..engine.budget import context_for
     from ..generation.generate import ChatSession, GenerationStats, resolve_sampling
     explicit = _explicit_sampling(args)
     started = time.perf_counter()
@@ -566,7 +567,7 @@ def run_chat(args: argparse.Namespace) -> int:
         opened = _open_checkpoint(args.model)
         if not opened.tokenizer.has_chat_template:
             raise QwenNPError("chat: this model has no chat template: use generate, which continues text")
-        context = effective_context(opened.config, args.ctx_size)
+        context = context_for(opened.config, args.ctx_size)
         draft = common.check_speculation(args, opened.config, opened.tokenizer)
         model = _load_weights(opened, args, context, _read_lora(args, opened))
         check_weights_finite(model)        # else every turn would end in the same error, and the chat go on

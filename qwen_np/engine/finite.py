@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import QwenNPError
-from .memory import PREFILL_CHUNK
+from .budget import prefill_chunks
 from ..core.model import Qwen3Model
 
 LAYER = re.compile(r"model\.layers\.\d+")
@@ -58,8 +58,8 @@ def first_non_finite_step(model: Qwen3Model, token_ids: Sequence[int] | np.ndarr
             raise _NotFinite(step)
 
     try:
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            model.forward_batch([ids[start:start + PREFILL_CHUNK]], [cache], check, head=model.has_head)
+        for chunk in prefill_chunks(len(ids)):
+            model.forward_batch([ids[chunk]], [cache], check, head=model.has_head)
     except _NotFinite as found:
         return found.step
     return None

@@ -15,7 +15,8 @@ from ..core.config import LAYER_MATRICES, MODEL_TENSORS, layer_tensors
 from .fast import FastQwen3Model
 from ..numbers.formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
 from ..files.gguf_file import GGUFCheckpoint
-from .memory import effective_context, plan_memory
+from .budget import context_for
+from .memory import plan_memory
 from ..core.ablations import model_class
 from ..core.model import LayerWeights, Qwen3Model
 from ..numbers.numerics import PANEL, Int8Rows, Panels, Weight, panel_shape, panels, upcast
@@ -51,7 +52,7 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
     """
     checkpoint = open_model(path).checkpoint()
     config = checkpoint.config
-    context = effective_context(config, max_tokens)
+    context = context_for(config, max_tokens)
     plan = plan_memory(config, context, memory, stored_bytes_per_value=checkpoint.held_bytes_per_value())
 
     # fp32 and int8: each stored tensor is read with plain file I/O into one reused buffer and upcast

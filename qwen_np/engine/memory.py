@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..core.defaults import DEFAULT_CONTEXT, MODES   # defined there for --help, which loads no NumPy
+from ..core.defaults import MODES   # defined there for --help, which loads no NumPy
 from ..core.config import LAYER_TENSOR_NAMES, Qwen3Config, expected_tensors, parameter_count, tensor_shapes
 from ..errors import QwenNPError
 from ..numbers.formats import HELD_FORMATS, storage_bytes
+from .budget import PREFILL_CHUNK
 from .runtime import peak_rss_bytes
 
 GiB = 1024 ** 3
@@ -28,15 +29,6 @@ GiB = 1024 ** 3
 # quantized blocks: kept as they are and widened on use); the plan is the "bf16" one.
 ALIASES = {"stored": "bf16"}
 SAFETY_FRACTION = 0.85   # leave room for the OS, the page cache of the BF16 path and Python itself
-# Prompt tokens per forward pass during prefill (generate.py): bounds the [T, V] logits and [H, T, S]
-# attention scores one pass allocates, so the plan can budget working buffers for it.
-PREFILL_CHUNK = 512
-
-
-def effective_context(config: Qwen3Config, asked: int | None = None) -> int:
-    """The positions a run keeps KV cache for: what the caller asked (--ctx-size, max_tokens), else
-    DEFAULT_CONTEXT, and never more than the model's own context (max_position_embeddings). The one rule."""
-    return min(asked or DEFAULT_CONTEXT, config.max_position_embeddings)
 
 
 def available_memory() -> int:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import math
 from collections import OrderedDict
 from typing import Sequence
 
@@ -45,24 +44,13 @@ import numpy as np
 
 from ..core.config import Qwen3Config
 from ..core.kv_cache import kv_dtype
+from .budget import BLOCK_SIZE, blocks_for, pool_blocks
 from ..errors import QwenNPError
 
-# Positions per block. Smaller blocks waste less of each sequence's last block and let the prefix cache
-# match more of a shared prefix (it reuses whole blocks only); larger ones make fewer, longer runs and
-# cheaper gathers. Measured (python -m bench.kv_cache: Qwen3-0.6B's KV shapes, 2,048 positions, a
-# shared machine): gathering scattered blocks costs 1.2-1.5x a plain copy of the same keys at 16,
-# about 1x from 64 up, 1.2-2x at 4 and 4x at 1; a decode step whose every block is its own run takes
-# 1.3x the in-order step at 16. 16 is the smallest size that stays near those costs, and vLLM's default.
-BLOCK_SIZE = 16
 
 def block_bytes(config: Qwen3Config, dtype: str = "fp32", block_size: int = BLOCK_SIZE) -> int:
     """Bytes one block takes: keys and values of block_size positions in every layer."""
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * kv_dtype(dtype).itemsize
-
-
-def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
-    """Blocks that hold `tokens` positions."""
-    return math.ceil(tokens / block_size)
 
 
 def block_runs(table: Sequence[int]) -> list[tuple[int, int]]:
@@ -344,7 +332,7 @@ class OwnPoolCache(PagedKVCache):
     def __init__(self, config: Qwen3Config, max_tokens: int, dtype: str = "fp32") -> None:
         if max_tokens <= 0:
             raise QwenNPError(f"max_tokens: the KV cache needs at least one position, got {max_tokens}")
-        super().__init__(BlockPool(config, blocks_for(max_tokens), dtype), max_tokens)
+        super().__init__(BlockPool(config, pool_blocks([max_tokens]), dtype), max_tokens)
 
     @property
     def keys(self) -> np.ndarray:

@@ -45,8 +45,8 @@ from .generate import Continuation, Ending, TokenEvent
 from .constraints import Grammar
 from .logprobs import check_top_logprobs
 from ..engine.finite import NonFiniteLogits
-from ..engine.paged import BlockPool, PagedKVCache, blocks_for
-from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK
+from ..engine.budget import PREFILL_CHUNK, context_for, pool_blocks
+from ..engine.paged import BlockPool, PagedKVCache
 from ..core.adapters import Adapter
 from ..core.batch import check_token_ids
 from ..core.model import Qwen3Model
@@ -129,11 +129,12 @@ class BatchGenerator:
             raise QwenNPError(f"must be >= 1, got {max_batch}", "max_batch")
         self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, tuple(eos_token_ids)
         self.max_batch, self.prefill_chunk, self.speculation = max_batch, prefill_chunk, speculation
-        self.context = min(context or model.config.max_position_embeddings, model.config.max_position_embeddings)
+        self.context = context_for(model.config, context, default=None)
         # The default pool: every row at the context the memory plan reserved (not the model's whole
-        # context: 40960 positions of Qwen3-8B are 5.6 GiB of FP32 cache per row).
-        per_row = min(self.context, model.plan.max_tokens if model.plan is not None else DEFAULT_CONTEXT)
-        self.pool = pool if pool is not None else BlockPool(model.config, max_batch * blocks_for(per_row),
+        # context: 40960 positions of Qwen3-8B are 5.6 GiB of FP32 cache per row), or the batch's if less.
+        planned = context_for(model.config, model.plan.max_tokens if model.plan is not None else None)
+        per_row = min(self.context, planned)
+        self.pool = pool if pool is not None else BlockPool(model.config, pool_blocks([per_row] * max_batch),
                                                             prefix_caching=True)
         self.rows: list[Row] = []                 # in the batch, in the order they joined
         self._waiting: list[Row] = []             # submitted or preempted, not (again) in the batch (guarded by _lock)

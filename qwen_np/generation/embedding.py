@@ -32,8 +32,7 @@ import numpy as np
 from ..core.adapters import Adapter
 from ..core.batch import check_token_ids
 from ..core.model import Qwen3Model
-from ..engine.memory import PREFILL_CHUNK
-from ..engine.paged import blocks_for
+from ..engine.budget import PREFILL_CHUNK, context_for, prefill_chunks
 from ..errors import QwenNPError
 from ..files.tokenizer import Tokenizer
 
@@ -63,13 +62,13 @@ class Embedding:
         if dimensions is not None and not 1 <= dimensions <= width:
             raise QwenNPError(f"must be in [1, {width}] (the model's hidden size), got {dimensions}", "dimensions")
         for i, one in enumerate(ids):
-            if len(one) > model.config.max_position_embeddings:
+            if len(one) > context_for(model.config, default=None):
                 raise QwenNPError(f"input[{i}]: {len(one)} tokens, more than the model's "
-                                  f"{model.config.max_position_embeddings}-token context")
+                                  f"{context_for(model.config, default=None)}-token context")
             check_token_ids(one, model.config.vocab_size, f"input[{i}]")
         self.model, self.ids, self.dimensions, self.adapter = model, ids, dimensions, adapter
         self.batches = _batches([len(one) for one in ids])
-        self.passes = sum(blocks_for(len(ids[batch[0]]), PREFILL_CHUNK) if len(batch) == 1 else 1
+        self.passes = sum(len(prefill_chunks(len(ids[batch[0]]))) if len(batch) == 1 else 1
                           for batch in self.batches)           # forward passes in all
         self.done = 0                                          # forward passes run
         self.hidden = np.empty((len(ids), width), dtype=np.float32)        # [N, D] the final norm's output
@@ -99,8 +98,8 @@ class Embedding:
             tokens = self.ids[batch[0]]
             if len(batch) == 1 and len(tokens) > PREFILL_CHUNK:
                 cache = self.model.new_cache(len(tokens))
-                for start in range(0, len(tokens), PREFILL_CHUNK):
-                    self.hidden[batch] = self.model.forward_batch([tokens[start:start + PREFILL_CHUNK]], [cache],
+                for chunk in prefill_chunks(len(tokens)):
+                    self.hidden[batch] = self.model.forward_batch([tokens[chunk]], [cache],
                                                                   last_only=True, head=False, adapters=[self.adapter])
                     yield
             else:

@@ -28,7 +28,7 @@ from ..core.config import Qwen3Config
 from ..errors import QwenNPError
 from ..engine.runtime import peak_rss_bytes
 from ..engine.finite import check_finite
-from ..engine.memory import PREFILL_CHUNK, effective_context
+from ..engine.budget import context_for, prefill_chunks
 from ..core.kv_cache import SequenceCache
 from ..core.model import Qwen3Model, Trace
 from ..core.sampling import SamplingParams, pick, processed_logits, softmax
@@ -129,10 +129,10 @@ def context_budget(config: Qwen3Config, prompt_tokens: int, max_new_tokens: int)
 
     Raises when the prompt leaves no room for a single new token (checked before loading weights).
     """
-    context = config.max_position_embeddings
+    context = context_for(config, default=None)
     where = f"the model's {context}-token context (max_position_embeddings)"
     _check_room(prompt_tokens, max_new_tokens, context, where)
-    return min(prompt_tokens + max_new_tokens, context)
+    return context_for(config, prompt_tokens + max_new_tokens, default=None)
 
 
 def _check_room(prompt_tokens: int, max_new_tokens: int, limit: int, where: str) -> None:
@@ -170,7 +170,7 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
         raise QwenNPError("prompt: no tokens")
     if cache is None:
         cache = model.new_cache(context_budget(model.config, len(prompt), max_new_tokens), kv_dtype)
-    limit = min(cache.max_tokens, model.config.max_position_embeddings)
+    limit = context_for(model.config, cache.max_tokens)
     if cache.length >= len(prompt):
         raise QwenNPError(f"cache: holds {cache.length} positions, the whole {len(prompt)}-token prompt; "
                           "at least one prompt token must be new")
@@ -445,8 +445,8 @@ def _prefill(model: Qwen3Model, ids: list[int], cache: SequenceCache, trace: Tra
     Only the last position's logits are needed, so the LM head runs on one row, except under a
     trace, which shows every step for every prompt position ([T, V] logits, as `inspect` lists them).
     """
-    for start in range(0, len(ids), PREFILL_CHUNK):
-        logits = model.forward(ids[start:start + PREFILL_CHUNK], cache, trace, last_only=trace is None)
+    for chunk in prefill_chunks(len(ids)):
+        logits = model.forward(ids[chunk], cache, trace, last_only=trace is None)
     return logits[-1]
 
 
@@ -471,7 +471,7 @@ class ChatSession:
         # Default: the context the memory plan reserved (not the model's full context, which for
         # Qwen3 would be 40960 positions, ~11 GiB of FP32 cache at 8B).
         planned = model.plan.max_tokens if model.plan is not None else None
-        self.cache = model.new_cache(effective_context(model.config, max_tokens or planned), kv_dtype)
+        self.cache = model.new_cache(context_for(model.config, max_tokens or planned), kv_dtype)
         self.rng = np.random.default_rng(params.seed)   # one stream across turns: a seed fixes the chat
         self.fed_ids: list[int] = []                     # the tokens whose keys/values the cache holds
         # Kept across turns too: a draft model's cache then holds the conversation (cut back to what the

@@ -52,7 +52,7 @@ from ..core.defaults import DEFAULT_DRAFT_TOKENS   # defined there for --help, w
 from ..core.config import Qwen3Config
 from ..errors import QwenNPError
 from ..engine.paged import OwnPoolCache, PagedKVCache
-from ..engine.memory import PREFILL_CHUNK
+from ..engine.budget import context_for, prefill_chunks
 from ..core.model import Qwen3Model
 from ..core.sampling import SamplingParams, draw, pick, processed_logits, softmax
 from ..files.tokenizer import Tokenizer, common_prefix
@@ -165,7 +165,7 @@ class DraftModel:
         sequence its cache lacks), or [] if it proposes nothing this time."""
         self._sequence, self._generated, self._tokens, self._q = list(sequence), list(generated), [], []
         # It feeds the sequence and k - 1 drafted tokens: room for that many positions.
-        room = min(self.cache.max_tokens, self.model.config.max_position_embeddings)
+        room = context_for(self.model.config, self.cache.max_tokens)
         self._k = min(k, room - len(sequence) + 1)
         if self._k < 1:
             return []
@@ -180,10 +180,10 @@ class DraftModel:
             return pending[:self.catch_up] if self.cache.blocks_needed(self.catch_up) <= self.cache.pool.free_blocks else []
         if self.cache.blocks_needed(len(pending) + self._k - 1) > self.cache.pool.free_blocks:
             return []                        # a draft pool shared by a batch is full: this step goes undrafted
-        while len(pending) > PREFILL_CHUNK:  # a whole prompt (generate's first proposal): chunks, but the last
-            self.model.forward(pending[:PREFILL_CHUNK], self.cache, last_only=True)
-            pending = pending[PREFILL_CHUNK:]
-        return pending
+        chunks = prefill_chunks(len(pending))   # a whole prompt (generate's first proposal): chunks, but the last
+        for chunk in chunks[:-1]:
+            self.model.forward(pending[chunk], self.cache, last_only=True)
+        return pending[chunks[-1]]
 
     def _take(self, logits: np.ndarray) -> list[int]:
         """The draft model's logits [V] after the last token fed: pick the next drafted token; the token to

@@ -9,7 +9,8 @@ from typing import Any
 from ..core.config import DIMENSIONS, LAYER_MATRICES, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
 from ..numbers.formats import HELD_FORMATS, bits_per_weight
-from ..engine.memory import (DEFAULT_CONTEXT, GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
+from ..engine.budget import context_for
+from ..engine.memory import (GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
                              attention_probabilities, kv_cache_bytes_per_token, lora_parameters, training_memory, training_peak,
                              training_remedies, training_total, weight_bytes, working_bytes)
 from ..numbers.numerics import BYTES_PER_VALUE
@@ -32,21 +33,21 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
     """Everything `inspect` shows, as plain data (the JSON output, and what the text is rendered from).
 
     context: the KV cache / training sequence length of the memory breakdown (default: the model's
-    context, at most memory.DEFAULT_CONTEXT); batch_size: the training batch of that breakdown; lora_rank:
+    context, at most core.defaults.DEFAULT_CONTEXT); batch_size: the training batch of that breakdown; lora_rank:
     also LoRA training's at that rank (adapters on all seven projections, the frozen base held each way).
     config_source: where the config came from (CONFIG_SOURCES); weights_file: a file's own weights
     (gguf_file.GGUFCheckpoint.file_summary), whose bytes then stand for the weights kept as stored.
     """
     if tokens <= 0:
         raise QwenNPError(f"must be at least 1, got {tokens}", "tokens")
-    memory_context = context or min(config.max_position_embeddings, DEFAULT_CONTEXT)
+    memory_context = context or context_for(config)       # asked for: as asked, even past the model's
     for name, value in (("context", memory_context), ("batch_size", batch_size), ("lora_rank", lora_rank or 1)):
         if value < 1:
             raise QwenNPError(f"must be at least 1, got {value}", name)
     dims = dimensions(config, tokens)
     params = parameter_summary(config)
     kv_values = kv_cache_bytes_per_token(config, bytes_per_value=1)
-    context = config.max_position_embeddings
+    context = context_for(config, default=None)
     return {
         "model": model_name,
         "config_source": config_source,

@@ -38,6 +38,7 @@ from ..numbers.formats import FORMATS, get_format
 from ..generation.generate import generate
 from ..engine.loading import back_to_back, load_model
 from ..files.model_files import read_config, read_tokenizer
+from ..engine.budget import context_for
 from ..engine.memory import GiB, SAFETY_FRACTION, candidate_plans, weight_bytes
 from ..core.batch import Batch
 from ..core.model import Qwen3Model, Trace
@@ -285,7 +286,7 @@ def precision_report(folder: Path, text: str, text_name: str, formats: Sequence[
 
     formats = check_formats(formats)
     config = read_config(folder)
-    context = min(context, config.max_position_embeddings)
+    context = context_for(config, context)
     tokenizer = read_tokenizer(folder)
     docs, _ = encoded_documents(tokenizer, text)
     docs = scored_documents(docs, context, max_tokens)

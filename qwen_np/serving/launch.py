@@ -17,11 +17,13 @@ from typing import Callable, Sequence
 
 from ..core.adapters import Adapter
 from ..core.defaults import DEFAULT_MAX_BATCH
-from ..engine.paged import BlockPool, PagedKVCache, block_bytes, blocks_for
+from ..engine.budget import BLOCK_SIZE, PREFILL_CHUNK, context_for, pool_blocks
+from ..engine.paged import BlockPool, PagedKVCache, block_bytes
 from ..core.model import Qwen3Model
 from ..engine.finite import check_weights_finite
 from ..engine.loading import load_model
-from ..engine.memory import DEFAULT_CONTEXT, PREFILL_CHUNK, effective_context, format_size
+from ..core.defaults import DEFAULT_CONTEXT
+from ..engine.memory import format_size
 from ..errors import QwenNPError
 from ..files.model_files import ModelFiles, open_model
 from ..generation.batching import BatchGenerator, BatchRunner
@@ -62,7 +64,7 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
         raise QwenNPError(f"names must be distinct, the base's and the adapters', got {served}", "adapters")
     files = open_model(folder)                  # read once: the command that opened it passes it on
     config, tokenizer, defaults = files.config, files.tokenizer, files.generation_defaults
-    context = effective_context(config, context)
+    context = context_for(config, context)
     if draft is not None:
         draft = open_model(draft, "draft")
         check_draft_folder(draft, config, tokenizer)       # the files the command checked: nothing is read again
@@ -75,7 +77,7 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
     per_pair = per_block + (block_bytes(drafter.config, kv_dtype) if drafter is not None else 0)
     default = kv_memory is None
     adapter_bytes = sum(adapter.nbytes for adapter in adapters)
-    budget = (default_kv_memory(model, max_batch * blocks_for(context) * per_pair, drafter, adapter_bytes)
+    budget = (default_kv_memory(model, pool_blocks([context] * max_batch) * per_pair, drafter, adapter_bytes)
               if kv_memory is None else kv_memory)
     pool = BlockPool(config, budget // per_pair, kv_dtype, prefix_caching=True)
     speculation = (speculation_over(pool, drafter, max_batch, draft_tokens) if drafter is not None
@@ -133,7 +135,7 @@ def speculation_over(pool: BlockPool, model: Qwen3Model, max_batch: int, tokens:
     draft cache holds at most its sequence and k - 1 drafted tokens, and a row that leaves frees it). It
     caches prefixes as the target's pool does: a chat client resending its conversation, or rows sharing a
     system prompt, draft after reading only what is new."""
-    blocks = pool.num_blocks + max_batch * (blocks_for(tokens) + 1)
+    blocks = pool.num_blocks + pool_blocks([tokens + BLOCK_SIZE] * max_batch)     # k may straddle a block more
     draft_pool = BlockPool(model.config, blocks, pool.dtype, prefix_caching=True)
     return draft_speculation(model, tokens, lambda positions: PagedKVCache(draft_pool, positions), PREFILL_CHUNK)
 

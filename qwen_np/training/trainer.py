@@ -48,6 +48,7 @@ from ..files.tokenizer import Tokenizer
 from ..core.config import Qwen3Config, expected_tensors, layer_tensors
 from .data import END_OF_TEXT, END_OF_TEXT_ID
 from ..errors import QwenNPError
+from ..engine.budget import context_for
 from ..engine.memory import ResidentPeak, training_memory, training_total
 from ..core.ablations import model_class
 from ..core.model import LayerWeights, Qwen3Model
@@ -530,9 +531,7 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
         state = _new_state(spec)
     settings = state.settings
     config = Qwen3Config.from_dict(state.config, source=state.model or "--config")
-    if settings.context > config.max_position_embeddings:
-        raise QwenNPError(f"{settings.context} exceeds the model's max_position_embeddings "
-                          f"({config.max_position_embeddings})", "context")
+    context_for(config, settings.context, param="context")       # more than the model's context: an error
     base = _base(spec, state, notes)
     data = _data(spec, state, config, base, notes)
     schedule = _schedule(spec, settings, data, notes)
