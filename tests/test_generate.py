@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import qwen_np.generation.generate as generation
+from qwen_np.engine import budget
 from qwen_np import load_model
 from qwen_np.errors import QwenNPError
 from qwen_np.generation.generate import (ChatSession, Chosen, GenerationStats, context_budget, generate, prompt_ids,
@@ -50,7 +51,8 @@ def test_greedy_decoding_through_the_cache_equals_argmax_of_full_forward_passes(
 def test_chunked_prefill_gives_the_same_tokens(model, tok, monkeypatch) -> None:
     ids = tok.encode("A prompt long enough to be split into several prefill chunks of four tokens each.")
     whole = [e.token_id for e in run(model, tok, ids)]
-    monkeypatch.setattr(generation, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(budget, "PREFILL_CHUNK", 4)
+    assert len(budget.prefill_chunks(len(ids))) > 2
     assert [e.token_id for e in run(model, tok, ids)] == whole
 
 

@@ -55,6 +55,8 @@ def pool_blocks(positions: Iterable[int], block_size: int = BLOCK_SIZE) -> int:
     return sum(blocks_for(one, block_size) for one in positions)
 
 
-def prefill_chunks(tokens: int, chunk: int = PREFILL_CHUNK) -> list[slice]:
-    """The slices of a `tokens`-long prompt fed one forward pass each: PREFILL_CHUNK tokens, the last the rest."""
+def prefill_chunks(tokens: int, chunk: int | None = None) -> list[slice]:
+    """The slices of a `tokens`-long prompt fed one forward pass each: `chunk` (default PREFILL_CHUNK, read
+    when called) tokens, the last the rest."""
+    chunk = chunk or PREFILL_CHUNK
     return [slice(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
