@@ -25,12 +25,13 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, TokenType
 import gguf
 
 from qwen_np import QwenNPError, Qwen3Model, load_model
-from qwen_np.core.config import LAYER_TENSORS, MODEL_TENSORS
+from qwen_np.core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors
 from qwen_np.files.checkpoint import save_checkpoint
 from qwen_np.numbers.formats import round_trip
 from qwen_np.files.gguf_file import GGUFCheckpoint, _gguf_name, open_reader, write_gguf, write_gguf_tensors
-from qwen_np.files.model_files import open_checkpoint, read_config, read_generation_defaults, read_tokenizer
+from qwen_np.files.model_files import ModelFiles, open_checkpoint, read_config, read_generation_defaults, read_tokenizer
 from qwen_np.numbers.numerics import upcast
+from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.core.sampling import SamplingParams
 from conftest import BUNDLED, HANG_SECONDS, QWEN3_RANDOM, ROOT, write_random_checkpoint
 from reference.logit_match import assert_logits_match
@@ -201,6 +202,20 @@ def test_an_ollama_blob_without_a_suffix_is_recognised_by_its_magic(source, tmp_
     blob = tmp_path / "sha256-0123abcd"
     export(source, blob, "f32")
     assert np.array_equal(logits(blob), logits(source))
+
+
+def test_a_gguf_and_its_folder_give_a_run_the_same_config_and_tokenizer(source, tmp_path) -> None:
+    folder, file = ModelFiles(source), ModelFiles(export(source, tmp_path / "m.gguf", "f32"))
+    # (its eos_token_id and torch_dtype are the GGUF's own: the tokenizer's end token, the file's type)
+    assert expected_tensors(Qwen3Config.from_dict(file.config_json())) == expected_tensors(folder.config)
+    assert file.weight_files() == [file.path]
+    assert [path.name for path in folder.weight_files()] == ["model.safetensors"]
+    text = "<|im_start|>user\nHello there<|im_end|>"
+    for files in (folder, file):
+        out = tmp_path / f"{files.path.name}.tokenizer"
+        out.mkdir()
+        files.save_tokenizer_files(out)
+        assert Tokenizer.from_folder(out).encode(text) == folder.tokenizer.encode(text)
 
 
 # --- Damaged files ---------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ tokenizer, generation defaults and tensors. The one place that tells a GGUF file
 from __future__ import annotations
 
 import functools
+import hashlib
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +20,9 @@ from ..core.sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 GENERATION_CONFIG = "generation_config.json"
+# A checkpoint folder's files that say how to tokenize and generate: what a model written from it keeps.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", GENERATION_CONFIG,
+                   "special_tokens_map.json")
 # What transformers' GenerationConfig falls back to for keys a generation_config.json leaves out.
 TRANSFORMERS_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0,
                          "repetition_penalty": 1.0}
@@ -86,6 +91,37 @@ class ModelFiles:
         if self.gguf:
             return generation_defaults(gguf_file.read_sampling(self.path), config, self.path)
         return folder_generation_defaults(self.path, config)
+
+    def config_json(self) -> dict[str, Any]:
+        """config.json as written: the folder's own (every key it holds), or a GGUF's metadata as one."""
+        if not self.gguf:
+            return read_json_object(self.path / "config.json")
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **self.config.to_dict()}
+
+    def weight_files(self) -> list[Path]:
+        """The files that hold the weights: the GGUF file, or the folder's *.safetensors in name order."""
+        return [self.path] if self.gguf else sorted(self.path.glob("*.safetensors"))
+
+    def weights_sha256(self) -> str:
+        """The SHA-256 of weight_files (each name and its bytes, in name order). It reads every byte once
+        (about a second a GB)."""
+        digest = hashlib.sha256()
+        for path in self.weight_files():
+            digest.update(path.name.encode() + b"\0")
+            with path.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(block)
+        return digest.hexdigest()
+
+    def save_tokenizer_files(self, folder: Path) -> None:
+        """The tokenizer written beside a checkpoint saved in `folder`: the folder's TOKENIZER_FILES copied
+        (those it has), or a GGUF's vocabulary written as tokenizer.json and tokenizer_config.json."""
+        if self.gguf:
+            self.tokenizer.save(folder)
+            return
+        for file in TOKENIZER_FILES:
+            if (self.path / file).is_file():
+                shutil.copyfile(self.path / file, folder / file)
 
     def checkpoint(self) -> Checkpoint:
         """The tensors, validated against the config (memory-mapped; a new one each call)."""
