@@ -1,12 +1,12 @@
-"""A model's files, whatever holds them (a checkpoint folder, a GGUF file or a hub id): its config,
-tokenizer, generation defaults and tensors (the one place that tells a GGUF file from a folder), and
-load_model: those files -> a Qwen3Model, its weights held as the memory plan says."""
+"""load_model: a model's files (a checkpoint folder, a GGUF file or a hub id; files/ tells them apart and
+answers for either) -> a Qwen3Model, its weights held as the memory plan says (one entry of MATRICES a
+memory mode), and attach_adapter."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -14,7 +14,6 @@ from ..core.adapters import Adapter
 from ..core.config import LAYER_MATRICES, MODEL_TENSORS, layer_tensors
 from .fast import FastQwen3Model
 from ..numbers.formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
-from ..files.gguf_file import GGUFCheckpoint
 from .budget import context_for
 from .memory import plan_memory
 from ..core.ablations import model_class
@@ -23,6 +22,7 @@ from ..numbers.numerics import PANEL, Int8Rows, Panels, Weight, panel_shape, pan
 from . import runtime
 from .runtime import allocate, split, threads
 from .weight_cache import load_fp32
+from ..files.checkpoint import Checkpoint
 from ..files.model_files import ModelFiles, open_model
 
 # Rows quantized at a time in the int8 mode: the FP32 copy of a whole large tensor (Qwen3-8B's
@@ -52,17 +52,8 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
     """
     checkpoint = open_model(path).checkpoint()
     config = checkpoint.config
-    context = context_for(config, max_tokens)
-    plan = plan_memory(config, context, memory, stored_bytes_per_value=checkpoint.held_bytes_per_value())
-
-    # fp32 and int8: each stored tensor is read with plain file I/O into one reused buffer and upcast
-    # (or quantized) into memory the model keeps, so the peak is the model plus the largest stored
-    # tensor. A layer's matrices share one allocation, back to back in config.LAYER_TENSORS order (q,
-    # k, v, o, gate, up, down): the fast path then multiplies q|k|v and gate|up as one matrix each
-    # without copying them (int8: the codes share one allocation, the scales another).
-    # fp32 with the weight cache (weight_cache.py): views of the FP32 file it maps, in that same layout.
-    # bf16: zero-copy views of the mapped files.
-    # A GGUF is never cached: the cache's spot check re-reads every tensor, i.e. dequantizes it again.
+    plan = plan_memory(config, context_for(config, max_tokens), memory,
+                       stored_bytes_per_value=checkpoint.held_bytes_per_value())
     # "auto" holding FP32 in a fast model, where BLAS has a small-matrix kernel: every matrix whose
     # rows split into whole panels is held as numerics.Panels, the layout in which a product of a few
     # rows (a batch's decode step, a speculative check) costs about one row's. Without that kernel
@@ -70,66 +61,98 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
     # rows (bench/README.md, "Panels"). memory="fp32" by name keeps plain [out, in] arrays: what
     # training updates in place and the precision lab rounds.
     panel_layout = fast and memory == "auto" and plan.mode == "fp32" and runtime.blas_has_small_matrix_kernel()
-    layout = "panels" if panel_layout else "rows"
-    cached = (load_fp32(checkpoint, layout) if plan.mode == "fp32" and not isinstance(checkpoint, GGUFCheckpoint)
-              else None)
-    # int8, q8_0 and q4_0 from a GGUF quantize its tensors as held (views of the file gguf's reader maps
-    # anyway; its blocks widened a block of rows at a time): no FP32 copy of a whole tensor, and no buffer.
-    quantized = plan.mode == "int8" or plan.mode in HELD_FORMATS
-    gguf = checkpoint if quantized and isinstance(checkpoint, GGUFCheckpoint) else None
-    largest = max(info.nbytes for info in checkpoint.tensors.values())
-    reads = (quantized and gguf is None) or (plan.mode == "fp32" and cached is None)
-    buffer = allocate((largest,), np.uint8) if reads else None
-
-    def source(name: str) -> Weight:
-        return checkpoint.read(name, buffer) if gguf is None else gguf.as_stored(name)
-
-    def copied(name: str) -> None:                 # a GGUF's tensor quantized: its pages need not stay resident
-        if gguf is not None:
-            gguf.release(name)
-
-    def matrices(names: list[str]) -> list[Weight]:
-        if cached is not None:
-            return [Panels(cached[name]) if cached[name].ndim == 3 else cached[name] for name in names]
-        shapes = [checkpoint.tensors[name].shape for name in names]
-        if plan.mode == "bf16" and isinstance(checkpoint, GGUFCheckpoint):
-            # Repacking copies each tensor (gguf_file.REPACK_BUDGET): a layer's on every core, so their fresh
-            # pages fault in at once (Qwen3-8B Q4_K_M: 12.7 s against 15.5-18.8 on one thread).
-            return runtime.independent_jobs(checkpoint.held, names)
-        if plan.mode == "bf16":
-            return [checkpoint.held(name) for name in names]
-        if plan.mode == "fp32":
-            return [fp32_matrix(checkpoint.read(name, buffer), kept, layout)
-                    for name, kept in zip(names, back_to_back(shapes, np.float32))]
-        if plan.mode in HELD_FORMATS:
-            blocks: list[Weight] = []
-            for name in names:
-                blocks.append(quantize_blocks(source(name), plan.mode))
-                copied(name)
-            return blocks
-        codes, scales = back_to_back(shapes, np.int8), back_to_back([shape[:1] for shape in shapes], np.float32)
-        for name, q, scale in zip(names, codes, scales):
-            quantize_int8_into(source(name), q, scale)
-            copied(name)
-        return [Int8Rows(q, scale) for q, scale in zip(codes, scales)]
-
-    def vector(name: str) -> np.ndarray:
-        return cached[name] if cached is not None else upcast(checkpoint.read(name))   # norms: always FP32
+    weights = Holding(checkpoint, plan.mode, "panels" if panel_layout else "rows")
 
     decoder_layers = []
     for i in range(config.num_hidden_layers):
         names = {key: spec.name.format(i=i) for key, spec in layer_tensors(config).items()}   # an ablation's: fewer
-        weights: dict[str, Any] = {key: vector(name) for key, name in names.items() if key not in LAYER_MATRICES}
         held = [key for key in LAYER_MATRICES if key in names]
-        weights.update(zip(held, matrices([names[key] for key in held])))
-        decoder_layers.append(LayerWeights(**weights))
-    embed_tokens, = matrices([MODEL_TENSORS["embed_tokens"].name])
+        layer: dict[str, Any] = {key: weights.vector(name) for key, name in names.items() if key not in held}
+        layer.update(zip(held, weights.matrices([names[key] for key in held])))
+        decoder_layers.append(LayerWeights(**layer))
+    embed_tokens, = weights.matrices([MODEL_TENSORS["embed_tokens"].name])
     # An untied checkpoint without lm_head.weight (a bare Qwen3Model: Qwen3-Embedding) loads without a head.
     head = MODEL_TENSORS["lm_head"].name
     lm_head = (embed_tokens if config.tie_word_embeddings else
-               matrices([head])[0] if head in checkpoint.tensors else None)
+               weights.matrices([head])[0] if head in checkpoint.tensors else None)
     kind = FastQwen3Model if fast and not config.ablations else model_class(config)   # an ablation: readable
-    return kind(config, embed_tokens, decoder_layers, vector(MODEL_TENSORS["norm"].name), lm_head, plan)
+    return kind(config, embed_tokens, decoder_layers, weights.vector(MODEL_TENSORS["norm"].name), lm_head, plan)
+
+
+class Holding:
+    """A checkpoint's tensors as one memory mode holds them: `matrices` by the mode's entry of MATRICES,
+    `vector` (the norms) always FP32.
+
+    fp32 and the converting modes (int8, q8_0, q4_0): each stored tensor is read with plain file I/O into
+    one reused buffer and upcast (or quantized) into memory the model keeps, so the peak is the model plus
+    the largest stored tensor; a checkpoint whose source() gives views of its file (a GGUF's blocks) is
+    quantized from them, with no buffer. A layer's matrices share one allocation, back to back in
+    config.LAYER_TENSORS order (q, k, v, o, gate, up, down): the fast path then multiplies q|k|v and
+    gate|up as one matrix each without copying them (int8: the codes share one allocation, the scales
+    another). fp32 with the weight cache (weight_cache.py): views of the FP32 file it maps, in that same
+    layout. bf16: zero-copy views of the mapped files (Checkpoint.held).
+    """
+
+    def __init__(self, checkpoint: Checkpoint, mode: str, layout: str) -> None:
+        self.checkpoint, self.mode, self.layout = checkpoint, mode, layout
+        self.cached = load_fp32(checkpoint, layout) if mode == "fp32" and checkpoint.cacheable else None
+        converting = mode == "int8" or mode in HELD_FORMATS
+        reads = (converting and not checkpoint.source_views) or (mode == "fp32" and self.cached is None)
+        largest = max(info.nbytes for info in checkpoint.tensors.values())
+        self.buffer = allocate((largest,), np.uint8) if reads else None
+
+    def matrices(self, names: list[str]) -> list[Weight]:
+        """These matrices (one layer's, or the embedding table) as the mode holds them."""
+        return MATRICES[self.mode](self, names)
+
+    def vector(self, name: str) -> np.ndarray:
+        return self.cached[name] if self.cached is not None else upcast(self.checkpoint.read(name))
+
+    def source(self, name: str) -> Weight:
+        """Tensor `name` as a converting mode reads it (Checkpoint.source)."""
+        return self.checkpoint.source(name, self.buffer)
+
+    def shapes(self, names: list[str]) -> list[tuple[int, ...]]:
+        return [self.checkpoint.tensors[name].shape for name in names]
+
+
+def _fp32(weights: Holding, names: list[str]) -> list[Weight]:
+    if weights.cached is not None:
+        return [Panels(weights.cached[name]) if weights.cached[name].ndim == 3 else weights.cached[name]
+                for name in names]
+    return [fp32_matrix(weights.checkpoint.read(name, weights.buffer), kept, weights.layout)
+            for name, kept in zip(names, back_to_back(weights.shapes(names), np.float32))]
+
+
+def _stored(weights: Holding, names: list[str]) -> list[Weight]:
+    if weights.checkpoint.held_copies:
+        # Repacking copies each tensor (gguf_file.REPACK_BUDGET): a layer's on every core, so their fresh
+        # pages fault in at once (Qwen3-8B Q4_K_M: 12.7 s against 15.5-18.8 on one thread).
+        return runtime.independent_jobs(weights.checkpoint.held, names)
+    return [weights.checkpoint.held(name) for name in names]
+
+
+def _int8(weights: Holding, names: list[str]) -> list[Weight]:
+    shapes = weights.shapes(names)
+    codes, scales = back_to_back(shapes, np.int8), back_to_back([shape[:1] for shape in shapes], np.float32)
+    for name, q, scale in zip(names, codes, scales):
+        quantize_int8_into(weights.source(name), q, scale)
+        weights.checkpoint.release(name)           # converted: its file's pages need not stay resident
+    return [Int8Rows(q, scale) for q, scale in zip(codes, scales)]
+
+
+def _blocks(weights: Holding, names: list[str]) -> list[Weight]:
+    blocks: list[Weight] = []
+    for name in names:
+        blocks.append(quantize_blocks(weights.source(name), weights.mode))
+        weights.checkpoint.release(name)
+    return blocks
+
+
+# Each memory mode's way to hold a layer's matrices (memory.MODES but "auto", and the "stored" alias: the plan
+# names the mode it chose).
+MATRICES: dict[str, Callable[[Holding, list[str]], list[Weight]]] = {
+    "fp32": _fp32, "bf16": _stored, "int8": _int8, **{fmt: _blocks for fmt in HELD_FORMATS}}
 
 
 def attach_adapter(model: Qwen3Model, adapter: Adapter) -> None:

@@ -135,7 +135,20 @@ def _file_size(path: Path) -> int:
 
 
 class Checkpoint:
-    """A checkpoint folder's tensors, validated, read lazily from memory-mapped files."""
+    """A checkpoint folder's tensors, validated, read lazily from memory-mapped files.
+
+    What the loader (engine/loading.py) asks of any checkpoint, so that it never asks which kind it holds
+    (GGUFCheckpoint answers the same questions for a GGUF file): `cacheable`, `held_copies`,
+    `source_views`, `source` and `release`, beside `held`, `read` and `held_bytes_per_value`.
+    """
+
+    # Whether the FP32 weight cache (engine/weight_cache.py) may keep this checkpoint's tensors.
+    cacheable = True
+    # Whether held() copies each tensor (a GGUF's repacked blocks) rather than returning a view of the file:
+    # the loader then holds a layer's tensors on every core, their fresh pages faulting in at once.
+    held_copies = False
+    # Whether source() gives views of the mapped file (a GGUF's blocks) rather than reads into a buffer.
+    source_views = False
 
     def __init__(self, folder: str | Path, config: Qwen3Config) -> None:
         self.folder = Path(folder)
@@ -182,6 +195,15 @@ class Checkpoint:
     def held(self, name: str) -> Weight:
         """A tensor as the "bf16" memory mode holds it, "as stored": its mapped values (numerics.held)."""
         return held(self.mapped(name))
+
+    def source(self, name: str, buffer: np.ndarray | None) -> Weight:
+        """Tensor `name` as a mode that converts every weight once (int8, q8_0, q4_0) reads it: its stored
+        values read into `buffer` (uint8, reused from tensor to tensor; None: a fresh array)."""
+        return self.read(name, buffer)
+
+    def release(self, name: str) -> None:
+        """Tensor `name` has been converted into memory the model keeps: nothing to let go for a folder (its
+        tensors were read with plain file I/O, never kept mapped)."""
 
     def held_bytes_per_value(self) -> float:
         """Bytes per weight of the tensors held as stored (the "bf16" plan's): the file's own widths."""

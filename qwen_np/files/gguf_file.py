@@ -451,6 +451,11 @@ class GGUFCheckpoint(Checkpoint):
     used for them, since gguf.quants.dequantize allocates its result).
     """
 
+    # A GGUF is never cached: the cache's spot check re-reads every tensor, i.e. dequantizes it again.
+    cacheable = False
+    held_copies = True      # repacked tensors (REPACK_BUDGET) are copies of the file's blocks
+    source_views = True
+
     def __init__(self, path: str | Path) -> None:   # no super().__init__: that one indexes a folder of safetensors
         self.folder = Path(path).expanduser()
         self.config = read_config(self.folder)
@@ -551,6 +556,11 @@ class GGUFCheckpoint(Checkpoint):
         tensor, info = self._quantized.get(name), self.tensors[name]
         start, nbytes = (info.start, info.nbytes) if tensor is None else (int(tensor.data_offset), int(tensor.n_bytes))
         open_reader(self.folder).release(start, nbytes)
+
+    def source(self, name: str, buffer: np.ndarray | None) -> Weight:
+        """A converting mode (int8, q8_0, q4_0) quantizes a GGUF's tensors as stored (views of the file gguf's
+        reader maps anyway; its blocks widened a block of rows at a time): no FP32 copy, and no buffer."""
+        return self.as_stored(name)
 
     def as_stored(self, name: str) -> Weight:
         """Tensor `name` as the file stores it, views of its mapped bytes: quantized ones as their blocks

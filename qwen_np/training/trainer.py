@@ -21,7 +21,7 @@ Fine-tuning (RunSpec.model, --model): the run starts from a checkpoint's weights
 and chat template; its data may be chats (chats.ChatData: the loss on the assistant's tokens). With
 RunSpec.lora (--lora) the checkpoint stays frozen (held as --memory says) and only LoRA adapters are
 trained (lora.py): the checkpoints hold the adapters and their moments, and the base is reloaded on
-resuming, checked by base_sha256. The same loop runs every kind of run: what differs is the data
+resuming, checked by ModelFiles.weights_sha256. The same loop runs every kind of run: what differs is the data
 (TextData or chats.ChatData), the trained arrays (`params`) and what _export writes (model/, and
 adapter/ in peft's format).
 """
@@ -237,7 +237,7 @@ class RunState:
     position: int = 0                           # its epoch and the windows of it used
     loss_scaler: mixed.LossScaler | None = None     # fp16 with loss scaling: a resumed run goes on with its scale
     model: str | None = None                    # --model: the checkpoint the run started from (None: a preset or config)
-    base_sha256: str | None = None              # of its weight files (base_sha256): a resumed run checks them
+    base_sha256: str | None = None              # of its weight files (ModelFiles.weights_sha256): a resumed run checks them
     adapters: dict[str, Any] | None = None      # a LoRA run's lora.LoraSettings and "memory" (how its frozen base is held)
     val: str | None = None                      # --val: the chat file that validates (None: --data's last 5%)
 
@@ -642,31 +642,8 @@ def _new_state(spec: RunSpec) -> RunState:
     elif spec.memory not in (None, "fp32"):
         raise QwenNPError(f"{spec.memory}: full fine-tuning updates every weight, held in FP32; a frozen base "
                           "(`lora`) may be held as bf16, int8, q8_0 or q4_0", "memory")
-    return RunState(base_config(open_model(spec.model)), settings, spec.data or "shakespeare", model=spec.model,
+    return RunState(open_model(spec.model).config_json(), settings, spec.data or "shakespeare", model=spec.model,
                     adapters=adapters, val=spec.val)
-
-
-def base_config(base: ModelFiles) -> dict[str, Any]:
-    """The config.json of a --model run: the folder's own, or a GGUF's metadata as one."""
-    from ..core.config import read_json_object
-
-    if not base.gguf:
-        return read_json_object(base.path / "config.json")
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **base.config.to_dict()}
-
-
-def base_sha256(base: ModelFiles) -> str:
-    """The SHA-256 of a model's weight files (each name and its bytes, in name order): a resumed run from
-    --model reloads its base (a LoRA run's frozen weights, a full run's tokenizer) and checks it with this.
-    It reads every byte once (about a second a GB)."""
-    paths = [base.path] if base.gguf else sorted(base.path.glob("*.safetensors"))
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.name.encode() + b"\0")
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def _base(spec: RunSpec, state: RunState, notes: list[str]) -> ModelFiles | None:
@@ -675,7 +652,7 @@ def _base(spec: RunSpec, state: RunState, notes: list[str]) -> ModelFiles | None
     if source is None:
         return None
     base = open_model(source)
-    digest = base_sha256(base)
+    digest = base.weights_sha256()
     if state.base_sha256 is not None and digest != state.base_sha256:
         raise QwenNPError(f"{source} is not the model the run in {spec.out} began on (SHA-256 of its weights "
                           f"{digest[:16]}..., the run's {state.base_sha256[:16]}...): a resumed run reloads its base "
@@ -750,10 +727,6 @@ def _model(state: RunState, config: Qwen3Config, base: ModelFiles | None,
     return model, params
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                   "special_tokens_map.json")
-
-
 def _export(run: Run, base: ModelFiles | None, best: dict[str, np.ndarray]) -> Path:
     """The best weights written out: a preset's or config's model as export_model; a --model run's as OUT/model
     (the merged checkpoint in FP32, lora.save_merged, with the base's tokenizer files) and, for LoRA, OUT/adapter
@@ -769,12 +742,7 @@ def _export(run: Run, base: ModelFiles | None, best: dict[str, np.ndarray]) -> P
         name = str(base.path.resolve()) if Path(state.model or "").exists() else str(state.model)
         lora.save_adapter(out / "adapter", tuned, base=name, dropout=adapters.dropout)
     folder = lora.save_merged(out / "model", tuned, state.config)
-    if base.gguf:
-        base.tokenizer.save(folder)
-    else:
-        for file in TOKENIZER_FILES:
-            if (base.path / file).is_file():
-                shutil.copyfile(base.path / file, folder / file)
+    base.save_tokenizer_files(folder)
     return folder
 
 
