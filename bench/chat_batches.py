@@ -24,7 +24,7 @@ from qwen_np.core.config import Qwen3Config
 from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.training import chats, lora
 from qwen_np.training.step import loss_and_accumulated_gradients
-from qwen_np.training.trainer import init_parameters, model_from_parameters
+from qwen_np.training.parameters import init_parameters, model_from_parameters
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3_tokenizer_random"
 CONFIG = dict(vocab_size=151936, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,

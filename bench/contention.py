@@ -69,7 +69,7 @@ import numpy as np
 from bench.training import MODEL
 from qwen_np import runtime, training
 from qwen_np.core.config import Qwen3Config
-from qwen_np.training.trainer import hf_config, init_parameters, model_from_parameters
+from qwen_np.training.parameters import hf_config, init_parameters, model_from_parameters
 steps, threads = int(sys.argv[1]), runtime.usable_cores()
 config = Qwen3Config.from_dict(hf_config(MODEL))
 params = init_parameters(config, seed=0)

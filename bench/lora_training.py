@@ -43,7 +43,7 @@ def batch(rows: int, tokens: int) -> np.ndarray:
 
 def qwen_np_steps(name: str, ids: np.ndarray, steps: int, threads: int) -> list[float]:
     from qwen_np.training import lora, step as training
-    from qwen_np.training.trainer import init_parameters, model_from_parameters
+    from qwen_np.training.parameters import init_parameters, model_from_parameters
 
     config = preset("qwen3-0.6b")
     params = init_parameters(config, seed=0)

@@ -63,7 +63,8 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
     from qwen_np.training import step as training
     from qwen_np.core.config import Qwen3Config
     from qwen_np.engine.runtime import peak_rss_bytes, steady_threads
-    from qwen_np.training.trainer import PRESET_CONFIGS, hf_config, init_parameters, model_from_parameters
+    from qwen_np.training.settings import PRESET_CONFIGS
+    from qwen_np.training.parameters import hf_config, init_parameters, model_from_parameters
 
     config = Qwen3Config.from_dict(hf_config(PRESET_CONFIGS["shakespeare"]))
     params = init_parameters(config, seed=0)

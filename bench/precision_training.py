@@ -29,12 +29,12 @@ BUNDLED = Path(__file__).parents[1] / "weights"
 
 def train_each(steps: int, eval_every: int) -> dict[str, dict[str, Any]]:
     """Each precision's run state as its checkpoint holds it (history, evals, ...)."""
-    from qwen_np.training import trainer
+    from qwen_np.training import trainer, run_spec
 
     metas = {}
     with tempfile.TemporaryDirectory() as folder:
         for i, (name, overrides) in enumerate(RUNS.items()):
-            spec = trainer.RunSpec(Path(folder) / f"run{i}", preset="tiny",
+            spec = run_spec.RunSpec(Path(folder) / f"run{i}", preset="tiny",
                                    overrides={"steps": steps, "eval_every": eval_every, "threads": 1, **overrides})
             metas[name] = trainer.run(spec).state.to_json()
             print(row(name, metas[name]), flush=True)

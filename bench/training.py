@@ -34,7 +34,7 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
 
     from qwen_np.engine import runtime
     from qwen_np.training import step as training
-    from qwen_np.training.trainer import hf_config, init_parameters, model_from_parameters
+    from qwen_np.training.parameters import hf_config, init_parameters, model_from_parameters
     from qwen_np.files.checkpoint import save_checkpoint
     from qwen_np.core.config import Qwen3Config
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from qwen_np.core.config import LAYER_MATRICES, Qwen3Config
 from qwen_np.engine.memory import training_peak
-from qwen_np.training import trainer
+from qwen_np.training import trainer, run_spec
 from qwen_np.training.lora import LoraSettings
 
 from .checkpoints import TOKENIZER, write_random_checkpoint
@@ -74,7 +74,7 @@ def one(size: str, kind: str, length: str, steps: int) -> dict[str, object]:
         model = write_model(folder / "model", size)
         data = write_chats(folder / "chats.jsonl", length)
         lora = LoraSettings(8, None, LAYER_MATRICES) if kind == "lora" else None
-        result = trainer.run(trainer.RunSpec(folder / "run", model=str(model), data=str(data), lora=lora,
+        result = trainer.run(run_spec.RunSpec(folder / "run", model=str(model), data=str(data), lora=lora,
                                              overrides={"steps": steps}))
         memory = result.memory
         return {"size": size, "kind": kind, "chats": length, "predicted": memory.predicted, "measured": memory.peak,

@@ -22,7 +22,8 @@ from qwen_np.core.ablations import AblatedModel, model_class
 from qwen_np.core.config import ABLATION_CHOICES, Qwen3Config, expected_tensors, parameter_count
 from qwen_np.core.model import Qwen3Model
 from qwen_np.engine.fast import FastQwen3Model
-from qwen_np.training import data, trainer
+from qwen_np.training import data, trainer, parameters, run_spec, run_state
+from qwen_np.training.settings import PRESET_CONFIGS
 
 sys.path.insert(0, str(ROOT / "tools" / "walkthrough"))
 
@@ -36,8 +37,8 @@ def model_of(rope_theta: float = 1e4, seed: int = 0, **ablation):
     config = Qwen3Config(**{**SMALL, **ablation}, rope_theta=rope_theta)
     rng = np.random.default_rng(seed)
     params = {name: (p + (0.2 if p.ndim == 1 else 0.3) * rng.standard_normal(p.shape)).astype(np.float32)
-              for name, p in trainer.init_parameters(config, seed).items()}
-    return trainer.model_from_parameters(config, params)
+              for name, p in parameters.init_parameters(config, seed).items()}
+    return parameters.model_from_parameters(config, params)
 
 
 def traced(model, ids=IDS) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -99,8 +100,8 @@ def test_without_rope_one_layer_cannot_tell_the_order_of_the_earlier_tokens():
     for rope, same in ((False, True), (True, False)):
         config = Qwen3Config(**{**SMALL, **one_layer}, use_rope=rope)
         params = {n: p + 0.3 * np.random.default_rng(1).standard_normal(p.shape).astype(np.float32)
-                  for n, p in trainer.init_parameters(config, 1).items()}
-        model = trainer.model_from_parameters(config, params)
+                  for n, p in parameters.init_parameters(config, 1).items()}
+        model = parameters.model_from_parameters(config, params)
         last, last_shuffled = model.forward(IDS, last_only=True), model.forward(shuffled, last_only=True)
         assert np.allclose(last, last_shuffled, rtol=1e-5, atol=1e-5) == same
 
@@ -168,18 +169,18 @@ def test_mqa_and_mha_are_num_key_value_heads():
 def test_the_fast_path_refuses_an_ablation_and_load_model_runs_it_readable(tmp_path: Path):
     """An ablated run trains, checkpoints and exports (config.json keeps the fields; transformers would not
     load it: it knows none of them), and load_model gives it the readable path, which the fast one refuses."""
-    config_json = {**trainer.PRESET_CONFIGS["tiny"], "use_rope": False, "mlp_type": "gelu"}
+    config_json = {**PRESET_CONFIGS["tiny"], "use_rope": False, "mlp_type": "gelu"}
     (tmp_path / "config.json").write_text(json.dumps(config_json))
     text = tmp_path / "text.txt"
     text.write_text("".join(data.shakespeare_plays()["hamlet"].splitlines(keepends=True)[:400]), encoding="utf-8")
-    result = trainer.run(trainer.RunSpec(out=tmp_path / "run", config=tmp_path / "config.json", data=str(text),
+    result = trainer.run(run_spec.RunSpec(out=tmp_path / "run", config=tmp_path / "config.json", data=str(text),
                                          overrides={"steps": 2, "batch_size": 2, "context": 16, "eval_every": 2,
                                                     "warmup": 1}))
     exported = result.exported
     assert exported is not None
     saved = json.loads((exported / "config.json").read_text())
     assert saved["use_rope"] is False and saved["mlp_type"] == "gelu"
-    params = trainer.load_state(result.last)[0]
+    params = run_state.load_state(result.last)[0]
     assert not any("gate_proj" in name for name in params)
     model = load_model(exported, memory="fp32")
     assert not model.fast and model.config.ablations == {"use_rope": False, "mlp_type": "gelu"}

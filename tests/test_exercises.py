@@ -117,14 +117,15 @@ def test_exercise_flash_attention_with_one_key_and_all_keys_per_block() -> None:
 def test_exercise_the_tiny_model_blows_up_from_a_learning_rate_of_one() -> None:
     from qwen_np.core.config import Qwen3Config
     from qwen_np.training import step as training
-    from qwen_np.training import trainer
+    from qwen_np.training import parameters
+    from qwen_np.training.settings import PRESET_CONFIGS
 
-    config = Qwen3Config(**trainer.PRESET_CONFIGS["tiny"])
+    config = Qwen3Config(**PRESET_CONFIGS["tiny"])
     batch = np.random.default_rng(0).integers(0, 64, size=(4, 17))
 
     def highest_rise(lr: float) -> float:
-        params = trainer.init_parameters(config, seed=0)
-        model, optimizer = trainer.model_from_parameters(config, params), training.adamw_for(params)
+        params = parameters.init_parameters(config, seed=0)
+        model, optimizer = parameters.model_from_parameters(config, params), training.adamw_for(params)
         losses = []
         for _ in range(12):
             loss, grads = training.loss_and_gradients(model, batch)

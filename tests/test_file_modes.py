@@ -16,7 +16,7 @@ from qwen_np.engine.loading import load_model
 from qwen_np.files.checkpoint import save_checkpoint
 from qwen_np.training import lora
 from qwen_np.training.step import AdamW
-from qwen_np.training.trainer import load_state, save_state
+from qwen_np.training.run_state import load_state, save_state
 
 
 def mode(path: Path) -> int:

@@ -12,7 +12,7 @@ from qwen_np.training import gradients
 from qwen_np.core import layers
 from qwen_np.core.config import Qwen3Config
 from qwen_np.engine.loading import load_model
-from qwen_np.training.trainer import init_parameters, model_from_parameters
+from qwen_np.training.parameters import init_parameters, model_from_parameters
 from qwen_np.training.step import loss_and_gradients
 from reference.finite_differences import central_difference
 from reference.logit_match import max_relative_error

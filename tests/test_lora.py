@@ -15,7 +15,7 @@ from qwen_np.errors import QwenNPError
 from qwen_np.numbers.numerics import Adapted, upcast
 from qwen_np.training import gradients, lora
 from qwen_np.training.step import loss_and_gradients
-from qwen_np.training.trainer import init_parameters, model_from_parameters
+from qwen_np.training.parameters import init_parameters, model_from_parameters
 from reference.finite_differences import central_difference
 
 MICRO = dict(vocab_size=13, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=4,

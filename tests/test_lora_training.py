@@ -19,7 +19,7 @@ from qwen_np.engine.loading import load_model
 from qwen_np.files.checkpoint import save_checkpoint
 from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.training import chats, evaluation
-from qwen_np.training.trainer import BEST, LAST, load_state
+from qwen_np.training.run_state import BEST, LAST, load_state
 
 # The rule to learn: the assistant answers with the colour of the thing the user names, nothing else.
 COLOURS = {"apple": "red", "banana": "yellow", "grass": "green", "sky": "blue", "snow": "white", "coal": "black"}

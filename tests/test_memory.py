@@ -92,7 +92,7 @@ def measured_step_peak(config: Qwen3Config, rows: int, context: int, lora_rank: 
     """The most bytes NumPy held (tracemalloc) during two trainer steps (the second with AdamW's moments),
     above what was held before the weights were made: the step as trainer._train_step runs it, one thread."""
     from qwen_np.training import step as training
-    from qwen_np.training.trainer import init_parameters, model_from_parameters
+    from qwen_np.training.parameters import init_parameters, model_from_parameters
 
     batch = np.random.default_rng(0).integers(0, config.vocab_size, size=(rows * micro_batches, context + 1))
     tracemalloc.start()

@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen_np.training import step as training
+from qwen_np.training import step as training, text_data
 from qwen_np.cli import main
 from qwen_np.core.config import Qwen3Config
 from qwen_np.engine.loading import load_model
 from reference.logit_match import assert_logits_match
-from qwen_np.training.trainer import WindowOrder, hf_config, init_parameters, load_state, model_from_parameters, save_state
+from qwen_np.training.text_data import WindowOrder
+from qwen_np.training.parameters import hf_config, init_parameters, model_from_parameters
+from qwen_np.training.run_state import load_state, save_state
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gradients"
 SMALL = dict(vocab_size=300, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
@@ -356,7 +358,6 @@ def test_a_run_stopped_anywhere_and_resumed_is_the_run_never_stopped(
         tmp_path: Path, run_inputs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, where: str, call: int) -> None:
     """8 steps, evaluations at 3, 6 and 8: stopped in the second or the last evaluation, or in the middle of
     an AdamW update, then resumed, the run ends exactly as one that was never stopped."""
-    import qwen_np.training.trainer as trainer
 
     data, config = run_inputs
     assert train(tmp_path / "straight", data, config, "--steps", "8") == 0
@@ -364,7 +365,7 @@ def test_a_run_stopped_anywhere_and_resumed_is_the_run_never_stopped(
         if where == "optimizer step":
             stop_on_call(patch, training.AdamW, "update", call)
         else:
-            stop_on_call(patch, trainer.TextData, "validate", call)
+            stop_on_call(patch, text_data.TextData, "validate", call)
         assert train(tmp_path / "stopped", data, config, "--steps", "8") == 130
     assert main(["train", "--out", str(tmp_path / "stopped"), "--resume"]) == 0
     assert_same_run(tmp_path / "stopped", tmp_path / "straight")
@@ -484,7 +485,7 @@ def test_an_fp16_overflow_skips_the_step_halves_the_scale_and_is_logged(tmp_path
 
 
 def test_a_library_run_with_an_unknown_precision_is_refused_naming_the_setting() -> None:
-    from qwen_np.training.trainer import resolve_settings
+    from qwen_np.training.run_spec import resolve_settings
 
     with pytest.raises(training.QwenNPError, match="^precision: expected one of fp32, bf16, fp16, fp8, got 'fp4'"):
         resolve_settings({"precision": "fp4"}, "tiny", None)

@@ -16,10 +16,12 @@ from test_lora_training import write_chats
 from test_training import SMALL, write_text
 from qwen_np.cli import main
 from qwen_np.files.tokenizer import Tokenizer
-from qwen_np.training import chats, trainer
+from qwen_np.training import chats, trainer, run_spec
+from qwen_np.training.settings import PRESET_SETTINGS, RunEvents, Settings
 from qwen_np.core.config import LAYER_MATRICES
 from qwen_np.training.lora import LoraSettings
-from qwen_np.training.trainer import LAST, hf_config, load_state
+from qwen_np.training.run_state import LAST, load_state
+from qwen_np.training.parameters import hf_config
 
 
 README_EPOCHS = 3          # README's training section: without --steps, a run is 3 epochs over its data
@@ -29,10 +31,10 @@ class Planned(Exception):
     """Raised by PlanOnly before the first step: the plan is all a test wants."""
 
 
-class PlanOnly(trainer.RunEvents):
+class PlanOnly(RunEvents):
     """Keeps the settings and description a run starts with, then stops it (no step is taken)."""
 
-    def started(self, settings: trainer.Settings, done: int, description: str) -> None:
+    def started(self, settings: Settings, done: int, description: str) -> None:
         self.settings, self.description = settings, description
         raise Planned
 
@@ -40,7 +42,7 @@ class PlanOnly(trainer.RunEvents):
 def plan_of(out: Path, **spec: Any) -> PlanOnly:
     events = PlanOnly()
     with pytest.raises(Planned):
-        trainer.run(trainer.RunSpec(out, **spec), events)
+        trainer.run(run_spec.RunSpec(out, **spec), events)
     return events
 
 
@@ -52,9 +54,9 @@ def test_a_lora_fine_tune_without_steps_takes_the_default_epochs_over_its_chats_
     data = write_chats(tmp_path / "chats.jsonl", 40, seed=0)
     plan = plan_of(tmp_path / "run", model=str(QWEN3_RANDOM), data=str(data), lora=LoraSettings(8, None, LAYER_MATRICES))
     conversations = len(chats.held_out(Tokenizer.from_folder(QWEN3_RANDOM), data, None)[0])
-    steps = math.ceil(README_EPOCHS * conversations / trainer.Settings.batch_size)
+    steps = math.ceil(README_EPOCHS * conversations / Settings.batch_size)
     assert plan.settings.steps == steps and steps < 20
-    assert f"plan: {steps} steps of {trainer.Settings.batch_size} (" in plan.description
+    assert f"plan: {steps} steps of {Settings.batch_size} (" in plan.description
     assert f"epochs of {conversations} conversations" in plan.description
     assert not (tmp_path / "run").exists()                       # stopped before its first checkpoint
 
@@ -64,7 +66,7 @@ def test_epochs_over_a_text_are_its_windows_and_a_presets_steps_give_way_to_them
     one = plan_of(tmp_path / "one", preset="tiny", data=str(data), overrides={"epochs": 1})
     two = plan_of(tmp_path / "two", preset="tiny", data=str(data), overrides={"epochs": 2})
     assert two.settings.steps in (2 * one.settings.steps - 1, 2 * one.settings.steps)     # the last step whole
-    assert one.settings.steps != trainer.PRESET_SETTINGS["tiny"]["steps"]
+    assert one.settings.steps != PRESET_SETTINGS["tiny"]["steps"]
     assert " windows), warmup " in one.description
 
 

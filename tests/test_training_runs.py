@@ -22,7 +22,9 @@ from test_training import SMALL, assert_same_run, train, write_text
 from qwen_np import QwenNPError
 from qwen_np.cli import main
 from qwen_np.training import run_folder
-from qwen_np.training.trainer import BEST, LAST, RunState, corpus_sha256, hf_config, load_state
+from qwen_np.training.run_state import BEST, LAST, RunState, load_state
+from qwen_np.training.text_data import corpus_sha256
+from qwen_np.training.parameters import hf_config
 
 
 def resume(out: Path, *flags: str) -> int:
@@ -268,10 +270,10 @@ def test_train_help_says_what_resuming_does_with_every_flag(capsys: pytest.Captu
     """Each Settings flag is kept bit-exact, applied with a note, or refused on --resume: exactly one, and --help says which."""
     from dataclasses import fields
 
-    from qwen_np.training import settings, trainer
+    from qwen_np.training import settings
 
     groups = [set(settings.BIT_EXACT), set(settings.NOT_BIT_EXACT), set(settings.KEPT_ON_RESUME)]
-    assert sorted(name for group in groups for name in group) == sorted(f.name for f in fields(trainer.Settings))
+    assert sorted(name for group in groups for name in group) == sorted(f.name for f in fields(settings.Settings))
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     epilog = " ".join(capsys.readouterr().out.split("--resume continues", 1)[1].split())

@@ -18,7 +18,8 @@ from . import FLAGS
 
 if TYPE_CHECKING:                  # the parser needs none of these: `train --help` loads no NumPy
     from ..training.lora import LoraSettings
-    from ..training.trainer import RunState, TrainingMemory
+    from ..training.run_state import RunState
+    from ..training.trainer import TrainingMemory
 
 
 # The help of Settings' on/off fields (their flags come with a --no- form).
@@ -165,9 +166,9 @@ def lora_settings(args: argparse.Namespace) -> LoraSettings | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..training import trainer
+    from ..training import trainer, run_spec
 
-    spec = trainer.RunSpec(args.out, args.resume, args.preset, args.config, args.data,
+    spec = run_spec.RunSpec(args.out, args.resume, args.preset, args.config, args.data,
                            args.model, lora_settings(args), args.memory, args.val,
                            {f.name: getattr(args, f.name) for f in fields(Settings)})
     events = ProgressBar()

@@ -1,5 +1,7 @@
 """Training and evaluation: `gradients` (the backward pass by hand, op by op), `step` (loss_and_gradients,
-clipping, the schedule, AdamW), `mixed` (mixed precision), `trainer` (a run: checkpoints, resume, validation),
+clipping, the schedule, AdamW), `mixed` (mixed precision), `trainer` (a run: its loop, validation, export),
+`run_spec` (what to run, its settings resolved), `run_state` (a run's state and its checkpoints), `resume`
+(going on from them), `text_data` (a text run's windows), `parameters` (the trained arrays and their model),
 `settings` (a run's presets and hyper-parameters: what `train --help` shows, without NumPy),
 `run_folder` (the --out folder's lock: one trainer at a time),
 `data` (corpora and the tokenizer trainer), `evaluation` (loss per token of a text).

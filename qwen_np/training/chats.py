@@ -200,7 +200,7 @@ def padded_rows(conversations: list[Chat], context: int, pad_id: int) -> tuple[n
 class ConversationOrder:
     """Epochs over the training conversations, each epoch in the order of a permutation drawn from a generator
     seeded by (seed, epoch): the order is reproducible from (seed, epoch, position) alone, the place a
-    checkpoint keeps (as trainer.WindowOrder's, over windows of text)."""
+    checkpoint keeps (as text_data.WindowOrder's, over windows of text)."""
 
     count: int
     seed: int

@@ -1,8 +1,8 @@
 """A training run's settings, as the command line shows them before anything runs: the presets (--preset),
 the hyper-parameters (Settings: one flag each), what a resumed run does with a flag given again, the
 default warmup's cap, the linear layers' precisions, and the events a run reports to its front end.
-They live here, in a module that imports nothing heavy, so that `train --help` loads no NumPy; trainer.py
-runs them (and keeps their names: trainer.Settings is this Settings).
+They live here, in a module that imports nothing heavy, so that `train --help` loads no NumPy; run_spec.py
+resolves them for a run and trainer.py runs it.
 """
 
 from __future__ import annotations

@@ -24,380 +24,41 @@ trained (lora.py): the checkpoints hold the adapters and their moments, and the 
 resuming, checked by ModelFiles.weights_sha256. The same loop runs every kind of run: what differs is the data
 (TextData or chats.ChatData), the trained arrays (`params`) and what _export writes (model/, and
 adapter/ in peft's format).
+
+This module is the run and its loop; beside it, one job each: run_spec.py (what to run and its settings,
+over settings.py's presets), run_state.py (the run's state and its checkpoint files), resume.py (going on
+from them), text_data.py (a text run's data and window order), parameters.py (the trained arrays and the
+model they are).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from . import chats, evaluation, lora, mixed, run_folder, step as training
-from ..files.checkpoint import save_checkpoint, write_atomically
+from . import chats, lora, mixed, run_folder, step as training
 from ..files.model_files import ModelFiles, open_model
-from ..files.tokenizer import Tokenizer
-from ..core.config import Qwen3Config, expected_tensors, layer_tensors
-from .data import END_OF_TEXT, END_OF_TEXT_ID
+from ..core.config import Qwen3Config
 from ..errors import QwenNPError
 from ..engine.budget import context_for
 from ..engine.memory import ResidentPeak, training_memory, training_total
-from ..core.ablations import model_class
-from ..core.model import LayerWeights, Qwen3Model
+from ..core.model import Qwen3Model
 from ..engine.runtime import steady_threads, usable_cores
-from .settings import KEPT_ON_RESUME, NOT_BIT_EXACT, PRESET_CONFIGS, PRESET_SETTINGS, RunEvents, Settings, capped_warmup
-
-# --- Data order -------------------------------------------------------------------------------------
-
-
-@dataclass
-class WindowOrder:
-    """Epochs over the training tokens as shuffled windows of context + 1 tokens.
-
-    Each epoch draws, from a generator seeded by (seed, epoch), an offset in [0, context) where the
-    windows start and a permutation of them, so windows differ from epoch to epoch and the order is
-    reproducible from (seed, epoch, position) alone: that triple is the data's RNG state.
-    """
-
-    n_tokens: int
-    context: int
-    seed: int
-    epoch: int = 0
-    position: int = 0             # windows of this epoch already used
-
-    def _epoch(self) -> tuple[int, np.ndarray]:
-        rng = np.random.default_rng([self.seed, self.epoch])
-        offset = int(rng.integers(self.context))
-        count = (self.n_tokens - 1 - offset) // self.context
-        if count < 1:
-            raise QwenNPError(f"{self.n_tokens} tokens are too few for one window of the context ({self.context})", "data")
-        return offset, rng.permutation(count)
-
-    def next_batch(self, tokens: np.ndarray, batch_size: int) -> np.ndarray:
-        """The next batch_size windows [B, context + 1], continuing into the next epoch when one ends."""
-        rows: list[np.ndarray] = []
-        while len(rows) < batch_size:
-            offset, order = self._epoch()
-            if self.position >= len(order):
-                self.epoch, self.position = self.epoch + 1, 0
-                continue
-            start = offset + int(order[self.position]) * self.context
-            rows.append(tokens[start:start + self.context + 1])
-            self.position += 1
-        return np.stack(rows).astype(np.int64)
-
-
-# --- Parameters ------------------------------------------------------------------------------------
-
-
-def init_parameters(config: Qwen3Config, seed: int) -> dict[str, np.ndarray]:
-    """Fresh weights as transformers initialises Qwen3: matrices N(0, 0.02), RMSNorm weights 1."""
-    rng = np.random.default_rng(seed)
-    params = {}
-    for name, shape in expected_tensors(config).items():
-        if len(shape) == 1:
-            params[name] = np.ones(shape, dtype=np.float32)
-        else:
-            params[name] = (0.02 * rng.standard_normal(shape)).astype(np.float32)
-    return params
-
-
-def model_from_parameters(config: Qwen3Config, params: dict[str, np.ndarray]) -> Qwen3Model:
-    """A Qwen3Model whose weights ARE these arrays (no copies): updating them in place trains it."""
-    layers = [LayerWeights(**{key: params[spec.name.format(i=i)] for key, spec in layer_tensors(config).items()})
-              for i in range(config.num_hidden_layers)]
-    embed = params["model.embed_tokens.weight"]
-    head = embed if config.tie_word_embeddings else params["lm_head.weight"]
-    return model_class(config)(config, embed, layers, params["model.norm.weight"], head)
-
-
-def hf_config(model_config: dict[str, Any]) -> dict[str, Any]:
-    """A complete config.json that transformers and qwen_np both load."""
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-            "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-6,
-            "rope_theta": 1_000_000.0, "rope_scaling": None, "use_sliding_window": False, "sliding_window": None,
-            "bos_token_id": END_OF_TEXT_ID, "eos_token_id": END_OF_TEXT_ID, "torch_dtype": "bfloat16",
-            "use_cache": True, **model_config}
-
-
-# --- Checkpoints ------------------------------------------------------------------------------------
-
-
-# The safetensors header's metadata: the run's state (JSON), and a SHA-256 of it and of every tensor.
-STATE_KEY, DIGEST_KEY = "qwen_np_training", "qwen_np_sha256"
-
-
-def save_state(path: Path, params: dict[str, np.ndarray], optimizer: training.AdamW, meta: dict[str, Any]) -> None:
-    """Weights, AdamW moments and the run's state (JSON in the safetensors header) in one file.
-
-    Written atomically (checkpoint.write_atomically): a crash, a full disk or a power loss leaves the
-    previous checkpoint or the new one, never half of one. The header also holds a SHA-256 of the state
-    and of every tensor, so that load_state tells a damaged file (one flipped bit, in a weight or in a
-    loss of the history) from the one written.
-    """
-    from safetensors.numpy import save_file
-
-    tensors = {f"param/{n}": p for n, p in params.items()}
-    tensors.update({f"adam_m/{n}": m for n, m in optimizer.m.items()})
-    tensors.update({f"adam_v/{n}": v for n, v in optimizer.v.items()})
-    state = json.dumps({**meta, "optimizer_step": optimizer.step})
-    metadata = {STATE_KEY: state, DIGEST_KEY: _digest(state, tensors)}
-    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-
-
-def load_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
-    """(params, adam_m, adam_v, meta) from a file written by save_state. A QwenNPError naming the file if it
-    is missing, is not such a checkpoint, or is damaged: unreadable, or not byte for byte what was written
-    (its SHA-256; a file written before checkpoints kept one is only checked for its format)."""
-    from safetensors import SafetensorError, safe_open
-
-    if not path.is_file():
-        raise QwenNPError(f"{path}: not found")
-    tensors: dict[str, np.ndarray] = {}
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            metadata = f.metadata() or {}
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
-        state = metadata[STATE_KEY]
-        meta = json.loads(state)
-    except KeyError:
-        raise QwenNPError(f"{path}: damaged, or not a qwen_np training checkpoint (its header holds no run "
-                          "state)") from None
-    except (SafetensorError, ValueError, RecursionError, OSError) as bad:
-        raise QwenNPError(f"{path}: damaged, not a readable checkpoint ({_first_line(bad)})") from None
-    if not isinstance(meta, dict):
-        raise QwenNPError(f"{path}: not a qwen_np training checkpoint (its run state is not a JSON object)")
-    written = metadata.get(DIGEST_KEY)
-    before_digests = written is None and "data_sha256" not in meta     # a checkpoint of an earlier qwen_np
-    if not before_digests and written != _digest(state, tensors):
-        raise QwenNPError(f"{path}: damaged: its bytes are not those written (their SHA-256 differs from the one "
-                          "saved with them)")
-    groups: dict[str, dict[str, np.ndarray]] = {"param": {}, "adam_m": {}, "adam_v": {}}
-    for key, tensor in tensors.items():
-        group, _, name = key.partition("/")
-        if group not in groups:
-            raise QwenNPError(f"{path}: not a qwen_np training checkpoint (tensor {key!r})")
-        groups[group][name] = tensor
-    return groups["param"], groups["adam_m"], groups["adam_v"], meta
-
-
-def _digest(state: str, tensors: dict[str, np.ndarray]) -> str:
-    """SHA-256 of a checkpoint's state (its JSON) and of its tensors in name order (name, dtype, shape, bytes)."""
-    digest = hashlib.sha256(state.encode())
-    for name in sorted(tensors):
-        tensor = np.ascontiguousarray(tensors[name])
-        digest.update(f"\0{name}\0{tensor.dtype.str}\0{tensor.shape}\0".encode())
-        digest.update(tensor.reshape(-1).view(np.uint8).data)
-    return digest.hexdigest()
-
-
-def _first_line(bad: Exception) -> str:
-    text = str(bad).strip()
-    return text.splitlines()[0] if text else type(bad).__name__
-
-
-def export_model(folder: Path, config_json: dict[str, Any], params: dict[str, np.ndarray], tokenizer_folder: Path) -> Path:
-    """A Hugging Face Qwen3 folder: config.json, BF16 model.safetensors, tokenizer, generation_config.json."""
-    save_checkpoint(folder, config_json, [params], dtype="BF16")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
-    generation = {"bos_token_id": END_OF_TEXT_ID, "eos_token_id": END_OF_TEXT_ID, "pad_token_id": END_OF_TEXT_ID,
-                  "do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.95}
-    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    return folder
-
-
-# --- The run's state --------------------------------------------------------------------------------
-
-
-@dataclass
-class RunState:
-    """Everything a run has done and needs to go on, besides its tensors: what a checkpoint's header holds
-    (as JSON: to_json, from_json), so that a resumed run continues bit for bit."""
-
-    config: dict[str, Any]                      # the model's config.json
-    settings: Settings
-    data: str                                   # --data: "shakespeare" or a text file
-    data_sha256: str | None = None              # of the text it trains and validates on (Corpus.sha256); None in
-                                                # checkpoints written before it was kept
-    history: list[dict[str, Any]] = field(default_factory=list)   # one record per optimizer step (_train_step)
-    evals: list[dict[str, Any]] = field(default_factory=list)     # one per validation: step and TextScore.summary()
-    best_loss: float | None = None              # the lowest validation loss per token so far
-    bad_evals: int = 0                          # validations since it was reached (--patience)
-    epoch: int = 0                              # the data order's place (WindowOrder) at the last checkpoint:
-    position: int = 0                           # its epoch and the windows of it used
-    loss_scaler: mixed.LossScaler | None = None     # fp16 with loss scaling: a resumed run goes on with its scale
-    model: str | None = None                    # --model: the checkpoint the run started from (None: a preset or config)
-    base_sha256: str | None = None              # of its weight files (ModelFiles.weights_sha256): a resumed run checks them
-    adapters: dict[str, Any] | None = None      # a LoRA run's lora.LoraSettings and "memory" (how its frozen base is held)
-    val: str | None = None                      # --val: the chat file that validates (None: --data's last 5%)
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps taken (skipped FP16 steps included)."""
-        return len(self.history)
-
-    def evaluated(self, step: int) -> bool:
-        """Whether the validation after `step` steps is recorded."""
-        return bool(self.evals) and self.evals[-1]["step"] == step
-
-    def record_evaluation(self, step: int, result: dict[str, Any]) -> bool:
-        """Add a validation after `step` steps; returns whether it is the best so far."""
-        self.evals.append({"step": step, **result})
-        improved = self.best_loss is None or result["loss_per_token"] < self.best_loss
-        self.bad_evals = 0 if improved else self.bad_evals + 1
-        if improved:
-            self.best_loss = result["loss_per_token"]
-        return improved
-
-    def to_json(self) -> dict[str, Any]:
-        meta = {"history": self.history, "evals": self.evals, "best_loss": self.best_loss, "bad_evals": self.bad_evals,
-                "order": {"epoch": self.epoch, "position": self.position}, "data": self.data,
-                "data_sha256": self.data_sha256, "settings": asdict(self.settings), "config": self.config}
-        if self.loss_scaler is not None:
-            meta["loss_scaler"] = asdict(self.loss_scaler)
-        if self.model is not None:
-            meta.update(model=self.model, base_sha256=self.base_sha256, lora=self.adapters, val=self.val)
-        return meta
-
-    @classmethod
-    def from_json(cls, meta: dict[str, Any]) -> "RunState":
-        """The state to_json wrote (save_state's "optimizer_step", the optimizer's, is left to the caller)."""
-        scaler = meta.get("loss_scaler")
-        return cls(meta["config"], Settings(**meta["settings"]), meta["data"], meta.get("data_sha256"), meta["history"],
-                   meta["evals"], meta["best_loss"], meta["bad_evals"], meta["order"]["epoch"], meta["order"]["position"],
-                   None if scaler is None else mixed.LossScaler(**scaler), meta.get("model"), meta.get("base_sha256"),
-                   meta.get("lora"), meta.get("val"))
-
-    @property
-    def lora_settings(self) -> lora.LoraSettings | None:
-        """The run's adapters (None: every weight is trained)."""
-        if self.adapters is None:
-            return None
-        saved = {key: value for key, value in self.adapters.items() if key != "memory"}
-        return lora.LoraSettings(**{**saved, "targets": tuple(saved["targets"])})
-
-    @property
-    def lora_memory(self) -> str:
-        """How a LoRA run holds its frozen base (engine.memory.MODES; fp32 for every other run)."""
-        return "fp32" if self.adapters is None else str(self.adapters["memory"])
-
-
-# --- The run ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class Corpus:
-    """What a run trains and validates on."""
-
-    train: np.ndarray                    # token ids of the training text
-    validation: list[np.ndarray]         # documents, each starting with <|endoftext|>
-    validation_characters: int
-    sha256: str                          # of the training and validation text (corpus_sha256)
-
-
-def load_corpus(data: str, out: Path, vocab_size: int, resume: bool, sha256: str | None = None,
-                tokenizer: Tokenizer | None = None) -> Corpus:
-    """Train (or, resuming, reload) the tokenizer in `out`, and encode the training and validation text.
-    tokenizer (a run from --model): the model's own encodes the text instead, each document after its
-    <|endoftext|>.
-
-    --data shakespeare uses data.py's fixed by-play splits. A text FILE is split at a line boundary:
-    the last 5% of its lines validate, the rest train. sha256 (a resumed run's): the text must be the
-    one the run began on, or a QwenNPError names --data before any work is done.
-    """
-    from . import data as corpora
-
-    if data == "shakespeare":
-        train_text, valid_text = corpora.shakespeare_split("train"), corpora.shakespeare_split("validation")
-    else:
-        lines = corpora.read_text(data).splitlines(keepends=True)
-        cut = len(lines) - max(1, len(lines) // 20)
-        train_text, valid_text = "".join(lines[:cut]), "".join(lines[cut:])
-        if not train_text.strip() or not valid_text.strip():
-            raise QwenNPError(f"{data} is too short to split into training and validation text", "data")
-    digest = corpus_sha256(train_text, valid_text)
-    if sha256 is not None and digest != sha256:
-        raise QwenNPError(f"{data} is not the text the run in {out} began on (SHA-256 {digest[:16]}..., the "
-                          f"checkpoint's {sha256[:16]}...: edited or replaced since); resuming would train on other "
-                          "text with the old text's tokenizer: put the original back, or start a new run", "data")
-    if tokenizer is None:
-        if not resume:
-            corpora.save_tokenizer(corpora.train_tokenizer(train_text, vocab_size), out)
-        tokenizer = Tokenizer.from_folder(out)
-        if tokenizer.vocab_size != vocab_size:
-            raise QwenNPError(f"{out}/tokenizer.json: {tokenizer.vocab_size} tokens, but the config's vocab_size is "
-                              f"{vocab_size} (the text is too small for that many BPE merges?)")
-    bpe = tokenizer.backend                                                  # encode_corpus's fast batch encoder
-    separator = np.array([tokenizer.token_to_id(END_OF_TEXT)], dtype=np.int32)
-    train_docs = [corpora.encode_corpus(bpe, doc) for doc in evaluation.documents(train_text)]
-    train = np.concatenate([part for doc in train_docs for part in (separator, doc)])
-    valid, characters = evaluation.encoded_documents(tokenizer, valid_text)
-    return Corpus(train, valid, characters, digest)
-
-
-def corpus_sha256(train_text: str, validation_text: str) -> str:
-    """The SHA-256 of a run's text, its training and validation parts (as normalised: what is trained on)."""
-    return hashlib.sha256(f"{len(train_text)}\0{train_text}{validation_text}".encode()).hexdigest()
-
-
-def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[str, Any] | None) -> Settings:
-    """The given settings (the command line's) over the saved run's (resuming) or the preset's, over
-    Settings' defaults. overrides: Settings field -> value, None meaning not given."""
-    given = {name for name, value in overrides.items() if value is not None}
-    if {"steps", "epochs"} <= given:
-        raise QwenNPError(f"{overrides['epochs']:g} and `steps` {overrides['steps']} both say how long the run is: "
-                          "give one of them", "epochs")
-    base = saved if saved is not None else PRESET_SETTINGS.get(preset or "", {})
-    values = {f.name: overrides[f.name] if f.name in given else base.get(f.name, f.default) for f in fields(Settings)}
-    if "epochs" in given:
-        values["steps"] = 0          # counted from the data once it is read (epoch_steps), over a preset's or saved steps
-    settings = Settings(**values)
-    for name in ("batch_size", "context", "grad_accum", "eval_every", *(("steps",) if "steps" in given else ())):
-        if getattr(settings, name) < 1:
-            raise QwenNPError(f"must be at least 1, got {getattr(settings, name)}", name)
-    if not settings.epochs > 0:
-        raise QwenNPError(f"must be positive, got {settings.epochs:g}", "epochs")
-    if settings.batch_size % settings.grad_accum:
-        raise QwenNPError(f"{settings.grad_accum} does not divide the batch size {settings.batch_size}", "grad_accum")
-    if not settings.lr > 0:
-        raise QwenNPError(f"must be positive, got {settings.lr}", "lr")
-    mixed.check_precision(settings.precision)
-    rows = settings.batch_size // settings.grad_accum
-    if not settings.shards:      # chosen once and saved: a resumed run keeps it whatever its --threads
-        settings.shards = math.gcd(rows, settings.threads or usable_cores())
-    if settings.shards < 0 or rows % settings.shards:
-        raise QwenNPError(f"{settings.shards} does not divide the {rows} rows of a micro-batch", "shards")
-    return settings
-
-
-LAST, BEST = "last.safetensors", "best.safetensors"
-
-@dataclass
-class RunSpec:
-    """What to run: a new run (from a preset, a config.json or a checkpoint) or the run in `out` resumed."""
-
-    out: Path                               # checkpoints, tokenizer, exported model/ (created on the first write)
-    resume: bool = False
-    preset: str | None = None               # a key of PRESET_CONFIGS
-    config: Path | None = None              # a Qwen3 config.json to train from scratch
-    data: str | None = None                 # "shakespeare", a UTF-8 text file or a chat file (.jsonl) (None: the
-                                            # run's own, resuming; else shakespeare)
-    model: str | None = None                # a checkpoint to start from (folder, hub id or GGUF) instead of a preset
-    lora: lora.LoraSettings | None = None   # train these adapters on --model, frozen (None: every weight)
-    memory: str | None = None               # how a LoRA run holds its frozen base (engine.memory.MODES; default fp32)
-    val: str | None = None                  # a chat file that validates (None: --data's last 5% of conversations)
-    overrides: dict[str, Any] = field(default_factory=dict)   # Settings field -> value (None: not given)
-
+from .parameters import hf_config, init_parameters, model_from_parameters
+from .resume import resumed
+from .run_spec import RunSpec, model_config, resolve_settings
+from .run_state import BEST, LAST, RunState, export_model, load_state, save_state
+from .text_data import TextData, WindowOrder, load_corpus
+from .settings import RunEvents, Settings, capped_warmup
 
 @dataclass
 class RunResult:
@@ -464,30 +125,6 @@ def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
 
 
 @dataclass
-class TextData:
-    """A text run's data and its place in the training windows (a chat run's: chats.ChatData)."""
-
-    corpus: Corpus
-    order: WindowOrder
-
-    @property
-    def sha256(self) -> str:
-        return self.corpus.sha256
-
-    def next_batch(self, batch_size: int) -> tuple[np.ndarray, None]:
-        """The next batch_size windows [B, context + 1]; every token is learned (None: no mask)."""
-        return self.order.next_batch(self.corpus.train, batch_size), None
-
-    def validate(self, model: Qwen3Model) -> dict[str, Any]:
-        """Loss on the validation documents, with the inference forward pass (what generation runs)."""
-        return evaluation.score_text(model.forward, self.corpus.validation, self.corpus.validation_characters,
-                                     self.order.context).summary()
-
-    def describe(self) -> str:
-        return f"{len(self.corpus.train):,} tokens"
-
-
-@dataclass
 class Run:
     """A run in memory: its state and what a step acts on. The trained weights are `params`: the model's own
     arrays (every weight, or a LoRA run's adapters alone), updated in place by the optimizer."""
@@ -522,7 +159,7 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
                                      f"(PID {left or '?'}: killed, or its machine stopped); taken over"]
     saved: dict[str, np.ndarray] | None = None
     if spec.resume:
-        state, saved, adam_m, adam_v, optimizer_step = _resumed(spec, notes, left)
+        state, saved, adam_m, adam_v, optimizer_step = resumed(spec, notes, left)
         read = sum(array.nbytes for group in (saved, adam_m, adam_v) for array in group.values())
     else:
         read = 0
@@ -635,7 +272,7 @@ def _new_state(spec: RunSpec) -> RunState:
     trained, or --lora's adapters on it frozen)."""
     settings = resolve_settings(spec.overrides, spec.preset, None)
     if spec.model is None:
-        return RunState(hf_config(_model_config(spec)), settings, spec.data or "shakespeare")
+        return RunState(hf_config(model_config(spec)), settings, spec.data or "shakespeare")
     adapters = None
     if spec.lora is not None:
         adapters = {**asdict(spec.lora.check()), "memory": spec.memory or "fp32"}
@@ -746,114 +383,6 @@ def _export(run: Run, base: ModelFiles | None, best: dict[str, np.ndarray]) -> P
     return folder
 
 
-# --- Resuming ---------------------------------------------------------------------------------------
-
-
-def _resumed(spec: RunSpec, notes: list[str], left: str | None
-             ) -> tuple[RunState, dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], int]:
-    """The run in spec.out as its last checkpoint left it, with the flags given again applied (a notice added
-    to `notes` for those that end bit-exactness) or refused (NOT_BIT_EXACT, KEPT_ON_RESUME); (state, params,
-    adam_m, adam_v, the optimizer's step). A missing or damaged checkpoint is one QwenNPError saying what the
-    folder holds and whether best.safetensors can take its place. (--data: _run checks the text's hash.)"""
-    out, last = spec.out, spec.out / LAST
-    if not last.exists():
-        raise QwenNPError(_nothing_to_resume(out, left))
-    try:
-        state, params, adam_m, adam_v, optimizer_step = read_checkpoint(last)
-    except QwenNPError as bad:
-        raise QwenNPError(f"{bad}; {_fallback(out)}", "resume") from None
-    if spec.preset is not None or spec.config is not None:
-        given = "preset" if spec.preset is not None else "config"
-        wanted = hf_config(_model_config(spec))
-        differs = sorted(key for key in wanted.keys() | state.config.keys() if wanted.get(key) != state.config.get(key))
-        if differs:
-            raise QwenNPError(f"not the model of the run in {out} ({differs[0]} {wanted.get(differs[0])}, the run's "
-                              f"{state.config.get(differs[0])}); a resumed run keeps its model: drop `{given}`", given)
-    if spec.model is not None and state.model is None:
-        raise QwenNPError(f"the run in {out} trains a model from random weights (its `preset` or `config`); drop `model`",
-                          "model")
-    if spec.lora is not None and spec.lora.check() != state.lora_settings:
-        raise QwenNPError(f"the run in {out} trains {_adapters(state.lora_settings)}, which a resumed run keeps (its "
-                          "checkpoints hold those); drop `lora` and its settings, or start a new run", "lora")
-    if spec.memory is not None and spec.memory != state.lora_memory:
-        raise QwenNPError(f"the run in {out} holds its frozen base as {state.lora_memory}, which a resumed run keeps (its "
-                          "products, so its updates, depend on it); drop `memory`", "memory")
-    saved = state.settings
-    changed = {name: value for name, value in spec.overrides.items()
-               if value is not None and value != getattr(saved, name)}
-    for name, why in KEPT_ON_RESUME.items():
-        if name in changed:
-            raise QwenNPError(f"the run in {out} has `{name}` {getattr(saved, name)}, which a resumed run keeps "
-                              f"({why}); drop `{name}`, or start a new run", name)
-    overrides = dict(spec.overrides)
-    if changed.keys() & {"batch_size", "grad_accum"} and "shards" not in changed:
-        overrides["shards"] = 0                      # rows of another size: cut into shards chosen again
-    state.settings = resolve_settings(overrides, None, asdict(saved))
-    inexact = [name for name in NOT_BIT_EXACT if getattr(state.settings, name) != getattr(saved, name)]
-    if not state.settings.decay_steps:              # the cosine schedule spans --steps: it changes with them
-        inexact += [name for name in ("steps", "epochs") if name in changed]
-    if inexact:
-        given = ", ".join(f"`{name}` {getattr(state.settings, name)} (was {getattr(saved, name)})" for name in inexact)
-        notes.append(f"note: {given}: applied; the run goes on from step {state.step}, but is no longer bit for bit "
-                     "the run it was")
-    return state, params, adam_m, adam_v, optimizer_step
-
-
-def read_checkpoint(path: Path) -> tuple[RunState, dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], int]:
-    """A training checkpoint read and checked (load_state, and a state and weights that fit together):
-    (state, params, adam_m, adam_v, the optimizer's step); a QwenNPError naming the file."""
-    params, adam_m, adam_v, meta = load_state(path)
-    try:
-        state, optimizer_step = RunState.from_json(meta), int(meta["optimizer_step"])
-        config = Qwen3Config.from_dict(state.config, source=str(path))
-        adapters = state.lora_settings
-    except (KeyError, TypeError, ValueError, AttributeError) as bad:
-        raise QwenNPError(f"{path}: not a qwen_np training checkpoint (its run state: {_first_line(bad)})") from None
-    trained = (expected_tensors(config) if adapters is None else
-               lora.adapter_shapes(config, adapters.rank, adapters.targets))     # a LoRA run's: its adapters alone
-    shapes = {name: tuple(shape) for name, shape in trained.items()}
-    for group in (params, adam_m, adam_v):
-        if {name: tensor.shape for name, tensor in group.items()} != shapes:
-            raise QwenNPError(f"{path}: not a qwen_np training checkpoint (its tensors are not those of its config)")
-    return state, params, adam_m, adam_v, optimizer_step
-
-
-def _adapters(settings: lora.LoraSettings | None) -> str:
-    """A run's LoRA settings, each named in backticks for the front end to word ("every weight" for a full run)."""
-    if settings is None:
-        return "every weight (no `lora`)"
-    return (f"`rank` {settings.rank} `alpha` {settings.alpha:g} `targets` {','.join(settings.targets)} "
-            f"`dropout` {settings.dropout:g}")
-
-
-def _fallback(out: Path) -> str:
-    """What best.safetensors offers when last.safetensors is missing or damaged (a clause of one line)."""
-    best = out / BEST
-    if not best.exists():
-        return f"there is no {BEST} to fall back on: remove {LAST} and start the run again without --resume"
-    try:
-        state = read_checkpoint(best)[0]
-    except QwenNPError as bad:
-        return f"{BEST} cannot take its place ({bad}): remove both and start the run again without --resume"
-    return (f"{best} is intact (step {state.step}, validation loss {state.best_loss:.4f} per token): copy it over "
-            f"{LAST} to resume from step {state.step}")
-
-
-def _nothing_to_resume(out: Path, left: str | None) -> str:
-    """--resume's message for a folder without last.safetensors: what the folder holds instead."""
-    held = sorted(entry.name for entry in out.iterdir() if entry.name != run_folder.LOCK)
-    if (out / BEST).exists():
-        return f"--resume: {out} holds no {LAST}; {_fallback(out)}"
-    if not held:
-        return f"--resume: {out} holds no earlier run (it is empty); start one without --resume"
-    if left is not None:
-        how = (f"the run there (PID {left or '?'}) was killed before its first checkpoint (its {run_folder.LOCK} was still "
-               "there)")
-    else:
-        how = "no run there reached its first checkpoint"
-    return f"--resume: {out} holds no {LAST} to resume: {how}; it holds {', '.join(held)}; start it again without --resume"
-
-
 class Stops:
     """Ctrl-C (SIGINT) and `kill` (SIGTERM) stop a run as KeyboardInterrupt, except inside `held()`: there
     a stop waits for the block's end, so the state a checkpoint saves never holds half an optimizer step
@@ -888,15 +417,6 @@ class Stops:
             self.holding = False
         if self.pending:
             raise KeyboardInterrupt
-
-
-def _model_config(spec: RunSpec) -> dict[str, Any]:
-    if spec.config is not None:
-        from ..core.config import read_json_object
-        return read_json_object(spec.config)
-    if spec.preset not in PRESET_CONFIGS:
-        raise QwenNPError(f"unknown {spec.preset!r}; expected one of {', '.join(sorted(PRESET_CONFIGS))}", "preset")
-    return dict(PRESET_CONFIGS[spec.preset])
 
 
 def _loop(run: Run, stops: Stops, events: RunEvents) -> str:

@@ -153,11 +153,11 @@ lengths (L2 norms) of the {len(run.ids)} vectors are {norms}."""
 
 
 def next_steps_section(run: Run, number: int) -> str:
-    from qwen_np.training import trainer
+    from qwen_np.training.settings import PRESET_CONFIGS, PRESET_SETTINGS
 
     prompt = shell_quote(run.prompt)
-    tiny_layers = trainer.PRESET_CONFIGS["tiny"]["num_hidden_layers"]
-    tiny_steps = trainer.PRESET_SETTINGS["tiny"]["steps"]
+    tiny_layers = PRESET_CONFIGS["tiny"]["num_hidden_layers"]
+    tiny_steps = PRESET_SETTINGS["tiny"]["steps"]
     return f"""## {number}. Try it yourself
 
 ```bash

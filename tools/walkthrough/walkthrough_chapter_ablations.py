@@ -29,7 +29,7 @@ from qwen_np.core.config import ABLATION_CHOICES, PRESETS, Qwen3Config, paramete
 from qwen_np.core.ablations import AblatedModel  # noqa: E402
 from qwen_np.core.model import Qwen3Model  # noqa: E402
 from qwen_np.engine.memory import kv_cache_bytes_per_token  # noqa: E402
-from qwen_np.training import trainer, step as training  # noqa: E402
+from qwen_np.training import step as training, parameters, text_data  # noqa: E402
 from walkthrough_chapter_train import CONFIG, load_data, validation_loss  # noqa: E402
 from walkthrough_common import code_block, two  # noqa: E402
 import walkthrough_common  # noqa: E402
@@ -79,7 +79,7 @@ def variant_config(variant: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_config(variant: dict[str, Any]) -> Qwen3Config:
-    return Qwen3Config.from_dict(trainer.hf_config(variant_config(variant)), source=variant["key"])
+    return Qwen3Config.from_dict(parameters.hf_config(variant_config(variant)), source=variant["key"])
 
 
 def settings(variant: dict[str, Any]) -> dict[str, Any]:
@@ -95,18 +95,18 @@ class Trial:
     model: Qwen3Model = field(init=False)
     params: dict[str, np.ndarray] = field(init=False)
     optimizer: training.AdamW = field(init=False)
-    order: trainer.WindowOrder | None = None
+    order: text_data.WindowOrder | None = None
 
     def __post_init__(self) -> None:
         config, run = model_config(self.variant), settings(self.variant)
-        self.params = trainer.init_parameters(config, run["seed"])
-        self.model = trainer.model_from_parameters(config, self.params)
+        self.params = parameters.init_parameters(config, run["seed"])
+        self.model = parameters.model_from_parameters(config, self.params)
         self.optimizer = training.adamw_for(self.params, weight_decay=run["weight_decay"])
 
     def step(self, tokens: np.ndarray, i: int) -> float:
         """Chapter 11's step: batch, loss and gradients, clip, AdamW at the schedule's rate."""
         run = settings(self.variant)
-        self.order = self.order or trainer.WindowOrder(len(tokens), run["context"], run["seed"])
+        self.order = self.order or text_data.WindowOrder(len(tokens), run["context"], run["seed"])
         batch = self.order.next_batch(tokens, run["batch_size"])                              # [B, T+1]
         loss, grads = training.loss_and_accumulated_gradients(self.model, batch, 1, threads=2, shards=run["shards"])
         training.clip_gradients(grads, run["clip"])

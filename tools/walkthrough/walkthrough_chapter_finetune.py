@@ -49,7 +49,7 @@ from qwen_np.engine.loading import attach_adapter, load_model  # noqa: E402
 from qwen_np.files.adapter import read_adapter  # noqa: E402
 from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
 from qwen_np.generation.generate import generate  # noqa: E402
-from qwen_np.training import chats, data, evaluation, lora, trainer  # noqa: E402
+from qwen_np.training import chats, data, evaluation, lora, trainer, run_spec  # noqa: E402
 from walkthrough_training import mib  # noqa: E402
 import walkthrough_common  # noqa: E402
 from walkthrough_common import two  # noqa: E402
@@ -153,7 +153,7 @@ def name_in(reply: str) -> str:
 def tune(out: Path, base: Path, train: Path, held_out: Path, rank: int, steps: int = RUN["steps"]) -> trainer.RunResult:
     """`train --model BASE --data train.jsonl --val held_out.jsonl --lora RANK` with RUN's settings, stopped after
     `steps` (the learning-rate schedule stays RUN's)."""
-    return trainer.run(trainer.RunSpec(out=out, model=str(base), data=str(train), val=str(held_out),
+    return trainer.run(run_spec.RunSpec(out=out, model=str(base), data=str(train), val=str(held_out),
                                        lora=lora.LoraSettings(rank),
                                        overrides={**RUN, "steps": steps, "decay_steps": RUN["steps"]}))
 

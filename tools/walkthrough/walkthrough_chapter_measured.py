@@ -21,7 +21,7 @@ from qwen_np.inspection import hardware
 from qwen_np.core import layers
 from qwen_np.engine import memory
 from qwen_np import preset
-from qwen_np.training import trainer
+from qwen_np.training import trainer, run_spec
 from qwen_np.commands import hardware as hardware_command
 from qwen_np.inspection.report import _render_memory, memory_breakdown
 import walkthrough_common
@@ -337,7 +337,7 @@ def check_precision_steps(record: dict[str, Any] | None = None, steps: int = CHE
         with tempfile.TemporaryDirectory() as folder:
             overrides = {"steps": steps, "decay_steps": record["steps"], "eval_every": record["eval_every"],
                          "threads": 1, **RUNS[name]}
-            fresh = [h["loss"] for h in trainer.run(trainer.RunSpec(Path(folder) / "run", preset=record["preset"],
+            fresh = [h["loss"] for h in trainer.run(run_spec.RunSpec(Path(folder) / "run", preset=record["preset"],
                                                                      overrides=overrides)).state.history]
         wanted = record["runs"][name]["loss"][:steps]
         if not np.allclose(fresh, wanted, rtol=1e-3):

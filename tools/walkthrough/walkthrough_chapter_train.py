@@ -28,7 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tools" / "walkthrough"))
 
-from qwen_np.training import data, evaluation, trainer, step as training  # noqa: E402
+from qwen_np.training import data, evaluation, trainer, step as training, parameters, run_spec, run_state, text_data  # noqa: E402
+from qwen_np.training.settings import PRESET_CONFIGS, PRESET_SETTINGS  # noqa: E402
 from qwen_np.engine import memory  # noqa: E402
 from qwen_np.core.config import Qwen3Config, parameter_count  # noqa: E402
 from qwen_np.generation.generate import generate  # noqa: E402
@@ -50,7 +51,7 @@ CONFIG = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 192, "num_h
 # The run. shards=2 fixes how a batch's rows are summed, so the record repeats on a machine with more cores.
 RUN = {"steps": 1000, "batch_size": 16, "context": 64, "lr": 1e-2, "warmup": 50, "weight_decay": 0.1,
        "clip": 1.0, "seed": 0, "shards": 2, "eval_every": 50, "sample_every": 100}
-BUNDLED_VOCAB = trainer.PRESET_CONFIGS["shakespeare"]["vocab_size"]
+BUNDLED_VOCAB = PRESET_CONFIGS["shakespeare"]["vocab_size"]
 VALIDATION_TOKENS = 4096          # per validation play: the start of each, so an evaluation takes a second
 PROMPT = "ROMEO:\n"
 SAMPLE_TOKENS = 24
@@ -71,14 +72,14 @@ RESUME_STOP = 20                  # the first half stops here; --resume runs the
 
 
 def model_config() -> Qwen3Config:
-    return Qwen3Config.from_dict(trainer.hf_config(CONFIG), source="CONFIG")
+    return Qwen3Config.from_dict(parameters.hf_config(CONFIG), source="CONFIG")
 
 
 # --- The pieces of the run ---------------------------------------------------------------------------
 
-def load_data(folder: Path) -> tuple[trainer.Corpus, list[np.ndarray], Tokenizer]:
+def load_data(folder: Path) -> tuple[text_data.Corpus, list[np.ndarray], Tokenizer]:
     """The train split's tokens, the validation sample, and the tokenizer (BPE trained on train only)."""
-    corpus = trainer.load_corpus("shakespeare", folder, CONFIG["vocab_size"], resume=False)
+    corpus = text_data.load_corpus("shakespeare", folder, CONFIG["vocab_size"], resume=False)
     validation = [doc[:VALIDATION_TOKENS + 1] for doc in corpus.validation]
     return corpus, validation, Tokenizer.from_folder(folder)
 
@@ -95,7 +96,7 @@ def sample(model: Qwen3Model, tokenizer: Tokenizer) -> str:
 
 
 def train_step(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: training.AdamW,
-               order: trainer.WindowOrder, tokens: np.ndarray, step: int) -> float:
+               order: text_data.WindowOrder, tokens: np.ndarray, step: int) -> float:
     """One optimizer step of the chapter's run (the step-th, from 0): batch, loss, gradients, clip, AdamW."""
     lr = training.learning_rate(step, RUN["lr"], RUN["warmup"], RUN["steps"])
     batch = order.next_batch(tokens, RUN["batch_size"])                                  # [B, T+1]
@@ -107,12 +108,12 @@ def train_step(model: Qwen3Model, params: dict[str, np.ndarray], optimizer: trai
 
 def fresh_model() -> tuple[Qwen3Model, dict[str, np.ndarray], training.AdamW]:
     config = model_config()
-    params = trainer.init_parameters(config, RUN["seed"])
-    model = trainer.model_from_parameters(config, params)
+    params = parameters.init_parameters(config, RUN["seed"])
+    model = parameters.model_from_parameters(config, params)
     return model, params, training.adamw_for(params, weight_decay=RUN["weight_decay"])
 
 
-def data_facts(corpus: trainer.Corpus, tokenizer: Tokenizer) -> dict[str, Any]:
+def data_facts(corpus: text_data.Corpus, tokenizer: Tokenizer) -> dict[str, Any]:
     """Plays, characters and tokens per split; windows, batches per epoch, and the reshuffle."""
     splits = {}
     for name in data.SPLITS:
@@ -122,7 +123,7 @@ def data_facts(corpus: trainer.Corpus, tokenizer: Tokenizer) -> dict[str, Any]:
     T, B = RUN["context"], RUN["batch_size"]
     epochs = []
     for epoch in (0, 1):
-        order = trainer.WindowOrder(len(corpus.train), T, RUN["seed"], epoch=epoch)
+        order = text_data.WindowOrder(len(corpus.train), T, RUN["seed"], epoch=epoch)
         first = order.next_batch(corpus.train, 3)                                       # [3, T+1]
         epochs.append([tokenizer.decode(row[:12].tolist()) for row in first])
     windows = (len(corpus.train) - 1) // T        # at offset 0; an epoch's random offset may drop one
@@ -132,7 +133,7 @@ def data_facts(corpus: trainer.Corpus, tokenizer: Tokenizer) -> dict[str, Any]:
 
 def bundled_epoch() -> dict[str, Any]:
     """The same count for the run that trained the bundled model: its tokenizer, its preset's B and T."""
-    settings = trainer.PRESET_SETTINGS["shakespeare"]
+    settings = PRESET_SETTINGS["shakespeare"]
     bpe = tokenizers.Tokenizer.from_file(str(REPO_ROOT / "weights" / "tokenizer.json"))
     tokens = sum(1 + len(data.encode_corpus(bpe, doc))            # each play after an <|endoftext|>, as load_corpus
                  for doc in evaluation.documents(data.shakespeare_split("train")))
@@ -141,11 +142,11 @@ def bundled_epoch() -> dict[str, Any]:
             "steps": settings["steps"], "batch_size": settings["batch_size"], "context": settings["context"]}
 
 
-def gradient_noise(corpus: trainer.Corpus) -> dict[str, Any]:
+def gradient_noise(corpus: text_data.Corpus) -> dict[str, Any]:
     """At init: cosine between the gradient of B rows and of NOISE_REFERENCE other rows, and the memory of B."""
     model, _, _ = fresh_model()
     T = RUN["context"]
-    order = trainer.WindowOrder(len(corpus.train), T, seed=1)
+    order = text_data.WindowOrder(len(corpus.train), T, seed=1)
     reference = training.loss_and_accumulated_gradients(model, order.next_batch(corpus.train, NOISE_REFERENCE),
                                                         NOISE_REFERENCE // 64, threads=2, shards=2)[1]
     ref = np.concatenate([g.ravel() for g in reference.values()])
@@ -164,10 +165,10 @@ def gradient_noise(corpus: trainer.Corpus) -> dict[str, Any]:
     return {"reference_rows": NOISE_REFERENCE, "draws": NOISE_DRAWS, "rows": rows}
 
 
-def accumulation(corpus: trainer.Corpus) -> dict[str, Any]:
+def accumulation(corpus: text_data.Corpus) -> dict[str, Any]:
     """One batch of B rows against MICRO_BATCHES micro-batches of B / MICRO_BATCHES: gradients and updates."""
     B, T = RUN["batch_size"], RUN["context"]
-    batch = trainer.WindowOrder(len(corpus.train), T, seed=2).next_batch(corpus.train, B)       # [B, T+1]
+    batch = text_data.WindowOrder(len(corpus.train), T, seed=2).next_batch(corpus.train, B)       # [B, T+1]
     results = []
     for micro in (1, MICRO_BATCHES):
         model, params, optimizer = fresh_model()
@@ -183,11 +184,11 @@ def accumulation(corpus: trainer.Corpus) -> dict[str, Any]:
             "activations": [memory.training_memory(config, B // micro, T)["activations"] for micro in (1, MICRO_BATCHES)]}
 
 
-def one_step_overfit(model: Qwen3Model, corpus: trainer.Corpus, held_out: np.ndarray) -> dict[str, Any]:
+def one_step_overfit(model: Qwen3Model, corpus: text_data.Corpus, held_out: np.ndarray) -> dict[str, Any]:
     """One fresh-AdamW step at the peak rate on one batch of the trained model: its batch's loss and a held-out one's."""
     params = {n: p.copy() for n, p in training.named_parameters(model).items()}
-    model = trainer.model_from_parameters(model.config, params)
-    batch = trainer.WindowOrder(len(corpus.train), RUN["context"], seed=3).next_batch(corpus.train, 4)   # [4, T+1]
+    model = parameters.model_from_parameters(model.config, params)
+    batch = text_data.WindowOrder(len(corpus.train), RUN["context"], seed=3).next_batch(corpus.train, 4)   # [4, T+1]
     held = held_out[None, :RUN["context"] + 1]                                                           # [1, T+1]
     before = (training.loss_and_gradients(model, batch)[0], training.loss_and_gradients(model, held)[0])
     loss, grads = training.loss_and_gradients(model, batch)
@@ -197,11 +198,11 @@ def one_step_overfit(model: Qwen3Model, corpus: trainer.Corpus, held_out: np.nda
     return {"batch": [before[0], after[0]], "held_out": [before[1], after[1]], "rows": 4, "lr": OVERFIT_LR}
 
 
-def main_run(corpus: trainer.Corpus, validation: list[np.ndarray], tokenizer: Tokenizer,
+def main_run(corpus: text_data.Corpus, validation: list[np.ndarray], tokenizer: Tokenizer,
              steps: int, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """The chapter's loop: train, validate every eval_every steps (keeping the best weights), sample."""
     model, params, optimizer = fresh_model()
-    order = trainer.WindowOrder(len(corpus.train), RUN["context"], RUN["seed"])
+    order = text_data.WindowOrder(len(corpus.train), RUN["context"], RUN["seed"])
     history: dict[str, Any] = {"loss": [], "lr": [], "evals": [], "samples": []}
     best: dict[str, Any] = {"loss": float("inf")}
     for step in range(steps + 1):
@@ -218,7 +219,7 @@ def main_run(corpus: trainer.Corpus, validation: list[np.ndarray], tokenizer: To
         history["lr"].append(training.learning_rate(step, RUN["lr"], RUN["warmup"], RUN["steps"]))
         history["loss"].append(train_step(model, params, optimizer, order, corpus.train, step))
     history["best_step"], history["best_loss"] = best["step"], best["loss"]
-    history["best_model"] = trainer.model_from_parameters(model.config, best["params"])
+    history["best_model"] = parameters.model_from_parameters(model.config, best["params"])
     return history
 
 
@@ -227,7 +228,7 @@ def early_stopping_run(folder: Path, seed: int = SMALL_RUN["seed"]) -> dict[str,
     text = "".join(data.shakespeare_plays()["hamlet"].splitlines(keepends=True)[:SMALL_TEXT_LINES])
     (folder / "small.txt").write_text(text, encoding="utf-8")
     (folder / "config.json").write_text(json.dumps(CONFIG), encoding="utf-8")
-    result = trainer.run(trainer.RunSpec(out=folder / "small", config=folder / "config.json",
+    result = trainer.run(run_spec.RunSpec(out=folder / "small", config=folder / "config.json",
                                          data=str(folder / "small.txt"), overrides={**SMALL_RUN, "seed": seed}))
     state = result.state
     return {"characters": data.characters(text), "lines": SMALL_TEXT_LINES,
@@ -240,12 +241,12 @@ def resume_run(folder: Path) -> dict[str, Any]:
     """The same run twice: straight through, and stopped at RESUME_STOP then resumed. Same bits?"""
     text = folder / "small.txt"
     config = folder / "config.json"
-    straight = trainer.run(trainer.RunSpec(out=folder / "straight", config=config, data=str(text), overrides=dict(RESUME_RUN)))
-    trainer.run(trainer.RunSpec(out=folder / "halves", config=config, data=str(text),
+    straight = trainer.run(run_spec.RunSpec(out=folder / "straight", config=config, data=str(text), overrides=dict(RESUME_RUN)))
+    trainer.run(run_spec.RunSpec(out=folder / "halves", config=config, data=str(text),
                                 overrides={**RESUME_RUN, "steps": RESUME_STOP}))
-    resumed = trainer.run(trainer.RunSpec(out=folder / "halves", resume=True, overrides={"steps": RESUME_RUN["steps"]}))
-    a, b = trainer.load_state(straight.last)[0], trainer.load_state(resumed.last)[0]
-    params, m, v, meta = trainer.load_state(straight.last)
+    resumed = trainer.run(run_spec.RunSpec(out=folder / "halves", resume=True, overrides={"steps": RESUME_RUN["steps"]}))
+    a, b = run_state.load_state(straight.last)[0], run_state.load_state(resumed.last)[0]
+    params, m, v, meta = run_state.load_state(straight.last)
     n = sum(p.size for p in params.values())
     exported = straight.exported / "model.safetensors" if straight.exported else None
     return {"identical": all(np.array_equal(a[k], b[k]) for k in a), "tensors": len(a), "parameters": n,
@@ -289,7 +290,7 @@ def check_first_steps(recorded: dict[str, Any], steps: int = CHECKED_STEPS) -> N
     with tempfile.TemporaryDirectory() as name, threadpool_limits(limits=1):
         corpus, validation, tokenizer = load_data(Path(name))
         model, params, optimizer = fresh_model()
-        order = trainer.WindowOrder(len(corpus.train), RUN["context"], RUN["seed"])
+        order = text_data.WindowOrder(len(corpus.train), RUN["context"], RUN["seed"])
         fresh = [validation_loss(model, validation)] + [train_step(model, params, optimizer, order, corpus.train, s)
                                                         for s in range(steps)]
     wanted = [recorded["history"]["evals"][0]["loss"]] + recorded["history"]["loss"][:steps]
@@ -366,13 +367,13 @@ def data_part(rec: dict[str, Any]) -> str:
 scene of a held-out play was ever read in training: **train** (the only text whose gradients
 change the weights), **validation** ({held[0]}: it picks the step to keep and the settings
 to use) and **test** ({held[1]}: scored once, at the very end). The tokenizer is a {rec['config']['vocab_size']}-token
-BPE trained on the train split only (`trainer.load_corpus`):
+BPE trained on the train split only (`text_data.load_corpus`):
 
 | split | plays | characters | tokens | characters per token |
 |---|---:|---:|---:|---:|
 {rows}
 
-**Batches and epochs.** `trainer.WindowOrder` cuts the {d['splits']['train']['tokens']:,} training tokens into
+**Batches and epochs.** `text_data.WindowOrder` cuts the {d['splits']['train']['tokens']:,} training tokens into
 N = {N:,} windows of T + 1 = {T + 1} tokens (T = {T}); a batch stacks B = {B} of them, so
 **one epoch, one pass over every window, is N / B = {N:,} / {B} = {per_epoch:,} batches** (optimizer
 steps). Each epoch starts the windows at a new random offset and visits them in a new random order,
@@ -620,14 +621,14 @@ import matplotlib.pyplot as plt                                          # the p
 from qwen_np.core.config import Qwen3Config
 
 CONFIG = {pformat(CONFIG, width=100, sort_dicts=False)}
-config = Qwen3Config.from_dict(trainer.hf_config(CONFIG))
-corpus = trainer.load_corpus("shakespeare", Path(tempfile.mkdtemp()), CONFIG["vocab_size"], resume=False)
+config = Qwen3Config.from_dict(parameters.hf_config(CONFIG))
+corpus = text_data.load_corpus("shakespeare", Path(tempfile.mkdtemp()), CONFIG["vocab_size"], resume=False)
 B, T = {RUN['batch_size']}, {RUN['context']}
 print(len(corpus.train), "training tokens:", (len(corpus.train) - 1) // T // B, "batches per epoch")
-params = trainer.init_parameters(config, seed={RUN['seed']})             # random weights
-small = trainer.model_from_parameters(config, params)                    # the model IS these arrays
+params = parameters.init_parameters(config, seed={RUN['seed']})             # random weights
+small = parameters.model_from_parameters(config, params)                    # the model IS these arrays
 optimizer = training.adamw_for(params, weight_decay={RUN['weight_decay']})
-order = trainer.WindowOrder(len(corpus.train), T, seed={RUN['seed']})
+order = text_data.WindowOrder(len(corpus.train), T, seed={RUN['seed']})
 STEPS = {NOTEBOOK_STEPS}           # the chapter's run: {RUN['steps']} (python tools/walkthrough/walkthrough_chapter_train.py)
 losses = []
 for step in range(STEPS):

@@ -15,7 +15,8 @@ from qwen_np.engine import memory
 from qwen_np.inspection.counts import weight_bytes_read_per_token
 from qwen_np.numbers import formats
 from qwen_np.core.config import Qwen3Config
-from qwen_np.training import gradients, trainer
+from qwen_np.training import gradients, parameters
+from qwen_np.training.settings import PRESET_CONFIGS, PRESET_SETTINGS
 from qwen_np.training import step as training
 from walkthrough_common import EXAMPLE_BANDWIDTH, REAL, Run, num, qwen3_tokenizer
 
@@ -170,10 +171,10 @@ rescales the running sums by exp(old max − new max): the scores it holds are [
 
 def losses_at(lr: float) -> list[float]:
     """The losses of DIVERGE_STEPS training steps of the tiny preset's model at a constant learning rate."""
-    config = Qwen3Config(**trainer.PRESET_CONFIGS["tiny"])
+    config = Qwen3Config(**PRESET_CONFIGS["tiny"])
     batch = np.random.default_rng(0).integers(0, 64, size=(4, 17))
-    params = trainer.init_parameters(config, seed=0)
-    model, optimizer = trainer.model_from_parameters(config, params), training.adamw_for(params)
+    params = parameters.init_parameters(config, seed=0)
+    model, optimizer = parameters.model_from_parameters(config, params), training.adamw_for(params)
     losses = []
     for _ in range(DIVERGE_STEPS):
         loss, grads = training.loss_and_gradients(model, batch)
@@ -189,7 +190,7 @@ def divergence(run: Run) -> tuple[str, str, str]:
     first = blown[0]
     verdicts = ", ".join(f"{lr:g} {'blows up' if lr in blown else 'does not'}" for lr in LEARNING_RATES)
     return ("the learning rate at which training diverges",
-            f"Train the `tiny` preset's model (`trainer.PRESET_CONFIGS[\"tiny\"]`, fresh weights, seed 0) for "
+            f"Train the `tiny` preset's model (`PRESET_CONFIGS[\"tiny\"]`, fresh weights, seed 0) for "
             f"{DIVERGE_STEPS} steps on one fixed batch of 4 × 16 random token ids, gradients clipped to norm 1, "
             f"with AdamW at constant learning rates {', '.join(f'{lr:g}' for lr in LEARNING_RATES)}. From which rate "
             f"does the loss blow up (rise more than {BLOW_UP:g} nat above its first value)?",
@@ -203,7 +204,7 @@ for lr in {LEARNING_RATES}:
 {verdicts}: from **{first:g}**, where the first steps take the loss from {num(runs[first][0], 3)} to about
 {num(max(runs[first]), 2)} nats. AdamW moves every weight by about lr per step, whatever the gradient's
 size, and the weights start near 0.02: steps far larger than the weights throw the model anywhere.
-Below that the loss comes down (the trainer's `tiny` preset uses {trainer.PRESET_SETTINGS["tiny"]["lr"]:g}, with warmup).""")
+Below that the loss comes down (the trainer's `tiny` preset uses {PRESET_SETTINGS["tiny"]["lr"]:g}, with warmup).""")
 
 
 # The exercises after each section (the page's section numbers), numbered in order down the page.

@@ -334,7 +334,7 @@ from qwen_np.core import layers, sampling
 from qwen_np.engine import memory
 from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.inspection import Tracer, attention_weights, lens_probabilities
-from qwen_np.training import step as training, trainer
+from qwen_np.training import step as training, text_data
 
 MODEL = Path("..") / "weights"          # the bundled model, seen from docs/
 model = load_model(MODEL, memory="fp32", fast=False)     # the readable path, weights in FP32
@@ -386,7 +386,7 @@ for size in (16 * 1024, 256 * 1024 ** 2):                      # inside L1, far 
     print(size // 1024, "KiB:", round(hardware.read_rate(size, threads=1), 1), "GB/s")''',
     9: '''TEXT = """{train_text}"""
 tokens = np.array(tokenizer.encode(TEXT), dtype=np.int64)
-batch = trainer.WindowOrder(len(tokens), {context}, seed=0).next_batch(tokens, {batch})    # [B, T+1]
+batch = text_data.WindowOrder(len(tokens), {context}, seed=0).next_batch(tokens, {batch})    # [B, T+1]
 trained = copy.deepcopy(model)           # the step changes weights in place: on a copy, so later cells run the bundled model
 loss, grads = training.loss_and_gradients(trained, batch)
 norm = training.clip_gradients(grads, 1.0)
@@ -418,9 +418,9 @@ def notebook_cells(page: Any) -> list[tuple[str, str]]:
     from walkthrough_chapter_train import notebook_code as chapter_code
     from walkthrough_training import BATCH, CONTEXT, PRESET, TRAIN_TEXT
 
-    from qwen_np.training import trainer
+    from qwen_np.training.settings import PRESET_SETTINGS
 
-    settings = trainer.PRESET_SETTINGS[PRESET]
+    settings = PRESET_SETTINGS[PRESET]
     fill = {"train_text": TRAIN_TEXT, "context": CONTEXT, "batch": BATCH, "warmup": settings["warmup"],
             "peak": settings["lr"], "steps": settings["steps"]}
     code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code(), 14: serving_code()}
@@ -543,21 +543,21 @@ def _same_but_digits(a: str, b: str) -> bool:
 GLOSSARY = (
     ("batch / 批次", "the B windows one optimizer step averages the gradients of: a [B, T+1] array of token ids; "
      "larger B, steadier gradient, more memory",
-     "qwen_np.training.trainer.WindowOrder.next_batch", "--batch-size", 11),
+     "qwen_np.training.text_data.WindowOrder.next_batch", "--batch-size", 11),
     ("step / 训练步数", "one optimizer update: batch -> loss -> gradients -> clip -> AdamW; a run is a number of steps",
      "qwen_np.training.step.AdamW.update", "--steps", 9),
-    ("epoch / 轮次", "one pass over every training window: N / B steps", "qwen_np.training.trainer.WindowOrder", "--steps", 11),
+    ("epoch / 轮次", "one pass over every training window: N / B steps", "qwen_np.training.text_data.WindowOrder", "--steps", 11),
     ("shuffle / 打乱", "each epoch visits the windows in a new random order, from a new random offset",
-     "qwen_np.training.trainer.WindowOrder", "--seed", 11),
+     "qwen_np.training.text_data.WindowOrder", "--seed", 11),
     ("train / validation / test split / 训练集 / 验证集 / 测试集",
      "fixed sets of plays: train changes the weights, validation picks the step and the settings, test is "
      "scored once at the end", "qwen_np.training.data.shakespeare_split", "--split", 11),
     ("early stopping / 早停", "stop when validation has not improved for a number of evaluations, keep the best step",
      "qwen_np.training.trainer.run", "--patience", 11),
     ("overfitting / 过拟合", "training loss falls while validation loss rises: the model memorises its text",
-     "qwen_np.training.trainer.TextData.validate", "--eval-every", 11),
+     "qwen_np.training.text_data.TextData.validate", "--eval-every", 11),
     ("checkpoint / 检查点", "a saved state: the weights to run (2 B/parameter, BF16) or everything to resume "
-     "training (12 B/parameter)", "qwen_np.training.trainer.save_state", "--resume", 11),
+     "training (12 B/parameter)", "qwen_np.training.run_state.save_state", "--resume", 11),
     ("optimizer state / 优化器状态", "AdamW's two moments per parameter and its step count; saved to resume, "
      "not needed to run", "qwen_np.training.step.AdamW", "--resume", 11),
     ("gradient accumulation / 梯度累积", "a batch computed as N micro-batches whose gradients are averaged: the same "

@@ -13,7 +13,8 @@ import numpy as np
 
 from qwen_np import load_model, preset
 from qwen_np.engine import memory
-from qwen_np.training import trainer, step as training
+from qwen_np.training import step as training, run_state, text_data
+from qwen_np.training.settings import PRESET_SETTINGS
 from qwen_np.core import layers
 from qwen_np.core.config import Qwen3Config, parameter_count
 from qwen_np.core.flash import KEY_BLOCK, flash_attention
@@ -28,7 +29,7 @@ TRAIN_TEXT = "".join(PASSAGE.splitlines(keepends=True)[:11])
 BATCH, CONTEXT = 4, 16                 # the step shown: B sequences of T tokens (+1 for the targets)
 MEASURED_BATCH, MEASURED_CONTEXT = 4, 128  # the step whose memory is measured
 WATCHED = "model.layers.0.self_attn.q_proj.weight"
-PRESET = "shakespeare"                 # the run that trained the bundled model (trainer.PRESET_SETTINGS)
+PRESET = "shakespeare"                 # the run that trained the bundled model (PRESET_SETTINGS)
 LONG_CONTEXT = 4096                    # a context where the attention probabilities dominate the activations
 REMEDY_BATCH = 16                      # the Qwen3-8B step of the remedies' table: 16 x LONG_CONTEXT tokens
 FLASH_MEASURED_CONTEXT = 1024          # the attention call whose peak memory is measured, plain and in blocks
@@ -114,11 +115,11 @@ def training_step_figure(data: dict[str, Any]) -> Any:
 def training_step_section(model_dir: Path, num: Any, code_block: Any, facts: dict[str, Any],
                           figures: dict[str, Any]) -> str:
     """Section 9: a batch, the loss, gradients, clipping, the learning rate, one AdamW update."""
-    settings = trainer.PRESET_SETTINGS[PRESET]
+    settings = PRESET_SETTINGS[PRESET]
     model = load_model(model_dir, memory="fp32", fast=False)       # a private copy: the step changes it
     tokenizer = Tokenizer.from_folder(model_dir)
     tokens = np.array(tokenizer.encode(TRAIN_TEXT), dtype=np.int64)
-    order = trainer.WindowOrder(len(tokens), CONTEXT, seed=0)
+    order = text_data.WindowOrder(len(tokens), CONTEXT, seed=0)
     batch = order.next_batch(tokens, BATCH)                                     # [B, T+1]
     params = training.named_parameters(model)
     optimizer = training.adamw_for(params, weight_decay=settings.get("weight_decay", 0.1))
@@ -156,7 +157,7 @@ def training_step_section(model_dir: Path, num: Any, code_block: Any, facts: dic
 weights and a short fixed text (the start of Hamlet's soliloquy) instead of the whole corpus, with
 B = {BATCH} and T = {CONTEXT}.
 
-**The batch.** `trainer.WindowOrder` cuts the token ids into windows of T + 1 tokens at a random
+**The batch.** `text_data.WindowOrder` cuts the token ids into windows of T + 1 tokens at a random
 offset and shuffles them (an **epoch** is one pass over all windows); `next_batch` stacks B of them
 into a [B, T+1] = {list(batch.shape)} integer array. Row 0 is `{first_row!r}`:
 
@@ -217,7 +218,7 @@ the gradient came from, so it says little about other text.
 
 def memory_section(model_dir: Path, num: Any, figures: dict[str, Any]) -> str:
     """Section 10: training memory (estimated and measured) and the bytes of a resumable checkpoint."""
-    settings = trainer.PRESET_SETTINGS[PRESET]
+    settings = PRESET_SETTINGS[PRESET]
     model = load_model(model_dir, memory="fp32", fast=False)
     config = model.config
     rows, context = settings["batch_size"], settings["context"]
@@ -248,7 +249,7 @@ def memory_section(model_dir: Path, num: Any, figures: dict[str, Any]) -> str:
     optimizer.v = {n: np.zeros_like(p) for n, p in params.items()}
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "last.safetensors"
-        trainer.save_state(path, params, optimizer, {"history": []})
+        run_state.save_state(path, params, optimizer, {"history": []})
         checkpoint_bytes = path.stat().st_size
     n = parameter_count(config)
     share = attention_share(preset("qwen3-8b"), LONG_CONTEXT)
@@ -276,7 +277,7 @@ activations and transients at their peak.
 
 {remedies_part(figures, estimate)}
 
-**A checkpoint to resume training** (`last.safetensors`, `trainer.save_state`) must hold what the
+**A checkpoint to resume training** (`last.safetensors`, `run_state.save_state`) must hold what the
 next step needs: the FP32 weights and both AdamW moments, **12 bytes per parameter**, plus the step,
 the data position and the random number generator's state (small). Measured: {checkpoint_bytes:,} bytes for
 {n:,} parameters ({num(checkpoint_bytes / n, 3)} bytes each). Gradients are not saved: the next step
