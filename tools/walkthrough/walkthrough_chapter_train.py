@@ -619,6 +619,7 @@ def notebook_code() -> str:
 
 import matplotlib.pyplot as plt                                          # the plot extra
 from qwen_np.core.config import Qwen3Config
+from qwen_np.training import parameters
 
 CONFIG = {pformat(CONFIG, width=100, sort_dicts=False)}
 config = Qwen3Config.from_dict(parameters.hf_config(CONFIG))
