@@ -28,6 +28,7 @@ from qwen_np.generation.generate import Continuation, Ending, generate, prompt_i
 from qwen_np.generation.speculative import NO_DRAFT, Draft, draft_speculation, lookup_speculation
 from qwen_np.generation.tool_calls import parse_reply
 from qwen_np.serving import launch
+from qwen_np.serving.bodies import read_chat, read_completion
 from qwen_np.serving.requests import Service
 
 from conftest import QWEN3_RANDOM, write_random_checkpoint
@@ -392,16 +393,17 @@ def builds(monkeypatch) -> list[int]:
     return built
 
 
-def ask(service, body: dict) -> Request:
-    prompt, thinking = service.chat_prompt(body)
-    return service.request(body, prompt, thinking, chat=True)
+def ask(service, fields: dict) -> Request:
+    body = read_chat(fields, service.limits)
+    return service.request(body, service.chat_prompt(body))
 
 
 @pytest.mark.slow
 def test_serve_builds_the_grammar_vocabulary_at_the_first_grammar_request_never_before(model, builds) -> None:
     service = served(model)
     assert ask(service, {**SCHEMA_BODY, "response_format": None}).grammar is None
-    service.request({"prompt": "Hello", "max_tokens": 4}, service.completion_prompt({"prompt": "Hello"}), None)
+    completion = read_completion({"prompt": "Hello", "max_tokens": 4}, service.limits)
+    service.request(completion, service.completion_prompt(completion))
     assert builds == []                                   # started and served, no grammar asked for: none built
     first, second = ask(service, SCHEMA_BODY), ask(service, {**SCHEMA_BODY, "tools": [WEATHER], "response_format": None})
     assert len(builds) == 1 and first.grammar is not None and second.grammar is not None

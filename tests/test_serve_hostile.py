@@ -23,7 +23,7 @@ import pytest
 
 from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.serving.access import PAGE_HEADERS
-from qwen_np.serving.requests import IGNORED, MAX_INT_DIGITS, REQUEST_FIELDS, UNSUPPORTED
+from qwen_np.serving.bodies import IGNORED, MAX_INT_DIGITS, REQUEST_FIELDS, UNSUPPORTED
 from test_serve import (MODEL, POST_HEAD, ROOT, SCRIPT, assert_openai_error, post, send_raw, serving,
                         write_scripted_checkpoint)
 

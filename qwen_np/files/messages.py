@@ -1,5 +1,5 @@
 """A chat's messages and tools as the chat template reads them, checked field by field: the one rule for the
-server's request messages (serving/requests.py) and a chat file's lines (training/chats.py).
+server's request messages (serving/bodies.py) and a chat file's lines (training/chats.py).
 
 A message is OpenAI's: {"role", "content", ...}, content a string or a list of text parts (joined), an
 assistant's content null beside its tool calls; tool calls in OpenAI's shape; "developer" read as "system".

@@ -27,7 +27,9 @@ The modules, one job each, in the order they import one another (each only those
     protocol.py   the HTTP connection: uvicorn's h11 protocol with a deadline for each request's headers
     finite.py     a response's numbers finite, or the request refused (422) naming the token the model fails on
     structured.py a chat's tools, tool_choice and response_format as the grammar its reply follows
-    requests.py   an OpenAI body checked field by field and made into a batch row (Service)
+    bodies.py     a request body read once: JSON within limits, the field catalogue, each endpoint's
+                  fields checked into a frozen object (ChatBody, CompletionBody, EmbeddingBody)
+    requests.py   a body made into a batch row (Service): the room for max_tokens, sampling, the grammar
     responses.py  a row's token events shaped as OpenAI's objects and stream chunks (Reply), tool calls and
                   log-probabilities included
     choices.py    a request's rows as one response: n choices, best_of, a completion's echo (its prompt scored)

@@ -3,14 +3,14 @@ request handled on worker threads where it tokenises, answered with OpenAI's JSO
 answers with a traceback), and logged in one line on stderr.
 
     GET  /v1/models            the served names
-    POST /v1/chat/completions  requests.Service.chat_prompt -> choices.Choices of responses.Reply (whole or streamed)
-    POST /v1/completions       requests.Service.completion_prompt -> choices.Choices of responses.Reply
-    POST /v1/embeddings        embeddings.embedding_job -> embeddings.embeddings
+    POST /v1/chat/completions  bodies.read_chat -> requests.Service -> choices.Choices of responses.Reply (whole or streamed)
+    POST /v1/completions       bodies.read_completion -> requests.Service -> choices.Choices of responses.Reply
+    POST /v1/embeddings        bodies.read_embedding -> embeddings.embedding_job -> embeddings.embeddings
     GET  /health               running and waiting requests
     GET  /metrics              metrics.prometheus_text
     GET  /  /web/...           the page, and its endpoints under /explorer/ (explorer.py)
 
-Imports access, requests, structured, responses, choices, embeddings, explorer and metrics of serving/ (above them all
+Imports access, bodies, requests, responses, choices, embeddings, explorer and metrics of serving/ (above them all
 but launch.py).
 """
 
@@ -27,9 +27,9 @@ from .embeddings import embedding_job, embeddings
 from .embeddings import usage as embedding_usage
 from .explorer import Explorer
 from .metrics import PROMETHEUS_TYPE, prometheus_text
-from .requests import Service, api_error, check_fields, parse_body
-from .choices import Choices, choice_requests, echo_of, scores_only
-from .structured import read_tools
+from .bodies import ChatBody, CompletionBody, check_fields, parse_body, read_chat, read_completion, read_embedding
+from .requests import Service, api_error
+from .choices import Choices, choice_requests, echo_of
 
 # A request body above this is refused (413) unread: a prompt that fills even a 40960-token context
 # with the longest tokens (128 characters) takes about 5 MiB of JSON.
@@ -101,36 +101,33 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         path = "/v1/chat/completions" if chat else "/v1/completions"
 
         async def respond(http: HTTPRequest) -> Response:
-            body = await read_body(http)
-            check_fields(body, path)                   # a field it does not read: refused by name
+            fields = await read_body(http)
+            check_fields(fields, path)                   # a field it does not read: refused by name
             service.check_generates()
-            # Tokenising and templating take time in proportion to the prompt: on worker threads,
-            # they hold up no other client and no /health.
+            # Reading, tokenising and templating take time in proportion to the prompt: on worker threads,
+            # they hold up no other client and no /health. So does a grammar, compiled in time that grows
+            # with its schema (Service.request).
+            body: ChatBody | CompletionBody
             if chat:
-                prompt, thinking = await run_in_threadpool(service.chat_prompt, body)
+                body = await run_in_threadpool(read_chat, fields, service.limits)
+                prompt = await run_in_threadpool(service.chat_prompt, body)
             else:
-                prompt, thinking = await run_in_threadpool(service.completion_prompt, body), None
-            # A grammar compiles in time that grows with its schema: off the event loop too. An echo that
-            # generates nothing (max_tokens 0) is checked as a one-token request.
-            generates = chat or not scores_only(body)
-            request = await run_in_threadpool(service.request, body if generates else {**body, "max_tokens": 1},
-                                              prompt, thinking, chat)
-            requests, n = choice_requests(service, body, request, chat)
-            tools = read_tools(body) if chat else None
-            echo = None if chat else await echo_of(service, body, request, http)
-            reply = Choices(service, requests, chat, n, calls=tools is not None and tools.callable, echo=echo,
-                            generate=generates, show_logprobs=request.logprobs is not None)
+                body = await run_in_threadpool(read_completion, fields, service.limits)
+                prompt = await run_in_threadpool(service.completion_prompt, body)
+            request = await run_in_threadpool(service.request, body, prompt)
+            echo = await echo_of(service, body, request, http) if isinstance(body, CompletionBody) else None
+            reply = Choices(service, body, choice_requests(body, request), echo)
             http.state.usage = reply.usage
-            if body.get("stream"):
-                usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return StreamingResponse(reply.stream(usage), media_type="text/event-stream",
+            if body.stream:
+                return StreamingResponse(reply.stream(body.include_usage), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             return JSONResponse(await reply.whole(http))
         return guarded(respond)
 
     async def embed(http: HTTPRequest) -> Response:
-        body = await read_body(http)
-        check_fields(body, "/v1/embeddings")
+        fields = await read_body(http)
+        check_fields(fields, "/v1/embeddings")
+        body = read_embedding(fields, service.limits)
         job = await run_in_threadpool(embedding_job, service, body)      # tokenising: off the event loop
         http.state.usage = lambda: {**embedding_usage(job), "completion_tokens": 0}
         return JSONResponse(await embeddings(service, job, body, http))

@@ -11,7 +11,7 @@ model's own, as `logprobs` reports it: OpenAI's "highest log probability per tok
 as OpenAI does (the best are known only at the end). Usage counts the prompt once and every candidate's
 tokens.
 
-Imports requests.py, responses.py and finite.py of serving/.
+Imports bodies.py, requests.py, responses.py and finite.py of serving/.
 """
 
 from __future__ import annotations
@@ -23,53 +23,30 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from ..errors import APIError
 from ..generation.batching import Request
 from ..generation.logprobs import PromptLogprobs
 from ..generation.speculative import SpeculationCounts
 from .finite import all_finite, not_finite
-from .requests import Service, _number, sent_prompt
+from .bodies import ChatBody, CompletionBody, GenerationBody
+from .requests import Service
 from .responses import Echo, Reply, beside, prompt_logprobs
 
 
-def choice_requests(service: Service, body: dict[str, Any], request: Request, chat: bool) -> tuple[list[Request], int]:
-    """The rows a body asks for, and n: n rows (1 to the batch's rows), or best_of candidates (completions;
-    n..rows), row i seeded with seed + i; a best_of candidate reports its tokens' log-probabilities (what
-    ranks it)."""
-    rows = service.generator.max_batch
-    n = _number(body, "n", int, 1, rows) or 1
-    best_of = n if chat else _number(body, "best_of", int, 1, rows) or n
-    if best_of < n:
-        raise APIError(400, f"best_of: must be at least n ({n}), got {best_of}", "best_of")
-    if best_of > n and body.get("stream"):
-        raise APIError(400, "best_of: cannot be used with stream (the best candidates are known only at the end)",
-                       "best_of")
-    logprobs = request.logprobs if request.logprobs is not None or best_of == n else 0
+def choice_requests(body: GenerationBody, request: Request) -> list[Request]:
+    """The rows a body asks for: its best_of candidates (n unless a completion asks for more), row i seeded
+    with seed + i; a best_of candidate reports its tokens' log-probabilities (what ranks it)."""
+    logprobs = request.logprobs if request.logprobs is not None or body.best_of == body.n else 0
     seed = request.params.seed
     return [dataclasses.replace(request, logprobs=logprobs, params=dataclasses.replace(
-        request.params, seed=None if seed is None else seed + i)) for i in range(best_of)], n
+        request.params, seed=None if seed is None else seed + i)) for i in range(body.best_of)]
 
 
-def echoes(body: dict[str, Any]) -> bool:
-    echo = body.get("echo")
-    if echo not in (None, True, False):
-        raise APIError(400, "echo: must be true or false", "echo")
-    return bool(echo)
-
-
-def scores_only(body: dict[str, Any]) -> bool:
-    """Whether a completion body asks only for its prompt echoed (max_tokens: 0, with echo): nothing generated."""
-    tokens = body.get("max_tokens")
-    return echoes(body) and type(tokens) is int and tokens == 0 and body.get("max_completion_tokens") is None
-
-
-async def echo_of(service: Service, body: dict[str, Any], request: Request, http: Any) -> Echo | None:
+async def echo_of(service: Service, body: CompletionBody, request: Request, http: Any) -> Echo | None:
     """A completion's echo (None without `echo`): the prompt's text (as sent, or its ids decoded), and with
     `logprobs` its tokens' log-probabilities, computed on the batching thread between generation steps."""
-    if not echoes(body):
+    if not body.echo:
         return None
-    prompt = sent_prompt(body)
-    text = prompt if isinstance(prompt, str) else service.tokenizer.decode(list(request.prompt))
+    text = body.prompt if isinstance(body.prompt, str) else service.tokenizer.decode(list(request.prompt))
     if request.logprobs is None:
         return Echo(text)
     ids = list(request.prompt)
@@ -85,9 +62,12 @@ class Choices:
     """A request's replies, one per candidate row (all of one id), shaped as one response: whole (the n best
     of best_of) or streamed (every choice's chunks as they come, each with its index)."""
 
-    def __init__(self, service: Service, requests: list[Request], chat: bool, n: int, calls: bool = False,
-                 echo: Echo | None = None, generate: bool = True, show_logprobs: bool = True) -> None:
-        self.service, self.chat, self.n, self.echo, self.show_logprobs = service, chat, n, echo, show_logprobs
+    def __init__(self, service: Service, body: GenerationBody, requests: list[Request], echo: Echo | None = None) -> None:
+        chat = isinstance(body, ChatBody)
+        self.service, self.chat, self.n, self.echo = service, chat, body.n, echo
+        self.show_logprobs = body.logprobs is not None       # else asked for only to rank best_of's candidates
+        calls = isinstance(body, ChatBody) and body.calls
+        generate = not (isinstance(body, CompletionBody) and body.scores_only)
         self.prompt = requests[0].prompt
         self.model = service.name_of(requests[0].adapter)          # the name asked for: an adapter's, or the base's
         self.replies = [Reply(service, request, chat, calls, i, echo) for i, request in enumerate(requests)] if generate else []

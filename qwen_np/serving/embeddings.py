@@ -3,8 +3,8 @@ norm's output, L2-normalised, as Qwen3-Embedding defines it; a Qwen3 with its LM
 
     client.embeddings.create(model=..., input=["a text", "another"])       # the official client
 
-`input` is a text, a list of texts, a list of token ids, or a list of such lists (at most MAX_INPUTS, each at
-most the server's context: refused by its characters before it is tokenised, as a prompt is); `dimensions`
+`input` is a text, a list of texts, a list of token ids, or a list of such lists (at most bodies.MAX_INPUTS,
+each at most the server's context: refused by its characters before it is tokenised, as a prompt is); `dimensions`
 keeps the first d values, normalised again (Qwen3-Embedding was trained for it, Matryoshka style), in
 1..hidden size; `encoding_format` "float" (lists of numbers) or "base64" (each vector's little-endian
 float32 bytes, base64: what the official client asks for unless told otherwise, and decodes).
@@ -14,7 +14,7 @@ at most a prefill chunk's tokens each) run there, one after each generation step
 A running stream waits at most one such pass between two tokens, as it does for another request's prefill,
 and an embedding request advances at every step however busy the batch; requests take turns.
 
-Imports requests.py, responses.py and finite.py of serving/.
+Imports bodies.py, requests.py, responses.py and finite.py of serving/.
 """
 
 from __future__ import annotations
@@ -27,55 +27,30 @@ import numpy as np
 from ..errors import APIError, QwenNPError
 from ..generation.embedding import Embedding, input_ids
 from .finite import all_finite, not_finite
-from .requests import Service, is_token_id
+from .bodies import EmbeddingBody, input_too_long, is_token_id
+from .requests import Service
 from .responses import beside
 
-MAX_INPUTS = 2048                    # OpenAI's limit on inputs in one request
-ENCODINGS = ("float", "base64")
-
-
-def embedding_job(service: Service, body: dict[str, Any]) -> Embedding:
-    """The embeddings a body asks for, checked and tokenised, not yet computed: a 400 naming `input`,
-    `dimensions` or `encoding_format` otherwise."""
-    if body.get("encoding_format", "float") not in ENCODINGS:
-        raise APIError(400, f"encoding_format: must be one of {', '.join(ENCODINGS)}", "encoding_format")
-    inputs = body.get("input")
-    items = [inputs] if isinstance(inputs, str) else inputs
-    if not isinstance(items, list) or not items:
-        raise APIError(400, "input: must be a text, a list of texts, a list of token ids or a list of such lists",
-                       "input")
-    count = 1 if all(isinstance(t, int) and not isinstance(t, bool) for t in items) else len(items)   # ids: one
-    if count > MAX_INPUTS:
-        raise APIError(400, f"input: {count} inputs, more than {MAX_INPUTS} in one request", "input")
-    longest = service.context * service.chars_per_token          # a text longer cannot fit the context
-    for i, item in enumerate(items):
-        if isinstance(item, str) and len(item) > longest:
-            raise _too_long(service, i, f"{len(item)} characters, more than any {service.context} tokens can hold")
-    dimensions = body.get("dimensions")
-    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)):
-        raise APIError(400, f"dimensions: must be an integer, got {dimensions!r}", "dimensions")
+def embedding_job(service: Service, body: EmbeddingBody) -> Embedding:
+    """The embeddings a body asks for, tokenised and checked, not yet computed: a 400 naming `input` or
+    `dimensions` otherwise."""
     try:
-        ids = input_ids(items, service.tokenizer)
+        ids = input_ids(list(body.inputs), service.tokenizer)
     except QwenNPError as bad:
         raise APIError(400, str(bad), "input") from None
     for i, one in enumerate(ids):
         if len(one) > service.context:
-            raise _too_long(service, i, f"{len(one)} tokens")
+            raise input_too_long(service.context, i, f"{len(one)} tokens")
         outside = next((t for t in one if not is_token_id(t, service.vocab)), None)
         if outside is not None:                  # a text's ids are the tokenizer's; a list of ids may hold any
             raise APIError(400, f"input[{i}]: id {outside} is outside the vocabulary [0, {service.vocab})", "input")
     try:
-        return Embedding(service.model, ids, dimensions, service.adapter_of(body))
+        return Embedding(service.model, ids, body.dimensions, service.adapter_of(body.model))
     except QwenNPError as bad:
         raise APIError(400, str(bad), bad.param or "input") from None     # input[i]'s ids, or dimensions
 
 
-def _too_long(service: Service, index: int, what: str) -> APIError:
-    return APIError(400, f"input[{index}]: {what}; this model's maximum context length is {service.context} tokens",
-                    "input", "context_length_exceeded")
-
-
-async def embeddings(service: Service, job: Embedding, body: dict[str, Any], http: Any) -> dict[str, Any]:
+async def embeddings(service: Service, job: Embedding, body: EmbeddingBody, http: Any) -> dict[str, Any]:
     """OpenAI's embeddings response for `job`, computed on the batching thread between generation steps; a
     client that leaves cancels the rest of its passes."""
     await beside(service, job, http, "embedding")
@@ -83,8 +58,7 @@ async def embeddings(service: Service, job: Embedding, body: dict[str, Any], htt
     for i, vector in enumerate(vectors):
         if not all_finite(vector):
             raise not_finite(service.model, service.tokenizer, job.ids[i], f"input[{i}]", "input")
-    base64_encoded = body.get("encoding_format") == "base64"
-    data = [{"object": "embedding", "index": i, "embedding": encoded(vector, base64_encoded)}
+    data = [{"object": "embedding", "index": i, "embedding": encoded(vector, body.base64)}
             for i, vector in enumerate(vectors)]
     return {"object": "list", "data": data, "model": service.name_of(job.adapter), "usage": usage(job)}
 

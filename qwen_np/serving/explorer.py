@@ -20,12 +20,12 @@ another layer runs no model.
 
 A POST body is serve's: the checks of app.create_app (loopback Host, application/json, API key, body
 limit, `model` naming the served model or one of its LoRA adapters, whose model every view but the mask
-then shows) apply, its fields are requests.REQUEST_FIELDS["/explorer/"] (and MASK_FIELDS for /explorer/mask;
-any other refused by name), and the prompt is serve's too (`prompt`: text or token ids,
-requests.Service.completion_prompt's checks), at most MAX_TOKENS tokens, since the trace holds every step of
-every layer for each of them. The sampling fields are /v1/completions' (Service.request checks them).
+then shows) apply, its fields are bodies.REQUEST_FIELDS["/explorer/"] (and MASK_FIELDS for /explorer/mask;
+any other refused by name), and its prompt and sampling fields are read as a completion's
+(bodies.read_completion: `prompt` text or token ids), at most MAX_TOKENS tokens, since the trace holds
+every step of every layer for each of them; Service.request resolves the sampling settings.
 
-Imports requests.py, structured.py and finite.py of serving/.
+Imports bodies.py, requests.py, structured.py and finite.py of serving/.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import re
 import sys
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -44,7 +44,8 @@ import numpy as np
 from ..core.adapters import Adapter
 from ..core.config import DIMENSIONS, dimensions
 from ..errors import APIError, QwenNPError
-from .requests import api_error, check_fields
+from .bodies import CompletionBody, Limits, check_fields, read_completion
+from .requests import api_error
 from ..files.model_files import GenerationDefaults
 from ..inspection.lens import is_lens_step, lens_labels, lens_rows
 from ..inspection.steps import STEPS, source_line
@@ -70,14 +71,17 @@ class Served(Protocol):
     @property
     def model_id(self) -> str: ...
 
-    def adapter_of(self, body: dict[str, Any]) -> Adapter | None: ...
+    @property
+    def limits(self) -> Limits: ...
+
+    def adapter_of(self, model: str | None) -> Adapter | None: ...
 
     @property
     def model(self) -> Qwen3Model: ...
 
-    def completion_prompt(self, body: dict[str, Any]) -> list[int]: ...
+    def completion_prompt(self, body: CompletionBody) -> list[int]: ...
 
-    def request(self, body: dict[str, Any], prompt: list[int], enable_thinking: bool | None) -> Any: ...
+    def request(self, body: CompletionBody, prompt: list[int]) -> Any: ...
 
 WEB = Path(__file__).parent / "web"          # the page: plain HTML, CSS and JS, no build step, nothing fetched
 DOCS = Path(__file__).resolve().parents[2] / "docs"     # the walkthrough, in a source checkout (a wheel has none)
@@ -188,17 +192,17 @@ class Explorer:
 
     # --- the prompt and its run ---
 
-    def prompt(self, body: dict[str, Any]) -> list[int]:
+    def prompt(self, body: CompletionBody) -> list[int]:
         ids = self.service.completion_prompt(body)
         if len(ids) > MAX_TOKENS:
             raise APIError(400, f"prompt: the explorer traces at most {MAX_TOKENS} tokens, this prompt has {len(ids)}",
                            "prompt", "context_length_exceeded")
         return ids
 
-    def run(self, ids: list[int], body: dict[str, Any]) -> Run:
+    def run(self, ids: list[int], body: CompletionBody) -> Run:
         """The traced run of `ids` by the model `body` names (the base, or an adapter over it), from the cache
         when one of the last CACHE_SIZE prompts of that model."""
-        adapter = self.service.adapter_of(body)
+        adapter = self.service.adapter_of(body.model)
         key = (adapter.digest if adapter is not None else b"", tuple(ids))
         with self.lock:
             if key in self.runs:
@@ -244,7 +248,7 @@ class Explorer:
                 "chat": self.tokenizer.has_chat_template, "defaults": vars(self.service.defaults.sampling),
                 "links": walkthrough_links(DOCS / "walkthrough.md"), "mask_max_tokens": MASK_MAX_TOKENS}
 
-    def analyze(self, body: dict[str, Any]) -> dict[str, Any]:
+    def analyze(self, body: CompletionBody, fields: dict[str, Any]) -> dict[str, Any]:
         ids = self.prompt(body)
         run = self.run(ids, body)
         lens = [{"label": label, "top": self._top(row, LENS_TOP)} for label, row in zip(lens_labels(self.model), run.lens)]
@@ -257,9 +261,9 @@ class Explorer:
                 "probability_bins": {"ids_per_bin": per_bin,
                                      "max": [float(probs[i:i + per_bin].max()) for i in range(0, probs.size, per_bin)]}}
 
-    def attention(self, body: dict[str, Any]) -> dict[str, Any]:
+    def attention(self, body: CompletionBody, fields: dict[str, Any]) -> dict[str, Any]:
         ids, L = self.prompt(body), self.model.config.num_hidden_layers
-        layer = body.get("layer")
+        layer = fields.get("layer")
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < L:
             raise APIError(400, f"layer: must be an integer in [0, {L})", "layer")
         weights = self.run(ids, body).attention[layer]                                 # [H, T, T]
@@ -267,7 +271,7 @@ class Explorer:
         return {"layer": layer, "weights": weights.tolist(),
                 "kv_head": [h // group for h in range(weights.shape[0])]}
 
-    def filter(self, body: dict[str, Any]) -> dict[str, Any]:
+    def filter(self, body: CompletionBody, fields: dict[str, Any]) -> dict[str, Any]:
         """The LISTED most likely tokens (after the repetition penalty) with their probability after each
         stage (null: filtered out), and how many tokens each stage keeps."""
         ids = self.prompt(body)
@@ -279,26 +283,26 @@ class Explorer:
         return {"stages": [{"name": name, "kept": int(np.isfinite(logits).sum())} for name, logits in stages],
                 "tokens": tokens}
 
-    def sample(self, body: dict[str, Any]) -> dict[str, Any]:
+    def sample(self, body: CompletionBody, fields: dict[str, Any]) -> dict[str, Any]:
         ids = self.prompt(body)
         params = self._params(body, ids)
         chosen = next_token(self.run(ids, body).logits, params, np.random.default_rng(params.seed), ids, [])
         return self.token(chosen)
 
-    def mask(self, body: dict[str, Any]) -> dict[str, Any]:
+    def mask(self, body: CompletionBody, fields: dict[str, Any]) -> dict[str, Any]:
         """A reply to `prompt` under `json_schema`, generated by generate() (so its tokens are those generate
         gives for the same grammar, settings and seed), and at each step what the grammar's mask did to the
         model's distribution: the tokens it allowed, the probability it removed, and the likeliest tokens it
         removed (probabilities before any filter). The base model's only: generate() runs no adapter."""
-        if self.service.adapter_of(body) is not None:
+        if self.service.adapter_of(body.model) is not None:
             raise APIError(400, f"model: the mask view runs the base model only, not an adapter; ask it of "
                                 f"`{self.service.model_id}`", "model")
         ids = self.service.completion_prompt(body)
-        max_tokens = body.get("max_tokens", MASK_MAX_TOKENS)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MASK_MAX_TOKENS:
+        max_tokens = body.max_tokens or MASK_MAX_TOKENS
+        if max_tokens > MASK_MAX_TOKENS:
             raise APIError(400, f"max_tokens: must be an integer in [1, {MASK_MAX_TOKENS}]", "max_tokens")
-        params = self.service.request({**body, "max_tokens": max_tokens}, ids, None).params
-        grammar = json_schema_grammar(body.get("json_schema"), grammar_vocabulary(self.service.vocabulary, "json_schema"))
+        params = self.service.request(replace(body, max_tokens=max_tokens), ids).params
+        grammar = json_schema_grammar(fields.get("json_schema"), grammar_vocabulary(self.service.vocabulary, "json_schema"))
         steps: list[dict[str, Any]] = []
         events = list(generate(self.model, self.tokenizer, ids, params, max_tokens, grammar=grammar,
                                eos_token_ids=self.service.defaults.eos_token_ids,
@@ -318,9 +322,9 @@ class Explorer:
                 "removed_p": float(probs[removed].sum()),
                 "removed": [{**self.token(int(i)), "p": float(probs[i])} for i in top]}
 
-    def _params(self, body: dict[str, Any], ids: list[int]) -> SamplingParams:
+    def _params(self, body: CompletionBody, ids: list[int]) -> SamplingParams:
         """The sampling settings of `body`, checked and defaulted as /v1/completions does."""
-        return self.service.request(body, ids, None).params
+        return self.service.request(body, ids).params
 
     # --- mounting ---
 
@@ -334,13 +338,14 @@ class Explorer:
         from starlette.staticfiles import StaticFiles
 
 
-        def posted(method: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[Any], Awaitable[Response]]:
+        def posted(method: Callable[[CompletionBody, dict[str, Any]], dict[str, Any]]) -> Callable[[Any], Awaitable[Response]]:
             async def handle(http: Any) -> Response:
                 try:
-                    body = await read_body(http)
+                    fields = await read_body(http)
                     own = MASK_FIELDS if method == self.mask else ()
-                    check_fields({key: value for key, value in body.items() if key not in own}, "/explorer/")
-                    return JSONResponse(await run_in_threadpool(method, body))
+                    check_fields({key: value for key, value in fields.items() if key not in own}, "/explorer/")
+                    body = read_completion(fields, self.service.limits)      # its prompt and sampling: a completion's
+                    return JSONResponse(await run_in_threadpool(method, body, fields))
                 except APIError as problem:
                     return error(problem)
                 except QwenNPError as problem:           # sampling settings that make no distribution

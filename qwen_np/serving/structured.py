@@ -17,7 +17,8 @@ complete (finish "stop", or "tool_calls"), or is cut by max_tokens (finish "leng
 apply to the reply's free text, never inside a call (generate.Ending).
 
 With thinking on, each grammar lets the reply open with its <think> block. A schema keyword the engine does
-not implement is a 400 naming it. Imports nothing of serving/ (requests.py imports it).
+not implement is a 400 naming it. The readers (read_tools, read_response_format) run once a request,
+from bodies.py; grammar() compiles what they read. Imports nothing of serving/.
 """
 
 from __future__ import annotations
@@ -79,28 +80,44 @@ def read_tools(body: dict[str, Any]) -> Tools | None:
     return Tools(declared, choice, parallel is not False)
 
 
-def grammar(body: dict[str, Any], tools: Tools | None, vocabulary: Vocabulary | None,
-            thinking: bool) -> Grammar | None:
-    """The grammar a chat reply follows (None: unconstrained): its tools' or its response_format's.
-    thinking: the prompt lets the model think first (the grammar then allows the think block)."""
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A chat's response_format other than text: "json_object" (one JSON object), or "json_schema" and the
+    schema its one JSON value must be valid against."""
+
+    kind: str
+    schema: Any = None
+
+
+def read_response_format(body: dict[str, Any], tools: Tools | None) -> ResponseFormat | None:
+    """A chat body's response_format (None: text), refused beside tools the model may call, and beside `stop`
+    or `stop_token_ids` wherever the reply is all value (response_format, tool_choice "required" or a named
+    tool)."""
     response = _response_format(body)
     if response is not None and tools is not None and tools.callable:
         raise APIError(400, "response_format: cannot be combined with tools the model may call (tool_choice "
                             "'none' leaves the tools in the prompt and the answer to response_format)",
                        "response_format")
-    field = "response_format" if response is not None else "tools"
-    if response is None and tools is None:
-        return None
     if response is not None:
         _refuse_stops(body, "response_format")
     elif tools is not None and (tools.tool is not None or tools.choice == "required"):
         _refuse_stops(body, "a named tool_choice" if tools.tool is not None else "tool_choice 'required'")
+    return response
+
+
+def grammar(tools: Tools | None, response: ResponseFormat | None, vocabulary: Vocabulary | None,
+            thinking: bool) -> Grammar | None:
+    """The grammar a chat reply follows (None: unconstrained): its response_format's, else its tools' (tools
+    that cannot be called are in the prompt, and the grammar keeps <tool_call> out of the reply).
+    thinking: the prompt lets the model think first (the grammar then allows the think block)."""
+    if response is None and tools is None:
+        return None
+    field = "response_format" if response is not None else "tools"
     vocabulary = grammar_vocabulary(vocabulary, field)
     try:
         if response is not None:
-            kind, schema = response
-            return (json_object_grammar(vocabulary, thinking=thinking) if kind == "json_object" else
-                    json_schema_grammar(schema, vocabulary, thinking=thinking,
+            return (json_object_grammar(vocabulary, thinking=thinking) if response.kind == "json_object" else
+                    json_schema_grammar(response.schema, vocabulary, thinking=thinking,
                                         where="response_format.json_schema.schema"))
         assert tools is not None
         return tool_call_grammar(tools.declared, vocabulary, tools.choice, tool=tools.tool, parallel=tools.parallel,
@@ -127,8 +144,8 @@ def grammar_vocabulary(vocabulary: Vocabulary | None, field: str) -> Vocabulary:
     return vocabulary
 
 
-def _response_format(body: dict[str, Any]) -> tuple[str, Any] | None:
-    """("json_object", None) or ("json_schema", its schema) for a body's response_format; None for text."""
+def _response_format(body: dict[str, Any]) -> ResponseFormat | None:
+    """A body's response_format, its form checked; None for text."""
     value = body.get("response_format")
     if value is None:
         return None
@@ -136,7 +153,7 @@ def _response_format(body: dict[str, Any]) -> tuple[str, Any] | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return kind, None
+        return ResponseFormat(kind)
     if kind != "json_schema":
         raise APIError(400, "response_format: must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                             "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
@@ -144,4 +161,4 @@ def _response_format(body: dict[str, Any]) -> tuple[str, Any] | None:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or spec.get("strict") not in (None, True, False):
         raise APIError(400, "response_format.json_schema: must be an object with a name, a schema and optionally "
                             "strict (true or false)", "response_format")
-    return kind, spec.get("schema", True)           # no schema: any JSON value (JSON Schema's `true`)
+    return ResponseFormat(kind, spec.get("schema", True))       # no schema: any JSON value (JSON Schema's `true`)
