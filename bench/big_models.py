@@ -3,7 +3,7 @@
 the weight kind's own limit measured in the same process.
 
 Checkpoints are random GGUF files at the real shapes, written directly in Q4_0 / Q8_0 one tensor at a
-time (gguf_file.write_gguf_tensors): every code byte random (each 4-bit or 8-bit code equally likely)
+time (gguf_export.write_gguf_tensors): every code byte random (each 4-bit or 8-bit code equally likely)
 and each block's FP16 scale drawn so the weights have a standard deviation near 0.02, like a trained
 model's projections; norms 1.0. A decode step reads and widens every weight whatever its value, so
 random weights give the speed and memory of real ones (not their text). No BF16 copy is ever made:
@@ -85,7 +85,7 @@ def complete(path: Path, config: Qwen3Config, file_type: str) -> bool:
 
 def ensure_random_gguf(size: str, file_type: str, log: Callable[[str], None] = print) -> Path:
     """The cached random GGUF of Qwen3-{size} in file_type, written tensor by tensor when missing."""
-    from qwen_np.files.gguf_file import write_gguf_tensors
+    from qwen_np.files.gguf_export import write_gguf_tensors
     from qwen_np.core.sampling import SamplingParams
     from qwen_np.files.tokenizer import Tokenizer
 

@@ -4,7 +4,7 @@ of Qwen3-0.6B shapes as BF16 safetensors (kept as stored) and as GGUFs in Q8_0, 
 BF16 run of the same round.
 
 Checkpoints are random, at the real shapes: the BF16 one is bench/checkpoints.py's; the GGUFs are
-written tensor by tensor (gguf_file.write_gguf_tensors), every code byte random and each block's FP16
+written tensor by tensor (gguf_export.write_gguf_tensors), every code byte random and each block's FP16
 scales drawn so the weights have a spread like a trained matrix's (DEFAULT_D), norms 1.0. A Q4_K_M file
 mixes Q4_K and Q6_K tensors by llama.cpp's rule (llama_tensor_get_type): Q6_K for the output matrix
 (Qwen3-0.6B ties it to token_embd, which llama.cpp then treats as the output) and for attn_v and
@@ -37,7 +37,7 @@ from gguf import GGMLQuantizationType as GGML
 from gguf import LlamaFileType
 
 from qwen_np.core.config import LAYER_MATRICES, PRESETS, Qwen3Config
-from qwen_np.files.gguf_file import Mix
+from qwen_np.files.gguf_export import Mix
 
 from .checkpoints import FORMAT_VERSION, TOKENIZER, cache_dir, ensure_checkpoint
 
@@ -83,7 +83,7 @@ def q4_k_m(config: Qwen3Config) -> Mix:
 
 
 def file_types(config: Qwen3Config) -> dict[str, str | Mix]:
-    """The GGUF files' types: a gguf_file.FILE_TYPES name, or a Mix."""
+    """The GGUF files' types: a gguf_export.FILE_TYPES name, or a Mix."""
     return {"q8_0": "q8_0", "q4_0": "q4_0", "q4_k_m": q4_k_m(config),
             "q6_k": Mix(LlamaFileType.MOSTLY_Q6_K, lambda name: GGML.Q6_K)}
 
@@ -117,7 +117,7 @@ def random_k_blocks(rng: np.random.Generator, shape: tuple[int, ...], kind: GGML
 def ensure_gguf(model: str, file_type: str, log: Callable[[str], None] = print) -> Path:
     """The cached random GGUF of `model` in `file_type`, written tensor by tensor when missing."""
     from qwen_np.core.sampling import SamplingParams
-    from qwen_np.files.gguf_file import write_gguf_tensors
+    from qwen_np.files.gguf_export import write_gguf_tensors
     from qwen_np.files.tokenizer import Tokenizer
 
     path, config = gguf_path(model, file_type), PRESETS[MODELS[model]]

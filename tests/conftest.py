@@ -137,7 +137,7 @@ def write_random_checkpoint(folder: Path, seed: int = 0, shards: int = 1, dtype:
 # Byte offsets of the FP16 fields (d, and m or dmin) in the block of each GGUF kind qwen_np.numbers.ggml_blocks holds.
 FP16_FIELDS = {"Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
                "Q5_K": (0, 2), "Q6_K": (208,)}
-# Q8_0's and Q4_0's blocks (formats.FormatRows, or ggml_blocks.RepackedRows): their bytes and their FP16 d's offset.
+# Q8_0's and Q4_0's blocks (formats.FormatRows, or ggml_repacked.RepackedRows): their bytes and their FP16 d's offset.
 FORMAT_BLOCKS = {"Q8_0": 34, "Q4_0": 18}
 
 

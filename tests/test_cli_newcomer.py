@@ -238,7 +238,7 @@ def test_a_command_s_help_imports_no_numpy(env, command) -> None:
 def test_the_names_help_shows_are_the_library_s() -> None:
     """core.defaults names what --help shows; the tables that use the names hold them all, in their order."""
     from qwen_np.core import defaults
-    from qwen_np.files.gguf_file import FILE_TYPES
+    from qwen_np.files.gguf_export import FILE_TYPES
     from qwen_np.numbers.formats import FORMAT_TABLE
 
     assert tuple(FORMAT_TABLE) == defaults.FORMATS and tuple(FILE_TYPES) == defaults.GGUF_FILE_TYPES

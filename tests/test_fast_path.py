@@ -383,7 +383,8 @@ def block_weight(kind: str, rows: int, columns: int, seed: int) -> numerics.Grou
     trained matrix's size) or of --memory q8_0/q4_0 (quantized normal weights)."""
     from conftest import random_blocks
     from qwen_np.numbers.formats import FormatRows, get_format
-    from qwen_np.numbers.ggml_blocks import REPACKINGS, BlockRows, RepackedRows
+    from qwen_np.numbers.ggml_blocks import BlockRows
+    from qwen_np.numbers.ggml_repacked import REPACKINGS, RepackedRows
 
     if kind in ("q8_0", "q4_0"):
         w = 0.05 * np.random.default_rng(seed).standard_normal((rows, columns), np.float32)

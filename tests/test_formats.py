@@ -370,7 +370,8 @@ FORMAT_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,)}
 
 def block_rows(kind: str, raw: np.ndarray):
     """`raw` blocks as `kind` holds them: BlockRows, or for "KIND-repacked" RepackedRows.from_blocks."""
-    from qwen_np.numbers.ggml_blocks import BlockRows, RepackedRows
+    from qwen_np.numbers.ggml_blocks import BlockRows
+    from qwen_np.numbers.ggml_repacked import RepackedRows
 
     name, _, repacked = kind.partition("-")
     return RepackedRows.from_blocks(name, raw) if repacked else BlockRows(name, raw)

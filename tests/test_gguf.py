@@ -28,7 +28,10 @@ from qwen_np import QwenNPError, Qwen3Model, load_model
 from qwen_np.core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, expected_tensors
 from qwen_np.files.checkpoint import save_checkpoint
 from qwen_np.numbers.formats import round_trip
-from qwen_np.files.gguf_file import GGUFCheckpoint, _gguf_name, open_reader, write_gguf, write_gguf_tensors
+from qwen_np.files.gguf_export import write_gguf, write_gguf_tensors
+from qwen_np.files.gguf_file import GGUFCheckpoint
+from qwen_np.files.gguf_metadata import _gguf_name
+from qwen_np.files.gguf_reader import open_reader
 from qwen_np.files.model_files import ModelFiles, open_checkpoint, read_config, read_generation_defaults, read_tokenizer
 from qwen_np.numbers.numerics import upcast
 from qwen_np.files.tokenizer import Tokenizer
@@ -510,7 +513,8 @@ def test_every_block_kind_is_kept_as_views_of_the_file_or_repacked_and_planned_a
     extra bytes first, within 20% of the file's tensor bytes); the plan counts what is held."""
     from qwen_np.files.gguf_file import REPACK_BUDGET
     from qwen_np.numbers.formats import FormatRows
-    from qwen_np.numbers.ggml_blocks import REPACKINGS, BlockRows, RepackedRows, repackable
+    from qwen_np.numbers.ggml_blocks import BlockRows
+    from qwen_np.numbers.ggml_repacked import REPACKINGS, RepackedRows, repackable
 
     model = load_model(blocks_file, memory="stored")
     checkpoint = GGUFCheckpoint(blocks_file)
@@ -617,7 +621,8 @@ def test_the_llama_cpp_fixtures_are_the_done_whens_six_mixes() -> None:
 def test_a_file_llama_cpps_quantizer_made_is_held_as_its_blocks_at_its_size(path: Path) -> None:
     """Its blocks (some repacked, for at most 20% more), nothing widened to FP32, within 1.25x the file."""
     from qwen_np.numbers.formats import FormatRows
-    from qwen_np.numbers.ggml_blocks import BlockRows, RepackedRows
+    from qwen_np.numbers.ggml_blocks import BlockRows
+    from qwen_np.numbers.ggml_repacked import RepackedRows
 
     model = load_model(path, memory="stored")
     assert GGUFCheckpoint(path).dequantization_note() is None          # nothing widened to FP32 at load
@@ -758,7 +763,7 @@ def test_a_q8_0_or_q4_0_gguf_kept_as_stored_holds_its_blocks_not_fp32(source: Pa
     same values and logits as quantizing the source checkpoint at load (--memory q8_0/q4_0), and the plan counts
     what is held: the file's bytes and the repacking's few percent."""
     from qwen_np.numbers.formats import FormatRows
-    from qwen_np.numbers.ggml_blocks import REPACKINGS, RepackedRows, repackable
+    from qwen_np.numbers.ggml_repacked import REPACKINGS, RepackedRows, repackable
 
     path = export(source, tmp_path / f"m-{file_type}.gguf", file_type)
     from_file = load_model(path, memory="bf16")
@@ -812,7 +817,7 @@ def test_a_mix_writes_each_matrix_in_its_own_type(tmp_path: Path) -> None:
     type the mix names for it, 1-D tensors F32, and the file type the mix declares."""
     from gguf import LlamaFileType
 
-    from qwen_np.files.gguf_file import Mix
+    from qwen_np.files.gguf_export import Mix
 
     config = read_config(tiny_checkpoint(tmp_path / "src"))
     mix = Mix(LlamaFileType.MOSTLY_Q4_K_M, lambda name: GGML.Q8_0 if "ffn_down" in name else GGML.Q4_0)

@@ -1,5 +1,5 @@
 """`python -m qwen_np export OUT.gguf`: any model qwen_np loads, written as a GGUF for llama.cpp, Ollama
-and LM Studio (gguf_file.write_gguf)."""
+and LM Studio (gguf_export.write_gguf)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ PARSERS = {"export": export_parser}      # cli.py builds the command's parser wi
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..files.gguf_file import write_gguf        # here, not at the top: --help needs none of it (nor NumPy)
+    from ..files.gguf_export import write_gguf        # here, not at the top: --help needs none of it (nor NumPy)
     from ..files.model_files import open_checkpoint, read_generation_defaults, read_tokenizer
     out = Path(args.out)
     if out.is_dir() or not out.parent.is_dir():

@@ -117,7 +117,7 @@ MATVEC_SLICE_BYTES = 512 * 1024
 GIL_FREE_OUTPUT = 501
 # Block kinds (numerics.Grouped) with up to this many rows of x fold the scales out of the product
 # (grouped_rows); more rows (a prompt) widen a block of rows and multiply it, the GEMM amortising the
-# widening over the rows. Repacked GGUF kinds (ggml_blocks.RepackedRows), [3072, 1024], two threads, an
+# widening over the rows. Repacked GGUF kinds (ggml_repacked.RepackedRows), [3072, 1024], two threads, an
 # AVX2-only EPYC, ns a weight folded / widened: Q4_K 0.88 / 3.04 at 1 row, 1.45 / 3.21 at 5, 1.40 / 2.69
 # at 16, 3.17 / 4.27 at 32, 4.67 / 5.00 at 64; Q8_0 0.56 / 1.57, 0.82 / 2.00, 1.19 / 2.02, 1.90 / 2.66,
 # 3.66 / 3.31 (the rows widened as blocks were cheaper: 8 was the limit before).

@@ -390,7 +390,7 @@ HUB_FILE_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "vocab.json", "mer
 # A hub id as the hub spells one (huggingface_hub's validate_repo_id, with the owner required): a string that
 # is not one and names nothing on disk is a missing path, said so, not looked up on the hub.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-GGUF_MAGIC = b"GGUF"              # the first 4 bytes of a GGUF file (gguf_file.py reads the rest)
+GGUF_MAGIC = b"GGUF"              # the first 4 bytes of a GGUF file (gguf_reader.py reads the rest)
 
 
 def is_gguf(path: str | Path) -> bool:

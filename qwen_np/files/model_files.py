@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import gguf_file
+from . import gguf_metadata, gguf_tokenizer
 from .checkpoint import Checkpoint, is_gguf, resolve_model_path
 from ..core.config import Qwen3Config, id_list, load_config, read_json_object
 from ..errors import QwenNPError
@@ -74,12 +74,12 @@ class ModelFiles:
     @functools.cached_property
     def config(self) -> Qwen3Config:
         """config.json, or a GGUF file's metadata."""
-        return gguf_file.read_config(self.path) if self.gguf else load_config(self.path)
+        return gguf_metadata.read_config(self.path) if self.gguf else load_config(self.path)
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
         """The folder's tokenizer files, or one built from a GGUF file's vocabulary."""
-        return gguf_file.read_tokenizer(self.path) if self.gguf else Tokenizer.from_folder(self.path)
+        return gguf_tokenizer.read_tokenizer(self.path) if self.gguf else Tokenizer.from_folder(self.path)
 
     @functools.cached_property
     def generation_defaults(self) -> GenerationDefaults:
@@ -89,7 +89,7 @@ class ModelFiles:
     def generation_defaults_for(self, config: Qwen3Config) -> GenerationDefaults:
         """generation_defaults with the end ids of `config` (a config the caller already holds)."""
         if self.gguf:
-            return generation_defaults(gguf_file.read_sampling(self.path), config, self.path)
+            return generation_defaults(gguf_metadata.read_sampling(self.path), config, self.path)
         return folder_generation_defaults(self.path, config)
 
     def config_json(self) -> dict[str, Any]:
