@@ -30,7 +30,7 @@ from qwen_np.files.checkpoint import save_checkpoint
 from qwen_np.numbers.formats import round_trip
 from qwen_np.files.gguf_export import write_gguf, write_gguf_tensors
 from qwen_np.files.gguf_file import GGUFCheckpoint
-from qwen_np.files.gguf_metadata import _gguf_name
+from qwen_np.files.gguf_metadata import gguf_tensor_name
 from qwen_np.files.gguf_reader import open_reader
 from qwen_np.files.model_files import ModelFiles, open_checkpoint, read_config, read_generation_defaults, read_tokenizer
 from qwen_np.numbers.numerics import upcast
@@ -74,9 +74,9 @@ def test_every_tensor_of_the_config_table_has_llama_cpps_name() -> None:
                 "v_proj": "blk.3.attn_v", "q_norm": "blk.3.attn_q_norm", "k_norm": "blk.3.attn_k_norm",
                 "o_proj": "blk.3.attn_output", "post_attention_layernorm": "blk.3.ffn_norm",
                 "gate_proj": "blk.3.ffn_gate", "up_proj": "blk.3.ffn_up", "down_proj": "blk.3.ffn_down"}
-    assert {key: _gguf_name(spec.name.format(i=3), 4) for key, spec in LAYER_TENSORS.items()} == \
+    assert {key: gguf_tensor_name(spec.name.format(i=3), 4) for key, spec in LAYER_TENSORS.items()} == \
         {key: name + ".weight" for key, name in expected.items()}
-    assert {key: _gguf_name(spec.name) for key, spec in MODEL_TENSORS.items()} == \
+    assert {key: gguf_tensor_name(spec.name) for key, spec in MODEL_TENSORS.items()} == \
         {"embed_tokens": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 
 
@@ -118,7 +118,7 @@ def test_quantized_exports_hold_ggufs_own_blocks_and_load_as_their_dequantizatio
     loaded = GGUFCheckpoint(path)
     for name in original.tensors:
         values = upcast(original.read(name))
-        tensor = stored[_gguf_name(name, original.config.num_hidden_layers)]
+        tensor = stored[gguf_tensor_name(name, original.config.num_hidden_layers)]
         if values.ndim == 1:
             assert tensor.tensor_type == GGML.F32
             continue
@@ -524,7 +524,7 @@ def test_every_block_kind_is_kept_as_views_of_the_file_or_repacked_and_planned_a
     for i, layer in enumerate(model.layers):
         for key in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
             name = LAYER_TENSORS[key].name.format(i=i)
-            weight, kind = getattr(layer, key), file_types[_gguf_name(name, layers)]
+            weight, kind = getattr(layer, key), file_types[gguf_tensor_name(name, layers)]
             seen.add(kind)
             if name in checkpoint.repacked:     # its parts taken apart: what Repacking.held_bytes counts
                 assert isinstance(weight, RepackedRows) and weight.kind == kind
@@ -544,7 +544,7 @@ def test_every_block_kind_is_kept_as_views_of_the_file_or_repacked_and_planned_a
     tensors = {t.name: t for t in GGUFReader(blocks_file).tensors}
     stored = sum(int(t.n_bytes) for t in tensors.values())
     extra = sum(REPACKINGS[t.tensor_type.name].held_bytes(int(t.n_elements)) - int(t.n_bytes)
-                for name, t in tensors.items() if name in {_gguf_name(n, layers) for n in checkpoint.repacked})
+                for name, t in tensors.items() if name in {gguf_tensor_name(n, layers) for n in checkpoint.repacked})
     assert 0 < extra <= REPACK_BUDGET * stored
     assert model.plan.mode == "bf16" and model.plan.stored_weight_bytes == pytest.approx(stored + extra, rel=1e-6)
     assert stored < blocks_file.stat().st_size                      # the rest: metadata and the vocabulary
@@ -662,7 +662,7 @@ def test_a_tensor_copied_out_of_a_gguf_lets_go_of_the_files_pages(tmp_path: Path
     shutil.copy(LLAMA_CPP / "Q4_K_M.gguf", path)                     # a reader of its own: no pages touched before
     model = load_model(path, memory=memory)
     tensors = GGUFReader(path).tensors
-    repacked = {_gguf_name(name, model.config.num_hidden_layers) for name in GGUFCheckpoint(path).repacked}
+    repacked = {gguf_tensor_name(name, model.config.num_hidden_layers) for name in GGUFCheckpoint(path).repacked}
     copied = sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2) if memory != "stored" else \
         sum(int(t.n_bytes) for t in tensors if t.name in repacked)
     model.forward(PROMPT)                                            # stored: the blocks' pages are read here
@@ -717,7 +717,7 @@ def test_qwen3_vocabulary_is_written_as_llama_cpps_converter_writes_it(qwen3_ggu
     assert len(tokens) == 151936 and tokens[151669] == "[PAD151669]" and types[151669] == TokenType.UNUSED
     assert types[tokens.index("<|im_start|>")] == types[tokens.index("<|fim_prefix|>")] == TokenType.CONTROL
     assert types[tokens.index("<think>")] == TokenType.USER_DEFINED and types[tokens.index("Ġthe")] == TokenType.NORMAL
-    assert [field(f"tokenizer.ggml.{key}_token_id").contents() for key in ("bos", "eos", "padding")] == \
+    assert [field(f"tokenizer.ggml.{key}token_id_of").contents() for key in ("bos", "eos", "padding")] == \
         [151643, 151645, 151643]
     assert field("tokenizer.huggingface.json") is None and field("tokenizer.chat_template") is not None
     assert read_config(qwen3_gguf).eos_token_ids == [151645, 151643]     # <|im_end|>, then <|endoftext|>

@@ -21,8 +21,8 @@ from ..core.config import Qwen3Config, expected_tensors
 from ..errors import QwenNPError
 from ..numbers.numerics import upcast
 from ..core.sampling import SamplingParams
-from .gguf_metadata import ARCHITECTURE, _gguf_name
-from .gguf_tokenizer import _add_vocabulary
+from .gguf_metadata import ARCHITECTURE, gguf_tensor_name
+from .gguf_tokenizer import add_vocabulary
 from .tokenizer import Tokenizer
 
 # --type -> (the ggml type of every matrix, llama.cpp's general.file_type). Norm weights (1-D) are always
@@ -73,14 +73,14 @@ def write_gguf_tensors(path: str | Path, config: Qwen3Config, tokenizer: Tokeniz
         matrix_type = lambda gguf_name: kind                                          # noqa: E731
     layout = {hf: (gguf_name, shape, _tensor_type(shape, matrix_type(gguf_name)))
               for hf, shape in expected_tensors(config).items()
-              for gguf_name in [_gguf_name(hf, config.num_hidden_layers)]}
+              for gguf_name in [gguf_tensor_name(hf, config.num_hidden_layers)]}
     notes = [f"{gguf_name} stays F16: its rows ({shape[-1]} values) are not whole {matrix_type(gguf_name).name} blocks"
              for gguf_name, shape, kind in layout.values() if len(shape) == 2 and kind != matrix_type(gguf_name)]
     temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
     writer = GGUFWriter(temporary, ARCHITECTURE)
     try:
         _add_metadata(writer, config, llama_file_type, name, sampling)
-        notes += _add_vocabulary(writer, tokenizer, config)
+        notes += add_vocabulary(writer, tokenizer, config)
         for gguf_name, shape, kind in layout.values():
             writer.add_tensor_info(gguf_name, *_stored_layout(shape, kind), raw_dtype=kind)
         writer.write_header_to_file()

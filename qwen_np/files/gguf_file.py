@@ -41,8 +41,8 @@ from ..numbers.ggml_blocks import BLOCK_KINDS, BlockRows
 from ..numbers.ggml_checks import EXPONENTS, FP16_FIELDS, first_bad_scale, first_not_finite
 from ..numbers.ggml_repacked import REPACKINGS, RepackedRows, repackable
 from ..numbers.numerics import Weight, upcast
-from .gguf_metadata import _gguf_name, read_config
-from .gguf_reader import _tensors_by_name, open_reader
+from .gguf_metadata import gguf_tensor_name, read_config
+from .gguf_reader import tensors_by_name, open_reader
 
 # Held as stored (views of the file): ggml type -> the safetensors dtype name Checkpoint reads.
 STORED_TYPES = {GGML.F32: "F32", GGML.F16: "F16", GGML.BF16: "BF16"}
@@ -87,10 +87,10 @@ class GGUFCheckpoint(Checkpoint):
 
     def _index(self) -> dict[str, TensorInfo]:
         reader = open_reader(self.folder)
-        stored = _tensors_by_name(reader)
+        stored = tensors_by_name(reader)
         tensors = {}
         for name, shape in expected_tensors(self.config).items():
-            gguf_name = _gguf_name(name, self.config.num_hidden_layers)
+            gguf_name = gguf_tensor_name(name, self.config.num_hidden_layers)
             tensor = stored.get(gguf_name)
             if tensor is None:
                 raise QwenNPError(f"{self.folder}: tensor {gguf_name!r} ({name}) is missing")
@@ -105,7 +105,7 @@ class GGUFCheckpoint(Checkpoint):
                                        int(tensor.n_bytes) if dtype else 4 * math.prod(shape))
         # llama.cpp refuses a file with more tensors than its metadata implies; running without them would
         # be running a different network than the file holds.
-        used = {_gguf_name(name, self.config.num_hidden_layers) for name in tensors}
+        used = {gguf_tensor_name(name, self.config.num_hidden_layers) for name in tensors}
         extra = [name for name in stored if name not in used]
         if extra:
             raise QwenNPError(f"{self.folder}: {len(extra)} tensor(s) the metadata does not account for, from "
@@ -140,7 +140,7 @@ class GGUFCheckpoint(Checkpoint):
         return data.view(EXPONENTS[info.dtype][0]).reshape(-1, info.shape[-1])
 
     def _not_finite(self, name: str, where: str) -> QwenNPError:
-        return QwenNPError(f"{self.folder}: tensor {_gguf_name(name, self.config.num_hidden_layers)!r} ({name}) is not "
+        return QwenNPError(f"{self.folder}: tensor {gguf_tensor_name(name, self.config.num_hidden_layers)!r} ({name}) is not "
                            f"finite: {where} (a damaged file: its values would be NaN)")
 
     def dequantization_note(self) -> str | None:
@@ -171,7 +171,7 @@ class GGUFCheckpoint(Checkpoint):
         return super().held(name) if blocks is None else blocks
 
     def release(self, name: str) -> None:
-        """Let go of the file's pages of tensor `name` once it has been copied out of them (gguf_reader._Reader.release):
+        """Let go of the file's pages of tensor `name` once it has been copied out of them (gguf_reader.CheckedReader.release):
         repacked, dequantized, or requantized by the loader (--memory int8, q8_0, q4_0)."""
         tensor, info = self._quantized.get(name), self.tensors[name]
         start, nbytes = (info.start, info.nbytes) if tensor is None else (int(tensor.data_offset), int(tensor.n_bytes))
@@ -192,7 +192,7 @@ class GGUFCheckpoint(Checkpoint):
         """The tensors held repacked (ggml_repacked.REPACKINGS), the cheapest in extra bytes per byte first,
         while together they add at most REPACK_BUDGET to the bytes the file's tensors hold. An untied
         model's token embedding is not: only the prompt's rows of it are ever read."""
-        budget = REPACK_BUDGET * sum(int(t.n_bytes) for t in _tensors_by_name(open_reader(self.folder)).values())
+        budget = REPACK_BUDGET * sum(int(t.n_bytes) for t in tensors_by_name(open_reader(self.folder)).values())
         lookup_only = set() if self.config.tie_word_embeddings else {MODEL_TENSORS["embed_tokens"].name}
         candidates = [(self._held_bytes(name, repacked=True) / int(tensor.n_bytes), name)
                       for name, tensor in self._quantized.items()

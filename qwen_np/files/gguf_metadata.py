@@ -1,6 +1,6 @@
 """What a GGUF's metadata says of its model: the Qwen3Config (read_config, checked against the tensors the
 file holds), the sampling defaults (read_sampling), and the llama.cpp name of each Hugging Face tensor name
-(_gguf_name).
+(gguf_tensor_name).
 
 * Metadata is key/value pairs: `general.architecture` ("qwen3"), the shape under `qwen3.*`, the
   tokenizer under `tokenizer.ggml.*` and `tokenizer.chat_template`. The vocabulary size is the length
@@ -23,7 +23,7 @@ from gguf import Keys
 
 from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config
 from ..errors import QwenNPError
-from .gguf_reader import _get, _Reader, _tensors_by_name, open_reader
+from .gguf_reader import metadata_value, CheckedReader, tensors_by_name, open_reader
 
 ARCHITECTURE = "qwen3"
 # llama.cpp also ends generation at these tokens whatever eos_token_id says (llama-vocab.cpp finds its
@@ -52,7 +52,7 @@ def read_config(path: str | Path) -> Qwen3Config:
     checked against the tensors the file holds."""
     reader = open_reader(path)
     source = str(reader.path)
-    architecture = _get(reader, Keys.General.ARCHITECTURE, str)
+    architecture = metadata_value(reader, Keys.General.ARCHITECTURE, str)
     if architecture != ARCHITECTURE:
         raise QwenNPError(f"{source}: general.architecture is {architecture!r}; qwen_np runs only dense "
                           f"{ARCHITECTURE!r} models (Qwen3-MoE, Qwen2, Llama and others are different networks)")
@@ -60,32 +60,32 @@ def read_config(path: str | Path) -> Qwen3Config:
     if unknown:
         raise QwenNPError(f"{source}: metadata key {unknown[0]!r} is not a {ARCHITECTURE} setting qwen_np knows "
                           "(it may change the network, so the file is refused rather than run without it)")
-    scaling = _get(reader, _arch(Keys.Rope.SCALING_TYPE), str, "none")
+    scaling = metadata_value(reader, _arch(Keys.Rope.SCALING_TYPE), str, "none")
     if scaling != "none":
         raise QwenNPError(f"{source}: {_arch(Keys.Rope.SCALING_TYPE)} is {scaling!r}; only default RoPE is supported")
-    heads = _get(reader, _arch(Keys.Attention.HEAD_COUNT), int)
-    hidden = _get(reader, _arch(Keys.LLM.EMBEDDING_LENGTH), int)
-    head_dim = _get(reader, _arch(Keys.Attention.KEY_LENGTH), int, hidden // max(heads, 1))   # llama.cpp's default
-    tokens = _get(reader, Keys.Tokenizer.LIST, list)
+    heads = metadata_value(reader, _arch(Keys.Attention.HEAD_COUNT), int)
+    hidden = metadata_value(reader, _arch(Keys.LLM.EMBEDDING_LENGTH), int)
+    head_dim = metadata_value(reader, _arch(Keys.Attention.KEY_LENGTH), int, hidden // max(heads, 1))   # llama.cpp's default
+    tokens = metadata_value(reader, Keys.Tokenizer.LIST, list)
     eos = _end_of_generation(reader, tokens)
     for key, value in ((Keys.Attention.VALUE_LENGTH, head_dim), (Keys.Rope.DIMENSION_COUNT, head_dim),
                        (Keys.LLM.VOCAB_SIZE, len(tokens))):
-        if (given := _get(reader, _arch(key), int, value)) != value:
+        if (given := metadata_value(reader, _arch(key), int, value)) != value:
             raise QwenNPError(f"{source}: {_arch(key)} is {given}, not {value} "
                               "(Qwen3 has one head_dim for keys, values and RoPE, and a logit per token of the list)")
     config = Qwen3Config(
         vocab_size=len(tokens),
         hidden_size=hidden,
-        intermediate_size=_get(reader, _arch(Keys.LLM.FEED_FORWARD_LENGTH), int),
+        intermediate_size=metadata_value(reader, _arch(Keys.LLM.FEED_FORWARD_LENGTH), int),
         num_hidden_layers=_layer_count(reader),
         num_attention_heads=heads,
-        num_key_value_heads=_get(reader, _arch(Keys.Attention.HEAD_COUNT_KV), int, heads),
+        num_key_value_heads=metadata_value(reader, _arch(Keys.Attention.HEAD_COUNT_KV), int, heads),
         head_dim=head_dim,
-        rms_norm_eps=_f32_decimal(_get(reader, _arch(Keys.Attention.LAYERNORM_RMS_EPS), (int, float))),
-        rope_theta=_f32_decimal(_get(reader, _arch(Keys.Rope.FREQ_BASE), (int, float), 10000.0)),   # llama.cpp's default
-        max_position_embeddings=_get(reader, _arch(Keys.LLM.CONTEXT_LENGTH), int),
-        tie_word_embeddings=_gguf_name(MODEL_TENSORS["lm_head"].name) not in _tensors_by_name(reader),
-        bos_token_id=_token_id(reader, Keys.Tokenizer.BOS_ID, tokens),
+        rms_norm_eps=_f32_decimal(metadata_value(reader, _arch(Keys.Attention.LAYERNORM_RMS_EPS), (int, float))),
+        rope_theta=_f32_decimal(metadata_value(reader, _arch(Keys.Rope.FREQ_BASE), (int, float), 10000.0)),  # llama.cpp default
+        max_position_embeddings=metadata_value(reader, _arch(Keys.LLM.CONTEXT_LENGTH), int),
+        tie_word_embeddings=gguf_tensor_name(MODEL_TENSORS["lm_head"].name) not in tensors_by_name(reader),
+        bos_token_id=token_id_of(reader, Keys.Tokenizer.BOS_ID, tokens),
         eos_token_id=eos[0] if len(eos) == 1 else eos or None,
         torch_dtype="float32",     # what a GGUF's weights compute in here, whatever they are stored as
     )
@@ -93,15 +93,15 @@ def read_config(path: str | Path) -> Qwen3Config:
     return config
 
 
-def _layer_count(reader: _Reader) -> int:
+def _layer_count(reader: CheckedReader) -> int:
     """block_count, which must be the number of layers the tensors hold (checked before anything lists a
     layer's tensors: a block_count of 2^32 would have 11 x 2^32 names listed; one below the file's layers
     would run the model without its last layers)."""
     key = _arch(Keys.LLM.BLOCK_COUNT)
-    declared = _get(reader, key, int)
+    declared = metadata_value(reader, key, int)
     held = 1 + max((int(match[1]) for tensor in reader.tensors if (match := LAYER_INDEX.match(tensor.name))), default=-1)
     if declared > held:
-        missing = _gguf_name(LAYER_TENSORS["input_layernorm"].name.format(i=held), held + 1)
+        missing = gguf_tensor_name(LAYER_TENSORS["input_layernorm"].name.format(i=held), held + 1)
         raise QwenNPError(f"{reader.path}: {key} is {declared} but the file's tensors hold {held} layers "
                           f"(tensor {missing!r} is missing)")
     if declared < held:
@@ -112,9 +112,9 @@ def _layer_count(reader: _Reader) -> int:
     return declared
 
 
-def _token_id(reader: _Reader, key: str, tokens: list[str]) -> int | None:
+def token_id_of(reader: CheckedReader, key: str, tokens: list[str]) -> int | None:
     """A token id key (absent: None), which must index the token list."""
-    token_id = _get(reader, key, int, None)
+    token_id = metadata_value(reader, key, int, None)
     if token_id is not None and not 0 <= token_id < len(tokens):
         raise QwenNPError(f"{reader.path}: {key} {token_id} is not a token id (the vocabulary has {len(tokens)})")
     return token_id
@@ -128,9 +128,9 @@ def _f32_decimal(value: float) -> float:
         return float(str(np.float32(value)))
 
 
-def _end_of_generation(reader: _Reader, tokens: list[str]) -> list[int]:
+def _end_of_generation(reader: CheckedReader, tokens: list[str]) -> list[int]:
     """eos_token_id (and an EOT id, if any), then the END_OF_GENERATION tokens the vocabulary has."""
-    ids = [_token_id(reader, key, tokens) for key in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID)]
+    ids = [token_id_of(reader, key, tokens) for key in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID)]
     by_text = {token: i for i, token in enumerate(tokens) if token in END_OF_GENERATION}
     return list(dict.fromkeys([i for i in ids if i is not None] + [by_text[t] for t in END_OF_GENERATION if t in by_text]))
 
@@ -140,7 +140,7 @@ def _name_map(layers: int) -> gguf.TensorNameMap:
     return gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, layers)
 
 
-def _gguf_name(hf_name: str, layers: int = 1) -> str:
+def gguf_tensor_name(hf_name: str, layers: int = 1) -> str:
     """The llama.cpp name of a Hugging Face tensor name (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight)."""
     name = _name_map(layers).get_name(hf_name, try_suffixes=(".weight",))
     if name is None:     # every name of config's tensor table has one (tests/test_gguf.py checks)
@@ -154,7 +154,7 @@ def read_sampling(path: str | Path) -> dict[str, Any]:
     keys = {"temperature": Keys.General.SAMPLING_TEMP, "top_k": Keys.General.SAMPLING_TOP_K,
             "top_p": Keys.General.SAMPLING_TOP_P, "min_p": Keys.General.SAMPLING_MIN_P,
             "repetition_penalty": Keys.General.SAMPLING_PENALTY_REPEAT}
-    raw = {name: _get(reader, key, (int, float), None) for name, key in keys.items()}
+    raw = {name: metadata_value(reader, key, (int, float), None) for name, key in keys.items()}
     raw = {name: value if isinstance(value, int) else _f32_decimal(value) for name, value in raw.items() if value is not None}
     if "temperature" in raw:
         raw["do_sample"] = raw["temperature"] > 0

@@ -1,7 +1,7 @@
 """A GGUF file's layout checked before gguf's reader walks it (every count and length against the bytes left,
 each tensor placed as ggml's gguf.cpp places it), and the file parsed once per version (open_reader: gguf's
-reader over a plain view of the mapped file), its metadata values read checked for type (_get) and its
-tensors by name (_tensors_by_name)."""
+reader over a plain view of the mapped file), its metadata values read checked for type (metadata_value) and its
+tensors by name (tensors_by_name)."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def _tensor_span(cursor: _Cursor, index: int) -> _TensorSpan:
     return _TensorSpan(name, kind, dims, offset, math.prod(dims) * type_bytes // block)
 
 
-class _Reader(GGUFReader):
+class CheckedReader(GGUFReader):
     """gguf's reader, run on a file whose layout _check_layout has checked, parsing a plain ndarray view of
     the file rather than the np.memmap itself: the reader slices the map once or twice per string, and
     np.memmap's bookkeeping on every slice was 4/5 of parsing Qwen3's 151,936 tokens and 151,387 merges
@@ -222,7 +222,7 @@ class _Reader(GGUFReader):
                 pass
 
 
-def open_reader(path: str | Path) -> _Reader:
+def open_reader(path: str | Path) -> CheckedReader:
     """The parsed file; parsed once per file version (the config, tokenizer and weights all read it)."""
     path = Path(path).expanduser()
     stat = path.stat()
@@ -230,14 +230,14 @@ def open_reader(path: str | Path) -> _Reader:
 
 
 @functools.lru_cache(maxsize=2)
-def _parse(path: Path, size: int, mtime_ns: int) -> _Reader:
+def _parse(path: Path, size: int, mtime_ns: int) -> CheckedReader:
     try:
-        return _Reader(path)
+        return CheckedReader(path)
     except (ValueError, KeyError) as bad:       # what gguf checks itself: keys or tensor names given twice, ...
         raise QwenNPError(f"{path}: not a valid GGUF file ({bad})") from None
 
 
-def _get(reader: _Reader, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+def metadata_value(reader: CheckedReader, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
     """Metadata value `key`, checked to be of `kind`; `default` when absent (absent and no default: error)."""
     field = reader.get_field(key)
     if field is None:
@@ -253,5 +253,5 @@ def _get(reader: _Reader, key: str, kind: type | tuple[type, ...], default: Any 
     return value
 
 
-def _tensors_by_name(reader: _Reader) -> dict[str, Any]:
+def tensors_by_name(reader: CheckedReader) -> dict[str, Any]:
     return {tensor.name: tensor for tensor in reader.tensors}

@@ -1,6 +1,6 @@
 """The tokenizer and chat template a GGUF holds (tokenizer.ggml.*, tokenizer.chat_template): read back as the
 Hugging Face tokenizer it came from (read_tokenizer), and written as llama.cpp's converter writes a byte-level
-BPE (_add_vocabulary, for gguf_export)."""
+BPE (add_vocabulary, for gguf_export)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
 from ..core.config import Qwen3Config
 from ..errors import QwenNPError
-from .gguf_metadata import _token_id
-from .gguf_reader import _get, open_reader
+from .gguf_metadata import token_id_of
+from .gguf_reader import metadata_value, open_reader
 from .tokenizer import Tokenizer
 
 # Qwen2's pre-tokenizer regex (tokenizer.ggml.pre = "qwen2"), as in llama.cpp's src/llama-vocab.cpp and
@@ -36,8 +36,8 @@ def read_tokenizer(path: str | Path) -> Tokenizer:
     """
     reader = open_reader(path)
     source = reader.path
-    tokens = _get(reader, Keys.Tokenizer.LIST, list)
-    embedded = _get(reader, Keys.Tokenizer.HF_JSON, str, None)
+    tokens = metadata_value(reader, Keys.Tokenizer.LIST, list)
+    embedded = metadata_value(reader, Keys.Tokenizer.HF_JSON, str, None)
     if embedded is not None:
         try:
             backend = tokenizers.Tokenizer.from_str(embedded)
@@ -45,20 +45,20 @@ def read_tokenizer(path: str | Path) -> Tokenizer:
             raise QwenNPError(f"{source}: metadata key {Keys.Tokenizer.HF_JSON!r} is not a tokenizer.json "
                               f"tokenizers can read ({_first_line(bad)})") from None
     else:
-        model = _get(reader, Keys.Tokenizer.MODEL, str)
-        pre = _get(reader, Keys.Tokenizer.PRE, str, None)
+        model = metadata_value(reader, Keys.Tokenizer.MODEL, str)
+        pre = metadata_value(reader, Keys.Tokenizer.PRE, str, None)
         if model != "gpt2" or pre != QWEN2_PRE:
             raise QwenNPError(f"{source}: tokenizer.ggml.model {model!r} with tokenizer.ggml.pre {pre!r} is not "
                               f"supported (qwen_np rebuilds only Qwen2's byte-level BPE: 'gpt2' with {QWEN2_PRE!r})")
-        types = _get(reader, Keys.Tokenizer.TOKEN_TYPE, list)
+        types = metadata_value(reader, Keys.Tokenizer.TOKEN_TYPE, list)
         if len(types) != len(tokens):
             raise QwenNPError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-        backend = _qwen2_backend(source, tokens, types, _get(reader, Keys.Tokenizer.MERGES, list))
+        backend = _qwen2_backend(source, tokens, types, metadata_value(reader, Keys.Tokenizer.MERGES, list))
     names = {"bos_token": Keys.Tokenizer.BOS_ID, "eos_token": Keys.Tokenizer.EOS_ID, "pad_token": Keys.Tokenizer.PAD_ID}
     special = {name: tokens[token_id] for name, key in names.items()
-               if (token_id := _token_id(reader, key, tokens)) is not None}
+               if (token_id := token_id_of(reader, key, tokens)) is not None}
     try:
-        return Tokenizer(backend, special, _get(reader, Keys.Tokenizer.CHAT_TEMPLATE, str, None))
+        return Tokenizer(backend, special, metadata_value(reader, Keys.Tokenizer.CHAT_TEMPLATE, str, None))
     except jinja2.TemplateSyntaxError as bad:
         raise QwenNPError(f"{source}: metadata key {Keys.Tokenizer.CHAT_TEMPLATE!r} does not compile as a chat "
                           f"template (line {bad.lineno}: {bad.message})") from None
@@ -100,7 +100,7 @@ def _qwen2_backend(source: Path, tokens: list[str], types: list[int], merges: li
     return backend
 
 
-def _add_vocabulary(writer: GGUFWriter, tokenizer: Tokenizer, config: Qwen3Config) -> list[str]:
+def add_vocabulary(writer: GGUFWriter, tokenizer: Tokenizer, config: Qwen3Config) -> list[str]:
     """tokenizer.ggml.* as llama.cpp's converter writes a byte-level BPE (get_vocab_base): the token list
     padded to the model's vocab_size with [PAD{i}] (UNUSED), merges as "A B", the special ids and the
     chat template. A tokenizer that is not Qwen2's also gets its whole tokenizer.json (returns a note)."""

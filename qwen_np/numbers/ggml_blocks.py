@@ -31,7 +31,7 @@ values (fast.py): sum_g a (sum q x) + sum_g b (sum x), two small products per gr
 Unpacking: the codes of a block are bit fields in runs of 16 to 64 bytes (Q4_K: 4 runs of 32 bytes,
 each run's low nibbles one group and its high nibbles the next). NumPy loops over axes that short
 cost more per loop than the work (see formats._contiguous_blocks), so each field is first copied out
-of the blocks as one void item per block (_field), its bits taken by masks and shifts over the whole
+of the blocks as one void item per block (block_field), its bits taken by masks and shifts over the whole
 contiguous field, and the runs put in value order as void items (_runs). No Python loop runs per block.
 """
 
@@ -53,7 +53,7 @@ Groups = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 F32, U8 = np.dtype(np.float32), np.dtype(np.uint8)
 
 
-def _field(blocks: np.ndarray, start: int, size: int, name: str) -> np.ndarray:
+def block_field(blocks: np.ndarray, start: int, size: int, name: str) -> np.ndarray:
     """Bytes [start, start + size) of every block, [R, nb, size] C-contiguous: one void item per block."""
     item = np.dtype((np.void, size))
     field = scratch(f"ggml.{name}", (*blocks.shape[:-1], size), U8)
@@ -61,7 +61,7 @@ def _field(blocks: np.ndarray, start: int, size: int, name: str) -> np.ndarray:
     return field
 
 
-def _by_group(blocks: np.ndarray, start: int, size: int, name: str, dtype: np.dtype = U8) -> np.ndarray:
+def group_bytes(blocks: np.ndarray, start: int, size: int, name: str, dtype: np.dtype = U8) -> np.ndarray:
     """Bytes [start, start + size) of every block (or the FP16 there, size 1, as FP32), block-major and
     then row-major: [nb, size, R]. Per-group values are worked on in this layout (_scales_by_group)."""
     rows, count = blocks.shape[0], blocks.shape[1]
@@ -85,12 +85,12 @@ def _runs(parts: list[np.ndarray], name: str) -> np.ndarray:
     return out
 
 
-def _every_byte(value: int) -> np.uint64:
+def every_byte(value: int) -> np.uint64:
     """`value` in each of the 8 bytes of a uint64 lane."""
     return np.uint64(0x0101010101010101 * value)
 
 
-def _planes(packed: np.ndarray, bits: int, name: str, at: int = 0, count: int | None = None) -> np.ndarray:
+def bit_planes(packed: np.ndarray, bits: int, name: str, at: int = 0, count: int | None = None) -> np.ndarray:
     """Bytes [..., L] (C-contiguous, L a multiple of 8) -> planes [count, ..., L]: plane j holds field j of
     every byte (its bits j*bits .. +bits), moved to bit `at`; count defaults to every field (8 / bits).
 
@@ -98,7 +98,7 @@ def _planes(packed: np.ndarray, bits: int, name: str, at: int = 0, count: int | 
     moved in from the neighbouring byte. Trap: NumPy's uint8 left shift is not vectorised (0.5 ns a
     byte here, 15x a mask)."""
     count = 8 // bits if count is None else count
-    lanes, mask = packed.view(np.uint64), _every_byte(((1 << bits) - 1) << at)
+    lanes, mask = packed.view(np.uint64), every_byte(((1 << bits) - 1) << at)
     out = scratch(f"ggml.{name}", (count, *packed.shape), U8)
     for j, part in enumerate(out.view(np.uint64)):
         shift = bits * j - at
@@ -111,9 +111,9 @@ def _planes(packed: np.ndarray, bits: int, name: str, at: int = 0, count: int | 
 
 
 def _bit_planes(packed: np.ndarray, bits: int, name: str, at: int = 0) -> np.ndarray:
-    """Bytes [..., n, L] -> codes [..., n, 8 / bits, L]: field j of every byte (_planes), moved to bit
+    """Bytes [..., n, L] -> codes [..., n, 8 / bits, L]: field j of every byte (bit_planes), moved to bit
     `at`, is run j."""
-    return _runs(list(_planes(packed, bits, f"{name}.planes", at)), name)
+    return _runs(list(bit_planes(packed, bits, f"{name}.planes", at)), name)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -145,15 +145,15 @@ def _values(codes: np.ndarray) -> np.ndarray:
 # ---- the kinds: blocks [R, nb, bytes] -> (codes, a, b) ------------------------------------------------
 
 def _q4_1(blocks: np.ndarray) -> Groups:
-    codes = _nibbles(_field(blocks, 4, 16, "qs")[..., None, :])                   # [R, nb, 1, 2, 16]
-    return _values(codes), _by_group(blocks, 0, 1, "d", F32)[:, 0], _by_group(blocks, 2, 1, "m", F32)[:, 0]
+    codes = _nibbles(block_field(blocks, 4, 16, "qs")[..., None, :])                   # [R, nb, 1, 2, 16]
+    return _values(codes), group_bytes(blocks, 0, 1, "d", F32)[:, 0], group_bytes(blocks, 2, 1, "m", F32)[:, 0]
 
 
 def _five_bits(blocks: np.ndarray, high_at: int) -> np.ndarray:
     """Q5_0/Q5_1's codes 0..31 [R, in]: the nibbles after the 4 bytes of 5th bits (bit i: value i)."""
-    low = _nibbles(_field(blocks, high_at + 4, 16, "qs")[..., None, :])            # [R, nb, 1, 2, 16]
+    low = _nibbles(block_field(blocks, high_at + 4, 16, "qs")[..., None, :])            # [R, nb, 1, 2, 16]
     high = scratch("ggml.qh", (*blocks.shape[:-1], 32), U8)
-    high[...] = np.unpackbits(_field(blocks, high_at, 4, "qh4"), axis=-1, bitorder="little")   # [R, nb, 32]
+    high[...] = np.unpackbits(block_field(blocks, high_at, 4, "qh4"), axis=-1, bitorder="little")   # [R, nb, 32]
     high *= np.uint8(16)
     return _values(_or(low.reshape(high.shape), high))
 
@@ -161,31 +161,31 @@ def _five_bits(blocks: np.ndarray, high_at: int) -> np.ndarray:
 def _q5_0(blocks: np.ndarray) -> Groups:
     codes = _five_bits(blocks, 2)
     codes -= np.uint8(16)                                      # wraps: as int8 the bytes read q - 16
-    return codes.view(np.int8), _by_group(blocks, 0, 1, "d", F32)[:, 0], None
+    return codes.view(np.int8), group_bytes(blocks, 0, 1, "d", F32)[:, 0], None
 
 
 def _q5_1(blocks: np.ndarray) -> Groups:
-    return _five_bits(blocks, 4), _by_group(blocks, 0, 1, "d", F32)[:, 0], _by_group(blocks, 2, 1, "m", F32)[:, 0]
+    return _five_bits(blocks, 4), group_bytes(blocks, 0, 1, "d", F32)[:, 0], group_bytes(blocks, 2, 1, "m", F32)[:, 0]
 
 
 def _q2_k(blocks: np.ndarray) -> Groups:
-    codes = _bit_planes(_field(blocks, 16, 64, "qs").reshape(*blocks.shape[:-1], 2, 32), 2, "codes")   # [R, nb, 2, 4, 32]
+    codes = _bit_planes(block_field(blocks, 16, 64, "qs").reshape(*blocks.shape[:-1], 2, 32), 2, "codes")   # [R, nb, 2, 4, 32]
     return (_values(codes), *_q2_k_scales(blocks))
 
 
 def _q2_k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q2_K's a = d * (s & 15) and b = -dmin * (s >> 4) per group of 16, [G, R] each (s: 16 bytes)."""
-    scales = _by_group(blocks, 0, 16, "scales")                                   # [nb, 16, R]: low a, high b
+    scales = group_bytes(blocks, 0, 16, "scales")                                   # [nb, 16, R]: low a, high b
     part = scratch("ggml.part", scales.shape, U8)
-    a = _scaled(_by_group(blocks, 80, 1, "d", F32), np.bitwise_and(scales, np.uint8(0x0F), out=part), "a")
-    b = _scaled(_by_group(blocks, 82, 1, "dmin", F32), np.right_shift(scales, np.uint8(4), out=part), "b", negate=True)
+    a = _scaled(group_bytes(blocks, 80, 1, "d", F32), np.bitwise_and(scales, np.uint8(0x0F), out=part), "a")
+    b = _scaled(group_bytes(blocks, 82, 1, "dmin", F32), np.right_shift(scales, np.uint8(4), out=part), "b", negate=True)
     return a, b
 
 
 def _q3_k(blocks: np.ndarray) -> Groups:
     lead = blocks.shape[:-1]
-    low = _bit_planes(_field(blocks, 32, 64, "qs").reshape(*lead, 2, 32), 2, "codes").reshape(*lead, 256)
-    high = _bit_planes(_field(blocks, 0, 32, "hmask")[..., None, :], 1, "high", at=2).reshape(*lead, 256)
+    low = _bit_planes(block_field(blocks, 32, 64, "qs").reshape(*lead, 2, 32), 2, "codes").reshape(*lead, 256)
+    high = _bit_planes(block_field(blocks, 0, 32, "hmask")[..., None, :], 1, "high", at=2).reshape(*lead, 256)
     codes = _or(low, high)
     codes -= np.uint8(4)                      # q = low - 4 (1 - high bit), as gguf: wraps, read as int8
     return _values(codes).view(np.int8), _q3_k_scales(blocks), None
@@ -195,7 +195,7 @@ def _q3_k_scales(blocks: np.ndarray) -> np.ndarray:
     """Q3_K's a = d * (s6 - 32) per group of 16, [G, R]: 16 6-bit scales, the low nibbles in bytes 0-7,
     their top two bits in bytes 8-11 (bits 2j, 2j+1 of each byte: scales 4j .. 4j+3)."""
     lead = blocks.shape[:-1]
-    packed = _by_group(blocks, 96, 12, "scales")                                  # [nb, 12, R]
+    packed = group_bytes(blocks, 96, 12, "scales")                                  # [nb, 12, R]
     scales = scratch("ggml.part", (lead[1], 16, lead[0]), U8)                     # 16 6-bit scales
     np.bitwise_and(packed[:, :8], np.uint8(0x0F), out=scales[:, :8])
     np.right_shift(packed[:, :8], np.uint8(4), out=scales[:, 8:])
@@ -207,34 +207,34 @@ def _q3_k_scales(blocks: np.ndarray) -> np.ndarray:
         scales[:, 4 * j:4 * j + 4] |= high_bits
     signed = scales.view(np.int8)
     signed -= np.int8(32)                                                         # -32..31
-    return _scaled(_by_group(blocks, 108, 1, "d", F32), signed, "a")
+    return _scaled(group_bytes(blocks, 108, 1, "d", F32), signed, "a")
 
 
 def _q4_k(blocks: np.ndarray) -> Groups:
-    codes = _nibbles(_field(blocks, 16, 128, "qs").reshape(*blocks.shape[:-1], 4, 32))   # [R, nb, 4, 2, 32]
+    codes = _nibbles(block_field(blocks, 16, 128, "qs").reshape(*blocks.shape[:-1], 4, 32))   # [R, nb, 4, 2, 32]
     return (_values(codes), *_k_scales(blocks))
 
 
 def _q5_k(blocks: np.ndarray) -> Groups:
     lead = blocks.shape[:-1]
-    low = _nibbles(_field(blocks, 48, 128, "qs").reshape(*lead, 4, 32)).reshape(*lead, 256)
-    high = _bit_planes(_field(blocks, 16, 32, "qh")[..., None, :], 1, "high", at=4)   # bit j of byte k: value 32 j + k
+    low = _nibbles(block_field(blocks, 48, 128, "qs").reshape(*lead, 4, 32)).reshape(*lead, 256)
+    high = _bit_planes(block_field(blocks, 16, 32, "qh")[..., None, :], 1, "high", at=4)   # bit j of byte k: value 32 j + k
     return (_values(_or(low, high.reshape(*lead, 256))), *_k_scales(blocks))
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's a = d * s6 and b = -dmin * m6 per group of 32, [G, R] each (_k_scale_codes)."""
-    scales, minimums = _k_scale_codes(blocks)
-    a = _scaled(_by_group(blocks, 0, 1, "d", F32), scales, "a")
-    return a, _scaled(_by_group(blocks, 2, 1, "dmin", F32), minimums, "b", negate=True)
+    """Q4_K/Q5_K's a = d * s6 and b = -dmin * m6 per group of 32, [G, R] each (k_scale_codes)."""
+    scales, minimums = k_scale_codes(blocks)
+    a = _scaled(group_bytes(blocks, 0, 1, "d", F32), scales, "a")
+    return a, _scaled(group_bytes(blocks, 2, 1, "dmin", F32), minimums, "b", negate=True)
 
 
-def _k_scale_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def k_scale_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K's 6-bit s6 and m6 [nb, 8, R] (uint8) from the 12 scale bytes.
 
     Bytes 0-3 hold s6[0..3] in their low 6 bits, 4-7 m6[0..3]; bytes 8-11 hold s6[4..7] (low nibble)
     and m6[4..7] (high nibble), whose top two bits are the top bits of bytes 0-3 and 4-7."""
-    packed = _by_group(blocks, 4, 12, "scales")                                   # [nb, 12, R]
+    packed = group_bytes(blocks, 4, 12, "scales")                                   # [nb, 12, R]
     low, mins, high = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
     scales, minimums = (scratch(f"ggml.{name}", (packed.shape[0], 8, packed.shape[2]), U8) for name in ("s6", "m6"))
     top = scratch("ggml.part", low.shape, U8)
@@ -249,8 +249,8 @@ def _k_scale_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _q6_k(blocks: np.ndarray) -> Groups:
     lead = blocks.shape[:-1]
-    low = _nibbles(_field(blocks, 0, 128, "ql").reshape(*lead, 2, 64)).reshape(*lead, 256)   # half i: 64 low, 64 high
-    high = _bit_planes(_field(blocks, 128, 64, "qh").reshape(*lead, 2, 32), 2, "high", at=4).reshape(*lead, 256)
+    low = _nibbles(block_field(blocks, 0, 128, "ql").reshape(*lead, 2, 64)).reshape(*lead, 256)   # half i: 64 low, 64 high
+    high = _bit_planes(block_field(blocks, 128, 64, "qh").reshape(*lead, 2, 32), 2, "high", at=4).reshape(*lead, 256)
     codes = _or(low, high)
     codes -= np.uint8(32)                                      # wraps: as int8 the bytes read q - 32
     return _values(codes).view(np.int8), _q6_k_scales(blocks), None
@@ -258,8 +258,8 @@ def _q6_k(blocks: np.ndarray) -> Groups:
 
 def _q6_k_scales(blocks: np.ndarray) -> np.ndarray:
     """Q6_K's a = d * s8 per group of 16, [G, R] (s8: 16 int8 scales)."""
-    scales = _by_group(blocks, 192, 16, "scales").view(np.int8)                    # [nb, 16, R]
-    return _scaled(_by_group(blocks, 208, 1, "d", F32), scales, "a")
+    scales = group_bytes(blocks, 192, 16, "scales").view(np.int8)                    # [nb, 16, R]
+    return _scaled(group_bytes(blocks, 208, 1, "d", F32), scales, "a")
 
 
 # ---- the K-kinds in code order: blocks [R, nb, bytes] -> (planes, a, b) --------------------------------
@@ -276,41 +276,41 @@ def _q6_k_scales(blocks: np.ndarray) -> np.ndarray:
 # the planes' groups group-major, [G, R, g] (numerics.group_major): the layout the product wants.
 
 def _q2_k_planes(blocks: np.ndarray) -> Groups:
-    return (_planes(_field(blocks, 16, 64, "qs"), 2, "codes"), *_q2_k_scales(blocks))
+    return (bit_planes(block_field(blocks, 16, 64, "qs"), 2, "codes"), *_q2_k_scales(blocks))
 
 
 def _q3_k_planes(blocks: np.ndarray) -> Groups:
-    low = _planes(_field(blocks, 32, 64, "qs"), 2, "codes")                          # [4, R, nb, 64]
-    hmask = _field(blocks, 0, 32, "hmask")                                            # bit 4i + j: value 128 i + 32 j + l
+    low = bit_planes(block_field(blocks, 32, 64, "qs"), 2, "codes")                          # [4, R, nb, 64]
+    hmask = block_field(blocks, 0, 32, "hmask")                                            # bit 4i + j: value 128 i + 32 j + l
     shifted = scratch("ggml.hmask4", hmask.shape, U8)
     np.right_shift(hmask.view(np.uint64), np.uint64(4), out=shifted.view(np.uint64))
     by_half = _runs([hmask, shifted], "hmask2").reshape(*hmask.shape[:-1], 64)        # [R, nb, 64]: i, l
-    return _or(low, _planes(by_half, 1, "high", at=2, count=4)), _q3_k_scales(blocks), None
+    return _or(low, bit_planes(by_half, 1, "high", at=2, count=4)), _q3_k_scales(blocks), None
 
 
 def _q4_k_planes(blocks: np.ndarray) -> Groups:
-    return (_planes(_field(blocks, 16, 128, "qs"), 4, "codes"), *_k_scales(blocks))
+    return (bit_planes(block_field(blocks, 16, 128, "qs"), 4, "codes"), *_k_scales(blocks))
 
 
 def _q5_k_planes(blocks: np.ndarray) -> Groups:
-    low = _planes(_field(blocks, 48, 128, "qs"), 4, "codes")                         # [2, R, nb, 128]
-    qh = _field(blocks, 16, 32, "qh")                                                 # bit m: value 32 m + l
+    low = bit_planes(block_field(blocks, 48, 128, "qs"), 4, "codes")                         # [2, R, nb, 128]
+    qh = block_field(blocks, 16, 32, "qh")                                                 # bit m: value 32 m + l
     shifted = [qh] + [scratch(f"ggml.qh.{j}", qh.shape, U8) for j in range(1, 4)]
     for j in range(1, 4):
         np.right_shift(qh.view(np.uint64), np.uint64(2 * j), out=shifted[j].view(np.uint64))
     by_run = _runs(shifted, "qh4").reshape(*qh.shape[:-1], 128)                      # [R, nb, 128]: j, l
-    return (_or(low, _planes(by_run, 1, "high", at=4, count=2)), *_k_scales(blocks))
+    return (_or(low, bit_planes(by_run, 1, "high", at=4, count=2)), *_k_scales(blocks))
 
 
-def _q6_k_planes(blocks: np.ndarray) -> Groups:
+def q6_k_planes(blocks: np.ndarray) -> Groups:
     rows, count = blocks.shape[:2]
     runs = np.dtype((np.void, 32))
     ql = scratch("ggml.ql", (2, rows, count, 2, 32), U8)                             # [jj, R, nb, i, l]
     items = blocks[..., :128].view(runs).reshape(rows, count, 2, 2)                  # run 2 i + jj
     for jj, out in enumerate(ql.view(runs)[..., 0]):
         out[...] = items[..., jj]
-    low = _planes(ql.reshape(2, rows, count, 64), 4, "codes").reshape(4, rows, count, 64)   # j = 2 h + jj
-    high = _planes(_field(blocks, 128, 64, "qh"), 2, "high", at=4)                  # [4, R, nb, 64]
+    low = bit_planes(ql.reshape(2, rows, count, 64), 4, "codes").reshape(4, rows, count, 64)   # j = 2 h + jj
+    high = bit_planes(block_field(blocks, 128, 64, "qh"), 2, "high", at=4)                  # [4, R, nb, 64]
     return _or(low, high), _q6_k_scales(blocks), None
 
 
@@ -336,7 +336,7 @@ BLOCK_KINDS: dict[str, BlockKind] = {kind.name: kind for kind in [
     BlockKind("Q3_K", 256, 110, 16, _q3_k, _q3_k_planes, "fields", offset=4),
     BlockKind("Q4_K", 256, 144, 32, _q4_k, _q4_k_planes, "nibbles"),
     BlockKind("Q5_K", 256, 176, 32, _q5_k, _q5_k_planes, "nibbles"),
-    BlockKind("Q6_K", 256, 210, 16, _q6_k, _q6_k_planes, "fields", offset=32),
+    BlockKind("Q6_K", 256, 210, 16, _q6_k, q6_k_planes, "fields", offset=32),
 ]}
 
 
@@ -356,7 +356,7 @@ def code_order(layout: str, blocks: int) -> np.ndarray:
 
 
 @functools.cache
-def _group_order(layout: str, blocks: int, group: int) -> np.ndarray:
+def group_order(layout: str, blocks: int, group: int) -> np.ndarray:
     """The value-order group (0 .. in/g - 1) of each group of codes in `layout`'s order."""
     return code_order(layout, blocks)[::group] // group
 
@@ -417,7 +417,7 @@ class BlockRows:
             codes, a, b = kind.decode(blocks)
             return group_major(codes[None], kind.group, "ggml.coded.codes"), a, b
         planes, a, b = kind.planes(blocks)                                  # [P, R, nb, L]; a, b in value order
-        order = _group_order(kind.layout, blocks.shape[1], kind.group)
+        order = group_order(kind.layout, blocks.shape[1], kind.group)
         a = np.take(a, order, axis=0, out=scratch("ggml.coded.a", a.shape, F32))
         if b is not None:
             b = np.take(b, order, axis=0, out=scratch("ggml.coded.b", b.shape, F32))

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from .ggml_blocks import (F32, U8, _by_group, _every_byte, _field, _group_order, _k_scale_codes, _planes,
-                          _q6_k_planes, code_order)
+from .ggml_blocks import (F32, U8, group_bytes, every_byte, block_field, group_order, k_scale_codes, bit_planes,
+                          q6_k_planes, code_order)
 from .numerics import scratch, widen_groups
 
 # A step of rows' parts, taken out of their blocks: (runs of codes [n, G', L] in code order, the runs'
@@ -30,25 +30,25 @@ Parts = tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | Non
 
 
 def _q8_0_parts(part: np.ndarray) -> Parts:
-    return _field(part, 2, 32, "repack.qs").view(np.int8), None, None, None                  # [n, nb, 32]
+    return block_field(part, 2, 32, "repack.qs").view(np.int8), None, None, None                  # [n, nb, 32]
 
 
 def _q4_0_parts(part: np.ndarray) -> Parts:
-    return _pair_blocks(_field(part, 2, 16, "repack.qs")), None, None, None                  # [n, nb / 2, 32]
+    return _pair_blocks(block_field(part, 2, 16, "repack.qs")), None, None, None                  # [n, nb / 2, 32]
 
 
 def _q4_k_parts(part: np.ndarray) -> Parts:
-    runs = _field(part, 16, 128, "repack.qs").reshape(len(part), -1, 32)                      # [n, nb * 4, 32]
-    s6, m6 = _k_scale_codes(part)                                                               # [nb, 8, n]
-    dmin = np.negative(_by_group(part, 2, 1, "repack.dmin", F32)[:, 0])
+    runs = block_field(part, 16, 128, "repack.qs").reshape(len(part), -1, 32)                      # [n, nb * 4, 32]
+    s6, m6 = k_scale_codes(part)                                                               # [nb, 8, n]
+    dmin = np.negative(group_bytes(part, 2, 1, "repack.dmin", F32)[:, 0])
     return runs, s6.reshape(-1, len(part)), m6.reshape(-1, len(part)), dmin
 
 
 def _q6_k_parts(part: np.ndarray) -> Parts:
-    planes = _q6_k_planes(part)[0]                                                              # [4, n, nb, 64]: q + 32
+    planes = q6_k_planes(part)[0]                                                              # [4, n, nb, 64]: q + 32
     runs = scratch("repack.q", (len(part), 4, planes[0, 0].size), np.int8)
     np.subtract(planes.reshape(4, len(part), -1).transpose(1, 0, 2), 32, out=runs, casting="unsafe")
-    scales = _by_group(part, 192, 16, "repack.scales").view(np.int8)                            # [nb, 16, n]
+    scales = group_bytes(part, 192, 16, "repack.scales").view(np.int8)                            # [nb, 16, n]
     return runs.reshape(len(part), -1, 16), scales.reshape(-1, len(part)), None, None         # [n, G, 16]
 
 
@@ -116,7 +116,7 @@ class RepackedRows:
         rows, count = blocks.shape[:2]
         columns = count * packing.values
         order = (np.arange(columns // packing.group) if not packing.layout
-                 else _group_order(packing.layout, columns // 256, packing.group))
+                 else group_order(packing.layout, columns // 256, packing.group))
         run = 32 if packing.bits == 4 else packing.group                     # bytes a run of codes
         codes = np.empty((columns * packing.bits // 8 // run, rows, run), np.int8 if packing.bits == 8 else U8)
         per_group = packing.values == packing.group
@@ -126,7 +126,7 @@ class RepackedRows:
         item = np.dtype((np.void, run))
         for start in range(0, rows, step):
             part, at = blocks[start:start + step], slice(start, start + step)
-            d_part = _by_group(part, packing.d_at, 1, "repack.d", F32)[:, 0]                    # [nb, n]
+            d_part = group_bytes(part, packing.d_at, 1, "repack.d", F32)[:, 0]                    # [nb, n]
             d[:, at] = d_part[order] if per_group else d_part
             runs, part_scales, part_mins, part_dmin = packing.parts(part)
             codes[:, at].view(item)[..., 0] = runs.view(item)[..., 0].T                       # group-major
@@ -178,7 +178,7 @@ class RepackedRows:
         """per_block [in/QK, rows] (FP32) times each group's integer [G, rows] (code order) -> FP32 [G, rows],
         into this thread's scratch."""
         packing = REPACKINGS[self.kind]
-        block_of_group = _group_order(packing.layout, self.shape[1] // 256, packing.group) // (packing.values // packing.group)
+        block_of_group = group_order(packing.layout, self.shape[1] // 256, packing.group) // (packing.values // packing.group)
         out = np.take(per_block, block_of_group, axis=0, out=scratch(name, integers.shape, F32))
         out *= integers
         return out
@@ -190,7 +190,7 @@ class RepackedRows:
         scratch (4 bits), a and b of d or of the scratch: valid until the thread's next call."""
         packing, codes = REPACKINGS[self.kind], self.codes
         if packing.bits == 4:
-            codes = _planes(codes, 4, "repacked.codes").reshape(-1, codes.shape[1], 32)     # [2 * runs, rows, 32]
+            codes = bit_planes(codes, 4, "repacked.codes").reshape(-1, codes.shape[1], 32)     # [2 * runs, rows, 32]
             if packing.offset:              # Q4_0: the planes are this thread's scratch
                 codes = _less(codes, packing.offset)
         a = self.d if self.scales is None else self._per_group(self.d, self.scales, "repacked.a")
@@ -222,8 +222,8 @@ def _less(codes: np.ndarray, offset: int) -> np.ndarray:
     """codes - offset as int8, in place, for byte codes 0 <= q < 128 + offset: each byte of a uint64 lane plus
     128 - offset (no carry leaves a byte), then its top bit flipped (minus 128, modulo 256)."""
     lanes = codes.view(np.uint64)
-    lanes += _every_byte(128 - offset)
-    lanes ^= _every_byte(0x80)
+    lanes += every_byte(128 - offset)
+    lanes ^= every_byte(0x80)
     return codes.view(np.int8)
 
 
@@ -235,7 +235,7 @@ def _pair_blocks(codes: np.ndarray) -> np.ndarray:
     lanes = codes.reshape(n, count // 2, 2, 16).view(np.uint64)                     # [n, pairs, 2 blocks, 2 lanes]
     out = scratch("ggml.paired", (n, count // 2, 32), U8)
     paired = out.reshape(n, count // 2, 2, 16).view(np.uint64)                     # [n, pairs, half, 2 lanes]
-    low_mask = _every_byte(0x0F)
+    low_mask = every_byte(0x0F)
     first, second = lanes[:, :, 0], lanes[:, :, 1]
     # byte k of half 0 (values 0..15): block 2p's low nibble | block 2p+1's low nibble << 4
     np.bitwise_or(first & low_mask, (second & low_mask) << np.uint64(4), out=paired[:, :, 0])
