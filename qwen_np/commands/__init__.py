@@ -21,7 +21,7 @@ FLAGS = {
     "compare": "--compare", "config": "--config", "context": "--ctx-size", "data": "--data",
     "decay_steps": "--decay-steps", "default_max_tokens": "--default-max-tokens", "draft": "--draft",
     "draft_tokens": "--draft-tokens", "dropout": "--lora-dropout", "epochs": "--epochs", "eval_every": "--eval-every",
-    "folder": "--model",
+    "file_type": "--type", "folder": "--model",
     "formats": "--formats", "grad_accum": "--grad-accum", "kv_dtype": "--kv-dtype", "kv_memory": "--kv-memory",
     "lora": "--lora", "loss_scaling": "--loss-scaling", "lr": "--lr", "max_batch": "--max-batch",
     "max_new_tokens": "--max-new-tokens", "max_ngram": "--lookup", "memory": "--memory",

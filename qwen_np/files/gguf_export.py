@@ -101,8 +101,8 @@ def _encoded(values: np.ndarray, kind: GGML, name: str) -> np.ndarray:
     with np.errstate(over="ignore"):
         encoded = gguf.quants.quantize(values, kind)
     if kind == GGML.F16 and not np.isfinite(encoded).all() and np.isfinite(values).all():
-        raise QwenNPError(f"export: tensor {name!r} has values beyond F16's largest (65504, it holds "
-                          f"{float(np.max(np.abs(values))):.4g}); use --type bf16 or f32")
+        raise QwenNPError(f"tensor {name!r} has values beyond F16's largest (65504, it holds "
+                          f"{float(np.max(np.abs(values))):.4g}); use `file_type` bf16 or f32", "file_type")
     return encoded
 
 

@@ -255,7 +255,7 @@ def held_out(tokenizer: Tokenizer, data: Path, val: Path | None) -> tuple[list[C
     else:
         if len(train) < 2:
             raise QwenNPError(f"{data}: one conversation cannot be split into training and validation (add "
-                              "conversations, or name a chat file that validates with --val)", "data")
+                              "conversations, or name a chat file that validates with `val`)", "data")
         cut = len(train) - max(1, len(train) // 20)
         train, validation = train[:cut], train[cut:]
     return train, validation, chat_files_sha256(data, val)

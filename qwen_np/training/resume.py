@@ -26,7 +26,7 @@ def resumed(spec: RunSpec, notes: list[str], left: str | None
     folder holds and whether best.safetensors can take its place. (--data: _run checks the text's hash.)"""
     out, last = spec.out, spec.out / LAST
     if not last.exists():
-        raise QwenNPError(_nothing_to_resume(out, left))
+        raise QwenNPError(_nothing_to_resume(out, left), "resume")
     try:
         state, params, adam_m, adam_v, optimizer_step = read_checkpoint(last)
     except QwenNPError as bad:
@@ -80,25 +80,25 @@ def _fallback(out: Path) -> str:
     """What best.safetensors offers when last.safetensors is missing or damaged (a clause of one line)."""
     best = out / BEST
     if not best.exists():
-        return f"there is no {BEST} to fall back on: remove {LAST} and start the run again without --resume"
+        return f"there is no {BEST} to fall back on: remove {LAST} and start the run again without `resume`"
     try:
         state = read_checkpoint(best)[0]
     except QwenNPError as bad:
-        return f"{BEST} cannot take its place ({bad}): remove both and start the run again without --resume"
+        return f"{BEST} cannot take its place ({bad}): remove both and start the run again without `resume`"
     return (f"{best} is intact (step {state.step}, validation loss {state.best_loss:.4f} per token): copy it over "
             f"{LAST} to resume from step {state.step}")
 
 
 def _nothing_to_resume(out: Path, left: str | None) -> str:
-    """--resume's message for a folder without last.safetensors: what the folder holds instead."""
+    """`resume`'s message for a folder without last.safetensors: what the folder holds instead."""
     held = sorted(entry.name for entry in out.iterdir() if entry.name != run_folder.LOCK)
     if (out / BEST).exists():
-        return f"--resume: {out} holds no {LAST}; {_fallback(out)}"
+        return f"{out} holds no {LAST}; {_fallback(out)}"
     if not held:
-        return f"--resume: {out} holds no earlier run (it is empty); start one without --resume"
+        return f"{out} holds no earlier run (it is empty); start one without `resume`"
     if left is not None:
         how = (f"the run there (PID {left or '?'}) was killed before its first checkpoint (its {run_folder.LOCK} was still "
                "there)")
     else:
         how = "no run there reached its first checkpoint"
-    return f"--resume: {out} holds no {LAST} to resume: {how}; it holds {', '.join(held)}; start it again without --resume"
+    return f"{out} holds no {LAST} to resume: {how}; it holds {', '.join(held)}; start it again without `resume`"

@@ -293,7 +293,7 @@ def _base(spec: RunSpec, state: RunState, notes: list[str]) -> ModelFiles | None
     if state.base_sha256 is not None and digest != state.base_sha256:
         raise QwenNPError(f"{source} is not the model the run in {spec.out} began on (SHA-256 of its weights "
                           f"{digest[:16]}..., the run's {state.base_sha256[:16]}...): a resumed run reloads its base "
-                          f"({state.model}); name it with --model", "model")
+                          f"({state.model}); name it with `model`", "model")
     if state.model is not None and source != state.model:
         notes.append(f"note: `model` {source}: the run's base, read from there (it began on {state.model})")
     state.model, state.base_sha256 = source, digest
