@@ -6,7 +6,7 @@ the same --threads: qwen_np's trainer step (training.loss_and_accumulated_gradie
 rank 16 on all seven projections and with every weight trained, and transformers' Qwen3ForCausalLM (FP32, eager
 attention) with peft's LoRA of the same rank, alpha and targets, and whole. Tokens a second: median of --steps
 timed steps after one warm-up. Peak RSS above the process's own before the model is built, against
-engine.memory.training_memory's estimate of the step (qwen_np's plan; the same figure stands beside torch's).
+engine.step_memory.training_memory's estimate of the step (qwen_np's plan; the same figure stands beside torch's).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from qwen_np.core.config import preset
-from qwen_np.engine.memory import training_memory, training_total
+from qwen_np.engine.step_memory import training_memory, training_total
 from qwen_np.engine.runtime import peak_rss_bytes
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3_tokenizer_random"

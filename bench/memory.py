@@ -11,7 +11,7 @@ clipping, AdamW) on random token ids. Each configuration runs in its own process
   --precision bf16 / fp8      the rounding's cost (qwen_np's tape stays FP32: no memory saved here)
 It prints, per configuration, the process's peak RSS above its baseline (the model built, before the
 first step: so gradients, AdamW's moments, the tape and temporaries), with glibc's default allocator and
-with a fixed mmap threshold (see FIXED_MMAP_THRESHOLD), memory.training_memory's estimate of the same
+with a fixed mmap threshold (see FIXED_MMAP_THRESHOLD), step_memory.training_memory's estimate of the same
 (gradients + AdamW + activations + attention probabilities), the median tokens/s (default allocator),
 and both as ratios to the baseline. The figures in README.md come from this script.
 """
@@ -48,12 +48,12 @@ CONFIGS: dict[str, dict[str, object]] = {
 
 def estimate(config: Qwen3Config, context: int, batch: int = 16, grad_accum: int = 1, recompute: bool = False,
              precision: str = "fp32") -> int:
-    """memory.training_memory's peak of the step a worker trains, less the weights (its baseline holds them)."""
-    from qwen_np.engine import memory
+    """step_memory.training_memory's peak of the step a worker trains, less the weights (its baseline holds them)."""
+    from qwen_np.engine import step_memory
 
-    parts = memory.training_memory(config, batch // grad_accum, context, recompute=recompute,
+    parts = step_memory.training_memory(config, batch // grad_accum, context, recompute=recompute,
                                    micro_batches=grad_accum, precision=precision)
-    return memory.training_total(parts) - parts["weights"]
+    return step_memory.training_total(parts) - parts["weights"]
 
 
 def worker(args: argparse.Namespace) -> dict[str, float]:

@@ -149,7 +149,7 @@ def concurrent_requests(folder: Path, args: argparse.Namespace) -> None:
 
 
 def parse_size(text: str) -> int:
-    from qwen_np.engine.memory import parse_size as parse
+    from qwen_np.engine.sizes import parse_size as parse
 
     return parse(text, "kv_memory")
 

@@ -5,7 +5,7 @@ step, --context 256), with LoRA rank 8 on all seven projections and with every w
 of a few sizes with the real tokenizer's 151,936-token vocabulary (tied), each configuration in its own process.
 The data: 40 short chats (about 27 tokens each, as a new user's first try) or 40 long ones (about 100). The run's
 own figures: the plan it prints before its first step (trainer.TrainingMemory.predicted: the process's RSS before
-the model is built plus engine.memory.training_memory's peak moment) and the peak RSS it measured from the
+the model is built plus engine.step_memory.training_memory's peak moment) and the peak RSS it measured from the
 model's load through its last step (VmHWM, restarted there), and their ratio. --steps steps each (the second
 and later with AdamW's moments), then the validation.
 """
@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from qwen_np.core.config import LAYER_MATRICES, Qwen3Config
-from qwen_np.engine.memory import training_peak
+from qwen_np.engine.step_memory import training_peak
 from qwen_np.training import trainer, run_spec
 from qwen_np.training.lora import LoraSettings
 

@@ -12,7 +12,7 @@ from conftest import BUNDLED, QWEN3_RANDOM, ROOT
 from qwen_np import load_model, preset
 from qwen_np.core import layers
 from qwen_np.core.flash import flash_attention
-from qwen_np.engine import memory
+from qwen_np.engine import memory, step_memory
 from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.inspection.counts import weight_bytes_read_per_token
 from qwen_np.numbers import formats
@@ -96,7 +96,7 @@ def test_exercise_decode_bound_at_the_example_bandwidth() -> None:
 
 
 def test_exercise_the_remedy_that_fits_qwen3_0_6b_in_24_gib() -> None:
-    remedies = memory.training_remedies(preset("qwen3-0.6b"), 8, 1024)
+    remedies = step_memory.training_remedies(preset("qwen3-0.6b"), 8, 1024)
     fits = {name for name, estimate in remedies.items() if estimate["total"] <= 24 * GiB}
     assert "grad_accum_4" in fits and "baseline" not in fits and "recompute" not in fits
     assert "bf16_activations" not in fits

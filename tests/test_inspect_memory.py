@@ -1,4 +1,4 @@
-"""`inspect`'s memory breakdown: inference (weights, KV cache, buffers) and training (memory.training_memory)."""
+"""`inspect`'s memory breakdown: inference (weights, KV cache, buffers) and training (step_memory.training_memory)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from qwen_np import preset
 from qwen_np.cli import main
 from qwen_np.errors import QwenNPError
 from qwen_np.inspection import inspect_report
-from qwen_np.engine.memory import (attention_probabilities, kv_cache_bytes_per_token, training_memory, training_peak,
-                                   training_remedies, training_total)
+from qwen_np.engine.step_memory import attention_probabilities, training_memory, training_peak, training_remedies, training_total
+from qwen_np.engine.memory import kv_cache_bytes_per_token
 
 BANDWIDTH = 10e9
 

@@ -18,7 +18,8 @@ from qwen_np import QwenNPError, preset
 from qwen_np.engine import fast, loading
 from qwen_np.core.config import LAYER_MATRICES, expected_tensors
 from qwen_np.numbers.formats import quantize_int8_rows, round_trip
-from qwen_np.engine.memory import GiB, plan_memory
+from qwen_np.engine.sizes import GiB
+from qwen_np.engine.memory import plan_memory
 from qwen_np.core.model import Qwen3Model
 from qwen_np.numbers.numerics import Int8Rows
 from reference.logit_match import assert_logits_match, max_relative_error

@@ -17,7 +17,7 @@ from qwen_np.errors import QwenNPError
 from qwen_np.generation.generate import generate
 from qwen_np.core.kv_cache import KVCache
 from qwen_np.engine.paged import BLOCK_SIZE, BlockPool, PagedKVCache, block_bytes
-from qwen_np.engine.memory import parse_size
+from qwen_np.engine.sizes import parse_size
 from qwen_np.core.sampling import SamplingParams
 from qwen_np.files.tokenizer import Tokenizer
 from conftest import BUNDLED, QWEN3_RANDOM

@@ -11,6 +11,7 @@ import pytest
 from qwen_np.core import layers
 from qwen_np.core.config import LAYER_MATRICES, Qwen3Config
 from qwen_np.engine.loading import load_model
+from qwen_np.files.adapter import PEFT_PREFIX
 from qwen_np.errors import QwenNPError
 from qwen_np.numbers.numerics import Adapted, upcast
 from qwen_np.training import gradients, lora
@@ -225,7 +226,7 @@ def test_the_adapter_loads_in_peft_and_gives_the_merged_models_greedy_text(tmp_p
     base_text = greedy(hf(QWEN3_RANDOM))
     tuned = peft.PeftModel.from_pretrained(hf(QWEN3_RANDOM), tmp_path / "adapter").eval()
     loaded = {n.replace(".default", "") for n, _ in tuned.named_parameters() if "lora_" in n}
-    assert loaded == {lora.PEFT_PREFIX + n for n in lora.adapter_parameters(model)}
+    assert loaded == {PEFT_PREFIX + n for n in lora.adapter_parameters(model)}
     peft_text = greedy(tuned)
     assert peft_text != base_text, "the adapters must change the greedy text for this test to mean anything"
     assert greedy(hf(tmp_path / "model")) == peft_text

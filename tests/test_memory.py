@@ -14,8 +14,9 @@ import pytest
 
 from qwen_np import QwenNPError, preset
 from qwen_np.core.config import LAYER_MATRICES, Qwen3Config
-from qwen_np.engine.memory import (GiB, kv_cache_bytes_per_token, plan_memory, training_memory, training_moments,
-                                   training_peak, training_total)
+from qwen_np.engine.sizes import GiB
+from qwen_np.engine.memory import kv_cache_bytes_per_token, plan_memory
+from qwen_np.engine.step_memory import training_memory, training_moments, training_peak, training_total
 from qwen_np.numbers.numerics import held
 from qwen_np.training import lora, mixed
 from qwen_np.engine.runtime import allocate

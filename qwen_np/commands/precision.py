@@ -149,7 +149,7 @@ def kld_figure(report: dict[str, Any]) -> Any:
 
 
 def _size(n: int) -> str:
-    from ..engine.memory import GiB
+    from ..engine.sizes import GiB
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 1024 ** 2:.1f} MiB"
 
 

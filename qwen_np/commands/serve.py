@@ -61,7 +61,7 @@ PARSERS = {"serve": serve_parser}      # cli.py builds the command's parser with
 
 def run(args: argparse.Namespace) -> int:
     """Check the flags, open the socket, then load the model and serve until Ctrl-C (or SIGTERM)."""
-    from ..engine.memory import parse_size        # here, not at the top: --help needs none of it (nor NumPy)
+    from ..engine.sizes import parse_size  # here, not at the top: --help needs none of it (nor NumPy)
     from ..files.model_files import open_model
     from ..serving import launch
     if not 0 <= args.port <= 65535:

@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
 def memory_report(memory: TrainingMemory) -> str:
     """The estimate as one table (MiB), with the measured peak RSS next to the prediction (its parts are alive
     at different moments of a step: the prediction is the peak moment's, training_peak)."""
-    from ..engine.memory import training_peak
+    from ..engine.step_memory import training_peak
 
     estimate = memory.estimate
     lines = [f"  {key:<26} {value / 2**20:9.1f} MiB" for key, value in estimate.items() if key != "activations_per_token"]

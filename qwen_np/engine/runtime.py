@@ -20,6 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -277,3 +278,39 @@ def allocate(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> np.
 
 
 PARALLEL_FAULT_BYTES = 64 * 1024 ** 2   # below this, starting threads costs more than they save
+
+
+@dataclass
+class ResidentPeak:
+    """This process's resident memory from a moment on: the RSS then (`start`) and the most since (`peak`).
+
+    Linux's high-water mark (VmHWM in /proc/self/status) is restarted at that moment (writing 5 to
+    /proc/self/clear_refs), so an earlier peak (a tokenizer's parse, say) is not taken for the one watched.
+    Where that is not possible (not Linux) `peak` is peak_rss_bytes, the process's whole-life peak,
+    and `restarted` says so."""
+
+    start: int
+    restarted: bool
+
+    @classmethod
+    def begin(cls) -> "ResidentPeak":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            restarted = True
+        except OSError:
+            restarted = False
+        return cls(_status_bytes("VmRSS") or peak_rss_bytes(), restarted)
+
+    @property
+    def peak(self) -> int:
+        return (_status_bytes("VmHWM") if self.restarted else None) or peak_rss_bytes()
+
+
+def _status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is no such file."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration, ValueError):
+        return None

@@ -1,6 +1,6 @@
-"""A LoRA adapter folder in PEFT's format, read for inference: adapter_config.json and
-adapter_model.safetensors, as peft's save_pretrained writes them (training/lora.py's save_adapter too),
-into a core.adapters.Adapter checked against the model's config before any weight is loaded.
+"""A LoRA adapter folder in PEFT's format: adapter_config.json and adapter_model.safetensors, as peft's
+save_pretrained writes them, read for inference into a core.adapters.Adapter checked against the model's
+config before any weight is loaded (read_adapter), and written from a training run's arrays (write_adapter).
 
 peft names each tensor after the module it adapts, under its PeftModel's "base_model.model." prefix:
 base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ([r, in]) and ...lora_B.weight ([out, r]);
@@ -25,7 +25,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from ..core.adapters import Adapter
 from ..core.config import LAYER_MATRICES, LAYER_TENSORS, Qwen3Config, dimensions, resolve
 from ..errors import QwenNPError
 from ..numbers.numerics import STORAGE_DTYPES, dtype_named
-from .checkpoint import read_header
+from .checkpoint import read_header, write_atomically
 
 # peft's file names in an adapter folder, and the prefix its tensor names carry (PeftModel's base_model.model).
 ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX = "adapter_config.json", "adapter_model.safetensors", "base_model.model."
@@ -53,6 +53,26 @@ NAMED = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
 def adapter_name(tensor: str, which: str) -> str:
     """model.layers.0.self_attn.q_proj.weight, "A" -> model.layers.0.self_attn.q_proj.lora_A.weight."""
     return tensor.removesuffix(".weight") + f".lora_{which}.weight"
+
+
+def write_adapter(folder: Path, arrays: dict[str, np.ndarray], base: str, rank: int, alpha: float,
+                  targets: Sequence[str], dropout: float = 0.0) -> Path:
+    """Adapters (`arrays`, by adapter_name: model.layers.0.self_attn.q_proj.lora_A.weight) in peft's format,
+    FP32, tensor names as peft writes them for Qwen3 (base_model.model.model.layers.0...), which
+    peft.PeftModel.from_pretrained, vLLM's --lora-modules, llama.cpp's convert_lora_to_gguf.py and
+    read_adapter read. base: the base model's name or folder (base_model_name_or_path)."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
+        "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": list(targets), "bias": "none",
+        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "use_rslora": False, "use_dora": False}
+    tensors = {PEFT_PREFIX + name: np.ascontiguousarray(array, dtype=np.float32) for name, array in arrays.items()}
+    write_atomically(folder / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
 
 
 def read_adapter(folder: str | Path, config: Qwen3Config, name: str | None = None) -> Adapter:

@@ -10,9 +10,11 @@ from ..core.config import DIMENSIONS, LAYER_MATRICES, Qwen3Config, dimensions, e
 from ..errors import QwenNPError
 from ..numbers.formats import HELD_FORMATS, bits_per_weight
 from ..engine.budget import context_for
-from ..engine.memory import (GiB, SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes,
-                             attention_probabilities, kv_cache_bytes_per_token, lora_parameters, training_memory, training_peak,
-                             training_remedies, training_total, weight_bytes, working_bytes)
+from ..engine.sizes import GiB
+from ..engine.memory import (SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes, kv_cache_bytes_per_token,
+                             weight_bytes, working_bytes)
+from ..engine.step_memory import (attention_probabilities, lora_parameters, training_memory, training_peak, training_remedies,
+                                  training_total)
 from ..numbers.numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
@@ -80,7 +82,7 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
 
 def memory_breakdown(config: Qwen3Config, context: int, batch_size: int, lora_rank: int | None = None,
                      stored_bytes: int | None = None) -> dict[str, Any]:
-    """Bytes to run the model (weights, KV cache, working buffers) and to train it (memory.training_memory):
+    """Bytes to run the model (weights, KV cache, working buffers) and to train it (step_memory.training_memory):
     every weight, and with lora_rank its LoRA adapters on all seven projections, the base frozen as each
     memory mode holds it. stored_bytes: the weights kept as stored (the bf16 mode) where a file says what
     they take (a GGUF's blocks), else BF16's 2 bytes a weight."""
@@ -198,7 +200,7 @@ def _render_memory(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# training_memory's parts as `inspect` names them (the rest of memory.training_memory's docstring).
+# training_memory's parts as `inspect` names them (the rest of step_memory.training_memory's docstring).
 TRAINING_PARTS = {
     "weights": "weights", "gradients": "gradients", "adamw": "AdamW moments m and v",
     "activations": "activations ({per_token:,.1f} KiB/token x {batch} x {context:,})",
@@ -220,7 +222,7 @@ TRAINING_PARTS = {
 
 def _training_parts(training: dict[str, Any], batch: int, context: int, totals: bool = True) -> list[str]:
     """One line a part of a training_memory estimate that has it, and (totals) its peak's total: the parts
-    are alive at different moments of the step (memory.TRAINING_MOMENTS), so the total is not their sum."""
+    are alive at different moments of the step (step_memory.TRAINING_MOMENTS), so the total is not their sum."""
     values = {"per_token": training["activations_per_token"] / 1024, "batch": batch, "context": context,
               "peak": training["peak"].replace("_", " ")}
     return [f"  {label.format(**values):<56}{_size(training[key]):>12}" for key, label in TRAINING_PARTS.items()

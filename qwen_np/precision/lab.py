@@ -39,7 +39,8 @@ from ..generation.generate import generate
 from ..engine.loading import back_to_back, load_model
 from ..files.model_files import read_config, read_tokenizer
 from ..engine.budget import context_for
-from ..engine.memory import GiB, SAFETY_FRACTION, candidate_plans, weight_bytes
+from ..engine.sizes import GiB
+from ..engine.memory import candidate_plans, SAFETY_FRACTION, weight_bytes
 from ..core.batch import Batch
 from ..core.model import Qwen3Model, Trace
 from ..numbers.numerics import Weight

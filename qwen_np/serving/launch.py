@@ -23,7 +23,7 @@ from ..core.model import Qwen3Model
 from ..engine.finite import check_weights_finite
 from ..engine.loading import load_model
 from ..core.defaults import DEFAULT_CONTEXT
-from ..engine.memory import format_size
+from ..engine.sizes import format_size
 from ..errors import QwenNPError
 from ..files.model_files import ModelFiles, open_model
 from ..generation.batching import BatchGenerator, BatchRunner

@@ -19,7 +19,6 @@ does, merges them, and holds their backward, read beside gradients.linear_backwa
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +31,8 @@ from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_MATRICES, LAYER_TENSOR
 from ..core.ablations import model_class
 from ..core.model import Qwen3Model
 from ..errors import QwenNPError
-from ..files.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_name
-from ..files.checkpoint import save_checkpoint, write_atomically
+from ..files.adapter import adapter_name, write_adapter
+from ..files.checkpoint import save_checkpoint
 from ..numbers.numerics import Adapted, upcast
 
 @dataclass
@@ -212,24 +211,10 @@ def adapter_settings(model: Qwen3Model) -> tuple[int, float, list[str]]:
 
 
 def save_adapter(folder: Path, model: Qwen3Model, base: str, dropout: float = 0.0) -> Path:
-    """The adapters in peft's format: adapter_config.json and adapter_model.safetensors (FP32), tensor names
-    as peft writes them for Qwen3 (base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), which
-    peft.PeftModel.from_pretrained, vLLM's --lora-modules and llama.cpp's convert_lora_to_gguf.py read.
-    base: the base model's name or folder (base_model_name_or_path)."""
-    from safetensors.numpy import save_file
-
+    """The model's adapters in peft's format (files/adapter.write_adapter). base: the base model's name or
+    folder (base_model_name_or_path)."""
     rank, alpha, targets = adapter_settings(model)
-    folder.mkdir(parents=True, exist_ok=True)
-    config: dict[str, Any] = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
-        "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": targets, "bias": "none",
-        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-        "use_rslora": False, "use_dora": False}
-    tensors = {PEFT_PREFIX + name: np.ascontiguousarray(array, dtype=np.float32)
-               for name, array in adapter_parameters(model).items()}
-    write_atomically(folder / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return folder
+    return write_adapter(folder, adapter_parameters(model), base, rank, alpha, targets, dropout)
 
 
 def with_adapters(model: Qwen3Model, arrays: dict[str, np.ndarray]) -> Qwen3Model:

@@ -50,7 +50,8 @@ from ..files.model_files import ModelFiles, open_model
 from ..core.config import Qwen3Config
 from ..errors import QwenNPError
 from ..engine.budget import context_for
-from ..engine.memory import ResidentPeak, training_memory, training_total
+from ..engine.runtime import ResidentPeak
+from ..engine.step_memory import training_memory, training_total
 from ..core.model import Qwen3Model
 from ..engine.runtime import steady_threads, usable_cores
 from .parameters import hf_config, init_parameters, model_from_parameters
@@ -74,7 +75,7 @@ class RunResult:
 class TrainingMemory:
     """A run's memory plan against what it used: the predicted peak RSS, the process's before the model is built
     (`baseline`, less what the estimate counts that is already held) plus a step's at its peak (the estimate,
-    engine.memory.training_memory), and the peak RSS measured from the model's load through the last step."""
+    engine.step_memory.training_memory), and the peak RSS measured from the model's load through the last step."""
 
     estimate: dict[str, int]
     baseline: int

@@ -44,7 +44,7 @@ from qwen_np.core.adapters import Adapter  # noqa: E402
 from qwen_np.core.config import LAYER_MATRICES, parameter_count  # noqa: E402
 from qwen_np.core.model import Qwen3Model  # noqa: E402
 from qwen_np.core.sampling import SamplingParams  # noqa: E402
-from qwen_np.engine import memory  # noqa: E402
+from qwen_np.engine import step_memory  # noqa: E402
 from qwen_np.engine.loading import attach_adapter, load_model  # noqa: E402
 from qwen_np.files.adapter import read_adapter  # noqa: E402
 from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
@@ -166,9 +166,9 @@ def tuned_run(folder: Path, base: Path, tokenizer: Tokenizer, train: Path, held_
     seconds = time.perf_counter() - started
     tuned = load_model(folder / f"rank{rank}" / "model", memory="fp32")
     replies = answers(tuned, tokenizer, conversations)
-    plan = memory.training_memory(tuned.config, RUN["batch_size"], RUN["context"], lora_rank=rank,
+    plan = step_memory.training_memory(tuned.config, RUN["batch_size"], RUN["context"], lora_rank=rank,
                                   lora_targets=LAYER_MATRICES)
-    return {"rank": rank, "trainable": memory.lora_parameters(tuned.config, rank, LAYER_MATRICES),
+    return {"rank": rank, "trainable": step_memory.lora_parameters(tuned.config, rank, LAYER_MATRICES),
             "loss": [r["loss"] for r in result.state.history],
             "evals": [{"step": e["step"], "loss": e["loss_per_token"]} for e in result.state.evals],
             "held_out": held_out_loss(tuned, tokenizer, held_out), "answers": replies,
@@ -206,13 +206,13 @@ def record(progress: Callable[[str], None] = print) -> dict[str, Any]:
             progress(f"rank {rank}: held-out loss {runs[-1]['held_out']['loss']:.3f}, answers {runs[-1]['answers'][:4]} "
                      f"({time.perf_counter() - started:.0f} s)")
         merged = merging(folder / f"rank{MERGED_RANK}", base, tokenizer, held_chats)
-        plan = memory.training_memory(model.config, RUN["batch_size"], RUN["context"])
+        plan = step_memory.training_memory(model.config, RUN["batch_size"], RUN["context"])
     return {"run": RUN, "train_chats": TRAIN_CHATS, "held_out_chats": held_chats, "train_example": train_chats[0],
             "plays": {"train": len(data.SPLITS["train"]), "held_out": list(data.SPLITS["validation"])},
             "base": before, "ranks": runs, "merging": merged,
             "full_memory": {"parameters": parameter_count(model.config), "weights": plan["weights"],
                             "gradients": plan["gradients"], "adamw": plan["adamw"],
-                            "total": memory.training_total(plan)},
+                            "total": step_memory.training_total(plan)},
             "seconds": round(time.perf_counter() - started), "cores": os.cpu_count()}
 
 
@@ -436,13 +436,13 @@ def rank_part(rec: dict[str, Any]) -> str:
     claim(right(low["answers"], held) > right(high["answers"], held) and spike(high) > spike(low),
           "the larger rank learns worse at the same learning rate, its training loss jumping back up")
     rows = "\n".join(f"| {x['rank']} | {x['trainable']:,} | {mib(trained_state(x['memory']))} | "
-                     f"{mib(memory.training_total(x['memory']))} | {two(x['held_out']['loss'])} | "
+                     f"{mib(step_memory.training_total(x['memory']))} | {two(x['held_out']['loss'])} | "
                      f"{right(x['answers'], held)} of {n} |"
                      for x in rec["ranks"])
     return f"""**Rank against quality and memory.** The same run at {len(rec['ranks'])} ranks. A rank-r adapter on a
 projection W [out, in] is two matrices, A [r, in] and B [out, r] (A random, B zero: the tuned model
 starts as the base), added as W + (alpha / r) B A with alpha = 2r, so r (in + out) trained values a
-projection, on all seven of each layer. The memory is the plan's (`engine.memory.training_memory`,
+projection, on all seven of each layer. The memory is the plan's (`engine.step_memory.training_memory`,
 what `python -m qwen_np inspect --lora R --batch-size {r['batch_size']} -c {r['context']}` prints) for
 B × T = {r['batch_size']} × {r['context']}:
 

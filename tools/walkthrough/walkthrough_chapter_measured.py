@@ -19,7 +19,7 @@ import numpy as np
 
 from qwen_np.inspection import hardware
 from qwen_np.core import layers
-from qwen_np.engine import memory
+from qwen_np.engine import step_memory
 from qwen_np import preset
 from qwen_np.training import trainer, run_spec
 from qwen_np.commands import hardware as hardware_command
@@ -174,7 +174,7 @@ def remedies_table(record: dict[str, Any]) -> str:
 
 
 def remedies_part(figures: dict[str, Any], step_estimate: dict[str, int]) -> str:
-    """The remedies measured; step_estimate: memory.training_memory of the shape bench.memory trains, whose total
+    """The remedies measured; step_estimate: step_memory.training_memory of the shape bench.memory trains, whose total
     the table above this part shows."""
     record = load("training_remedies")
     figures["training_remedies"] = record
@@ -188,7 +188,7 @@ def remedies_part(figures: dict[str, Any], step_estimate: dict[str, int]) -> str
               f"Its speeds are left out: other jobs kept the load average at {load_average:.1f} when it started, and "
               "tokens/s on a loaded machine measure the other jobs more than the remedy (run the command on a quiet "
               "machine to see them). Recomputation costs one more forward pass of every layer, whatever the machine.")
-    total, weights = memory.training_total(step_estimate), step_estimate["weights"]
+    total, weights = step_memory.training_total(step_estimate), step_estimate["weights"]
     claim(record["rows"]["baseline"]["estimate"] == total - weights,
           "the baseline's estimate is the step's total without the weights")
     real = preset(REAL)
@@ -220,7 +220,7 @@ estimate this column compares with leaves them out (`bench/memory.py`: `training
 ![Peak memory of each remedy, measured, against the estimate](figures/training_remedies.png)
 
 The estimate is the step's peak moment with its temporaries (the attention probabilities stacked a second
-time at the forward's end, the loss's [T, V] arrays, a layer's backward arrays: `memory.TRAINING_MOMENTS`;
+time at the forward's end, the loss's [T, V] arrays, a layer's backward arrays: `step_memory.TRAINING_MOMENTS`;
 the column is today's plan, the peaks the record's), so the peaks with a fixed threshold sit within a tenth of
 it: under with --grad-accum, over with --recompute alone, which it counts with every layer's gradients at
 once. `--precision` changes no memory here: qwen_np keeps its tape in
@@ -244,7 +244,7 @@ def remedies_figure(record: dict[str, Any]) -> Any:
     y = np.arange(len(names))
     for offset, key, label, colour in ((-0.27, "peak_fixed_threshold", "measured, fixed mmap threshold", "#4f81bd"),
                                        (0, "peak_above_baseline", "measured, glibc's defaults", "#9bbb59"),
-                                       (0.27, "estimate", "memory.training_memory's estimate", "#cccccc")):
+                                       (0.27, "estimate", "step_memory.training_memory's estimate", "#cccccc")):
         peak.barh(y + offset, [r[key] / 2 ** 20 for r in rows], 0.26, color=colour, label=label)
     peak.set_yticks(y, names, fontsize=8)
     peak.invert_yaxis()

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO_ROOT / "tools" / "walkthrough"))
 
 from qwen_np.training import data, evaluation, trainer, step as training, parameters, run_spec, run_state, text_data  # noqa: E402
 from qwen_np.training.settings import PRESET_CONFIGS, PRESET_SETTINGS  # noqa: E402
-from qwen_np.engine import memory  # noqa: E402
+from qwen_np.engine import step_memory  # noqa: E402
 from qwen_np.core.config import Qwen3Config, parameter_count  # noqa: E402
 from qwen_np.generation.generate import generate  # noqa: E402
 from qwen_np.core.model import Qwen3Model  # noqa: E402
@@ -158,9 +158,9 @@ def gradient_noise(corpus: text_data.Corpus) -> dict[str, Any]:
                                                             shards=2 if B > 1 else 1)[1]
             g = np.concatenate([grads[n].ravel() for n in reference])
             cosines.append(float(np.dot(g, ref) / (np.linalg.norm(g) * np.linalg.norm(ref))))
-        estimate = memory.training_memory(model.config, B, T)
+        estimate = step_memory.training_memory(model.config, B, T)
         rows.append({"batch": B, "cosine": float(np.mean(cosines)),
-                     "memory": memory.training_total(estimate),
+                     "memory": step_memory.training_total(estimate),
                      "activations": estimate["activations"]})
     return {"reference_rows": NOISE_REFERENCE, "draws": NOISE_DRAWS, "rows": rows}
 
@@ -181,7 +181,7 @@ def accumulation(corpus: text_data.Corpus) -> dict[str, Any]:
     return {"micro_batches": MICRO_BATCHES, "loss": [loss1, loss4],
             "gradient_difference": max(float(np.abs(g1[n] - g4[n]).max()) for n in g1) / scale,
             "weight_difference": max(float(np.abs(p1[n] - p4[n]).max()) for n in p1),
-            "activations": [memory.training_memory(config, B // micro, T)["activations"] for micro in (1, MICRO_BATCHES)]}
+            "activations": [step_memory.training_memory(config, B // micro, T)["activations"] for micro in (1, MICRO_BATCHES)]}
 
 
 def one_step_overfit(model: Qwen3Model, corpus: text_data.Corpus, held_out: np.ndarray) -> dict[str, Any]:
@@ -500,7 +500,7 @@ def noise_part(rec: dict[str, Any]) -> str:
     return f"""**Batch size and gradient noise.** A batch's gradient estimates the gradient of the whole text.
 At the random initialisation, the cosine between the gradient of B windows and that of
 {n['reference_rows']} other windows (1: same direction, 0: unrelated), the mean of {n['draws']} batches each, with
-what a step of that batch holds (`memory.training_memory`, T = {run['context']}):
+what a step of that batch holds (`step_memory.training_memory`, T = {run['context']}):
 
 | B | cosine with the {n['reference_rows']}-window gradient | activations | step total (weights, gradients, AdamW, activations) |
 |---:|---:|---:|---:|

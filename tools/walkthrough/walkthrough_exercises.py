@@ -11,7 +11,7 @@ import numpy as np
 from qwen_np import preset
 from qwen_np.core import layers
 from qwen_np.core.flash import flash_attention
-from qwen_np.engine import memory
+from qwen_np.engine import memory, step_memory
 from qwen_np.inspection.counts import weight_bytes_read_per_token
 from qwen_np.numbers import formats
 from qwen_np.core.config import Qwen3Config
@@ -135,7 +135,7 @@ bytes, whatever the core count.""")
 
 
 def training_fit(run: Run) -> tuple[str, str, str]:
-    remedies = memory.training_remedies(preset(TRAIN_MODEL), TRAIN_ROWS, TRAIN_CONTEXT)
+    remedies = step_memory.training_remedies(preset(TRAIN_MODEL), TRAIN_ROWS, TRAIN_CONTEXT)
     names = {"baseline": "nothing", "quarter_batch": f"--batch-size {TRAIN_ROWS // 4}", "bf16_activations": "activations in BF16",
              "grad_accum_4": "--grad-accum 4", "recompute": "--recompute", "all_three": "all three"}
     rows = "\n".join(f"| {names[k]} | {num(v['total'] / GiB)} GiB | {'yes' if v['total'] <= TRAIN_BUDGET else 'no'} |"
@@ -143,7 +143,7 @@ def training_fit(run: Run) -> tuple[str, str, str]:
     budget = f"{TRAIN_BUDGET / GiB:g} GiB"
     return (f"which remedy fits Qwen3-0.6B in {budget}",
             f"Training Qwen3-0.6B on batches of {TRAIN_ROWS} × {TRAIN_CONTEXT:,} tokens, which single remedy of "
-            f"section 10 brings the step under {budget}, keeping the same update? (`memory.training_remedies`.)",
+            f"section 10 brings the step under {budget}, keeping the same update? (`step_memory.training_remedies`.)",
             f"""| remedy | total | fits in {budget} |
 |---|---:|---|
 {rows}

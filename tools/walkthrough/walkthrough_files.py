@@ -266,7 +266,7 @@ def _training_memory(data: dict[str, Any]) -> Any:
         ax.text(start + 5, row, f"{start:.0f} MiB", va="center", fontsize=8)
     ax.set_yticks(range(len(bars)), list(bars), fontsize=8)
     ax.invert_yaxis()
-    ax.set(xlabel="MiB", title=f"What a training step of the {data['preset']} preset holds (memory.training_memory)")
+    ax.set(xlabel="MiB", title=f"What a training step of the {data['preset']} preset holds (step_memory.training_memory)")
     ax.legend(fontsize=8, ncol=4, loc="lower right")
     fig.tight_layout()
     return fig
@@ -331,7 +331,7 @@ import numpy as np
 
 from qwen_np import load_model
 from qwen_np.core import layers, sampling
-from qwen_np.engine import memory
+from qwen_np.engine import step_memory
 from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.inspection import Tracer, attention_weights, lens_probabilities
 from qwen_np.training import step as training, text_data
@@ -395,7 +395,7 @@ optimizer = training.adamw_for(params, weight_decay=0.1)
 lr = training.learning_rate({warmup} - 1, {peak}, {warmup}, {steps})
 optimizer.update(params, grads, lr)                            # the copy's weights change in place
 print(batch.shape, round(loss, 4), round(norm, 4), lr, round(training.loss_and_gradients(trained, batch)[0], 4))''',
-    10: '''estimate = memory.training_memory(model.config, rows=16, context=256)
+    10: '''estimate = step_memory.training_memory(model.config, rows=16, context=256)
 for key, value in estimate.items():
     print(f"{key:<22} {value / 2**20:10.2f} MiB")
 for precision in ("fp32", "bf16", "fp16", "fp8"):   # the matrix products' inputs rounded; master weights FP32
@@ -578,12 +578,12 @@ GLOSSARY = (
     ("continuous batching", "one forward pass for every running request, which join and leave between any two steps: "
      "each weight read serves every row", "qwen_np.generation.batching.BatchGenerator", "--max-batch", 14),
     ("activations / 激活", "the intermediate arrays of a forward pass; training keeps them for the backward pass",
-     "qwen_np.engine.memory.training_memory", "--grad-accum", 10),
+     "qwen_np.engine.step_memory.training_memory", "--grad-accum", 10),
     ("recomputation (activation checkpointing)", "keep only each layer's input and run the layer again in the "
      "backward pass: the same gradients for a fraction of the activations, one more forward pass of time",
      "qwen_np.training.step.loss_and_gradients", "--recompute", 10),
     ("memory / 显存 (here: RAM)", "what a run holds: weights, gradients, optimizer state, activations; on a GPU "
-     "this is its memory", "qwen_np.engine.memory.training_memory", "--batch-size", 10),
+     "this is its memory", "qwen_np.engine.step_memory.training_memory", "--batch-size", 10),
     ("mixed precision / 混合精度", "training with every matrix product's inputs rounded to a narrow format (BF16, "
      "FP16, FP8) while the master weights and AdamW stay FP32", "qwen_np.training.step.loss_and_gradients",
      "--precision", 10),

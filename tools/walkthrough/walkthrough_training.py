@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from qwen_np import load_model, preset
-from qwen_np.engine import memory
+from qwen_np.engine import step_memory
 from qwen_np.training import step as training, run_state, text_data
 from qwen_np.training.settings import PRESET_SETTINGS
 from qwen_np.core import layers
@@ -222,25 +222,25 @@ def memory_section(model_dir: Path, num: Any, figures: dict[str, Any]) -> str:
     model = load_model(model_dir, memory="fp32", fast=False)
     config = model.config
     rows, context = settings["batch_size"], settings["context"]
-    estimate = memory.training_memory(config, rows, context)
+    estimate = step_memory.training_memory(config, rows, context)
     table = "\n".join(f"| {what} | {mib(estimate[key])} |" for key, what in (
         ("weights", "weights (FP32)"), ("gradients", "gradients (FP32)"), ("adamw", "AdamW moments m and v (FP32)"),
         ("activations", f"activations: {estimate['activations_per_token'] / 1024:.4g} KiB per token × {rows} × {context}")))
-    total = memory.training_total(estimate)            # the step's peak moment, its transients included
+    total = step_memory.training_total(estimate)            # the step's peak moment, its transients included
     transients = total - sum(estimate[key] for key in ("weights", "gradients", "adamw", "activations"))
     figures["training_memory"] = {"preset": PRESET, "rows": rows, "context": context,
                                   "parts": {key: estimate[key] for key in ("weights", "gradients", "adamw", "activations")},
-                                  "grad_accum_4": memory.training_memory(config, rows // 4, context)["activations"]}
+                                  "grad_accum_4": step_memory.training_memory(config, rows // 4, context)["activations"]}
 
     measured_rows, measured_context = MEASURED_BATCH, MEASURED_CONTEXT
-    small = memory.training_memory(config, measured_rows, measured_context)
+    small = step_memory.training_memory(config, measured_rows, measured_context)
     tokens = np.resize(np.array(Tokenizer.from_folder(model_dir).encode(TRAIN_TEXT), dtype=np.int64),
                        (measured_rows, measured_context + 1))
     tracemalloc.start()
     training.loss_and_gradients(model, tokens)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    moments = memory.training_moments(small)             # one loss_and_gradients: every moment but the update's
+    moments = step_memory.training_moments(small)             # one loss_and_gradients: every moment but the update's
     predicted = max(v for k, v in moments.items() if k != "update") - small["weights"] - small["adamw"]
 
     params = training.named_parameters(model)
@@ -255,7 +255,7 @@ def memory_section(model_dir: Path, num: Any, figures: dict[str, Any]) -> str:
     share = attention_share(preset("qwen3-8b"), LONG_CONTEXT)
     return f"""## 10. What training holds in memory, and what a checkpoint saves
 
-While it trains, qwen_np holds four numbers per parameter, all FP32 (`memory.training_memory`): the
+While it trains, qwen_np holds four numbers per parameter, all FP32 (`step_memory.training_memory`): the
 weight, its gradient, and AdamW's two moments; plus the **activations** the backward pass needs, which
 grow with batch size × context, and faster still with the context: each layer keeps the attention
 probabilities, H numbers per token per earlier token, so they grow as batch × context². For Qwen3-8B
@@ -265,7 +265,7 @@ at {LONG_CONTEXT:,} tokens they are {share:.0%} of a layer's activations. For th
 | what | bytes |
 |---|---:|
 {table}
-| transients at the step's peak (the logits and their gradient, copies: `memory.training_peak`) | {mib(transients)} |
+| transients at the step's peak (the logits and their gradient, copies: `step_memory.training_peak`) | {mib(transients)} |
 | **total** | **{mib(total)}** |
 
 ![Training memory of the preset's step, whole and with --grad-accum 4](figures/training_memory.png)
@@ -324,17 +324,17 @@ def flash_part(num: Any) -> str:
     gib = 2 ** 30
 
     def totals(recompute: bool) -> tuple[float, float]:
-        estimate = memory.training_memory(real, rows, context, recompute=recompute)
-        probabilities = memory.attention_probabilities(real, rows, context, recompute=recompute)
+        estimate = step_memory.training_memory(real, rows, context, recompute=recompute)
+        probabilities = step_memory.attention_probabilities(real, rows, context, recompute=recompute)
         kept_rows = 4 * (1 if recompute else L) * H * context * rows      # one FP32 number per query row and head
         flash = {**estimate, "activations": estimate["activations"] - probabilities + kept_rows,
                  "stacked_probabilities": 0, "recomputed_probabilities": 0}   # no probabilities to stack either
-        return memory.training_total(estimate) / gib, memory.training_total(flash) / gib
+        return step_memory.training_total(estimate) / gib, step_memory.training_total(flash) / gib
 
     whole, whole_flash = totals(False)
     again, again_flash = totals(True)
     return f"""**FlashAttention: the probabilities need not be stored at all.** The biggest line of that
-table, {num(memory.attention_probabilities(real, rows, context) / gib)} GiB of attention probabilities, is
+table, {num(step_memory.attention_probabilities(real, rows, context) / gib)} GiB of attention probabilities, is
 what every large trainer no longer keeps. The softmax seems to need a row's max and sum over all keys
 before any weight is known; the **online softmax** does without: read the keys a block at a time and
 keep, per query row, the running max, the running sum of exp(score − max) and the running weighted
@@ -383,9 +383,9 @@ gradients and AdamW moments for every expert. qwen_np implements the dense archi
 
 
 def attention_share(config: Qwen3Config, context: int) -> float:
-    """The attention probabilities' share of the layers' training activations: memory.training_memory's tape,
+    """The attention probabilities' share of the layers' training activations: step_memory.training_memory's tape,
     less its part outside the layers (the final norm's input and output), against H * T numbers per token per layer."""
-    per_token = memory.training_memory(config, 1, context)["activations_per_token"]
+    per_token = step_memory.training_memory(config, 1, context)["activations_per_token"]
     layers = per_token - 4 * 2 * config.hidden_size
     return 4 * config.num_hidden_layers * config.num_attention_heads * context / layers
 
