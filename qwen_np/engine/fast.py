@@ -51,6 +51,7 @@ import functools
 import math
 import threading
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
@@ -62,7 +63,7 @@ from . import runtime
 from ..core.config import LAYER_MATRICES, Qwen3Config
 from .memory import MemoryPlan
 from ..core.kv_cache import SequenceCache
-from ..core.batch import advance, output_rows
+from ..core.batch import Batch, advance, output_rows
 from ..core.model import LayerWeights, Qwen3Model, Trace
 from .paged import OwnPoolCache, PagedKVCache
 from ..errors import QwenNPError
@@ -415,7 +416,7 @@ class FastQwen3Model(Qwen3Model):
             return super().forward_batch(token_ids, caches, trace, last_only, tails, head, adapters)
         head_weight = self.lm_head if head else None       # raises now, before any work, if there is none
         batch = self.pack(token_ids, caches, adapters)
-        ids, positions, rows, cos, sin = batch.ids, batch.positions, batch.rows, batch.cos, batch.sin
+        ids, rows = batch.ids, batch.rows
         picked = output_rows(rows, last_only, tails)           # checked before any work
         runtime.adapt_to_load()                  # fewer threads while other processes want the cores
         config, T = self.config, len(ids)
@@ -427,12 +428,12 @@ class FastQwen3Model(Qwen3Model):
         # stay on one thread (measured: bench/README.md).
         # A batched decode step (a few tokens) multiplies FP32 weights the same way (linear).
         streamed = self._streams_weights() or few_rows(T)
-        parts = runtime.threads() if streamed else 1
+        run = _Pass(batch, buffers, runtime.threads() if streamed else 1)
         blas = runtime.single_threaded_blas() if streamed else nullcontext()
         # SiLU's exp(-x) overflows to inf for x < -88, where silu(x) = x / inf = -0 is right: no warning.
         with blas, np.errstate(over="ignore"):
             for i, weights in enumerate(self.layers):
-                self._layer(i, batch.layer_weights(i, weights), x, positions, rows, cos, sin, caches, buffers, parts)
+                self._layer(i, batch.layer_weights(i, weights), x, run)
             _rms_norm(x, self.norm, config.rms_norm_eps, out=buffers.h)
             h = buffers.h if picked is None else buffers.h[picked]
             if head_weight is None:
@@ -462,36 +463,29 @@ class FastQwen3Model(Qwen3Model):
                     *(without_adapters(getattr(w, name)) for w in self.layers for name in LAYER_MATRICES)]
         return not all(isinstance(m, np.ndarray) for m in matrices)
 
-    def _layer(self, i: int, w: LayerWeights, x: np.ndarray, positions: np.ndarray, rows: list[slice],
-               cos: np.ndarray, sin: np.ndarray, caches: Sequence[SequenceCache | None], b: _Buffers, parts: int) -> None:
+    def _layer(self, i: int, w: LayerWeights, x: np.ndarray, run: _Pass) -> None:
         """x += attention(input_layernorm(x)); x += mlp(post_attention_layernorm(x)), in place.  x [T, D],
-        the tokens of every sequence of the batch (`rows` says which are whose).
+        the tokens of every sequence of the batch (run.batch.rows says which are whose)."""
+        eps, b = self.config.rms_norm_eps, run.buffers
+        run.by_rows(lambda r: _rms_norm(x[r], w.input_layernorm, eps, out=b.h[r]))
+        self._attention_block(i, w, run)                                            # b.h -> b.block_out
 
-        Every step between the products treats token rows independently (attention too, once this call's
-        keys are in the cache), so each runs as up to `parts` slices of rows at once (see runtime.split).
-        """
-        c, T = self.config, x.shape[0]
-        H, KVH, Dh, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        q_end, k_end, F = H * Dh, (H + KVH) * Dh, c.intermediate_size
-        qkv_weight, gate_up_weight = self.fused_weights(i)
+        def add_and_norm(r: slice) -> None:
+            x[r] += b.block_out[r]
+            _rms_norm(x[r], w.post_attention_layernorm, eps, out=b.h[r])
+
+        run.by_rows(add_and_norm)
+        self._mlp_block(i, w, run)                                                  # b.h -> b.block_out
+        run.by_rows(lambda r: np.add(x[r], b.block_out[r], out=x[r]))
+
+    def _attention_block(self, i: int, w: LayerWeights, run: _Pass) -> None:
+        """block_out = o_proj(attention(q, k, v)) of the normed input h: q, k, v in one product when they lie
+        back to back, QK-norm and RoPE in one pass over q and k, each sequence over its own cache's keys."""
+        c, b, batch = self.config, run.buffers, run.batch
+        T, H, KVH, Dh = len(batch.ids), c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q_end, k_end = H * Dh, (H + KVH) * Dh
+        qkv_weight = self.fused_weights(i)[0]
         q_norm, k_norm = qwen3_weight(w.q_norm, "q_norm"), qwen3_weight(w.k_norm, "k_norm")
-
-        def by_rows(step: Callable[[slice], object], within: slice = slice(0, T)) -> None:
-            n = within.stop - within.start
-            split = min(parts, n // MIN_ROWS_PER_THREAD)
-            if split > 1:
-                runtime.split(n, split, lambda r: step(slice(within.start + r.start, within.start + r.stop)))
-            else:
-                step(within)
-
-        def qk_norm_and_rope(r: slice) -> None:
-            qk = b.qkv[r, :k_end].reshape(-1, H + KVH, Dh)     # q heads, then k heads: one norm, one RoPE
-            _rms_norm(qk, None, eps, out=qk)
-            qk[:, :H] *= q_norm
-            qk[:, H:] *= k_norm
-            _rope(qk, cos[r], sin[r], b.rope_scratch[:, r])
-
-        by_rows(lambda r: _rms_norm(x[r], w.input_layernorm, eps, out=b.h[r]))
         if qkv_weight is not None:                     # the bases as one matrix, then each one's adapters
             linear(b.h, qkv_weight, b.qkv)
             _add_adapters(b.h, [w.q_proj, w.k_proj, w.v_proj], b.qkv)
@@ -499,31 +493,39 @@ class FastQwen3Model(Qwen3Model):
             linear(b.h, w.q_proj, b.qkv[:, :q_end])
             linear(b.h, w.k_proj, b.qkv[:, q_end:k_end])
             linear(b.h, w.v_proj, b.qkv[:, k_end:])
-        by_rows(qk_norm_and_rope)
+
+        def qk_norm_and_rope(r: slice) -> None:
+            qk = b.qkv[r, :k_end].reshape(-1, H + KVH, Dh)     # q heads, then k heads: one norm, one RoPE
+            _rms_norm(qk, None, c.rms_norm_eps, out=qk)
+            qk[:, :H] *= q_norm
+            qk[:, H:] *= k_norm
+            _rope(qk, batch.cos[r], batch.sin[r], b.rope_scratch[:, r])
+
+        run.by_rows(qk_norm_and_rope)
         q = b.qkv[:, :q_end].reshape(T, H, Dh)
         k = b.qkv[:, q_end:k_end].reshape(T, KVH, Dh)
         v = b.qkv[:, k_end:].reshape(T, KVH, Dh)
 
         def attend(keys: np.ndarray, values: np.ndarray, r: slice) -> None:
-            _attention(q[r], keys, values, positions[r], b.mixed[r])
+            _attention(q[r], keys, values, batch.positions[r], b.mixed[r])
 
         decoding: list[tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = []   # (row, its cache's runs)
-        for row, cache in zip(rows, caches):            # each sequence attends over its own keys only
+        for row, cache in zip(batch.rows, batch.caches):     # each sequence attends over its own keys only
             if isinstance(cache, PagedKVCache) and row.stop - row.start == 1 and cache.pool.dtype == "fp32":
                 cache.write(i, k[row], v[row])          # a decode step: over the blocks where they lie
                 decoding.append((row.start, cache.runs(i, cache.length + 1)))
                 continue
             keys, values = (k[row], v[row]) if cache is None else cache.append(i, k[row], v[row])  # [S, KVH, Dh]
-            by_rows(functools.partial(attend, keys, values), row)
+            run.by_rows(functools.partial(attend, keys, values), row)
         if decoding:                                    # every decoding sequence's softmax in one go
             _decode_attention(q, decoding, b.mixed)
         linear(b.mixed, w.o_proj, b.block_out)
 
-        def add_and_norm(r: slice) -> None:
-            x[r] += b.block_out[r]
-            _rms_norm(x[r], w.post_attention_layernorm, eps, out=b.h[r])
-
-        by_rows(add_and_norm)
+    def _mlp_block(self, i: int, w: LayerWeights, run: _Pass) -> None:
+        """block_out = down_proj(silu(gate_proj(h)) * up_proj(h)): gate and up in one product when they lie
+        back to back."""
+        b, F = run.buffers, self.config.intermediate_size
+        gate_up_weight = self.fused_weights(i)[1]
         if gate_up_weight is not None:
             linear(b.h, gate_up_weight, b.gate_up)
             _add_adapters(b.h, [qwen3_weight(w.gate_proj, "gate_proj"), w.up_proj], b.gate_up)
@@ -531,9 +533,30 @@ class FastQwen3Model(Qwen3Model):
             linear(b.h, qwen3_weight(w.gate_proj, "gate_proj"), b.gate_up[:, :F])
             linear(b.h, w.up_proj, b.gate_up[:, F:])
         gate, up = b.gate_up[:, :F], b.gate_up[:, F:]
-        by_rows(lambda r: _silu_times(gate[r], up[r], b.silu_scratch[r]))
+        run.by_rows(lambda r: _silu_times(gate[r], up[r], b.silu_scratch[r]))
         linear(gate, w.down_proj, b.block_out)
-        by_rows(lambda r: np.add(x[r], b.block_out[r], out=x[r]))
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What one forward pass's layers share: the packed batch (ids, positions, each sequence's rows and cache,
+    RoPE's tables), the activation buffers, and `parts`: every step between the products treats token rows
+    independently (attention too, once this call's keys are in the cache), so each runs as up to `parts`
+    slices of rows at once (see runtime.split)."""
+
+    batch: Batch
+    buffers: _Buffers
+    parts: int
+
+    def by_rows(self, step: Callable[[slice], object], within: slice | None = None) -> None:
+        """step(r) for the rows `within` (default: all), as up to `parts` slices run at once."""
+        within = slice(0, len(self.batch.ids)) if within is None else within
+        n = within.stop - within.start
+        split = min(self.parts, n // MIN_ROWS_PER_THREAD)
+        if split > 1:
+            runtime.split(n, split, lambda r: step(slice(within.start + r.start, within.start + r.stop)))
+        else:
+            step(within)
 
 
 def _add_adapters(x: np.ndarray, parts: list[Weight], out: np.ndarray) -> None:
