@@ -85,12 +85,13 @@ def run(args: argparse.Namespace) -> int:
         files = open_model(common.model_folder(args.model))
         draft = common.check_speculation(args, files.config, files.tokenizer)
         adapters = [common.read_lora(folder, files.config, name) for name, folder in lora]
-        launch.serve(names, files, listener, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT,
-                     memory=args.memory, kv_memory=kv_memory, kv_dtype=args.kv_dtype, api_key=args.api_key,
-                     log=not args.quiet, split_reasoning=args.reasoning_format == "parsed",
-                     default_max_tokens=None if args.default_max_tokens == -1 else args.default_max_tokens,
-                     draft=draft, lookup=args.lookup, draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS,
-                     adapters=adapters, announce=lambda line: print(line, file=sys.stderr, flush=True))
+        config = launch.ServeConfig(
+            names, files, max_batch=args.max_batch, context=args.ctx_size or DEFAULT_CONTEXT, memory=args.memory,
+            kv_memory=kv_memory, kv_dtype=args.kv_dtype, api_key=args.api_key, log=not args.quiet,
+            split_reasoning=args.reasoning_format == "parsed",
+            default_max_tokens=None if args.default_max_tokens == -1 else args.default_max_tokens, draft=draft,
+            lookup=args.lookup, draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS, adapters=adapters)
+        launch.serve(config, listener, announce=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
 
 

@@ -12,6 +12,7 @@ Imports app, protocol, access and requests of serving/ (the top of the folder; c
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -37,78 +38,61 @@ from .requests import DEFAULT_MAX_TOKENS, LENGTH_FACTOR, Service, longest_token,
 
 
 
-def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.socket, *, max_batch: int = DEFAULT_MAX_BATCH,
-          context: int = DEFAULT_CONTEXT, memory: str = "auto", kv_memory: int | None = None, kv_dtype: str = "fp32",
-          api_key: str | None = None, log: bool = True, split_reasoning: bool = True,
-          default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-          draft: Path | ModelFiles | None = None, lookup: int | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-          adapters: Sequence[Adapter] = (), announce: Callable[[str], None] = lambda line: None) -> None:
-    """Load the model in `folder` (clients ask for it by any of `names`, the first its own) and serve it on
-    `listener` until Ctrl-C or SIGTERM. context: prompt and reply together, at most the model's; kv_memory:
-    bytes of the KV cache's block pool, shared by every request (None: what RAM has left after the weights,
-    at most max_batch full contexts); kv_dtype: how it stores keys and values; default_max_tokens: a
-    request's max_tokens when it gives none (None: what the context has left); draft (a checkpoint folder)
-    or lookup (the n-gram size): every row decodes speculatively, draft_tokens drafted per step; adapters:
-    LoRA adapters (files.adapter.read_adapter) a request asks for by name, over the one base in memory;
-    announce(line) gets the start lines."""
+@dataclass(frozen=True)
+class ServeConfig:
+    """What a server runs: the model (`model`: its folder, a GGUF file or its opened files), the names clients
+    ask for it by (the first its own), and how it serves. context: prompt and reply together, at most the
+    model's; kv_memory: bytes of the KV cache's block pool, shared by every request (None: what RAM has left
+    after the weights, at most max_batch full contexts); kv_dtype: how it stores keys and values;
+    default_max_tokens: a request's max_tokens when it gives none (None: what the context has left); draft
+    (a checkpoint folder) or lookup (the n-gram size): every row decodes speculatively, draft_tokens drafted
+    per step; adapters: LoRA adapters (files.adapter.read_adapter) a request asks for by name, over the one
+    base in memory; split_reasoning: a chat reply's <think> part apart; log: a line per request on stderr."""
+
+    names: Sequence[str]
+    model: Path | ModelFiles
+    max_batch: int = DEFAULT_MAX_BATCH
+    context: int = DEFAULT_CONTEXT
+    memory: str = "auto"
+    kv_memory: int | None = None
+    kv_dtype: str = "fp32"
+    api_key: str | None = None
+    log: bool = True
+    split_reasoning: bool = True
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS
+    draft: Path | ModelFiles | None = None
+    lookup: int | None = None
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    adapters: Sequence[Adapter] = ()
+
+    def check(self) -> None:
+        """Refuse settings no model could serve, before any file is read."""
+        if isinstance(self.names, str) or not self.names:
+            raise QwenNPError(f"serve: names must be a non-empty list of model names, got {self.names!r}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise QwenNPError(f"must be at least 1, got {self.default_max_tokens}", "default_max_tokens")
+        served = [*self.names, *(adapter.name for adapter in self.adapters)]
+        if len(set(served)) < len(served):
+            raise QwenNPError(f"names must be distinct, the base's and the adapters', got {served}", "adapters")
+
+
+def serve(config: ServeConfig, listener: socket.socket, announce: Callable[[str], None] = lambda line: None) -> None:
+    """Load the model `config` names and serve it on `listener` until Ctrl-C or SIGTERM; announce(line) gets
+    the start lines."""
     try:
         import uvicorn
     except ImportError:
         raise QwenNPError("serve: needs the `serve` extra (pip install 'qwen_np[serve]': starlette, uvicorn)") from None
-    if isinstance(names, str) or not names:
-        raise QwenNPError(f"serve: names must be a non-empty list of model names, got {names!r}")
-    if default_max_tokens is not None and default_max_tokens < 1:
-        raise QwenNPError(f"must be at least 1, got {default_max_tokens}", "default_max_tokens")
-    served = [*names, *(adapter.name for adapter in adapters)]
-    if len(set(served)) < len(served):
-        raise QwenNPError(f"names must be distinct, the base's and the adapters', got {served}", "adapters")
-    files = open_model(folder)                  # read once: the command that opened it passes it on
-    config, tokenizer, defaults = files.config, files.tokenizer, files.generation_defaults
-    context = context_for(config, context)
-    if draft is not None:
-        draft = open_model(draft, "draft")
-        check_draft_folder(draft, config, tokenizer)       # the files the command checked: nothing is read again
-    model = load_model(files, memory=memory, max_tokens=context)
-    check_weights_finite(model)                  # NaN/Inf weights: one line naming the layer, before listening
-    drafter = load_draft(draft, memory, context + draft_tokens) if draft is not None else None
-    # Every row's draft cache holds as many positions as its target cache (plus the drafted ones), so a
-    # draft's block costs its bytes beside each target block: the budget buys pairs of blocks.
-    per_block = block_bytes(config, kv_dtype)
-    per_pair = per_block + (block_bytes(drafter.config, kv_dtype) if drafter is not None else 0)
-    default = kv_memory is None
-    adapter_bytes = sum(adapter.nbytes for adapter in adapters)
-    budget = (default_kv_memory(model, pool_blocks([context] * max_batch) * per_pair, drafter, adapter_bytes)
-              if kv_memory is None else kv_memory)
-    pool = BlockPool(config, budget // per_pair, kv_dtype, prefix_caching=True)
-    speculation = (speculation_over(pool, drafter, max_batch, draft_tokens) if drafter is not None
-                   else lookup_speculation(lookup, draft_tokens) if lookup is not None else None)
-    generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=max_batch,
-                               context=context, pool=pool, speculation=speculation)
-    tokenizer.encode("", parse_special=False)    # its literal backend made now, not under a client's request
-    grammars = grammar_vocabulary(files, announce)
-    service = Service(tuple(names), tokenizer, defaults, BatchRunner(generator), context,
-                      LENGTH_FACTOR * longest_token(tokenizer), tokens_per_message(tokenizer), split_reasoning,
-                      default_max_tokens, grammars, {adapter.name: adapter for adapter in adapters})
+    config.check()
     host, port = listener.getsockname()[:2]
-    warning = exposure_warning(host, api_key)
+    warning = exposure_warning(host, config.api_key)
     if warning:
         announce(warning)
-    announce(f"KV cache: {format_size(pool.num_blocks * per_pair)} ({kv_dtype}), {pool.num_blocks} blocks of "
-             f"{pool.block_size} positions, {generator.capacity} positions for all requests together"
-             + (f" (the draft's {format_size(pool.num_blocks * (per_pair - per_block))} included)" if drafter else "")
-             + (" (default: the RAM left after the weights, with a margin, at most --max-batch full contexts)"
-                if default else ""))
-    if not model.has_head:
-        announce("no LM head (an embedding model): it serves /v1/embeddings; chat and completions answer a 400")
-    if speculation is not None:
-        announce(f"speculative decoding: {speculation.describe}, {speculation.tokens} tokens drafted per step")
-    if adapters:
-        announce(f"LoRA adapters over {names[0]}: " + ", ".join(f"{adapter.name} (rank {adapter.rank})" for adapter in adapters)
-                 + f", {format_size(adapter_bytes)} together")
+    service = start_service(config, announce)
     address = f"{'[' + host + ']' if ':' in host else host}:{port}"
-    announce(f"serving {', '.join(names)} on http://{address}/v1 (max batch {max_batch}, context {context}); "
-             "Ctrl-C stops")
-    app = create_app(service, api_key=api_key, loopback_only=is_loopback(host), log=log)
+    announce(f"serving {', '.join(config.names)} on http://{address}/v1 (max batch {config.max_batch}, context "
+             f"{service.context}); Ctrl-C stops")
+    app = create_app(service, api_key=config.api_key, loopback_only=is_loopback(host), log=config.log)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
                                            timeout_keep_alive=KEEP_ALIVE_SECONDS, http=header_deadline_protocol()))
     service.runner.start()
@@ -116,6 +100,50 @@ def serve(names: Sequence[str], folder: Path | ModelFiles, listener: socket.sock
         server.run(sockets=[listener])
     finally:
         service.runner.stop()
+
+
+def start_service(config: ServeConfig, announce: Callable[[str], None]) -> Service:
+    """The model loaded (its weights checked finite), the KV pool sized, speculation set up and the Service
+    every request goes through, its runner not yet started; the lines that say so announced."""
+    files = open_model(config.model)             # read once: the command that opened it passes it on
+    tokenizer, defaults = files.tokenizer, files.generation_defaults
+    context = context_for(files.config, config.context)
+    draft = open_model(config.draft, "draft") if config.draft is not None else None
+    if draft is not None:
+        check_draft_folder(draft, files.config, tokenizer)    # the files the command checked: nothing is read again
+    model = load_model(files, memory=config.memory, max_tokens=context)
+    check_weights_finite(model)                  # NaN/Inf weights: one line naming the layer, before listening
+    drafter = load_draft(draft, config.memory, context + config.draft_tokens) if draft is not None else None
+    # Every row's draft cache holds as many positions as its target cache (plus the drafted ones), so a
+    # draft's block costs its bytes beside each target block: the budget buys pairs of blocks.
+    per_block = block_bytes(model.config, config.kv_dtype)
+    per_pair = per_block + (block_bytes(drafter.config, config.kv_dtype) if drafter is not None else 0)
+    adapter_bytes = sum(adapter.nbytes for adapter in config.adapters)
+    budget = (default_kv_memory(model, pool_blocks([context] * config.max_batch) * per_pair, drafter, adapter_bytes)
+              if config.kv_memory is None else config.kv_memory)
+    pool = BlockPool(model.config, budget // per_pair, config.kv_dtype, prefix_caching=True)
+    speculation = (speculation_over(pool, drafter, config.max_batch, config.draft_tokens) if drafter is not None
+                   else lookup_speculation(config.lookup, config.draft_tokens) if config.lookup is not None else None)
+    generator = BatchGenerator(model, tokenizer, eos_token_ids=defaults.eos_token_ids, max_batch=config.max_batch,
+                               context=context, pool=pool, speculation=speculation)
+    tokenizer.encode("", parse_special=False)    # its literal backend made now, not under a client's request
+    grammars = grammar_vocabulary(files, announce)
+    announce(f"KV cache: {format_size(pool.num_blocks * per_pair)} ({config.kv_dtype}), {pool.num_blocks} blocks of "
+             f"{pool.block_size} positions, {generator.capacity} positions for all requests together"
+             + (f" (the draft's {format_size(pool.num_blocks * (per_pair - per_block))} included)" if drafter else "")
+             + (" (default: the RAM left after the weights, with a margin, at most --max-batch full contexts)"
+                if config.kv_memory is None else ""))
+    if not model.has_head:
+        announce("no LM head (an embedding model): it serves /v1/embeddings; chat and completions answer a 400")
+    if speculation is not None:
+        announce(f"speculative decoding: {speculation.describe}, {speculation.tokens} tokens drafted per step")
+    if config.adapters:
+        announce(f"LoRA adapters over {config.names[0]}: "
+                 + ", ".join(f"{adapter.name} (rank {adapter.rank})" for adapter in config.adapters)
+                 + f", {format_size(adapter_bytes)} together")
+    return Service(tuple(config.names), tokenizer, defaults, BatchRunner(generator), context,
+                   LENGTH_FACTOR * longest_token(tokenizer), tokens_per_message(tokenizer), config.split_reasoning,
+                   config.default_max_tokens, grammars, {adapter.name: adapter for adapter in config.adapters})
 
 
 def grammar_vocabulary(files: ModelFiles, announce: Callable[[str], None]) -> Vocabulary | None:
