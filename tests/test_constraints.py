@@ -23,6 +23,7 @@ from qwen_np.errors import APIError, QwenNPError
 from qwen_np.files.model_files import open_model, read_generation_defaults
 from qwen_np.files.tokenizer import Tokenizer
 from qwen_np.generation import constraints
+from qwen_np.generation.constraints import closed
 from qwen_np.generation.batching import BatchGenerator, BatchRunner, Request
 from qwen_np.generation.generate import Continuation, Ending, generate, prompt_ids
 from qwen_np.generation.speculative import NO_DRAFT, Draft, draft_speculation, lookup_speculation
@@ -127,6 +128,45 @@ def test_the_mask_allows_exactly_what_the_grammar_accepts_and_ends_where_it_is_c
     assert constraint.done and set(np.flatnonzero(constraint.allowed())) == set(eos)
     with pytest.raises(QwenNPError, match="breaks the grammar"):
         constraint.consume(tok.encode("x")[0])
+
+
+def accepts(grammar: constraints.Grammar, tok: Tokenizer, text: str) -> bool:
+    """Whether the grammar allows every token of `text` and could end after it."""
+    constraint = grammar.constraint()
+    for token in tok.encode(text):
+        if not constraint.allowed()[token]:
+            return False
+        constraint.consume(token)
+    return constraint.accepting
+
+
+def test_an_object_that_lists_its_properties_takes_no_other_key_unless_its_schema_opens_it(tok, vocab) -> None:
+    """instructor's and langchain's schemas (pydantic's) leave additionalProperties out: the grammar closes the
+    object, as llama.cpp's converter does, so a model cannot open new keys forever; `true` or a schema opens it."""
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    grammar = constraints.json_schema_grammar(point, vocab)
+    assert accepts(grammar, tok, '{"x": 1}') and not accepts(grammar, tok, '{"x": 1, "y": 2}')
+    for opened in (True, {"type": "integer"}):
+        assert accepts(constraints.json_schema_grammar({**point, "additionalProperties": opened}, vocab), tok, '{"x": 1, "y": 2}')
+    nested = {"$defs": {"Point": point}, "type": "object", "required": ["at"],
+              "properties": {"at": {"$ref": "#/$defs/Point"}, "tags": {"type": "array", "items": point}}}
+    grammar = constraints.json_schema_grammar(nested, vocab)
+    assert accepts(grammar, tok, '{"at": {"x": 1}, "tags": [{"x": 2}]}')
+    assert not accepts(grammar, tok, '{"at": {"x": 1, "y": 2}}') and not accepts(grammar, tok, '{"at": {"x": 1}, "z": 0}')
+    assert not accepts(grammar, tok, '{"at": {"x": 1}, "tags": [{"x": 2, "y": 3}]}')
+    # allOf combines its branches' keys: closing one would forbid the other's, so they stay open.
+    both = {"allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"b": {"type": "integer"}}}],
+            "$defs": {"Base": {"properties": {"a": {"type": "integer"}}}}}
+    assert accepts(constraints.json_schema_grammar(both, vocab), tok, '{"a": 1, "b": 2}')
+
+
+def test_an_unbounded_integer_has_at_most_16_digits_and_a_schemas_own_bounds_are_kept(tok, vocab) -> None:
+    grammar = constraints.json_schema_grammar({"type": "integer"}, vocab)
+    assert accepts(grammar, tok, "9" * 16) and accepts(grammar, tok, "-" + "9" * 16) and not accepts(grammar, tok, "1" * 17)
+    wide = constraints.json_schema_grammar({"type": "integer", "minimum": 0, "maximum": 10 ** 18}, vocab)
+    assert accepts(wide, tok, "1" * 18) and not accepts(wide, tok, "-1")
+    assert closed({"type": "integer", "enum": [10 ** 30]}) == {"type": "integer", "enum": [10 ** 30]}
+    assert closed({"type": "number"}) == {"type": "number"}
 
 
 @pytest.mark.parametrize("schema, keyword", [

@@ -159,3 +159,43 @@ def test_a_stop_token_id_never_cuts_an_auto_call_but_still_ends_the_free_text(sc
                  max_tokens=80, extra_body={**NO_THINKING, "stop_token_ids": quote})
     assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [PARIS]
     assert (choice.message.content or "").strip() == "Said" and choice.finish_reason == "tool_calls"
+
+
+# --- a schema's objects closed; json_object's schema held to (issue 44) --------------------------------------
+
+OPEN_PERSON = {key: value for key, value in PERSON.items() if key != "additionalProperties"}   # pydantic's form
+
+
+@STREAMS
+def test_an_object_schema_that_leaves_additional_properties_out_gets_no_other_key(scripted, stream: bool) -> None:
+    """instructor's and langchain's schemas leave additionalProperties out; a model that goes on past the last
+    key (here: the script) is held to the keys the schema lists, and the value ends."""
+    choice = say(scripted, json.dumps({"name": "Ann", "age": 30, "extra": 1}), stream=stream,
+                 response_format=schema_format(OPEN_PERSON), max_tokens=60, extra_body=NO_THINKING)
+    answer = json.loads(choice.message.content)
+    assert choice.finish_reason == "stop" and set(answer) == {"name", "age"} and answer["name"] == "Ann"
+    jsonschema.validate(answer, OPEN_PERSON)
+
+
+def test_json_object_with_a_schema_is_held_to_the_schema_as_llama_cpp_and_vllm_read_it(scripted) -> None:
+    """instructor's JSON_SCHEMA mode sends {"type": "json_object", "schema": ...}: the schema is not ignored."""
+    script = json.dumps({"name": "Ann", "age": "thirty"})                   # age: a string, the schema's integer
+    free = say(scripted, script, stream=False, response_format={"type": "json_object"}, max_tokens=60,
+               extra_body=NO_THINKING)
+    held = say(scripted, script, stream=False, response_format={"type": "json_object", "schema": OPEN_PERSON},
+               max_tokens=60, extra_body=NO_THINKING)
+    assert free.message.content == script
+    assert held.finish_reason == "stop" and isinstance(json.loads(held.message.content)["age"], int)
+    jsonschema.validate(json.loads(held.message.content), OPEN_PERSON)
+
+
+@pytest.mark.parametrize("response_format, key", [
+    ({"type": "json_object", "schemas": OPEN_PERSON}, "response_format.schemas"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": OPEN_PERSON, "strict": True, "shema": {}}},
+     "response_format.json_schema.shema"),
+    ({"type": "text", "json_schema": {}}, "response_format.json_schema")])
+def test_a_key_of_response_format_it_does_not_read_is_refused_by_name_never_ignored(scripted, response_format,
+                                                                                      key) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        say(scripted, "{}", stream=False, response_format=response_format, max_tokens=8)
+    assert refused.value.param == "response_format" and refused.value.body["message"].startswith(f"{key}: ")

@@ -68,6 +68,15 @@ INSTALL = "pip install 'qwen_np[constraints]'"
 # The JSON style of every schema (see the module's docstring): llguidance's per-schema options.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TOOL_CHOICES = ("auto", "required", "none")
+# An integer a schema leaves unbounded is held to 16 digits at most, as llama.cpp's schema converter holds it
+# ([1-9][0-9]{0,15}): otherwise a small model may write a 60-digit integer, which the schema accepts and no
+# program wants.
+INTEGER_BOUND = 10 ** 16 - 1
+# Where a schema holds subschemas: one (`items`), a list of them (`anyOf`), or a name -> subschema map.
+ONE_SCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
 def _engine() -> Any:
@@ -291,6 +300,52 @@ def _tool_alternatives(tools: Sequence[Any]) -> dict[str, str]:
     return alternatives
 
 
+def closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` as the grammar holds a reply to it: every object that lists its properties closed
+    (additionalProperties false) unless the schema says otherwise, and every unbounded integer bounded
+    (INTEGER_BOUND), as llama.cpp's schema converter and XGrammar's strict mode read a schema. Without it a
+    model may open a new key forever where the schema (a pydantic model's, instructor's, langchain's tools)
+    only forgot to say "no other keys". What the grammar allows still validates against the schema as given:
+    it leaves out only what the schema allows but does not describe. An object beside allOf or $ref, inside
+    allOf, or a definition allOf refers to stays open: its keys and the other branches' combine, and closing
+    one would forbid the rest. Returns a copy."""
+    copy = json.loads(json.dumps(schema))
+    nodes = _subschemas(copy)
+    combined = {branch.get("$ref") for node, _ in nodes if isinstance(node.get("allOf"), list)
+                for branch in node["allOf"] if isinstance(branch, dict)}        # definitions allOf combines
+    for node, where in nodes:
+        opened = {"additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref"} & node.keys()
+        if "properties" in node and not opened and where != "allOf" and where not in combined:
+            node["additionalProperties"] = False
+        kind = node.get("type")
+        types: list[Any] = kind if isinstance(kind, list) else [kind]
+        if "integer" in types and "number" not in types and not {"enum", "const"} & node.keys():
+            if not {"minimum", "exclusiveMinimum"} & node.keys():
+                node["minimum"] = -INTEGER_BOUND
+            if not {"maximum", "exclusiveMaximum"} & node.keys():
+                node["maximum"] = INTEGER_BOUND
+    return copy
+
+
+def _subschemas(schema: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """Every subschema of `schema` (itself included: the places ONE_SCHEMA, SCHEMA_LISTS and SCHEMA_MAPS name)
+    with where it sits: "allOf" for a branch of one, its reference ("#/$defs/Name") for a definition of the
+    root, "" otherwise. A stack, not recursion, however deep the nesting."""
+    found: list[tuple[dict[str, Any], str]] = []
+    pending: list[tuple[Any, str]] = [(schema, "")]
+    while pending:
+        node, where = pending.pop()
+        if not isinstance(node, dict):
+            continue
+        found.append((node, where))
+        pending += [(node.get(key), "") for key in ONE_SCHEMA]
+        pending += [(branch, key if key == "allOf" else "") for key in SCHEMA_LISTS if isinstance(node.get(key), list)
+                    for branch in node[key]]
+        pending += [(sub, f"#/{key}/{name}" if node is schema else "") for key in SCHEMA_MAPS
+                    if isinstance(node.get(key), dict) for name, sub in node[key].items()]
+    return found
+
+
 def _checked_schema(schema: Any, where: str) -> dict[str, Any]:
     """`schema` as a dict with the JSON style set, after the engine has compiled it on its own (so that an
     error names the schema's problem, not a place in a composed grammar)."""
@@ -304,7 +359,7 @@ def _checked_schema(schema: Any, where: str) -> dict[str, Any]:
         schema = {}
     if not isinstance(schema, dict):
         raise QwenNPError(f"{where}: a JSON schema must be an object, got {type(schema).__name__}")
-    styled = {**schema, "x-guidance": JSON_STYLE}
+    styled = {**closed(schema), "x-guidance": JSON_STYLE}
     _validate(llg.LLMatcher.grammar_from_json_schema(styled), None, where)     # no tokens needed to check it
     return styled
 

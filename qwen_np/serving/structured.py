@@ -32,6 +32,10 @@ from ..generation.constraints import (INSTALL, Grammar, Vocabulary, json_object_
                                       tool_call_grammar)
 
 TOOL_CHOICES = ("auto", "none", "required")
+# The keys each response_format reads, and those of its json_schema (OpenAI's; json_object's `schema` is
+# llama.cpp's and vLLM's).
+RESPONSE_KEYS = {"text": ("type",), "json_object": ("type", "schema"), "json_schema": ("type", "json_schema")}
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class ResponseFormat:
 
     kind: str
     schema: Any = None
+    where: str = "response_format.json_schema.schema"        # the field the schema came in, for its errors
 
 
 def read_response_format(body: dict[str, Any], tools: Tools | None) -> ResponseFormat | None:
@@ -117,8 +122,7 @@ def grammar(tools: Tools | None, response: ResponseFormat | None, vocabulary: Vo
     try:
         if response is not None:
             return (json_object_grammar(vocabulary, thinking=thinking) if response.kind == "json_object" else
-                    json_schema_grammar(response.schema, vocabulary, thinking=thinking,
-                                        where="response_format.json_schema.schema"))
+                    json_schema_grammar(response.schema, vocabulary, thinking=thinking, where=response.where))
         assert tools is not None
         return tool_call_grammar(tools.declared, vocabulary, tools.choice, tool=tools.tool, parallel=tools.parallel,
                                  thinking=thinking)
@@ -145,20 +149,33 @@ def grammar_vocabulary(vocabulary: Vocabulary | None, field: str) -> Vocabulary:
 
 
 def _response_format(body: dict[str, Any]) -> ResponseFormat | None:
-    """A body's response_format, its form checked; None for text."""
+    """A body's response_format, its form checked, every key of it read (one it does not know is refused by
+    name, never ignored); None for text. json_object with a `schema` is llama.cpp's and vLLM's form of
+    json_schema (instructor's JSON_SCHEMA mode sends it): held to the schema."""
     value = body.get("response_format")
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in RESPONSE_KEYS:
+        raise APIError(400, "response_format: must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                            "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
+    assert isinstance(value, dict)
+    _refuse_unknown(value, RESPONSE_KEYS[kind], "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
-        return ResponseFormat(kind)
-    if kind != "json_schema":
-        raise APIError(400, "response_format: must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                            "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
+        schema = value.get("schema")
+        return ResponseFormat(kind) if schema is None else ResponseFormat("json_schema", schema, "response_format.schema")
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or spec.get("strict") not in (None, True, False):
         raise APIError(400, "response_format.json_schema: must be an object with a name, a schema and optionally "
                             "strict (true or false)", "response_format")
+    _refuse_unknown(spec, JSON_SCHEMA_KEYS, "response_format.json_schema")
     return ResponseFormat(kind, spec.get("schema", True))       # no schema: any JSON value (JSON Schema's `true`)
+
+
+def _refuse_unknown(value: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    unknown = next((key for key in value if key not in known), None)
+    if unknown is not None:
+        raise APIError(400, f"{where}.{unknown}: not a field of {where} (it reads {', '.join(known)})",
+                       "response_format", "unknown_field")
