@@ -5,7 +5,7 @@ one sequence) on random FP32 inputs for a few context lengths T (a prefill: T qu
 tracemalloc (which sees NumPy's allocations) measures the most bytes held at once beyond the inputs,
 for layers.attention (its [H, T, T] scores and probabilities) and core/flash.flash_attention (one
 [H, T, block] block of scores at a time, and the [H, T, Dh] running sums), and prints their ratio.
-Both give the same output (tests/test_flash_attention.py); the figure is memory, not time.
+Both give the same output (tests/core/test_flash_attention.py); the figure is memory, not time.
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
 
 def _drop_own_bytecode() -> None:
     """pytest compiles this file (rewriting its asserts) and caches it in tests/__pycache__ before its first
-    line runs, unless PYTHONDONTWRITEBYTECODE was set: the one file of the suite cached so. Remove it."""
+    line runs, unless PYTHONDONTWRITEBYTECODE was set, and the package's tests/__init__.py with it (imported
+    first, as tests.conftest's package): the two files of the suite cached so. Remove them."""
     cache = Path(__file__).parent / "__pycache__"
-    for compiled in cache.glob(f"{Path(__file__).stem}.*.pyc"):
+    for compiled in [*cache.glob(f"{Path(__file__).stem}.*.pyc"), *cache.glob("__init__.*.pyc")]:
         compiled.unlink(missing_ok=True)
     with contextlib.suppress(OSError):      # not there, or holding something else
         cache.rmdir()
@@ -216,7 +217,7 @@ def tok() -> Tokenizer:
 @pytest.fixture(autouse=True)
 def steady_threads() -> Iterator[None]:
     """Every test runs with the thread count it sets, however busy the machine is (runtime.adapt_to_load
-    would use fewer while other processes run: tests/test_runtime.py tests that)."""
+    would use fewer while other processes run: tests/engine/test_runtime.py tests that)."""
     from qwen_np.engine import runtime
 
     with runtime.steady_threads():

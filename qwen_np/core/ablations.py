@@ -5,7 +5,7 @@ same steps with each piece an ablation changes made a one-line choice beside it:
 `c.use_rope`, `c.use_residual`, and the weights an ablated layer lacks (q_norm and k_norm without QK-norm,
 gate_proj in a GELU MLP). Its notes are Qwen3's (model.LAYER_STEPS), so the trace, the training tape and the
 hand-written backward (training/gradients.py, which reverses each choice) read it unchanged; with every
-choice at Qwen3's value it computes Qwen3's layer (tests/test_ablations.py).
+choice at Qwen3's value it computes Qwen3's layer (tests/core/test_ablations.py).
 
 `model_class(config)` is the one place that picks the readable class a config asks for.
 """

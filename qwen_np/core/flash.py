@@ -13,7 +13,7 @@ another order). Only one block of scores, [..., H, T, block], ever exists.
 On a GPU (Dao et al., 2022) the blocks live in on-chip SRAM and the saving is memory traffic as well
 as memory; the backward pass recomputes each block's probabilities from q, k and the kept m and l
 instead of storing them. qwen_np's inference and training use layers.attention; this module is
-the same result computed the other way, tested equal to it (tests/test_flash_attention.py).
+the same result computed the other way, tested equal to it (tests/core/test_flash_attention.py).
 """
 
 from __future__ import annotations

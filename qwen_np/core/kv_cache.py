@@ -8,7 +8,7 @@ Positions 0 .. length-1 are filled. A forward pass appends each layer's new keys
 and reads back every key so far, then advances `length` by its tokens. This is one sequence's cache,
 positions in order, sized for the whole generation before the first token: the one to read first.
 engine/paged.py keeps the same keys in fixed-size blocks taken from a pool shared by many sequences
-(continuous batching, prefix caching); both give the network the same keys (tests/test_kv_cache.py).
+(continuous batching, prefix caching); both give the network the same keys (tests/engine/test_kv_cache.py).
 
 Only KVH heads are stored, not H (grouped-query attention): Qwen3-8B's cache is 4x smaller than its
 queries' head count suggests. Stored as BF16 or FP16 it is half as large again; keys are widened to

@@ -41,7 +41,7 @@ seen by the next forward, and nothing here keeps a copy. The decode buffers are 
 one model must not run two forward passes at once from different threads.
 
 Every function reproduces the matching function in layers.py up to FP32 rounding (BLAS may sum in a
-different order); tests/test_fast_path.py holds the two paths to 1e-5 relative. Where a decode
+different order); tests/engine/test_fast_path.py holds the two paths to 1e-5 relative. Where a decode
 step's time goes, and the measurements behind each choice, are in bench/README.md.
 """
 

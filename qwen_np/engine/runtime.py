@@ -133,7 +133,7 @@ def adapt_to_load() -> None:
 
     Called at the start of every forward pass and training step; reads the load at most every
     LOAD_CHECK_SECONDS. Logits agree with any other thread count's up to the rounding of BLAS sums (as
-    tests/test_fast_path.py checks); work that must repeat bit for bit runs inside steady_threads()."""
+    tests/engine/test_fast_path.py checks); work that must repeat bit for bit runs inside steady_threads()."""
     global _load_checked
     now = time.monotonic()
     if not _adaptive or _threads == 1 or now - _load_checked < LOAD_CHECK_SECONDS:

@@ -1,7 +1,7 @@
 """What a training step holds at its peak, part by part (training_memory), decided from the config alone as the
 inference plan is (memory.py): the weights, gradients and AdamW's moments in FP32, the tape of activations,
 the [T, V] rows of the loss, and each moment's transients; measured against the real step in
-tests/test_memory.py. `inspect` prints it, `train` checks a run against it, the walkthrough's §10 explains it.
+tests/engine/test_memory.py. `inspect` prints it, `train` checks a run against it, the walkthrough's §10 explains it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 # A step's memory peaks at one of six moments; what is alive then, beyond what it holds throughout
 # (TRAINING_HELD: the weights, the frozen base of LoRA, AdamW's moments), by training_memory's names.
-# Measured with tracemalloc against the real step in tests/test_memory.py.
+# Measured with tracemalloc against the real step in tests/engine/test_memory.py.
 TRAINING_HELD = ("frozen_base", "weights", "adamw")
 _LOGITS = ("activations", "logits", "logit_gradient", "scaled_logit_gradient")     # alive from the loss to the backward's end
 TRAINING_MOMENTS = {

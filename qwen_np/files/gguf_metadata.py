@@ -143,7 +143,7 @@ def _name_map(layers: int) -> gguf.TensorNameMap:
 def gguf_tensor_name(hf_name: str, layers: int = 1) -> str:
     """The llama.cpp name of a Hugging Face tensor name (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight)."""
     name = _name_map(layers).get_name(hf_name, try_suffixes=(".weight",))
-    if name is None:     # every name of config's tensor table has one (tests/test_gguf.py checks)
+    if name is None:     # every name of config's tensor table has one (tests/files/test_gguf.py checks)
         raise QwenNPError(f"gguf: no GGUF name for tensor {hf_name!r}")
     return name
 

@@ -2,7 +2,7 @@
 K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Q4_K_M file is Q4_K and Q6_K tensors; the _S/_M/_L mixes are
 per-tensor choices of these). A matrix is held as its blocks (BlockRows: the file's bytes, a view of
 the mapped file) and widened a block of rows at a time, bit for bit as gguf's reference dequantizer
-(gguf.quants.dequantize, tests/test_formats.py). Q8_0 and Q4_0 are formats.FormatRows. Those two, Q4_K
+(gguf.quants.dequantize, tests/numbers/test_formats.py). Q8_0 and Q4_0 are formats.FormatRows. Those two, Q4_K
 and Q6_K may instead be held repacked at load (ggml_repacked.RepackedRows).
 
 A row is blocks of QK values (32 for the legacy kinds, 256 for the K-quants), each a fixed number of

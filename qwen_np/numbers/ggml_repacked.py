@@ -100,7 +100,7 @@ class RepackedRows:
     code-order group h G/2 + run). For a kind with scales their integers s [G, out] in that order, and each
     block's d FP32 [in/QK, out], so that a = d s per group (exact in FP32: 11 + 8 bits); without scales d
     is a itself [G, out] in code order; with minimums m [G, out] and -dmin [in/QK, out], b = -dmin m. The
-    values BlockRows gives, bit for bit (tests/test_formats.py). A numerics.Grouped weight kind."""
+    values BlockRows gives, bit for bit (tests/numbers/test_formats.py). A numerics.Grouped weight kind."""
 
     kind: str
     codes: np.ndarray

@@ -8,7 +8,7 @@ batch is [B, T] token ids.
 The network's forward for training (`forward_with_tape`) is model.py's forward, with no KV cache and a
 trace that records the activations each layer's backward needs (the tape). `backward` walks the tape in reverse
 and returns one FP32 gradient per checkpoint tensor name. Everything is FP32, like the reference
-(transformers + torch autograd in FP32), which tests/test_gradients.py checks tensor by tensor; in
+(transformers + torch autograd in FP32), which tests/training/test_gradients.py checks tensor by tensor; in
 mixed-precision training (mixed.py) only the linear layers' operands are rounded, through the hook
 layers.MATMUL_INPUTS that layers.linear and linear_backward read.
 """

@@ -1,5 +1,5 @@
 """Generate tests/fixtures/gradients/<name>/: tiny random Qwen3 checkpoints with torch autograd's
-loss and gradients for one batch, so tests/test_gradients.py checks the backward pass without torch.
+loss and gradients for one batch, so tests/training/test_gradients.py checks the backward pass without torch.
 
 Usage (needs the `reference` extra, torch + transformers):
 

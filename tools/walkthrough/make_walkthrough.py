@@ -3,7 +3,7 @@
 The code shown is pulled from qwen_np's source with inspect.getsource, every shape and number comes
 from running that code on weights/ (or --model), and every command's output on the page is what
 that command prints (the generator runs it in-process), so none of them can drift from the library:
-tests/test_walkthrough.py regenerates everything and fails when the committed files differ. The
+tests/product/test_walkthrough.py regenerates everything and fails when the committed files differ. The
 output is deterministic: BLAS runs on one thread and numbers are printed to 4 significant digits.
 
 The page is assembled here from its chapters: the shared run and formatting in walkthrough_common.py,
@@ -77,7 +77,7 @@ see every shape at Qwen3-8B's size, run `python -m qwen_np inspect --preset qwen
 This page is **generated**: `python tools/walkthrough/make_walkthrough.py` runs qwen_np on the bundled model in
 `weights/` (weights digest `{model_digest(run.model_dir)}`) and writes this file, its figures in `docs/figures/`,
 the notebook `docs/walkthrough.ipynb` (the same steps as code cells) and the glossary, and
-`tests/test_walkthrough.py` fails if a committed file differs from a fresh run, so the code, numbers
+`tests/product/test_walkthrough.py` fails if a committed file differs from a fresh run, so the code, numbers
 and command outputs here are always the ones the library has now."""
 
 

@@ -3,7 +3,7 @@ each time (config.ABLATION_CHOICES, and num_key_value_heads for MHA / GQA / MQA)
 
 RECORDED like chapter 11 (too slow for every test run): `python tools/walkthrough/walkthrough_chapter_ablations.py` trains
 every variant one after another and writes docs/figures/ablations.json; the page is rendered from that record.
-tests/test_ablations.py repeats the first steps of a few variants (check_first_steps) and fails when they no
+tests/core/test_ablations.py repeats the first steps of a few variants (check_first_steps) and fails when they no
 longer match the record.
 """
 
@@ -247,7 +247,7 @@ same seed, on the same batches: {run['steps']} steps of B × T = {run['batch_siz
 {run['eval_every']} steps on chapter 11's validation sample. One change per run, so a difference is that
 piece's doing. The {len(rec['runs'])} runs are one recording of `python tools/walkthrough/walkthrough_chapter_ablations.py`
 ({rec['seconds']:,} s on the {rec['cores']} cores of the machine that recorded them), kept in
-`docs/figures/ablations.json`; the page is written from it, and `tests/test_ablations.py` repeats the first
+`docs/figures/ablations.json`; the page is written from it, and `tests/core/test_ablations.py` repeats the first
 {CHECKED_STEPS} steps of {', '.join(f'`{k}`' for k in CHECKED_VARIANTS)} to check the record still comes out of the code.
 
 {options_part()}
@@ -276,7 +276,7 @@ they are `num_key_value_heads`.
 
 The hand-written backward (`training/gradients.py`) reverses each: a skipped RoPE or QK-norm passes its
 gradient through, `residual_block_backward` is one block in each placement (with or without the residual),
-`gelu_mlp_backward` the GELU MLP; `tests/test_gradients.py` checks every weight's gradient of each against
+`gelu_mlp_backward` the GELU MLP; `tests/training/test_gradients.py` checks every weight's gradient of each against
 central differences. The fast path (`engine/fast.py`) is Qwen3's alone and refuses an ablation; `load_model`
 gives an ablated checkpoint the readable path, so `generate` runs it. The decoder layer reads the fields as
 one-line choices beside the Qwen3 steps they change (`if pre`, `if c.use_rope`, `if c.use_residual`, and
@@ -362,7 +362,7 @@ def pieces_part(rec: dict[str, Any]) -> str:
 - **RoPE**, taken away, moves the loss by {gap('no_rope'):+.2f}: about the seed noise. At this scale it hardly
   matters, and not because position does not: a causal model finds position without any position embedding.
   The mask lets a query at position p average over p + 1 keys, so how spread its attention is depends on p,
-  and the next layer can read that (`tests/test_ablations.py` shows the other half: one layer without RoPE
+  and the next layer can read that (`tests/core/test_ablations.py` shows the other half: one layer without RoPE
   cannot tell the order of the tokens before the last). What RoPE adds is *relative* position inside every
   score, q·k depending on how far apart two tokens are; that matters more at Qwen3's 40,960-token context
   than at these {rec['run']['context']} tokens, where "a few tokens back" is most of what a 2-layer model uses.

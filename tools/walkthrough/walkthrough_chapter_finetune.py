@@ -15,7 +15,7 @@ markers are plain text to it, a few tokens each; training.chats finds the assist
 characters, so its mask is the same rule as for a real Qwen3.
 
 Like the training chapter, the runs are RECORDED: `python tools/walkthrough/walkthrough_chapter_finetune.py` writes
-docs/figures/finetune_run.json and the page is rendered from it. tests/test_walkthrough.py repeats the
+docs/figures/finetune_run.json and the page is rendered from it. tests/product/test_walkthrough.py repeats the
 base's held-out loss and the first steps of the rank-2 run (check_first_steps). The page prints losses
 to 2 decimals and answers as counts: their later digits would be the BLAS kernel's.
 """

@@ -39,7 +39,7 @@ SHARED_MACHINE = "a 2-core machine shared with other jobs"
 RECORDED_MACHINE = "a quiet 2-core virtual machine (nothing else running)"          # the hardware record's
 BENCH_PRESET = "shakespeare"                   # the model shape bench.memory trains
 # The recorded run whose first steps the tests repeat: FP8 goes through the trainer's data, schedule and every
-# rounding path (tiles, blocks); the formats' rounding itself is tested bit for bit in tests/test_mixed_precision.py.
+# rounding path (tiles, blocks); the formats' rounding itself is tested bit for bit in tests/training/test_mixed_precision.py.
 CHECKED_PRECISIONS = ("fp8 (E4M3, 1x128 / 128x128)",)
 CHECKED_STEPS = 2
 REMEDY_BATCH, REMEDY_CONTEXT = 16, 4096        # the Qwen3-8B step whose remedies the estimate prices

@@ -3,7 +3,7 @@ Shakespeare train split, in a few minutes on 2 cores (the record keeps its secon
 
 The run is too slow to repeat in every test (the suite runs twice, under two BLAS kernels), so it is
 RECORDED: `python tools/walkthrough/walkthrough_chapter_train.py` runs it and writes docs/figures/training_run.json,
-and the page is rendered from that record. tests/test_walkthrough.py repeats the record's first steps
+and the page is rendered from that record. tests/product/test_walkthrough.py repeats the record's first steps
 (check_first_steps) and fails when they no longer match: the record cannot drift from the code
 unnoticed. Its later digits are the BLAS kernel's (a long run amplifies rounding), so the page prints
 losses to 2 decimals.

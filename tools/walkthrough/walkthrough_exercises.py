@@ -1,5 +1,5 @@
 """The walkthrough's exercises: each a question at the end of its section and a collapsed solution whose
-numbers are computed here with qwen_np's own functions. tests/test_exercises.py works each one out again,
+numbers are computed here with qwen_np's own functions. tests/product/test_exercises.py works each one out again,
 independently, and checks the page's solution says what it finds, so a solution cannot rot."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def gqa_tile(run: Run) -> tuple[str, str, str]:
             f"""Tiling gives query head h the key head h % KVH instead of h // (H / KVH): on the bundled model
 (H = {c.num_attention_heads}, KVH = {c.num_key_value_heads}) the heads read KV heads {tiled} instead of {repeated}.
 The shapes are unchanged, so everything still runs, but the numbers are another model's:
-`tests/test_model.py::test_gqa_query_head_h_reads_kv_head_h_div_group` fails (it checks every query head
+`tests/core/test_model.py::test_gqa_query_head_h_reads_kv_head_h_div_group` fails (it checks every query head
 against its key head), and so do the comparisons with transformers' logits. With one query head per key
 head (MHA, group 1) the two are the same and nothing would notice.""")
 

@@ -1,0 +1,1 @@
+"""Tests of qwen_np/files: checkpoints, GGUF files, the tokenizer and chat template, adapters' folders."""

@@ -1,0 +1,1 @@
+"""Tests of qwen_np/numbers: number formats, bit for bit."""

@@ -1,0 +1,1 @@
+"""Tests of qwen_np/training: the backward pass, a training step, runs, LoRA, data."""
