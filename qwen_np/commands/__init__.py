@@ -4,6 +4,9 @@ module's PARSERS maps its commands to the functions that build their parsers (de
 
 Also what every command ends with: the exit codes (besides 0), and an error line (error_line). Kept
 light: cli.py imports this module before it knows the command, so `--help` pays for no NumPy.
+
+May import: everything below it (serving/, inspection/, precision/, training/, generation/, engine/, files/,
+core/, numbers/, qwen_np.errors). Nothing but cli.py imports the commands.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ from them, so the three can never disagree about what the model does.
 
 The names below are imported when first used (PEP 562), as qwen_np's own are: `hardware` and
 `inspect` then load only what they use (the machine's probes need no model code).
+
+May import: engine/, files/, core/, numbers/, qwen_np.errors.
 """
 
 from importlib import import_module

@@ -44,5 +44,6 @@ ASGI stack FastAPI and vLLM's server stand on), Starlette needs only anyio and u
 click. They give us HTTP/1.1 keep-alive, streaming responses, and a disconnect signal that cancels a
 stream, which the standard library's http.server would leave to hand-written code.
 
-May import: everything below the commands (generation/, inspection/, engine/, files/, core/, numbers/).
+May import: everything below the commands (generation/, inspection/, engine/, files/, core/, numbers/,
+qwen_np.errors).
 """
