@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import os
 
+from ..numbers.names import FORMATS, HELD_FORMATS  # noqa: F401  (handed on: --help shows them)
+
 # What --model means besides a path or a hub id: the bundled model, from any folder (`bundled` is no hub id,
 # which is always OWNER/NAME; a folder named so is ./bundled). Also its name where it is served.
 BUNDLED = "bundled"
-# How load_model may hold the weights (engine.memory's plans): q8_0 and q4_0 are the block formats a
-# matrix can be quantized to at load (numbers.formats.FormatRows); "stored" is "bf16" by another name.
-HELD_FORMATS = ("q8_0", "q4_0")
+# How load_model may hold the weights (engine.memory's plans): HELD_FORMATS are the block formats a matrix
+# can be quantized to at load (numbers.formats.FormatRows); "stored" is "bf16" by another name.
 MODES = ("auto", "fp32", "bf16", "stored", "int8", *HELD_FORMATS)
 DEFAULT_CONTEXT = 4096   # KV cache positions the plan reserves when the caller does not say
 KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}     # name -> its NumPy dtype's (dtype_named)
-# Number formats, by name: the weight formats the precision lab compares (numbers.formats.FORMAT_TABLE holds
-# them, in this order), the activation formats it casts to, and its defaults.
-FORMATS = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rows", "fp8_e5m2_rows", "int8", "q8_0", "q4_0",
-           "mxfp4")
+# The precision lab's activation formats (its weight formats: numbers.names.FORMATS), and its defaults.
 ACTIVATION_FORMATS = ("bf16", "fp16")      # plain casts: the scaled formats refuse the inf an overflow makes
 SCORING_WINDOW = 256                       # tokens per window (or the model's limit, if smaller)
 SCORED_TOKENS = 2048                       # predicted tokens scored per format

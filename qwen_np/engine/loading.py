@@ -13,7 +13,8 @@ import numpy as np
 from ..core.adapters import Adapter
 from ..core.config import LAYER_MATRICES, MODEL_TENSORS, layer_tensors
 from .fast import FastQwen3Model
-from ..numbers.formats import HELD_FORMATS, FormatRows, get_format, quantize_int8_rows
+from ..numbers.names import HELD_FORMATS
+from ..numbers.formats import FormatRows, get_format, quantize_int8_rows
 from .budget import context_for
 from .memory import plan_memory
 from ..core.ablations import model_class

@@ -20,7 +20,8 @@ from pathlib import Path
 from ..core.defaults import MODES   # defined there for --help, which loads no NumPy
 from ..core.config import Qwen3Config, parameter_count, tensor_shapes
 from ..errors import QwenNPError
-from ..numbers.formats import HELD_FORMATS, storage_bytes
+from ..numbers.names import HELD_FORMATS
+from ..numbers.formats import storage_bytes
 from .budget import PREFILL_CHUNK
 from .sizes import GiB
 

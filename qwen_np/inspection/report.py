@@ -8,7 +8,8 @@ from typing import Any
 
 from ..core.config import DIMENSIONS, LAYER_MATRICES, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
-from ..numbers.formats import HELD_FORMATS, bits_per_weight
+from ..numbers.names import HELD_FORMATS
+from ..numbers.formats import bits_per_weight
 from ..engine.budget import context_for
 from ..engine.sizes import GiB
 from ..engine.memory import (SAFETY_FRACTION, available_memory, candidate_plans, int8_weight_bytes, kv_cache_bytes_per_token,

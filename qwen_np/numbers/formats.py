@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.defaults import FORMATS, HELD_FORMATS  # noqa: F401  (named there for --help, which loads no NumPy)
 from ..errors import QwenNPError
+from .names import FORMATS
 from .numerics import bf16_bits_to_f32, dtype_named, f32_to_bf16_bits, group_major, scratch, widen_groups
 
 BLOCK = 32                                   # values per block in q8_0, q4_0 and mxfp4

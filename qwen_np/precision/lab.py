@@ -34,7 +34,8 @@ from ..core.config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, preset
 from .divergence import Comparison
 from ..errors import QwenNPError
 from ..training.evaluation import encoded_documents, windows
-from ..numbers.formats import FORMATS, get_format
+from ..numbers.names import FORMATS
+from ..numbers.formats import get_format
 from ..generation.generate import generate
 from ..engine.loading import back_to_back, load_model
 from ..files.model_files import read_config, read_tokenizer

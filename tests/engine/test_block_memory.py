@@ -12,7 +12,8 @@ import pytest
 import qwen_np
 from qwen_np.precision import lab as precision
 from qwen_np.core.config import LAYER_MATRICES
-from qwen_np.numbers.formats import HELD_FORMATS, FormatRows
+from qwen_np.numbers.names import HELD_FORMATS
+from qwen_np.numbers.formats import FormatRows
 from qwen_np.engine.memory import plan_memory, weight_bytes
 from tests.reference.logit_match import assert_logits_match
 

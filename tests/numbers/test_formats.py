@@ -9,9 +9,10 @@ import pytest
 from qwen_np import QwenNPError
 from tests.conftest import FP16_FIELDS, block_bytes, random_blocks
 from qwen_np.numbers.numerics import upcast
-from qwen_np.numbers.formats import (FORMATS, bits_per_weight, storage_bytes, dequantize_int8_rows, dequantize_q4_0,
-                                     dequantize_q8_0, get_format, quantize_fp8_e4m3, quantize_int8_rows, quantize_mxfp4,
-                                     quantize_q4_0, quantize_q8_0, round_trip)
+from qwen_np.numbers.names import FORMATS
+from qwen_np.numbers.formats import (bits_per_weight, storage_bytes, dequantize_int8_rows, dequantize_q4_0, dequantize_q8_0,
+                                     get_format, quantize_fp8_e4m3, quantize_int8_rows, quantize_mxfp4, quantize_q4_0,
+                                     quantize_q8_0, round_trip)
 
 SCALED = [f for f in FORMATS if f not in ("fp32", "fp16", "bf16")]
 BLOCKED = ["q8_0", "q4_0", "mxfp4"]

@@ -29,13 +29,6 @@ EVERYTHING = frozenset(FOLDERS) | frozenset(TOP_MODULES)
 # nothing of qwen_np but errors"): errors.py is below numbers/; __init__.py (its public names, imported when
 # first used), __main__.py and cli.py (which assembles commands/) are above commands/.
 TOP_RULES = {"errors": frozenset(), "__init__": EVERYTHING, "__main__": EVERYTHING, "cli": EVERYTHING}
-# Imports that break their folder's rule today, each named with why it stands, until the code is fixed; the
-# list can only shrink (test_each_known_breach_is_still_there fails once one is gone).
-KNOWN_BREACHES = {
-    ("qwen_np/numbers/formats.py", "qwen_np.core.defaults"):
-        "formats.py re-exports FORMATS and HELD_FORMATS from core/defaults.py (light, for --help), but numbers/ "
-        "is below core/; a fix: their home in a light module of numbers/, which core/defaults.py re-exports",
-}
 RULE = re.compile(r"May import:(.*?)(?:\.\s|\.$|\n\s*\n)", re.DOTALL)
 MODULE_PATH = re.compile(r"qwen_np(\.\w+)+")
 
@@ -171,14 +164,8 @@ def test_no_two_folders_may_import_each_other_even_by_way_of_others() -> None:
 
 
 def test_every_module_imports_only_what_its_folder_may_import() -> None:
-    found = [describe(breach) for breach in breaches() if (breach.module, breach.target) not in KNOWN_BREACHES]
+    found = [describe(breach) for breach in breaches()]
     assert not found, "imports that break their folder's rule:\n" + "\n".join(found)
-
-
-def test_each_known_breach_is_still_there() -> None:
-    """A breach fixed in the code comes off KNOWN_BREACHES, so the list cannot hide a new one of the same import."""
-    now = {(breach.module, breach.target) for breach in breaches()}
-    assert sorted(set(KNOWN_BREACHES) - now) == []
 
 
 @pytest.mark.parametrize("source, expected", [

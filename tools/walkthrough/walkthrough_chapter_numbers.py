@@ -12,7 +12,7 @@ from qwen_np.core import layers
 from qwen_np.precision import lab as precision
 from qwen_np import preset
 from qwen_np.core.config import parameter_count
-from qwen_np.numbers.formats import FORMATS
+from qwen_np.numbers.names import FORMATS
 from qwen_np.inspection import forward_flops, weight_bytes_read_per_token
 from qwen_np.numbers.numerics import BYTES_PER_VALUE, bf16_bits_to_f32, f32_to_bf16_bits
 from walkthrough_chapter_measured import caches_of, hardware_part, load
