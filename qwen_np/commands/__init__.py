@@ -32,7 +32,8 @@ FLAGS = {
     "out": "--out", "precision": "--precision", "presence_penalty": "--presence-penalty", "preset": "--preset",
     "rank": "--lora", "repetition_penalty": "--repetition-penalty", "resume": "--resume", "seed": "--seed",
     "shards": "--shards", "spec": "--preset, --config or --model", "steps": "--steps", "system": "--system",
-    "targets": "--lora-targets", "temperature": "--temperature", "text": "--text", "tokens": "--tokens",
+    "targets": "--lora-targets", "temperature": "--temperature", "text": "--text",
+    "thinking_budget": "--thinking-budget", "tokens": "--tokens",
     "top_k": "--top-k", "top_p": "--top-p", "val": "--val", "warmup": "--warmup", "weight_decay": "--weight-decay",
 }
 

@@ -129,6 +129,10 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
                              "the chat template with enable_thinking=false and switches the sampling defaults to "
                              "the model card's non-thinking ones: temperature 0.7, top-p 0.8, top-k 20) "
                              "(default: the template's, which thinks)")
+    parser.add_argument("--thinking-budget", type=common.at_least(0), metavar="N",
+                        help="end Qwen3's thinking within N tokens: at N, Qwen's own closing text and </think> are "
+                             "written and the model answers after them, as Qwen3's report describes (default: no "
+                             "budget)")
     parser.add_argument("--system", metavar="TEXT", help="a system prompt placed before the first user message")
     parser.add_argument("--hide-think", action="store_true",
                         help="Qwen3 still thinks, but stdout shows only the answer after </think> (for scripts)")
@@ -391,7 +395,8 @@ def run_generate(args: argparse.Namespace) -> int:
             replies.append(PromptReply(len(ids[0]), params.seed))
             for event in generate(model, opened.tokenizer, ids[0], params, max_new_tokens, stop=args.stop,
                                   eos_token_ids=opened.defaults.eos_token_ids, trace=trace, stats=stats,
-                                  kv_dtype=args.kv_dtype, speculation=speculation, grammar=grammar):
+                                  kv_dtype=args.kv_dtype, speculation=speculation, grammar=grammar,
+                                  thinking_budget=args.thinking_budget):
                 replies[0].add(event, None if args.json else writer)
             replies[0].prefill_seconds, replies[0].decode_seconds = stats.prefill_seconds, stats.decode_seconds
             replies[0].count(stats.counts, speculation)
@@ -496,7 +501,8 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
     generator = BatchGenerator(model, opened.tokenizer, eos_token_ids=opened.defaults.eos_token_ids,
                                max_batch=len(ids), pool=pool, speculation=speculation)
     seeds = [None if params.seed is None else params.seed + i for i in range(len(ids))]
-    rows = [generator.submit(Request(one, replace(params, seed=seed), max_new_tokens, args.stop, grammar))
+    rows = [generator.submit(Request(one, replace(params, seed=seed), max_new_tokens, args.stop, grammar,
+                                     thinking_budget=args.thinking_budget))
             for one, seed in zip(ids, seeds)]
     replies = [PromptReply(len(one), seed) for one, seed in zip(ids, seeds)]
     started, shown = time.perf_counter(), 0
@@ -575,7 +581,8 @@ def run_chat(args: argparse.Namespace) -> int:
                               resolve_sampling(opened.defaults, args.think, **explicit),
                               eos_token_ids=opened.defaults.eos_token_ids, system=args.system,
                               enable_thinking=args.think, max_tokens=context, kv_dtype=args.kv_dtype,
-                              speculation=common.speculation(args, draft, context))
+                              speculation=common.speculation(args, draft, context),
+                              thinking_budget=args.thinking_budget)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     load_seconds = time.perf_counter() - started

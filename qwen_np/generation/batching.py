@@ -44,6 +44,7 @@ from ..errors import QwenNPError
 from .generate import Continuation, Ending, TokenEvent
 from .constraints import Grammar
 from .logprobs import check_top_logprobs
+from .thinking import ThinkingBudget
 from ..engine.finite import NonFiniteLogits
 from ..engine.budget import PREFILL_CHUNK, context_for, pool_blocks
 from ..engine.paged import BlockPool, PagedKVCache
@@ -71,6 +72,7 @@ class Request:
     logprobs: int | None = None
     ending: Ending = Ending()                     # stop token ids, ignore_eos, min_tokens (vLLM's)
     adapter: Adapter | None = None                # the LoRA adapter its rows run with (None: the base model)
+    thinking_budget: int | None = None            # its thinking's most tokens (thinking.py; None: unbounded)
 
 
 @dataclass(eq=False)
@@ -154,8 +156,8 @@ class BatchGenerator:
 
     def check(self, request: Request) -> None:
         """Raise QwenNPError if `request` cannot run: no prompt, ids outside the vocabulary, no room for a
-        new token, bad max_new_tokens, bad logprobs, a grammar for another vocabulary, more positions than
-        the whole pool. A bad id would fail the whole batch's forward pass, not its own row."""
+        new token, bad max_new_tokens, bad logprobs, a thinking budget without thinking, a grammar for another
+        vocabulary, more positions than the whole pool. A bad id would fail the whole batch's forward pass, not its own row."""
         vocab = self.model.config.vocab_size
         check_token_ids(request.prompt, vocab, "prompt")
         if request.max_new_tokens < 1:
@@ -165,6 +167,8 @@ class BatchGenerator:
                               f"{self.context}-token context")
         if request.logprobs is not None:
             check_top_logprobs(request.logprobs)
+        if request.thinking_budget is not None:
+            ThinkingBudget(self.tokenizer, request.thinking_budget, request.prompt)      # its checks, here
         if request.grammar is not None and request.grammar.vocabulary.size != vocab:
             raise QwenNPError(f"grammar: compiled for {request.grammar.vocabulary.size} token ids, the model has {vocab}")
         if self._positions(request) > self.capacity:
@@ -357,7 +361,8 @@ class BatchGenerator:
             row.continuation = Continuation(self.tokenizer, request.prompt, request.params, request.max_new_tokens,
                                             size, eos_token_ids=self.eos_token_ids, stop=request.stop,
                                             rng=np.random.default_rng(request.params.seed),
-                                            grammar=request.grammar, logprobs=request.logprobs, ending=request.ending)
+                                            grammar=request.grammar, logprobs=request.logprobs, ending=request.ending,
+                                            thinking_budget=request.thinking_budget)
             if self.speculation is not None:
                 row.drafter = self.speculation.new_drafter(request.params, size)
         self.rows.append(row)

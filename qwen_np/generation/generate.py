@@ -35,6 +35,7 @@ from ..core.sampling import SamplingParams, pick, processed_logits, softmax
 from .speculative import NO_DRAFT, Draft, Drafter, Speculation, SpeculationCounts, accept
 from .constraints import Grammar
 from .logprobs import Logprobs, check_top_logprobs, token_logprobs
+from .thinking import ThinkingBudget
 from ..files.tokenizer import Message, StreamDecoder, Tokenizer, chat_delta
 from ..files.model_files import GenerationDefaults
 
@@ -149,7 +150,7 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
              kv_dtype: str = "fp32", speculation: Speculation | None = None,
              drafter: Drafter | None = None, grammar: Grammar | None = None,
              logprobs: int | None = None, ending: Ending | None = None,
-             observe: Observer | None = None) -> Iterator[TokenEvent]:
+             observe: Observer | None = None, thinking_budget: int | None = None) -> Iterator[TokenEvent]:
     """Yield one TokenEvent per generated token until an EOS id, a stop string, max_new_tokens or the
     context limit.
 
@@ -163,7 +164,8 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     new one from `speculation`, left as it is at the end. `grammar`: the reply follows it (constraints.py);
     `logprobs`: each event carries its token's log-probabilities and this many top alternatives (0-20);
     `ending`: vLLM's stop_token_ids, ignore_eos and min_tokens (Ending); `observe`: sees each position's
-    choice (Chosen) as it is made.
+    choice (Chosen) as it is made; `thinking_budget`: the reply's thinking ends within that many tokens and
+    Qwen's closing text (thinking.py).
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -187,7 +189,7 @@ def generate(model: Qwen3Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
 
     sequence = Continuation(tokenizer, prompt, params, max_new_tokens, limit, eos_token_ids=eos_token_ids,
                             stop=stop, rng=rng, grammar=grammar, logprobs=logprobs, ending=ending,
-                            observe=observe)
+                            observe=observe, thinking_budget=thinking_budget)
     if speculation is not None or drafter is not None:
         yield from _speculative_decode(model, sequence, cache, logits, stats, speculation, drafter, trace)
         return
@@ -281,7 +283,8 @@ class Continuation:
     """One sequence's generation between forward passes: its tokens so far, its sampler's random
     stream, its streaming detokeniser and its stop strings; with a grammar, its place in it (the tokens
     the grammar forbids are masked out of every position's distribution); with logprobs, how many top
-    alternatives each event reports; with an observer, who sees each choice (Chosen). `verify(logits,
+    alternatives each event reports; with an observer, who sees each choice (Chosen); with a thinking budget,
+    the tokens that close its thinking once the budget is spent (thinking.py). `verify(logits,
     draft)` picks the next token(s) of one target step and says what text each completes. generate()
     drives one; batching.BatchGenerator drives one per row.
     """
@@ -290,7 +293,7 @@ class Continuation:
                  limit: int, *, eos_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
                  rng: np.random.Generator | None = None, grammar: Grammar | None = None,
                  logprobs: int | None = None, ending: Ending | None = None,
-                 observe: Observer | None = None) -> None:
+                 observe: Observer | None = None, thinking_budget: int | None = None) -> None:
         self.params, self.max_new_tokens, self.limit = params, max_new_tokens, limit
         ending = ending or Ending()
         self.ignore_eos = ending.ignore_eos
@@ -307,6 +310,8 @@ class Continuation:
         self.constraint = grammar.constraint() if grammar is not None else None
         self.tokenizer, self.logprobs = tokenizer, None if logprobs is None else check_top_logprobs(logprobs)
         self.observe = observe
+        # The thinking held to a budget (thinking.py): None when not asked for.
+        self.thinking = None if thinking_budget is None else ThinkingBudget(tokenizer, thinking_budget, prompt)
 
     def room(self, k: int) -> int:
         """How many tokens a step may draft: at most k, leaving room in max_new_tokens for the target's own
@@ -327,6 +332,10 @@ class Continuation:
                 masked = row.copy()
                 masked[self.banned[self.banned < row.size]] = -np.inf
             allowed = self._allowed(free)                                               # [V] or None
+            forced = self.thinking.forced() if self.thinking is not None else None
+            if forced is not None and (allowed is None or allowed[forced]):  # a grammar that forbids it leads
+                allowed = np.zeros(row.size, dtype=bool)
+                allowed[forced] = True
             processed = processed_logits(masked, self.params, self.sequence, self.generated, allowed)  # [V]
             if drafted is None or self.params.greedy:      # greedy: kept when it is the argmax
                 token = pick(processed, self.params, self.rng)
@@ -338,6 +347,8 @@ class Continuation:
                 self.counts.drafted_tokens += 1
                 self.counts.accepted_tokens += token == drafted
             events.append(self._emit(token, row, free))
+            if self.thinking is not None:
+                self.thinking.saw(token)
             if events[-1].finish_reason or token != drafted:
                 break
         self.counts.target_steps += 1
@@ -462,8 +473,9 @@ class ChatSession:
     def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, params: SamplingParams, *,
                  eos_token_ids: Sequence[int] = (), system: str | None = None,
                  enable_thinking: bool | None = None, max_tokens: int | None = None, kv_dtype: str = "fp32",
-                 speculation: Speculation | None = None) -> None:
+                 speculation: Speculation | None = None, thinking_budget: int | None = None) -> None:
         self.model, self.tokenizer, self.params, self.speculation = model, tokenizer, params, speculation
+        self.thinking_budget = thinking_budget           # each reply's thinking at most (thinking.py)
         self.eos_token_ids = tuple(eos_token_ids)
         self.enable_thinking = enable_thinking
         self.system = system
@@ -523,7 +535,8 @@ class ChatSession:
         try:
             for event in generate(self.model, self.tokenizer, ids, self.params, max_new_tokens,
                                   eos_token_ids=self.eos_token_ids, cache=self.cache, rng=self.rng, stats=stats,
-                                  speculation=self.speculation, drafter=self.drafter):
+                                  speculation=self.speculation, drafter=self.drafter,
+                                  thinking_budget=self.thinking_budget):
                 answered = True
                 if event.finish_reason != "eos":
                     reply.append(event.token_id)

@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 from ..errors import APIError
 from ..files.messages import MessageError, chat_message
 from ..generation.logprobs import MAX_TOP_LOGPROBS
+from ..generation.thinking import EFFORT_BUDGETS
 from .structured import ResponseFormat, Tools, read_response_format, read_tools
 
 # The request fields, one catalogue (README's "Request fields" shows it; a test holds the two together):
@@ -36,10 +37,11 @@ from .structured import ResponseFormat, Tools, read_response_format, read_tools
 # refuses unless "off". Any other field is refused by name.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "seed")
 GENERATION_FIELDS = ("model", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens", *SAMPLING_FIELDS,
-                     "frequency_penalty", "logit_bias", "logprobs", "stop", "stop_token_ids", "ignore_eos", "min_tokens")
+                     "frequency_penalty", "logit_bias", "logprobs", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                     "thinking_budget")
 REQUEST_FIELDS = {"/v1/chat/completions": ("messages", "chat_template_kwargs", "tools", "tool_choice",
                                            "parallel_tool_calls", "response_format", "top_logprobs",
-                                           *GENERATION_FIELDS),
+                                           "reasoning_effort", *GENERATION_FIELDS),
                   "/v1/completions": ("prompt", "parse_special_tokens", "echo", "best_of", *GENERATION_FIELDS),
                   "/v1/embeddings": ("model", "input", "encoding_format", "dimensions"),
                   "/explorer/": ("model", "prompt", "parse_special_tokens", "layer", *SAMPLING_FIELDS)}
@@ -48,7 +50,7 @@ IGNORED = ("user", "metadata", "service_tier")
 # deprecated names for tools and tool_choice; vLLM's guided_* : response_format says it.)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "reasoning_effort": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,),
     "suffix": (None, ""),
     "store": (None, False), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
     "web_search_options": (None,)}
@@ -118,6 +120,7 @@ class GenerationBody:
     logprobs: int | None
     n: int
     best_of: int
+    thinking_budget: int | None          # the thinking's most tokens (generation/thinking.py; None: unbounded)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +209,15 @@ def read_chat(fields: dict[str, Any], limits: Limits) -> ChatBody:
     texts += [json.dumps(call["function"]) for m in chat for call in m.get("tool_calls", [])]
     _check_length(limits, "messages", texts + ([json.dumps(tools.declared)] if tools else []), len(chat))
     common = _generation(fields, limits, chat=True)
+    effort = fields.get("reasoning_effort")
+    if effort is not None:
+        if effort not in EFFORT_BUDGETS:
+            raise APIError(400, f"reasoning_effort: must be one of {', '.join(EFFORT_BUDGETS)}, got {effort!r}",
+                           "reasoning_effort")
+        if common["thinking_budget"] is not None:
+            raise APIError(400, "reasoning_effort: cannot be combined with thinking_budget (each sets the budget)",
+                           "reasoning_effort")
+        common["thinking_budget"] = EFFORT_BUDGETS[effort]
     return ChatBody(**common, messages=chat, thinking=thinking, tools=tools,
                     response_format=read_response_format(fields, tools))
 
@@ -288,7 +300,8 @@ def _generation(fields: dict[str, Any], limits: Limits, chat: bool) -> dict[str,
             "max_tokens": number(fields, "max_completion_tokens", int, 1) or number(fields, "max_tokens", int, 1),
             "sampling": sampling, "stops": _stops(fields), "stop_token_ids": _stop_token_ids(fields, limits.vocab),
             "ignore_eos": bool(ignore_eos), "min_tokens": number(fields, "min_tokens", int, 0) or 0,
-            "logprobs": _logprobs(fields, chat), "n": n, "best_of": best_of}
+            "logprobs": _logprobs(fields, chat), "n": n, "best_of": best_of,
+            "thinking_budget": number(fields, "thinking_budget", int, 0)}
 
 
 def in_range(name: str, value: Any, kind: type, low: float, high: float | None = None) -> Any:

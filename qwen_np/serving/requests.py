@@ -36,7 +36,7 @@ from .structured import grammar
 FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
           "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty", "seed": "seed",
           "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "max_new_tokens": "max_tokens",
-          "min_tokens": "min_tokens", "ignore_eos": "ignore_eos"}
+          "min_tokens": "min_tokens", "ignore_eos": "ignore_eos", "thinking_budget": "thinking_budget"}
 # Qwen's tokenizer normalises text to NFC first, which merges at most 4 code points into one (e.g.
 # Greek alpha with three marks); so a text of n tokens has at most n x 4 x (the longest token's
 # characters) characters. Twice that is a generous bound: a longer prompt cannot fit the context,
@@ -168,11 +168,13 @@ class Service:
         constrained = (grammar(body.tools, body.response_format, self.vocabulary, thinking is not False)
                        if isinstance(body, ChatBody) else None)
         request = Request(prompt, params, tokens, body.stops, grammar=constrained, logprobs=body.logprobs,
-                          ending=ending, adapter=self.adapter_of(body.model))
+                          ending=ending, adapter=self.adapter_of(body.model), thinking_budget=body.thinking_budget)
         try:
             generator.check(request)          # what is left to check: the KV cache's capacity; here, not at
                                               # submit, so that a stream's refusal is a 4xx too
         except QwenNPError as bad:
+            if bad.param == "thinking_budget":                        # the model has no thinking to budget
+                raise api_error(bad) from None
             problem = api_error(bad, "kv_cache_exceeded")
             problem.param = problem.param if max_tokens else None       # the client asked for no max_tokens
             raise problem from None

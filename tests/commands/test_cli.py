@@ -175,6 +175,9 @@ BAD_INPUTS = {
     "eval with a negative context": (["eval", "--context", "-5"], "--context: must be >= 1"),
     "unknown kv dtype": (["generate", "hi", "--kv-dtype", "int4"], "--kv-dtype"),
     "serve with a size that is none": (["serve", "--kv-memory", "lots"], "--kv-memory: expected a size"),
+    "a negative thinking budget": (["generate", *QWEN3, "hi", "--thinking-budget", "-1"], "--thinking-budget"),
+    "a thinking budget for a model that does not think": (["generate", "-q", "ROMEO:", "-n", "2", "--thinking-budget", "4"],
+                                                          "--thinking-budget: this tokenizer has no <think>"),
 }
 
 

@@ -199,3 +199,32 @@ def test_a_key_of_response_format_it_does_not_read_is_refused_by_name_never_igno
     with pytest.raises(openai.BadRequestError) as refused:
         say(scripted, "{}", stream=False, response_format=response_format, max_tokens=8)
     assert refused.value.param == "response_format" and refused.value.body["message"].startswith(f"{key}: ")
+
+
+# --- a thinking budget (issue 44) -----------------------------------------------------------------------
+
+THINKING = "<think>\n" + " ".join(f"step{i}" for i in range(60)) + "\n</think>\n\nThe answer."
+
+
+@STREAMS
+@pytest.mark.parametrize("extra, budget", [({"thinking_budget": 6}, 6), ({"reasoning_effort": "none"}, 0)],
+                         ids=["thinking_budget", "reasoning_effort"])
+def test_a_thinking_budget_ends_the_thinking_with_qwens_closing_text_and_the_answer_follows(scripted, tok, stream,
+                                                                                           extra, budget) -> None:
+    """The scripted model thinks for 60 words; at the budget the server closes its thinking and it answers."""
+    from qwen_np.generation.thinking import CLOSING
+
+    choice = say(scripted, THINKING, stream=stream, max_tokens=60, extra_body=extra)
+    reasoning = choice.message.model_extra["reasoning_content"]
+    said, closing = reasoning.split("Considering the limited time")
+    assert len(tok.encode(said.strip())) <= budget and closing.startswith(CLOSING.split("Considering the limited time")[1][:30])
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("extra, field", [({"thinking_budget": -1}, "thinking_budget"),
+                                          ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+                                          ({"reasoning_effort": "low", "thinking_budget": 5}, "reasoning_effort")])
+def test_a_thinking_budget_it_cannot_keep_is_a_400_naming_its_field(scripted, extra, field) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        say(scripted, THINKING, stream=False, max_tokens=8, extra_body=extra)
+    assert refused.value.param == field and refused.value.body["message"].startswith(f"{field}: ")

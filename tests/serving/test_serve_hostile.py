@@ -138,7 +138,7 @@ def test_a_path_with_newlines_and_control_codes_is_logged_escaped_on_one_line(ru
 # --- every field read or refused by name, from one catalogue -------------------------------------------
 
 REFUSED = {"functions": [{"name": "f", "parameters": {}}], "function_call": "auto", "guided_json": {"type": "object"},
-           "reasoning_effort": "low", "store": True}
+           "prediction": {"type": "content", "content": "x"}, "store": True}
 
 
 @pytest.mark.parametrize("name", [*REFUSED, "no_such_field", "skip_special_tokens"])
