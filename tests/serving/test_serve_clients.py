@@ -1,0 +1,77 @@
+"""The libraries people drive a local model with, each through its own documented call, against `serve` on the
+random-weight Qwen3 (the real tokenizer and template): instructor (TOOLS and JSON_SCHEMA modes) and
+langchain-openai (`bind_tools`, `with_structured_output`). Random weights write nonsense, so what is checked
+is what the constraints make true: the library gets an object of its schema, or the call it forced.
+
+Before schemas' objects were closed (generation/constraints.closed), instructor's TOOLS mode and langchain's
+bind_tools ran to `length`: pydantic's schemas leave additionalProperties out, and the grammar let the
+model open a new key forever; instructor's JSON_SCHEMA mode sent json_object with a schema, which was ignored.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import HANG_SECONDS
+from tests.serving.test_serve import MODEL, serving
+from tests.serving.test_serve_tools import NO_THINKING as NO_THINKING_BODY
+
+openai = pytest.importorskip("openai")
+pydantic = pytest.importorskip("pydantic")
+pytest.importorskip("llguidance")
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Extract the person: Ann is 30 years old."
+
+
+class Person(pydantic.BaseModel):
+    """A person (bounded strings: a random model's text ends where the schema ends it)."""
+
+    name: str = pydantic.Field(max_length=12)
+    age: int
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@pytest.fixture(scope="module")
+def server(env: dict[str, str]):
+    """A server of MODEL, as test_serve.py's."""
+    with serving(env, MODEL) as running:
+        yield running.url
+
+
+@pytest.fixture(scope="module")
+def openai_client(server: str):
+    return openai.OpenAI(base_url=server, api_key="none", max_retries=0, timeout=HANG_SECONDS)
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_gets_an_object_of_its_response_model(openai_client, mode: str) -> None:
+    instructor = pytest.importorskip("instructor")
+    client = instructor.from_openai(openai_client, mode=getattr(instructor.Mode, mode))
+    person = client.chat.completions.create(model=MODEL, response_model=Person, max_retries=0, max_tokens=200,
+                                            messages=[{"role": "user", "content": PROMPT}], extra_body=NO_THINKING_BODY)
+    assert isinstance(person, Person) and len(person.name) <= 12 and abs(person.age) < 10 ** 16
+
+
+def test_langchain_bind_tools_with_a_forced_tool_gives_its_call(server: str) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat = langchain_openai.ChatOpenAI(model=MODEL, base_url=server, api_key="none", max_retries=0, max_tokens=200,
+                                       timeout=HANG_SECONDS, extra_body=NO_THINKING_BODY)
+    message = chat.bind_tools([add], tool_choice="add").invoke("What is 2 + 3?")
+    assert [call["name"] for call in message.tool_calls] == ["add"]
+    assert set(message.tool_calls[0]["args"]) == {"a", "b"} and all(isinstance(v, int)
+                                                                    for v in message.tool_calls[0]["args"].values())
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output_gives_an_object_of_its_schema(server: str, method: str) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat = langchain_openai.ChatOpenAI(model=MODEL, base_url=server, api_key="none", max_retries=0, max_tokens=200,
+                                       timeout=HANG_SECONDS, extra_body=NO_THINKING_BODY)
+    person = chat.with_structured_output(Person, method=method).invoke(PROMPT)
+    assert isinstance(person, Person) and len(person.name) <= 12
