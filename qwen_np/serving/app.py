@@ -6,11 +6,12 @@ answers with a traceback), and logged in one line on stderr.
     POST /v1/chat/completions  bodies.read_chat -> requests.Service -> choices.Choices of responses.Reply (whole or streamed)
     POST /v1/completions       bodies.read_completion -> requests.Service -> choices.Choices of responses.Reply
     POST /v1/embeddings        bodies.read_embedding -> embeddings.embedding_job -> embeddings.embeddings
+    POST /v1/rerank, /rerank   bodies.read_rerank -> rerank.rerank_job -> rerank.reranked
     GET  /health               running and waiting requests
     GET  /metrics              metrics.prometheus_text
     GET  /  /web/...           the page, and its endpoints under /explorer/ (explorer.py)
 
-Imports access, bodies, requests, responses, choices, embeddings, explorer and metrics of serving/ (above them all
+Imports access, bodies, requests, responses, choices, embeddings, rerank, explorer and metrics of serving/ (above them all
 but launch.py).
 """
 
@@ -27,7 +28,9 @@ from .embeddings import embedding_job, embeddings
 from .embeddings import usage as embedding_usage
 from .explorer import Explorer
 from .metrics import PROMETHEUS_TYPE, prometheus_text
-from .bodies import ChatBody, CompletionBody, check_fields, parse_body, read_chat, read_completion, read_embedding
+from .rerank import rerank_job, reranked
+from .bodies import (ChatBody, CompletionBody, check_fields, parse_body, read_chat, read_completion, read_embedding,
+                     read_rerank)
 from .requests import Service, api_error
 from .choices import Choices, choice_requests, echo_of
 
@@ -132,6 +135,14 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         http.state.usage = lambda: {**embedding_usage(job), "completion_tokens": 0}
         return JSONResponse(await embeddings(service, job, body, http))
 
+    async def rerank(http: HTTPRequest) -> Response:
+        fields = await read_body(http)
+        check_fields(fields, "/v1/rerank")
+        body = read_rerank(fields, service.limits)
+        job = await run_in_threadpool(rerank_job, service, body)          # tokenising: off the event loop
+        http.state.usage = lambda: {"prompt_tokens": job.tokens, "total_tokens": job.tokens, "completion_tokens": 0}
+        return JSONResponse(await reranked(service, job, body, http))
+
     async def models(http: HTTPRequest) -> Response:
         listed = [{"id": name, "object": "model", "created": service.created, "owned_by": "qwen_np"}
                   for name in service.model_ids]
@@ -155,6 +166,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
                                Route("/v1/chat/completions", endpoint(chat=True), methods=["POST"]),
                                Route("/v1/completions", endpoint(chat=False), methods=["POST"]),
                                Route("/v1/embeddings", guarded(embed), methods=["POST"]),
+                               *(Route(path, guarded(rerank), methods=["POST"]) for path in ("/v1/rerank", "/rerank")),
                                *Explorer(service).routes(read_body, error)],      # the page at / (explorer.py)
                        exception_handlers={HTTPException: http_error})
 

@@ -1,6 +1,6 @@
 """A request body read once: its JSON object parsed within limits (parse_body), its fields checked against
 one catalogue (check_fields), and each endpoint's fields read into a frozen object (ChatBody, CompletionBody,
-EmbeddingBody) that the app, requests.Service, choices and embeddings read; nothing after this module looks
+EmbeddingBody, RerankBody) that the app, requests.Service, choices, embeddings and rerank read; nothing after this module looks
 at the JSON again. Every field is checked as it is read: a 400 names it otherwise.
 
 The request fields are OpenAI's (its API reference for chat completions and completions); Qwen3's
@@ -44,6 +44,7 @@ REQUEST_FIELDS = {"/v1/chat/completions": ("messages", "chat_template_kwargs", "
                                            "reasoning_effort", *GENERATION_FIELDS),
                   "/v1/completions": ("prompt", "parse_special_tokens", "echo", "best_of", *GENERATION_FIELDS),
                   "/v1/embeddings": ("model", "input", "encoding_format", "dimensions"),
+                  "/v1/rerank": ("model", "query", "documents", "top_n", "return_documents", "instruction"),
                   "/explorer/": ("model", "prompt", "parse_special_tokens", "layer", *SAMPLING_FIELDS)}
 IGNORED = ("user", "metadata", "service_tier")
 # Not implemented: refused when set to anything but their "off" value. (functions and function_call: OpenAI's
@@ -163,6 +164,20 @@ class EmbeddingBody:
     base64: bool
 
 
+@dataclass(frozen=True)
+class RerankBody:
+    """A /v1/rerank body (Jina's and Cohere's shape, as llama-server and vLLM take it): the model asked for, the
+    query, the documents, how many of the best to return (top_n: all when None), whether with their text, and
+    the task's instruction (Qwen3-Reranker's; generation/rerank.DEFAULT_INSTRUCTION when None)."""
+
+    model: str | None
+    query: str
+    documents: tuple[str, ...]
+    top_n: int | None
+    return_documents: bool
+    instruction: str | None
+
+
 def is_token_id(value: Any, vocab: int) -> bool:
     """The one rule of every field that takes token ids (a prompt's, logit_bias's keys, stop_token_ids, an
     embedding's input): an integer in [0, vocab), vocab the tokenizer's (Limits.vocab). bool is an int in
@@ -270,6 +285,30 @@ def read_embedding(fields: dict[str, Any], limits: Limits) -> EmbeddingBody:
     if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)):
         raise APIError(400, f"dimensions: must be an integer, got {dimensions!r}", "dimensions")
     return EmbeddingBody(fields.get("model"), tuple(items), dimensions, fields.get("encoding_format") == "base64")
+
+
+def read_rerank(fields: dict[str, Any], limits: Limits) -> RerankBody:
+    """A rerank body's fields read and checked: a query and at most MAX_INPUTS documents, each pair refused by
+    its characters when no context could hold it (its tokens are counted when tokenised: rerank.py)."""
+    query, documents, instruction = fields.get("query"), fields.get("documents"), fields.get("instruction")
+    if not isinstance(query, str) or not query:
+        raise APIError(400, "query: must be a non-empty text", "query")
+    if (not isinstance(documents, list) or not documents or len(documents) > MAX_INPUTS
+            or not all(isinstance(document, str) for document in documents)):
+        raise APIError(400, f"documents: must be a list of 1 to {MAX_INPUTS} texts", "documents")
+    if instruction is not None and (not isinstance(instruction, str) or not instruction):
+        raise APIError(400, "instruction: must be a non-empty text", "instruction")
+    longest = limits.context * limits.chars_per_token            # a pair longer cannot fit the context
+    for i, document in enumerate(documents):
+        if len(query) + len(document) + len(instruction or "") > longest:
+            raise APIError(400, f"documents[{i}]: with the query, more characters than any {limits.context} tokens "
+                                f"can hold; this model's maximum context length is {limits.context} tokens",
+                           "documents", "context_length_exceeded")
+    returned = fields.get("return_documents", True)
+    if returned not in (True, False):
+        raise APIError(400, "return_documents: must be true or false", "return_documents")
+    return RerankBody(fields.get("model"), query, tuple(documents), number(fields, "top_n", int, 1), returned,
+                      instruction)
 
 
 def _generation(fields: dict[str, Any], limits: Limits, chat: bool) -> dict[str, Any]:
