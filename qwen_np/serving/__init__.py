@@ -35,6 +35,7 @@ The modules, one job each, in the order they import one another (each only those
     choices.py    a request's rows as one response: n choices, best_of, a completion's echo (its prompt scored)
     embeddings.py /v1/embeddings: inputs checked, their forward passes between the batch's steps
     rerank.py     /v1/rerank: Qwen3-Reranker's scores of documents for a query, run as embeddings are
+    tokens.py     /tokenize and /detokenize, as vLLM and llama-server shape them
     metrics.py    GET /metrics in Prometheus' text format
     explorer.py   the web page's endpoints (one traced forward pass as JSON) and files (web/)
     app.py        the ASGI application: routes behind the access checks, bodies read within limits

@@ -7,11 +7,12 @@ answers with a traceback), and logged in one line on stderr.
     POST /v1/completions       bodies.read_completion -> requests.Service -> choices.Choices of responses.Reply
     POST /v1/embeddings        bodies.read_embedding -> embeddings.embedding_job -> embeddings.embeddings
     POST /v1/rerank, /rerank   bodies.read_rerank -> rerank.rerank_job -> rerank.reranked
+    POST /tokenize, /detokenize bodies.read_tokenize, read_token_ids -> tokens.tokenized, detokenized
     GET  /health               running and waiting requests
     GET  /metrics              metrics.prometheus_text
     GET  /  /web/...           the page, and its endpoints under /explorer/ (explorer.py)
 
-Imports access, bodies, requests, responses, choices, embeddings, rerank, explorer and metrics of serving/ (above them all
+Imports access, bodies, requests, responses, choices, embeddings, rerank, tokens, explorer and metrics of serving/ (above them all
 but launch.py).
 """
 
@@ -29,8 +30,9 @@ from .embeddings import usage as embedding_usage
 from .explorer import Explorer
 from .metrics import PROMETHEUS_TYPE, prometheus_text
 from .rerank import rerank_job, reranked
+from .tokens import detokenized, tokenized
 from .bodies import (ChatBody, CompletionBody, check_fields, parse_body, read_chat, read_completion, read_embedding,
-                     read_rerank)
+                     read_rerank, read_token_ids, read_tokenize)
 from .requests import Service, api_error
 from .choices import Choices, choice_requests, echo_of
 
@@ -143,6 +145,17 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         http.state.usage = lambda: {"prompt_tokens": job.tokens, "total_tokens": job.tokens, "completion_tokens": 0}
         return JSONResponse(await reranked(service, job, body, http))
 
+    async def tokenize(http: HTTPRequest) -> Response:
+        fields = await read_body(http)
+        check_fields(fields, "/tokenize")
+        body = await run_in_threadpool(read_tokenize, fields, service.limits)
+        return JSONResponse(await run_in_threadpool(tokenized, service, body))
+
+    async def detokenize(http: HTTPRequest) -> Response:
+        fields = await read_body(http)
+        check_fields(fields, "/detokenize")
+        return JSONResponse(detokenized(service, read_token_ids(fields, service.limits)))
+
     async def models(http: HTTPRequest) -> Response:
         listed = [{"id": name, "object": "model", "created": service.created, "owned_by": "qwen_np"}
                   for name in service.model_ids]
@@ -167,6 +180,8 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
                                Route("/v1/completions", endpoint(chat=False), methods=["POST"]),
                                Route("/v1/embeddings", guarded(embed), methods=["POST"]),
                                *(Route(path, guarded(rerank), methods=["POST"]) for path in ("/v1/rerank", "/rerank")),
+                               Route("/tokenize", guarded(tokenize), methods=["POST"]),
+                               Route("/detokenize", guarded(detokenize), methods=["POST"]),
                                *Explorer(service).routes(read_body, error)],      # the page at / (explorer.py)
                        exception_handlers={HTTPException: http_error})
 

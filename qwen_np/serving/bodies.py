@@ -45,6 +45,9 @@ REQUEST_FIELDS = {"/v1/chat/completions": ("messages", "chat_template_kwargs", "
                   "/v1/completions": ("prompt", "parse_special_tokens", "echo", "best_of", *GENERATION_FIELDS),
                   "/v1/embeddings": ("model", "input", "encoding_format", "dimensions"),
                   "/v1/rerank": ("model", "query", "documents", "top_n", "return_documents", "instruction"),
+                  "/tokenize": ("model", "prompt", "content", "messages", "chat_template_kwargs", "tools",
+                                "add_generation_prompt", "with_pieces"),
+                  "/detokenize": ("model", "tokens"),
                   "/explorer/": ("model", "prompt", "parse_special_tokens", "layer", *SAMPLING_FIELDS)}
 IGNORED = ("user", "metadata", "service_tier")
 # Not implemented: refused when set to anything but their "off" value. (functions and function_call: OpenAI's
@@ -124,6 +127,16 @@ class GenerationBody:
     thinking_budget: int | None          # the thinking's most tokens (generation/thinking.py; None: unbounded)
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """A body's messages as the template reads them (files/messages.chat_message), its thinking switch
+    (chat_template_kwargs.enable_thinking; None: the template's default) and its tools (structured.py)."""
+
+    messages: tuple[dict[str, Any], ...]
+    thinking: bool | None
+    tools: Tools | None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChatBody(GenerationBody):
     """A /v1/chat/completions body: its messages as the template reads them (files/messages.chat_message),
@@ -178,6 +191,19 @@ class RerankBody:
     instruction: str | None
 
 
+@dataclass(frozen=True)
+class TokenizeBody:
+    """A /tokenize body, vLLM's or llama-server's: a text (`prompt`, or llama-server's `content`: special
+    tokens parsed, as a completion's prompt) or a conversation rendered by the template (with its
+    generation prompt unless add_generation_prompt is false); with_pieces: each id with its text."""
+
+    model: str | None
+    text: str | None
+    conversation: Conversation | None
+    add_generation_prompt: bool
+    with_pieces: bool
+
+
 def is_token_id(value: Any, vocab: int) -> bool:
     """The one rule of every field that takes token ids (a prompt's, logit_bias's keys, stop_token_ids, an
     embedding's input): an integer in [0, vocab), vocab the tokenizer's (Limits.vocab). bool is an int in
@@ -198,9 +224,9 @@ def input_too_long(context: int, index: int, what: str) -> APIError:
                     "input", "context_length_exceeded")
 
 
-def read_chat(fields: dict[str, Any], limits: Limits) -> ChatBody:
-    """A chat body's fields read and checked, its messages refused by what they cost at least before each is
-    read (250,000 empty messages: refused unread) and again by their characters once read."""
+def read_conversation(fields: dict[str, Any], limits: Limits) -> Conversation:
+    """A body's messages, thinking switch and tools, read and checked: the messages refused by what they cost at
+    least before each is read (250,000 empty messages: refused unread) and again by their characters once read."""
     if not limits.chat_template:
         raise APIError(400, "this model has no chat template, so it cannot chat: use /v1/completions, which "
                             "continues text", "messages", "no_chat_template")
@@ -223,6 +249,12 @@ def read_chat(fields: dict[str, Any], limits: Limits) -> ChatBody:
     texts = [text for m in chat for text in (m["content"], m.get("reasoning_content")) if text]
     texts += [json.dumps(call["function"]) for m in chat for call in m.get("tool_calls", [])]
     _check_length(limits, "messages", texts + ([json.dumps(tools.declared)] if tools else []), len(chat))
+    return Conversation(chat, thinking, tools)
+
+
+def read_chat(fields: dict[str, Any], limits: Limits) -> ChatBody:
+    """A chat body's fields read and checked (its conversation: read_conversation)."""
+    conversation = read_conversation(fields, limits)
     common = _generation(fields, limits, chat=True)
     effort = fields.get("reasoning_effort")
     if effort is not None:
@@ -233,8 +265,8 @@ def read_chat(fields: dict[str, Any], limits: Limits) -> ChatBody:
             raise APIError(400, "reasoning_effort: cannot be combined with thinking_budget (each sets the budget)",
                            "reasoning_effort")
         common["thinking_budget"] = EFFORT_BUDGETS[effort]
-    return ChatBody(**common, messages=chat, thinking=thinking, tools=tools,
-                    response_format=read_response_format(fields, tools))
+    return ChatBody(**common, messages=conversation.messages, thinking=conversation.thinking, tools=conversation.tools,
+                    response_format=read_response_format(fields, conversation.tools))
 
 
 def read_completion(fields: dict[str, Any], limits: Limits) -> CompletionBody:
@@ -309,6 +341,35 @@ def read_rerank(fields: dict[str, Any], limits: Limits) -> RerankBody:
         raise APIError(400, "return_documents: must be true or false", "return_documents")
     return RerankBody(fields.get("model"), query, tuple(documents), number(fields, "top_n", int, 1), returned,
                       instruction)
+
+
+def read_tokenize(fields: dict[str, Any], limits: Limits) -> TokenizeBody:
+    """A /tokenize body read and checked: one of prompt, content and messages."""
+    given = [name for name in ("prompt", "content", "messages") if fields.get(name) is not None]
+    if len(given) != 1:
+        raise APIError(400, "prompt: give one of prompt (or llama-server's content), a text, and messages",
+                       given[1] if len(given) > 1 else "prompt")
+    flags = {name: fields.get(name, name == "add_generation_prompt") for name in ("add_generation_prompt", "with_pieces")}
+    for name, value in flags.items():
+        if value not in (True, False):
+            raise APIError(400, f"{name}: must be true or false", name)
+    text = fields.get(given[0]) if given[0] != "messages" else None
+    if text is not None:
+        if not isinstance(text, str):
+            raise APIError(400, f"{given[0]}: must be a text", given[0])
+        _check_length(limits, given[0], [text])
+    conversation = read_conversation(fields, limits) if given[0] == "messages" else None
+    return TokenizeBody(fields.get("model"), text, conversation, flags["add_generation_prompt"], flags["with_pieces"])
+
+
+def read_token_ids(fields: dict[str, Any], limits: Limits) -> list[int]:
+    """A /detokenize body's `tokens`: token ids of the tokenizer's."""
+    tokens = fields.get("tokens")
+    if not isinstance(tokens, list) or not all(is_token_id(t, limits.vocab) for t in tokens):
+        raise APIError(400, f"tokens: must be a list of token ids in [0, {limits.vocab})", "tokens")
+    if len(tokens) > limits.context:
+        raise APIError(400, f"tokens: {len(tokens)} ids, more than the {limits.context}-token context", "tokens")
+    return tokens
 
 
 def _generation(fields: dict[str, Any], limits: Limits, chat: bool) -> dict[str, Any]:
