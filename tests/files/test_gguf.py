@@ -717,7 +717,7 @@ def test_qwen3_vocabulary_is_written_as_llama_cpps_converter_writes_it(qwen3_ggu
     assert len(tokens) == 151936 and tokens[151669] == "[PAD151669]" and types[151669] == TokenType.UNUSED
     assert types[tokens.index("<|im_start|>")] == types[tokens.index("<|fim_prefix|>")] == TokenType.CONTROL
     assert types[tokens.index("<think>")] == TokenType.USER_DEFINED and types[tokens.index("Ġthe")] == TokenType.NORMAL
-    assert [field(f"tokenizer.ggml.{key}token_id_of").contents() for key in ("bos", "eos", "padding")] == \
+    assert [field(f"tokenizer.ggml.{key}_token_id").contents() for key in ("bos", "eos", "padding")] == \
         [151643, 151645, 151643]
     assert field("tokenizer.huggingface.json") is None and field("tokenizer.chat_template") is not None
     assert read_config(qwen3_gguf).eos_token_ids == [151645, 151643]     # <|im_end|>, then <|endoftext|>
