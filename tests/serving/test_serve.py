@@ -401,6 +401,8 @@ def test_an_api_key_from_the_environment_is_required_of_all_but_health_and_quiet
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
             assert_openai_error(*post(running.url + "/completions", body, **headers), 401)
             assert_openai_error(*get(running.url + "/models", **headers), 401)
+            assert_openai_error(*post(running.url + "/rerank", {"query": "q", "documents": ["d"]}, **headers), 401)
+            assert_openai_error(*post(running.url.removesuffix("/v1") + "/tokenize", {"prompt": "Hi"}, **headers), 401)
         assert post(running.url + "/completions", body, Authorization="Bearer sesame")[0] == 200
         assert health(running.url)["status"] == "ok"
         keyed = openai.OpenAI(base_url=running.url, api_key="sesame", max_retries=0)
