@@ -2,11 +2,11 @@
 
 Any web page can send requests to a server on loopback, so POSTs must be `application/json` (a form or
 `text/plain` POST, which a browser sends cross-site without asking, is refused), a loopback server answers
-only Host headers naming loopback (against DNS rebinding), and `--api-key` asks every client but /health
-and the page's files for `Authorization: Bearer KEY`. Every response under the page's paths carries the same
-Content-Security-Policy and frame-ancestors, whichever route or file it comes from. The log line of a
-request is escaped: a path is the client's text, and a raw newline or terminal control code in it
-(%0a, %1b) would forge log lines or drive the operator's terminal.
+only Host headers naming loopback (against DNS rebinding), and `--api-key` asks every client but /health and
+the page's files for `Authorization: Bearer KEY` (or `x-api-key: KEY`, Anthropic's header). Every response
+under the page's paths carries the same Content-Security-Policy and frame-ancestors, whichever route or file
+it comes from. The log line of a request is escaped: a path is the client's text, and a raw newline or
+terminal control code in it (%0a, %1b) would forge log lines or drive the operator's terminal.
 
 Imports nothing of serving/ (it is the bottom of the folder, with protocol.py).
 """
@@ -58,9 +58,11 @@ def refusal(method: str, path: str, headers: dict[str, str], api_key: str | None
         return APIError(400, "Host: this server answers only to localhost, 127.0.0.1 and [::1]", code="invalid_host")
     if api_key is not None and path != "/health" and not is_page(path):
         scheme, _, key = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), api_key.encode()):
-            return APIError(401, "Incorrect API key provided: send `Authorization: Bearer KEY`",
-                            code="invalid_api_key")
+        bearer = scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())
+        anthropic = hmac.compare_digest(headers.get("x-api-key", "").strip().encode(), api_key.encode())
+        if not bearer and not anthropic:
+            return APIError(401, "Incorrect API key provided: send `Authorization: Bearer KEY` (or `x-api-key: KEY`, "
+                                 "as Anthropic's clients do)", code="invalid_api_key")
     if method == "POST" and headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
         # A page on any site may POST text/plain or a form here without the browser asking first.
         return APIError(415, "Content-Type: must be application/json")

@@ -1,6 +1,6 @@
 """The ASGI application: Starlette's routes behind the access checks, the body read within its limits, each
 request handled on worker threads where it tokenises, answered with OpenAI's JSON (errors too: nothing
-answers with a traceback), and logged in one line on stderr.
+answers with a traceback; Anthropic's error JSON on its routes), and logged in one line on stderr.
 
     GET  /v1/models            the served names
     POST /v1/chat/completions  bodies.read_chat -> requests.Service -> choices.Choices of responses.Reply (whole or streamed)
@@ -8,12 +8,14 @@ answers with a traceback), and logged in one line on stderr.
     POST /v1/embeddings        bodies.read_embedding -> embeddings.embedding_job -> embeddings.embeddings
     POST /v1/rerank, /rerank   bodies.read_rerank -> rerank.rerank_job -> rerank.reranked
     POST /tokenize, /detokenize bodies.read_tokenize, read_token_ids -> tokens.tokenized, detokenized
+    POST /v1/messages          messages.read_messages -> requests.Service -> messages.MessageReply (Anthropic's API)
+    POST /v1/messages/count_tokens  messages.read_messages -> the prompt's tokens
     GET  /health               running and waiting requests
     GET  /metrics              metrics.prometheus_text
     GET  /  /web/...           the page, and its endpoints under /explorer/ (explorer.py)
 
-Imports access, bodies, requests, responses, choices, embeddings, rerank, tokens, explorer and metrics of serving/ (above them all
-but launch.py).
+Imports access, bodies, requests, responses, choices, messages, embeddings, rerank, tokens, explorer and metrics
+of serving/ (above them all but launch.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .bodies import (ChatBody, CompletionBody, check_fields, parse_body, read_ch
                      read_rerank, read_token_ids, read_tokenize)
 from .requests import Service, api_error
 from .choices import Choices, choice_requests, echo_of
+from .messages import COUNT_PATH, PATH, MessageReply, count_tokens, error_body, is_messages, message_request, read_messages
 
 # A request body above this is refused (413) unread: a prompt that fills even a 40960-token context
 # with the longest tokens (128 characters) takes about 5 MiB of JSON.
@@ -59,8 +62,9 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
     from starlette.types import Message as ASGIMessage
     from starlette.types import Receive, Scope, Send
 
-    def error(problem: APIError) -> Response:
-        return JSONResponse(problem.body(), status_code=problem.status)
+    def error(problem: APIError, anthropic: bool = False) -> Response:
+        """OpenAI's error JSON, or Anthropic's on its routes (messages.is_messages)."""
+        return JSONResponse(error_body(problem) if anthropic else problem.body(), status_code=problem.status)
 
     async def read_raw(http: HTTPRequest) -> bytes:
         """The body, refused (413) as soon as it is known to pass MAX_BODY_BYTES."""
@@ -86,20 +90,21 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
             raise APIError(408, f"request body: not received within {BODY_SECONDS:g}s") from None
         return await run_in_threadpool(parse_body, raw, service.served_names)
 
-    def guarded(respond: Callable[[HTTPRequest], Any]) -> Callable[[HTTPRequest], Any]:
-        """The handler answering with `respond`'s response, or OpenAI's error JSON for what it raised."""
+    def guarded(respond: Callable[[HTTPRequest], Any], anthropic: bool = False) -> Callable[[HTTPRequest], Any]:
+        """The handler answering with `respond`'s response, or OpenAI's error JSON for what it raised
+        (Anthropic's, `anthropic`)."""
         async def handle(http: HTTPRequest) -> Response:
             try:
                 return await respond(http)
             except APIError as problem:
-                return error(problem)
+                return error(problem, anthropic)
             except QwenNPError as problem:
-                return error(api_error(problem))
+                return error(api_error(problem), anthropic)
             except ClientDisconnect:
-                return error(APIError(499, "client disconnected"))
+                return error(APIError(499, "client disconnected"), anthropic)
             except Exception as problem:        # a bug: say so in one line, keep serving
                 print(loggable(f"serve: internal error: {type(problem).__name__}: {problem}"), file=sys.stderr)
-                return error(APIError(500, f"internal error: {type(problem).__name__}", kind="server_error"))
+                return error(APIError(500, f"internal error: {type(problem).__name__}", kind="server_error"), anthropic)
         return handle
 
     def endpoint(chat: bool) -> Callable[[HTTPRequest], Any]:
@@ -155,6 +160,25 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         fields = await read_body(http)
         check_fields(fields, "/detokenize")
         return JSONResponse(detokenized(service, read_token_ids(fields, service.limits)))
+    async def messages(http: HTTPRequest) -> Response:
+        """Anthropic's Messages API (messages.py): its body read into a chat's, its reply shaped as Anthropic's."""
+        fields = await read_body(http)
+        check_fields(fields, PATH)
+        service.check_generates()
+        body = await run_in_threadpool(read_messages, fields, service.limits)
+        prompt = await run_in_threadpool(service.chat_prompt, body)
+        request = await run_in_threadpool(message_request, service, body, prompt)
+        reply = MessageReply(service, body, request)
+        http.state.usage = reply.usage
+        if body.stream:
+            return StreamingResponse(reply.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await reply.whole(http))
+
+    async def count(http: HTTPRequest) -> Response:
+        fields = await read_body(http)
+        check_fields(fields, COUNT_PATH)
+        body = await run_in_threadpool(read_messages, fields, service.limits, True)
+        return JSONResponse(await run_in_threadpool(count_tokens, service, body))
 
     async def models(http: HTTPRequest) -> Response:
         listed = [{"id": name, "object": "model", "created": service.created, "owned_by": "qwen_np"}
@@ -172,7 +196,8 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
     async def http_error(http: HTTPRequest, problem: Exception) -> Response:
         status = problem.status_code if isinstance(problem, HTTPException) else 500
         what = {404: f"no route {http.url.path}", 405: f"{http.method} is not allowed on {http.url.path}"}
-        return error(APIError(status, what.get(status, str(getattr(problem, "detail", "error")))))
+        return error(APIError(status, what.get(status, str(getattr(problem, "detail", "error")))),
+                     is_messages(http.url.path))
 
     routes = Starlette(routes=[Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
                                Route("/metrics", metrics, methods=["GET"]),
@@ -182,6 +207,8 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
                                *(Route(path, guarded(rerank), methods=["POST"]) for path in ("/v1/rerank", "/rerank")),
                                Route("/tokenize", guarded(tokenize), methods=["POST"]),
                                Route("/detokenize", guarded(detokenize), methods=["POST"]),
+                               Route(PATH, guarded(messages, anthropic=True), methods=["POST"]),
+                               Route(COUNT_PATH, guarded(count, anthropic=True), methods=["POST"]),
                                *Explorer(service).routes(read_body, error)],      # the page at / (explorer.py)
                        exception_handlers={HTTPException: http_error})
 
@@ -202,7 +229,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
         problem = refusal(scope["method"], scope["path"], headers, api_key, loopback_only)
         try:
-            await (error(problem) if problem is not None else routes)(scope, receive, sending)
+            await (error(problem, is_messages(scope["path"])) if problem is not None else routes)(scope, receive, sending)
         finally:
             if log:
                 usage = scope.get("state", {}).get("usage")

@@ -48,6 +48,11 @@ REQUEST_FIELDS = {"/v1/chat/completions": ("messages", "chat_template_kwargs", "
                   "/tokenize": ("model", "prompt", "content", "messages", "chat_template_kwargs", "tools",
                                 "add_generation_prompt", "with_pieces"),
                   "/detokenize": ("model", "tokens"),
+                  # Anthropic's Messages API (messages.py reads these into a ChatBody)
+                  "/v1/messages": ("model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",
+                                   "temperature", "top_p", "top_k", "stream", "thinking", "cache_control"),
+                  "/v1/messages/count_tokens": ("model", "messages", "system", "tools", "tool_choice", "thinking",
+                                                "cache_control"),
                   "/explorer/": ("model", "prompt", "parse_special_tokens", "layer", *SAMPLING_FIELDS)}
 IGNORED = ("user", "metadata", "service_tier")
 # Not implemented: refused when set to anything but their "off" value. (functions and function_call: OpenAI's

@@ -2,7 +2,7 @@
 (so a block cannot lean on a relative path that works only in the repository): a README example that no
 longer runs is a failing test, not a reader's surprise.
 
-A block that talks to `serve` over the OpenAI client gets a server of the Qwen3-format fixture (it has
+A block that talks to `serve` over the OpenAI or Anthropic client gets a server of the Qwen3-format fixture (it has
 Qwen3's chat template) under the model name the block asks for; only the block's address is changed, to
 the server's ephemeral port.
 """
@@ -21,7 +21,8 @@ from tests.conftest import HANG_SECONDS, QWEN3_RANDOM, ROOT
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 BLOCKS = [(README.count("\n", 0, found.start()) + 2, found[1])        # (the first code line's number, the code)
           for found in re.finditer(r"^```python\n(.*?)^```$", README, re.MULTILINE | re.DOTALL)]
-SERVE_URL = "http://127.0.0.1:8000/v1"          # serve's default address, which a client block is written for
+SERVE_URL = "http://127.0.0.1:8000"             # serve's default address, which a client block is written for (the
+                                                # openai client's base_url adds /v1, the anthropic client's does not)
 LOCAL = [(line, code) for line, code in BLOCKS if SERVE_URL not in code]
 CLIENTS = [(line, code) for line, code in BLOCKS if SERVE_URL in code]
 
@@ -46,7 +47,7 @@ def test_a_python_example_of_the_readme_runs_on_the_bundled_model(code: str, env
 @pytest.mark.slow
 @pytest.mark.parametrize("code", [code for _, code in CLIENTS], ids=[f"README.md:{line}" for line, _ in CLIENTS])
 def test_a_client_example_of_the_readme_runs_against_serve(code: str, env, tmp_path: Path) -> None:
-    pytest.importorskip("openai")
+    pytest.importorskip("anthropic" if "from anthropic" in code else "openai")
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")
     from tests.serving.test_serve import serving
@@ -55,7 +56,7 @@ def test_a_client_example_of_the_readme_runs_against_serve(code: str, env, tmp_p
     assert len(names) == 1, f"one model name per client example, not {names}"
     flags = ("--served-model-name", *names, "--default-max-tokens", "16")     # a reply without max_tokens stays short
     with serving(env, str(QWEN3_RANDOM), *flags) as running:
-        run_block(code.replace(SERVE_URL, running.url), env, tmp_path)
+        run_block(code.replace(SERVE_URL, running.url.removesuffix("/v1")), env, tmp_path)
 
 
 def test_the_readme_documents_constrained_generation_and_installs_only_extras_that_exist() -> None:
