@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import uuid
 from typing import Any, AsyncIterator, Iterator
 
@@ -56,6 +57,9 @@ THINKING_KEYS = {"enabled": ("type", "budget_tokens", "display"), "adaptive": ("
 # The chat fields a conversion sets -> the Anthropic field a client sent them in (an error names the latter).
 FIELD_NAMES = {"stop": "stop_sequences", "thinking_budget": "thinking.budget_tokens", "chat_template_kwargs": "thinking",
                "parallel_tool_calls": "tool_choice", "max_completion_tokens": "max_tokens"}
+# The chat's names of a tool's fields (files/messages.declared_tools words its errors with them) -> Anthropic's.
+TOOL_FIELDS = ((re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
+               (re.compile(r"^tools\[(\d+)\]\.function\."), r"tools[\1]."))
 # Our finish reasons -> Anthropic's stop_reason ("stop" is a stop sequence's only where one was met).
 STOP_REASONS = {"eos": "end_turn", "stop": "end_turn", "length": "max_tokens", "context": "max_tokens"}
 # HTTP status -> Anthropic's error type.
@@ -206,8 +210,9 @@ def _tools(fields: dict[str, Any]) -> dict[str, Any]:
         if disable not in (None, True, False):
             raise _problem("tool_choice.disable_parallel_tool_use", "must be true or false")
         if kind == "tool":
-            if not isinstance(choice.get("name"), str):
-                raise _problem("tool_choice.name", "must be the name of a tool")
+            names = [tool.get("name") for tool in tools or []]
+            if not isinstance(choice.get("name"), str) or choice["name"] not in names:
+                raise _problem("tool_choice.name", f"must be the name of a declared tool, got {choice.get('name')!r}")
             out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
         else:
             out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
@@ -266,6 +271,8 @@ def anthropic_names() -> Iterator[None]:
     try:
         yield
     except APIError as problem:
+        for pattern, anthropic in TOOL_FIELDS:
+            problem.message = pattern.sub(anthropic, problem.message, count=1)
         for name, anthropic in FIELD_NAMES.items():
             if problem.message.startswith(f"{name}: ") or problem.param == name:
                 problem.message = problem.message.replace(f"{name}: ", f"{anthropic}: ", 1)

@@ -206,11 +206,15 @@ def assert_anthropic_error(problem, status: int, kind: str, starts: str = "") ->
      "messages[0].content[0].colour: "),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The"}]}, "messages[1]: "),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type: "),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}]},
+     "tools[0].input_schema: "),
+    ({"tools": [{"name": "f g", "input_schema": {"type": "object"}}]}, "tools[0].name: "),
+    ({"tool_choice": {"type": "tool", "name": "get_time"}, "tools": [WEATHER]}, "tool_choice.name: "),
     ({"extra_body": {"temperature": 1.5}}, "temperature: "),
     ({"extra_body": {"top_k": -2}}, "top_k: ")],
     ids=["no max_tokens", "unknown field", "bad tool_choice", "unknown tool_choice key", "any without tools",
          "no budget", "negative budget", "stop_sequences string", "stop with a named tool", "image", "unknown block key",
-         "prefill", "server tool", "temperature", "top_k"])
+         "prefill", "server tool", "bad input_schema", "bad tool name", "undeclared tool", "temperature", "top_k"])
 def test_a_bad_body_is_a_bad_request_in_anthropics_shape(client, kwargs, starts) -> None:
     with pytest.raises(anthropic.BadRequestError) as refused:
         say(client, "Hi", **kwargs)
@@ -244,3 +248,31 @@ def test_hostile_bodies_are_4xx_in_anthropics_shape(root) -> None:
         assert status == 400 and answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error", answer
     status, answer = post(root + "/v1/messages/nothing", {}, **{"x-api-key": KEY})
     assert status == 404 and answer["error"]["type"] == "not_found_error"
+
+
+def test_the_stream_is_server_sent_events_named_as_their_data(root) -> None:
+    import urllib.request
+
+    body = {"model": MODEL, "max_tokens": 16, "stream": True, "messages": [{"role": "user", "content": "Hello there."}]}
+    request = urllib.request.Request(root + "/v1/messages", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "x-api-key": KEY})
+    with urllib.request.urlopen(request, timeout=HANG_SECONDS) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = response.read().decode().split("\n\n")
+    assert events[-1] == ""
+    named = [event.split("\n") for event in events[:-1]]
+    assert all(len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: ") for lines in named)
+    assert all(json.loads(data[len("data: "):])["type"] == name[len("event: "):] for name, data in named)
+    assert [name[len("event: "):] for name, _ in named] == [
+        "message_start", "content_block_start", *["content_block_delta"] * 3, "content_block_stop", "message_delta",
+        "message_stop"]
+
+
+def test_x_api_key_serves_the_openai_routes_too(root) -> None:
+    status, answer = post(root + "/v1/chat/completions", {"model": MODEL, "max_tokens": 4,
+                                                          "messages": [{"role": "user", "content": "Hi"}]},
+                          **{"x-api-key": KEY})
+    assert status == 200 and answer["choices"][0]["message"]["content"] == "Hi"
+    status, answer = post(root + "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+                          **{"x-api-key": "wrong"})
+    assert status == 401 and answer["error"]["code"] == "invalid_api_key"          # OpenAI's shape on its routes
