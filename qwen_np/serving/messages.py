@@ -19,7 +19,8 @@ and the reply's events (responses.Reply). What is Anthropic's is only its shape:
                                        disabled (enable_thinking false); absent: the template's default
 
 The reply's content blocks: thinking (with a signature: a digest of its text, checked by nothing), text,
-tool_use (id "toolu_...", input the parsed arguments); a <tool_call> block that is no call comes as text.
+tool_use (id "toolu_...", input the parsed arguments); a <tool_call> block that is no call comes as text
+(streamed, a cut call's tool_use block and its pieces were sent as they came).
 stop_reason: end_turn, max_tokens, stop_sequence (with the stop_sequence met) or tool_use. usage counts
 input_tokens as Anthropic does, beside cache_read_input_tokens (the prompt tokens the prefix cache held).
 Errors on these routes are Anthropic's: {"type": "error", "error": {"type", "message"}}.

@@ -3,7 +3,8 @@ messages.create (text, system, a forced tool_use, a tool_result round trip, stop
 thinking budget), messages.stream (text_stream, get_final_message, tool_use and thinking), count_tokens,
 Anthropic's error shape for bad bodies, and the API key as `x-api-key`.
 
-One server of the scripted model (tests/serving/scripted_serve.py: the real server, template, tokenizer and grammar
+Forced tool_use on random weights (their input validates whatever the model writes: the grammar's doing), and
+one server of the scripted model (tests/serving/scripted_serve.py: the real server, template, tokenizer and grammar
 masks, over logits that write the replies a conversation's first user message scripts), run with --api-key.
 """
 
@@ -276,3 +277,38 @@ def test_x_api_key_serves_the_openai_routes_too(root) -> None:
     status, answer = post(root + "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
                           **{"x-api-key": "wrong"})
     assert status == 401 and answer["error"]["code"] == "invalid_api_key"          # OpenAI's shape on its routes
+
+
+# --- random weights: what the constraints make true whatever the model writes -----------------------------
+
+@pytest.fixture(scope="module")
+def random_client(env):
+    with serving(env, MODEL) as server:
+        yield anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="none", max_retries=0,
+                                  timeout=HANG_SECONDS)
+
+
+@pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}], ids=["tool", "any"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_forced_tool_use_on_random_weights_validates(random_client, choice, streamed) -> None:
+    kwargs = dict(max_tokens=200, tools=[WEATHER], tool_choice=choice, thinking={"type": "disabled"})
+    message = stream(random_client, "What is the weather in Paris?", **kwargs)[1] if streamed else say(
+        random_client, "What is the weather in Paris?", **kwargs)
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert uses and message.stop_reason == "tool_use"
+    for use in uses:
+        assert use.name == "get_weather" and use.id.startswith("toolu_")
+        jsonschema.validate(use.input, CITY)
+
+
+def test_a_tool_use_cut_by_max_tokens_is_no_call(random_client) -> None:
+    message = say(random_client, "What is the weather in Paris?", max_tokens=3, tools=[WEATHER],
+                  tool_choice={"type": "tool", "name": "get_weather"}, thinking={"type": "disabled"})
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 3
+    assert not [block for block in message.content if block.type == "tool_use"]
+
+
+def test_a_streamed_tool_use_cut_by_max_tokens_ends_as_max_tokens(random_client) -> None:
+    _, message = stream(random_client, "What is the weather in Paris?", max_tokens=8, tools=[WEATHER],
+                        tool_choice={"type": "tool", "name": "get_weather"}, thinking={"type": "disabled"})
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
