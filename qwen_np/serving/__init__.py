@@ -7,12 +7,13 @@ together, and the web page that explores the forward pass.
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
     client.chat.completions.create(model="Qwen/Qwen3-0.6B", messages=[{"role": "user", "content": "Hi"}])
 
-Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (streamed as Server-Sent Events
-or not), POST /v1/embeddings (a checkpoint without an LM head, such as Qwen3-Embedding, serves only these),
-POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API), GET /health (with the number of
-running and waiting requests), GET /metrics (those, the KV cache's blocks, prefix cache hits, tokens and
-preemptions, in Prometheus' text format), and a web page at / with an explorer of the forward pass and a
-playground (its endpoints under /explorer/).
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (streamed as
+Server-Sent Events or not), POST /v1/embeddings (a checkpoint without an LM head, such as Qwen3-Embedding,
+serves only these), POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API), POST
+/v1/rerank, POST /tokenize and /detokenize, GET /health (with the number of running and waiting requests),
+GET /metrics (those, the KV cache's blocks, prefix cache hits, tokens and preemptions, in Prometheus' text
+format), and a web page at / with an explorer of the forward pass and a playground (its endpoints under
+/explorer/).
 --served-model-name gives the model the names clients ask for (several: aliases, as vLLM's; the first
 answers in responses); a request without `model` gets the served one. A model whose tokenizer has no
 chat template (the bundled Shakespeare model) serves completions, and answers chat requests with a 400
@@ -36,6 +37,8 @@ The modules, one job each, in the order they import one another (each only those
     choices.py    a request's rows as one response: n choices, best_of, a completion's echo (its prompt scored)
     messages.py   Anthropic's Messages API (/v1/messages, count_tokens): its body read into a chat's, the reply
                   shaped as Anthropic's message or stream events, its errors in Anthropic's shape
+    openai_responses.py  /v1/responses, OpenAI's Responses API: its body read into a ChatBody, the reply shaped
+                  as a Response object or its stream of events
     embeddings.py /v1/embeddings: inputs checked, their forward passes between the batch's steps
     rerank.py     /v1/rerank: Qwen3-Reranker's scores of documents for a query, run as embeddings are
     tokens.py     /tokenize and /detokenize, as vLLM and llama-server shape them

@@ -5,6 +5,7 @@ answers with a traceback; Anthropic's error JSON on its routes), and logged in o
     GET  /v1/models            the served names
     POST /v1/chat/completions  bodies.read_chat -> requests.Service -> choices.Choices of responses.Reply (whole or streamed)
     POST /v1/completions       bodies.read_completion -> requests.Service -> choices.Choices of responses.Reply
+    POST /v1/responses         openai_responses.read_responses -> requests.Service -> openai_responses.Answer of a Reply
     POST /v1/embeddings        bodies.read_embedding -> embeddings.embedding_job -> embeddings.embeddings
     POST /v1/rerank, /rerank   bodies.read_rerank -> rerank.rerank_job -> rerank.reranked
     POST /tokenize, /detokenize bodies.read_tokenize, read_token_ids -> tokens.tokenized, detokenized
@@ -14,8 +15,8 @@ answers with a traceback; Anthropic's error JSON on its routes), and logged in o
     GET  /metrics              metrics.prometheus_text
     GET  /  /web/...           the page, and its endpoints under /explorer/ (explorer.py)
 
-Imports access, bodies, requests, responses, choices, messages, embeddings, rerank, tokens, explorer and metrics
-of serving/ (above them all but launch.py).
+Imports access, bodies, requests, responses, choices, openai_responses, messages, embeddings, rerank, tokens,
+explorer and metrics of serving/ (above them all but launch.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from .bodies import (ChatBody, CompletionBody, check_fields, parse_body, read_ch
 from .requests import Service, api_error
 from .choices import Choices, choice_requests, echo_of
 from .messages import COUNT_PATH, PATH, MessageReply, count_tokens, error_body, is_messages, message_request, read_messages
+from .openai_responses import Answer, read_responses, renamed
+from .responses import Reply
 
 # A request body above this is refused (413) unread: a prompt that fills even a 40960-token context
 # with the longest tokens (128 characters) takes about 5 MiB of JSON.
@@ -134,6 +137,22 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
             return JSONResponse(await reply.whole(http))
         return guarded(respond)
 
+    async def respond_responses(http: HTTPRequest) -> Response:
+        fields = await read_body(http)
+        check_fields(fields, "/v1/responses")
+        service.check_generates()
+        body = await run_in_threadpool(read_responses, fields, service.limits)
+        try:
+            prompt = await run_in_threadpool(service.chat_prompt, body)
+            request = await run_in_threadpool(service.request, body, prompt)
+        except APIError as problem:
+            raise renamed(problem) from None
+        answer = Answer(service, body, fields, Reply(service, request, chat=True, calls=body.calls))
+        http.state.usage = answer.reply.usage
+        if body.stream:
+            return StreamingResponse(answer.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await answer.whole(http))
+
     async def embed(http: HTTPRequest) -> Response:
         fields = await read_body(http)
         check_fields(fields, "/v1/embeddings")
@@ -203,6 +222,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
                                Route("/metrics", metrics, methods=["GET"]),
                                Route("/v1/chat/completions", endpoint(chat=True), methods=["POST"]),
                                Route("/v1/completions", endpoint(chat=False), methods=["POST"]),
+                               Route("/v1/responses", guarded(respond_responses), methods=["POST"]),
                                Route("/v1/embeddings", guarded(embed), methods=["POST"]),
                                *(Route(path, guarded(rerank), methods=["POST"]) for path in ("/v1/rerank", "/rerank")),
                                Route("/tokenize", guarded(tokenize), methods=["POST"]),

@@ -1,0 +1,418 @@
+"""POST /v1/responses, OpenAI's Responses API: a Responses body read into the ChatBody the chat endpoint reads
+(read_responses: `input` items as chat messages, `instructions` as the system message, the flat function
+`tools`, `text.format` as response_format, `max_output_tokens`, `reasoning.effort` as a thinking budget),
+generated as a chat reply (requests.Service, responses.Reply) and shaped as a Response object (`Answer`):
+its output items (the thinking as a `reasoning` item, the answer as a `message`, each tool call as a
+`function_call`), status "completed" or "incomplete" (max_output_tokens), usage with cached and reasoning
+tokens; streamed as the documented events (response.created ... response.completed), each with its
+sequence_number. Nothing is stored: `store` is accepted and keeps nothing, `previous_response_id` is refused.
+
+Imports bodies.py, requests.py and responses.py of serving/.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from ..errors import APIError
+from ..files.tokenizer import THINK_CLOSE
+from ..generation.thinking import EFFORT_BUDGETS
+from .bodies import ChatBody, Limits, read_chat
+from .requests import Service
+from .responses import Reply
+
+ROLES = ("user", "system", "developer", "assistant")
+MESSAGE_KEYS = ("type", "role", "content", "id", "status")
+PART_KEYS = {"input_text": ("type", "text"), "output_text": ("type", "text", "annotations", "logprobs")}
+ITEM_KEYS = {"function_call": ("type", "call_id", "name", "arguments", "id", "status"),
+             "function_call_output": ("type", "call_id", "output", "id", "status"),
+             "reasoning": ("type", "id", "summary", "content", "status", "encrypted_content")}
+TOOL_KEYS = ("type", "name", "description", "parameters", "strict")
+FORMAT_KEYS = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "name", "description", "schema",
+                                                                             "strict")}
+SUMMARIES = (None, "auto", "concise", "detailed")
+# A chat field an error may name -> the Responses field that set it.
+RENAMED = {"messages": "input", "response_format": "text", "max_tokens": "max_output_tokens",
+           "reasoning_effort": "reasoning"}
+
+
+def _unknown(value: dict[str, Any], known: tuple[str, ...], where: str, param: str) -> None:
+    for key in value:
+        if key not in known:
+            raise APIError(400, f"{where}.{key}: not a field of {where} (it reads {', '.join(known)})", param,
+                           "unknown_field")
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or input_text / output_text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content: must be a string or a list of input_text parts", "input")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in PART_KEYS or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}.content[{j}]: must be {{\"type\": \"input_text\", \"text\": ...}} "
+                                "(only text is supported)", "input")
+        _unknown(part, PART_KEYS[kind], f"{where}.content[{j}]", "input")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
+    """`instructions` and `input` as chat messages: a string is one user message; items are messages,
+    function calls (joined into one assistant message's tool_calls), their outputs (tool messages), and
+    reasoning items resent from an earlier output (the next assistant message's reasoning_content)."""
+    messages: list[dict[str, Any]] = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise APIError(400, "instructions: must be a string", "instructions")
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(value, str):
+        return messages + [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise APIError(400, "input: must be a string or a non-empty list of items", "input")
+    reasoning: str | None = None
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{where}: must be an object (a message, function_call or function_call_output)",
+                           "input")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            _unknown(item, MESSAGE_KEYS, where, "input")
+            if item.get("role") not in ROLES:
+                raise APIError(400, f"{where}.role: must be one of {', '.join(ROLES)}", "input")
+            message = {"role": item["role"], "content": _text(item.get("content"), where)}
+            if item["role"] == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            messages.append(message)
+        elif kind in ITEM_KEYS:
+            _unknown(item, ITEM_KEYS[kind], where, "input")
+            if kind == "reasoning":
+                summary = item.get("summary") or []
+                if not isinstance(summary, list) or not all(isinstance(s, dict) and isinstance(s.get("text"), str)
+                                                            for s in summary):
+                    raise APIError(400, f"{where}.summary: must be a list of summary_text parts", "input")
+                reasoning = "\n".join(s["text"] for s in summary)
+                continue
+            for key in ("call_id", "name", "arguments") if kind == "function_call" else ("call_id",):
+                if not isinstance(item.get(key), str):
+                    raise APIError(400, f"{where}.{key}: must be a string", "input")
+            if kind == "function_call":
+                call = {"id": item["call_id"], "type": "function",
+                        "function": {"name": item["name"], "arguments": item["arguments"]}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls_open" in last:
+                    last["tool_calls"].append(call)
+                elif last is not None and last["role"] == "assistant" and "tool_calls" not in last:
+                    last["tool_calls"], last["tool_calls_open"] = [call], True
+                else:
+                    message = {"role": "assistant", "content": None, "tool_calls": [call], "tool_calls_open": True}
+                    if reasoning is not None:
+                        message["reasoning_content"], reasoning = reasoning, None
+                    messages.append(message)
+            else:
+                output = item.get("output")
+                messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                                 "content": output if isinstance(output, str) else _text(output, where)})
+        else:
+            raise APIError(400, f"{where}.type: must be message, function_call, function_call_output or reasoning, "
+                                f"got {kind!r}", "input")
+    for message in messages:
+        message.pop("tool_calls_open", None)
+    return messages
+
+
+def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The flat function tools of a Responses body as OpenAI's chat tools."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, "tools: must be a list of function tools", "tools")
+    declared = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise APIError(400, f"tools[{i}].type: only function tools are supported "
+                                "({\"type\": \"function\", \"name\": ..., \"parameters\": ...})", "tools")
+        _unknown(tool, TOOL_KEYS, f"tools[{i}]", "tools")
+        if tool.get("strict") not in (None, True, False):
+            raise APIError(400, f"tools[{i}].strict: must be true or false", "tools")
+        function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+        declared.append({"type": "function", "function": function})
+    return declared
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or set(choice) - {"type", "name"}:
+            raise APIError(400, 'tool_choice: a named choice must be {"type": "function", "name": ...}', "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def chat_format(text: Any) -> dict[str, Any] | None:
+    """`text` ({"format": {...}}) as a chat response_format."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise APIError(400, "text: must be an object, {\"format\": {...}}", "text")
+    _unknown(text, ("format",), "text", "text")
+    form = text.get("format")
+    if form is None:
+        return None
+    kind = form.get("type") if isinstance(form, dict) else None
+    if kind not in FORMAT_KEYS:
+        raise APIError(400, "text.format: must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                            "\"json_schema\", \"name\": ..., \"schema\": ...}", "text")
+    assert isinstance(form, dict)
+    _unknown(form, FORMAT_KEYS[kind], "text.format", "text")
+    if kind != "json_schema":
+        return {"type": kind}
+    if not isinstance(form.get("name"), str) or form.get("strict") not in (None, True, False):
+        raise APIError(400, "text.format: a json_schema format needs a name (and strict true or false)", "text")
+    spec = {key: form[key] for key in ("name", "description", "schema", "strict") if key in form}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def chat_effort(reasoning: Any) -> tuple[str | None, bool]:
+    """`reasoning` ({"effort", "summary"}) as reasoning_effort (a thinking budget) and whether it asks for a
+    summary."""
+    if reasoning is None:
+        return None, False
+    if not isinstance(reasoning, dict):
+        raise APIError(400, "reasoning: must be an object, {\"effort\": ..., \"summary\": ...}", "reasoning")
+    _unknown(reasoning, ("effort", "summary"), "reasoning", "reasoning")
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in EFFORT_BUDGETS:
+        raise APIError(400, f"reasoning.effort: must be one of {', '.join(EFFORT_BUDGETS)}, got {effort!r}",
+                       "reasoning")
+    if reasoning.get("summary") not in SUMMARIES:
+        raise APIError(400, "reasoning.summary: must be auto, concise or detailed", "reasoning")
+    return effort, reasoning.get("summary") is not None
+
+
+def renamed(problem: APIError) -> APIError:
+    """A chat reader's error worded with the Responses field that set what it names."""
+    if problem.param in RENAMED:
+        new = RENAMED[problem.param]
+        if problem.message.startswith(problem.param):
+            problem.message = new + problem.message[len(problem.param):]
+        problem.param = new
+    return problem
+
+
+def read_responses(fields: dict[str, Any], limits: Limits) -> ChatBody:
+    """A Responses body's fields read into the chat body they ask for (bodies.read_chat checks them
+    further; its errors name the Responses fields)."""
+    if fields.get("store") not in (None, True, False):
+        raise APIError(400, "store: must be true or false", "store")
+    effort, _ = chat_effort(fields.get("reasoning"))
+    chat = {"model": fields.get("model"), "stream": fields.get("stream"),
+            "messages": input_messages(fields.get("input"), fields.get("instructions")),
+            "tools": chat_tools(fields.get("tools")), "tool_choice": chat_tool_choice(fields.get("tool_choice")),
+            "parallel_tool_calls": fields.get("parallel_tool_calls"), "response_format": chat_format(fields.get("text")),
+            "max_tokens": fields.get("max_output_tokens"), "temperature": fields.get("temperature"),
+            "top_p": fields.get("top_p"), "reasoning_effort": effort}
+    try:
+        return read_chat({key: value for key, value in chat.items() if value is not None}, limits)
+    except APIError as problem:
+        raise renamed(problem) from None
+
+
+class Answer:
+    """One Responses request's reply (a responses.Reply of its chat body), shaped as a Response object,
+    whole or as its stream of events."""
+
+    def __init__(self, service: Service, body: ChatBody, fields: dict[str, Any], reply: Reply) -> None:
+        self.service, self.body, self.fields, self.reply = service, body, fields, reply
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.sequence = 0
+
+    def _item_id(self, kind: str) -> str:
+        return f"{kind}_{uuid.uuid4().hex}"
+
+    def response(self, output: list[dict[str, Any]], status: str) -> dict[str, Any]:
+        """The Response object, its echo fields as the request set them."""
+        fields = self.fields
+        tools = [{"type": "function", "name": t["name"], "description": t.get("description"),
+                  "parameters": t.get("parameters"), "strict": t.get("strict")} for t in fields.get("tools") or []]
+        reasoning = fields.get("reasoning") or {}
+        text = fields.get("text") or {"format": {"type": "text"}}
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": None, "background": False,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": fields.get("instructions"), "max_output_tokens": fields.get("max_output_tokens"),
+                "metadata": fields.get("metadata") or {}, "model": self.service.name_of(self.reply.request.adapter),
+                "output": output, "parallel_tool_calls": fields.get("parallel_tool_calls") is not False,
+                "previous_response_id": None,
+                "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+                "store": False, "temperature": fields.get("temperature"), "text": text,
+                "tool_choice": fields.get("tool_choice") or "auto", "tools": tools, "top_p": fields.get("top_p"),
+                "truncation": "disabled", "user": fields.get("user"),
+                "usage": self.usage() if status in ("completed", "incomplete") else None}
+
+    def usage(self) -> dict[str, Any]:
+        usage = self.reply.usage()
+        return {"input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                         "cache_write_tokens": 0},
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()},
+                "total_tokens": usage["total_tokens"]}
+
+    def reasoning_tokens(self) -> int:
+        """The reply's tokens up to and with its </think> (all of them, when it never closed); 0 if it did not think."""
+        row = self.reply.row
+        generated = list(row.generated) if row is not None else []
+        opened = self.service.tokenizer.token_to_id("<think>")
+        if not self.service.split_reasoning or not generated or generated[0] != opened:
+            return 0
+        close = self.service.tokenizer.token_to_id(THINK_CLOSE)
+        return generated.index(close) + 1 if close in generated else len(generated)
+
+    async def whole(self, http: Any) -> dict[str, Any]:
+        answer = await self.reply.whole(http)
+        choice = answer["choices"][0]
+        message, finish = choice["message"], choice["finish_reason"]
+        status = "incomplete" if finish == "length" else "completed"
+        output: list[dict[str, Any]] = []
+        if message.get("reasoning_content"):
+            output.append(self._reasoning(message["reasoning_content"]))
+        if message.get("content") or not message.get("tool_calls"):
+            output.append(self._message(message.get("content") or ""))
+        for call in message.get("tool_calls") or []:
+            output.append(self._call(self._item_id("fc"), call["id"], call["function"]["name"],
+                                     call["function"]["arguments"]))
+        if status == "incomplete":
+            output[-1]["status"] = "incomplete"
+        return self.response(output, status)
+
+    def _reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "reasoning", "id": self._item_id("rs"), "summary": [{"type": "summary_text", "text": text}],
+                "status": status}
+
+    def _message(self, text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+        return {"type": "message", "id": item_id or self._item_id("msg"), "role": "assistant", "status": status,
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+    def _call(self, item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+                "status": status}
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async def stream(self) -> AsyncIterator[str]:
+        """The documented events: response.created and .in_progress, each output item added, its deltas, done,
+        then response.completed (or .incomplete) with the whole response; an error as an `error` event."""
+        yield self._event("response.created", response=self.response([], "in_progress"))
+        yield self._event("response.in_progress", response=self.response([], "in_progress"))
+        output: list[dict[str, Any]] = []
+        current: dict[str, Any] | None = None           # the item being written
+        finish = None
+
+        def opened(item: dict[str, Any]) -> list[str]:
+            nonlocal current
+            current = item
+            output.append(item)
+            index = len(output) - 1
+            events = [self._event("response.output_item.added", output_index=index, item=_in_progress(item))]
+            if item["type"] == "reasoning":
+                events.append(self._event("response.reasoning_summary_part.added", item_id=item["id"],
+                                          output_index=index, summary_index=0,
+                                          part={"type": "summary_text", "text": ""}))
+            elif item["type"] == "message":
+                events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                          content_index=0, part={**item["content"][0], "text": ""}))
+            return events
+
+        def closed(status: str = "completed") -> list[str]:
+            nonlocal current
+            item, current = current, None
+            if item is None:
+                return []
+            index, events = output.index(item), []
+            item["status"] = status
+            if item["type"] == "reasoning":
+                part = item["summary"][0]
+                events += [self._event("response.reasoning_summary_text.done", item_id=item["id"], output_index=index,
+                                       summary_index=0, text=part["text"]),
+                           self._event("response.reasoning_summary_part.done", item_id=item["id"],
+                                       output_index=index, summary_index=0, part=part)]
+            elif item["type"] == "message":
+                part = item["content"][0]
+                events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                       content_index=0, text=part["text"], logprobs=[]),
+                           self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                       content_index=0, part=part)]
+            else:
+                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                          output_index=index, name=item["name"], arguments=item["arguments"]))
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+            return events
+
+        async for chunk in self.reply.chunks(False):
+            if "error" in chunk:
+                error = chunk["error"]
+                yield self._event("error", code=error.get("code"), message=error.get("message"),
+                                  param=error.get("param"), error=error)
+                return
+            choice = chunk["choices"][0]
+            delta = choice.get("delta") or {}
+            events: list[str] = []
+            if delta.get("reasoning_content"):
+                if current is None or current["type"] != "reasoning":
+                    events += closed() + opened(self._reasoning("", "in_progress"))
+                assert current is not None
+                current["summary"][0]["text"] += delta["reasoning_content"]
+                events.append(self._event("response.reasoning_summary_text.delta", item_id=current["id"],
+                                          output_index=len(output) - 1, summary_index=0,
+                                          delta=delta["reasoning_content"]))
+            if delta.get("content"):
+                if current is None or current["type"] != "message":
+                    events += closed() + opened(self._message("", "in_progress"))
+                assert current is not None
+                current["content"][0]["text"] += delta["content"]
+                events.append(self._event("response.output_text.delta", item_id=current["id"],
+                                          output_index=len(output) - 1, content_index=0, delta=delta["content"],
+                                          logprobs=[]))
+            for call in delta.get("tool_calls") or []:
+                function = call.get("function") or {}
+                if call.get("id"):
+                    events += closed() + opened(self._call(self._item_id("fc"), call["id"], function.get("name", ""),
+                                                           "", "in_progress"))
+                if function.get("arguments") and current is not None and current["type"] == "function_call":
+                    current["arguments"] += function["arguments"]
+                    events.append(self._event("response.function_call_arguments.delta", item_id=current["id"],
+                                              output_index=len(output) - 1, delta=function["arguments"]))
+            if choice.get("finish_reason"):
+                finish = choice["finish_reason"]
+            for event in events:
+                yield event
+        status = "incomplete" if finish == "length" else "completed"
+        if not output:
+            for event in opened(self._message("", "in_progress")):
+                yield event
+        for event in closed(status):
+            yield event
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        yield self._event(kind, response=self.response(output, status))
+
+
+def _in_progress(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as output_item.added shows it: nothing written yet."""
+    item = json.loads(json.dumps(item))
+    item["status"] = "in_progress"
+    if item["type"] == "reasoning":
+        item["summary"] = []
+    elif item["type"] == "message":
+        item["content"] = []
+    return item

@@ -1,0 +1,195 @@
+"""POST /v1/responses (issue 44), OpenAI's Responses API, through the official `openai` client's
+`responses.create` and `responses.stream`: on the scripted model (tests/serving/scripted_serve.py: the real
+server, template, tokenizer and grammar masks over logits that write what the first user message scripts)
+for what a model writes (text, thinking, calls), and on the random-weight Qwen3 for what the constraints
+guarantee whatever it writes (JSON and calls that validate).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tests.conftest import QWEN3_RANDOM
+from tests.serving.test_serve import ROOT, post, serving
+from tests.serving.test_serve_tools import CITY, PERSON, call, client_of
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("llguidance")
+
+pytestmark = pytest.mark.slow
+
+MODEL = str(QWEN3_RANDOM)
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": CITY}
+NO_THINKING = {"reasoning": {"effort": "none"}}
+
+
+@pytest.fixture(scope="module")
+def scripted_server(env):
+    with serving(env, MODEL, launcher=(str(ROOT / "tests" / "serving" / "scripted_serve.py"),)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def scripted(scripted_server):
+    return client_of(scripted_server.url)
+
+
+def test_a_plain_input_gives_the_scripted_text_with_usage(scripted) -> None:
+    response = scripted.responses.create(model=MODEL, input="Hello there.", temperature=0)
+    assert response.object == "response" and response.id.startswith("resp_") and response.status == "completed"
+    assert response.output_text == "Hello there."
+    assert [item.type for item in response.output] == ["message"]
+    message = response.output[0]
+    assert message.role == "assistant" and message.status == "completed" and message.content[0].type == "output_text"
+    usage = response.usage
+    assert usage.output_tokens >= 3 and usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert usage.output_tokens_details.reasoning_tokens == 0 and usage.input_tokens_details.cached_tokens >= 0
+
+
+def test_instructions_come_first_as_the_system_message(scripted) -> None:
+    # The scripted model writes the first *user* message: the instructions are not it, and do not change it.
+    response = scripted.responses.create(model=MODEL, instructions="Be brief.", input="Brief.", temperature=0)
+    assert response.output_text == "Brief." and response.instructions == "Be brief."
+
+
+def test_thinking_is_a_reasoning_item_and_counted(scripted) -> None:
+    response = scripted.responses.create(model=MODEL, input="<think>\nHmm\n</think>\n\nFour.", temperature=0,
+                                         reasoning={"effort": "high", "summary": "auto"})
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].summary[0].type == "summary_text" and response.output[0].summary[0].text == "Hmm"
+    assert response.output_text == "Four."
+    assert response.usage.output_tokens_details.reasoning_tokens == 5      # <think> \n Hmm \n </think>, each a token
+
+
+def test_max_output_tokens_cuts_the_reply_incomplete(scripted) -> None:
+    response = scripted.responses.create(model=MODEL, input="one two three four five six seven", max_output_tokens=3,
+                                         temperature=0)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3 and response.output[-1].status == "incomplete"
+
+
+def test_a_scripted_call_and_its_output_round_trip(scripted) -> None:
+    script = call("get_weather", {"city": "Paris", "unit": "C"}) + "\n=====\nIt is 21 C."
+    first = scripted.responses.create(model=MODEL, input=script, tools=[WEATHER], temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    assert json.loads(calls[0].arguments) == {"city": "Paris", "unit": "C"}
+    items = [{"role": "user", "content": script}, *[item.model_dump(exclude_none=True) for item in first.output],
+             {"type": "function_call_output", "call_id": calls[0].call_id, "output": json.dumps({"temp": 21})}]
+    second = scripted.responses.create(model=MODEL, input=items, tools=[WEATHER], temperature=0)
+    assert second.output_text == "It is 21 C." and second.status == "completed"
+
+
+def events_of(client, **fields):
+    with client.responses.stream(**fields) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    return events, final
+
+
+def test_a_stream_gives_the_documented_events_and_the_whole_response(scripted) -> None:
+    fields = {"model": MODEL, "input": "<think>\nHmm\n</think>\n\nFour and five.", "temperature": 0}
+    whole = scripted.responses.create(**fields)
+    events, final = events_of(scripted, **fields)
+    kinds = [event.type for event in events]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == "response.completed"
+    for kind in ("response.reasoning_summary_text.delta", "response.content_part.added", "response.output_text.delta",
+                 "response.output_text.done", "response.content_part.done", "response.output_item.done"):
+        assert kind in kinds, kind
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == whole.output_text == final.output_text == "Four and five."
+    assert [item.type for item in final.output] == [item.type for item in whole.output] == ["reasoning", "message"]
+    assert final.output[0].summary[0].text == whole.output[0].summary[0].text == "Hmm"
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens_details.reasoning_tokens
+
+
+def test_a_streamed_call_arrives_as_argument_deltas(scripted) -> None:
+    fields = {"model": MODEL, "input": call("get_weather", {"city": "Oslo", "unit": "F"}), "tools": [WEATHER],
+              "temperature": 0}
+    events, final = events_of(scripted, **fields)
+    kinds = [event.type for event in events]
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert len(calls) == 1 and json.loads(calls[0].arguments) == json.loads(deltas) == {"city": "Oslo", "unit": "F"}
+
+
+def test_create_with_stream_true_and_a_cut_stream_is_incomplete(scripted) -> None:
+    events = list(scripted.responses.create(model=MODEL, input="one two three four five", max_output_tokens=2,
+                                            temperature=0, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+# --- what the constraints guarantee, on random weights --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def running(env):
+    with serving(env, MODEL) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(running):
+    return client_of(running.url)
+
+
+def test_json_schema_format_validates(client) -> None:
+    response = client.responses.create(model=MODEL, input="A person", max_output_tokens=200, **NO_THINKING,
+                                       text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                                                        "strict": True}})
+    assert response.status == "completed", response
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+
+
+def test_tool_choice_required_gives_a_call_that_validates(client) -> None:
+    for stream in (False, True):
+        fields = {"model": MODEL, "input": "Weather?", "tools": [WEATHER], "tool_choice": "required",
+                  "max_output_tokens": 200, **NO_THINKING}
+        response = events_of(client, **fields)[1] if stream else client.responses.create(**fields)
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert response.status == "completed" and calls, response
+        for item in calls:
+            assert item.name == "get_weather"
+            jsonschema.validate(json.loads(item.arguments), CITY)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"input": 3}, "input"),
+    ({"input": [{"role": "robot", "content": "Hi"}]}, "input"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input"),
+    ({"input": "Hi", "text": {"format": {"type": "xml"}}}, "text"),
+    ({"input": "Hi", "text": {"format": {"type": "text"}, "verbosity": "low"}}, "text"),
+    ({"input": "Hi", "reasoning": {"effort": "extreme"}}, "reasoning"),
+    ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "Hi", "temperature": 7}, "temperature"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "Hi", "tools": [{**WEATHER, "colour": "red"}]}, "tools"),
+    ({"input": "Hi", "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "Hi", "truncation": "auto"}, "truncation"),
+    ({"input": [{"role": "user", "content": "Hi", "colour": "red"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "21"}]}, "input"),
+])
+def test_bad_fields_are_refused_by_name(client, fields, param) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, **fields)
+    assert refused.value.status_code == 400 and refused.value.param == param, refused.value.body
+    assert refused.value.body["message"].startswith(param), refused.value.body
+
+
+def test_store_and_metadata_are_accepted(client, running) -> None:
+    response = client.responses.create(model=MODEL, input="Hi", store=True, metadata={"k": "v"}, user="me",
+                                       max_output_tokens=2)
+    assert response.usage.output_tokens == 2 and response.status == "incomplete"
+    code, answer = post(running.url + "/responses", {"input": "Hi", "store": False, "max_output_tokens": 1})
+    assert code == 200 and answer["object"] == "response", answer
