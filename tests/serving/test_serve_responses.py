@@ -193,3 +193,32 @@ def test_store_and_metadata_are_accepted(client, running) -> None:
     assert response.usage.output_tokens == 2 and response.status == "incomplete"
     code, answer = post(running.url + "/responses", {"input": "Hi", "store": False, "max_output_tokens": 1})
     assert code == 200 and answer["object"] == "response", answer
+
+
+@pytest.mark.parametrize("body", [
+    {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    {"input": [{"role": "user", "content": {"text": "Hi"}}]},
+    {"input": [{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}]},
+    {"input": [{"type": "function_call_output", "call_id": "c", "output": {"x": 1}}]},
+    {"input": [{"type": "reasoning", "summary": "thought"}]},
+    {"input": [None]}, {"input": []}, {"input": [[]]},
+    {"input": "Hi", "instructions": ["a"]},
+    {"input": "Hi", "text": "json"}, {"input": "Hi", "text": {"format": {"type": "json_schema"}}},
+    {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "x": 1}}},
+    {"input": "Hi", "reasoning": "high"}, {"input": "Hi", "reasoning": {"effort": "low", "summary": "long"}},
+    {"input": "Hi", "tools": {"type": "function"}}, {"input": "Hi", "tools": [{"type": "function"}]},
+    {"input": "Hi", "tools": [{"type": "function", "name": "f", "strict": "yes"}]},
+    {"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "minProperties": 9,
+                                                                                "maxProperties": 2}}]},
+    {"input": "Hi", "tool_choice": "required"}, {"input": "Hi", "tool_choice": 3},
+    {"input": "Hi", "tool_choice": {"type": "function", "name": "f", "x": 1}},
+    {"input": "Hi", "parallel_tool_calls": "yes"}, {"input": "Hi", "store": "yes"},
+    {"input": "Hi", "max_output_tokens": 10 ** 9}, {"input": "Hi", "max_output_tokens": "5"},
+    {"input": "Hi", "top_p": 0}, {"input": "x" * 2_000_000},
+])
+def test_hostile_bodies_are_a_4xx_naming_a_field(running, body) -> None:
+    code, answer = post(running.url + "/responses", body)
+    assert 400 <= code < 500 and answer["error"]["param"], (code, answer)
+    code, answer = post(running.url + "/responses", {"input": "Hi", "max_output_tokens": 1})
+    assert code == 200, answer                                   # and the server keeps serving
