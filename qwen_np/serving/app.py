@@ -39,7 +39,7 @@ from .bodies import (ChatBody, CompletionBody, check_fields, parse_body, read_ch
 from .requests import Service, api_error
 from .choices import Choices, choice_requests, echo_of
 from .messages import COUNT_PATH, PATH, MessageReply, count_tokens, error_body, is_messages, message_request, read_messages
-from .openai_responses import Answer, read_responses, renamed
+from .openai_responses import Answer, Store, conversation, read_responses, renamed
 from .responses import Reply
 
 # A request body above this is refused (413) unread: a prompt that fills even a 40960-token context
@@ -64,6 +64,8 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
     from starlette.routing import Route
     from starlette.types import Message as ASGIMessage
     from starlette.types import Receive, Scope, Send
+
+    stored = Store()                  # /v1/responses' last responses, for previous_response_id (in memory)
 
     def error(problem: APIError, anthropic: bool = False) -> Response:
         """OpenAI's error JSON, or Anthropic's on its routes (messages.is_messages)."""
@@ -141,13 +143,14 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         fields = await read_body(http)
         check_fields(fields, "/v1/responses")
         service.check_generates()
-        body = await run_in_threadpool(read_responses, fields, service.limits)
+        items = conversation(fields, stored)
+        body = await run_in_threadpool(read_responses, fields, service.limits, items)
         try:
             prompt = await run_in_threadpool(service.chat_prompt, body)
             request = await run_in_threadpool(service.request, body, prompt)
         except APIError as problem:
             raise renamed(problem) from None
-        answer = Answer(service, body, fields, Reply(service, request, chat=True, calls=body.calls))
+        answer = Answer(service, body, fields, Reply(service, request, chat=True, calls=body.calls), stored, items)
         http.state.usage = answer.reply.usage
         if body.stream:
             return StreamingResponse(answer.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -45,7 +45,7 @@ REQUEST_FIELDS = {"/v1/chat/completions": ("messages", "chat_template_kwargs", "
                   "/v1/completions": ("prompt", "parse_special_tokens", "echo", "best_of", *GENERATION_FIELDS),
                   "/v1/responses": ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                                     "text", "max_output_tokens", "temperature", "top_p", "reasoning", "stream",
-                                    "store"),
+                                    "store", "previous_response_id"),
                   "/v1/embeddings": ("model", "input", "encoding_format", "dimensions"),
                   "/v1/rerank": ("model", "query", "documents", "top_n", "return_documents", "instruction"),
                   "/tokenize": ("model", "prompt", "content", "messages", "chat_template_kwargs", "tools",
@@ -65,12 +65,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,), "guided_grammar": (None,),
     "suffix": (None, ""),
     "store": (None, False), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
-    "web_search_options": (None,), "previous_response_id": (None,)}
+    "web_search_options": (None,)}
 # Why a refused field cannot be served, where that is the model's doing rather than this server's.
 UNSUPPORTED_WHY = {"suffix": "Qwen3 was not trained for fill-in-the-middle (it has no FIM tokens), so no text can be "
-                             "generated to fit before a suffix",
-                   "previous_response_id": "this server stores no responses (store is accepted, and nothing is "
-                                           "kept): send the whole conversation as input"}
+                             "generated to fit before a suffix"}
 # OpenAI's limit on stop strings, and a bound on each: stop strings are matched against the text at
 # every token, in time that grows with their number and the square of their length.
 MAX_STOPS, MAX_STOP_CHARS = 4, 256

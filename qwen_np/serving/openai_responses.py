@@ -5,7 +5,9 @@ generated as a chat reply (requests.Service, responses.Reply) and shaped as a Re
 its output items (the thinking as a `reasoning` item, the answer as a `message`, each tool call as a
 `function_call`), status "completed" or "incomplete" (max_output_tokens), usage with cached and reasoning
 tokens; streamed as the documented events (response.created ... response.completed), each with its
-sequence_number. Nothing is stored: `store` is accepted and keeps nothing, `previous_response_id` is refused.
+sequence_number. A response is kept (unless `store: false`) in a bounded store in memory (Store: the last
+MAX_STORED, lost on restart), so that a request may continue it by `previous_response_id`: its input items and
+output come before the new input (its instructions do not carry over, as OpenAI's).
 
 Imports bodies.py, requests.py and responses.py of serving/.
 """
@@ -13,8 +15,10 @@ Imports bodies.py, requests.py and responses.py of serving/.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any, AsyncIterator
 
 from ..errors import APIError
@@ -34,9 +38,41 @@ TOOL_KEYS = ("type", "name", "description", "parameters", "strict")
 FORMAT_KEYS = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "name", "description", "schema",
                                                                              "strict")}
 SUMMARIES = (None, "auto", "concise", "detailed")
+# Responses kept for previous_response_id, the oldest forgotten first: at most this many, and this many
+# characters of JSON in all (a conversation is bounded by the context: some MiB at most).
+MAX_STORED, MAX_STORED_CHARS = 64, 64 * 2**20
 # A chat field an error may name -> the Responses field that set it.
 RENAMED = {"messages": "input", "response_format": "text", "max_tokens": "max_output_tokens",
            "reasoning_effort": "reasoning"}
+
+
+class Store:
+    """The conversations of the last `size` stored responses (their input items, then their output), by id, in
+    memory: lost on restart."""
+
+    def __init__(self, size: int = MAX_STORED, chars: int = MAX_STORED_CHARS) -> None:
+        self.size, self.chars, self.lock = size, chars, threading.Lock()
+        self.conversations: OrderedDict[str, tuple[list[Any], int]] = OrderedDict()
+        self.held = 0                                   # characters of JSON held
+
+    def get(self, response_id: Any) -> list[Any]:
+        if not isinstance(response_id, str):
+            raise APIError(400, "previous_response_id: must be a string", "previous_response_id")
+        with self.lock:
+            kept = self.conversations.get(response_id)
+        if kept is None:
+            raise APIError(400, f"previous_response_id: no stored response {response_id!r} (this server keeps the "
+                                f"last {self.size} in memory, none across a restart)", "previous_response_id")
+        return kept[0]
+
+    def put(self, response_id: str, items: list[Any]) -> None:
+        """Keep a response's conversation: a copy (JSON's), as it would be sent again."""
+        text = json.dumps(items, ensure_ascii=False)
+        with self.lock:
+            self.conversations[response_id] = (json.loads(text), len(text))
+            self.held += len(text)
+            while len(self.conversations) > self.size or self.held > self.chars:
+                self.held -= self.conversations.popitem(last=False)[1][1]
 
 
 def _unknown(value: dict[str, Any], known: tuple[str, ...], where: str, param: str) -> None:
@@ -206,14 +242,25 @@ def renamed(problem: APIError) -> APIError:
     return problem
 
 
-def read_responses(fields: dict[str, Any], limits: Limits) -> ChatBody:
-    """A Responses body's fields read into the chat body they ask for (bodies.read_chat checks them
-    further; its errors name the Responses fields)."""
+def conversation(fields: dict[str, Any], store: Store) -> list[Any]:
+    """The input items a body asks for: its previous response's conversation (previous_response_id), then its
+    `input` (a string: one user message)."""
+    value = fields.get("input")
+    items = [{"role": "user", "content": value}] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items:
+        raise APIError(400, "input: must be a string or a non-empty list of items", "input")
+    previous = fields.get("previous_response_id")
+    return items if previous is None else [*store.get(previous), *items]
+
+
+def read_responses(fields: dict[str, Any], limits: Limits, items: list[Any]) -> ChatBody:
+    """A Responses body's fields (its input: `items`, conversation()) read into the chat body they ask for
+    (bodies.read_chat checks them further; its errors name the Responses fields)."""
     if fields.get("store") not in (None, True, False):
         raise APIError(400, "store: must be true or false", "store")
     effort, _ = chat_effort(fields.get("reasoning"))
     chat = {"model": fields.get("model"), "stream": fields.get("stream"),
-            "messages": input_messages(fields.get("input"), fields.get("instructions")),
+            "messages": input_messages(items, fields.get("instructions")),
             "tools": chat_tools(fields.get("tools")), "tool_choice": chat_tool_choice(fields.get("tool_choice")),
             "parallel_tool_calls": fields.get("parallel_tool_calls"), "response_format": chat_format(fields.get("text")),
             "max_tokens": fields.get("max_output_tokens"), "temperature": fields.get("temperature"),
@@ -228,8 +275,10 @@ class Answer:
     """One Responses request's reply (a responses.Reply of its chat body), shaped as a Response object,
     whole or as its stream of events."""
 
-    def __init__(self, service: Service, body: ChatBody, fields: dict[str, Any], reply: Reply) -> None:
+    def __init__(self, service: Service, body: ChatBody, fields: dict[str, Any], reply: Reply, store: Store,
+                 items: list[Any]) -> None:
         self.service, self.body, self.fields, self.reply = service, body, fields, reply
+        self.store, self.items = store, items          # where it is kept (unless store: false), its input items
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sequence = 0
@@ -250,9 +299,9 @@ class Answer:
                 "instructions": fields.get("instructions"), "max_output_tokens": fields.get("max_output_tokens"),
                 "metadata": fields.get("metadata") or {}, "model": self.service.name_of(self.reply.request.adapter),
                 "output": output, "parallel_tool_calls": fields.get("parallel_tool_calls") is not False,
-                "previous_response_id": None,
+                "previous_response_id": fields.get("previous_response_id"),
                 "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
-                "store": False, "temperature": fields.get("temperature"), "text": text,
+                "store": fields.get("store") is not False, "temperature": fields.get("temperature"), "text": text,
                 "tool_choice": fields.get("tool_choice") or "auto", "tools": tools, "top_p": fields.get("top_p"),
                 "truncation": "disabled", "user": fields.get("user"),
                 "usage": self.usage() if status in ("completed", "incomplete") else None}
@@ -291,7 +340,13 @@ class Answer:
                                      call["function"]["arguments"]))
         if status == "incomplete":
             output[-1]["status"] = "incomplete"
-        return self.response(output, status)
+        return self.kept(self.response(output, status))
+
+    def kept(self, response: dict[str, Any]) -> dict[str, Any]:
+        """`response`, stored (unless the request said store: false) for a later previous_response_id."""
+        if self.fields.get("store") is not False:
+            self.store.put(self.id, [*self.items, *response["output"]])
+        return response
 
     def _reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
         return {"type": "reasoning", "id": self._item_id("rs"), "summary": [{"type": "summary_text", "text": text}],
@@ -404,7 +459,7 @@ class Answer:
         for event in closed(status):
             yield event
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        yield self._event(kind, response=self.response(output, status))
+        yield self._event(kind, response=self.kept(self.response(output, status)))
 
 
 def _in_progress(item: dict[str, Any]) -> dict[str, Any]:

@@ -85,6 +85,27 @@ def test_a_scripted_call_and_its_output_round_trip(scripted) -> None:
     assert second.output_text == "It is 21 C." and second.status == "completed"
 
 
+def test_previous_response_id_continues_a_stored_response(scripted) -> None:
+    script = call("get_weather", {"city": "Rome", "unit": "C"}) + "\n=====\nSunny in Rome."
+    first = scripted.responses.create(model=MODEL, input=script, tools=[WEATHER], temperature=0)
+    assert first.store is True
+    called = next(item for item in first.output if item.type == "function_call")
+    output = [{"type": "function_call_output", "call_id": called.call_id, "output": "sunny"}]
+    second = scripted.responses.create(model=MODEL, previous_response_id=first.id, input=output, tools=[WEATHER],
+                                       temperature=0)
+    assert second.output_text == "Sunny in Rome." and second.previous_response_id == first.id
+    # the same, streamed; and a response with store: false is not kept
+    with scripted.responses.stream(model=MODEL, input=script, tools=[WEATHER], temperature=0) as stream:
+        streamed = stream.get_final_response()
+    third = scripted.responses.create(model=MODEL, previous_response_id=streamed.id, temperature=0, tools=[WEATHER],
+                                      input=[{**output[0], "call_id": streamed.output[-1].call_id}])
+    assert third.output_text == "Sunny in Rome."
+    unkept = scripted.responses.create(model=MODEL, input="Hi.", store=False, temperature=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        scripted.responses.create(model=MODEL, previous_response_id=unkept.id, input="Again")
+    assert refused.value.param == "previous_response_id" and unkept.id in refused.value.body["message"]
+
+
 def events_of(client, **fields):
     with client.responses.stream(**fields) as stream:
         events = list(stream)
@@ -222,3 +243,17 @@ def test_hostile_bodies_are_a_4xx_naming_a_field(running, body) -> None:
     assert 400 <= code < 500 and answer["error"]["param"], (code, answer)
     code, answer = post(running.url + "/responses", {"input": "Hi", "max_output_tokens": 1})
     assert code == 200, answer                                   # and the server keeps serving
+
+
+def test_the_store_forgets_the_oldest_beyond_its_count_and_its_characters() -> None:
+    from qwen_np.errors import APIError
+    from qwen_np.serving.openai_responses import Store
+
+    store = Store(size=2, chars=100)
+    for name in ("a", "b", "c"):
+        store.put(name, [{"role": "user", "content": name}])
+    assert store.get("c") == [{"role": "user", "content": "c"}] and store.get("b")
+    with pytest.raises(APIError, match="no stored response 'a'"):
+        store.get("a")
+    store.put("d", [{"role": "user", "content": "x" * 60}])          # 91 characters: with any other, over 100
+    assert list(store.conversations) == ["d"] and store.held < 100
