@@ -45,7 +45,7 @@ REQUEST_FIELDS = {"/v1/chat/completions": ("messages", "chat_template_kwargs", "
                   "/v1/completions": ("prompt", "parse_special_tokens", "echo", "best_of", *GENERATION_FIELDS),
                   "/v1/responses": ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                                     "text", "max_output_tokens", "temperature", "top_p", "reasoning", "stream",
-                                    "store", "previous_response_id"),
+                                    "store", "previous_response_id", "include", "truncation"),
                   "/v1/embeddings": ("model", "input", "encoding_format", "dimensions"),
                   "/v1/rerank": ("model", "query", "documents", "top_n", "return_documents", "instruction"),
                   "/tokenize": ("model", "prompt", "content", "messages", "chat_template_kwargs", "tools",

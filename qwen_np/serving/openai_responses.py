@@ -258,6 +258,11 @@ def read_responses(fields: dict[str, Any], limits: Limits, items: list[Any]) -> 
     (bodies.read_chat checks them further; its errors name the Responses fields)."""
     if fields.get("store") not in (None, True, False):
         raise APIError(400, "store: must be true or false", "store")
+    if fields.get("include") not in (None, []):          # what it could add (logprobs, encrypted reasoning): none
+        raise APIError(400, "include: not supported by this server (only an empty list)", "include")
+    if fields.get("truncation") not in (None, "disabled"):
+        raise APIError(400, "truncation: only \"disabled\" (a conversation too long for the context is refused)",
+                       "truncation")
     effort, _ = chat_effort(fields.get("reasoning"))
     chat = {"model": fields.get("model"), "stream": fields.get("stream"),
             "messages": input_messages(items, fields.get("instructions")),

@@ -198,6 +198,7 @@ def test_tool_choice_required_gives_a_call_that_validates(client) -> None:
     ({"input": "Hi", "tool_choice": {"type": "function"}}, "tool_choice"),
     ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "Hi", "truncation": "auto"}, "truncation"),
+    ({"input": "Hi", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": [{"role": "user", "content": "Hi", "colour": "red"}]}, "input"),
     ({"input": [{"type": "function_call_output", "output": "21"}]}, "input"),
 ])
@@ -208,9 +209,9 @@ def test_bad_fields_are_refused_by_name(client, fields, param) -> None:
     assert refused.value.body["message"].startswith(param), refused.value.body
 
 
-def test_store_and_metadata_are_accepted(client, running) -> None:
+def test_store_metadata_and_the_off_values_of_include_and_truncation_are_accepted(client, running) -> None:
     response = client.responses.create(model=MODEL, input="Hi", store=True, metadata={"k": "v"}, user="me",
-                                       max_output_tokens=2)
+                                       max_output_tokens=2, include=[], truncation="disabled")
     assert response.usage.output_tokens == 2 and response.status == "incomplete"
     code, answer = post(running.url + "/responses", {"input": "Hi", "store": False, "max_output_tokens": 1})
     assert code == 200 and answer["object"] == "response", answer
