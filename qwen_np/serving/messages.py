@@ -25,7 +25,7 @@ stop_reason: end_turn, max_tokens, stop_sequence (with the stop_sequence met) or
 input_tokens as Anthropic does, beside cache_read_input_tokens (the prompt tokens the prefix cache held).
 Errors on these routes are Anthropic's: {"type": "error", "error": {"type", "message"}}.
 
-Imports bodies.py, requests.py and responses.py of serving/.
+Imports bodies.py, requests.py, responses.py and structured.py of serving/.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from ..generation.batching import Request
 from .bodies import MAX_STOP_CHARS, MAX_STOPS, ChatBody, Limits, in_range, read_chat
 from .requests import Service
 from .responses import Reply
+from .structured import refuse_unknown
 
 PATH, COUNT_PATH = "/v1/messages", "/v1/messages/count_tokens"
 # Each block's keys (one not listed is refused by name, never ignored).
@@ -84,13 +85,6 @@ def _problem(where: str, why: str) -> APIError:
     return APIError(400, f"{where}: {why}", where.split(".")[0].split("[")[0])
 
 
-def _keys(value: dict[str, Any], known: tuple[str, ...], where: str) -> None:
-    unknown = next((key for key in value if key not in known), None)
-    if unknown is not None:
-        raise APIError(400, f"{where}.{unknown}: not a field of {where} (it reads {', '.join(known)})",
-                       where.split(".")[0].split("[")[0], "unknown_field")
-
-
 def _text(value: Any, where: str) -> str:
     """A string, or text blocks joined (system, a tool_result's content)."""
     if isinstance(value, str):
@@ -101,7 +95,7 @@ def _text(value: Any, where: str) -> str:
     for i, block in enumerate(value):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise _problem(f"{where}[{i}]", 'must be a text block, {"type": "text", "text": ...} (Qwen3 reads text only)')
-        _keys(block, BLOCK_KEYS["text"], f"{where}[{i}]")
+        refuse_unknown(block, BLOCK_KEYS["text"], f"{where}[{i}]")
         texts.append(block["text"])
     return "".join(texts)
 
@@ -118,7 +112,7 @@ def _messages(fields: dict[str, Any]) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in BLOCKS_OF:
             raise _problem(where, 'must be an object with a role "user" or "assistant" and a content')
-        _keys(message, ("role", "content"), where)
+        refuse_unknown(message, ("role", "content"), where)
         role, content = message["role"], message.get("content")
         if isinstance(content, str):
             chat.append({"role": role, "content": content})
@@ -135,7 +129,7 @@ def _messages(fields: dict[str, Any]) -> list[dict[str, Any]]:
                 raise _problem(at, f"a {role} message's blocks are {', '.join(BLOCKS_OF[role])} (got {kind!r}; Qwen3 "
                                    "reads text only)")
             assert isinstance(block, dict)
-            _keys(block, BLOCK_KEYS[kind], at)
+            refuse_unknown(block, BLOCK_KEYS[kind], at)
             if block.get("citations") not in (None, []):
                 raise APIError(400, f"{at}.citations: not supported by this server", "messages", "unsupported_field")
             if kind == "text":
@@ -190,7 +184,7 @@ def _tools(fields: dict[str, Any]) -> dict[str, Any]:
                 raise APIError(400, f"{where}.type: {tool.get('type')!r}: Anthropic's server tools are not supported "
                                     "(only client tools: a name, a description and an input_schema)", "tools",
                                "unsupported_field")
-            _keys(tool, TOOL_KEYS, where)
+            refuse_unknown(tool, TOOL_KEYS, where)
             if not isinstance(tool.get("input_schema"), dict):
                 raise _problem(f"{where}.input_schema", "must be a JSON schema (an object)")
             if tool.get("strict") not in (None, True, False):
@@ -206,7 +200,7 @@ def _tools(fields: dict[str, Any]) -> dict[str, Any]:
             raise _problem("tool_choice", 'must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
                                           '{"type": "tool", "name": ...}')
         assert isinstance(choice, dict)
-        _keys(choice, TOOL_CHOICE_KEYS[kind], "tool_choice")
+        refuse_unknown(choice, TOOL_CHOICE_KEYS[kind], "tool_choice")
         disable = choice.get("disable_parallel_tool_use")
         if disable not in (None, True, False):
             raise _problem("tool_choice.disable_parallel_tool_use", "must be true or false")
@@ -232,7 +226,7 @@ def _thinking(fields: dict[str, Any]) -> dict[str, Any]:
         raise _problem("thinking", 'must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
                                    '{"type": "disabled"}')
     assert isinstance(thinking, dict)
-    _keys(thinking, THINKING_KEYS[kind], "thinking")
+    refuse_unknown(thinking, THINKING_KEYS[kind], "thinking")
     if thinking.get("display") not in (None, "summarized"):
         raise APIError(400, "thinking.display: only \"summarized\" (the thinking is returned whole)", "thinking",
                        "unsupported_field")

@@ -9,7 +9,7 @@ sequence_number. A response is kept (unless `store: false`) in a bounded store i
 MAX_STORED, lost on restart), so that a request may continue it by `previous_response_id`: its input items and
 output come before the new input (its instructions do not carry over, as OpenAI's).
 
-Imports bodies.py, requests.py and responses.py of serving/.
+Imports bodies.py, requests.py, responses.py and structured.py of serving/.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ..generation.thinking import EFFORT_BUDGETS
 from .bodies import ChatBody, Limits, read_chat
 from .requests import Service
 from .responses import Reply
+from .structured import refuse_unknown
 
 ROLES = ("user", "system", "developer", "assistant")
 MESSAGE_KEYS = ("type", "role", "content", "id", "status")
@@ -75,13 +76,6 @@ class Store:
                 self.held -= self.conversations.popitem(last=False)[1][1]
 
 
-def _unknown(value: dict[str, Any], known: tuple[str, ...], where: str, param: str) -> None:
-    for key in value:
-        if key not in known:
-            raise APIError(400, f"{where}.{key}: not a field of {where} (it reads {', '.join(known)})", param,
-                           "unknown_field")
-
-
 def _text(content: Any, where: str) -> str:
     """A message's content: a string, or input_text / output_text parts joined."""
     if isinstance(content, str):
@@ -94,7 +88,7 @@ def _text(content: Any, where: str) -> str:
         if kind not in PART_KEYS or not isinstance(part.get("text"), str):
             raise APIError(400, f"{where}.content[{j}]: must be {{\"type\": \"input_text\", \"text\": ...}} "
                                 "(only text is supported)", "input")
-        _unknown(part, PART_KEYS[kind], f"{where}.content[{j}]", "input")
+        refuse_unknown(part, PART_KEYS[kind], f"{where}.content[{j}]")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -120,7 +114,7 @@ def input_messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
                            "input")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            _unknown(item, MESSAGE_KEYS, where, "input")
+            refuse_unknown(item, MESSAGE_KEYS, where)
             if item.get("role") not in ROLES:
                 raise APIError(400, f"{where}.role: must be one of {', '.join(ROLES)}", "input")
             message = {"role": item["role"], "content": _text(item.get("content"), where)}
@@ -128,7 +122,7 @@ def input_messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
         elif kind in ITEM_KEYS:
-            _unknown(item, ITEM_KEYS[kind], where, "input")
+            refuse_unknown(item, ITEM_KEYS[kind], where)
             if kind == "reasoning":
                 summary = item.get("summary") or []
                 if not isinstance(summary, list) or not all(isinstance(s, dict) and isinstance(s.get("text"), str)
@@ -175,7 +169,7 @@ def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise APIError(400, f"tools[{i}].type: only function tools are supported "
                                 "({\"type\": \"function\", \"name\": ..., \"parameters\": ...})", "tools")
-        _unknown(tool, TOOL_KEYS, f"tools[{i}]", "tools")
+        refuse_unknown(tool, TOOL_KEYS, f"tools[{i}]")
         if tool.get("strict") not in (None, True, False):
             raise APIError(400, f"tools[{i}].strict: must be true or false", "tools")
         function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
@@ -197,7 +191,7 @@ def chat_format(text: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(text, dict):
         raise APIError(400, "text: must be an object, {\"format\": {...}}", "text")
-    _unknown(text, ("format",), "text", "text")
+    refuse_unknown(text, ("format",), "text")
     form = text.get("format")
     if form is None:
         return None
@@ -206,7 +200,7 @@ def chat_format(text: Any) -> dict[str, Any] | None:
         raise APIError(400, "text.format: must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
                             "\"json_schema\", \"name\": ..., \"schema\": ...}", "text")
     assert isinstance(form, dict)
-    _unknown(form, FORMAT_KEYS[kind], "text.format", "text")
+    refuse_unknown(form, FORMAT_KEYS[kind], "text.format")
     if kind != "json_schema":
         return {"type": kind}
     if not isinstance(form.get("name"), str) or form.get("strict") not in (None, True, False):
@@ -222,7 +216,7 @@ def chat_effort(reasoning: Any) -> tuple[str | None, bool]:
         return None, False
     if not isinstance(reasoning, dict):
         raise APIError(400, "reasoning: must be an object, {\"effort\": ..., \"summary\": ...}", "reasoning")
-    _unknown(reasoning, ("effort", "summary"), "reasoning", "reasoning")
+    refuse_unknown(reasoning, ("effort", "summary"), "reasoning")
     effort = reasoning.get("effort")
     if effort is not None and effort not in EFFORT_BUDGETS:
         raise APIError(400, f"reasoning.effort: must be one of {', '.join(EFFORT_BUDGETS)}, got {effort!r}",

@@ -160,7 +160,7 @@ def _response_format(body: dict[str, Any]) -> ResponseFormat | None:
         raise APIError(400, "response_format: must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                             "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
     assert isinstance(value, dict)
-    _refuse_unknown(value, RESPONSE_KEYS[kind], "response_format")
+    refuse_unknown(value, RESPONSE_KEYS[kind], "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -170,12 +170,15 @@ def _response_format(body: dict[str, Any]) -> ResponseFormat | None:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or spec.get("strict") not in (None, True, False):
         raise APIError(400, "response_format.json_schema: must be an object with a name, a schema and optionally "
                             "strict (true or false)", "response_format")
-    _refuse_unknown(spec, JSON_SCHEMA_KEYS, "response_format.json_schema")
+    refuse_unknown(spec, JSON_SCHEMA_KEYS, "response_format.json_schema")
     return ResponseFormat(kind, spec.get("schema", True))       # no schema: any JSON value (JSON Schema's `true`)
 
 
-def _refuse_unknown(value: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+def refuse_unknown(value: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    """A 400 naming the first key of the object at `where` (response_format.json_schema, tools[0], ...) that is
+    not among the keys it reads (`known`): no nested key of a body is silently ignored. Its param is the
+    body's top-level field."""
     unknown = next((key for key in value if key not in known), None)
     if unknown is not None:
         raise APIError(400, f"{where}.{unknown}: not a field of {where} (it reads {', '.join(known)})",
-                       "response_format", "unknown_field")
+                       where.split(".")[0].split("[")[0], "unknown_field")
