@@ -247,7 +247,7 @@ def text_grammar(text: str, vocab: Vocabulary, *, thinking: bool = False, where:
 
 
 def tool_call_grammar(tools: Sequence[Any], vocab: Vocabulary, choice: str = "auto", *, tool: str | None = None,
-                      parallel: bool = True, thinking: bool = False) -> Grammar:
+                      parallel: bool = True, thinking: bool = False, answer: Any = None) -> Grammar:
     """Replies whose tool calls are Qwen3's, each valid against its tool's declared parameters:
 
         <tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>
@@ -258,7 +258,10 @@ def tool_call_grammar(tools: Sequence[Any], vocab: Vocabulary, choice: str = "au
     text and no call (OpenAI's "the model will not call a tool": the tools stay in the prompt, so the model
     knows them, but <tool_call> is never allowed). tool: a declared tool's name, one call of that tool
     (OpenAI's named choice, whatever the name: a tool may be called "auto"); a choice that is not one of
-    the three is read as a tool's name too. parallel False: at most one call."""
+    the three is read as a tool's name too. parallel False: at most one call. answer: a JSON schema the reply
+    is held to when it does not call (OpenAI's response_format beside tools, as the openai-agents SDK sends
+    an agent's output_type with its tools): with "auto" the reply is that one value or calls, never free
+    text; with "required" or a named tool it is calls, as without it."""
     calls = _tool_alternatives(tools)
     named = tool if tool is not None else None if choice in TOOL_CHOICES else choice
     if named is not None and named not in calls:
@@ -271,11 +274,16 @@ def tool_call_grammar(tools: Sequence[Any], vocab: Vocabulary, choice: str = "au
     rules = [f"call: {TOOL_CALL_OPEN} \"\\n\" ({' | '.join(f'call_{i}' for i in range(len(chosen)))}) \"\\n\" {TOOL_CALL_CLOSE}"]
     rules += [f"call_{i}: {rule}" for i, rule in enumerate(chosen.values())]
     mode = "named" if named is not None else choice
-    if mode in ("auto", "none"):
+    calls_only = "call (\"\\n\" call)*" if parallel and mode != "named" else "call"
+    if answer is not None and mode == "auto":
+        schema = _checked_schema(answer, "response_format")
+        body = f"answer | {calls_only}"
+        rules.append(f"answer: %json {json.dumps(schema)}")
+    elif mode in ("auto", "none"):
         body = "TEXT" if mode == "none" else "TEXT (call TEXT)*" if parallel else "TEXT (call TEXT)?"
         rules.append("TEXT: /(.|\\n)*/")          # text holds no special token: <tool_call> opens only a call
     else:
-        body = "call (\"\\n\" call)*" if parallel and mode == "required" else "call"
+        body = calls_only
     return _with_thinking(body, [], vocab, thinking, f"tool_calls:{mode}", extra_rules="\n".join(rules) + "\n")
 
 

@@ -10,6 +10,7 @@ shape is files/messages.py's rule, as a chat file's (training) is read.
                                     grammar never allows <tool_call>, so no call can be made
     response_format json_object     one JSON object; json_schema: one JSON value valid against the schema
                                     (enforced whatever `strict` says: a grammar cannot be half-kept)
+    tools "auto" + response_format  that one value, or calls (an agent's output type beside its tools)
 
 A reply that is all value (response_format, tool_choice "required" or a named tool) ends where its value is
 complete (finish "stop", or "tool_calls"), or is cut by max_tokens (finish "length"): `stop` and
@@ -99,10 +100,6 @@ def read_response_format(body: dict[str, Any], tools: Tools | None) -> ResponseF
     or `stop_token_ids` wherever the reply is all value (response_format, tool_choice "required" or a named
     tool)."""
     response = _response_format(body)
-    if response is not None and tools is not None and tools.callable:
-        raise APIError(400, "response_format: cannot be combined with tools the model may call (tool_choice "
-                            "'none' leaves the tools in the prompt and the answer to response_format)",
-                       "response_format")
     if response is not None:
         _refuse_stops(body, "response_format")
     elif tools is not None and (tools.tool is not None or tools.choice == "required"):
@@ -112,22 +109,29 @@ def read_response_format(body: dict[str, Any], tools: Tools | None) -> ResponseF
 
 def grammar(tools: Tools | None, response: ResponseFormat | None, vocabulary: Vocabulary | None,
             thinking: bool) -> Grammar | None:
-    """The grammar a chat reply follows (None: unconstrained): its response_format's, else its tools' (tools
-    that cannot be called are in the prompt, and the grammar keeps <tool_call> out of the reply).
+    """The grammar a chat reply follows (None: unconstrained): its tools' (a reply that may call them and
+    has a response_format is that value or calls, as OpenAI's model answers with an agent's output type or
+    calls its tools), else its response_format's (tools that cannot be called are in the prompt, and the
+    grammar keeps <tool_call> out of the reply).
     thinking: the prompt lets the model think first (the grammar then allows the think block)."""
     if response is None and tools is None:
         return None
-    field = "response_format" if response is not None else "tools"
+    calls = tools is not None and tools.callable
+    field = "tools" if calls or response is None else "response_format"
     vocabulary = grammar_vocabulary(vocabulary, field)
     try:
-        if response is not None:
-            return (json_object_grammar(vocabulary, thinking=thinking) if response.kind == "json_object" else
-                    json_schema_grammar(response.schema, vocabulary, thinking=thinking, where=response.where))
-        assert tools is not None
-        return tool_call_grammar(tools.declared, vocabulary, tools.choice, tool=tools.tool, parallel=tools.parallel,
-                                 thinking=thinking)
+        if calls or response is None:
+            assert tools is not None
+            answer = None if response is None else {"type": "object"} if response.kind == "json_object" else response.schema
+            return tool_call_grammar(tools.declared, vocabulary, tools.choice, tool=tools.tool, parallel=tools.parallel,
+                                     thinking=thinking, answer=answer)
+        return (json_object_grammar(vocabulary, thinking=thinking) if response.kind == "json_object" else
+                json_schema_grammar(response.schema, vocabulary, thinking=thinking, where=response.where))
     except QwenNPError as bad:        # its message names the field: tools[0].function.name: ..., tool_choice: ...
-        raise APIError(400, str(bad), "tool_choice" if str(bad).startswith("tool_choice") else field) from None
+        message = str(bad)
+        named = "tool_choice" if message.startswith("tool_choice") else "response_format" if message.startswith(
+            "response_format") else field
+        raise APIError(400, message, named) from None
 
 
 def _refuse_stops(body: dict[str, Any], what: str) -> None:

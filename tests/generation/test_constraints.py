@@ -469,3 +469,16 @@ def test_without_llguidance_serve_says_so_at_start_and_refuses_grammar_requests_
     with pytest.raises(APIError, match="response_format: needs constrained decoding") as refused:
         ask(service, SCHEMA_BODY)
     assert refused.value.status == 400 and refused.value.param == "response_format"
+
+
+def test_tools_beside_a_response_format_give_that_value_or_calls_never_free_text(tok, vocab) -> None:
+    """The openai-agents SDK sends an agent's output type (response_format) with its tools: the reply answers in
+    the schema or calls a tool; with tool_choice "required" it calls."""
+    answer = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    grammar = constraints.tool_call_grammar([WEATHER], vocab, "auto", answer=answer)
+    assert accepts(grammar, tok, '{"city": "Paris"}') and not accepts(grammar, tok, "Paris is sunny.")
+    assert not accepts(grammar, tok, '{"city": "Paris", "unit": "C"}')                  # closed, as any schema
+    assert accepts(grammar, tok, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+                                 '\n</tool_call>')
+    required = constraints.tool_call_grammar([WEATHER], vocab, "required", answer=answer)
+    assert not accepts(required, tok, '{"city": "Paris"}')

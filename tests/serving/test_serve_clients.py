@@ -75,3 +75,41 @@ def test_langchain_with_structured_output_gives_an_object_of_its_schema(server: 
                                        timeout=HANG_SECONDS, extra_body=NO_THINKING_BODY)
     person = chat.with_structured_output(Person, method=method).invoke(PROMPT)
     assert isinstance(person, Person) and len(person.name) <= 12
+
+
+def test_pydantic_ai_agent_gets_its_output_type(server: str) -> None:
+    """pydantic-ai's structured output: a forced `final_result` tool whose arguments are the output type."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=server, api_key="none"))
+    agent = Agent(model, output_type=Person, model_settings={"max_tokens": 200, "extra_body": NO_THINKING_BODY},
+                  retries=0)
+    person = agent.run_sync(PROMPT).output
+    assert isinstance(person, Person) and len(person.name) <= 12
+
+
+def test_openai_agents_sdk_runs_its_default_model_the_responses_api_with_a_tool_and_an_output_type(server: str
+                                                                                                ) -> None:
+    """The openai-agents SDK's default model speaks the Responses API (/v1/responses): a forced tool call runs
+    the tool, then the final output is an object of the output type."""
+    agents = pytest.importorskip("agents")
+    calls: list[tuple[int, int]] = []
+
+    @agents.function_tool
+    def add_numbers(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append((a, b))
+        return a + b
+
+    agents.set_tracing_disabled(True)                 # no trace export: there is no network here
+    model = agents.OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(base_url=server, api_key="none",
+                                                                                       max_retries=0))
+    settings = agents.ModelSettings(tool_choice="required", max_tokens=200, reasoning={"effort": "none"})
+    agent = agents.Agent(name="adder", instructions="Add the numbers, then say who asked.", model=model,
+                         tools=[add_numbers], output_type=Person, model_settings=settings)
+    result = agents.Runner.run_sync(agent, "Ann asks: what is 2 + 3?", max_turns=4)
+    assert len(calls) >= 1 and all(isinstance(a, int) and isinstance(b, int) for a, b in calls)
+    assert isinstance(result.final_output, Person)

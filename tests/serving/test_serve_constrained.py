@@ -228,3 +228,18 @@ def test_a_thinking_budget_it_cannot_keep_is_a_400_naming_its_field(scripted, ex
     with pytest.raises(openai.BadRequestError) as refused:
         say(scripted, THINKING, stream=False, max_tokens=8, extra_body=extra)
     assert refused.value.param == field and refused.value.body["message"].startswith(f"{field}: ")
+
+
+@STREAMS
+def test_tools_beside_a_response_format_answer_in_the_schema_or_call(scripted, stream: bool) -> None:
+    """An agent's output type beside its tools (the openai-agents SDK sends both): the reply is the value
+    (content) or a call (tool_calls), each valid; free text cannot get in."""
+    answered = say(scripted, json.dumps({"name": "Ann", "age": 30}), stream=stream, tools=[WEATHER],
+                   response_format=schema_format(PERSON), max_tokens=60, extra_body=NO_THINKING)
+    assert answered.finish_reason == "stop" and json.loads(answered.message.content) == {"name": "Ann", "age": 30}
+    called = say(scripted, call("get_weather", PARIS), stream=stream, tools=[WEATHER],
+                 response_format=schema_format(PERSON), max_tokens=60, extra_body=NO_THINKING)
+    assert called.finish_reason == "tool_calls" and json.loads(called.message.tool_calls[0].function.arguments) == PARIS
+    free = say(scripted, "Paris is sunny.", stream=stream, tools=[WEATHER], response_format=schema_format(PERSON),
+               max_tokens=60, extra_body=NO_THINKING)
+    assert free.message.content is None or jsonschema.validate(json.loads(free.message.content), PERSON) is None
