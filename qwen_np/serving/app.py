@@ -95,6 +95,12 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
             raise APIError(408, f"request body: not received within {BODY_SECONDS:g}s") from None
         return await run_in_threadpool(parse_body, raw, service.served_names)
 
+    async def fields_for(http: HTTPRequest, path: str) -> dict[str, Any]:
+        """The body's fields, each one `path` does not read refused by name (bodies.check_fields)."""
+        fields = await read_body(http)
+        check_fields(fields, path)
+        return fields
+
     def guarded(respond: Callable[[HTTPRequest], Any], anthropic: bool = False) -> Callable[[HTTPRequest], Any]:
         """The handler answering with `respond`'s response, or OpenAI's error JSON for what it raised
         (Anthropic's, `anthropic`)."""
@@ -116,8 +122,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         path = "/v1/chat/completions" if chat else "/v1/completions"
 
         async def respond(http: HTTPRequest) -> Response:
-            fields = await read_body(http)
-            check_fields(fields, path)                   # a field it does not read: refused by name
+            fields = await fields_for(http, path)
             service.check_generates()
             # Reading, tokenising and templating take time in proportion to the prompt: on worker threads,
             # they hold up no other client and no /health. So does a grammar, compiled in time that grows
@@ -140,8 +145,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         return guarded(respond)
 
     async def respond_responses(http: HTTPRequest) -> Response:
-        fields = await read_body(http)
-        check_fields(fields, "/v1/responses")
+        fields = await fields_for(http, "/v1/responses")
         service.check_generates()
         items = conversation(fields, stored)
         body = await run_in_threadpool(read_responses, fields, service.limits, items)
@@ -157,35 +161,31 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         return JSONResponse(await answer.whole(http))
 
     async def embed(http: HTTPRequest) -> Response:
-        fields = await read_body(http)
-        check_fields(fields, "/v1/embeddings")
+        fields = await fields_for(http, "/v1/embeddings")
         body = read_embedding(fields, service.limits)
         job = await run_in_threadpool(embedding_job, service, body)      # tokenising: off the event loop
         http.state.usage = lambda: {**embedding_usage(job), "completion_tokens": 0}
         return JSONResponse(await embeddings(service, job, body, http))
 
     async def rerank(http: HTTPRequest) -> Response:
-        fields = await read_body(http)
-        check_fields(fields, "/v1/rerank")
+        fields = await fields_for(http, "/v1/rerank")
         body = read_rerank(fields, service.limits)
         job = await run_in_threadpool(rerank_job, service, body)          # tokenising: off the event loop
         http.state.usage = lambda: {"prompt_tokens": job.tokens, "total_tokens": job.tokens, "completion_tokens": 0}
         return JSONResponse(await reranked(service, job, body, http))
 
     async def tokenize(http: HTTPRequest) -> Response:
-        fields = await read_body(http)
-        check_fields(fields, "/tokenize")
+        fields = await fields_for(http, "/tokenize")
         body = await run_in_threadpool(read_tokenize, fields, service.limits)
         return JSONResponse(await run_in_threadpool(tokenized, service, body))
 
     async def detokenize(http: HTTPRequest) -> Response:
-        fields = await read_body(http)
-        check_fields(fields, "/detokenize")
+        fields = await fields_for(http, "/detokenize")
         return JSONResponse(detokenized(service, read_token_ids(fields, service.limits)))
+
     async def messages(http: HTTPRequest) -> Response:
         """Anthropic's Messages API (messages.py): its body read into a chat's, its reply shaped as Anthropic's."""
-        fields = await read_body(http)
-        check_fields(fields, PATH)
+        fields = await fields_for(http, PATH)
         service.check_generates()
         body = await run_in_threadpool(read_messages, fields, service.limits)
         prompt = await run_in_threadpool(service.chat_prompt, body)
@@ -197,8 +197,7 @@ def create_app(service: Service, *, api_key: str | None = None, loopback_only: b
         return JSONResponse(await reply.whole(http))
 
     async def count(http: HTTPRequest) -> Response:
-        fields = await read_body(http)
-        check_fields(fields, COUNT_PATH)
+        fields = await fields_for(http, COUNT_PATH)
         body = await run_in_threadpool(read_messages, fields, service.limits, True)
         return JSONResponse(await run_in_threadpool(count_tokens, service, body))
 
