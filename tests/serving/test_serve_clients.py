@@ -1,6 +1,7 @@
 """The libraries people drive a local model with, each through its own documented call, against `serve` on the
-random-weight Qwen3 (the real tokenizer and template): instructor (TOOLS and JSON_SCHEMA modes) and
-langchain-openai (`bind_tools`, `with_structured_output`). Random weights write nonsense, so what is checked
+random-weight Qwen3 (the real tokenizer and template): instructor (TOOLS and JSON_SCHEMA modes),
+langchain-openai (`bind_tools`, `with_structured_output`), pydantic-ai (an `output_type`) and the openai-agents
+SDK (its default model, the Responses API, with a tool and an `output_type`). Random weights write nonsense, so what is checked
 is what the constraints make true: the library gets an object of its schema, or the call it forced.
 
 Before schemas' objects were closed (generation/constraints.closed), instructor's TOOLS mode and langchain's
