@@ -339,7 +339,6 @@ BAD = [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {}}}}}, "response_format"),
-    ({"response_format": {"type": "json_object"}, "tools": [WEATHER]}, "response_format"),
     ({"logprobs": 3}, "logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
