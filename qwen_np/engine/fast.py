@@ -67,7 +67,8 @@ from ..core.batch import Batch, advance, output_rows
 from ..core.model import LayerWeights, Qwen3Model, Trace
 from .paged import OwnPoolCache, PagedKVCache
 from ..errors import QwenNPError
-from ..numbers.numerics import Adapted, Grouped, Int8Rows, Panels, RowAdapters, Weight, scratch, without_adapters
+from ..numbers.numerics import (Adapted, Grouped, Int8Rows, Panels, RowAdapters, Weight, is_grouped, scratch,
+                                without_adapters)
 
 # FP32 bytes each thread upcasts per block of a BF16 (or int8) weight: small enough that the block stays in
 # cache between its upcast and its product, large enough that Python's per-block calls stay few. The best
@@ -155,7 +156,7 @@ def linear(x: np.ndarray, weight: Weight, out: np.ndarray) -> np.ndarray:
         return np.matmul(x, weight.T, out=out)
     if isinstance(weight, Panels):
         return _panel_products(x, weight, out)
-    if isinstance(weight, Grouped) and x.shape[0] <= GROUPED_M_MAX:
+    if is_grouped(weight) and x.shape[0] <= GROUPED_M_MAX:
         order = weight.code_order                                   # x in the order of the codes
         coded = x if order is None else x[:, order]
         by_group = np.ascontiguousarray(coded.reshape(x.shape[0], -1, weight.group).transpose(1, 0, 2))   # [G, M, g]
@@ -211,7 +212,7 @@ def grouped_rows(by_group: np.ndarray, sums: np.ndarray, weight: Grouped, out: n
 def _parts(x: np.ndarray, weight: Weight) -> int:
     """Threads a product's weight is split between: one for a few rows of a small weight (SPLIT_MIN_BYTES;
     a block kind's counted as FP32, since unpacking its codes is the work)."""
-    size = 4 * math.prod(weight.shape) if isinstance(weight, Grouped) else weight.nbytes
+    size = 4 * math.prod(weight.shape) if is_grouped(weight) else weight.nbytes
     return 1 if size < SPLIT_MIN_BYTES and x.shape[0] <= SMALL_M_MAX else runtime.threads()
 
 

@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
@@ -281,6 +281,20 @@ class Grouped(Held, Protocol):
     def code_order(self) -> np.ndarray | None: ...     # the value index of each input in coded()'s order
 
     def coded(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]: ...
+
+
+_GROUPED_KINDS: dict[type, bool] = {}
+
+
+def is_grouped(weight: object) -> TypeGuard[Grouped]:
+    """isinstance(weight, Grouped), decided once per class. Why: a runtime_checkable Protocol's isinstance
+    walks every class of the MRO for the protocol's members on each call (~10-25 us), and the fast path
+    asks it of every product, ~110 times a decode token: 2-3 ms of a 0.6B token's ~90 ms (bench/README.md,
+    "Where a token's time goes"). Every instance of a weight class has the same members."""
+    kind = type(weight)
+    if kind not in _GROUPED_KINDS:
+        _GROUPED_KINDS[kind] = isinstance(weight, Grouped)
+    return _GROUPED_KINDS[kind]
 
 
 @functools.cache
