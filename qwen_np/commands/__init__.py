@@ -20,7 +20,8 @@ EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIG
 # its notices, errors.reworded). A caller that passes a library function a value of its own names it with its
 # own parameter, as commands do with their flags' (eval's `compare` formats: "--compare").
 FLAGS = {
-    "adapters": "--lora", "alpha": "--lora-alpha", "batch_size": "--batch-size", "clip": "--clip",
+    "adapters": "--lora", "alpha": "--lora-alpha", "batch_size": "--batch-size", "blas_threads": "--blas-threads",
+    "clip": "--clip",
     "compare": "--compare", "config": "--config", "context": "--ctx-size", "data": "--data",
     "decay_steps": "--decay-steps", "default_max_tokens": "--default-max-tokens", "draft": "--draft",
     "draft_tokens": "--draft-tokens", "dropout": "--lora-dropout", "epochs": "--epochs", "eval_every": "--eval-every",

@@ -32,7 +32,10 @@ SWITCHES = {"loss_scaling": "with --precision fp16: dynamic loss scaling (skip t
 DEFAULTS = {"steps": "the preset's, else --epochs over the training data",
             "epochs": f"{Settings.epochs:g}, used when neither --steps nor a --preset sets the steps",
             "warmup": f"the preset's, else {Settings.warmup}; a new run's, at most "
-                      f"{WARMUP_FRACTION:g} of its steps"}
+                      f"{WARMUP_FRACTION:g} of its steps",
+            "threads": "every core; the shards computed at once", "shards": "as many as divide the rows and --threads",
+            "blas_threads": "the threads the shards leave, --threads // --shards: a batch of one row uses every core "
+                            "in its products"}
 
 
 def train_parser(parser: argparse.ArgumentParser) -> None:

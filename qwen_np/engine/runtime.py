@@ -189,17 +189,22 @@ def _controller() -> Any:
     return _blas
 
 
+def single_threaded_blas() -> contextlib.AbstractContextManager[None]:
+    """Context in which BLAS runs on the calling thread only (our threads split the work instead)."""
+    return blas_threads(1)
+
+
 @contextlib.contextmanager
-def single_threaded_blas() -> Iterator[None]:
-    """Context in which BLAS runs on the calling thread only (our threads split the work instead); the
-    thread count does not adapt to the load inside (adapt_to_load would give BLAS its threads back).
+def blas_threads(count: int) -> Iterator[None]:
+    """Context in which BLAS runs on `count` threads; the count does not adapt to the load inside
+    (adapt_to_load would give BLAS its threads back).
 
     A cached controller: threadpoolctl.threadpool_limits() rescans the loaded libraries, 0.5 ms.
     """
     global _adaptive
     before, _adaptive = _adaptive, False
     try:
-        with _controller().limit(limits=1, user_api="blas"):
+        with _controller().limit(limits=count, user_api="blas"):
             yield
     finally:
         _adaptive = before

@@ -57,6 +57,8 @@ def resumed(spec: RunSpec, notes: list[str], left: str | None
     overrides = dict(spec.overrides)
     if changed.keys() & {"batch_size", "grad_accum"} and "shards" not in changed:
         overrides["shards"] = 0                      # rows of another size: cut into shards chosen again
+        if "blas_threads" not in changed:
+            overrides["blas_threads"] = 0            # and the threads each shard's products run on, with them
     state.settings = resolve_settings(overrides, None, asdict(saved))
     inexact = [name for name in NOT_BIT_EXACT if getattr(state.settings, name) != getattr(saved, name)]
     if not state.settings.decay_steps:              # the cosine schedule spans --steps: it changes with them

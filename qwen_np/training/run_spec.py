@@ -40,6 +40,8 @@ def resolve_settings(overrides: dict[str, Any], preset: str | None, saved: dict[
     rows = settings.batch_size // settings.grad_accum
     if not settings.shards:      # chosen once and saved: a resumed run keeps it whatever its --threads
         settings.shards = math.gcd(rows, settings.threads or usable_cores())
+    if not settings.blas_threads:    # the cores the shards leave (a batch of one row: every core in its products)
+        settings.blas_threads = max(1, (settings.threads or usable_cores()) // settings.shards)
     if settings.shards < 0 or rows % settings.shards:
         raise QwenNPError(f"{settings.shards} does not divide the {rows} rows of a micro-batch", "shards")
     return settings

@@ -160,7 +160,8 @@ class RunState:
     def from_json(cls, meta: dict[str, Any]) -> "RunState":
         """The state to_json wrote (save_state's "optimizer_step", the optimizer's, is left to the caller)."""
         scaler = meta.get("loss_scaler")
-        return cls(meta["config"], Settings(**meta["settings"]), meta["data"], meta.get("data_sha256"), meta["history"],
+        settings = Settings(**{"blas_threads": 1, **meta["settings"]})     # runs saved before it: BLAS on one thread
+        return cls(meta["config"], settings, meta["data"], meta.get("data_sha256"), meta["history"],
                    meta["evals"], meta["best_loss"], meta["bad_evals"], meta["order"]["epoch"], meta["order"]["position"],
                    None if scaler is None else mixed.LossScaler(**scaler), meta.get("model"), meta.get("base_sha256"),
                    meta.get("lora"), meta.get("val"))

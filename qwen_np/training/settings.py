@@ -48,6 +48,8 @@ class Settings:
     threads: int = 0              # shards computed at once (0: one per core); the result does not depend on it
     shards: int = 0               # a micro-batch's rows cut into this many pieces, summed in order: the result
                                   # depends on it (0: as many as divide the rows and --threads, fixed at the start)
+    blas_threads: int = 0         # BLAS threads within each shard (0: the threads the shards leave, --threads //
+                                  # shards, fixed at the start); may change the last digits (OpenBLAS's Haswell kernel)
     precision: str = "fp32"       # the linear layers' operands: fp32, bf16, fp16 or fp8 (mixed.py); weights stay FP32
     loss_scaling: bool = True     # fp16 only: dynamic loss scaling (mixed.LossScaler); off shows what it prevents
     recompute: bool = False       # activation checkpointing: each layer rerun in the backward (same bits, less memory)
@@ -72,7 +74,7 @@ BIT_EXACT = ("steps", "epochs", "eval_every", "patience", "threads", "recompute"
 # Applied with a notice that it no longer is (each changes the updates from here on; the run goes on from
 # its weights, moments and data position):
 NOT_BIT_EXACT = ("lr", "batch_size", "grad_accum", "warmup", "decay_steps", "weight_decay", "clip", "shards",
-                 "precision", "loss_scaling")
+                 "blas_threads", "precision", "loss_scaling")
 # Refused (the state saved would not fit: the run would not be a continuation), and so are a --preset or
 # --config of another model and a --data of another text:
 KEPT_ON_RESUME = {"seed": "it orders the data: another seed would repeat some windows of this epoch and skip others",

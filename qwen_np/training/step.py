@@ -107,14 +107,17 @@ def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
 def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_batches: int,
                                    threads: int = 1, shards: int | None = None, recompute: bool = False,
                                    precision: str = "fp32", loss_scale: float = 1.0, learned: np.ndarray | None = None,
-                                   dropout: lora.Dropout | None = None) -> tuple[float, dict[str, np.ndarray]]:
+                                   dropout: lora.Dropout | None = None, blas_threads: int | None = None
+                                   ) -> tuple[float, dict[str, np.ndarray]]:
     """Gradient accumulation: the batch's loss and gradient from `micro_batches` equal slices of its rows.
 
     Each slice's mean loss and gradient are averaged, which equals the whole batch's mean (equal-sized
     slices); only one slice's activations are alive at a time, so memory drops by the same factor.
     Each slice is cut again into `shards` equal pieces (default: as many as divide its rows and
-    `threads`), computed `threads` at a time with BLAS single-threaded and summed in shard order: the
-    result is the same mean, and bit for bit the same for any thread count (it depends on `shards`).
+    `threads`), computed `threads` at a time and summed in shard order, each shard's products on
+    `blas_threads` BLAS threads (default: the threads the shards leave, threads // shards): the result is the
+    same mean, and bit for bit the same for any thread count with the same `shards` and `blas_threads`
+    (OpenBLAS's Haswell kernel sums in another order on more threads; its SkylakeX kernel does not).
     recompute, precision, loss_scale: as loss_and_gradients, for every slice. learned [B, T+1] (chat SFT):
     the tokens the loss is over; the loss is then their mean over the whole batch: each token weighs
     pieces / count, so that the average over the pieces (micro-batches times shards) is sum / count
@@ -128,6 +131,7 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
     shards = math.gcd(rows, max(1, threads)) if shards is None else shards
     if shards < 1 or rows % shards:
         raise QwenNPError(f"{shards} does not divide the {rows} rows of a micro-batch", "shards")
+    inner = max(1, threads // shards) if blas_threads is None else blas_threads
 
     weights = None
     if learned is not None:
@@ -142,7 +146,7 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
     for micro, start in enumerate(range(0, B, rows)):
         loss, grads = _loss_and_gradients_in_shards(batch[start:start + rows], shards, threads, step,
                                                     None if weights is None else weights[start:start + rows],
-                                                    micro * shards)
+                                                    micro * shards, inner)
         total_loss += loss / micro_batches
         for g in grads.values():
             g *= np.float32(1.0 / micro_batches)
@@ -152,25 +156,29 @@ def loss_and_accumulated_gradients(model: Qwen3Model, batch: np.ndarray, micro_b
 
 def _loss_and_gradients_in_shards(batch: np.ndarray, shards: int, threads: int,
                                   step: Callable[[np.ndarray, np.ndarray | None, int], tuple[float, dict[str, np.ndarray]]],
-                                  weights: np.ndarray | None = None, first: int = 0) -> tuple[float, dict[str, np.ndarray]]:
-    """step (a loss_and_gradients) of `shards` equal row slices, up to `threads` at once, averaged in shard order;
-    step's third argument numbers the slices from `first` (the step's pieces: LoRA dropout's masks).
+                                  weights: np.ndarray | None = None, first: int = 0, blas_threads: int = 1
+                                  ) -> tuple[float, dict[str, np.ndarray]]:
+    """step (a loss_and_gradients) of `shards` equal row slices, up to `threads` at once, averaged in shard order,
+    each on `blas_threads` BLAS threads; step's third argument numbers the slices from `first` (the step's pieces:
+    LoRA dropout's masks).
 
     Why threads: NumPy runs every elementwise pass (softmax, SiLU, norms, the cross-entropy) on one
     core, and OpenBLAS's threads wait on each other between the many small attention products; one
     whole slice per core keeps both cores busy. Measured in bench/README.md (training section).
-    Why BLAS single-threaded even for one shard: a shard then sums in the same order whatever the
-    thread count, so a run resumed with another --threads continues the same run.
+    Why BLAS threads only where the shards leave cores (a batch of one row on two cores): OpenBLAS's threads
+    spin-wait for each other, and each shard on one core of its own ran faster; but one shard on one of two
+    cores left half the machine idle (bench/README.md, "A LoRA step and a full step"). The trainer saves
+    blas_threads with the shards, so a run resumed with another --threads sums in the same order.
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..engine.runtime import single_threaded_blas
+    from ..engine.runtime import blas_threads as blas_limit
 
     rows = batch.shape[0] // shards
     slices = [batch[i * rows:(i + 1) * rows] for i in range(shards)]
     weight_slices = [None if weights is None else weights[i * rows:(i + 1) * rows] for i in range(shards)]
     loss, grads = 0.0, dict[str, np.ndarray]()
-    with single_threaded_blas(), ThreadPoolExecutor(max(1, min(shards, threads))) as pool:
+    with blas_limit(blas_threads), ThreadPoolExecutor(max(1, min(shards, threads))) as pool:
         for part_loss, part in pool.map(step, slices, weight_slices, range(first, first + shards)):   # in order
             loss += part_loss
             _add(grads, part)

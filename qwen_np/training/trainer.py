@@ -463,7 +463,7 @@ def _train_step(run: Run) -> dict[str, Any]:
     loss, grads = training.loss_and_accumulated_gradients(run.model, batch, settings.grad_accum,
                                                           settings.threads or usable_cores(), settings.shards,
                                                           settings.recompute, settings.precision, scale, learned,
-                                                          run.dropout(step))
+                                                          run.dropout(step), settings.blas_threads)
     record: dict[str, Any] = {"step": step + 1, "loss": loss, "lr": lr}
     finite = True
     if scaler is not None:

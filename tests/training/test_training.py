@@ -391,6 +391,59 @@ def test_the_gradient_depends_on_the_shards_not_on_the_thread_count() -> None:
         assert all(np.array_equal(grads[name], runs[0][1][name]) for name in grads)
 
 
+def recorded_blas_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The BLAS thread counts every shard's step asks runtime.blas_threads for, in order (the limit still applied)."""
+    from qwen_np.engine import runtime
+
+    asked: list[int] = []
+    real = runtime.blas_threads
+
+    def recording(count: int):
+        asked.append(count)
+        return real(count)
+
+    monkeypatch.setattr(runtime, "blas_threads", recording)
+    return asked
+
+
+def test_a_batch_of_fewer_rows_than_threads_gives_its_products_the_threads_the_shards_leave(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row on two threads is one shard: its products get both threads (it ran on one, half the machine idle);
+    two rows are two shards of one thread each; blas_threads given is kept."""
+    config = Qwen3Config(**SMALL)
+    model = model_from_parameters(config, init_parameters(config, seed=2))
+    batch = np.random.default_rng(4).integers(0, config.vocab_size, size=(2, 11))
+    asked = recorded_blas_threads(monkeypatch)
+    training.loss_and_accumulated_gradients(model, batch[:1], 1, threads=2)
+    training.loss_and_accumulated_gradients(model, batch, 1, threads=2)
+    training.loss_and_accumulated_gradients(model, batch[:1], 1, threads=1)
+    training.loss_and_accumulated_gradients(model, batch[:1], 1, threads=1, blas_threads=3)
+    assert asked == [2, 1, 1, 3]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_its_blas_threads_whatever_its_threads(
+        tmp_path: Path, run_inputs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The BLAS threads are chosen once and saved with the shards (OpenBLAS's Haswell kernel sums in another order
+    on more threads): resumed with --threads 1, a one-row run's products still run on the two it started with,
+    with no note (the run stays bit-exact); a run saved before the setting existed ran BLAS on one thread."""
+    data, config = run_inputs
+    assert train(tmp_path / "run", data, config, "--steps", "2", "--decay-steps", "3", "--batch-size", "1",
+                 "--threads", "2") == 0
+    assert load_state(tmp_path / "run" / "last.safetensors")[3]["settings"]["blas_threads"] == 2
+    asked = recorded_blas_threads(monkeypatch)
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--steps", "3", "--threads", "1"]) == 0
+    assert asked and set(asked) == {2}
+    assert "no longer bit for bit" not in capsys.readouterr().err
+    from qwen_np.training.run_state import RunState
+
+    meta = json.loads(json.dumps(load_state(tmp_path / "run" / "last.safetensors")[3]))
+    del meta["settings"]["blas_threads"]
+    assert RunState.from_json(meta).settings.blas_threads == 1
+
+
 def test_training_puts_the_previous_signal_handlers_back(tmp_path: Path, run_inputs: tuple[Path, Path]) -> None:
     def ours(signum: int, frame: object) -> None:
         """A handler of the caller's own, which training must give back."""
