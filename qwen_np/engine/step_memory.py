@@ -26,7 +26,7 @@ TRAINING_HELD = ("frozen_base", "weights", "adamw")
 _LOGITS = ("activations", "logits", "logit_gradient", "scaled_logit_gradient")     # alive from the loss to the backward's end
 TRAINING_MOMENTS = {
     "forward": ("activations", "logits", "stacked_probabilities"),        # the record stacked into the tape
-    "loss": ("activations", "logits", "logit_gradient", "loss_temporaries"),   # gradients.cross_entropy
+    "loss": ("activations", "logits", "logit_gradient"),                  # gradients.cross_entropy (in place)
     "head_backward": (*_LOGITS, "piece_gradients", "head_gradient", "rounded_head", "frozen_upcast"),   # the head's
     "layer_backward": (*_LOGITS, "gradients", "piece_gradients", "layer_temporaries",
                        "recomputed_probabilities"),                       # a layer's (the first layer's gradients, at most)
@@ -54,9 +54,9 @@ def training_memory(config: Qwen3Config, rows: int, context: int, recompute: boo
     context, so at long contexts they dominate); plus the final norm's input and output (2 D). recompute: only
     each layer's input (D) is kept, and one layer's activations at a time in the backward. activations: the
     format the tape is held in (ACTIVATION_BYTES). The [T, V] rows stay FP32 in every precision, as the loss
-    is: the "logits" and their gradient ("logit_gradient"), alive from the loss to the backward's end, the
-    cross-entropy's shifted logits and exponentials ("loss_temporaries"), and with FP16's loss scaling
-    (loss_scaling) the scaled gradient ("scaled_logit_gradient").
+    is: the "logits" and their gradient ("logit_gradient", the cross-entropy's shifted logits turned into it in
+    place), alive from the loss to the backward's end, and with FP16's loss scaling (loss_scaling) the scaled
+    gradient ("scaled_logit_gradient").
     The transient copies, each at its moment: "stacked_probabilities", every kept layer's probabilities
     stacked [B, H, T, T] while the forward's record still holds them per sequence (with recompute
     "recomputed_probabilities", one layer's, in the backward); at the backward's start the LM head's gradient
@@ -106,7 +106,7 @@ def training_memory(config: Qwen3Config, rows: int, context: int, recompute: boo
     widened = lora_rank > 0 and ALIASES.get(frozen, frozen) != "fp32"    # a stored frozen head is upcast, not rounded
     rounding = 0.0 if widened else ROUNDING_COPIES[precision]
     again = micro_batches > 1 or shards > at_once                         # an earlier piece's gradient to add into
-    parts = {"activations": per_token * tokens, "logits": row, "logit_gradient": row, "loss_temporaries": 2 * row,
+    parts = {"activations": per_token * tokens, "logits": row, "logit_gradient": row,
              "scaled_logit_gradient": row if loss_scaling else 0,
              "stacked_probabilities": 0 if recompute else L * probabilities,
              "recomputed_probabilities": probabilities if recompute else 0,

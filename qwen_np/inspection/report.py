@@ -208,7 +208,6 @@ TRAINING_PARTS = {
     "attention_probabilities": "  of which attention probabilities (H x {context:,} x {context:,})",
     "logits": "logits [T, V] (FP32)", "logit_gradient": "their gradient",
     "scaled_logit_gradient": "their gradient scaled up (FP16's loss scaling)",
-    "loss_temporaries": "the loss's shifted logits and exponentials",
     "stacked_probabilities": "the forward's probabilities, stacked into the tape",
     "recomputed_probabilities": "a recomputed layer's probabilities, stacked",
     "head_gradient": "the LM head's gradient, the backward's first",
