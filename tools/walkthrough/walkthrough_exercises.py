@@ -141,6 +141,10 @@ def training_fit(run: Run) -> tuple[str, str, str]:
     rows = "\n".join(f"| {names[k]} | {num(v['total'] / GiB)} GiB | {'yes' if v['total'] <= TRAIN_BUDGET else 'no'} |"
                      for k, v in remedies.items())
     budget = f"{TRAIN_BUDGET / GiB:g} GiB"
+    recompute = (f"`--recompute` alone fits too ({num(remedies['recompute']['total'] / GiB)} GiB: each layer's tape "
+                 "is made again in the backward, the logits' [T, V] arrays, FP32, kept whatever the layers do)"
+                 if remedies["recompute"]["total"] <= TRAIN_BUDGET else
+                 "`--recompute` alone is over (the logits' [T, V] arrays, FP32, are kept whatever the layers do)")
     return (f"which remedy fits Qwen3-0.6B in {budget}",
             f"Training Qwen3-0.6B on batches of {TRAIN_ROWS} × {TRAIN_CONTEXT:,} tokens, which single remedy of "
             f"section 10 brings the step under {budget}, keeping the same update? (`step_memory.training_remedies`.)",
@@ -149,8 +153,7 @@ def training_fit(run: Run) -> tuple[str, str, str]:
 {rows}
 
 **`--grad-accum 4`**: the same update in four passes of {TRAIN_ROWS // 4} rows, for one more set of gradients (the
-one it adds into). `--recompute` alone is over (the logits' [T, V] arrays, FP32, are kept whatever the
-layers do), and a smaller batch changes the update.""")
+one it adds into). {recompute}; a smaller batch changes the update.""")
 
 
 def flash_blocks(run: Run) -> tuple[str, str, str]:
