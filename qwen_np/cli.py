@@ -1,6 +1,6 @@
 """The command line, `python -m qwen_np COMMAND` (also installed as `qwen-np`): the commands and their
 one-line summaries (COMMANDS), the parser assembled from qwen_np/commands/ (one module per command:
-generate and chat, train, eval, precision, serve, export, download and inspect, hardware), `main`, and
+generate and chat, train, eval, precision, serve, export, download and inspect, hardware, exercises), `main`, and
 its one error funnel.
 
 A command's module is imported only when that command runs or shows its help: `qwen-np --help` and
@@ -36,6 +36,7 @@ COMMANDS = {
     "download": ("inspect", "fetch a hub checkpoint into the Hugging Face cache"),
     "inspect": ("inspect", "shapes, parameters and memory of a model (no weights needed)"),
     "hardware": ("hardware", "this machine's cores and caches, and how fast it reads memory"),
+    "exercises": ("exercises", "the walkthrough's exercises: list them, start one, check your answer"),
 }
 
 class Parser(argparse.ArgumentParser):

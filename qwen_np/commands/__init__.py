@@ -5,7 +5,7 @@ module's PARSERS maps its commands to the functions that build their parsers (de
 Also what every command ends with: the exit codes (besides 0), and an error line (error_line). Kept
 light: cli.py imports this module before it knows the command, so `--help` pays for no NumPy.
 
-May import: everything below it (serving/, inspection/, precision/, training/, generation/, engine/, files/,
+May import: everything below it (serving/, exercises/, inspection/, precision/, training/, generation/, engine/, files/,
 core/, numbers/, qwen_np.errors). Nothing but cli.py imports the commands.
 """
 
@@ -25,11 +25,11 @@ FLAGS = {
     "compare": "--compare", "config": "--config", "context": "--ctx-size", "data": "--data",
     "decay_steps": "--decay-steps", "default_max_tokens": "--default-max-tokens", "draft": "--draft",
     "draft_tokens": "--draft-tokens", "dropout": "--lora-dropout", "epochs": "--epochs", "eval_every": "--eval-every",
-    "file_type": "--type", "folder": "--model",
+    "file": "FILE", "file_type": "--type", "folder": "--model",
     "formats": "--formats", "grad_accum": "--grad-accum", "kv_dtype": "--kv-dtype", "kv_memory": "--kv-memory",
     "lora": "--lora", "loss_scaling": "--loss-scaling", "lr": "--lr", "max_batch": "--max-batch",
     "max_new_tokens": "--max-new-tokens", "max_ngram": "--lookup", "memory": "--memory",
-    "micro_batches": "--grad-accum", "min_p": "--min-p", "model": "--model", "num_blocks": "--kv-memory",
+    "micro_batches": "--grad-accum", "min_p": "--min-p", "model": "--model", "num_blocks": "--kv-memory", "number": "N",
     "out": "--out", "precision": "--precision", "presence_penalty": "--presence-penalty", "preset": "--preset",
     "rank": "--lora", "repetition_penalty": "--repetition-penalty", "resume": "--resume", "seed": "--seed",
     "shards": "--shards", "spec": "--preset, --config or --model", "steps": "--steps", "system": "--system",
