@@ -105,8 +105,11 @@ def grade(number: int, path: Path | None, setting: Any = None) -> Any:
     from .checks import CHECKS, Setting
     from .grading import Report, load
 
+    import numpy as np
+
     entry = exercise(number)
-    module = load(path or entry.solution_path(), f"{entry.module}_graded")
     report = Report()
-    CHECKS[entry.module](module, report, setting or Setting())
+    with np.errstate(all="ignore"):          # a wrong answer's NaN and overflow are graded, not warned about
+        module = load(path or entry.solution_path(), f"{entry.module}_graded")
+        CHECKS[entry.module](module, report, setting or Setting())
     return report

@@ -92,11 +92,17 @@ def load(path: Path, name: str) -> ModuleType:
         raise QwenNPError(f"{str(path)!r} is not a Python file", param="file")
     module = importlib.util.module_from_spec(spec)
     folder = str(path.resolve().parent)
+    before = set(sys.modules)
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(folder)
+        # The learner's other files it imported are forgotten again: the next check (in one process: a test,
+        # a notebook) must read them as they are then, from its own folder, not as cached here.
+        for name in set(sys.modules) - before:
+            if str(getattr(sys.modules[name], "__file__", "") or "").startswith(folder):
+                del sys.modules[name]
     return module
 
 
@@ -139,3 +145,11 @@ def same_value(got: Any, expected: Any) -> None:
     """Raise Wrong unless `got == expected` (ids, names, merges: things compared exactly)."""
     if got != expected:
         raise Wrong(f"expected {describe(expected)}, got {describe(got)}")
+
+
+def answer(module: ModuleType) -> Any:
+    """The learner's ANSWER; a stub's None (or none at all) is not answered yet, graded as a NotImplementedError."""
+    value = getattr(module, "ANSWER", None)
+    if value is None:
+        raise NotImplementedError("set ANSWER")
+    return value

@@ -1,138 +1,164 @@
-"""The walkthrough's exercises: each solution worked out again here with qwen_np's functions, and the
-committed page's solution checked to say the same, so a solution cannot rot when the code changes."""
+"""The graded exercises (`python -m qwen_np exercises`, qwen_np/exercises/): a check the learner can fail.
+
+Every stub as `start` writes it fails its check, every reference solution passes, and for each exercise a
+plausible wrong answer (an off-by-one, the wrong axis, a missing scale or mask, a count that forgets a
+factor) fails: each is the solution with one slip planted (WRONG). The build-it-yourself track's last
+exercise is graded on the learner's own files beside it. The CLI's list, start and check round trip runs in a
+temporary folder, with its exit codes: 0 right, 1 wrong, 2 bad input.
+"""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.conftest import BUNDLED, QWEN3_RANDOM, ROOT
-from qwen_np import load_model, preset
-from qwen_np.core import layers
-from qwen_np.core.flash import flash_attention
-from qwen_np.engine import memory, step_memory
-from qwen_np.files.tokenizer import Tokenizer
-from qwen_np.inspection.counts import weight_bytes_read_per_token
-from qwen_np.numbers import formats
-from qwen_np.training import gradients
+from tests.conftest import QWEN3_RANDOM, ROOT
+from qwen_np.cli import main
+from qwen_np.exercises import catalog
+from qwen_np.exercises.checks import Setting
+from qwen_np.exercises.grading import Report
 
+SETTING = Setting(tokenizer=str(QWEN3_RANDOM))      # exercise 1's Qwen3 chat template, offline
+NUMBERS = [entry.number for entry in catalog.EXERCISES]
+# Checks that load the bundled model, a tokenizer, or train twelve runs: over a second.
+SLOW = {"e01_chat_tokens", "e09_logit_lens", "e10_minus_log_p", "e18_divergence"}
 PAGE = (ROOT / "docs" / "walkthrough.md").read_text(encoding="utf-8")
-HEADING = re.compile(r"^### Exercise (\d+): (.*)$", re.MULTILINE)
-PROMPT = "HAMLET:\nTo be, or not to"                 # the page's prompt (its opening quotes it)
-GiB = 2 ** 30
+
+# For each exercise, slips a learner plausibly makes: (the solution's text, what the slip writes instead).
+WRONG: dict[str, list[tuple[str, str]]] = {
+    "e01_chat_tokens": [("tokenizer.encode(text)", "tokenizer.encode(message)")],                 # the frame left out
+    "e02_bpe_merges": [("+= word_counts[word]", "+= 1"),                                          # counts ignored
+                       ("-order[p[0]], -order[p[1]]", "order[p[0]], order[p[1]]")],                # ties the other way
+    "e03_embedding_backward": [("np.add.at(d_table, ids, d_out)", "d_table[ids] += d_out")],      # repeats lost
+    "e04_rms_norm": [("axis=-1", "axis=0"), (" + np.float32(eps)", "")],                         # wrong axis, no eps
+    "e05_gqa_heads": [("np.repeat(k, heads // k.shape[-2], axis=-2)", "np.tile(k, (1, heads // k.shape[-2], 1))")],
+    "e06_rope": [("positions.astype(np.float64)[:, None]", "(positions.astype(np.float64) + 1)[:, None]"),  # off by one
+                 ("* 2 / x.shape[-1]", "/ x.shape[-1]")],                                     # frequencies of Dh, not Dh/2
+    "e07_attention": [(" / np.sqrt(np.float32(Dh))", ""), ("[None, :] > q_positions", "[None, :] >= q_positions"),
+                      ("scores = np.where(future, -np.inf, scores)", "scores = scores")],      # no scale, mask, no mask
+    "e08_swiglu": [("(gate / (1 + np.exp(-gate)) * up)", "(up / (1 + np.exp(-up)) * gate)")],   # silu on the wrong half
+    "e09_logit_lens": [("return normed @ lm_head.T", "return stream @ lm_head.T")],             # the final norm skipped
+    "e10_minus_log_p": [(" - logits.max()", "")],                                                # exp(900) overflows
+    "e11_cross_entropy": [("d_logits / targets.size", "d_logits")],                               # the mean's 1/N left out
+    "e12_kv_cache_bytes": [("num_key_value_heads", "num_attention_heads"), ("return 2 * ", "return ")],   # H; K or V only
+    "e13_bf16_rounding": [("(bits + 0x7FFF + kept_lowest)", "bits"), ("+ kept_lowest", "+ 1")],  # truncation; ties up
+    "e14_decode_bound": [("unread = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size",
+                          "unread = 0")],                                                         # the table counted
+    "e15_rms_norm_backward": [("dx = r * g - x_hat * r * np.mean(g * x_hat, axis=-1, keepdims=True)", "dx = r * g")],
+    "e16_memory_remedy": [('"grad_accum_4"', '"recompute"'), ('"grad_accum_4"', '"quarter_batch"')],
+    "e17_flash_attention": [("rescale = np.exp(m - shift)", "rescale = 1.0")],                   # old sums not rescaled
+    "e18_divergence": [("ANSWER = 1.0", "ANSWER = 0.3")],
+    "e19_layer_parameters": [("(2 * Dh if config.use_qk_norm else 0)", "2 * Dh"), ("2 * KVH * Dh * D", "2 * H * Dh * D")],
+    "e20_lora": [("(alpha / a.shape[0]) * ((x", "alpha * ((x")],                                 # alpha, not alpha / r
+    "e21_speculative": [("return rest / total if total > 0 else p", "return rest if total > 0 else p"),
+                        ("min(1.0, p[x] / q[x])", "p[x] / q[x]")],                              # unnormalised; unclipped
+    "e22_decoder_layer": [("q = rms_norm((h @ layer.q_proj.T).reshape(-1, H, Dh), layer.q_norm, eps)",
+                           "q = (h @ layer.q_proj.T).reshape(-1, H, Dh)"),                       # q_norm left out
+                          ("return x + swiglu(", "return swiglu(")],                              # no second residual
+}
 
 
-def solution(title_part: str) -> str:
-    """The page's text of the exercise whose title contains title_part, from its heading to the next one."""
-    heads = list(HEADING.finditer(PAGE))
-    for i, head in enumerate(heads):
-        if title_part in head[2]:
-            end = heads[i + 1].start() if i + 1 < len(heads) else len(PAGE)
-            text = PAGE[head.start():end]
-            return text[:text.find("\n## ")] if "\n## " in text else text
-    raise AssertionError(f"no exercise titled with {title_part!r} on the page")
+def marked(numbers: list[int]) -> list[object]:
+    return [pytest.param(n, id=catalog.exercise(n).module,
+                         marks=[pytest.mark.slow] if catalog.exercise(n).module in SLOW else []) for n in numbers]
 
 
-def test_the_page_has_at_least_seven_exercises_numbered_in_order_each_with_a_solution() -> None:
-    numbers = [int(m[1]) for m in HEADING.finditer(PAGE)]
-    assert len(numbers) >= 7 and numbers == list(range(1, len(numbers) + 1))
-    for head in HEADING.finditer(PAGE):
-        assert "<summary>Solution</summary>" in solution(head[2])
+def grade(number: int, source: str, folder: Path) -> Report:
+    """The check of `number` on `source` written into `folder` under the name `start` gives it; the build track's
+    pieces that the last exercise imports are the reference solutions, as learner's files beside it."""
+    entry = catalog.exercise(number)
+    for piece in ("e04_rms_norm", "e06_rope", "e07_attention", "e08_swiglu"):
+        if not (folder / f"{piece}.py").exists():
+            (folder / f"{piece}.py").write_text((catalog.EXERCISES[int(piece[1:3]) - 1]).solution_source())
+    path = folder / entry.file_name
+    path.write_text(source.replace(f"from {catalog.SOLUTIONS}.", "from "), encoding="utf-8")
+    return catalog.grade(number, path, SETTING)
 
 
-def test_exercise_chat_prompt_token_count() -> None:
-    tokenizer = Tokenizer.from_folder(QWEN3_RANDOM)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], enable_thinking=False)
-    count = len(tokenizer.encode(text))
-    assert count > len(tokenizer.encode("Hello!")) + 4                 # the frame costs tokens
-    assert f"**{count} tokens**" in solution("chat prompt")
+def test_at_least_twenty_exercises_cover_every_section_of_the_walkthrough() -> None:
+    sections = {m[1] for m in re.finditer(r"^## (\d+)\. ", PAGE, re.MULTILINE)}
+    assert len(catalog.EXERCISES) >= 20 and NUMBERS == list(range(1, len(NUMBERS) + 1))
+    assert sections and sections <= {entry.section.split(".")[0] for entry in catalog.EXERCISES}
+    assert set(WRONG) == {entry.module for entry in catalog.EXERCISES}
 
 
-def test_exercise_tile_instead_of_repeat_fails_the_gqa_test(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.core.test_model import test_gqa_query_head_h_reads_kv_head_h_div_group as gqa_test
-
-    gqa_test()                                                          # passes as the code is
-    tile = lambda a, repeats, axis: np.tile(a, (1,) * (a.ndim + axis) + (repeats,) + (1,) * (-axis - 1))  # noqa: E731
-    monkeypatch.setattr(layers.np, "repeat", tile)
-    with pytest.raises(AssertionError):
-        gqa_test()
-    assert "test_gqa_query_head_h_reads_kv_head_h_div_group" in solution("np.tile")
+@pytest.mark.parametrize("number", marked(NUMBERS))
+def test_the_reference_solution_passes_and_the_unmodified_stub_fails(number: int, tmp_path: Path) -> None:
+    assert catalog.grade(number, None, SETTING).passed, catalog.grade(number, None, SETTING).text()
+    report = grade(number, catalog.stub(number), tmp_path)
+    assert not report.passed and "not written yet" in report.text()
 
 
-def test_exercise_minus_log_p_of_be_is_the_cross_entropy() -> None:
-    model, tokenizer = load_model(BUNDLED, memory="fp32", fast=False), Tokenizer.from_folder(BUNDLED)
-    assert repr(PROMPT) in PAGE
-    logits = model.forward(tokenizer.encode(PROMPT))[-1:].astype(np.float32)            # [1, V]
-    be = tokenizer.encode(" be")
-    assert len(be) == 1
-    nll = -float(layers.log_softmax(logits)[0, be[0]])
-    loss, _ = gradients.cross_entropy(logits[None], np.array([be]))
-    assert nll == pytest.approx(loss, rel=1e-5)
-    assert f"**{nll:.4g} nats**" in solution("loss of one prediction")
+@pytest.mark.parametrize("number", marked(NUMBERS))
+def test_each_plausible_wrong_answer_fails_naming_its_input(number: int, tmp_path: Path) -> None:
+    entry = catalog.exercise(number)
+    source = entry.solution_source()
+    for right, wrong in WRONG[entry.module]:
+        assert right in source, f"{entry.module}: the plant {right!r} is not in the solution"
+        report = grade(number, source.replace(right, wrong), tmp_path)
+        assert not report.passed, f"{entry.module} with {wrong!r} for {right!r} passed:\n{report.text()}"
+        assert "WRONG" in report.text()
 
 
-def test_exercise_kv_cache_bytes_of_qwen3_14b() -> None:
-    c = preset("qwen3-14b")
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
-    assert memory.kv_cache_bytes_per_token(c, bytes_per_value=2) == per_token
-    text = solution("Qwen3-14B")
-    assert f"**{per_token:,} bytes" in text
-    assert f"**{per_token * c.max_position_embeddings / GiB:.4g} GiB**" in text
+def test_a_wrong_piece_of_the_learner_s_own_fails_the_assembled_layer(tmp_path: Path) -> None:
+    rope = catalog.exercise(6).solution_source()
+    (tmp_path / "e06_rope.py").write_text(rope.replace("* 2 / x.shape[-1]", "/ x.shape[-1]"))
+    report = grade(22, catalog.exercise(22).solution_source(), tmp_path)
+    assert not report.passed and "expected" in report.text()
 
 
-def test_exercise_bf16_step_at_a_thousand_is_four() -> None:
-    rounded = formats.round_trip(np.array([1000, 1001, 1002, 1003, 1004], dtype=np.float32), "bf16")
-    assert rounded.tolist() == [1000, 1000, 1000, 1004, 1004]
-    assert "**4**" in solution("BF16's step")
+def test_a_wrong_answer_is_reported_with_the_input_and_expected_against_got(tmp_path: Path) -> None:
+    source = catalog.exercise(4).solution_source().replace(" + np.float32(eps)", "")
+    text = grade(4, source, tmp_path).text()
+    assert "WRONG  x [2, 6], eps 0.5: at index" in text and "expected" in text and ", got " in text
 
 
-def test_exercise_decode_bound_at_the_example_bandwidth() -> None:
-    real = preset("qwen3-8b")
-    text = solution("decode")
-    for width in (2, 0.5):
-        assert f"**{50e9 / weight_bytes_read_per_token(real, width):.3g} tokens/s**" in text
+def test_a_stub_keeps_the_task_and_signatures_and_blanks_every_answer() -> None:
+    for entry in catalog.EXERCISES:
+        stub = catalog.stub(entry.number)
+        assert entry.task() in stub and "qwen_np.exercises.solutions" not in stub
+        assert "NotImplementedError" in stub or "ANSWER = None" in stub
+    assert "from e04_rms_norm import rms_norm" in catalog.stub(22)
 
 
-def test_exercise_the_remedy_that_fits_qwen3_0_6b_in_24_gib() -> None:
-    remedies = step_memory.training_remedies(preset("qwen3-0.6b"), 8, 1024)
-    fits = {name for name, estimate in remedies.items() if estimate["total"] <= 24 * GiB}
-    assert "grad_accum_4" in fits and "baseline" not in fits and "recompute" not in fits
-    assert "bf16_activations" not in fits
-    assert "**`--grad-accum 4`**" in solution("24 GiB")
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(["exercises", *argv])
+    except SystemExit as exit:                # argparse's usage errors
+        code = int(exit.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_exercise_flash_attention_with_one_key_and_all_keys_per_block() -> None:
-    T, H, KVH, Dh = 24, 4, 2, 16
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((T, H, Dh), dtype=np.float32)
-    k, v = (rng.standard_normal((T, KVH, Dh), dtype=np.float32) for _ in range(2))
-    plain = layers.attention(q, k, v, np.arange(T))
-    for block in (1, T):
-        assert np.abs(flash_attention(q, k, v, np.arange(T), block=block) - plain).max() < 1e-6
-    assert "less than 1e-06" in solution("FlashAttention")
+def test_the_cli_lists_starts_and_checks_from_any_folder_with_its_exit_codes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_cli(capsys)
+    assert code == 0 and len([line for line in out.splitlines() if re.match(r"\s*\d+\s+§", line)]) == len(NUMBERS)
+
+    assert run_cli(capsys, "start", "4")[0] == 0 and (tmp_path / "e04_rms_norm.py").read_text() == catalog.stub(4)
+    code, out, _ = run_cli(capsys, "check", "4")
+    assert code == 1 and "not written yet" in out
+    (tmp_path / "e04_rms_norm.py").write_text(catalog.exercise(4).solution_source())
+    code, out, _ = run_cli(capsys, "check", "4")
+    assert code == 0 and "all 3 right" in out
+    code, out, _ = run_cli(capsys, "check", "4", "--solution")
+    assert code == 0 and "the reference solution" in out
+
+    code, _, err = run_cli(capsys, "start", "4")                 # the learner's work is not overwritten
+    assert code == 2 and "--force" in err and len(err.splitlines()) == 1
+    for argv in (["check", "99"], ["start", "0"], ["check", "5"], ["check", "4", str(tmp_path / "missing.py")]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, (argv, err)
+    assert run_cli(capsys, "check", "x")[0] == 2
 
 
-def test_exercise_the_tiny_model_blows_up_from_a_learning_rate_of_one() -> None:
-    from qwen_np.core.config import Qwen3Config
-    from qwen_np.training import step as training
-    from qwen_np.training import parameters
-    from qwen_np.training.settings import PRESET_CONFIGS
-
-    config = Qwen3Config(**PRESET_CONFIGS["tiny"])
-    batch = np.random.default_rng(0).integers(0, 64, size=(4, 17))
-
-    def highest_rise(lr: float) -> float:
-        params = parameters.init_parameters(config, seed=0)
-        model, optimizer = parameters.model_from_parameters(config, params), training.adamw_for(params)
-        losses = []
-        for _ in range(12):
-            loss, grads = training.loss_and_gradients(model, batch)
-            training.clip_gradients(grads, 1.0)
-            losses.append(loss)
-            optimizer.update(params, grads, lr)
-        return max(losses) - losses[0]
-
-    assert highest_rise(0.3) < 1.0 < highest_rise(1.0)
-    assert "from **1**" in solution("diverges")
+def test_every_exercise_on_the_walkthrough_names_its_commands() -> None:
+    for entry in catalog.EXERCISES:
+        heading = re.search(rf"^### Exercise {entry.number}: .*$", PAGE, re.MULTILINE)
+        assert heading, f"exercise {entry.number} is not on the page"
+        text = PAGE[heading.end():PAGE.find("</details>", heading.end())]
+        assert f"python -m qwen_np exercises start {entry.number}`" in text
+        assert f"python -m qwen_np exercises check {entry.number}`" in text
