@@ -12,6 +12,7 @@ down this list's reverse: commands may import everything, numbers nothing of qwe
     training/    the backward pass, a training step, runs, data, evaluation
     precision/   the precision lab and its KL statistics
     inspection/  shapes, traces, lens, attention views, the machine's topology and bandwidth
+    exercises/   the walkthrough's graded exercises: stubs, checks, reference solutions
     serving/     the OpenAI-compatible HTTP API and the web explorer
     commands/    the CLI, one module per command (cli.py assembles them)
 

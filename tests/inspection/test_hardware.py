@@ -74,3 +74,17 @@ def test_the_command_measures_a_rate_at_every_size_on_one_and_all_threads(capsys
     assert report["sizes"] == hardware.QUICK_SIZES
     assert all(len(rates) == len(hardware.QUICK_SIZES) and min(rates) > 0 for rates in report["read_gbs"].values())
     assert report["decode_limits"]["qwen3-8b"]["bf16"] == pytest.approx(2 * report["decode_limits"]["qwen3-8b"]["fp32"])
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-0.6b"])
+def test_hardware_and_inspect_give_one_decode_limit_the_embedding_table_unread_when_untied(name: str) -> None:
+    from qwen_np import parameter_count, preset
+    from qwen_np.inspection.report import inspect_report
+
+    config = preset(name)
+    plans = inspect_report(config, 1, name, 16e9)["this_machine"]["plans"]
+    limits = hardware.decode_limits(config, 16.0)
+    assert limits["fp32"] == pytest.approx(plans["fp32"]["max_decode_tokens_per_s"])
+    assert limits["bf16"] == pytest.approx(plans["bf16"]["max_decode_tokens_per_s"])
+    everything = 16e9 / (2 * parameter_count(config))            # every weight, the table included, once a token
+    assert (limits["bf16"] > everything * 1.05) == (not config.tie_word_embeddings)

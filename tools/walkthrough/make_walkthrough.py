@@ -97,7 +97,31 @@ space belongs to the word after it. No start-of-text token is added: Qwen3 never
 
 From here on the model sees only these T = {len(run.ids)} integers.
 
+{bpe_note(run)}
+
 {chat_template_note()}"""
+
+
+FIRST_MERGES = 12          # how many of the bundled tokenizer's merges the page lists
+
+
+def bpe_note(run: Run) -> str:
+    """How BPE's merges are learned, with the bundled tokenizer's first ones (its tokenizer.json, in order)."""
+    import json
+
+    model = json.loads((run.model_dir / "tokenizer.json").read_text(encoding="utf-8"))["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    shown = ", ".join(f"`{a}` + `{b}`" for a, b in merges[:FIRST_MERGES])
+    return f"""**How the vocabulary was learned: byte-pair encoding.** BPE starts from the 256 byte values,
+each one token, and learns merges one at a time: over the whole training text (first cut into words, a
+leading space kept with its word) it counts every pair of neighbouring symbols, makes the most frequent
+pair one new symbol, rewrites the text with it, and counts again. Each merge adds one entry to the
+vocabulary; the bundled tokenizer learned {len(merges):,} of them from the plays (`training.data.train_tokenizer`,
+the `tokenizers` library's BpeTrainer), in this order, first: {shown}. (`Ġ` is how a byte-level
+vocabulary writes the space byte: `Ġt` is " t".) The first merges are the most frequent pairs of English
+letters and a space with the letter after it; later ones build on earlier ones (`Ġt` + `he` makes " the").
+Encoding a new text replays the merges in the order they were learned, so a common word becomes one token
+and a rare one several. Exercise 2 has you write the learning loop, graded against the BpeTrainer."""
 
 
 CHAT_QUESTION = "Who wrote Hamlet?"

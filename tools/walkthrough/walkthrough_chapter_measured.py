@@ -102,7 +102,9 @@ def hardware_part(figures: dict[str, Any]) -> str:
               "down_proj": layers.UPCAST_BLOCK_ROWS * real.intermediate_size * 4}
     claim(all(size <= last.size_bytes for size in blocks.values()), "layers.linear's upcast blocks fit in the last cache")
     block_sizes = ", ".join(f"{hardware_command._size(size)} for {what}" for what, size in blocks.items())
-    limits = record["decode_limits"]
+    # The limits from the recorded rate by today's rule (hardware.decode_limits, the bytes `inspect` counts), not
+    # the record's own: it was written when `hardware` still counted the embedding table, which decode never reads.
+    limits = {name: hardware.decode_limits(preset(name), ram) for name in ("qwen3-0.6b", REAL)}
     smt = "no SMT" if all(len(s) == 1 for s in t["siblings"]) else "SMT (two threads per core)"
     largest = hardware_command._size(last.size_bytes)
     return f"""**This machine's caches, measured.** `python -m qwen_np hardware` reads what the OS says about
@@ -129,9 +131,11 @@ Two threads read a cache-sized matrix faster than one, up to {two_digits(max(two
 Beyond the L3 every thread reads through the one memory bus,
 shared with whatever else the machine runs, so a record's RAM rate is that of its moment (on this
 virtual machine it varies between processes too: bench/README.md, "The numbers"). At this record's rate
-for {threads} threads reading the largest matrix, {two_digits(ram)} GB/s, reading every weight once per token would allow
-{limits['qwen3-0.6b']['fp32']:.2g} tokens/s for Qwen3-0.6B in FP32 and {limits[REAL]['bf16']:.2g} for Qwen3-8B in BF16
-(the command's decode limits): a limit of that moment, not of the machine. Run `python -m qwen_np hardware` on yours.
+for {threads} threads reading the largest matrix, {two_digits(ram)} GB/s, reading once per token the weights a step
+needs would allow
+{limits['qwen3-0.6b']['fp32']:.3g} tokens/s for Qwen3-0.6B in FP32 and {limits[REAL]['bf16']:.3g} for Qwen3-8B in BF16
+(the command's decode limits: the weights a step reads, every one but the embedding table's unread rows,
+as `inspect` counts them): a limit of that moment, not of the machine. Run `python -m qwen_np hardware` on yours.
 More BLAS threads than cores (`-t`) add no core to read with, only switching between threads."""
 
 

@@ -600,6 +600,41 @@ GLOSSARY = (
      "qwen_np.core.sampling.warp", "--top-p", 5),
     ("chat template / 对话模板", "the layout a chat model's prompt must follow; `--no-chat` skips it",
      "qwen_np.files.tokenizer.Tokenizer.apply_chat_template", "--no-chat", 1),
+    # The architecture's own terms.
+    ("BPE (byte-pair encoding) / 字节对编码", "the tokenizer's vocabulary, learned by merging the most frequent pair "
+     "of neighbouring symbols over a corpus, again and again; encoding replays the merges in the order learned",
+     "qwen_np.training.data.train_tokenizer", "", 1),
+    ("embedding / 词嵌入", "the table of one learned vector per token id: the model's first step, a lookup",
+     "qwen_np.core.layers.embed", "", 2),
+    ("residual stream / 残差流", "the [T, D] vectors every layer reads and adds its attention and MLP outputs to",
+     "qwen_np.core.model.Qwen3Model.decoder_layer", "--trace-layers", 3),
+    ("RMSNorm / 均方根归一化", "each vector divided by its root mean square, times a learned weight: before "
+     "attention, before the MLP, per query and key head, and at the end", "qwen_np.core.layers.rms_norm", "", 3),
+    ("attention / 注意力", "each token's query scored against every earlier token's key; the softmax of the "
+     "scores mixes their values", "qwen_np.core.layers.attention", "--attention", 3),
+    ("causal mask / 因果掩码", "the scores of later tokens set to -inf, so a token sees only itself and the past",
+     "qwen_np.core.layers.causal_mask", "", 3),
+    ("grouped-query attention (GQA) / 分组查询注意力", "fewer key/value heads than query heads: query head h reads "
+     "KV head h // (H / KVH), and the KV cache shrinks by H / KVH", "qwen_np.core.layers.attention_scores", "", 3),
+    ("RoPE (rotary position embedding) / 旋转位置编码", "each pair of query and key dimensions turned by an angle "
+     "proportional to the position, so q . k depends on how far apart two tokens are",
+     "qwen_np.core.layers.rope", "", 3),
+    ("SwiGLU / 门控 MLP", "the MLP: down(silu(gate(x)) * up(x)), a gate deciding how much of each feature passes",
+     "qwen_np.core.layers.swiglu", "", 3),
+    ("logit lens / 逻辑透镜", "any layer's residual stream read through the final norm and the LM head: where "
+     "the prediction forms", "qwen_np.inspection.lens.logit_lens", "--lens", 4),
+    ("cross-entropy / 交叉熵", "the loss: -ln of the probability the model gave the true next token, averaged",
+     "qwen_np.training.gradients.cross_entropy", "", 5),
+    ("autoregressive / 自回归", "generating one token at a time, each from all the tokens before it, the new one "
+     "appended to the input", "qwen_np.generation.generate.generate", "--max-new-tokens", 6),
+    ("FlashAttention", "attention computed a block of keys at a time with an online softmax: the same result, "
+     "never the whole [H, T, S] score matrix", "qwen_np.core.flash.flash_attention", "", 10),
+    ("mixture of experts (MoE) / 混合专家", "many MLPs per layer, a router picking a few for each token: more "
+     "parameters, the same work a token; qwen_np runs the dense Qwen3 (its MLP is one method, where a MoE's "
+     "would sit)", "qwen_np.core.model.Qwen3Model.mlp", "", 10),
+    ("speculative decoding / 投机解码", "a cheap draft proposes several tokens, the model checks them in one pass "
+     "and keeps each by a rule that leaves its distribution unchanged", "qwen_np.generation.speculative.accept",
+     "--draft", 14),
 )
 
 
