@@ -109,7 +109,26 @@ def grade(number: int, path: Path | None, setting: Any = None) -> Any:
 
     entry = exercise(number)
     report = Report()
+    path = path or entry.solution_path()
     with np.errstate(all="ignore"):          # a wrong answer's NaN and overflow are graded, not warned about
-        module = load(path or entry.solution_path(), f"{entry.module}_graded")
+        try:
+            module = load(path, f"{entry.module}_graded")
+        except QwenNPError:
+            raise
+        except Exception as problem:         # a syntax error, an import of a piece not written yet: wrong, not bad input
+            report.wrong.append(f"loading {path.name}: {type(problem).__name__}: {problem}{load_hint(problem)}")
+            return report
         CHECKS[entry.module](module, report, setting or Setting())
     return report
+
+
+def load_hint(problem: Exception) -> str:
+    """What to do about a file that did not load: the exercise that writes a missing piece, or where it failed."""
+    if isinstance(problem, SyntaxError):
+        return ""                                          # its message names the file and line already
+    piece = next((e for e in EXERCISES if isinstance(problem, ModuleNotFoundError) and problem.name == e.module), None)
+    if piece is not None:
+        return f" (`python -m qwen_np exercises start {piece.number}` writes it beside this file)"
+    from .grading import where
+
+    return f" ({where(problem)})"

@@ -155,6 +155,18 @@ def test_the_cli_lists_starts_and_checks_from_any_folder_with_its_exit_codes(
     assert run_cli(capsys, "check", "x")[0] == 2
 
 
+def test_a_file_that_does_not_load_is_a_wrong_answer_and_a_missing_piece_names_the_exercise_that_writes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "e04_rms_norm.py").write_text("def rms_norm(x, weight, eps:\n")
+    code, out, _ = run_cli(capsys, "check", "4")
+    assert code == 1 and "SyntaxError" in out
+    (tmp_path / "e04_rms_norm.py").unlink()
+    assert run_cli(capsys, "start", "22")[0] == 0
+    code, out, _ = run_cli(capsys, "check", "22")
+    assert code == 1 and "No module named 'e04_rms_norm' (`python -m qwen_np exercises start 4` writes it" in out
+
+
 def test_every_exercise_on_the_walkthrough_names_its_commands() -> None:
     for entry in catalog.EXERCISES:
         heading = re.search(rf"^### Exercise {entry.number}: .*$", PAGE, re.MULTILINE)

@@ -61,7 +61,7 @@ def test_the_wheel_holds_every_module_the_bundled_model_and_serve_s_page_but_no_
     assert not [name for name in names if name.startswith(("tests/", "weights/")) or "LICENSE-tokenizer" in name]
 
 
-def test_an_installed_wheel_generates_offline_from_any_folder(wheel: Path, tmp_path: Path) -> None:
+def test_an_installed_wheel_generates_and_grades_exercises_offline_from_any_folder(wheel: Path, tmp_path: Path) -> None:
     venv, elsewhere = tmp_path / "venv", tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -89,3 +89,13 @@ def test_an_installed_wheel_generates_offline_from_any_folder(wheel: Path, tmp_p
     err = result.stderr.decode()
     assert "trained on Shakespeare" in err and "new_tokens=" in err and "error" not in err
     assert sorted(path.name for path in elsewhere.iterdir()) == []          # it wrote nothing where it ran
+
+    # The exercises' stubs and solutions are package data: start writes one here, check grades it and the solution.
+    learner = tmp_path / "learner"
+    learner.mkdir()
+    run(python, "-m", "qwen_np", "exercises", "start", "22", cwd=learner, env=env)
+    assert [path.name for path in learner.iterdir()] == ["e22_decoder_layer.py"]
+    graded = subprocess.run([str(python), "-m", "qwen_np", "exercises", "check", "22"], cwd=learner, env=env,
+                            capture_output=True, timeout=300)
+    assert graded.returncode == 1 and b"exercises start 4` writes it" in graded.stdout   # its pieces not written yet
+    assert b"all 1 right" in run(python, "-m", "qwen_np", "exercises", "check", "22", "--solution", cwd=learner, env=env).stdout
