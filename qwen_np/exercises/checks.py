@@ -100,9 +100,13 @@ def rms_norm(module: ModuleType, report: Report, setting: Setting) -> None:
 def gqa_heads(module: ModuleType, report: Report, setting: Setting) -> None:
     rng = np.random.default_rng(5)
     for heads, kv_heads in ((4, 4), (4, 2), (8, 2), (6, 1)):
-        k = normal(rng, 3, kv_heads, 4)
-        report.compare(f"H {heads}, KVH {kv_heads}", module.expand_kv, (k, heads),
-                       k[:, [h // (heads // kv_heads) for h in range(heads)]])
+        q, k = normal(rng, 2, heads, 4), normal(rng, 3, kv_heads, 4)
+
+        def scores(q: np.ndarray = q, k: np.ndarray = k, heads: int = heads) -> np.ndarray:
+            """Each query head's scores against the keys the learner's expand_kv gives it: [H, T, S]."""
+            return np.einsum("thd,shd->hts", q, np.asarray(module.expand_kv(k, heads))) * np.float32(0.5)   # Dh^-0.5
+        report.compare(f"H {heads}, KVH {kv_heads}: the scores layers.attention_scores gives", scores, (),
+                       layers.attention_scores(q, k))
 
 
 def rope(module: ModuleType, report: Report, setting: Setting) -> None:
