@@ -149,7 +149,8 @@ def test_the_cli_lists_starts_and_checks_from_any_folder_with_its_exit_codes(
 
     code, _, err = run_cli(capsys, "start", "4")                 # the learner's work is not overwritten
     assert code == 2 and "--force" in err and len(err.splitlines()) == 1
-    for argv in (["check", "99"], ["start", "0"], ["check", "5"], ["check", "4", str(tmp_path / "missing.py")]):
+    for argv in (["check", "99"], ["start", "0"], ["check", "5"], ["check", "4", str(tmp_path / "missing.py")],
+                 ["check", "4", "e04_rms_norm.py", "--solution"]):
         code, _, err = run_cli(capsys, *argv)
         assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, (argv, err)
     assert run_cli(capsys, "check", "x")[0] == 2
