@@ -271,16 +271,16 @@ def memory_remedy(module: ModuleType, report: Report, setting: Setting) -> None:
     from ..engine.step_memory import training_remedies
 
     totals = {name: parts["total"] for name, parts in training_remedies(preset("qwen3-0.6b"), 8, 1024).items()}
-    same_update = [name for name in ("bf16_activations", "grad_accum_4", "recompute") if totals[name] <= 24 * 2 ** 30]
-    def one() -> str:
+    single = sorted(set(totals) - {"baseline", "all_three"})
+
+    def one() -> str:            # any single remedy that fits and keeps the update is right (the plan says which)
         given = answer(module)
-        if given not in totals:
-            raise Wrong(f"expected one of {sorted(set(totals) - {'baseline', 'all_three'})}, got {given!r}")
+        if given not in single:
+            raise Wrong(f"expected one of {single}, got {given!r}")
         if given == "quarter_batch":
             raise Wrong("a quarter of the batch fits, but it is another update (fewer rows, more noise)")
         if totals[given] > 24 * 2 ** 30:
             raise Wrong(f"{given} needs {totals[given] / 2 ** 30:.3g} GiB, over 24")
-        same_value(given, same_update[0])
         return f"{totals[given] / 2 ** 30:.3g} GiB"
     report.case("ANSWER", one)
 
