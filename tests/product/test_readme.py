@@ -47,12 +47,12 @@ def test_a_python_example_of_the_readme_runs_on_the_bundled_model(code: str, env
 @pytest.mark.slow
 @pytest.mark.parametrize("code", [code for _, code in CLIENTS], ids=[f"README.md:{line}" for line, _ in CLIENTS])
 def test_a_client_example_of_the_readme_runs_against_serve(code: str, env, tmp_path: Path) -> None:
-    pytest.importorskip("anthropic" if "from anthropic" in code else "openai")
+    pytest.importorskip("anthropic" if "from anthropic" in code else "lm_eval" if "import lm_eval" in code else "openai")
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")
     from tests.serving.test_serve import serving
 
-    names = set(re.findall(r'\bmodel="([^"]+)"', code))
+    names = set(re.findall(r'\bmodel="([^"]+)"', code)) | set(re.findall(r'[",]model=([^,"]+)', code))  # lm_eval's model_args
     assert len(names) == 1, f"one model name per client example, not {names}"
     flags = ("--served-model-name", *names, "--default-max-tokens", "16")     # a reply without max_tokens stays short
     with serving(env, str(QWEN3_RANDOM), *flags) as running:
@@ -68,7 +68,7 @@ def test_the_readme_documents_constrained_generation_and_installs_only_extras_th
     from qwen_np.cli import build_parser
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    installed = {name for found in re.findall(r'pip install -e "\.\[([\w,]+)\]"', README) for name in found.split(",")}
+    installed = {name for found in re.findall(r'pip install -e "\.\[([\w,-]+)\]"', README) for name in found.split(",")}
     assert installed and installed <= set(extras), installed - set(extras)
     generate = next(a for a in build_parser(flags_of=["generate"])._actions
                     if isinstance(a, argparse._SubParsersAction)).choices["generate"]

@@ -8,6 +8,7 @@ nothing); `best_of` returning the candidate of highest mean token log-probabilit
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -126,13 +127,19 @@ def test_echo_puts_the_prompt_before_the_text_whole_and_streamed(client) -> None
     assert "".join(chunk.choices[0].text for chunk in chunks) == "Once upon a time" + plain
 
 
+@functools.cache
+def reference_model():
+    """transformers' Qwen3 of the fixture (FP32), loaded once for every test that scores against it."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(str(QWEN3_RANDOM), torch_dtype=torch.float32).eval()
+
+
 def reference_logprobs(ids: list[int]) -> np.ndarray:
     """Each token's log-probability given those before it: a float64 log-softmax of transformers' logits."""
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(QWEN3_RANDOM), torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = hf(torch.tensor([ids])).logits[0].double()
+        logits = reference_model()(torch.tensor([ids])).logits[0].double()
     logprobs = torch.log_softmax(logits, dim=-1).numpy()
     return np.array([logprobs[t - 1, ids[t]] for t in range(1, len(ids))])
 
