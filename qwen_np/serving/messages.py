@@ -357,12 +357,13 @@ class MessageReply:
         return self._message(content, self._stop(bool(calls)), self._usage())
 
     async def events(self) -> AsyncIterator[str]:
-        """The stream, as Server-Sent Events: message_start, each block's content_block_start, its deltas and
-        content_block_stop, message_delta (stop_reason, usage), message_stop; an error that ends it as an
-        `error` event."""
+        """The stream, as Server-Sent Events: message_start, a ping (as Anthropic's API sends one after it),
+        each block's content_block_start, its deltas and content_block_stop, message_delta (stop_reason,
+        usage), message_stop; an error that ends it as an `error` event."""
         prompt = len(self.reply.request.prompt)
         yield _event("message_start", {"type": "message_start", "message": self._message(
             [], (None, None), {"input_tokens": prompt, "output_tokens": 0})})
+        yield _event("ping", {"type": "ping"})
         blocks = Blocks()
         called = False
         async for chunk in self.reply.chunks(include_usage=False):
