@@ -2,9 +2,10 @@
 (read_responses: `input` items as chat messages, `instructions` as the system message, the flat function
 `tools`, `text.format` as response_format, `max_output_tokens`, `reasoning.effort` as a thinking budget),
 generated as a chat reply (requests.Service, responses.Reply) and shaped as a Response object (`Answer`):
-its output items (the thinking as a `reasoning` item, the answer as a `message`, each tool call as a
-`function_call`), status "completed" or "incomplete" (max_output_tokens), usage with cached and reasoning
-tokens; streamed as the documented events (response.created ... response.completed), each with its
+its output items (the thinking as a `reasoning` item's content, and as its summary, verbatim, when one is asked:
+there is no summariser; the answer as a `message`, each tool call as a `function_call`, the same items whole
+and streamed, a call cut by max_output_tokens an incomplete one), status "completed" or "incomplete"
+(max_output_tokens), usage with cached and reasoning tokens; streamed as the documented events (response.created ... response.completed), each with its
 sequence_number. A response is kept (unless `store: false`) in a bounded store in memory (Store: the last
 MAX_STORED, lost on restart), so that a request may continue it by `previous_response_id`: its input items and
 output come before the new input (its instructions do not carry over, as OpenAI's).
@@ -24,9 +25,10 @@ from typing import Any, AsyncIterator
 from ..errors import APIError
 from ..files.tokenizer import THINK_CLOSE
 from ..generation.thinking import EFFORT_BUDGETS
+from ..generation.tool_calls import TOOL_CALL_OPEN
 from .bodies import ChatBody, Limits, read_chat
 from .requests import Service
-from .responses import Reply
+from .responses import ChatDeltas, Reply
 from .structured import refuse_unknown
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -38,7 +40,9 @@ ITEM_KEYS = {"function_call": ("type", "call_id", "name", "arguments", "id", "st
 TOOL_KEYS = ("type", "name", "description", "parameters", "strict")
 FORMAT_KEYS = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "name", "description", "schema",
                                                                              "strict")}
-SUMMARIES = (None, "auto", "concise", "detailed")
+# reasoning.summary: qwen_np has no summariser (a local model, no second model to summarise its thinking), so a
+# summary is the thinking itself, verbatim: "auto" and "detailed" are that; a "concise" one it cannot give.
+SUMMARIES = (None, "auto", "detailed")
 # Responses kept for previous_response_id, the oldest forgotten first: at most this many, and this many
 # characters of JSON in all (a conversation is bounded by the context: some MiB at most).
 MAX_STORED, MAX_STORED_CHARS = 64, 64 * 2**20
@@ -93,6 +97,19 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A resent reasoning item's thinking: its `content` (reasoning_text parts, the thinking itself) when it has
+    one, else its summary (here the same text)."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(part, dict) and part.get("type", kind) == kind
+                                                  and isinstance(part.get("text"), str) for part in parts):
+            raise APIError(400, f"{where}.{key}: must be a list of {kind} parts", "input")
+        if parts:
+            return "\n".join(part["text"] for part in parts)
+    return ""
+
+
 def input_messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
     """`instructions` and `input` as chat messages: a string is one user message; items are messages,
     function calls (joined into one assistant message's tool_calls), their outputs (tool messages), and
@@ -124,11 +141,7 @@ def input_messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
         elif kind in ITEM_KEYS:
             refuse_unknown(item, ITEM_KEYS[kind], where)
             if kind == "reasoning":
-                summary = item.get("summary") or []
-                if not isinstance(summary, list) or not all(isinstance(s, dict) and isinstance(s.get("text"), str)
-                                                            for s in summary):
-                    raise APIError(400, f"{where}.summary: must be a list of summary_text parts", "input")
-                reasoning = "\n".join(s["text"] for s in summary)
+                reasoning = _reasoning_text(item, where)
                 continue
             for key in ("call_id", "name", "arguments") if kind == "function_call" else ("call_id",):
                 if not isinstance(item.get(key), str):
@@ -222,7 +235,8 @@ def chat_effort(reasoning: Any) -> tuple[str | None, bool]:
         raise APIError(400, f"reasoning.effort: must be one of {', '.join(EFFORT_BUDGETS)}, got {effort!r}",
                        "reasoning")
     if reasoning.get("summary") not in SUMMARIES:
-        raise APIError(400, "reasoning.summary: must be auto, concise or detailed", "reasoning")
+        raise APIError(400, "reasoning.summary: must be auto or detailed (the summary is the thinking itself, "
+                            "verbatim: there is no summariser to make a concise one)", "reasoning")
     return effort, reasoning.get("summary") is not None
 
 
@@ -325,21 +339,16 @@ class Answer:
         return generated.index(close) + 1 if close in generated else len(generated)
 
     async def whole(self, http: Any) -> dict[str, Any]:
+        """The whole response: its items built from the chat message as its stream would build them (Output), so
+        that a reply gives the same items whole and streamed, a cut one included."""
         answer = await self.reply.whole(http)
         choice = answer["choices"][0]
-        message, finish = choice["message"], choice["finish_reason"]
-        status = "incomplete" if finish == "length" else "completed"
-        output: list[dict[str, Any]] = []
-        if message.get("reasoning_content"):
-            output.append(self._reasoning(message["reasoning_content"]))
-        if message.get("content") or not message.get("tool_calls"):
-            output.append(self._message(message.get("content") or ""))
-        for call in message.get("tool_calls") or []:
-            output.append(self._call(self._item_id("fc"), call["id"], call["function"]["name"],
-                                     call["function"]["arguments"]))
-        if status == "incomplete":
-            output[-1]["status"] = "incomplete"
-        return self.kept(self.response(output, status))
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        output = Output(self)
+        for delta in message_deltas(choice["message"]):
+            output.add(delta)
+        output.end(status)
+        return self.kept(self.response(output.items, status))
 
     def kept(self, response: dict[str, Any]) -> dict[str, Any]:
         """`response`, stored (unless the request said store: false) for a later previous_response_id."""
@@ -347,9 +356,16 @@ class Answer:
             self.store.put(self.id, [*self.items, *response["output"]])
         return response
 
+    @property
+    def summarised(self) -> bool:
+        """Whether the request asked for a summary of the thinking (reasoning.summary): the thinking, verbatim."""
+        return (self.fields.get("reasoning") or {}).get("summary") is not None
+
     def _reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
-        return {"type": "reasoning", "id": self._item_id("rs"), "summary": [{"type": "summary_text", "text": text}],
-                "status": status}
+        """A reasoning item: the thinking as its content (reasoning_text, as vLLM gives an open model's), and as
+        its summary only when one was asked for (an empty summary otherwise, as OpenAI's)."""
+        return {"type": "reasoning", "id": self._item_id("rs"), "content": [{"type": "reasoning_text", "text": text}],
+                "summary": [{"type": "summary_text", "text": text}] if self.summarised else [], "status": status}
 
     def _message(self, text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
         return {"type": "message", "id": item_id or self._item_id("msg"), "role": "assistant", "status": status,
@@ -369,50 +385,8 @@ class Answer:
         then response.completed (or .incomplete) with the whole response; an error as an `error` event."""
         yield self._event("response.created", response=self.response([], "in_progress"))
         yield self._event("response.in_progress", response=self.response([], "in_progress"))
-        output: list[dict[str, Any]] = []
-        current: dict[str, Any] | None = None           # the item being written
+        output = Output(self)
         finish = None
-
-        def opened(item: dict[str, Any]) -> list[str]:
-            nonlocal current
-            current = item
-            output.append(item)
-            index = len(output) - 1
-            events = [self._event("response.output_item.added", output_index=index, item=_in_progress(item))]
-            if item["type"] == "reasoning":
-                events.append(self._event("response.reasoning_summary_part.added", item_id=item["id"],
-                                          output_index=index, summary_index=0,
-                                          part={"type": "summary_text", "text": ""}))
-            elif item["type"] == "message":
-                events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                          content_index=0, part={**item["content"][0], "text": ""}))
-            return events
-
-        def closed(status: str = "completed") -> list[str]:
-            nonlocal current
-            item, current = current, None
-            if item is None:
-                return []
-            index, events = output.index(item), []
-            item["status"] = status
-            if item["type"] == "reasoning":
-                part = item["summary"][0]
-                events += [self._event("response.reasoning_summary_text.done", item_id=item["id"], output_index=index,
-                                       summary_index=0, text=part["text"]),
-                           self._event("response.reasoning_summary_part.done", item_id=item["id"],
-                                       output_index=index, summary_index=0, part=part)]
-            elif item["type"] == "message":
-                part = item["content"][0]
-                events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                       content_index=0, text=part["text"], logprobs=[]),
-                           self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                       content_index=0, part=part)]
-            else:
-                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                          output_index=index, name=item["name"], arguments=item["arguments"]))
-            events.append(self._event("response.output_item.done", output_index=index, item=item))
-            return events
-
         async for chunk in self.reply.chunks(False):
             if "error" in chunk:
                 error = chunk["error"]
@@ -420,45 +394,125 @@ class Answer:
                                   param=error.get("param"), error=error)
                 return
             choice = chunk["choices"][0]
-            delta = choice.get("delta") or {}
-            events: list[str] = []
-            if delta.get("reasoning_content"):
-                if current is None or current["type"] != "reasoning":
-                    events += closed() + opened(self._reasoning("", "in_progress"))
-                assert current is not None
-                current["summary"][0]["text"] += delta["reasoning_content"]
-                events.append(self._event("response.reasoning_summary_text.delta", item_id=current["id"],
-                                          output_index=len(output) - 1, summary_index=0,
-                                          delta=delta["reasoning_content"]))
-            if delta.get("content"):
-                if current is None or current["type"] != "message":
-                    events += closed() + opened(self._message("", "in_progress"))
-                assert current is not None
-                current["content"][0]["text"] += delta["content"]
-                events.append(self._event("response.output_text.delta", item_id=current["id"],
-                                          output_index=len(output) - 1, content_index=0, delta=delta["content"],
-                                          logprobs=[]))
-            for call in delta.get("tool_calls") or []:
-                function = call.get("function") or {}
-                if call.get("id"):
-                    events += closed() + opened(self._call(self._item_id("fc"), call["id"], function.get("name", ""),
-                                                           "", "in_progress"))
-                if function.get("arguments") and current is not None and current["type"] == "function_call":
-                    current["arguments"] += function["arguments"]
-                    events.append(self._event("response.function_call_arguments.delta", item_id=current["id"],
-                                              output_index=len(output) - 1, delta=function["arguments"]))
-            if choice.get("finish_reason"):
-                finish = choice["finish_reason"]
-            for event in events:
+            finish = choice.get("finish_reason") or finish
+            for event in output.add(choice.get("delta") or {}):
                 yield event
         status = "incomplete" if finish == "length" else "completed"
-        if not output:
-            for event in opened(self._message("", "in_progress")):
-                yield event
-        for event in closed(status):
+        for event in output.end(status):
             yield event
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        yield self._event(kind, response=self.kept(self.response(output, status)))
+        yield self._event(kind, response=self.kept(self.response(output.items, status)))
+
+
+def message_deltas(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole chat message as the stream deltas that build its items: its thinking, its text, its calls, and of
+    each block that is no call (one cut by max_output_tokens; listed without its <tool_call>) what the stream's
+    parser had announced of it (the call's name and the arguments written), as the stream gave it before the cut."""
+    deltas: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        deltas.append({"reasoning_content": message["reasoning_content"]})
+    if message.get("content"):
+        deltas.append({"content": message["content"]})
+    deltas += [{"tool_calls": [call]} for call in message.get("tool_calls") or []]
+    for raw in message.get("malformed_tool_calls") or []:
+        parser = ChatDeltas(split_reasoning=False, calls=True)
+        deltas += [delta for delta in parser.feed(TOOL_CALL_OPEN + raw) + parser.finish() if "tool_calls" in delta]
+    return deltas
+
+
+class Output:
+    """A response's output items, built from a chat reply's deltas (whole or streamed alike), and the events
+    that build them: a reasoning item for the thinking, a message for text, a function_call per call; the
+    last item takes the response's status (a cut reply's last item is incomplete)."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.items: list[dict[str, Any]] = []
+        self.current: dict[str, Any] | None = None        # the item being written
+
+    def _open(self, item: dict[str, Any]) -> list[str]:
+        event = self.answer._event
+        self.current = item
+        self.items.append(item)
+        index = len(self.items) - 1
+        events = [event("response.output_item.added", output_index=index, item=_in_progress(item))]
+        if item["type"] == "reasoning" and item["summary"]:
+            events.append(event("response.reasoning_summary_part.added", item_id=item["id"], output_index=index,
+                                summary_index=0, part={"type": "summary_text", "text": ""}))
+        elif item["type"] == "message":
+            events.append(event("response.content_part.added", item_id=item["id"], output_index=index,
+                                content_index=0, part={**item["content"][0], "text": ""}))
+        return events
+
+    def _close(self, status: str = "completed") -> list[str]:
+        event = self.answer._event
+        item, self.current = self.current, None
+        if item is None:
+            return []
+        index, events = self.items.index(item), []
+        item["status"] = status
+        if item["type"] == "reasoning":
+            events.append(event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=item["content"][0]["text"]))
+            for part in item["summary"]:
+                events += [event("response.reasoning_summary_text.done", item_id=item["id"], output_index=index,
+                                 summary_index=0, text=part["text"]),
+                           event("response.reasoning_summary_part.done", item_id=item["id"], output_index=index,
+                                 summary_index=0, part=part)]
+        elif item["type"] == "message":
+            part = item["content"][0]
+            events += [event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                             text=part["text"], logprobs=[]),
+                       event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                             part=part)]
+        else:
+            events.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                name=item["name"], arguments=item["arguments"]))
+        events.append(event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def _writing(self, kind: str, new: Any) -> list[str]:
+        """The events that make an item of `kind` the one being written (opening new() unless it is)."""
+        if self.current is not None and self.current["type"] == kind:
+            return []
+        return self._close() + self._open(new())
+
+    def add(self, delta: dict[str, Any]) -> list[str]:
+        """The events of one chat delta (its thinking, text and call pieces) added to the items."""
+        answer, event, events = self.answer, self.answer._event, []
+        if delta.get("reasoning_content"):
+            piece = delta["reasoning_content"]
+            events += self._writing("reasoning", lambda: answer._reasoning("", "in_progress"))
+            assert self.current is not None
+            self.current["content"][0]["text"] += piece
+            events.append(event("response.reasoning_text.delta", item_id=self.current["id"],
+                                output_index=len(self.items) - 1, content_index=0, delta=piece))
+            for part in self.current["summary"]:
+                part["text"] += piece
+                events.append(event("response.reasoning_summary_text.delta", item_id=self.current["id"],
+                                    output_index=len(self.items) - 1, summary_index=0, delta=piece))
+        if delta.get("content"):
+            events += self._writing("message", lambda: answer._message("", "in_progress"))
+            assert self.current is not None
+            self.current["content"][0]["text"] += delta["content"]
+            events.append(event("response.output_text.delta", item_id=self.current["id"],
+                                output_index=len(self.items) - 1, content_index=0, delta=delta["content"],
+                                logprobs=[]))
+        for call in delta.get("tool_calls") or []:
+            function = call.get("function") or {}
+            if call.get("id"):
+                events += self._close() + self._open(answer._call(answer._item_id("fc"), call["id"],
+                                                                  function.get("name", ""), "", "in_progress"))
+            if function.get("arguments") and self.current is not None and self.current["type"] == "function_call":
+                self.current["arguments"] += function["arguments"]
+                events.append(event("response.function_call_arguments.delta", item_id=self.current["id"],
+                                    output_index=len(self.items) - 1, delta=function["arguments"]))
+        return events
+
+    def end(self, status: str) -> list[str]:
+        """The events that close the last item with the response's status (an empty message if none was written)."""
+        opened = [] if self.items else self._open(self.answer._message("", "in_progress"))
+        return opened + self._close(status)
 
 
 def _in_progress(item: dict[str, Any]) -> dict[str, Any]:
@@ -466,7 +520,7 @@ def _in_progress(item: dict[str, Any]) -> dict[str, Any]:
     item = json.loads(json.dumps(item))
     item["status"] = "in_progress"
     if item["type"] == "reasoning":
-        item["summary"] = []
+        item["summary"], item["content"] = [], []
     elif item["type"] == "message":
         item["content"] = []
     return item

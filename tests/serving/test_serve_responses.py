@@ -57,11 +57,19 @@ def test_instructions_come_first_as_the_system_message(scripted) -> None:
     assert response.output_text == "Brief." and response.instructions == "Be brief."
 
 
-def test_thinking_is_a_reasoning_item_and_counted(scripted) -> None:
+def summary_of(item) -> list[tuple[str, str]]:
+    return [(part.type, part.text) for part in item.summary]
+
+
+@pytest.mark.parametrize("summary", [None, "auto", "detailed"])
+def test_thinking_is_a_reasoning_items_content_its_summary_when_asked_and_counted(scripted, summary) -> None:
+    """The thinking is the reasoning item's content (reasoning_text); a summary, asked for, is the thinking
+    verbatim (no summariser); not asked for, the summary is empty, as OpenAI's."""
     response = scripted.responses.create(model=MODEL, input="<think>\nHmm\n</think>\n\nFour.", temperature=0,
-                                         reasoning={"effort": "high", "summary": "auto"})
+                                         reasoning={"effort": "high", "summary": summary})
     assert [item.type for item in response.output] == ["reasoning", "message"]
-    assert response.output[0].summary[0].type == "summary_text" and response.output[0].summary[0].text == "Hmm"
+    assert [(part.type, part.text) for part in response.output[0].content] == [("reasoning_text", "Hmm")]
+    assert summary_of(response.output[0]) == ([] if summary is None else [("summary_text", "Hmm")])
     assert response.output_text == "Four."
     assert response.usage.output_tokens_details.reasoning_tokens == 5      # <think> \n Hmm \n </think>, each a token
 
@@ -83,6 +91,26 @@ def test_a_scripted_call_and_its_output_round_trip(scripted) -> None:
              {"type": "function_call_output", "call_id": calls[0].call_id, "output": json.dumps({"temp": 21})}]
     second = scripted.responses.create(model=MODEL, input=items, tools=[WEATHER], temperature=0)
     assert second.output_text == "It is 21 C." and second.status == "completed"
+
+
+def test_a_resent_reasoning_item_is_the_calls_thinking_by_its_content_or_summary(scripted) -> None:
+    """The reasoning item of an output, resent before its call, is that turn's thinking (Qwen3's template renders
+    it: the turn is after the last user message), read from its content or, without one, its summary."""
+    script = "<think>\nWeather.\n</think>\n\n" + call("get_weather", {"city": "Oslo", "unit": "C"}) + "\n=====\nCold."
+    first = scripted.responses.create(model=MODEL, input=script, tools=[WEATHER], temperature=0)
+    thought, called = first.output
+    assert thought.type == "reasoning" and thought.content[0].text == "Weather." and thought.summary == []
+    result = {"type": "function_call_output", "call_id": called.call_id, "output": "cold"}
+
+    def input_tokens(*reasoning: dict) -> int:
+        items = [{"role": "user", "content": script}, *reasoning, called.model_dump(exclude_none=True), result]
+        second = scripted.responses.create(model=MODEL, input=items, tools=[WEATHER], temperature=0)
+        assert second.output_text == "Cold."
+        return second.usage.input_tokens
+
+    by_content = input_tokens(thought.model_dump(exclude_none=True))
+    by_summary = input_tokens({"type": "reasoning", "summary": [{"type": "summary_text", "text": "Weather."}]})
+    assert by_content == by_summary > input_tokens()
 
 
 def test_previous_response_id_continues_a_stored_response(scripted) -> None:
@@ -113,21 +141,30 @@ def events_of(client, **fields):
     return events, final
 
 
-def test_a_stream_gives_the_documented_events_and_the_whole_response(scripted) -> None:
-    fields = {"model": MODEL, "input": "<think>\nHmm\n</think>\n\nFour and five.", "temperature": 0}
+@pytest.mark.parametrize("summary", [None, "detailed"])
+def test_a_stream_gives_the_documented_events_and_the_whole_response(scripted, summary) -> None:
+    fields = {"model": MODEL, "input": "<think>\nHmm\n</think>\n\nFour and five.", "temperature": 0,
+              "reasoning": {"summary": summary}}
     whole = scripted.responses.create(**fields)
     events, final = events_of(scripted, **fields)
     kinds = [event.type for event in events]
     assert [event.sequence_number for event in events] == list(range(len(events)))
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert kinds[-1] == "response.completed"
-    for kind in ("response.reasoning_summary_text.delta", "response.content_part.added", "response.output_text.delta",
-                 "response.output_text.done", "response.content_part.done", "response.output_item.done"):
+    for kind in ("response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.added",
+                 "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                 "response.output_item.done"):
         assert kind in kinds, kind
+    summarised = [kind for kind in kinds if kind.startswith("response.reasoning_summary_")]
+    assert summarised == ([] if summary is None else [f"response.reasoning_summary_{kind}" for kind in (
+        "part.added", "text.delta", "text.done", "part.done")])
+    thinking = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
+    assert thinking == final.output[0].content[0].text == whole.output[0].content[0].text == "Hmm"
     deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert deltas == whole.output_text == final.output_text == "Four and five."
     assert [item.type for item in final.output] == [item.type for item in whole.output] == ["reasoning", "message"]
-    assert final.output[0].summary[0].text == whole.output[0].summary[0].text == "Hmm"
+    assert summary_of(final.output[0]) == summary_of(whole.output[0]) == ([] if summary is None
+                                                                          else [("summary_text", "Hmm")])
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert final.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens_details.reasoning_tokens
 
@@ -149,6 +186,31 @@ def test_create_with_stream_true_and_a_cut_stream_is_incomplete(scripted) -> Non
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+PARIS = '{"city": "Paris", "unit": "C"}'         # a call's arguments, as the scripted model writes them
+
+
+@pytest.mark.parametrize("cut", [17, 4], ids=["mid-arguments", "before-the-name"])
+def test_a_call_cut_by_max_output_tokens_is_the_same_items_whole_and_streamed(scripted, cut: int) -> None:
+    """A call cut mid-arguments is a function_call item, incomplete, with the arguments written (what the stream
+    had announced, before the cut); one cut before its name is no item: an empty incomplete message instead."""
+    fields = {"model": MODEL, "input": call("get_weather", json.loads(PARIS)), "tools": [WEATHER], "temperature": 0,
+              "max_output_tokens": cut}
+    whole = scripted.responses.create(**fields)
+    events = list(scripted.responses.create(**fields, stream=True))
+    streamed = events[-1].response
+    assert events[-1].type == "response.incomplete" and whole.status == streamed.status == "incomplete"
+    shown = [[(item.type, item.status, getattr(item, "name", None), getattr(item, "arguments", None))
+              for item in response.output] for response in (whole, streamed)]
+    assert shown[0] == shown[1], shown
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    if cut == 17:                                        # <tool_call>, then 16 tokens: '... {"city": "Paris'
+        (kind, status, name, arguments), = shown[0]
+        assert (kind, status, name) == ("function_call", "incomplete", "get_weather")
+        assert arguments == deltas and 0 < len(arguments) < len(PARIS) and PARIS.startswith(arguments)
+    else:
+        assert shown[0] == [("message", "incomplete", None, None)] and deltas == ""
 
 
 # --- what the constraints guarantee, on random weights --------------------------------------------------
@@ -191,6 +253,7 @@ def test_tool_choice_required_gives_a_call_that_validates(client) -> None:
     ({"input": "Hi", "text": {"format": {"type": "xml"}}}, "text"),
     ({"input": "Hi", "text": {"format": {"type": "text"}, "verbosity": "low"}}, "text"),
     ({"input": "Hi", "reasoning": {"effort": "extreme"}}, "reasoning"),
+    ({"input": "Hi", "reasoning": {"summary": "concise"}}, "reasoning"),   # the summary is the thinking, verbatim
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "Hi", "temperature": 7}, "temperature"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
@@ -224,6 +287,7 @@ def test_store_metadata_and_the_off_values_of_include_and_truncation_are_accepte
     {"input": [{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}]},
     {"input": [{"type": "function_call_output", "call_id": "c", "output": {"x": 1}}]},
     {"input": [{"type": "reasoning", "summary": "thought"}]},
+    {"input": [{"type": "reasoning", "summary": [], "content": [{"type": "output_text", "text": "x"}]}]},
     {"input": [None]}, {"input": []}, {"input": [[]]},
     {"input": "Hi", "instructions": ["a"]},
     {"input": "Hi", "text": "json"}, {"input": "Hi", "text": {"format": {"type": "json_schema"}}},
