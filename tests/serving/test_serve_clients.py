@@ -97,7 +97,8 @@ def test_openai_agents_sdk_runs_its_default_model_the_responses_api_with_a_tool_
     """The openai-agents SDK's default model speaks the Responses API (/v1/responses): a forced tool call runs
     the tool (the run stops at its result), and an agent with an output type ends with an object of it. (A
     random model left to choose between calling again and answering may call until max_turns: the two are
-    run apart, each one a thing the constraints make true.)"""
+    run apart, each one a thing the constraints make true; the forced call is one call, parallel_tool_calls
+    false: a sampled reply may otherwise hold two, and both run.)"""
     agents = pytest.importorskip("agents")
     calls: list[tuple[int, int]] = []
 
@@ -112,7 +113,8 @@ def test_openai_agents_sdk_runs_its_default_model_the_responses_api_with_a_tool_
                                                                                        max_retries=0))
     settings = agents.ModelSettings(max_tokens=200, reasoning={"effort": "none"})
     adder = agents.Agent(name="adder", instructions="Add the numbers.", model=model, tools=[add_numbers],
-                         model_settings=settings.resolve(agents.ModelSettings(tool_choice="required")),
+                         model_settings=settings.resolve(agents.ModelSettings(tool_choice="required",
+                                                                              parallel_tool_calls=False)),
                          tool_use_behavior="stop_on_first_tool")
     added = agents.Runner.run_sync(adder, "What is 2 + 3?", max_turns=2)
     assert len(calls) == 1 and added.final_output == str(sum(calls[0]))        # the tool's result, as text
