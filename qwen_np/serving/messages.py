@@ -42,7 +42,7 @@ from ..generation.batching import Request
 from .bodies import MAX_STOP_CHARS, MAX_STOPS, ChatBody, Limits, in_range, read_chat
 from .requests import Service
 from .responses import Reply
-from .structured import refuse_unknown
+from .structured import field_of, refuse_unknown, tagged
 
 PATH, COUNT_PATH = "/v1/messages", "/v1/messages/count_tokens"
 # Each block's keys (one not listed is refused by name, never ignored).
@@ -82,7 +82,7 @@ def error_body(problem: APIError) -> dict[str, Any]:
 
 
 def _problem(where: str, why: str) -> APIError:
-    return APIError(400, f"{where}: {why}", where.split(".")[0].split("[")[0])
+    return APIError(400, f"{where}: {why}", field_of(where))
 
 
 def _text(value: Any, where: str) -> str:
@@ -195,12 +195,8 @@ def _tools(fields: dict[str, Any]) -> dict[str, Any]:
         out["tools"] = declared
     choice = fields.get("tool_choice")
     if choice is not None:
-        kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind not in TOOL_CHOICE_KEYS:
-            raise _problem("tool_choice", 'must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
-                                          '{"type": "tool", "name": ...}')
-        assert isinstance(choice, dict)
-        refuse_unknown(choice, TOOL_CHOICE_KEYS[kind], "tool_choice")
+        kind = tagged(choice, TOOL_CHOICE_KEYS, "tool_choice", '{"type": "auto"}, {"type": "any"}, {"type": "none"} '
+                                                               'or {"type": "tool", "name": ...}')
         disable = choice.get("disable_parallel_tool_use")
         if disable not in (None, True, False):
             raise _problem("tool_choice.disable_parallel_tool_use", "must be true or false")
@@ -221,12 +217,8 @@ def _thinking(fields: dict[str, Any]) -> dict[str, Any]:
     thinking = fields.get("thinking")
     if thinking is None:
         return {}
-    kind = thinking.get("type") if isinstance(thinking, dict) else None
-    if kind not in THINKING_KEYS:
-        raise _problem("thinking", 'must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
-                                   '{"type": "disabled"}')
-    assert isinstance(thinking, dict)
-    refuse_unknown(thinking, THINKING_KEYS[kind], "thinking")
+    kind = tagged(thinking, THINKING_KEYS, "thinking", '{"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} '
+                                                       'or {"type": "disabled"}')
     if thinking.get("display") not in (None, "summarized"):
         raise APIError(400, "thinking.display: only \"summarized\" (the thinking is returned whole)", "thinking",
                        "unsupported_field")

@@ -1,11 +1,11 @@
 """POST /v1/responses, OpenAI's Responses API: a Responses body read into the ChatBody the chat endpoint reads
-(read_responses: `input` items as chat messages, `instructions` as the system message, the flat function
-`tools`, `text.format` as response_format, `max_output_tokens`, `reasoning.effort` as a thinking budget),
-generated as a chat reply (requests.Service, responses.Reply) and shaped as a Response object (`Answer`):
-its output items (the thinking as a `reasoning` item's content, and as its summary, verbatim, when one is asked:
-there is no summariser; the answer as a `message`, each tool call as a `function_call`, the same items whole
-and streamed, a call cut by max_output_tokens an incomplete one), status "completed" or "incomplete"
-(max_output_tokens), usage with cached and reasoning tokens; streamed as the documented events (response.created ... response.completed), each with its
+(read_responses: `input` items as chat messages, `instructions` as the system message, the flat function `tools`,
+`text.format` as response_format, `max_output_tokens`, `reasoning.effort` as a thinking budget), generated as a
+chat reply (requests.Service, responses.Reply) and shaped as a Response object (`Answer`): its output items (the
+thinking as a `reasoning` item's content, and as its summary, verbatim, when one is asked: there is no summariser;
+the answer as a `message`, each tool call as a `function_call`, the same items whole and streamed, a call cut by
+max_output_tokens an incomplete one), status "completed" or "incomplete" (max_output_tokens), usage with cached
+and reasoning tokens; streamed as the documented events (response.created ... response.completed), each with its
 sequence_number. A response is kept (unless `store: false`) in a bounded store in memory (Store: the last
 MAX_STORED, lost on restart), so that a request may continue it by `previous_response_id`: its input items and
 output come before the new input (its instructions do not carry over, as OpenAI's).
@@ -29,7 +29,7 @@ from ..generation.tool_calls import TOOL_CALL_OPEN
 from .bodies import ChatBody, Limits, read_chat
 from .requests import Service
 from .responses import ChatDeltas, Reply
-from .structured import refuse_unknown
+from .structured import refuse_unknown, tagged
 
 ROLES = ("user", "system", "developer", "assistant")
 MESSAGE_KEYS = ("type", "role", "content", "id", "status")
@@ -208,12 +208,8 @@ def chat_format(text: Any) -> dict[str, Any] | None:
     form = text.get("format")
     if form is None:
         return None
-    kind = form.get("type") if isinstance(form, dict) else None
-    if kind not in FORMAT_KEYS:
-        raise APIError(400, "text.format: must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
-                            "\"json_schema\", \"name\": ..., \"schema\": ...}", "text")
-    assert isinstance(form, dict)
-    refuse_unknown(form, FORMAT_KEYS[kind], "text.format")
+    kind = tagged(form, FORMAT_KEYS, "text.format", '{"type": "text"}, {"type": "json_object"} or '
+                                                    '{"type": "json_schema", "name": ..., "schema": ...}')
     if kind != "json_schema":
         return {"type": kind}
     if not isinstance(form.get("name"), str) or form.get("strict") not in (None, True, False):

@@ -159,12 +159,8 @@ def _response_format(body: dict[str, Any]) -> ResponseFormat | None:
     value = body.get("response_format")
     if value is None:
         return None
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in RESPONSE_KEYS:
-        raise APIError(400, "response_format: must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                            "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
-    assert isinstance(value, dict)
-    refuse_unknown(value, RESPONSE_KEYS[kind], "response_format")
+    kind = tagged(value, RESPONSE_KEYS, "response_format", '{"type": "text"}, {"type": "json_object"} or '
+                                                           '{"type": "json_schema", "json_schema": {...}}')
     if kind == "text":
         return None
     if kind == "json_object":
@@ -185,4 +181,20 @@ def refuse_unknown(value: dict[str, Any], known: tuple[str, ...], where: str) ->
     unknown = next((key for key in value if key not in known), None)
     if unknown is not None:
         raise APIError(400, f"{where}.{unknown}: not a field of {where} (it reads {', '.join(known)})",
-                       where.split(".")[0].split("[")[0], "unknown_field")
+                       field_of(where), "unknown_field")
+
+
+def tagged(value: Any, kinds: dict[str, tuple[str, ...]], where: str, shapes: str) -> str:
+    """The kind of the tagged object at `where` (its `type`: a key of `kinds`, text.format's, thinking's,
+    response_format's ...), every key of it one that kind reads (refuse_unknown); a 400 saying the `shapes` it
+    may take otherwise."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in kinds:
+        raise APIError(400, f"{where}: must be {shapes}", field_of(where))
+    refuse_unknown(value, kinds[kind], where)
+    return kind
+
+
+def field_of(where: str) -> str:
+    """The body's top-level field a place in it (tools[0].function, response_format.json_schema) is under."""
+    return where.split(".")[0].split("[")[0]

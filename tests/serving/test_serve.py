@@ -54,14 +54,7 @@ class Running:
 
 
 @pytest.fixture(scope="module")
-def running(env: dict[str, str]):
-    """A server of MODEL on 127.0.0.1 and an ephemeral port; stopped when the module ends."""
-    with serving(env, MODEL) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def server(running: Running) -> str:
+def server(running: Running) -> str:          # running: conftest's, a server of MODEL
     return running.url
 
 
@@ -96,11 +89,6 @@ def serving(env: dict[str, str], model: str, *flags: str, launcher: tuple[str, .
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-@pytest.fixture(scope="module")
-def client(server: str):
-    return openai.OpenAI(base_url=server, api_key="none", max_retries=0, timeout=HANG_SECONDS)
 
 
 def chat(client, prompt: str, **kwargs):

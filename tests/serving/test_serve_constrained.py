@@ -17,14 +17,11 @@ constrained reply and still had it called a success:
 from __future__ import annotations
 
 import json
-import os
 
 import jsonschema
 import pytest
 
-from tests.conftest import HANG_SECONDS, QWEN3_RANDOM
-from qwen_np.files.tokenizer import Tokenizer
-from tests.serving.test_serve import ROOT, serving
+from tests.serving.test_serve import MODEL
 from tests.serving.test_serve_tools import CITY, NO_THINKING, call
 
 openai = pytest.importorskip("openai")
@@ -34,7 +31,6 @@ pytest.importorskip("llguidance")
 
 pytestmark = pytest.mark.slow
 
-MODEL = str(QWEN3_RANDOM)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}}}
@@ -43,19 +39,6 @@ PARIS = {"city": "Paris", "unit": "C"}
 
 def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(QWEN3_RANDOM)
-
-
-@pytest.fixture(scope="module")
-def scripted(tmp_path_factory: pytest.TempPathFactory):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
-           "PYTHONPATH": str(ROOT)}
-    with serving(env, MODEL, launcher=(str(ROOT / "tests" / "serving" / "scripted_serve.py"),)) as running:
-        yield openai.OpenAI(base_url=running.url, api_key="none", max_retries=0, timeout=HANG_SECONDS)
 
 
 def say(client, script: str, *, stream: bool, **kwargs):

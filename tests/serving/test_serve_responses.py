@@ -12,9 +12,8 @@ import json
 import jsonschema
 import pytest
 
-from tests.conftest import QWEN3_RANDOM
-from tests.serving.test_serve import ROOT, post, serving
-from tests.serving.test_serve_tools import CITY, PERSON, call, client_of
+from tests.serving.test_serve import MODEL, post
+from tests.serving.test_serve_tools import CITY, PERSON, call
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -23,20 +22,8 @@ pytest.importorskip("llguidance")
 
 pytestmark = pytest.mark.slow
 
-MODEL = str(QWEN3_RANDOM)
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": CITY}
 NO_THINKING = {"reasoning": {"effort": "none"}}
-
-
-@pytest.fixture(scope="module")
-def scripted_server(env):
-    with serving(env, MODEL, launcher=(str(ROOT / "tests" / "serving" / "scripted_serve.py"),)) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def scripted(scripted_server):
-    return client_of(scripted_server.url)
 
 
 def test_a_plain_input_gives_the_scripted_text_with_usage(scripted) -> None:
@@ -214,17 +201,6 @@ def test_a_call_cut_by_max_output_tokens_is_the_same_items_whole_and_streamed(sc
 
 
 # --- what the constraints guarantee, on random weights --------------------------------------------------
-
-@pytest.fixture(scope="module")
-def running(env):
-    with serving(env, MODEL) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(running):
-    return client_of(running.url)
-
 
 def test_json_schema_format_validates(client) -> None:
     response = client.responses.create(model=MODEL, input="A person", max_output_tokens=200, **NO_THINKING,

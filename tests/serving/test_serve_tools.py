@@ -16,8 +16,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from tests.conftest import HANG_SECONDS, QWEN3_RANDOM
-from tests.serving.test_serve import ROOT, assert_openai_error, post, serving
+from tests.conftest import HANG_SECONDS
+from tests.serving.test_serve import MODEL, assert_openai_error, post
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -26,7 +26,6 @@ pytest.importorskip("llguidance")
 
 pytestmark = pytest.mark.slow
 
-MODEL = str(QWEN3_RANDOM)
 SEPARATOR = "\n=====\n"                 # scripted_serve's: between the scripted replies of successive turns
 CITY = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
         "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}}}
@@ -47,23 +46,6 @@ def call(name: str, arguments: dict) -> str:
 
 def client_of(url: str):
     return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=HANG_SECONDS)
-
-
-@pytest.fixture(scope="module")
-def scripted(env):
-    with serving(env, MODEL, launcher=(str(ROOT / "tests" / "serving" / "scripted_serve.py"),)) as running:
-        yield client_of(running.url)
-
-
-@pytest.fixture(scope="module")
-def running(env):
-    with serving(env, MODEL) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(running):
-    return client_of(running.url)
 
 
 def say(client, script: str, *, stream: bool = False, **kwargs):
