@@ -218,11 +218,11 @@ def chat_format(text: Any) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def chat_effort(reasoning: Any) -> tuple[str | None, bool]:
-    """`reasoning` ({"effort", "summary"}) as reasoning_effort (a thinking budget) and whether it asks for a
-    summary."""
+def chat_effort(reasoning: Any) -> str | None:
+    """`reasoning` ({"effort", "summary"}) as reasoning_effort (a thinking budget), its summary checked (Answer
+    reads whether one is asked)."""
     if reasoning is None:
-        return None, False
+        return None
     if not isinstance(reasoning, dict):
         raise APIError(400, "reasoning: must be an object, {\"effort\": ..., \"summary\": ...}", "reasoning")
     refuse_unknown(reasoning, ("effort", "summary"), "reasoning")
@@ -233,7 +233,7 @@ def chat_effort(reasoning: Any) -> tuple[str | None, bool]:
     if reasoning.get("summary") not in SUMMARIES:
         raise APIError(400, "reasoning.summary: must be auto or detailed (the summary is the thinking itself, "
                             "verbatim: there is no summariser to make a concise one)", "reasoning")
-    return effort, reasoning.get("summary") is not None
+    return effort
 
 
 def renamed(problem: APIError) -> APIError:
@@ -267,7 +267,7 @@ def read_responses(fields: dict[str, Any], limits: Limits, items: list[Any]) -> 
     if fields.get("truncation") not in (None, "disabled"):
         raise APIError(400, "truncation: only \"disabled\" (a conversation too long for the context is refused)",
                        "truncation")
-    effort, _ = chat_effort(fields.get("reasoning"))
+    effort = chat_effort(fields.get("reasoning"))
     chat = {"model": fields.get("model"), "stream": fields.get("stream"),
             "messages": input_messages(items, fields.get("instructions")),
             "tools": chat_tools(fields.get("tools")), "tool_choice": chat_tool_choice(fields.get("tool_choice")),
