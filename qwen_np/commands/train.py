@@ -16,6 +16,8 @@ from ..training.settings import (BIT_EXACT, KEPT_ON_RESUME, LOSS_SCALE_GROWTH_IN
                                  PRESET_CONFIGS, WARMUP_FRACTION, RunEvents, Settings)
 from . import FLAGS
 
+DPO_BETA = 0.1                     # objectives.DPO_BETA (TRL's DPOConfig.beta), here without importing NumPy
+
 if TYPE_CHECKING:                  # the parser needs none of these: `train --help` loads no NumPy
     from ..training.lora import LoraSettings
     from ..training.run_state import RunState
@@ -51,6 +53,14 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
                              "validate) or, with --model, a chat file FILE.jsonl of {\"messages\": [...]} lines, "
                              "rendered by the model's chat template, the loss on the assistant's tokens only "
                              "(default: shakespeare; resuming, the run's own data)")
+    dpo = parser.add_argument_group("DPO (with --model)")
+    dpo.add_argument("--dpo", action="store_true",
+                     help="preference tuning: --data is TRL's preference format, a JSONL line {\"prompt\", \"chosen\", "
+                          "\"rejected\"} of strings or (conversational) a prompt of messages and replies of assistant "
+                          "messages; the loss is TRL's sigmoid DPO against the starting weights (with --lora: the base, "
+                          "adapters off); --batch-size counts pairs")
+    dpo.add_argument("--beta", type=float, metavar="B",
+                     help=f"DPO's beta, how far the tuned replies may move from the reference's (default: {DPO_BETA:g})")
     parser.add_argument("--val", metavar="FILE.jsonl",
                         help="a chat file that validates (default: the last 5%% of --data's conversations)")
     source = parser.add_mutually_exclusive_group()
@@ -145,6 +155,11 @@ class ProgressBar(RunEvents):
         self.bar.update(1)
 
     def evaluated(self, step: int, train_loss: float, result: dict[str, Any], improved: bool) -> None:
+        if "preference_accuracy" in result:
+            self.bar.write(f"step {step}: train DPO loss {train_loss:.4f}, validation {result['dpo_loss']:.4f}; "
+                           f"held-out preference accuracy {result['preference_accuracy']:.1%}, margin "
+                           f"{result['margin']:.3f} nats{' (best)' if improved else ''}")
+            return
         self.bar.write(f"step {step}: train {train_loss:.4f}, validation {result['loss_per_token']:.4f} per token, "
                        f"{result['nats_per_character']:.4f} nats/char{' (best)' if improved else ''}")
 
@@ -168,12 +183,24 @@ def lora_settings(args: argparse.Namespace) -> LoraSettings | None:
     return LoraSettings(args.lora, args.lora_alpha, targets, args.lora_dropout or 0.0)
 
 
+def dpo_beta(args: argparse.Namespace) -> float | None:
+    """--dpo's beta (None without --dpo); a --beta alone is refused."""
+    if not args.dpo:
+        if args.beta is not None:
+            raise QwenNPError("--beta: sets DPO's beta: give --dpo too")
+        return None
+    beta = DPO_BETA if args.beta is None else args.beta
+    if not beta > 0:
+        raise QwenNPError(f"--beta: must be positive, got {beta:g}")
+    return float(beta)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..training import trainer, run_spec
 
     spec = run_spec.RunSpec(args.out, args.resume, args.preset, args.config, args.data,
                            args.model, lora_settings(args), args.memory, args.val,
-                           {f.name: getattr(args, f.name) for f in fields(Settings)})
+                           {f.name: getattr(args, f.name) for f in fields(Settings)}, dpo_beta(args))
     events = ProgressBar()
     try:
         result = trainer.run(spec, events)
@@ -184,9 +211,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"\ninterrupted at step {state.step}: saved {result.last}; continue with --resume", file=sys.stderr)
         return 130
     plot_losses(state, args.out / "loss.png")
-    print(f"{result.stopped or 'done'} at step {state.step}; best validation loss {state.best_loss:.4f} per "
-          f"token ({state.evals[-1]['nats_per_character']:.4f} nats/char last); exported {result.exported}",
-          file=sys.stderr)
+    last = state.evals[-1]
+    figures = (f"best validation DPO loss {state.best_loss:.4f} (held-out preference accuracy "
+               f"{last['preference_accuracy']:.1%} last)" if state.dpo is not None else
+               f"best validation loss {state.best_loss:.4f} per token ({last['nats_per_character']:.4f} nats/char last)")
+    print(f"{result.stopped or 'done'} at step {state.step}; {figures}; exported {result.exported}", file=sys.stderr)
     print("memory:\n" + memory_report(result.memory), file=sys.stderr)
     return 0
 

@@ -250,6 +250,26 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray,
     return -float(picked.sum(dtype=np.float64)) / n, d_logits
 
 
+def token_log_probs(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """log p(target) at every position, and the softmax its backward needs: what DPO and GRPO (objectives.py)
+    build their losses from, as cross_entropy is SFT's.  logits [B, T, V], targets [B, T] -> [B, T], [B, T, V].
+
+    In the logits' dtype (FP32 in training; float64 in the tests), the row max shifted out so exp() stays finite."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)                            # [B, T, V]
+    exp = np.exp(shifted)                                                            # [B, T, V]
+    total = exp.sum(axis=-1, keepdims=True)                                          # [B, T, 1]
+    picked = np.take_along_axis(shifted, targets[..., None], axis=-1) - np.log(total)   # [B, T, 1]
+    return picked[..., 0], exp / total
+
+
+def token_log_probs_backward(d_log_probs: np.ndarray, probs: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """token_log_probs reversed: d log p_y / d logits = onehot(y) - softmax, so
+    d_logits = d_log_probs * (onehot(target) - probs).  d_log_probs [B, T], probs [B, T, V] -> [B, T, V]."""
+    d_logits = probs * -d_log_probs[..., None].astype(probs.dtype)                   # [B, T, V]
+    np.add.at(d_logits, (*np.indices(targets.shape), targets), d_log_probs.astype(probs.dtype))
+    return d_logits
+
+
 # --- The whole network -------------------------------------------------------------------------------
 
 

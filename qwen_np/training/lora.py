@@ -233,6 +233,15 @@ def with_adapters(model: Qwen3Model, arrays: dict[str, np.ndarray]) -> Qwen3Mode
     return model_class(model.config)(model.config, model.embed_tokens, layers, model.norm, model.lm_head)
 
 
+def without_adapters(model: Qwen3Model) -> Qwen3Model:
+    """The frozen base under a model's adapters, as a model on the same arrays (nothing copied): what a LoRA
+    run's DPO or GRPO reference is (the starting weights, its adapters switched off), as TRL's
+    `use_adapter(model, None)` is for a peft model."""
+    layers = [dataclasses.replace(layer, **{key: getattr(layer, key).base for key in LAYER_MATRICES
+                                            if isinstance(getattr(layer, key), Adapted)}) for layer in model.layers]
+    return model_class(model.config)(model.config, model.embed_tokens, layers, model.norm, model.lm_head)
+
+
 def merged_tensors(model: Qwen3Model) -> dict[str, np.ndarray]:
     """Every checkpoint tensor of the model in FP32, each adapted projection merged: W + (alpha / r) B A."""
     tensors = {EMBED_TOKENS: upcast(model.embed_tokens), FINAL_NORM: upcast(model.norm)}

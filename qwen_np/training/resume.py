@@ -47,6 +47,9 @@ def resumed(spec: RunSpec, notes: list[str], left: str | None
     if spec.memory is not None and spec.memory != state.lora_memory:
         raise QwenNPError(f"the run in {out} holds its frozen base as {state.lora_memory}, which a resumed run keeps (its "
                           "products, so its updates, depend on it); drop `memory`", "memory")
+    if spec.dpo is not None and spec.dpo != state.dpo:
+        kind = "is not a DPO run" if state.dpo is None else f"is a DPO run with beta {state.dpo:g}"
+        raise QwenNPError(f"the run in {out} {kind}, which a resumed run keeps; drop `dpo` and `beta`", "dpo")
     saved = state.settings
     changed = {name: value for name, value in spec.overrides.items()
                if value is not None and value != getattr(saved, name)}

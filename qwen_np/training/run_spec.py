@@ -62,6 +62,7 @@ class RunSpec:
     memory: str | None = None               # how a LoRA run holds its frozen base (engine.memory.MODES; default fp32)
     val: str | None = None                  # a chat file that validates (None: --data's last 5% of conversations)
     overrides: dict[str, Any] = field(default_factory=dict)   # Settings field -> value (None: not given)
+    dpo: float | None = None                # DPO's beta: `data` is preference pairs (preferences.py; None: not DPO)
 
 
 def model_config(spec: RunSpec) -> dict[str, Any]:

@@ -127,6 +127,7 @@ class RunState:
     base_sha256: str | None = None              # of its weight files (ModelFiles.weights_sha256): a resumed run checks them
     adapters: dict[str, Any] | None = None      # a LoRA run's lora.LoraSettings and "memory" (how its frozen base is held)
     val: str | None = None                      # --val: the chat file that validates (None: --data's last 5%)
+    dpo: float | None = None                    # --dpo's beta: a DPO run on preference pairs (None: not one)
 
     @property
     def step(self) -> int:
@@ -154,6 +155,8 @@ class RunState:
             meta["loss_scaler"] = asdict(self.loss_scaler)
         if self.model is not None:
             meta.update(model=self.model, base_sha256=self.base_sha256, lora=self.adapters, val=self.val)
+        if self.dpo is not None:
+            meta["dpo"] = self.dpo
         return meta
 
     @classmethod
@@ -164,7 +167,7 @@ class RunState:
         return cls(meta["config"], settings, meta["data"], meta.get("data_sha256"), meta["history"],
                    meta["evals"], meta["best_loss"], meta["bad_evals"], meta["order"]["epoch"], meta["order"]["position"],
                    None if scaler is None else mixed.LossScaler(**scaler), meta.get("model"), meta.get("base_sha256"),
-                   meta.get("lora"), meta.get("val"))
+                   meta.get("lora"), meta.get("val"), meta.get("dpo"))
 
     @property
     def lora_settings(self) -> lora.LoraSettings | None:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import gradients, lora, mixed
+from . import gradients, lora, mixed, objectives
 from ..core import layers
 from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, is_matrix
 from ..errors import QwenNPError
@@ -66,6 +66,76 @@ def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = F
     finally:
         layers.ADAPTER_INPUTS.reset(dropping)
         layers.MATMUL_INPUTS.reset(hook)
+
+
+def completion_log_probs(model: Qwen3Model, ids: np.ndarray, completion: np.ndarray) -> np.ndarray:
+    """Each predicted token's log-probability under `model`, zero off the completion: what DPO sums and
+    GRPO's ratio and KL read, without a tape (a reference's, or the sampling policy's).
+    ids [B, T+1] (rows padded at their end), completion [B, T+1] bool -> [B, T], FP32 as the logits."""
+    B = ids.shape[0]
+    logits = model.forward_batch(list(ids[:, :-1]), [None] * B).reshape(B, ids.shape[1] - 1, -1)   # [B, T, V]
+    return gradients.token_log_probs(logits, ids[:, 1:])[0] * completion[:, 1:]
+
+
+def policy_gradients(model: Qwen3Model, ids: np.ndarray, completion: np.ndarray,
+                     objective: Callable[[np.ndarray], tuple[Any, np.ndarray]],
+                     dropout: lora.Dropout | None = None) -> tuple[Any, dict[str, np.ndarray]]:
+    """A loss over the completion tokens' log-probabilities (DPO's, GRPO's: objectives.py) and every trained
+    parameter's gradient: forward with a tape, log p of each token (gradients.token_log_probs), the objective
+    ([B, T] log-probs, zero off the completion -> its result and d loss / d log-probs [B, T]), then
+    d log-probs -> d logits -> the network's backward, as loss_and_gradients does for cross-entropy.
+    ids, completion [B, T+1]. One piece, FP32 (no shards, micro-batches or mixed precision)."""
+    ids = check_batch(ids, model.config.vocab_size)
+    if not lora.has_adapters(model):
+        named_parameters(model)
+    mask = np.asarray(completion, dtype=bool)[:, 1:]                                 # [B, T]
+    dropping = layers.ADAPTER_INPUTS.set(dropout)
+    try:
+        logits, tape = gradients.forward_with_tape(model, ids[:, :-1])               # [B, T, V]
+        log_probs, probs = gradients.token_log_probs(logits, ids[:, 1:])             # [B, T], [B, T, V]
+        result, d_log_probs = objective(log_probs * mask)
+        d_logits = gradients.token_log_probs_backward(d_log_probs * mask, probs, ids[:, 1:])
+        return result, gradients.backward(model, tape, d_logits)
+    finally:
+        layers.ADAPTER_INPUTS.reset(dropping)
+
+
+def dpo_loss_and_gradients(model: Qwen3Model, ids: np.ndarray, completion: np.ndarray, reference: np.ndarray,
+                           beta: float = objectives.DPO_BETA,
+                           dropout: lora.Dropout | None = None) -> tuple[objectives.DpoLoss, dict[str, np.ndarray]]:
+    """DPO on P preference pairs (objectives.dpo_loss) and every trained parameter's gradient.
+
+    ids, completion [2P, T+1]: the P chosen rows, then the P rejected ones (TRL's order), each a prompt and
+    its reply padded at the end, completion True on the reply's tokens; reference [2P]: each row's summed
+    log-probability under the reference (completion_log_probs of the starting weights: with LoRA, the base
+    with its adapters off, lora.without_adapters)."""
+    P = len(ids) // 2
+
+    def objective(log_probs: np.ndarray) -> tuple[objectives.DpoLoss, np.ndarray]:
+        sequence = log_probs.sum(axis=1)                                             # [2P]
+        result = objectives.dpo_loss(sequence[:P], sequence[P:], reference[:P], reference[P:], beta)
+        d_sequence = np.concatenate([result.d_chosen, result.d_rejected])            # [2P]
+        return result, np.broadcast_to(d_sequence[:, None], log_probs.shape).astype(log_probs.dtype)
+
+    return policy_gradients(model, ids, completion, objective, dropout)
+
+
+def grpo_loss_and_gradients(model: Qwen3Model, ids: np.ndarray, completion: np.ndarray, advantages: np.ndarray,
+                            loss_type: str = "dapo", beta: float = 0.0, reference: np.ndarray | None = None,
+                            old: np.ndarray | None = None, max_completion_length: int | None = None,
+                            dropout: lora.Dropout | None = None) -> tuple[objectives.GrpoLoss, dict[str, np.ndarray]]:
+    """GRPO on N sampled completions (objectives.grpo_loss) and every trained parameter's gradient.
+
+    ids, completion [N, T+1]: prompt and completion rows; advantages [N] (objectives.group_advantages);
+    reference, old [N, T]: the reference's and the sampling policy's completion_log_probs (old None: this
+    step's own, detached, as TRL with one update per generation: the ratio is 1 and keeps its gradient)."""
+    def objective(log_probs: np.ndarray) -> tuple[objectives.GrpoLoss, np.ndarray]:
+        result = objectives.grpo_loss(log_probs, log_probs.copy() if old is None else old, advantages,
+                                      np.asarray(completion, dtype=bool)[:, 1:], loss_type, beta, reference,
+                                      max_completion_length=max_completion_length)
+        return result, result.d_log_probs.astype(log_probs.dtype)
+
+    return policy_gradients(model, ids, completion, objective, dropout)
 
 
 def fp16_underflow(model: Qwen3Model, batch: np.ndarray, loss_scale: float = 1.0) -> float:

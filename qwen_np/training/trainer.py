@@ -45,7 +45,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import chats, lora, mixed, run_folder, step as training
+from . import chats, lora, mixed, preferences, run_folder, step as training
 from ..files.model_files import ModelFiles, open_model
 from ..core.config import Qwen3Config
 from ..errors import QwenNPError
@@ -104,6 +104,9 @@ def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
     if spec.lora is not None and spec.model is None and not spec.resume:
         raise QwenNPError("adapters train on a checkpoint's frozen weights: name it with `model` (a `preset` or "
                           "`config` model starts from random weights: train it whole)", "lora")
+    if spec.dpo is not None and spec.model is None and not spec.resume:
+        raise QwenNPError("DPO tunes a checkpoint's replies: name it with `model` (its starting weights are the "
+                          "reference)", "dpo")
     if spec.resume and not out.exists():
         raise QwenNPError(f"{out} does not exist: there is no earlier run to continue (start one without "
                           "`resume`)", "resume")
@@ -134,7 +137,7 @@ class Run:
     params: dict[str, np.ndarray]
     model: Qwen3Model                       # model_from_parameters(params), or the frozen base with its adapters
     optimizer: training.AdamW
-    data: TextData | chats.ChatData
+    data: TextData | chats.ChatData | preferences.PreferenceData
     out: Path                               # where save() writes
 
     def save(self, name: str) -> Path:
@@ -179,6 +182,8 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
     resident = ResidentPeak.begin()
     model, params = _model(state, config, base, saved)
     saved = None                                    # a resumed LoRA run's copies are in its adapters now
+    if isinstance(data, preferences.PreferenceData):
+        data.with_reference(_reference(spec, state, model, base))
     if not spec.resume:
         (out / "config.json").write_text(json.dumps(state.config, indent=2) + "\n")
     optimizer = training.adamw_for(params, weight_decay=settings.weight_decay)
@@ -205,7 +210,8 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
         what += f" (every weight of {state.model})"
     memory = TrainingMemory(estimate, resident.start - read, resident)
     step = (f"{settings.batch_size}x{row} tokens a step" if isinstance(data, TextData) else
-            f"{settings.batch_size} conversations a step, each padded to its batch's longest, at most {row} tokens")
+            f"{settings.batch_size} {'pairs' if isinstance(data, preferences.PreferenceData) else 'conversations'} a "
+            f"step, each padded to its batch's longest, at most {row} tokens")
     events.started(settings, state.step, f"training {what} on {data.describe()} ({step}) -> {out}\n"
                                          f"plan: {schedule}; memory at its peak: {memory.predicted / 2**20:,.0f} MiB "
                                          "(predicted)")
@@ -223,7 +229,8 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
     return RunResult(state, stopped, exported, last, memory)
 
 
-def _schedule(spec: RunSpec, settings: Settings, data: TextData | chats.ChatData, notes: list[str]) -> str:
+def _schedule(spec: RunSpec, settings: Settings, data: TextData | chats.ChatData | preferences.PreferenceData,
+              notes: list[str]) -> str:
     """The run's length and warmup settled once its data is read (in `settings`, saved with the run), and the
     plan printed before its first step: --epochs' steps (epoch_steps) when no --steps or preset sets them; a new
     run's warmup not given capped to a tenth of its schedule (capped_warmup); a note where a warmup longer
@@ -237,7 +244,8 @@ def _schedule(spec: RunSpec, settings: Settings, data: TextData | chats.ChatData
         notes.append(f"note: `warmup` {settings.warmup} is longer than the run's `steps` {settings.steps}: the "
                      f"learning rate rises to {settings.steps / settings.warmup:.0%} of `lr` {settings.lr:g} and never "
                      f"reaches it (a `warmup` of at most {settings.steps} does)")
-    what = "conversations" if isinstance(data, chats.ChatData) else "windows"
+    what = ("conversations" if isinstance(data, chats.ChatData) else
+            "pairs" if isinstance(data, preferences.PreferenceData) else "windows")
     epochs = settings.steps * settings.batch_size / sequences
     return (f"{settings.steps:,} steps of {settings.batch_size} ({epochs:.3g} epochs of {sequences:,} {what}), "
             f"warmup {settings.warmup}, peak lr {settings.lr:g}")
@@ -248,20 +256,22 @@ def epoch_steps(epochs: float, sequences: int, batch_size: int) -> int:
     return max(1, math.ceil(epochs * sequences / batch_size))
 
 
-def sequences_per_epoch(data: TextData | chats.ChatData) -> int:
+def sequences_per_epoch(data: TextData | chats.ChatData | preferences.PreferenceData) -> int:
     """The rows an epoch over the run's data has: its conversations, or windows of the text (WindowOrder's,
     counted from offset 0: an epoch's offset takes at most one away)."""
-    if isinstance(data, chats.ChatData):
+    if not isinstance(data, TextData):
         return len(data.train)
     return max(1, (len(data.corpus.train) - 1) // data.order.context)
 
 
-def longest_row(data: TextData | chats.ChatData, context: int) -> int:
+def longest_row(data: TextData | chats.ChatData | preferences.PreferenceData, context: int) -> int:
     """The most tokens a row of the run's batches learns from: the context, or, for chats, the longest
     conversation's tokens less one (chats.padded_rows pads a batch to its longest, cut at context + 1 tokens:
     its inputs are all but the last). What the memory plan sizes the step's activations and logits by."""
     if isinstance(data, TextData):
         return context
+    if isinstance(data, preferences.PreferenceData):
+        return max(1, min(context, max(pair.longest for pair in data.train) - 1))
     return max(1, min(context, max(len(chat.ids) for chat in data.train) - 1))
 
 
@@ -281,7 +291,7 @@ def _new_state(spec: RunSpec) -> RunState:
         raise QwenNPError(f"{spec.memory}: full fine-tuning updates every weight, held in FP32; a frozen base "
                           "(`lora`) may be held as bf16, int8, q8_0 or q4_0", "memory")
     return RunState(open_model(spec.model).config_json(), settings, spec.data or "shakespeare", model=spec.model,
-                    adapters=adapters, val=spec.val)
+                    adapters=adapters, val=spec.val, dpo=spec.dpo)
 
 
 def _base(spec: RunSpec, state: RunState, notes: list[str]) -> ModelFiles | None:
@@ -302,28 +312,32 @@ def _base(spec: RunSpec, state: RunState, notes: list[str]) -> ModelFiles | None
 
 
 def _data(spec: RunSpec, state: RunState, config: Qwen3Config, base: ModelFiles | None,
-          notes: list[str]) -> TextData | chats.ChatData:
+          notes: list[str]) -> TextData | chats.ChatData | preferences.PreferenceData:
     """The run's text or chat file, read, checked to be the one it began on (resuming), and placed in its order."""
     settings = state.settings
     data = spec.data or state.data
     if spec.resume and spec.data is None and data != "shakespeare" and not Path(data).exists():
         raise QwenNPError(f"{data}, the run's text, is not there (moved? name its new place with `data`)", "data")
     val = spec.val or state.val
-    result: TextData | chats.ChatData
-    if chats.is_chat_file(Path(data)):
+    result: TextData | chats.ChatData | preferences.PreferenceData
+    if state.dpo is not None:
+        if base is None:
+            raise QwenNPError("DPO tunes a checkpoint: name it with `model`", "dpo")      # (run() checks it first)
+        train_pairs, validation_pairs, digest = preferences.held_out(base.tokenizer, Path(data),
+                                                                     None if val is None else Path(val))
+        _check_data_digest(spec, state, data, val, digest)
+        order = chats.ConversationOrder(len(train_pairs), settings.seed, state.epoch, state.position)
+        result = preferences.PreferenceData(train_pairs, validation_pairs, digest, order, settings.context,
+                                            _pad_id(base), state.dpo)
+    elif chats.is_chat_file(Path(data)):
         if base is None:
             raise QwenNPError(f"{data}: a chat file trains a model from `model` (its tokenizer and chat template)",
                               "data")
         tokenizer = base.tokenizer
         train, validation, digest = chats.held_out(tokenizer, Path(data), None if val is None else Path(val))
-        if state.data_sha256 is not None and digest != state.data_sha256:
-            raise QwenNPError(f"{data}{' or ' + val if val else ''} is not the chat data the run in {spec.out} began on "
-                              f"(SHA-256 {digest[:16]}..., the checkpoint's {state.data_sha256[:16]}...: edited or "
-                              "replaced since): put the original back, or start a new run", "data")
+        _check_data_digest(spec, state, data, val, digest)
         order = chats.ConversationOrder(len(train), settings.seed, state.epoch, state.position)
-        pad = tokenizer.pad_token_id
-        result = chats.ChatData(train, validation, digest, order, settings.context,
-                                tokenizer.eos_token_id if pad is None else pad)
+        result = chats.ChatData(train, validation, digest, order, settings.context, _pad_id(base))
     else:
         if val is not None:
             raise QwenNPError("validates a chat file's run (.jsonl); a text's last 5% of lines validate it", "val")
@@ -338,6 +352,33 @@ def _data(spec: RunSpec, state: RunState, config: Qwen3Config, base: ModelFiles 
         notes.append(f"note: `data` {data}: the run's text, read from there (it began on {state.data})")
     state.data, state.data_sha256, state.val = data, result.sha256, val
     return result
+
+
+def _check_data_digest(spec: RunSpec, state: RunState, data: str, val: str | None, digest: str) -> None:
+    """A resumed chat or DPO run's files are the ones it began on (their SHA-256)."""
+    if state.data_sha256 is not None and digest != state.data_sha256:
+        raise QwenNPError(f"{data}{' or ' + val if val else ''} is not the data the run in {spec.out} began on "
+                          f"(SHA-256 {digest[:16]}..., the checkpoint's {state.data_sha256[:16]}...: edited or "
+                          "replaced since): put the original back, or start a new run", "data")
+
+
+def _pad_id(base: ModelFiles) -> int:
+    """What pads a chat or pair batch's rows: the tokenizer's pad token, else its end of text (never learned)."""
+    pad = base.tokenizer.pad_token_id
+    return base.tokenizer.eos_token_id if pad is None else pad
+
+
+def _reference(spec: RunSpec, state: RunState, model: Qwen3Model, base: ModelFiles | None) -> Qwen3Model:
+    """A DPO run's reference, its starting weights: a LoRA run's base with the adapters off (the same arrays:
+    lora.without_adapters), a new full run's model before its first step, a resumed full run's checkpoint
+    reloaded from `model` (its trained weights are not the start any more)."""
+    from ..engine.loading import load_model
+
+    if state.lora_settings is not None:
+        return lora.without_adapters(model)
+    if not spec.resume or base is None:
+        return model
+    return load_model(base, memory="fp32", fast=False)
 
 
 def _model(state: RunState, config: Qwen3Config, base: ModelFiles | None,
@@ -458,6 +499,8 @@ def _train_step(run: Run) -> dict[str, Any]:
     started = time.perf_counter()
     settings, scaler, step = run.state.settings, run.state.loss_scaler, run.state.step
     lr = training.learning_rate(step, settings.lr, settings.warmup, settings.schedule_steps)
+    if isinstance(run.data, preferences.PreferenceData):
+        return _dpo_step(run, lr, started)
     batch, learned = run.data.next_batch(settings.batch_size)                       # [B, T+1] each
     scale = scaler.scale if scaler is not None else 1.0
     loss, grads = training.loss_and_accumulated_gradients(run.model, batch, settings.grad_accum,
@@ -477,4 +520,20 @@ def _train_step(run: Run) -> dict[str, Any]:
     else:                                           # overflow: this step's gradients are unusable
         record.update(grad_norm=None, skipped=True)
     record["tokens_per_s"] = batch[:, 1:].size / (time.perf_counter() - started)     # a chat batch's padding too
+    return record
+
+
+def _dpo_step(run: Run, lr: float, started: float) -> dict[str, Any]:
+    """A DPO run's next optimizer step (step.dpo_loss_and_gradients on the next pairs, their reference log-probs
+    computed once, PreferenceData.with_reference): its record, with TRL's reward accuracy and margin."""
+    assert isinstance(run.data, preferences.PreferenceData)
+    settings = run.state.settings
+    ids, completion, reference = run.data.next_batch(settings.batch_size)              # [2P, W] each, [2P]
+    result, grads = training.dpo_loss_and_gradients(run.model, ids, completion, reference, run.data.beta,
+                                                    run.dropout(run.state.step))
+    record: dict[str, Any] = {"step": run.state.step + 1, "loss": result.loss, "lr": lr,
+                              "reward_accuracy": result.accuracy, "reward_margin": result.margin,
+                              "grad_norm": training.clip_gradients(grads, settings.clip)}
+    run.optimizer.update(run.params, grads, lr)
+    record["tokens_per_s"] = ids[:, 1:].size / (time.perf_counter() - started)
     return record
