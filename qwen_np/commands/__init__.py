@@ -20,14 +20,14 @@ EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIG
 # its notices, errors.reworded). A caller that passes a library function a value of its own names it with its
 # own parameter, as commands do with their flags' (eval's `compare` formats: "--compare").
 FLAGS = {
-    "adapters": "--lora", "alpha": "--lora-alpha", "batch_size": "--batch-size", "blas_threads": "--blas-threads",
-    "clip": "--clip",
+    "adapters": "--lora", "alpha": "--lora-alpha", "batch_size": "--batch-size", "beta": "--beta",
+    "blas_threads": "--blas-threads", "clip": "--clip",
     "compare": "--compare", "config": "--config", "context": "--ctx-size", "data": "--data",
-    "decay_steps": "--decay-steps", "default_max_tokens": "--default-max-tokens", "draft": "--draft",
+    "decay_steps": "--decay-steps", "dpo": "--dpo", "default_max_tokens": "--default-max-tokens", "draft": "--draft",
     "draft_tokens": "--draft-tokens", "dropout": "--lora-dropout", "epochs": "--epochs", "eval_every": "--eval-every",
     "file": "FILE", "file_type": "--type", "folder": "--model",
     "formats": "--formats", "grad_accum": "--grad-accum", "kv_dtype": "--kv-dtype", "kv_memory": "--kv-memory",
-    "lora": "--lora", "loss_scaling": "--loss-scaling", "lr": "--lr", "max_batch": "--max-batch",
+    "lora": "--lora", "loss": "--loss", "loss_scaling": "--loss-scaling", "lr": "--lr", "max_batch": "--max-batch",
     "max_new_tokens": "--max-new-tokens", "max_ngram": "--lookup", "memory": "--memory",
     "micro_batches": "--grad-accum", "min_p": "--min-p", "model": "--model", "num_blocks": "--kv-memory", "number": "N",
     "out": "--out", "precision": "--precision", "presence_penalty": "--presence-penalty", "preset": "--preset",
