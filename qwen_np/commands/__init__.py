@@ -27,7 +27,7 @@ FLAGS = {
     "draft_tokens": "--draft-tokens", "dropout": "--lora-dropout", "epochs": "--epochs", "eval_every": "--eval-every",
     "file": "FILE", "file_type": "--type", "folder": "--model",
     "formats": "--formats", "grad_accum": "--grad-accum", "kv_dtype": "--kv-dtype", "kv_memory": "--kv-memory",
-    "lora": "--lora", "loss": "--loss", "loss_scaling": "--loss-scaling", "lr": "--lr", "max_batch": "--max-batch",
+    "lora": "--lora", "loss_scaling": "--loss-scaling", "lr": "--lr", "max_batch": "--max-batch",
     "max_new_tokens": "--max-new-tokens", "max_ngram": "--lookup", "memory": "--memory",
     "micro_batches": "--grad-accum", "min_p": "--min-p", "model": "--model", "num_blocks": "--kv-memory", "number": "N",
     "out": "--out", "precision": "--precision", "presence_penalty": "--presence-penalty", "preset": "--preset",

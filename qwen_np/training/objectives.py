@@ -115,9 +115,9 @@ def grpo_loss(log_probs: np.ndarray, old_log_probs: np.ndarray, advantages: np.n
     passes none: torch's clamp and min do the same), and the k3 KL times r: d/dlogp [k r] = (1 - e^(ref - logp)) r + k r.
     """
     if loss_type not in LOSS_TYPES:
-        raise QwenNPError(f"expected one of {', '.join(LOSS_TYPES)}, got {loss_type!r}", "loss")
+        raise QwenNPError(f"loss_type: expected one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     if beta and ref_log_probs is None:
-        raise QwenNPError("a KL term (beta > 0) needs the reference's log-probs", "beta")
+        raise QwenNPError("a KL term (beta > 0) needs the reference's log-probs (ref_log_probs)", "beta")
     mask = mask.astype(log_probs.dtype)                                              # [N, T]
     A = advantages.astype(log_probs.dtype)[:, None]                                  # [N, 1]
     ratio = np.exp(log_probs - old_log_probs)                                        # [N, T]
