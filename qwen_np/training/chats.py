@@ -26,7 +26,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import numpy as np
 
@@ -66,7 +66,14 @@ def is_chat_file(path: Path) -> bool:
 def read_chats(path: Path) -> list[dict[str, Any]]:
     """The conversations of a JSONL chat file, each {"messages": [...], "tools": [...] or absent} as the
     template reads them (chat_line); a bad line is named by its number."""
-    chats = []
+    return read_lines(path, chat_line, "chat file", "conversations")
+
+
+def read_lines(path: Path, read: Callable[[str, str], dict[str, Any]], kind: str, items: str) -> list[dict[str, Any]]:
+    """The non-blank lines of a JSONL file, each read by `read(line, "FILE:LINE")` (which names the line in its
+    errors); a line longer than MAX_LINE_CHARACTERS is refused before it is parsed. kind, items: what the file
+    and its lines are, for the errors ("chat file", "conversations")."""
+    rows = []
     try:
         with open(path, encoding="utf-8") as lines:
             for number, line in enumerate(iter(lambda: lines.readline(MAX_LINE_CHARACTERS + 1), ""), 1):
@@ -74,12 +81,12 @@ def read_chats(path: Path) -> list[dict[str, Any]]:
                     raise QwenNPError(f"{path}:{number}: longer than {MAX_LINE_CHARACTERS:,} characters, more than "
                                       "any Qwen3 context holds: split the conversation")
                 if line.strip():
-                    chats.append(chat_line(line, f"{path}:{number}"))
+                    rows.append(read(line, f"{path}:{number}"))
     except (OSError, UnicodeDecodeError) as exc:
-        raise QwenNPError(f"{path}: cannot read the chat file ({exc})") from exc
-    if not chats:
-        raise QwenNPError(f"{path}: no conversations")
-    return chats
+        raise QwenNPError(f"{path}: cannot read the {kind} ({exc})") from exc
+    if not rows:
+        raise QwenNPError(f"{path}: no {items}")
+    return rows
 
 
 def chat_line(line: str, where: str) -> dict[str, Any]:
@@ -251,14 +258,21 @@ def held_out(tokenizer: Tokenizer, data: Path, val: Path | None) -> tuple[list[C
     --data's conversations (at least one)."""
     train = encoded_chats(tokenizer, data)
     if val is not None:
-        validation = encoded_chats(tokenizer, val)
-    else:
-        if len(train) < 2:
-            raise QwenNPError(f"{data}: one conversation cannot be split into training and validation (add "
-                              "conversations, or name a chat file that validates with `val`)", "data")
-        cut = len(train) - max(1, len(train) // 20)
-        train, validation = train[:cut], train[cut:]
-    return train, validation, chat_files_sha256(data, val)
+        return train, encoded_chats(tokenizer, val), chat_files_sha256(data, val)
+    return (*split_off(train, data, "conversation", "a chat file"), chat_files_sha256(data, val))
+
+
+Row = TypeVar("Row")
+
+
+def split_off(rows: list[Row], data: Path, item: str, kind: str) -> tuple[list[Row], list[Row]]:
+    """(training, validation) rows of one file: its last 5% validate (at least one). item, kind: what a row and a
+    file of them are ("conversation", "a chat file"), for the error when there is only one."""
+    if len(rows) < 2:
+        raise QwenNPError(f"{data}: one {item} cannot be split into training and validation (add {item}s, or name "
+                          f"{kind} that validates with `val`)", "data")
+    cut = len(rows) - max(1, len(rows) // 20)
+    return rows[:cut], rows[cut:]
 
 
 def chat_files_sha256(data: Path, val: Path | None) -> str:

@@ -55,12 +55,17 @@ class DpoLoss:
     @property
     def accuracy(self) -> float:
         """TRL's rewards/accuracies: the share of pairs whose chosen reward beats the rejected one."""
-        return float(np.mean(self.chosen_rewards > self.rejected_rewards))
+        return ranked(self.chosen_rewards, self.rejected_rewards)[0]
 
     @property
     def margin(self) -> float:
         """TRL's rewards/margins: the mean of chosen reward less rejected."""
-        return float(np.mean(self.chosen_rewards - self.rejected_rewards))
+        return ranked(self.chosen_rewards, self.rejected_rewards)[1]
+
+
+def ranked(chosen: np.ndarray, rejected: np.ndarray) -> tuple[float, float]:
+    """(the share of pairs whose chosen score beats the rejected one, the mean of chosen less rejected)."""
+    return float(np.mean(chosen > rejected)), float(np.mean(chosen - rejected))
 
 
 def dpo_loss(chosen: np.ndarray, rejected: np.ndarray, ref_chosen: np.ndarray, ref_rejected: np.ndarray,

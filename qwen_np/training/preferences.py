@@ -44,17 +44,7 @@ class Pair:
 
 def read_pairs(path: Path) -> list[dict[str, Any]]:
     """The pairs of a preference file, each line checked (pair_line); a QwenNPError names FILE:LINE: field."""
-    rows = []
-    try:
-        with open(path, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    rows.append(pair_line(line, f"{path}:{number}"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise QwenNPError(f"{path}: cannot read the preference file ({exc})") from exc
-    if not rows:
-        raise QwenNPError(f"{path}: no preference pairs")
-    return rows
+    return chats.read_lines(path, pair_line, "preference file", "preference pairs")
 
 
 def pair_line(line: str, where: str) -> dict[str, Any]:
@@ -128,18 +118,11 @@ class PreferenceScore:
     chosen: np.ndarray              # [P]
     rejected: np.ndarray            # [P]
 
-    @property
-    def accuracy(self) -> float:
-        """The share of pairs whose chosen reply the model finds likelier than the rejected one."""
-        return float(np.mean(self.chosen > self.rejected))
-
-    @property
-    def margin(self) -> float:
-        """The mean of log p(chosen) - log p(rejected) (nats)."""
-        return float(np.mean(self.chosen - self.rejected))
-
     def summary(self) -> dict[str, Any]:
-        return {"pairs": len(self.chosen), "preference_accuracy": self.accuracy, "margin": self.margin}
+        """The pairs, the share whose chosen reply the model finds likelier than the rejected one, and the mean of
+        log p(chosen) - log p(rejected) (nats)."""
+        accuracy, margin = objectives.ranked(self.chosen, self.rejected)
+        return {"pairs": len(self.chosen), "preference_accuracy": accuracy, "margin": margin}
 
 
 def sequence_log_probs(model: Qwen3Model, pairs: list[Pair], context: int, pad_id: int,
@@ -203,12 +186,6 @@ def held_out(tokenizer: Tokenizer, data: Path, val: Path | None) -> tuple[list[P
     """(training, validation pairs, the files' SHA-256): --val's pairs validate, else the last 5% of --data's."""
     train = encoded_pairs(tokenizer, data)
     if val is not None:
-        validation = encoded_pairs(tokenizer, val)
-    else:
-        if len(train) < 2:
-            raise QwenNPError(f"{data}: one pair cannot be split into training and validation (add pairs, or name a "
-                              "preference file that validates with `val`)", "data")
-        cut = len(train) - max(1, len(train) // 20)
-        train, validation = train[:cut], train[cut:]
-    return train, validation, chats.chat_files_sha256(data, val)
+        return train, encoded_pairs(tokenizer, val), chats.chat_files_sha256(data, val)
+    return (*chats.split_off(train, data, "pair", "a preference file"), chats.chat_files_sha256(data, val))
 
