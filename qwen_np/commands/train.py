@@ -17,6 +17,7 @@ from ..training.settings import (BIT_EXACT, KEPT_ON_RESUME, LOSS_SCALE_GROWTH_IN
 from . import FLAGS
 
 DPO_BETA = 0.1                     # objectives.DPO_BETA (TRL's DPOConfig.beta), here without importing NumPy
+GRPO_LOSSES = ("grpo", "dr_grpo", "dapo")      # objectives.LOSS_TYPES
 
 if TYPE_CHECKING:                  # the parser needs none of these: `train --help` loads no NumPy
     from ..training.lora import LoraSettings
@@ -60,7 +61,19 @@ def train_parser(parser: argparse.ArgumentParser) -> None:
                           "messages; the loss is TRL's sigmoid DPO against the starting weights (with --lora: the base, "
                           "adapters off); --batch-size counts pairs")
     dpo.add_argument("--beta", type=float, metavar="B",
-                     help=f"DPO's beta, how far the tuned replies may move from the reference's (default: {DPO_BETA:g})")
+                     help=f"DPO's beta, how far the tuned replies may move from the reference's (default: {DPO_BETA:g}); "
+                          "with --grpo, the KL term's weight (default: 0, TRL's)")
+    grpo = parser.add_argument_group("GRPO (with --model)")
+    grpo.add_argument("--grpo", action="store_true",
+                      help="reinforcement learning from a reward function: --group completions of each of --batch-size "
+                           "prompts a step, sampled by the model, rewarded, advantages per group, TRL's clipped loss")
+    grpo.add_argument("--prompts", metavar="FILE.jsonl",
+                      help="GRPO's prompts: {\"messages\": [...]} or {\"prompt\": \"...\"} a line, any other fields "
+                           "passed to the reward function")
+    grpo.add_argument("--reward", metavar="FILE.py:FUNCTION", help="fn(prompt, completion, **row) -> float")
+    grpo.add_argument("--group", type=int, metavar="G", help="completions a prompt (default: 4)")
+    grpo.add_argument("--loss", choices=GRPO_LOSSES, help="the loss's average (TRL's loss_type; default: dapo)")
+    grpo.add_argument("--completion-tokens", type=int, metavar="N", help="at most N tokens a completion (default: 64)")
     parser.add_argument("--val", metavar="FILE.jsonl",
                         help="a chat file that validates (default: the last 5%% of --data's conversations)")
     source = parser.add_mutually_exclusive_group()
@@ -150,8 +163,13 @@ class ProgressBar(RunEvents):
             what = {"overflow": "FP16 overflow: step skipped, loss scale halved",
                     "grow": "loss scale doubled"}[record["loss_scale_event"]]
             self.bar.write(f"step {record['step']}: {what} (was {record['loss_scale']:g})")
-        self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", epoch=epoch,
-                             refresh=False)
+        if "reward_mean" in record:                    # GRPO: the rollouts' rewards, length and the KL
+            self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}±{record['reward_std']:.3f}",
+                                 length=f"{record['completion_length']:.1f}", kl=f"{record['kl']:.4f}", epoch=epoch,
+                                 refresh=False)
+        else:
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", epoch=epoch,
+                                 refresh=False)
         self.bar.update(1)
 
     def evaluated(self, step: int, train_loss: float, result: dict[str, Any], improved: bool) -> None:
@@ -159,6 +177,10 @@ class ProgressBar(RunEvents):
             self.bar.write(f"step {step}: train DPO loss {train_loss:.4f}, validation {result['dpo_loss']:.4f}; "
                            f"held-out preference accuracy {result['preference_accuracy']:.1%}, margin "
                            f"{result['margin']:.3f} nats{' (best)' if improved else ''}")
+            return
+        if "reward_mean" in result:
+            self.bar.write(f"step {step}: held-out mean reward {result['reward_mean']:.4f} (std {result['reward_std']:.4f}), "
+                           f"completions of {result['completion_length']:.1f} tokens{' (best)' if improved else ''}")
             return
         self.bar.write(f"step {step}: train {train_loss:.4f}, validation {result['loss_per_token']:.4f} per token, "
                        f"{result['nats_per_character']:.4f} nats/char{' (best)' if improved else ''}")
@@ -186,7 +208,7 @@ def lora_settings(args: argparse.Namespace) -> LoraSettings | None:
 def dpo_beta(args: argparse.Namespace) -> float | None:
     """--dpo's beta (None without --dpo); a --beta alone is refused."""
     if not args.dpo:
-        if args.beta is not None:
+        if args.beta is not None and not args.grpo:
             raise QwenNPError("--beta: sets DPO's beta: give --dpo too")
         return None
     beta = DPO_BETA if args.beta is None else args.beta
@@ -195,12 +217,54 @@ def dpo_beta(args: argparse.Namespace) -> float | None:
     return float(beta)
 
 
+def grpo_run(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(--grpo's settings, the sampler its run draws completions with), or (None, the sampler) for a resumed run
+    (whose settings are saved), or (None, None) without --grpo; its flags alone are refused."""
+    from ..training.rollouts import GrpoSettings
+
+    given = [flag for flag, value in (("--prompts", args.prompts), ("--reward", args.reward), ("--group", args.group),
+                                      ("--loss", args.loss), ("--completion-tokens", args.completion_tokens))
+             if value is not None]
+    if not args.grpo:
+        if given:
+            raise QwenNPError(f"{given[0]}: sets GRPO's rollouts: give --grpo too")
+        return None, None
+    if args.dpo:
+        raise QwenNPError("--grpo: a run is DPO or GRPO, not both")
+    if args.resume:
+        return None, sample_completions
+    if args.prompts is None or args.reward is None:
+        raise QwenNPError(f"--grpo: needs {'--prompts FILE.jsonl' if args.prompts is None else '--reward FILE.py:FUNCTION'}")
+    settings = GrpoSettings(args.prompts, args.reward, args.group or 4, args.beta or 0.0, args.loss or "dapo",
+                            args.completion_tokens or 64)
+    return settings.check(), sample_completions
+
+
+def sample_completions(model: Any, tokenizer: Any, prompt: list[int], count: int, tokens: int, temperature: float,
+                       seed: int) -> list[list[int]]:
+    """`count` completions of `prompt` (generation.generate, sample i seeded seed + i), the prompt prefilled once
+    into a cache each copies; each completion's ids, its end-of-sequence token included where it ended so."""
+    import copy
+
+    from ..core.sampling import SamplingParams
+    from ..generation.generate import generate
+
+    cache = model.new_cache(len(prompt) + tokens)
+    if len(prompt) > 1:
+        model.forward(prompt[:-1], cache)
+    eos = model.config.eos_token_ids
+    return [[event.token_id for event in generate(model, tokenizer, prompt, SamplingParams(temperature=temperature,
+                                                                                         seed=seed + i),
+                                                  tokens, eos_token_ids=eos, cache=copy.deepcopy(cache))]
+            for i in range(count)]
+
+
 def run(args: argparse.Namespace) -> int:
     from ..training import trainer, run_spec
 
     spec = run_spec.RunSpec(args.out, args.resume, args.preset, args.config, args.data,
                            args.model, lora_settings(args), args.memory, args.val,
-                           {f.name: getattr(args, f.name) for f in fields(Settings)}, dpo_beta(args))
+                           {f.name: getattr(args, f.name) for f in fields(Settings)}, dpo_beta(args), *grpo_run(args))
     events = ProgressBar()
     try:
         result = trainer.run(spec, events)
@@ -214,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
     last = state.evals[-1]
     figures = (f"best validation DPO loss {state.best_loss:.4f} (held-out preference accuracy "
                f"{last['preference_accuracy']:.1%} last)" if state.dpo is not None else
+               f"best held-out mean reward {-(state.best_loss or 0.0):.4f}" if state.grpo is not None else
                f"best validation loss {state.best_loss:.4f} per token ({last['nats_per_character']:.4f} nats/char last)")
     print(f"{result.stopped or 'done'} at step {state.step}; {figures}; exported {result.exported}", file=sys.stderr)
     print("memory:\n" + memory_report(result.memory), file=sys.stderr)

@@ -14,14 +14,25 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from . import chats
+import numpy as np
+
+from . import chats, objectives
 from ..errors import QwenNPError
 from ..files.messages import MessageError, chat_message
 from ..files.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from ..core.model import Qwen3Model
+
 Reward = Callable[..., Any]
+# The step number a validation's samples are seeded with (a training step's never reaches it).
+VALIDATION_STEP = 2 ** 40
+# How a GRPO run samples (the command gives one built on qwen_np/generation, a floor training does not import):
+# (model, tokenizer, prompt ids, how many, at most how many tokens each, temperature, seed) -> each completion's
+# ids, its end-of-sequence token included where it ended so.
+Sampler = Callable[["Qwen3Model", Tokenizer, list[int], int, int, float, int], list[list[int]]]
 
 
 @dataclass
@@ -110,3 +121,108 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+@dataclass
+class GrpoSettings:
+    """A GRPO run's rollouts and loss (train --grpo's flags), saved with its checkpoints: a resumed run keeps them."""
+
+    prompts: str                            # the prompts file
+    reward: str                             # FILE.py:FUNCTION
+    group: int = 4                          # completions a prompt (G)
+    beta: float = 0.0                       # the KL term's weight (TRL's default: none)
+    loss: str = "dapo"                      # objectives.LOSS_TYPES (TRL's default)
+    completion_tokens: int = 64             # at most this many tokens a completion (TRL's max_completion_length)
+    temperature: float = 1.0                # sampling temperature (TRL's default)
+
+    def check(self) -> "GrpoSettings":
+        if self.group < 2:
+            raise QwenNPError(f"must be at least 2, got {self.group} (advantages compare a prompt's completions with "
+                              "each other: one alone has advantage 0)", "group")
+        if self.loss not in objectives.LOSS_TYPES:
+            raise QwenNPError(f"expected one of {', '.join(objectives.LOSS_TYPES)}, got {self.loss!r}", "loss")
+        if not self.beta >= 0:
+            raise QwenNPError(f"must be at least 0, got {self.beta:g}", "beta")
+        if self.completion_tokens < 1:
+            raise QwenNPError(f"must be at least 1, got {self.completion_tokens}", "completion_tokens")
+        if not self.temperature > 0:
+            raise QwenNPError(f"must be positive, got {self.temperature:g}", "temperature")
+        return self
+
+
+@dataclass
+class Rollout:
+    """G sampled completions of each of P prompts, as GRPO's batch: rows prompt + completion (the P groups one after
+    another), the completion's mask, and the rewards."""
+
+    ids: np.ndarray                 # [P*G, W]
+    completion: np.ndarray          # bool [P*G, W]
+    rewards: np.ndarray             # [P, G]
+    lengths: np.ndarray             # [P*G] tokens of each completion
+
+    def summary(self) -> dict[str, float]:
+        """What GRPO's progress shows: the rewards' mean and std, the completions' mean length."""
+        return {"reward_mean": float(self.rewards.mean()), "reward_std": float(self.rewards.std()),
+                "completion_length": float(self.lengths.mean())}
+
+
+@dataclass
+class PromptData:
+    """What a GRPO run samples from (training prompts) and validates on (held-out prompts' mean reward)."""
+
+    train: list[Prompt]
+    validation: list[Prompt]
+    sha256: str
+    order: chats.ConversationOrder
+    context: int
+    pad_id: int
+    tokenizer: Tokenizer
+    settings: GrpoSettings
+    reward: Reward
+    sample: Sampler
+    seed: int
+
+    def next_batch(self, batch_size: int) -> list[Prompt]:
+        return [self.train[i] for i in self.order.next_indices(batch_size)]
+
+    def rollout(self, model: Qwen3Model, prompts: list[Prompt], step: int, group: int | None = None) -> Rollout:
+        """`group` (default: the run's) completions of each prompt, sampled with seeds from (the run's seed, step,
+        the prompt's place), each rewarded by the user's function on its text (special tokens left out, as TRL's)."""
+        group = group or self.settings.group
+        rows, rewards, lengths = [], [], []
+        for place, prompt in enumerate(prompts):
+            ids = prompt.ids(self.tokenizer)
+            seed = int(np.random.SeedSequence([self.seed, step, place]).generate_state(1)[0])
+            completions = self.sample(model, self.tokenizer, ids, group, self.settings.completion_tokens,
+                                      self.settings.temperature, seed)
+            for completion in completions:
+                text = self.tokenizer.decode(completion, skip_special_tokens=True)
+                rewards.append(reward_of(self.reward, prompt, text))
+                lengths.append(len(completion))
+                rows.append(chats.Chat(np.asarray(ids + completion, dtype=np.int64),
+                                       np.asarray([False] * len(ids) + [True] * len(completion)), 0))
+        batch, completion_mask = chats.padded_rows(rows, self.context, self.pad_id)
+        return Rollout(batch, completion_mask, np.asarray(rewards).reshape(len(prompts), group), np.asarray(lengths))
+
+    def validate(self, model: Qwen3Model) -> dict[str, Any]:
+        """The held-out prompts' mean reward over the run's group of samples each, seeded the same at every
+        evaluation (`loss_per_token`, what best-keeping compares, is its negative)."""
+        summary = self.rollout(model, self.validation, step=VALIDATION_STEP).summary()
+        return {"loss_per_token": -summary["reward_mean"], **summary}
+
+    def describe(self) -> str:
+        s = self.settings
+        return (f"{len(self.train):,} prompts (GRPO, {s.group} completions each of at most {s.completion_tokens} "
+                f"tokens, loss {s.loss}, beta {s.beta:g}, reward {s.reward})")
+
+
+def prompt_data(tokenizer: Tokenizer, settings: GrpoSettings, val: Path | None, order: chats.ConversationOrder,
+                context: int, pad_id: int, sample: Sampler, seed: int) -> PromptData:
+    """A GRPO run's prompts (--val's validate, else the last 5%) and reward function, loaded."""
+    data = Path(settings.prompts)
+    train = read_prompts(data)
+    train, validation = (train, read_prompts(val)) if val is not None else chats.split_off(train, data, "prompt",
+                                                                                          "a prompts file")
+    order.count = len(train)
+    return PromptData(train, validation, chats.chat_files_sha256(data, val), order, context, pad_id, tokenizer,
+                      settings, load_reward(settings.reward), sample, seed)

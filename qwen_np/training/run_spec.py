@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from . import lora, mixed
+from . import lora, mixed, rollouts
 from ..engine.runtime import usable_cores
 from ..errors import QwenNPError
 from .settings import PRESET_CONFIGS, PRESET_SETTINGS, Settings
@@ -63,6 +63,8 @@ class RunSpec:
     val: str | None = None                  # a chat file that validates (None: --data's last 5% of conversations)
     overrides: dict[str, Any] = field(default_factory=dict)   # Settings field -> value (None: not given)
     dpo: float | None = None                # DPO's beta: `data` is preference pairs (preferences.py; None: not DPO)
+    grpo: rollouts.GrpoSettings | None = None   # a GRPO run's prompts, reward and loss (None: not GRPO)
+    sampler: rollouts.Sampler | None = None     # how a GRPO run samples (the command's, on qwen_np/generation)
 
 
 def model_config(spec: RunSpec) -> dict[str, Any]:

@@ -128,6 +128,7 @@ class RunState:
     adapters: dict[str, Any] | None = None      # a LoRA run's lora.LoraSettings and "memory" (how its frozen base is held)
     val: str | None = None                      # --val: the chat file that validates (None: --data's last 5%)
     dpo: float | None = None                    # --dpo's beta: a DPO run on preference pairs (None: not one)
+    grpo: dict[str, Any] | None = None          # a GRPO run's rollouts.GrpoSettings (None: not one)
 
     @property
     def step(self) -> int:
@@ -157,6 +158,8 @@ class RunState:
             meta.update(model=self.model, base_sha256=self.base_sha256, lora=self.adapters, val=self.val)
         if self.dpo is not None:
             meta["dpo"] = self.dpo
+        if self.grpo is not None:
+            meta["grpo"] = self.grpo
         return meta
 
     @classmethod
@@ -167,7 +170,8 @@ class RunState:
         return cls(meta["config"], settings, meta["data"], meta.get("data_sha256"), meta["history"],
                    meta["evals"], meta["best_loss"], meta["bad_evals"], meta["order"]["epoch"], meta["order"]["position"],
                    None if scaler is None else mixed.LossScaler(**scaler), meta.get("model"), meta.get("base_sha256"),
-                   meta.get("lora"), meta.get("val"), meta.get("dpo"))
+                   meta.get("lora"), meta.get("val"), meta.get("dpo"),
+                   meta.get("grpo"))
 
     @property
     def lora_settings(self) -> lora.LoraSettings | None:

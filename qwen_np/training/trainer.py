@@ -45,7 +45,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import chats, lora, mixed, preferences, run_folder, step as training
+from . import chats, lora, mixed, objectives, preferences, rollouts, run_folder, step as training
 from ..files.model_files import ModelFiles, open_model
 from ..core.config import Qwen3Config
 from ..errors import QwenNPError
@@ -60,6 +60,10 @@ from .run_spec import RunSpec, model_config, resolve_settings
 from .run_state import BEST, LAST, RunState, export_model, load_state, save_state
 from .text_data import TextData, WindowOrder, load_corpus
 from .settings import RunEvents, Settings, capped_warmup
+
+# What a run trains on: windows of a text, chats (SFT), preference pairs (DPO) or prompts to sample (GRPO).
+RunData = TextData | chats.ChatData | preferences.PreferenceData | rollouts.PromptData
+
 
 @dataclass
 class RunResult:
@@ -104,6 +108,8 @@ def run(spec: RunSpec, events: RunEvents | None = None) -> RunResult:
     if spec.lora is not None and spec.model is None and not spec.resume:
         raise QwenNPError("adapters train on a checkpoint's frozen weights: name it with `model` (a `preset` or "
                           "`config` model starts from random weights: train it whole)", "lora")
+    if spec.grpo is not None and spec.model is None and not spec.resume:
+        raise QwenNPError("GRPO tunes a checkpoint's replies: name it with `model`", "grpo")
     if spec.dpo is not None and spec.model is None and not spec.resume:
         raise QwenNPError("DPO tunes a checkpoint's replies: name it with `model` (its starting weights are the "
                           "reference)", "dpo")
@@ -137,8 +143,9 @@ class Run:
     params: dict[str, np.ndarray]
     model: Qwen3Model                       # model_from_parameters(params), or the frozen base with its adapters
     optimizer: training.AdamW
-    data: TextData | chats.ChatData | preferences.PreferenceData
+    data: RunData
     out: Path                               # where save() writes
+    reference: Qwen3Model | None = None     # a GRPO run's KL reference (beta > 0): its starting weights
 
     def save(self, name: str) -> Path:
         """The run as it stands (weights, AdamW, state, the data order's place) into out/name."""
@@ -184,6 +191,10 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
     saved = None                                    # a resumed LoRA run's copies are in its adapters now
     if isinstance(data, preferences.PreferenceData):
         data.with_reference(_reference(spec, state, model, base))
+    reference = None
+    if isinstance(data, rollouts.PromptData) and data.settings.beta:
+        # Full fine-tuning keeps a second copy of the starting weights, as TRL's ref_model; LoRA needs none.
+        reference = _reference(spec, state, model if state.lora_settings is not None else None, base)
     if not spec.resume:
         (out / "config.json").write_text(json.dumps(state.config, indent=2) + "\n")
     optimizer = training.adamw_for(params, weight_decay=settings.weight_decay)
@@ -191,7 +202,7 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
         optimizer.m, optimizer.v, optimizer.step = adam_m, adam_v, optimizer_step
     scaling = settings.precision == "fp16" and settings.loss_scaling
     state.loss_scaler = (state.loss_scaler or mixed.LossScaler()) if scaling else None
-    run = Run(state, params, model, optimizer, data, out)
+    run = Run(state, params, model, optimizer, data, out, reference)
     # The tape is FP32 arrays whatever the precision (NumPy keeps the rounded values as FP32).
     adapters = state.lora_settings
     row = longest_row(data, settings.context)
@@ -210,8 +221,7 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
         what += f" (every weight of {state.model})"
     memory = TrainingMemory(estimate, resident.start - read, resident)
     step = (f"{settings.batch_size}x{row} tokens a step" if isinstance(data, TextData) else
-            f"{settings.batch_size} {'pairs' if isinstance(data, preferences.PreferenceData) else 'conversations'} a "
-            f"step, each padded to its batch's longest, at most {row} tokens")
+            f"{settings.batch_size} {unit(data)} a step, each padded to its batch's longest, at most {row} tokens")
     events.started(settings, state.step, f"training {what} on {data.describe()} ({step}) -> {out}\n"
                                          f"plan: {schedule}; memory at its peak: {memory.predicted / 2**20:,.0f} MiB "
                                          "(predicted)")
@@ -229,7 +239,7 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
     return RunResult(state, stopped, exported, last, memory)
 
 
-def _schedule(spec: RunSpec, settings: Settings, data: TextData | chats.ChatData | preferences.PreferenceData,
+def _schedule(spec: RunSpec, settings: Settings, data: RunData,
               notes: list[str]) -> str:
     """The run's length and warmup settled once its data is read (in `settings`, saved with the run), and the
     plan printed before its first step: --epochs' steps (epoch_steps) when no --steps or preset sets them; a new
@@ -244,11 +254,16 @@ def _schedule(spec: RunSpec, settings: Settings, data: TextData | chats.ChatData
         notes.append(f"note: `warmup` {settings.warmup} is longer than the run's `steps` {settings.steps}: the "
                      f"learning rate rises to {settings.steps / settings.warmup:.0%} of `lr` {settings.lr:g} and never "
                      f"reaches it (a `warmup` of at most {settings.steps} does)")
-    what = ("conversations" if isinstance(data, chats.ChatData) else
-            "pairs" if isinstance(data, preferences.PreferenceData) else "windows")
+    what = unit(data)
     epochs = settings.steps * settings.batch_size / sequences
     return (f"{settings.steps:,} steps of {settings.batch_size} ({epochs:.3g} epochs of {sequences:,} {what}), "
             f"warmup {settings.warmup}, peak lr {settings.lr:g}")
+
+
+def unit(data: RunData) -> str:
+    """What a run's rows are, for its plan."""
+    return ("windows" if isinstance(data, TextData) else "conversations" if isinstance(data, chats.ChatData) else
+            "pairs" if isinstance(data, preferences.PreferenceData) else "prompts")
 
 
 def epoch_steps(epochs: float, sequences: int, batch_size: int) -> int:
@@ -256,7 +271,7 @@ def epoch_steps(epochs: float, sequences: int, batch_size: int) -> int:
     return max(1, math.ceil(epochs * sequences / batch_size))
 
 
-def sequences_per_epoch(data: TextData | chats.ChatData | preferences.PreferenceData) -> int:
+def sequences_per_epoch(data: RunData) -> int:
     """The rows an epoch over the run's data has: its conversations, or windows of the text (WindowOrder's,
     counted from offset 0: an epoch's offset takes at most one away)."""
     if not isinstance(data, TextData):
@@ -264,7 +279,7 @@ def sequences_per_epoch(data: TextData | chats.ChatData | preferences.Preference
     return max(1, (len(data.corpus.train) - 1) // data.order.context)
 
 
-def longest_row(data: TextData | chats.ChatData | preferences.PreferenceData, context: int) -> int:
+def longest_row(data: RunData, context: int) -> int:
     """The most tokens a row of the run's batches learns from: the context, or, for chats, the longest
     conversation's tokens less one (chats.padded_rows pads a batch to its longest, cut at context + 1 tokens:
     its inputs are all but the last). What the memory plan sizes the step's activations and logits by."""
@@ -272,6 +287,9 @@ def longest_row(data: TextData | chats.ChatData | preferences.PreferenceData, co
         return context
     if isinstance(data, preferences.PreferenceData):
         return max(1, min(context, max(pair.longest for pair in data.train) - 1))
+    if isinstance(data, rollouts.PromptData):
+        longest = max(len(prompt.ids(data.tokenizer)) for prompt in data.train)
+        return max(1, min(context, longest + data.settings.completion_tokens - 1))
     return max(1, min(context, max(len(chat.ids) for chat in data.train) - 1))
 
 
@@ -290,8 +308,9 @@ def _new_state(spec: RunSpec) -> RunState:
     elif spec.memory not in (None, "fp32"):
         raise QwenNPError(f"{spec.memory}: full fine-tuning updates every weight, held in FP32; a frozen base "
                           "(`lora`) may be held as bf16, int8, q8_0 or q4_0", "memory")
-    return RunState(open_model(spec.model).config_json(), settings, spec.data or "shakespeare", model=spec.model,
-                    adapters=adapters, val=spec.val, dpo=spec.dpo)
+    grpo = None if spec.grpo is None else asdict(spec.grpo.check())
+    return RunState(open_model(spec.model).config_json(), settings, spec.data or (spec.grpo.prompts if spec.grpo else
+                    "shakespeare"), model=spec.model, adapters=adapters, val=spec.val, dpo=spec.dpo, grpo=grpo)
 
 
 def _base(spec: RunSpec, state: RunState, notes: list[str]) -> ModelFiles | None:
@@ -312,15 +331,23 @@ def _base(spec: RunSpec, state: RunState, notes: list[str]) -> ModelFiles | None
 
 
 def _data(spec: RunSpec, state: RunState, config: Qwen3Config, base: ModelFiles | None,
-          notes: list[str]) -> TextData | chats.ChatData | preferences.PreferenceData:
+          notes: list[str]) -> RunData:
     """The run's text or chat file, read, checked to be the one it began on (resuming), and placed in its order."""
     settings = state.settings
     data = spec.data or state.data
     if spec.resume and spec.data is None and data != "shakespeare" and not Path(data).exists():
         raise QwenNPError(f"{data}, the run's text, is not there (moved? name its new place with `data`)", "data")
     val = spec.val or state.val
-    result: TextData | chats.ChatData | preferences.PreferenceData
-    if state.dpo is not None:
+    result: RunData
+    if state.grpo is not None:
+        if base is None or spec.sampler is None:
+            raise QwenNPError("GRPO samples from a checkpoint: name it with `model` (and give the run a `sampler`)",
+                              "grpo")
+        order = chats.ConversationOrder(0, settings.seed, state.epoch, state.position)
+        result = rollouts.prompt_data(base.tokenizer, rollouts.GrpoSettings(**state.grpo), None if val is None else
+                                      Path(val), order, settings.context, _pad_id(base), spec.sampler, settings.seed)
+        _check_data_digest(spec, state, data, val, result.sha256)
+    elif state.dpo is not None:
         if base is None:
             raise QwenNPError("DPO tunes a checkpoint: name it with `model`", "dpo")      # (run() checks it first)
         train_pairs, validation_pairs, digest = preferences.held_out(base.tokenizer, Path(data),
@@ -368,16 +395,18 @@ def _pad_id(base: ModelFiles) -> int:
     return base.tokenizer.eos_token_id if pad is None else pad
 
 
-def _reference(spec: RunSpec, state: RunState, model: Qwen3Model, base: ModelFiles | None) -> Qwen3Model:
+def _reference(spec: RunSpec, state: RunState, model: Qwen3Model | None, base: ModelFiles | None) -> Qwen3Model:
     """A DPO run's reference, its starting weights: a LoRA run's base with the adapters off (the same arrays:
     lora.without_adapters), a new full run's model before its first step, a resumed full run's checkpoint
     reloaded from `model` (its trained weights are not the start any more)."""
     from ..engine.loading import load_model
 
-    if state.lora_settings is not None:
+    if state.lora_settings is not None and model is not None:
         return lora.without_adapters(model)
-    if not spec.resume or base is None:
+    if model is not None and (not spec.resume or base is None):
         return model
+    if base is None:
+        raise QwenNPError("a reference needs the run's starting checkpoint", "model")
     return load_model(base, memory="fp32", fast=False)
 
 
@@ -501,6 +530,8 @@ def _train_step(run: Run) -> dict[str, Any]:
     lr = training.learning_rate(step, settings.lr, settings.warmup, settings.schedule_steps)
     if isinstance(run.data, preferences.PreferenceData):
         return _dpo_step(run, lr, started)
+    if isinstance(run.data, rollouts.PromptData):
+        return _grpo_step(run, lr, started)
     batch, learned = run.data.next_batch(settings.batch_size)                       # [B, T+1] each
     scale = scaler.scale if scaler is not None else 1.0
     loss, grads = training.loss_and_accumulated_gradients(run.model, batch, settings.grad_accum,
@@ -536,4 +567,25 @@ def _dpo_step(run: Run, lr: float, started: float) -> dict[str, Any]:
                               "grad_norm": training.clip_gradients(grads, settings.clip)}
     run.optimizer.update(run.params, grads, lr)
     record["tokens_per_s"] = ids[:, 1:].size / (time.perf_counter() - started)
+    return record
+
+
+def _grpo_step(run: Run, lr: float, started: float) -> dict[str, Any]:
+    """A GRPO run's next optimizer step: --batch-size prompts, --group completions of each sampled by the model as
+    it stands, rewarded, their advantages per group (Dr. GRPO's unscaled), the KL's reference log-probs when beta > 0,
+    then step.grpo_loss_and_gradients (one update per generation: the ratio 1 with its gradient), clip, AdamW."""
+    data = run.data
+    assert isinstance(data, rollouts.PromptData)
+    settings, grpo, step = run.state.settings, data.settings, run.state.step
+    rollout = data.rollout(run.model, data.next_batch(settings.batch_size), step)
+    advantages = objectives.group_advantages(rollout.rewards, scale=grpo.loss != "dr_grpo").reshape(-1)
+    reference = (training.completion_log_probs(run.reference, rollout.ids, rollout.completion)
+                 if grpo.beta and run.reference is not None else None)
+    result, grads = training.grpo_loss_and_gradients(run.model, rollout.ids, rollout.completion, advantages, grpo.loss,
+                                                     grpo.beta, reference, None, grpo.completion_tokens,
+                                                     run.dropout(step))
+    record: dict[str, Any] = {"step": step + 1, "loss": result.loss, "lr": lr, **rollout.summary(), "kl": result.kl,
+                              "grad_norm": training.clip_gradients(grads, settings.clip)}
+    run.optimizer.update(run.params, grads, lr)
+    record["tokens_per_s"] = rollout.ids[:, 1:].size / (time.perf_counter() - started)
     return record
