@@ -218,8 +218,8 @@ def dpo_beta(args: argparse.Namespace) -> float | None:
 
 
 def grpo_run(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(--grpo's settings, the sampler its run draws completions with), or (None, the sampler) for a resumed run
-    (whose settings are saved), or (None, None) without --grpo; its flags alone are refused."""
+    """(--grpo's settings or None, the sampler a GRPO run draws completions with: given to every run, as a resumed
+    GRPO run reads its settings from its checkpoint); GRPO's flags without --grpo are refused."""
     from ..training.rollouts import GrpoSettings
 
     given = [flag for flag, value in (("--prompts", args.prompts), ("--reward", args.reward), ("--group", args.group),
@@ -228,7 +228,7 @@ def grpo_run(args: argparse.Namespace) -> tuple[Any, Any]:
     if not args.grpo:
         if given:
             raise QwenNPError(f"{given[0]}: sets GRPO's rollouts: give --grpo too")
-        return None, None
+        return None, sample_completions
     if args.dpo:
         raise QwenNPError("--grpo: a run is DPO or GRPO, not both")
     if args.resume:

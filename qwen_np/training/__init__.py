@@ -4,7 +4,9 @@ clipping, the schedule, AdamW), `mixed` (mixed precision), `trainer` (a run: its
 (going on from them), `text_data` (a text run's windows), `parameters` (the trained arrays and their model),
 `settings` (a run's presets and hyper-parameters: what `train --help` shows, without NumPy),
 `run_folder` (the --out folder's lock: one trainer at a time),
-`data` (corpora and the tokenizer trainer), `evaluation` (loss per token of a text).
+`data` (corpora and the tokenizer trainer), `evaluation` (loss per token of a text), `objectives` (DPO's and GRPO's
+losses and their gradients by hand, as TRL defines them), `preferences` (DPO's preference pairs: read, tokenised,
+scored), `rollouts` (GRPO's prompts, the user's reward function, sampled rollouts, pass@k).
 
 May import: engine/, files/, core/, numbers/, qwen_np.errors.
 """
