@@ -45,7 +45,7 @@ def eval_parser(parser: argparse.ArgumentParser) -> None:
     rewards.add_argument("--samples", type=int, default=None, metavar="K", help="completions a prompt (default: 4)")
     rewards.add_argument("--completion-tokens", type=int, default=None, metavar="N",
                          help="at most N tokens a completion (default: 256)")
-    rewards.add_argument("--temperature", type=float, default=None, metavar="T",
+    rewards.add_argument("--temp", "--temperature", dest="temperature", type=float, default=None, metavar="T",
                          help="sampling temperature (default: the model's, or 1 where it is greedy)")
     rewards.add_argument("-s", "--seed", type=int, default=None, metavar="N",
                          help="sample i of a prompt draws with seed N + i (default: 0)")
