@@ -178,6 +178,8 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
             raise QwenNPError(f"{out} already holds a run ({LAST}); pass `resume` or another folder", "out")
         state = _new_state(spec)
     settings = state.settings
+    if state.dpo is not None or state.grpo is not None:
+        _check_policy_settings(settings)
     config = Qwen3Config.from_dict(state.config, source=state.model or "--config")
     context_for(config, settings.context, param="context")       # more than the model's context: an error
     base = _base(spec, state, notes)
@@ -379,6 +381,18 @@ def _data(spec: RunSpec, state: RunState, config: Qwen3Config, base: ModelFiles 
         notes.append(f"note: `data` {data}: the run's text, read from there (it began on {state.data})")
     state.data, state.data_sha256, state.val = data, result.sha256, val
     return result
+
+
+def _check_policy_settings(settings: Settings) -> None:
+    """A DPO or GRPO step (step.policy_gradients) runs in FP32 in one piece: the settings that would change that
+    are refused rather than ignored."""
+    if settings.precision != "fp32":
+        raise QwenNPError(f"{settings.precision}: a DPO or GRPO step runs in FP32 (SFT's steps take mixed precision)",
+                          "precision")
+    if settings.grad_accum != 1:
+        raise QwenNPError(f"{settings.grad_accum}: a DPO or GRPO step is one piece (no micro-batches)", "grad_accum")
+    if settings.recompute:
+        raise QwenNPError("a DPO or GRPO step keeps its tape (no recomputation)", "recompute")
 
 
 def _check_data_digest(spec: RunSpec, state: RunState, data: str, val: str | None, digest: str) -> None:

@@ -140,3 +140,19 @@ def test_beta_without_dpo_and_dpo_without_a_model_are_refused(tmp_path: Path, ca
     assert "--beta: sets DPO's beta: give --dpo too" in capsys.readouterr().err
     assert main(["train", "--preset", "tiny", "--dpo", "--out", str(tmp_path / "b")]) == 2
     assert "error: --dpo: DPO tunes a checkpoint's replies: name it with --model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, wording", [
+    (["--precision", "bf16"], "error: --precision: bf16: a DPO or GRPO step runs in FP32"),
+    (["--grad-accum", "2"], "error: --grad-accum: 2: a DPO or GRPO step is one piece"),
+    (["--recompute"], "error: --recompute: a DPO or GRPO step keeps its tape"),
+])
+def test_what_a_dpo_step_does_not_do_is_refused_not_ignored(tiny: tuple[Path, Path, Path], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str], flags: list[str],
+                                                            wording: str) -> None:
+    model, data, _ = tiny
+    assert main(["train", "--model", str(model), "--data", str(data), "--dpo", "--context", "32", "--out",
+                 str(tmp_path / "run"), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(wording), err
+    assert not (tmp_path / "run").exists()
