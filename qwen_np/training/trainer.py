@@ -208,7 +208,7 @@ def _run(spec: RunSpec, events: RunEvents, left: str | None) -> RunResult:
     # The tape is FP32 arrays whatever the precision (NumPy keeps the rounded values as FP32).
     adapters = state.lora_settings
     row = longest_row(data, settings.context)
-    estimate = training_memory(config, settings.batch_size // settings.grad_accum, row,
+    estimate = training_memory(config, rows_per_step(data, settings.batch_size) // settings.grad_accum, row,
                                recompute=settings.recompute, lora_rank=0 if adapters is None else adapters.rank,
                                lora_targets=() if adapters is None else adapters.targets, frozen=state.lora_memory,
                                micro_batches=settings.grad_accum, shards=settings.shards,
@@ -260,6 +260,15 @@ def _schedule(spec: RunSpec, settings: Settings, data: RunData,
     epochs = settings.steps * settings.batch_size / sequences
     return (f"{settings.steps:,} steps of {settings.batch_size} ({epochs:.3g} epochs of {sequences:,} {what}), "
             f"warmup {settings.warmup}, peak lr {settings.lr:g}")
+
+
+def rows_per_step(data: RunData, batch_size: int) -> int:
+    """The rows a step's forward holds: --batch-size, two a pair for DPO, --group a prompt for GRPO."""
+    if isinstance(data, preferences.PreferenceData):
+        return 2 * batch_size
+    if isinstance(data, rollouts.PromptData):
+        return data.settings.group * batch_size
+    return batch_size
 
 
 def unit(data: RunData) -> str:
