@@ -241,7 +241,8 @@ def render_page(model_dir: Path | None = None) -> Page:
                     formats_section(run), bandwidth_section(run),
                     training_step_section(model_dir, num, code_block, facts, run.figures),
                     memory_section(model_dir, num, run.figures), chapter_section(11), ablation_section(12),
-                    finetune_section(13, qwen3_tokenizer()), serving_section(run, 14, facts), next_steps_section(run, 15)]
+                    finetune_section(13, qwen3_tokenizer(), trained_in=11), serving_section(run, 14, facts),
+                    next_steps_section(run, 15)]
         sections = with_exercises(sections, run)
     return Page("\n\n".join(sections) + "\n", sections, run.figures, model_dir, run, facts)
 

@@ -455,8 +455,10 @@ Here the smaller rank did better, at the same learning rate: rank {low['rank']}'
 steadily, rank {high['rank']}'s jumped back up on the way (to {two(spike(high))} after warmup, against at most
 {two(spike(low))} for rank {low['rank']}). With alpha = 2r the factor alpha / r is 2 at every rank, but AdamW moves each
 trained value by about the learning rate a step, and the change of W, (alpha / r) B A, sums r such
-products: a larger rank takes larger steps, so it wants a smaller learning rate (rsLoRA's
-alpha / sqrt(r) scaling is one cure). More rank is more capacity, not a better run by itself.
+products: a larger rank takes larger steps, so it wants a smaller learning rate, or a factor that falls
+with the rank: a fixed alpha (alpha / r falls as 1 / r), or rsLoRA's alpha / sqrt(r) with a fixed alpha.
+(rsLoRA's factor with this chapter's alpha = 2r would be 2 sqrt(r), which grows with the rank: it would
+make rank {high['rank']}'s steps larger still.) More rank is more capacity, not a better run by itself.
 
 The adapters' own state is small at every rank; the tape of activations is the same as full
 fine-tuning's (the backward still goes through every layer), and here it is most of a step. What LoRA
@@ -474,7 +476,7 @@ def merging_part(rec: dict[str, Any]) -> str:
     claim(m["same"], "the merged model answers every held-out question as the adapter applied unmerged")
     adapter = sum(m["adapter_bytes"].values())
     return f"""**What merging does.** The run writes its adapters twice. `OUT/adapter` is PEFT's format
-(`adapter_config.json` + `adapter_model.safetensors`, {adapter:,} bytes in all), which `generate --lora`
+(`adapter_config.json` + `adapter_model.safetensors`, {adapter:,} bytes in all at rank {MERGED_RANK}), which `generate --lora`
 applies without merging: each adapted projection computes W x + (alpha / r) B (A x), so one base
 can serve many adapters (`serve --lora NAME=DIR`). `OUT/model` is the base with every W replaced by
 W + (alpha / r) B A: an ordinary checkpoint ({m['model_bytes']:,} bytes of weights), as fast as the base and
@@ -484,13 +486,14 @@ up to FP32 rounding (the product B A is added once instead of at every token): o
 **the same greedy answers**, every one."""
 
 
-def chapter_section(number: int, qwen3: Tokenizer) -> str:
-    """The chapter's markdown, from the recorded run; `qwen3` (a real Qwen3 tokenizer) shows its template's mask."""
+def chapter_section(number: int, qwen3: Tokenizer, trained_in: int) -> str:
+    """The chapter's markdown, from the recorded run; `qwen3` (a real Qwen3 tokenizer) shows its template's mask;
+    trained_in: the number of the section that trains a model from random weights."""
     rec = load_record()
     parts = [task_part(rec), mask_part(rec, qwen3), results_part(rec), rank_part(rec), merging_part(rec)]
     return f"""## {number}. Fine-tune one yourself
 
-Section {number - 1} trained a model from random weights. More often you start from a trained model and
+Section {trained_in} trained a model from random weights. More often you start from a trained model and
 teach it one thing, from a few hundred conversations: **supervised fine-tuning** (SFT) on chats, here
 with **LoRA** (low-rank adapters: the weights stay frozen, small matrices beside them are trained).
 The model taught is the bundled one. Everything below is one run of
