@@ -176,6 +176,35 @@ def check_first_steps(recorded: dict[str, Any], keys: tuple[str, ...] = CHECKED_
                                          "`python tools/walkthrough/walkthrough_chapter_ablations.py`")
 
 
+def notebook_code(keys: tuple[str, ...] = CHECKED_VARIANTS[:2]) -> str:
+    """The chapter's notebook cell: two variants' first CHECKED_STEPS steps, as a reader types them over section 11's
+    cell (its CONFIG and corpus), each a config.json with a field changed."""
+    changes = {v["key"]: v["config"] for v in VARIANTS if v["key"] in keys}
+    return f'''ablation_losses = {{}}           # the chapter's runs: python tools/walkthrough/walkthrough_chapter_ablations.py
+for name, changes in {changes!r}.items():
+    variant = Qwen3Config.from_dict(parameters.hf_config({{**CONFIG, **changes}}))
+    variant_params = parameters.init_parameters(variant, seed={RUN['seed']})
+    ablated = parameters.model_from_parameters(variant, variant_params)    # the ablated layer (core/ablations.py)
+    variant_optimizer = training.adamw_for(variant_params, weight_decay={RUN['weight_decay']})
+    variant_order = text_data.WindowOrder(len(corpus.train), {RUN['context']}, seed={RUN['seed']})
+    variant_losses = []
+    for step in range({CHECKED_STEPS}):
+        windows = variant_order.next_batch(corpus.train, {RUN['batch_size']})              # [B, T+1]
+        step_loss, step_grads = training.loss_and_accumulated_gradients(ablated, windows, 1, threads=2, shards={RUN['shards']})
+        training.clip_gradients(step_grads, {RUN['clip']})
+        rate = training.learning_rate(step, {RUN['lr']}, {RUN['warmup']}, {RUN['steps']})
+        variant_optimizer.update(variant_params, step_grads, rate)
+        variant_losses.append(step_loss)
+    ablation_losses[name] = variant_losses
+    print(name, "first losses:", [round(loss, 2) for loss in variant_losses])'''
+
+
+def notebook_checks(keys: tuple[str, ...] = CHECKED_VARIANTS[:2]) -> dict[str, Any]:
+    """Expressions over the notebook's variables after that cell, and what the record says they are."""
+    runs = {run["key"]: run for run in load_record()["runs"]}
+    return {f"bool(np.allclose(ablation_losses[{key!r}], {runs[key]['first_losses']!r}, rtol=1e-3))": True for key in keys}
+
+
 def main(argv: list[str] | None = None) -> None:
     walkthrough_common.record_main("Train the walkthrough's ablations (about ten minutes on 2 cores) "
                                    "and record what the chapter shows.", RECORD, record, argv)

@@ -405,15 +405,17 @@ for precision in ("fp32", "bf16", "fp16", "fp8"):   # the matrix products' input
 
 def notebook_checks(page: Any) -> dict[str, Any]:
     """Expressions over the notebook's variables, and the values the page shows for them."""
+    from walkthrough_chapter_ablations import notebook_checks as ablation_checks
     from walkthrough_chapter_serving import notebook_checks as serving_checks
     from walkthrough_chapter_train import notebook_checks as chapter_checks
 
     return {"ids": page.run.ids, "top[0]": page.run.answer, "round(loss, 4)": round(page.facts["training loss"], 4),
-            **chapter_checks(), **serving_checks(page)}
+            **chapter_checks(), **ablation_checks(), **serving_checks(page)}
 
 
 def notebook_cells(page: Any) -> list[tuple[str, str]]:
     """(kind, source) of every cell: the setup, then each section's markdown and its code."""
+    from walkthrough_chapter_ablations import notebook_code as ablation_code
     from walkthrough_chapter_serving import notebook_code as serving_code
     from walkthrough_chapter_train import notebook_code as chapter_code
     from walkthrough_training import BATCH, CONTEXT, PRESET, TRAIN_TEXT
@@ -423,7 +425,7 @@ def notebook_cells(page: Any) -> list[tuple[str, str]]:
     settings = PRESET_SETTINGS[PRESET]
     fill = {"train_text": TRAIN_TEXT, "context": CONTEXT, "batch": BATCH, "warmup": settings["warmup"],
             "peak": settings["lr"], "steps": settings["steps"]}
-    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code(), 14: serving_code()}
+    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code(), 12: ablation_code(), 14: serving_code()}
     cells = [("markdown", INSTALL), ("markdown", page.sections[0]), ("code", SETUP.format(prompt=page.run.prompt))]
     for number, section in enumerate(page.sections[1:], start=1):
         cells.append(("markdown", section))
