@@ -17,7 +17,8 @@ BUNDLED = "bundled"
 # can be quantized to at load (numbers.formats.FormatRows); "stored" is "bf16" by another name.
 MODES = ("auto", "fp32", "bf16", "stored", "int8", *HELD_FORMATS)
 DEFAULT_CONTEXT = 4096   # KV cache positions the plan reserves when the caller does not say
-KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}     # name -> its NumPy dtype's (dtype_named)
+# name -> its NumPy dtype's (dtype_named); int8 stores codes with an FP32 scale per position and head (kv_cache.py)
+KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}
 # The precision lab's activation formats (its weight formats: numbers.names.FORMATS), and its defaults.
 ACTIVATION_FORMATS = ("bf16", "fp16")      # plain casts: the scaled formats refuse the inf an overflow makes
 SCORING_WINDOW = 256                       # tokens per window (or the model's limit, if smaller)

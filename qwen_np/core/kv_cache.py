@@ -13,6 +13,12 @@ engine/paged.py keeps the same keys in fixed-size blocks taken from a pool share
 Only KVH heads are stored, not H (grouped-query attention): Qwen3-8B's cache is 4x smaller than its
 queries' head count suggests. Stored as BF16 or FP16 it is half as large again; keys are widened to
 FP32 as they are read, so attention itself always runs in FP32.
+
+Stored as int8 (llama.cpp's `-ctk q8_0` idea, with coarser scales): each position's key of each head, its
+Dh values, is kept as int8 codes and one FP32 scale, symmetric absmax / 127 (numbers.formats.quantize_int8_rows),
+so a value is off by at most scale / 2 and a head of Dh = 128 takes 128 + 4 bytes, 52% of BF16's 256.
+A scale per position and head, not per block of positions: a position's scale is final when it is written,
+so appending one token never re-quantizes the keys before it. Read back as code * scale in FP32.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import numpy as np
 
 from .defaults import KV_DTYPES   # name -> its NumPy dtype's (dtype_named); defined there for --help
 from ..errors import QwenNPError
+from ..numbers.formats import dequantize_int8_rows, quantize_int8_rows
 from ..numbers.numerics import dtype_named
 from .config import Qwen3Config
 
@@ -33,6 +40,43 @@ def kv_dtype(name: str) -> np.dtype:
     if name not in KV_DTYPES:
         raise QwenNPError(f"expected one of {', '.join(KV_DTYPES)}, got {name!r}", "kv_dtype")
     return dtype_named(KV_DTYPES[name])
+
+
+SCALED_KV_DTYPE = "int8"     # the one KV dtype whose codes carry scales
+
+
+def kv_position_bytes(config: Qwen3Config, dtype: str = "fp32") -> int:
+    """Bytes the keys and values of one position take in every layer, stored as `dtype` (int8: scales included)."""
+    per_head = config.head_dim * kv_dtype(dtype).itemsize + (4 if dtype == SCALED_KV_DTYPE else 0)   # FP32 scale
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head
+
+
+def kv_scales(shape: tuple[int, ...], dtype: str) -> np.ndarray | None:
+    """The scales of a cache array of `shape` [..., KVH, Dh] stored as `dtype`: FP32 [..., KVH] for int8
+    (one per position and head), None for the plain dtypes."""
+    return np.zeros(shape[:-1], np.float32) if dtype == SCALED_KV_DTYPE else None
+
+
+def store(codes: np.ndarray, scales: np.ndarray | None, index: tuple, x: np.ndarray) -> None:
+    """codes[index] = x [..., KVH, Dh] (FP32) as the cache holds it: rounded to BF16 / FP16 by the assignment,
+    or quantized to int8 with its scales [..., KVH] (scales[index])."""
+    if scales is None:
+        codes[index] = x
+    else:
+        codes[index], scales[index] = quantize_int8_rows(x)
+
+
+def widened(codes: np.ndarray, scales: np.ndarray | None, out: np.ndarray | None = None) -> np.ndarray:
+    """Stored keys or values [..., KVH, Dh] as FP32: the stored array itself (a view) when FP32; else widened
+    into `out` (a new array if None): exactly for BF16 / FP16, code * scale rounded once for int8."""
+    if scales is not None:
+        return dequantize_int8_rows(codes, scales, out)
+    if codes.dtype == np.float32:
+        return codes
+    if out is None:
+        return codes.astype(np.float32)
+    np.copyto(out, codes)
+    return out
 
 
 class SequenceCache(Protocol):
@@ -64,6 +108,7 @@ class KVCache:
         shape = (config.num_hidden_layers, max_tokens, config.num_key_value_heads, config.head_dim)
         self.keys = np.zeros(shape, dtype=kv_dtype(dtype))                             # [L, S_max, KVH, Dh]
         self.values = np.zeros(shape, dtype=kv_dtype(dtype))                           # [L, S_max, KVH, Dh]
+        self.key_scales, self.value_scales = kv_scales(shape, dtype), kv_scales(shape, dtype)   # [L, S_max, KVH]
         self.dtype, self.max_tokens, self.length = dtype, max_tokens, 0
 
     def reserve(self, new_tokens: int) -> None:
@@ -75,9 +120,14 @@ class KVCache:
         """Store this pass's keys/values k, v [T, KVH, Dh] of `layer` after the `length` cached positions,
         and return every key and value so far in position order, FP32 [S, KVH, Dh] each (S = length + T)."""
         end = self.length + len(k)
-        self.keys[layer, self.length:end] = k          # rounded here when the cache holds BF16 / FP16
-        self.values[layer, self.length:end] = v
-        return _fp32(self.keys[layer, :end]), _fp32(self.values[layer, :end])
+        store(self.keys, self.key_scales, (layer, slice(self.length, end)), k)
+        store(self.values, self.value_scales, (layer, slice(self.length, end)), v)
+        return self._read(self.keys, self.key_scales, layer, end), self._read(self.values, self.value_scales, layer, end)
+
+    @staticmethod
+    def _read(codes: np.ndarray, scales: np.ndarray | None, layer: int, end: int) -> np.ndarray:
+        """Positions [0, end) of `layer` as FP32 [end, KVH, Dh]."""
+        return widened(codes[layer, :end], None if scales is None else scales[layer, :end])
 
     def advance(self, ids: Sequence[int] | np.ndarray) -> None:
         """After every layer has appended: count this pass's tokens as cached."""
@@ -92,7 +142,3 @@ class KVCache:
     def free(self) -> None:
         self.truncate(0)
 
-
-def _fp32(stored: np.ndarray) -> np.ndarray:
-    """Cached keys or values as FP32: the stored array itself (a view) when it is FP32, else widened (exactly)."""
-    return stored if stored.dtype == np.float32 else stored.astype(np.float32)

@@ -18,8 +18,9 @@ has no strided view over scattered blocks, so that gather is a copy, except when
 order in the pool (a lone sequence's always do), which is read in place. A copy of every key per
 layer and step would cost a decode step dearly, so the fast path's decode step reads runs() instead:
 the table's runs of consecutive blocks, each a view, and the pool keeps a sequence's blocks in a few
-such runs (BlockPool). The stored dtype may be BF16 or FP16 (half the memory); the keys are widened
-to FP32 as they are read, so attention itself always runs in FP32.
+such runs (BlockPool). The stored dtype may be BF16 or FP16 (half the memory), or int8 codes with an FP32
+scale per position and head beside them (pool.key_scales [L, N, BLOCK_SIZE, KVH]; core/kv_cache.py); the
+keys are widened to FP32 as they are read, so attention itself always runs in FP32.
 
 Automatic prefix caching: a full block is named by a digest of its tokens and of every token
 before it (the digest of the previous block, chained), so two sequences with the same first 160
@@ -43,14 +44,14 @@ from typing import Sequence
 import numpy as np
 
 from ..core.config import Qwen3Config
-from ..core.kv_cache import kv_dtype
+from ..core.kv_cache import kv_dtype, kv_position_bytes, kv_scales, store, widened
 from .budget import BLOCK_SIZE, blocks_for, pool_blocks
 from ..errors import QwenNPError
 
 
 def block_bytes(config: Qwen3Config, dtype: str = "fp32", block_size: int = BLOCK_SIZE) -> int:
-    """Bytes one block takes: keys and values of block_size positions in every layer."""
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * kv_dtype(dtype).itemsize
+    """Bytes one block takes: keys and values of block_size positions in every layer (int8: with their scales)."""
+    return block_size * kv_position_bytes(config, dtype)
 
 
 def block_runs(table: Sequence[int]) -> list[tuple[int, int]]:
@@ -94,6 +95,7 @@ class BlockPool:
         shape = (config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.keys = np.zeros(shape, dtype=kv_dtype(dtype))         # [L, N, BLOCK_SIZE, KVH, Dh]
         self.values = np.zeros(shape, dtype=kv_dtype(dtype))       # [L, N, BLOCK_SIZE, KVH, Dh]
+        self.key_scales, self.value_scales = kv_scales(shape, dtype), kv_scales(shape, dtype)   # [L, N, BLOCK_SIZE, KVH]
         self.dtype, self.num_blocks, self.block_size = dtype, num_blocks, block_size
         self.prefix_caching = prefix_caching
         self.refs = [0] * num_blocks
@@ -174,14 +176,15 @@ class BlockPool:
     def cached(self, block: int) -> bool:
         return block in self._digest
 
-    def scratch(self, name: str, blocks: int, dtype: np.dtype) -> np.ndarray:
-        """A reused buffer for `blocks` blocks, [blocks, BLOCK_SIZE, KVH, Dh], to read a sequence's keys or
-        values into (`name`): valid until the next read into the same one. A fresh array per read is slow:
-        two of several MiB alive at once (keys and values) are mapped and page-faulted in anew each time
-        (measured: 8.6 ms for two 8 MiB gathers, 0.3 ms for one)."""
+    def scratch(self, name: str, blocks: int, dtype: np.dtype, inner: tuple[int, ...] | None = None) -> np.ndarray:
+        """A reused buffer for `blocks` blocks, [blocks, *inner] (default [blocks, BLOCK_SIZE, KVH, Dh]), to read a
+        sequence's keys or values (or int8's scales) into (`name`): valid until the next read into the same one.
+        A fresh array per read is slow: two of several MiB alive at once (keys and values) are mapped and
+        page-faulted in anew each time (measured: 8.6 ms for two 8 MiB gathers, 0.3 ms for one)."""
+        inner = self.keys.shape[2:] if inner is None else inner
         buffer = self._scratch.get((name, dtype))
         if buffer is None or len(buffer) < blocks:
-            buffer = self._scratch[name, dtype] = np.empty((blocks, *self.keys.shape[2:]), dtype)
+            buffer = self._scratch[name, dtype] = np.empty((blocks, *inner), dtype)
         return buffer[:blocks]
 
     def lookup(self, tokens: Sequence[int], root: bytes = b"") -> tuple[list[int], list[bytes]]:
@@ -247,19 +250,22 @@ class PagedKVCache:
         positions = np.arange(self.length, self.length + len(k))                       # [T]
         blocks = np.asarray(self.table)[positions // self.pool.block_size]             # [T] block of each position
         slots = positions % self.pool.block_size                                       # [T] its slot in the block
-        self.pool.keys[layer, blocks, slots] = k              # rounded here when the pool holds BF16 / FP16
-        self.pool.values[layer, blocks, slots] = v
+        store(self.pool.keys, self.pool.key_scales, (layer, blocks, slots), k)
+        store(self.pool.values, self.pool.value_scales, (layer, blocks, slots), v)
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """write(), then return every key and value so far in position order, FP32 [S, KVH, Dh] each: views
         of the pool, or of its scratch buffers, valid until the next append to a cache of this pool."""
         self.write(layer, k, v)
         end = self.length + len(k)
-        return self._read(self.pool.keys[layer], end, "keys"), self._read(self.pool.values[layer], end, "values")
+        pool = self.pool
+        return (self._read(pool.keys[layer], None if pool.key_scales is None else pool.key_scales[layer], end, "keys"),
+                self._read(pool.values[layer], None if pool.value_scales is None else pool.value_scales[layer], end,
+                           "values"))
 
     def runs(self, layer: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Positions [0, end) of `layer` as views of the pool, nothing copied: a (keys, values) pair [S_i, KVH, Dh]
-        per run of consecutive blocks in the table, in position order (an FP32 pool: others need widening)."""
+        per run of consecutive blocks in the table, in position order (an FP32 pool: others need widening, int8 its scales)."""
         pieces, start = [], 0
         table = tuple(self.table[:blocks_for(end, self.pool.block_size)])
         if table != self._runs[0]:
@@ -272,19 +278,24 @@ class PagedKVCache:
             start = stop
         return pieces
 
-    def _read(self, blocks: np.ndarray, end: int, name: str) -> np.ndarray:
-        """Positions [0, end) of one layer's pool array [N, BLOCK_SIZE, KVH, Dh], in order: [end, KVH, Dh] FP32."""
+    def _read(self, blocks: np.ndarray, scales: np.ndarray | None, end: int, name: str) -> np.ndarray:
+        """Positions [0, end) of one layer's pool array [N, BLOCK_SIZE, KVH, Dh] (int8: with its scales
+        [N, BLOCK_SIZE, KVH]), in order: [end, KVH, Dh] FP32."""
         table = self.table[:blocks_for(end, self.pool.block_size)]
+        mine = self._gathered(blocks, table, name)
+        if mine.dtype != np.float32:                      # BF16 / FP16 widened exactly, int8 codes times scales
+            gathered_scales = None if scales is None else self._gathered(scales, table, name + ".scales")
+            mine = widened(mine, gathered_scales, self.pool.scratch(name, len(table), np.dtype(np.float32)))
+        return mine.reshape(-1, *mine.shape[2:])[:end]                                # [end, KVH, Dh]
+
+    def _gathered(self, blocks: np.ndarray, table: list[int], name: str) -> np.ndarray:
+        """blocks[table] ([n, ...] of a pool array [N, ...]): a view when the table's blocks lie in order, else
+        gathered into the pool's scratch `name`."""
         first, n = table[0], len(table)
         if table[-1] - first == n - 1 and table == list(range(first, first + n)):
-            mine = blocks[first:first + n]                                            # in order: a view
-        else:                        # mode="clip": with the default "raise", take() copies through a buffer
-            mine = np.take(blocks, table, axis=0, out=self.pool.scratch(name, n, blocks.dtype), mode="clip")
-        if mine.dtype != np.float32:                      # BF16 / FP16: widened to FP32 (exactly)
-            wide = self.pool.scratch(name, n, np.dtype(np.float32))
-            np.copyto(wide, mine)
-            mine = wide
-        return mine.reshape(-1, *mine.shape[2:])[:end]                                # [end, KVH, Dh]
+            return blocks[first:first + n]                                            # in order: a view
+        # mode="clip": with the default "raise", take() copies through a buffer
+        return np.take(blocks, table, axis=0, out=self.pool.scratch(name, n, blocks.dtype, blocks.shape[1:]), mode="clip")
 
     def advance(self, ids: Sequence[int] | np.ndarray) -> None:
         """Count the positions just appended as filled (their ids are `ids`), and name each block they filled
@@ -312,7 +323,9 @@ class PagedKVCache:
         # by speculative tokens that were then rejected): drop its name, so no sequence finds it after.
         if self.pool.refs[last] > 1:
             copy = self.pool.allocate()
-            self.pool.keys[:, copy], self.pool.values[:, copy] = self.pool.keys[:, last], self.pool.values[:, last]
+            for stored in (self.pool.keys, self.pool.values, self.pool.key_scales, self.pool.value_scales):
+                if stored is not None:
+                    stored[:, copy] = stored[:, last]
             self.pool.release(last)
             self.table[-1] = copy
         elif self.pool.cached(last):
@@ -327,7 +340,8 @@ class OwnPoolCache(PagedKVCache):
     """A PagedKVCache for one sequence of up to `max_tokens` positions over a pool of its own, as one
     generation or chat on the fast path needs (FastQwen3Model.new_cache; a draft model's cache): its
     pool has room for max_tokens from the start, and since its blocks lie in order, `keys` / `values`
-    are the whole cache as [L, S_max, KVH, Dh] views (position p at index p), as core.kv_cache.KVCache's."""
+    are the whole cache as [L, S_max, KVH, Dh] views (position p at index p), as core.kv_cache.KVCache's
+    (int8: the codes, their scales in pool.key_scales / value_scales)."""
 
     def __init__(self, config: Qwen3Config, max_tokens: int, dtype: str = "fp32") -> None:
         if max_tokens <= 0:

@@ -2,8 +2,9 @@
 builds on the paged one: both caches hold the same keys, block tables that scatter a sequence over the pool
 give the logits of a full forward pass, a small budget preempts and recomputes rows without changing a
 single text, prefix caching prefills only what is new and answers as a cold
-run does, unheld cached blocks are evicted least recently used first, and BF16/FP16 caches move the
-predictions by a bounded KL divergence."""
+run does, unheld cached blocks are evicted least recently used first, and BF16/FP16/int8 caches move the
+predictions by a bounded KL divergence (int8: codes within half a scale of each value, the contiguous and
+paged caches alike to the bit)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from qwen_np.generation.batching import BatchGenerator, Request
 from qwen_np.precision.divergence import Comparison
 from qwen_np.errors import QwenNPError
 from qwen_np.generation.generate import generate
-from qwen_np.core.kv_cache import KVCache
+from qwen_np.core.kv_cache import KVCache, kv_dtype, store, widened
 from qwen_np.engine.paged import BLOCK_SIZE, BlockPool, PagedKVCache, block_bytes
 from qwen_np.engine.sizes import parse_size
 from qwen_np.core.sampling import SamplingParams
@@ -184,8 +185,9 @@ def test_unheld_cached_blocks_are_evicted_least_recently_used_first(model) -> No
     assert PagedKVCache(pool, 64).reuse_prefix(a) == BLOCK_SIZE
 
 
-def test_truncating_into_a_shared_block_copies_it_first(model) -> None:
-    pool = BlockPool(model.config, 4, prefix_caching=True)
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_truncating_into_a_shared_block_copies_it_first(model, dtype) -> None:
+    pool = BlockPool(model.config, 4, dtype, prefix_caching=True)
     tokens = list(range(BLOCK_SIZE + 1))
     owner = PagedKVCache(pool, 64)
     model.forward(tokens, owner)
@@ -195,12 +197,15 @@ def test_truncating_into_a_shared_block_copies_it_first(model) -> None:
     reader.truncate(5)
     model.forward([7, 7, 7], reader)              # writes positions 5..7 of its own copy
     assert reader.table[0] != owner.table[0] and np.array_equal(pool.keys[:, owner.table[0]], kept)
+    if pool.key_scales is not None:                  # int8: the kept positions' scales came with their codes
+        assert np.array_equal(pool.key_scales[:, reader.table[0], :5], pool.key_scales[:, owner.table[0], :5])
 
 
-@pytest.mark.parametrize("dtype, bound", [("bf16", 1e-4), ("fp16", 1e-6)])
-def test_a_half_precision_cache_halves_the_memory_and_moves_predictions_little(dtype, bound) -> None:
+@pytest.mark.parametrize("dtype, bound", [("bf16", 1e-4), ("fp16", 1e-6), ("int8", 1e-4)])
+def test_a_narrower_cache_shrinks_the_memory_as_block_bytes_says_and_moves_predictions_little(dtype, bound) -> None:
     """KL(FP32 cache || dtype cache) on the bundled Shakespeare model (trained, so its predictions are
-    peaked as a real model's are). Measured: BF16 6e-6 nats mean, FP16 9e-8, top token always the same."""
+    peaked as a real model's are). Measured: BF16 6e-6 nats mean, FP16 9e-8, int8 2.7e-5 (max 2.3e-4),
+    top token always the same. Bytes: half of FP32's; int8 a byte a value and an FP32 scale per Dh values."""
     model, tok = load_model(BUNDLED), Tokenizer.from_folder(BUNDLED)
     ids = tok.encode("HAMLET:\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind to "
                      "suffer\nThe slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles\n" * 4)
@@ -211,7 +216,57 @@ def test_a_half_precision_cache_halves_the_memory_and_moves_predictions_little(d
     comparison.add(logits["fp32"][:-1], logits[dtype][:-1], np.array(ids[1:]))
     summary = comparison.summary()
     assert 0 < summary["kld_mean"] < bound and summary["same_top_percent"] == 100
-    assert caches[dtype].pool.keys.nbytes * 2 == caches["fp32"].pool.keys.nbytes
+    pool, fp32_bytes, Dh = caches[dtype].pool, caches["fp32"].pool.keys.nbytes * 2, model.config.head_dim
+    held = sum(a.nbytes for a in (pool.keys, pool.values, pool.key_scales, pool.value_scales) if a is not None)
+    assert held == pool.num_blocks * block_bytes(model.config, dtype)
+    assert held * (4 * Dh) == fp32_bytes * (Dh + 4 if dtype == "int8" else 2 * Dh)
+
+
+def test_int8_codes_are_within_half_a_scale_of_each_value_and_scales_are_absmax_over_127() -> None:
+    """Per position and head: scale = max |x| / 127, |x - code * scale| <= scale / 2 (and a few FP32 ulps of
+    x: 1/scale and the product are rounded); an all-zero head reads back as zeros."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((20, 4, 32)) * rng.uniform(1e-3, 1e3, (20, 4, 1))).astype(np.float32)   # [T, KVH, Dh]
+    x[3, 1] = 0
+    codes, scales = np.zeros(x.shape, kv_dtype("int8")), np.zeros(x.shape[:-1], np.float32)
+    store(codes, scales, (slice(None),), x)
+    read = widened(codes, scales)
+    assert read.dtype == np.float32 and np.abs(codes).max() == 127
+    np.testing.assert_allclose(scales, np.abs(x).max(axis=-1) / 127, rtol=1e-6)
+    assert np.all(np.abs(x - read) <= scales[..., None] / 2 + 4 * np.spacing(np.abs(x)))
+    assert not read[3, 1].any()
+
+
+def test_int8_contiguous_and_paged_caches_hold_the_same_codes_and_give_the_same_logits_exactly(model) -> None:
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 40)
+    pool = BlockPool(model.config, 8, "int8")
+    for odd in range(1, 8, 2):                       # every other block held elsewhere: the cache's are scattered
+        pool.allocate(after=odd - 1)
+    contiguous, paged = KVCache(model.config, 48, "int8"), PagedKVCache(pool, 48)
+    logits = {}
+    for name, cache in (("contiguous", contiguous), ("paged", paged)):
+        steps = [model.forward(ids[:17], cache)] + [model.forward(ids[i:i + 1], cache) for i in range(17, 40)]
+        cache.truncate(30)
+        logits[name] = np.concatenate([*steps, model.forward(ids[30:], cache)])
+    assert paged.table == [0, 2, 4] and np.array_equal(logits["contiguous"], logits["paged"])
+    assert pool.key_scales is not None and contiguous.key_scales is not None
+    in_order = np.asarray(paged.table)
+    for stored, own in ((pool.keys, contiguous.keys), (pool.key_scales, contiguous.key_scales)):
+        assert np.array_equal(stored[:, in_order].reshape(own.shape[0], -1, *own.shape[2:])[:, :40], own[:, :40])
+
+
+def test_greedy_decoding_with_an_int8_cache_gives_the_fp32_cache_s_tokens() -> None:
+    model, tok = load_model(BUNDLED), Tokenizer.from_folder(BUNDLED)
+    ids = tok.encode("HAMLET:\nTo be, or not to be, that is the question:\n")
+    texts = [[event.token_id for event in generate(model, tok, ids, GREEDY, 24, kv_dtype=dtype)] for dtype in ("fp32", "int8")]
+    assert texts[0] == texts[1]
+
+
+def test_an_int8_block_takes_fewer_bytes_than_a_bf16_one_and_a_bad_kv_dtype_names_the_parameter() -> None:
+    config = load_model(QWEN3_RANDOM).config
+    assert block_bytes(config, "int8") < block_bytes(config, "bf16")
+    with pytest.raises(QwenNPError, match="^kv_dtype: expected one of fp32, bf16, fp16, int8, got 'q4'"):
+        BlockPool(config, 4, "q4")
 
 
 @pytest.mark.parametrize("text, size", [("512MiB", 512 * 2 ** 20), ("2GiB", 2 * 2 ** 30), ("1.5GB", 1_500_000_000),
