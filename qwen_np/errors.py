@@ -2,7 +2,7 @@
 APIError for an HTTP request (the server answers OpenAI's error JSON).
 
 The library names its own parameters, never a front end's: an error about one carries its name in `param`
-("kv_dtype: expected one of fp32, bf16, fp16, got 'x'"), and each front end words it with its own name for
+("kv_dtype: expected one of fp32, bf16, fp16, int8, got 'x'"), and each front end words it with its own name for
 that parameter (`worded`): the CLI with its flag (commands.FLAGS: "--kv-dtype: ..."), the server with its JSON
 field (serving/requests.FIELDS). A message that names a parameter again in its text writes it in backticks
 ("drop `seed`"), and the front end words that one too (reworded).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..core.kv_cache import kv_position_bytes
 from ..core.config import DIMENSIONS, LAYER_MATRICES, Qwen3Config, dimensions, evaluate, resolve
 from ..errors import QwenNPError
 from ..numbers.names import HELD_FORMATS
@@ -21,7 +22,9 @@ from .bandwidth import measure_bandwidth
 from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
 from .steps import STEPS, STEPS_BY_NAME, Shape, Step, format_shape
 
-KV_FORMATS = (("BF16", 2), ("FP32", 4))   # how real runtimes store the KV cache, and how qwen_np does
+# How real runtimes store the KV cache (BF16; int8 as llama.cpp's -ctk q8_0 does, here with an FP32 scale per
+# position and head) and how qwen_np does by default (FP32): shown name -> --kv-dtype (core.kv_cache)
+KV_FORMATS = {"BF16": "bf16", "FP32": "fp32", "INT8": "int8"}
 # config.json's torch_dtype -> the format name of numerics.BYTES_PER_VALUE
 STORED_FORMATS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}
 # Where the config of a report came from (inspect_report's config_source), as the text says it.
@@ -66,8 +69,9 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
         },
         "weight_bytes": {fmt: int(params["total"] * width) for fmt, width in BYTES_PER_VALUE.items()},
         "kv_cache": {"values_per_token": kv_values, "context_limit": context,
-                     "bytes_per_token": {fmt: width * kv_values for fmt, width in KV_FORMATS},
-                     "bytes_at_context_limit": {fmt: width * kv_values * context for fmt, width in KV_FORMATS}},
+                     "bytes_per_token": {fmt: kv_position_bytes(config, dtype) for fmt, dtype in KV_FORMATS.items()},
+                     "bytes_at_context_limit": {fmt: kv_position_bytes(config, dtype) * context
+                                                for fmt, dtype in KV_FORMATS.items()}},
         "flops_per_token": {
             "prefill": {"tokens": tokens, "positions": tokens,
                         "flops": forward_flops(config, tokens, tokens) // tokens},
@@ -151,8 +155,11 @@ def _machine_report(config: Qwen3Config, bandwidth: float, context: int,
         read = weight_bytes_read_per_token(config, width)
         plans[mode] = {"needs_bytes": candidates[mode].total_bytes, "fits": candidates[mode].fits,
                        "weight_bytes_read_per_token": read, "max_decode_tokens_per_s": bandwidth / read}
+    # The room the plan leaves beside the weights kept as stored and the working buffers, in whole positions.
+    room = max(0, candidates["bf16"].room_for_kv_cache)
+    longest = {fmt: room // kv_position_bytes(config, dtype) for fmt, dtype in KV_FORMATS.items()}
     return {"available_bytes": available, "usable_fraction": SAFETY_FRACTION, "context_tokens": context,
-            "stored_format": stored_format,
+            "stored_format": stored_format, "longest_kv_cache_tokens": longest,
             "bandwidth_bytes_per_s": bandwidth, "bandwidth_note": "measured here: NumPy copy of a 256 MiB "
             "array, read + write, one thread per core; approximate", "plans": plans}
 
@@ -304,9 +311,10 @@ def _render_bytes(report: dict[str, Any]) -> str:
               f"  per token: 2 (k and v) x L x KVH x Dh = 2 x {L} x {dims['KVH']} x {dims['Dh']} = "
               f"{kv['values_per_token']:,} values",
               f"    BF16 {_kib(per_token['BF16'])}/token, FP32 {_kib(per_token['FP32'])}/token "
-              "(qwen_np keeps its cache in FP32)",
+              f"(qwen_np's default), INT8 {_kib(per_token['INT8'])}/token (a 4-byte scale per {dims['Dh']} values; "
+              "--kv-dtype)",
               f"  at the context limit ({kv['context_limit']:,} tokens): BF16 {_gib(at_limit['BF16'])}, "
-              f"FP32 {_gib(at_limit['FP32'])}"]
+              f"FP32 {_gib(at_limit['FP32'])}, INT8 {_gib(at_limit['INT8'])}"]
     return "\n".join(lines)
 
 
@@ -363,6 +371,10 @@ def _render_machine(report: dict[str, Any]) -> str:
              f"  memory plan, with a {machine['context_tokens']:,}-token KV cache:"]
     lines += [f"    {labels[mode]:<48}needs {_gib(plan['needs_bytes']):>10}   "
               f"{'fits' if plan['fits'] else 'does NOT fit'}" for mode, plan in plans]
+    longest = machine["longest_kv_cache_tokens"]
+    lines.append("  longest KV cache beside the weights kept as stored: "
+                 + ", ".join(f"{fmt} {tokens:,}" for fmt, tokens in longest.items())
+                 + f" tokens (--kv-dtype; the model's context: {report['kv_cache']['context_limit']:,})")
     lines.append("  decode speed the bandwidth allows (each new token streams every weight from memory once):")
     lines += [f"    {labels[mode]:<48}{plan['weight_bytes_read_per_token'] / 1e9:.2f} GB/token / "
               f"{bandwidth / 1e9:.1f} GB/s  ->  at most {plan['max_decode_tokens_per_s']:.2f} tokens/s"

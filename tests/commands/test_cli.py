@@ -188,13 +188,13 @@ def test_bad_input_is_one_line_and_exit_code_2(env, args, expected) -> None:
 
 
 @pytest.mark.parametrize("prompts", [["ROMEO:"], ["ROMEO:", "JULIET:"]], ids=["one", "a batch"])
-def test_a_bf16_kv_cache_generates_the_fp32_caches_greedy_text(env, prompts) -> None:
-    """On the bundled model (trained): BF16 keys/values move its predictions by ~6e-6 nats (tests/engine/test_kv_cache.py),
-    far too little to change a greedy choice over a few tokens."""
+def test_bf16_and_int8_kv_caches_generate_the_fp32_caches_greedy_text(env, prompts) -> None:
+    """On the bundled model (trained): BF16 keys/values move its predictions by ~6e-6 nats, int8 by ~3e-5
+    (tests/engine/test_kv_cache.py), far too little to change a greedy choice over a few tokens."""
     flags = [arg for prompt in prompts for arg in ("-p", prompt)] + ["--temperature", "0", "-n", "12"]
-    texts = [qwen(env, "generate", *flags, "--kv-dtype", dtype) for dtype in ("fp32", "bf16")]
-    assert all(result.returncode == 0 for result in texts), texts[1].stderr.decode()
-    assert texts[0].stdout and texts[0].stdout == texts[1].stdout
+    texts = [qwen(env, "generate", *flags, "--kv-dtype", dtype) for dtype in ("fp32", "bf16", "int8")]
+    assert all(result.returncode == 0 for result in texts), [result.stderr.decode() for result in texts]
+    assert texts[0].stdout and texts[0].stdout == texts[1].stdout == texts[2].stdout
 
 
 def test_a_penalty_that_overflows_the_logits_mid_run_ends_it_with_one_error_line(env) -> None:

@@ -21,6 +21,7 @@ from qwen_np.core.config import expected_tensors
 from qwen_np.inspection import (STEPS, Tracer, attention_view, attention_weights, dimensions, forward_flops,
                                 inspect_command, inspect_report, lens_probabilities, logit_lens, resolve,
                                 weight_tensors)
+from qwen_np.inspection.report import render_report
 from tests.core.test_config import QWEN3_8B_CONFIG
 
 BANDWIDTH = 10e9   # a fixed bandwidth keeps these tests fast; inspect_command measures the real one
@@ -103,7 +104,7 @@ def test_qwen3_0_6b_heads_are_wider_than_the_model():
 def test_qwen3_8b_kv_cache_and_bytes():
     report = inspect_report(preset("qwen3-8b"), 7, "qwen3-8b", BANDWIDTH)
     kv = report["kv_cache"]
-    assert kv["bytes_per_token"] == {"BF16": 147_456, "FP32": 294_912}
+    assert kv["bytes_per_token"] == {"BF16": 147_456, "FP32": 294_912, "INT8": 2 * 36 * 8 * (128 + 4)}   # codes, scales
     assert kv["bytes_at_context_limit"]["BF16"] == 147_456 * 40_960
     assert report["weight_bytes"]["BF16"] == 16_381_470_720          # the index.json total_size
     assert report["weight_bytes"]["INT4"] == 8_190_735_360 // 2
@@ -137,6 +138,17 @@ def test_inspect_json_parses_and_holds_the_same_data():
     assert report["steps"][0]["code"] == "qwen_np.core.layers.embed"
     assert report["this_machine"]["bandwidth_bytes_per_s"] > 0
     assert set(report["this_machine"]["plans"]) == {"fp32", "bf16", "int8", "q8_0", "q4_0"}
+
+
+def test_the_longest_kv_cache_that_fits_is_per_kv_dtype_and_int8_holds_qwen3_0_6b_at_131072_tokens_in_24_gib(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's figure: Qwen3-0.6B's KV cache at 131,072 tokens is 30 GB in FP32, 7.5 GB in int8."""
+    monkeypatch.setattr("qwen_np.inspection.report.available_memory", lambda: 24 * 2 ** 30)
+    report = inspect_report(preset("qwen3-0.6b"), 1, "qwen3-0.6b", BANDWIDTH)
+    longest = report["this_machine"]["longest_kv_cache_tokens"]
+    assert longest["FP32"] < 131_072 <= longest["INT8"]
+    assert longest["INT8"] == pytest.approx(longest["FP32"] * 4 * 128 / 132, abs=4)   # bytes per token (each floored)
+    assert "longest KV cache beside the weights kept as stored: BF16 " in render_report(report)
 
 
 def test_inspect_rejects_zero_tokens():
