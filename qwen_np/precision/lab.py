@@ -1,7 +1,8 @@
 """The precision lab: what storing a model's weights (or its residual stream) in a smaller number
 format does to its predictions, measured against the same model in FP32 on the same text.
 
-    python -m qwen_np precision [--model M] [--text FILE] [--formats F,F] [--activations bf16|fp16] [--json]
+    python -m qwen_np precision [--model M] [--text FILE] [--formats F,F] [--kv-dtypes D ...] [--activations bf16|fp16]
+                                [--json]
     python -m qwen_np eval ... --compare FORMAT [FORMAT ...]    (eval calls compare_formats)
 
 A format's model is the FP32 model with every matrix (the projections, the embedding table, the LM
@@ -11,6 +12,11 @@ too). Both models read the same windows of text (evaluation.windows); divergence
 each window's two logits into the statistics `llama-perplexity --kl-divergence` prints, a chunk of
 positions at a time, so the [tokens, V] logits of a whole text never exist. The FP32 logits are
 recomputed for every format rather than kept: keeping them is exactly that [tokens, V] array.
+
+--kv-dtypes bf16 int8 ... also scores the FP32 model with its KV cache stored in each of those dtypes
+(core.kv_cache.KV_DTYPES) against the same model with an FP32 cache: each window is run through a fresh
+cache of that dtype, so every position attends over keys and values stored and read back, as a decode
+step over that cache does (KVStored).
 
 --activations bf16|fp16 rounds the residual stream of every row's model where it enters each
 decoder layer and where it leaves the last one (inside a layer everything stays FP32), as a runtime
@@ -23,13 +29,14 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from ..core.defaults import SCORED_TOKENS, SCORING_WINDOW  # noqa: F401  (named there for --help)
+from ..core.kv_cache import KV_DTYPES, kv_position_bytes
 from ..core.config import LAYER_MATRICES, LAYER_TENSORS, MODEL_TENSORS, preset
 from .divergence import Comparison
 from ..errors import QwenNPError
@@ -156,6 +163,24 @@ class RoundedResidual(Qwen3Model):
             return self._round(x) if i == len(self.layers) - 1 else x
 
 
+@dataclass(frozen=True)
+class KVStored:
+    """`model` whose every forward keeps its keys and values in a fresh KV cache of `dtype` (kv_cache.KV_DTYPES)
+    and attends over them as read back from it: each position sees the keys a decode step over that cache would."""
+
+    model: Qwen3Model
+    dtype: str
+
+    def forward(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        return self.model.forward(ids, self.model.new_cache(len(ids), self.dtype))
+
+
+class Scored(Protocol):
+    """What compare scores: a model, or one whose KV cache is stored in another dtype (KVStored)."""
+
+    def forward(self, ids: Sequence[int] | np.ndarray) -> np.ndarray: ...
+
+
 class ActivationRanges:
     """A trace (model.forward(trace=...)) keeping each layer's largest |value|: of the residual stream
     it leaves behind, and of any intermediate (finite values: the causal mask's -inf is not a value)."""
@@ -218,7 +243,7 @@ def scored_documents(docs: list[np.ndarray], context: int, max_tokens: int | Non
     return kept
 
 
-def compare(base: Qwen3Model, other: Qwen3Model, docs: list[np.ndarray], context: int,
+def compare(base: Qwen3Model, other: Scored, docs: list[np.ndarray], context: int,
             progress: Callable[[int], object] = lambda n: None) -> Comparison:
     """Both models over the same windows; each window's logits go to a Comparison a chunk of rows at a time."""
     comparison = Comparison()
@@ -263,6 +288,19 @@ def compare_formats(base: Qwen3Model, docs: list[np.ndarray], formats: Sequence[
     return results
 
 
+def compare_kv_dtypes(base: Qwen3Model, docs: list[np.ndarray], dtypes: Sequence[str], context: int,
+                      progress: Callable[[str, int, int], object] = lambda dtype, n, total: None
+                      ) -> dict[str, dict[str, Any]]:
+    """KV dtype -> llama-perplexity's statistics of `base` with its KV cache stored in that dtype (KVStored)
+    against `base` (FP32 keys and values, as computed), over `docs` in windows of `context`; progress as compare_formats'.
+    An unknown dtype is a QwenNPError about kv_dtypes."""
+    dtypes = check_formats(dtypes, "kv_dtypes", tuple(KV_DTYPES)) if dtypes else []
+    total = sum(len(ids) - 1 for ids in docs) * len(dtypes)
+    return {dtype: compare(base, KVStored(base, dtype), docs, context,
+                           lambda n: progress(f"KV {dtype}", n, total)).summary()   # noqa: B023
+            for dtype in dtypes}
+
+
 # --- The precision command -------------------------------------------------------------------------
 
 def greedy_text(model: Qwen3Model, tokenizer: Tokenizer, prompt: list[int], tokens: int) -> str:
@@ -282,9 +320,10 @@ def default_text() -> tuple[str, str]:
 def precision_report(folder: Path, text: str, text_name: str, formats: Sequence[str], context: int,
                      max_tokens: int | None, activations: str | None = None,
                      continuation: int = CONTINUATION_TOKENS,
-                     progress: Callable[[str, int, int], object] = lambda fmt, n, total: None) -> dict[str, Any]:
-    """Everything `precision` shows, as plain data: one row per format, and the activation ranges.
-    progress(fmt, n, total): as compare_formats'."""
+                     progress: Callable[[str, int, int], object] = lambda fmt, n, total: None,
+                     kv_dtypes: Sequence[str] = ()) -> dict[str, Any]:
+    """Everything `precision` shows, as plain data: one row per format, the activation ranges, and one row per
+    KV dtype of `kv_dtypes` (compare_kv_dtypes; none: no "kv_rows"). progress(fmt, n, total): as compare_formats'."""
 
     formats = check_formats(formats)
     config = read_config(folder)
@@ -312,6 +351,11 @@ def precision_report(folder: Path, text: str, text_name: str, formats: Sequence[
         "model": str(folder), "text": text_name, "context": context, "activations": activations or "fp32",
         "prompt": tokenizer.decode(prompt), "rows": rows,
     }
+    if kv_dtypes:
+        kv = compare_kv_dtypes(base, docs, kv_dtypes, context, progress)
+        report["kv_rows"] = [{"kv_dtype": dtype, "bytes_per_token": kv_position_bytes(config, dtype),
+                              "bytes_per_token_qwen3_8b": kv_position_bytes(preset("qwen3-8b"), dtype), **stats}
+                             for dtype, stats in kv.items()]
     if activations:
         report["layers"] = [{"layer": i, "largest_residual": r, "largest_any": a, "fp16_overflows": a > FP16_MAX}
                             for i, (r, a) in enumerate(zip(ranges.residual, ranges.any))]
