@@ -1,4 +1,4 @@
-"""`python -m bench.kv_cache`: the paged KV cache's three figures, each measured side by side.
+"""`python -m bench.kv_cache`: the paged KV cache's five figures, each measured side by side.
 
 1. Block size: reading a sequence's keys of one layer from scattered blocks (a gather, what attention
    does every step for every layer) against reading them from one contiguous array (a copy of the same
@@ -11,9 +11,12 @@
    few runs), and with every other block of the pool held elsewhere (each block its own run: the
    worst case), against each sequence in a cache of its own whose blocks lie in order (one run: what
    the contiguous cache before paging was). Interleaved repeats, medians.
-4. KV cache precision: the KL divergence of the predictions with a BF16 or FP16 cache from those with
-   an FP32 cache, on the bundled Shakespeare model (trained: its predictions are peaked like a real
+4. KV cache precision: the KL divergence of the predictions with a BF16, FP16 or int8 cache from those
+   with an FP32 cache, on the bundled Shakespeare model (trained: its predictions are peaked like a real
    model's), with the precision lab's statistics (qwen_np.precision.divergence.Comparison).
+5. KV dtype speed: one decode step of one sequence at `--context` positions with its cache stored as
+   FP32 (read in place), BF16 (widened as read) and int8 (codes times scales as read), interleaved
+   repeats, medians, beside each cache's bytes.
 
     python -m bench.kv_cache                      # the bundled model (a 256-token context: a short prefix)
     python -m bench.kv_cache --model 0.6b         # random weights at Qwen3-0.6B's shapes (bench/checkpoints.py)
@@ -33,7 +36,7 @@ from qwen_np import load_model
 from qwen_np.generation.batching import BatchGenerator, Request
 from qwen_np.precision.divergence import Comparison
 from qwen_np.engine.budget import blocks_for
-from qwen_np.engine.paged import BlockPool, PagedKVCache, block_runs
+from qwen_np.engine.paged import BlockPool, PagedKVCache, block_bytes, block_runs
 from qwen_np.core.sampling import SamplingParams
 from qwen_np.files.tokenizer import Tokenizer
 
@@ -133,12 +136,33 @@ def kv_precision() -> None:
     base = logits("fp32")
     print(f"4. KV cache precision vs an FP32 cache, bundled model, {len(ids) - 1} positions")
     print(f"   {'kv dtype':>8} {'KLD mean':>10} {'KLD max':>10} {'same top':>9} {'PPL ratio':>10}")
-    for dtype in ("bf16", "fp16"):
+    for dtype in ("bf16", "fp16", "int8"):
         comparison = Comparison()
         comparison.add(base[:-1], logits(dtype)[:-1], np.array(ids[1:]))
         s = comparison.summary()
         print(f"   {dtype:>8} {s['kld_mean']:>10.2e} {s['kld_max']:>10.2e} {s['same_top_percent']:>8.1f}% "
               f"{s['ppl_ratio']:>10.5f}")
+
+
+def kv_dtype_decode(folder: Path, context: int, repeats: int, dtypes: tuple[str, ...] = ("fp32", "bf16", "int8")) -> None:
+    model = load_model(folder, max_tokens=context + 2)
+    caches = {dtype: model.new_cache(context + 1, dtype) for dtype in dtypes}
+    for cache in caches.values():                      # filled without a prefill: the values do not change the time
+        cache.reserve(context)
+        cache.advance([0] * context)
+    times: dict[str, list[float]] = {dtype: [] for dtype in dtypes}
+    for _ in range(repeats):
+        for dtype, cache in caches.items():
+            started = time.perf_counter()
+            model.forward([1], cache)
+            times[dtype].append(time.perf_counter() - started)
+            cache.truncate(context)
+    medians = {dtype: statistics.median(t) for dtype, t in times.items()}
+    print(f"5. one decode step of one sequence at {context} positions by KV dtype, {folder.name}, median of {repeats}")
+    print(f"   {'kv dtype':>8} {'KV bytes':>10} {'step':>10} {'x fp32':>7}")
+    for dtype, cache in caches.items():
+        held = cache.pool.num_blocks * block_bytes(model.config, dtype)
+        print(f"   {dtype:>8} {held / 2 ** 20:>7.1f}MiB {medians[dtype] * 1e3:>8.1f}ms {medians[dtype] / medians['fp32']:>7.3f}")
 
 
 def main() -> None:
@@ -159,6 +183,7 @@ def main() -> None:
     prefix_ttft(folder, args.prefix or (192 if bundled else 2048), args.repeats)
     scattered_decode(folder, args.context or (240 if bundled else 2048), max(args.repeats, 5))
     kv_precision()
+    kv_dtype_decode(folder, args.context or (240 if bundled else 2048), max(args.repeats, 5))
 
 
 if __name__ == "__main__":
