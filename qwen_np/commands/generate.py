@@ -283,7 +283,7 @@ def _load_weights(opened: Opened, args: argparse.Namespace, max_tokens: int, ada
     from ..engine.loading import attach_adapter, load_model
     if opened.bundled and not args.quiet:
         print(BUNDLED_NOTICE, file=sys.stderr)
-    model = load_model(opened.files, memory=args.memory, max_tokens=max_tokens)
+    model = load_model(opened.files, memory=args.memory, max_tokens=max_tokens, kv_dtype=args.kv_dtype)
     if adapter is not None:
         attach_adapter(model, adapter)
     if args.verbose and model.plan is not None:

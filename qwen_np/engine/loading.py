@@ -32,7 +32,7 @@ QUANTIZE_BLOCK_ROWS = 1024
 
 
 def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: int | None = None,
-               fast: bool = True) -> Qwen3Model:
+               fast: bool = True, kv_dtype: str = "fp32") -> Qwen3Model:
     """Load a Qwen3 checkpoint folder, GGUF file (gguf_file.py) or hub id for inference.
 
     memory: "fp32" upcasts every weight once; "bf16" (or its other name "stored") keeps the stored
@@ -46,7 +46,8 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
     for a fast model holds them as numerics.Panels (the same values in the layout in which a few
     rows' product costs about one row's) where BLAS has a small-matrix kernel (OpenBLAS's SkylakeX
     one; not Haswell's).
-    max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)).
+    max_tokens: the context the memory plan reserves KV cache for (default min(config, 4096)), stored as
+    `kv_dtype` (kv_cache.KV_DTYPES: its bytes per position, int8's scales included).
     fast: a FastQwen3Model (qwen_np/engine/fast.py: same logits, tuned for speed; a Qwen3 only: an ablation's
     checkpoint, config.ABLATION_CHOICES, always loads readable); False gives the readable
     Qwen3Model, every call on model.py's code.
@@ -54,7 +55,7 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
     checkpoint = open_model(path).checkpoint()
     config = checkpoint.config
     plan = plan_memory(config, context_for(config, max_tokens), memory,
-                       stored_bytes_per_value=checkpoint.held_bytes_per_value())
+                       stored_bytes_per_value=checkpoint.held_bytes_per_value(), kv_dtype=kv_dtype)
     # "auto" holding FP32 in a fast model, where BLAS has a small-matrix kernel: every matrix whose
     # rows split into whole panels is held as numerics.Panels, the layout in which a product of a few
     # rows (a batch's decode step, a speculative check) costs about one row's. Without that kernel

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..core.defaults import MODES   # defined there for --help, which loads no NumPy
 from ..core.config import Qwen3Config, parameter_count, tensor_shapes
+from ..core.kv_cache import kv_position_bytes
 from ..errors import QwenNPError
 from ..numbers.names import HELD_FORMATS
 from ..numbers.formats import storage_bytes
@@ -79,6 +80,7 @@ class MemoryPlan:
     working_bytes: int
     available_bytes: int
     max_tokens: int
+    kv_dtype: str = "fp32"     # how the KV cache stores keys and values (kv_cache.KV_DTYPES): kv_cache_bytes' width
 
     @property
     def fp32_weight_bytes(self) -> int:
@@ -117,7 +119,7 @@ class MemoryPlan:
             ("weights FP32", self.fp32_weight_bytes), ("weights as stored", self.stored_weight_bytes),
             ("weights int8 (+ FP32 row scales)", self.int8_weight_bytes),
             *((f"weights {fmt} (+ FP16 block scales)", self.weight_bytes[fmt]) for fmt in HELD_FORMATS),
-            (f"KV cache ({self.max_tokens} tokens, FP32)", self.kv_cache_bytes),
+            (f"KV cache ({self.max_tokens} tokens, {self.kv_dtype.upper()})", self.kv_cache_bytes),
             ("working buffers", self.working_bytes), ("available RAM", self.available_bytes),
         ]
         lines = [f"  {label:<34} {n / GiB:8.2f} GiB" for label, n in rows]
@@ -130,14 +132,15 @@ class MemoryPlan:
 
 
 def candidate_plans(config: Qwen3Config, max_tokens: int, stored_bytes_per_value: float = 2,
-                    available: int | None = None) -> dict[str, MemoryPlan]:
-    """Every way to hold the model (MODES but auto), costed for this machine (nothing chosen yet)."""
+                    available: int | None = None, kv_dtype: str = "fp32") -> dict[str, MemoryPlan]:
+    """Every way to hold the model (MODES but auto), costed for this machine (nothing chosen yet), with a KV
+    cache of max_tokens positions stored as `kv_dtype`."""
     params = parameter_count(config)
     weights = {"fp32": 4 * params, "bf16": int(stored_bytes_per_value * params), "int8": int8_weight_bytes(config),
                **{fmt: weight_bytes(config, fmt) for fmt in HELD_FORMATS}}
     available = available_memory() if available is None else available
-    return {mode: MemoryPlan(mode, weights, max_tokens * kv_cache_bytes_per_token(config),
-                             working_bytes(config, max_tokens), available, max_tokens) for mode in weights}
+    return {mode: MemoryPlan(mode, weights, max_tokens * kv_position_bytes(config, kv_dtype),
+                             working_bytes(config, max_tokens), available, max_tokens, kv_dtype) for mode in weights}
 
 
 def weight_bytes(config: Qwen3Config, fmt: str) -> int:
@@ -152,14 +155,14 @@ def int8_weight_bytes(config: Qwen3Config) -> int:
 
 
 def plan_memory(config: Qwen3Config, max_tokens: int, requested: str = "auto",
-                stored_bytes_per_value: float = 2, available: int | None = None) -> MemoryPlan:
+                stored_bytes_per_value: float = 2, available: int | None = None, kv_dtype: str = "fp32") -> MemoryPlan:
     """Choose fp32, bf16 or int8 residency before anything is loaded. A plan that would not fit in RAM is a
     QwenNPError now, not an out-of-memory kill later: "auto" falls back from fp32 to bf16 and fails
     only when even the stored weights do not fit; an explicit mode fails if it does not fit."""
     if requested not in MODES:
         raise QwenNPError(f"expected one of {', '.join(MODES)}, got {requested!r}", "memory")
     requested = ALIASES.get(requested, requested)
-    plans = candidate_plans(config, max_tokens, stored_bytes_per_value, available)
+    plans = candidate_plans(config, max_tokens, stored_bytes_per_value, available, kv_dtype)
     fp32, stored, int8 = plans["fp32"], plans["bf16"], plans["int8"]
     plan = plans[requested] if requested != "auto" else fp32 if fp32.fits else stored
     if not plan.fits:

@@ -111,7 +111,7 @@ def start_service(config: ServeConfig, announce: Callable[[str], None]) -> Servi
     draft = open_model(config.draft, "draft") if config.draft is not None else None
     if draft is not None:
         check_draft_folder(draft, files.config, tokenizer)    # the files the command checked: nothing is read again
-    model = load_model(files, memory=config.memory, max_tokens=context)
+    model = load_model(files, memory=config.memory, max_tokens=context, kv_dtype=config.kv_dtype)
     check_weights_finite(model)                  # NaN/Inf weights: one line naming the layer, before listening
     drafter = load_draft(draft, config.memory, context + config.draft_tokens) if draft is not None else None
     # Every row's draft cache holds as many positions as its target cache (plus the drafted ones), so a

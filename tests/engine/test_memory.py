@@ -14,6 +14,7 @@ import pytest
 
 from qwen_np import QwenNPError, preset
 from qwen_np.core.config import LAYER_MATRICES, Qwen3Config
+from qwen_np.core.kv_cache import kv_position_bytes
 from qwen_np.engine.sizes import GiB
 from qwen_np.engine.memory import kv_cache_bytes_per_token, plan_memory
 from qwen_np.engine.step_memory import training_memory, training_moments, training_peak, training_total
@@ -29,6 +30,16 @@ def test_auto_keeps_8b_as_bf16_on_a_24_gib_machine():
     assert plan.mode == "bf16"
     assert plan.fp32_weight_bytes == 4 * 8_190_735_360 and plan.stored_weight_bytes == 2 * 8_190_735_360
     assert plan.kv_cache_bytes == 4096 * kv_cache_bytes_per_token(QWEN3_8B) == 4096 * 2 * 36 * 8 * 128 * 4
+
+
+def test_the_plan_counts_the_kv_cache_in_its_dtype_and_int8_fits_qwen3_0_6b_at_131072_tokens_in_24_gib():
+    """The issue's figure: Qwen3-0.6B's cache at 131,072 tokens is 30 GB in FP32 (no plan fits), 7.5 GB in int8."""
+    config = preset("qwen3-0.6b")
+    with pytest.raises(QwenNPError, match="^memory: the bf16 plan needs"):
+        plan_memory(config, 131_072, "auto", available=24 * GiB)
+    plan = plan_memory(config, 131_072, "auto", available=24 * GiB, kv_dtype="int8")
+    assert plan.kv_cache_bytes == 131_072 * kv_position_bytes(config, "int8") == 131_072 * 2 * 28 * 8 * (128 + 4)
+    assert "KV cache (131072 tokens, INT8)" in plan.describe()
 
 
 def test_auto_upcasts_when_fp32_fits():
