@@ -20,11 +20,13 @@ EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130   # every bad input; Ctrl-C (128 + SIG
 # its notices, errors.reworded). A caller that passes a library function a value of its own names it with its
 # own parameter, as commands do with their flags' (eval's `compare` formats: "--compare").
 FLAGS = {
-    "adapters": "--lora", "alpha": "--lora-alpha", "batch_size": "--batch-size", "beta": "--beta",
+    "adapters": "--lora", "alpha": "--lora-alpha", "batch_size": "--batch-size", "best_of": "--best-of",
+    "beta": "--beta",
     "blas_threads": "--blas-threads", "clip": "--clip", "completion_tokens": "--completion-tokens",
     "compare": "--compare", "config": "--config", "context": "--ctx-size", "data": "--data",
     "decay_steps": "--decay-steps", "dpo": "--dpo", "default_max_tokens": "--default-max-tokens", "draft": "--draft",
     "draft_tokens": "--draft-tokens", "dropout": "--lora-dropout", "epochs": "--epochs", "eval_every": "--eval-every",
+    "extract": "--extract",
     "file": "FILE", "file_type": "--type", "folder": "--model",
     "formats": "--formats", "grad_accum": "--grad-accum", "group": "--group", "grpo": "--grpo", "kv_dtype": "--kv-dtype",
     "kv_dtypes": "--kv-dtypes", "kv_memory": "--kv-memory", "lora": "--lora", "loss": "--loss",

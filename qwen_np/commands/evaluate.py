@@ -168,7 +168,7 @@ def score_rewards(args: argparse.Namespace, folder: Path, config: Any, adapter: 
     tokens = 256 if args.completion_tokens is None else args.completion_tokens
     if samples < 1 or tokens < 1:
         raise QwenNPError(f"{'--samples' if samples < 1 else '--completion-tokens'}: must be at least 1")
-    reward = rollouts.load_reward(args.reward)
+    reward = rollouts.load_function(args.reward)
     prompts = rollouts.read_prompts(args.prompts)
     tokenizer = read_tokenizer(folder)
     defaults = folder_generation_defaults(folder, config)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:       # the rest is imported where it runs: --help needs none 
     from ..generation.constraints import Grammar
     from ..generation.generate import ChatSession, GenerationStats, TokenEvent
     from ..generation.speculative import Speculation, SpeculationCounts
+    from ..training.rollouts import Reward
 
 BUNDLED_NOTICE = ("note: using the bundled model, a tiny Qwen3 that qwen_np trained on Shakespeare's plays: it continues "
                   "text in their style and knows nothing else; for real answers pass --model with a hub id "
@@ -69,6 +70,7 @@ def generate_parser(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--no-chat", action="store_true",
                      help="plain completion: feed PROMPT as is, without the chat template")
     _add_inspection_flags(gen)
+    _add_scaling_flags(gen)
     gen.set_defaults(run=run_generate)
 
 
@@ -164,6 +166,26 @@ def _add_inspection_flags(parser: argparse.ArgumentParser) -> None:
                         help="also save the --attention pattern as a PNG image")
 
 
+def _add_scaling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--samples", type=common.at_least(1), metavar="N",
+                        help="sample N replies to each prompt, decoded together as one batch (the prompt read once, "
+                             "its KV blocks shared); sample j is seeded --seed + j (with several prompts, prompt i's "
+                             "from --seed + i*N); without --vote or --best-of all N print")
+    chooser = parser.add_mutually_exclusive_group()
+    chooser.add_argument("--vote", action="store_true",
+                         help="self-consistency: print the answer most of the --samples replies give (a tie: the one "
+                              "seen first), the vote counts on stderr (--json: answer, votes, each sample's answer); "
+                              "a reply's answer is --extract's")
+    chooser.add_argument("--best-of", metavar="FILE.py:FUNCTION",
+                         help="print the one of the --samples replies of highest reward, FUNCTION(prompt, completion) "
+                              "-> float of FILE.py (a tie: the first), its reward on stderr (--json: text, reward, "
+                              "best, each sample's reward); completion is the reply as generated, think block included")
+    parser.add_argument("--extract", metavar="FILE.py:FUNCTION",
+                        help="with --vote: a reply's answer, FUNCTION(completion) -> str, or None for no vote, of "
+                             "FILE.py (default: the last number in the reply's answer after any think block, e.g. -3 "
+                             "or 2.5, else that whole answer stripped)")
+
+
 PARSERS = {"generate": generate_parser, "chat": chat_parser}      # cli.py builds each command's parser with these
 
 
@@ -215,6 +237,19 @@ def _read_stdin() -> str:
         return raw.decode("utf-8").removesuffix("\n")
     except UnicodeDecodeError as bad:
         raise QwenNPError(f"stdin: not UTF-8 text (byte {raw[bad.start]:#04x} at offset {bad.start})") from None
+
+
+def _choosers(args: argparse.Namespace) -> tuple[Reward, Reward | None]:
+    """--vote's answer extractor and --best-of's reward function (None without it), loaded before any weight is,
+    so that a bad FILE.py:FUNCTION is the only line printed."""
+    from ..training import rollouts
+    chooser = "--vote" if args.vote else "--best-of" if args.best_of else None
+    if chooser and args.samples is None:
+        raise QwenNPError(f"{chooser}: chooses among several replies: give --samples N")
+    if args.extract and not args.vote:
+        raise QwenNPError("--extract: takes each reply's answer for --vote: give --vote too")
+    extract = rollouts.load_function(args.extract, "extract") if args.extract else rollouts.last_number
+    return extract, rollouts.load_function(args.best_of, "best_of") if args.best_of else None
 
 
 def _parse_attention(spec: str, config: Qwen3Config) -> tuple[int, int]:
@@ -355,6 +390,10 @@ def run_generate(args: argparse.Namespace) -> int:
     inspecting = args.trace or args.trace_layers or args.lens or args.attention
     if len(prompts) > 1 and inspecting:
         raise QwenNPError(f"--trace/--lens/--attention: look at one prompt at a time (got {len(prompts)})")
+    if (args.samples or 1) > 1 and inspecting:
+        raise QwenNPError(f"--trace/--lens/--attention: look at one reply at a time (got --samples {args.samples})")
+    extract, reward = _choosers(args)
+    prompts = [text for text in prompts for _ in range(args.samples or 1)]      # each prompt's samples in a row
     stats, name = GenerationStats(), args.model or common.BUNDLED_NAME
     if explicit["seed"] is None:              # drawn here, so that the stats line can say which it was
         explicit["seed"] = stats.seed = secrets.randbelow(2 ** 31)
@@ -397,7 +436,7 @@ def run_generate(args: argparse.Namespace) -> int:
                                   eos_token_ids=opened.defaults.eos_token_ids, trace=trace, stats=stats,
                                   kv_dtype=args.kv_dtype, speculation=speculation, grammar=grammar,
                                   thinking_budget=args.thinking_budget):
-                replies[0].add(event, None if args.json else writer)
+                replies[0].add(event, writer if _streams(args) else None)
             replies[0].prefill_seconds, replies[0].decode_seconds = stats.prefill_seconds, stats.decode_seconds
             replies[0].count(stats.counts, speculation)
         else:
@@ -410,11 +449,54 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.verbose:
         for reply in replies:
             print(f"generated ids: {reply.token_ids}", file=sys.stderr)
-    if args.json:
+    if args.vote or args.best_of:
+        for first in range(0, len(replies), args.samples):
+            _print_chosen(prompts[first], replies[first:first + args.samples], first // args.samples, args,
+                          extract, reward, stats.load_seconds, hide_think)
+    elif args.json:
         for text, reply in zip(prompts, replies):
             print(json.dumps(reply.as_json(text, stats.load_seconds, hide_think), ensure_ascii=False))
     print(stats.summary(name), file=sys.stderr)
     return EXIT_INTERRUPTED if stats.finish_reason == "interrupted" else 0
+
+
+def _streams(args: argparse.Namespace) -> bool:
+    """Whether the replies stream to stdout as they are generated: not with --json, nor when --vote or --best-of
+    prints one of them when all are in."""
+    return not (args.json or args.vote or args.best_of)
+
+
+def _print_chosen(prompt: str, samples: list[PromptReply], number: int, args: argparse.Namespace, extract: Reward,
+                  reward: Reward | None, load_seconds: float, hide_think: bool) -> None:
+    """One prompt's --vote answer (the majority of the answers `extract` takes out of its samples) or --best-of
+    reply (the sample of highest `reward`): on stdout, the counts or rewards on stderr; or one --json line."""
+    from ..training import rollouts
+    shown = [reply.as_json(prompt, load_seconds, hide_think) for reply in samples]
+    if reward is None:
+        answers = [rollouts.answer_of(extract, reply.text, f"prompt {number + 1}, sample {j + 1}")
+                   for j, reply in enumerate(samples)]
+        answer, votes = rollouts.majority(answers)
+        chosen: dict[str, object] = {"answer": answer, "votes": votes}
+        text = answer or ""
+        counts = ", ".join(f"{one!r}: {count}" for one, count in votes.items()) or "no sample gave an answer"
+        note = f"vote: {votes.get(answer or '', 0)} of {len(samples)} samples answer {answer!r} ({counts})"
+        for sample, one in zip(shown, answers):
+            sample["answer"] = one
+    else:
+        where = rollouts.Prompt(f"prompt {number + 1}", prompt, {})
+        rewards = [rollouts.reward_of(reward, where, reply.text, "best_of") for reply in samples]
+        best = rewards.index(max(rewards))                         # the first of the highest
+        text = str(shown[best]["text"])
+        chosen = {"text": text, "reward": rewards[best], "best": best}
+        note = (f"best of {len(samples)}: sample {best + 1} (seed {samples[best].seed}), reward {rewards[best]:g} "
+                f"(rewards: {', '.join(f'{value:g}' for value in rewards)})")
+        for sample, value in zip(shown, rewards):
+            sample["reward"] = value
+    if args.json:
+        print(json.dumps({"prompt": prompt, **chosen, "samples": shown}, ensure_ascii=False))
+    else:
+        print(text)
+        print(note, file=sys.stderr)
 
 
 def _grammar(args: argparse.Namespace, opened: Opened, thinking: bool) -> Grammar | None:
@@ -510,7 +592,7 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
 
     def show_finished() -> None:
         nonlocal shown
-        while not args.json and shown < len(rows) and rows[shown].done:
+        while _streams(args) and shown < len(rows) and rows[shown].done:
             writer.end()
             shown += 1
             if shown < len(rows):
@@ -522,7 +604,7 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
             for row, event in generator.step():
                 if isinstance(event, BaseException):     # a row's sampling failed: the run's error, as alone
                     raise event
-                replies[row.number].add(event, writer if row.number == shown and not args.json else None)
+                replies[row.number].add(event, writer if row.number == shown and _streams(args) else None)
             show_finished()
             stats.new_tokens = sum(len(reply.token_ids) for reply in replies)
     finally:

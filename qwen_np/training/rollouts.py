@@ -1,5 +1,7 @@
 """Prompts and a user's reward function, for rewards a program can check (`eval --prompts --reward`; GRPO's
-inputs): the prompts file read, the reward function loaded from FILE.py:FUNCTION and called, and pass@k.
+inputs): the prompts file read, the reward function loaded from FILE.py:FUNCTION and called, and pass@k. Also
+inference-time scaling's choice among N samples (`generate --samples N --vote` / `--best-of`): each reply's
+answer, taken by the user's extractor `fn(completion) -> str | None` (or the last number), and the majority.
 
 A prompts line is {"messages": [...]} (a chat, rendered with the generation prompt) or {"prompt": "..."} (text),
 with any other fields: they are passed to the reward function, `fn(prompt, completion, **row) -> float`, as
@@ -12,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -21,12 +25,14 @@ import numpy as np
 from . import chats, objectives
 from ..errors import QwenNPError
 from ..files.messages import MessageError, chat_message
-from ..files.tokenizer import Tokenizer
+from ..files.tokenizer import Tokenizer, split_thinking
 
 if TYPE_CHECKING:
     from ..core.model import Qwen3Model
 
 Reward = Callable[..., Any]
+# The default extractor's number: "-3", "2.5" (a thousands comma splits one: "1,000" reads as 1 and 000).
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 # The step number a validation's samples are seeded with (a training step's never reaches it).
 VALIDATION_STEP = 2 ** 40
 # How a GRPO run samples (the command gives one built on qwen_np/generation, a floor training does not import):
@@ -77,42 +83,71 @@ def read_prompts(path: Path) -> list[Prompt]:
             for row in rows]
 
 
-def load_reward(spec: str) -> Reward:
-    """The function FUNCTION of the Python file FILE.py, from "FILE.py:FUNCTION"."""
+def load_function(spec: str, param: str = "reward") -> Reward:
+    """The function FUNCTION of the Python file FILE.py, from "FILE.py:FUNCTION"; `param`: the parameter it came
+    as (a reward function, an answer extractor), which its errors name."""
     file, _, name = spec.rpartition(":")
     if not file or not name or not file.endswith(".py"):
-        raise QwenNPError(f"expected FILE.py:FUNCTION, got {spec!r}", "reward")
+        raise QwenNPError(f"expected FILE.py:FUNCTION, got {spec!r}", param)
     if not Path(file).is_file():
-        raise QwenNPError(f"{file}: not found", "reward")
-    loaded = importlib.util.spec_from_file_location(f"qwen_np_reward_{Path(file).stem}", file)
+        raise QwenNPError(f"{file}: not found", param)
+    loaded = importlib.util.spec_from_file_location(f"qwen_np_user_{Path(file).stem}", file)
     if loaded is None or loaded.loader is None:
-        raise QwenNPError(f"{file}: not a Python file", "reward")
+        raise QwenNPError(f"{file}: not a Python file", param)
     module = importlib.util.module_from_spec(loaded)
     try:
         loaded.loader.exec_module(module)
     except Exception as bad:                           # the user's file: whatever it raises is its error
-        raise QwenNPError(f"{file}: raised {type(bad).__name__} when imported ({bad})", "reward") from None
+        raise QwenNPError(f"{file}: raised {type(bad).__name__} when imported ({bad})", param) from None
     function = getattr(module, name, None)
     if not callable(function):
-        raise QwenNPError(f"{file} defines no function {name}", "reward")
+        raise QwenNPError(f"{file} defines no function {name}", param)
     return function
 
 
-def reward_of(reward: Reward, prompt: Prompt, completion: str) -> float:
-    """reward(prompt, completion, **fields) as a float; a raise, a non-number or a NaN is one error naming the line."""
+def _called(call: Callable[[], Any], message: str, param: str) -> Any:
+    """call(), the user's function; whatever it raises is one error, `message` with "{}" as what it raised."""
     try:
-        value = reward(prompt.prompt, completion, **prompt.fields)
+        return call()
     except Exception as bad:                           # the user's function: whatever it raises is its error
-        raise QwenNPError(f"{prompt.where}: the reward function raised {type(bad).__name__} ({bad}) on this "
-                          "prompt", "reward") from None
+        raise QwenNPError(message.format(f"{type(bad).__name__} ({bad})"), param) from None
+
+
+def reward_of(reward: Reward, prompt: Prompt, completion: str, param: str = "reward") -> float:
+    """reward(prompt, completion, **fields) as a float; a raise, a non-number or a NaN is one error naming the line."""
+    value = _called(lambda: reward(prompt.prompt, completion, **prompt.fields),
+                    f"{prompt.where}: the reward function raised {{}} on this prompt", param)
     try:
         number = float(value)
     except (TypeError, ValueError):
         number = math.nan
     if not math.isfinite(number):
         raise QwenNPError(f"{prompt.where}: the reward function returned {value!r} on this prompt, not a finite "
-                          "number", "reward")
+                          "number", param)
     return number
+
+
+def last_number(completion: str) -> str | None:
+    """The default answer of a reply: the last number in its answer (the text after a think block), else that
+    answer stripped of surrounding whitespace (None, no vote, when nothing is left)."""
+    answer = split_thinking(completion)[1]
+    numbers = NUMBER.findall(answer)
+    return numbers[-1] if numbers else answer.strip() or None
+
+
+def answer_of(extract: Reward, completion: str, where: str) -> str | None:
+    """extract(completion): a string, or None (the reply gives no answer, and so no vote)."""
+    value = _called(lambda: extract(completion), f"{where}: the extractor raised {{}}", "extract")
+    if value is not None and not isinstance(value, str):
+        raise QwenNPError(f"{where}: the extractor returned {value!r}, not a string or None", "extract")
+    return value
+
+
+def majority(answers: list[str | None]) -> tuple[str | None, dict[str, int]]:
+    """Self-consistency's vote: the most common answer (a tie goes to the one seen first; None abstains, and
+    with no answer at all the majority is None) and each answer's count, in the order first seen."""
+    votes = Counter(answer for answer in answers if answer is not None)      # a dict: insertion order kept
+    return max(votes, key=votes.__getitem__) if votes else None, dict(votes)   # max keeps the first of equals
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -225,4 +260,4 @@ def prompt_data(tokenizer: Tokenizer, settings: GrpoSettings, val: Path | None, 
                                                                                           "a prompts file")
     order.count = len(train)
     return PromptData(train, validation, chats.chat_files_sha256(data, val), order, context, pad_id, tokenizer,
-                      settings, load_reward(settings.reward), sample, seed)
+                      settings, load_function(settings.reward), sample, seed)
