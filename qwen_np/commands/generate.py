@@ -614,6 +614,10 @@ def _generate_batch(model: Qwen3Model, opened: Opened, ids: list[list[int]], par
             reply.decode_seconds = (row.finished or time.perf_counter()) - first
             if row.continuation is not None:
                 reply.count(row.continuation.counts, speculation)
+        # As generate()'s: the prompt tokens computed, and those the prefix cache held (a prompt's --samples
+        # after the first take its full blocks from it: the prompt is read once).
+        stats.prompt_tokens = generator.prompt_tokens - generator.reused_tokens
+        stats.cached_tokens = generator.reused_tokens
         firsts = [row.first_token for row in rows if row.first_token]
         stats.prefill_seconds = (max(firsts) - started) if firsts else 0.0
         stats.decode_seconds = time.perf_counter() - started - stats.prefill_seconds
