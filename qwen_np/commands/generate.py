@@ -167,10 +167,10 @@ def _add_inspection_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_scaling_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--samples", type=common.at_least(1), metavar="N",
-                        help="sample N replies to each prompt, decoded together as one batch (the prompt read once, "
+    parser.add_argument("--samples", type=common.at_least(1), metavar="K",        # K, as eval's --samples
+                        help="sample K replies to each prompt, decoded together as one batch (the prompt read once, "
                              "its KV blocks shared); sample j is seeded --seed + j (with several prompts, prompt i's "
-                             "from --seed + i*N); without --vote or --best-of all N print")
+                             "from --seed + i*K); without --vote or --best-of all K print")
     chooser = parser.add_mutually_exclusive_group()
     chooser.add_argument("--vote", action="store_true",
                          help="self-consistency: print the answer most of the --samples replies give (a tie: the one "
@@ -245,7 +245,7 @@ def _choosers(args: argparse.Namespace) -> tuple[Reward, Reward | None]:
     from ..training import rollouts
     chooser = "--vote" if args.vote else "--best-of" if args.best_of else None
     if chooser and args.samples is None:
-        raise QwenNPError(f"{chooser}: chooses among several replies: give --samples N")
+        raise QwenNPError(f"{chooser}: chooses among several replies: give --samples K")
     if args.extract and not args.vote:
         raise QwenNPError("--extract: takes each reply's answer for --vote: give --vote too")
     extract = rollouts.load_function(args.extract, "extract") if args.extract else rollouts.last_number

@@ -1,5 +1,5 @@
-"""Inference-time scaling (issue 47): `generate --samples N --vote [--extract F.py:FN]` prints the majority of the
-answers taken out of N sampled replies (self-consistency), `--best-of F.py:FN` the reply of highest reward; the
+"""Inference-time scaling (issue 47): `generate --samples K --vote [--extract F.py:FN]` prints the majority of the
+answers taken out of K sampled replies (self-consistency), `--best-of F.py:FN` the reply of highest reward; the
 samples are one batch, sample j seeded --seed + j; bad flags and functions that raise are one line naming the flag.
 On the bundled model, in process."""
 
@@ -117,8 +117,8 @@ def test_the_samples_read_the_prompt_once_and_share_its_full_blocks(capsys: pyte
 
 
 @pytest.mark.parametrize("flags, line", [
-    (["--vote"], "error: --vote: chooses among several replies: give --samples N"),
-    (["--best-of", "{f}:length"], "error: --best-of: chooses among several replies: give --samples N"),
+    (["--vote"], "error: --vote: chooses among several replies: give --samples K"),
+    (["--best-of", "{f}:length"], "error: --best-of: chooses among several replies: give --samples K"),
     (["--samples", "2", "--extract", "{f}:first_word"], "error: --extract: takes each reply's answer for --vote: "
                                                         "give --vote too"),
     (["--samples", "0", "--vote"], "error: argument --samples: must be >= 1, got 0"),
