@@ -468,35 +468,45 @@ def _streams(args: argparse.Namespace) -> bool:
 
 def _print_chosen(prompt: str, samples: list[PromptReply], number: int, args: argparse.Namespace, extract: Reward,
                   reward: Reward | None, load_seconds: float, hide_think: bool) -> None:
-    """One prompt's --vote answer (the majority of the answers `extract` takes out of its samples) or --best-of
-    reply (the sample of highest `reward`): on stdout, the counts or rewards on stderr; or one --json line."""
-    from ..training import rollouts
+    """One prompt's --vote answer or --best-of reply (the text) on stdout and how it was chosen (the note) on
+    stderr; or, with --json, one line with both and every sample."""
     shown = [reply.as_json(prompt, load_seconds, hide_think) for reply in samples]
-    if reward is None:
-        answers = [rollouts.answer_of(extract, reply.text, f"prompt {number + 1}, sample {j + 1}")
-                   for j, reply in enumerate(samples)]
-        answer, votes = rollouts.majority(answers)
-        chosen: dict[str, object] = {"answer": answer, "votes": votes}
-        text = answer or ""
-        counts = ", ".join(f"{one!r}: {count}" for one, count in votes.items()) or "no sample gave an answer"
-        note = f"vote: {votes.get(answer or '', 0)} of {len(samples)} samples answer {answer!r} ({counts})"
-        for sample, one in zip(shown, answers):
-            sample["answer"] = one
-    else:
-        where = rollouts.Prompt(f"prompt {number + 1}", prompt, {})
-        rewards = [rollouts.reward_of(reward, where, reply.text, "best_of") for reply in samples]
-        best = rewards.index(max(rewards))                         # the first of the highest
-        text = str(shown[best]["text"])
-        chosen = {"text": text, "reward": rewards[best], "best": best}
-        note = (f"best of {len(samples)}: sample {best + 1} (seed {samples[best].seed}), reward {rewards[best]:g} "
-                f"(rewards: {', '.join(f'{value:g}' for value in rewards)})")
-        for sample, value in zip(shown, rewards):
-            sample["reward"] = value
+    where = f"prompt {number + 1}"
+    chosen, text, note = (_vote(extract, samples, shown, where) if reward is None else
+                          _best_of(reward, prompt, samples, shown, where))
     if args.json:
         print(json.dumps({"prompt": prompt, **chosen, "samples": shown}, ensure_ascii=False))
     else:
         print(text)
         print(note, file=sys.stderr)
+
+
+def _vote(extract: Reward, samples: list[PromptReply], shown: list[dict[str, object]],
+          where: str) -> tuple[dict[str, object], str, str]:
+    """The majority of the answers `extract` takes out of the samples (each sample's put in `shown`)."""
+    from ..training import rollouts
+    answers = [rollouts.answer_of(extract, reply.text, f"{where}, sample {j + 1}") for j, reply in enumerate(samples)]
+    answer, votes = rollouts.majority(answers)
+    for sample, one in zip(shown, answers):
+        sample["answer"] = one
+    counts = ", ".join(f"{one!r}: {count}" for one, count in votes.items()) or "no sample gave an answer"
+    note = f"vote: {votes.get(answer or '', 0)} of {len(samples)} samples answer {answer!r} ({counts})"
+    return {"answer": answer, "votes": votes}, answer or "", note
+
+
+def _best_of(reward: Reward, prompt: str, samples: list[PromptReply], shown: list[dict[str, object]],
+             where: str) -> tuple[dict[str, object], str, str]:
+    """The sample of highest reward(prompt, completion) (each sample's put in `shown`; a tie: the first)."""
+    from ..training import rollouts
+    rewards = [rollouts.reward_of(reward, rollouts.Prompt(where, prompt, {}), reply.text, "best_of")
+               for reply in samples]
+    best = rewards.index(max(rewards))
+    for sample, value in zip(shown, rewards):
+        sample["reward"] = value
+    text = str(shown[best]["text"])
+    note = (f"best of {len(samples)}: sample {best + 1} (seed {samples[best].seed}), reward {rewards[best]:g} "
+            f"(rewards: {', '.join(f'{value:g}' for value in rewards)})")
+    return {"text": text, "reward": rewards[best], "best": best}, text, note
 
 
 def _grammar(args: argparse.Namespace, opened: Opened, thinking: bool) -> Grammar | None:
