@@ -43,6 +43,7 @@ The modules, one job each, in the order they import one another (each only those
     rerank.py     /v1/rerank: Qwen3-Reranker's scores of documents for a query, run as embeddings are
     tokens.py     /tokenize and /detokenize, as vLLM and llama-server shape them
     metrics.py    GET /metrics in Prometheus' text format
+    docs.py       the walkthrough and its glossary as HTML pages (markdown-it-py), and their figures
     explorer.py   the web page's endpoints (one traced forward pass as JSON) and files (web/)
     app.py        the ASGI application: routes behind the access checks, bodies read within limits
     launch.py     load the model, size the KV cache, run the app on uvicorn (commands/serve.py calls it)

@@ -3,9 +3,9 @@
 Any web page can send requests to a server on loopback, so POSTs must be `application/json` (a form or
 `text/plain` POST, which a browser sends cross-site without asking, is refused), a loopback server answers
 only Host headers naming loopback (against DNS rebinding), and `--api-key` asks every client but /health and
-the page's files for `Authorization: Bearer KEY` (or `x-api-key: KEY`, Anthropic's header). Every response
-under the page's paths carries the same Content-Security-Policy and frame-ancestors, whichever route or file
-it comes from. The log line of a request is escaped: a path is the client's text, and a raw newline or
+the page's files (the walkthrough's among them) for `Authorization: Bearer KEY` (or `x-api-key: KEY`,
+Anthropic's header). Every response under the page's paths carries the same Content-Security-Policy and
+frame-ancestors, whichever route or file it comes from. The log line of a request is escaped: a path is the client's text, and a raw newline or
 terminal control code in it (%0a, %1b) would forge log lines or drive the operator's terminal.
 
 Imports nothing of serving/ (it is the bottom of the folder, with protocol.py).
@@ -21,7 +21,9 @@ from ..errors import APIError
 
 API_KEY_ENV = "QWEN_NP_API_KEY"
 LOOPBACK_HOST = re.compile(r"(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.IGNORECASE)
-PAGE_PATHS = ("/", "/web")                   # served without an API key: the page holds none (it asks for one)
+# Served without an API key: the page holds none (it asks for one), and the walkthrough (/docs/...) is opened by
+# the page's links, which a browser follows without the key the page's scripts send.
+PAGE_PATHS = ("/", "/web", "/docs")
 # The page loads nothing from elsewhere, and says so to the browser: it runs offline, and a script
 # injected through a model's output (shown as text, never as HTML) could not call out either; no other
 # site may frame it. Sent with every response under PAGE_PATHS (app.create_app), files and errors alike.
@@ -31,7 +33,7 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' d
 
 def is_page(path: str) -> bool:
     """Whether `path` is the page itself (open to a browser without the API key the page then asks for)."""
-    return path in PAGE_PATHS or path.startswith(PAGE_PATHS[1] + "/")
+    return path in PAGE_PATHS or path.startswith(tuple(folder + "/" for folder in PAGE_PATHS[1:]))
 
 
 def is_loopback(host: str) -> bool:

@@ -14,6 +14,7 @@ answers with a traceback; Anthropic's error JSON on its routes), and logged in o
     GET  /health               running and waiting requests
     GET  /metrics              metrics.prometheus_text
     GET  /  /web/...           the page, and its endpoints under /explorer/ (explorer.py)
+    GET  /docs/walkthrough     the walkthrough as HTML, its figures under /docs/figures/ (docs.py)
 
 Imports access, bodies, requests, responses, choices, openai_responses, messages, embeddings, rerank, tokens,
 explorer and metrics of serving/ (above them all but launch.py).

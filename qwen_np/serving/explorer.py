@@ -8,7 +8,7 @@
     POST /explorer/sample     one next token drawn as generate draws it
     POST /explorer/mask       a reply constrained by a JSON schema, and at each step what the grammar's mask did:
                               how many tokens it allowed, and the likeliest ones it removed
-    GET  /docs/...            the walkthrough (docs/ of a source checkout; a wheel has none), which views link to
+    GET  /docs/walkthrough    the walkthrough as a page (docs.py), whose sections the views link to
 
 The numbers are the CLI's: the flow's vectors are the values the trace reports at the last position,
 statistics are trace.statistics of the same values (what `--trace-layers` prints), the lens is
@@ -25,7 +25,7 @@ any other refused by name), and its prompt and sampling fields are read as a com
 (bodies.read_completion: `prompt` text or token ids), at most MAX_TOKENS tokens, since the trace holds
 every step of every layer for each of them; Service.request resolves the sampling settings.
 
-Imports bodies.py, requests.py, structured.py and finite.py of serving/.
+Imports bodies.py, requests.py, structured.py, finite.py and docs.py of serving/.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ from ..core.sampling import (SamplingParams, apply_repetition_penalty, next_toke
 from ..files.tokenizer import Tokenizer
 from ..generation.constraints import Vocabulary, json_schema_grammar
 from ..generation.generate import Chosen, generate
+from .docs import docs_folder, rendered
+from .docs import routes as docs_routes
 from .finite import not_finite
 from .structured import grammar_vocabulary
 
@@ -84,7 +86,6 @@ class Served(Protocol):
     def request(self, body: CompletionBody, prompt: list[int]) -> Any: ...
 
 WEB = Path(__file__).parent / "web"          # the page: plain HTML, CSS and JS, no build step, nothing fetched
-DOCS = Path(__file__).resolve().parents[2] / "docs"     # the walkthrough, in a source checkout (a wheel has none)
 MAX_TOKENS = 64                              # a prompt's tokens the explorer traces
 CACHE_SIZE = 4                               # prompts whose forward pass is kept
 LENS_TOP = 5                                 # tokens per row of the logit lens
@@ -138,22 +139,17 @@ def traced_run(model: Qwen3Model, ids: list[int], adapter: Adapter | None = None
     return Run(tuple(ids), steps, attention, lens_rows(model, np.stack(residuals)), logits[-1], flow)
 
 
-def heading_anchor(heading: str) -> str:
-    """The anchor GitHub gives a markdown heading: lower case, punctuation dropped (not - and _), spaces to -."""
-    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
-
-
 def walkthrough_links(walkthrough: Path) -> dict[str, dict[str, str]]:
-    """Links from the page into docs/walkthrough.md: each view's section (VIEW_SECTIONS) and each step's
-    (section 3's headings name them), as /docs/walkthrough.md#anchor. Empty where the file is not there."""
+    """Links from the page into the walkthrough served at /docs/walkthrough (docs.py): each view's section
+    (VIEW_SECTIONS) and each step's (section 3's headings name them), as /docs/walkthrough#id, the id the
+    served page gives the heading. Empty where the file is not there."""
     if not walkthrough.is_file():
         return {"views": {}, "steps": {}}
-    headings = re.findall(r"^#{2,3} (.+)$", walkthrough.read_text(encoding="utf-8"), flags=re.MULTILINE)
-    titles = {heading: re.sub(r"^[\d.]+ ", "", heading) for heading in headings}      # without "3.2 "
+    headings = [heading for heading in rendered(walkthrough).headings if heading.level in (2, 3)]
 
-    def link(start: str) -> str | None:
-        found = next((heading for heading, title in titles.items() if title.startswith(start)), None)
-        return f"/docs/{walkthrough.name}#{heading_anchor(found)}" if found else None
+    def link(start: str) -> str | None:            # the heading's words without its number ("3.2 ")
+        found = next((heading for heading in headings if re.sub(r"^[\d.]+ ", "", heading.source).startswith(start)), None)
+        return f"/docs/walkthrough#{found.anchor}" if found else None
 
     views = {view: link(start) for view, start in VIEW_SECTIONS.items()}
     steps = {step.name: link(f"`{step.name.removeprefix('model.layers.{i}.')}`") for step in STEPS}
@@ -246,7 +242,7 @@ class Explorer:
         return {"model": self.service.model_id, "dimensions": dimensions(config), "symbols": DIMENSIONS,
                 "group_size": config.group_size, "steps": steps, "max_tokens": MAX_TOKENS,
                 "chat": self.tokenizer.has_chat_template, "defaults": vars(self.service.defaults.sampling),
-                "links": walkthrough_links(DOCS / "walkthrough.md"), "mask_max_tokens": MASK_MAX_TOKENS}
+                "links": walkthrough_links(docs_folder() / "walkthrough.md"), "mask_max_tokens": MASK_MAX_TOKENS}
 
     def analyze(self, body: CompletionBody, fields: dict[str, Any]) -> dict[str, Any]:
         ids = self.prompt(body)
@@ -361,8 +357,8 @@ class Explorer:
         async def page(http: Any) -> Response:
             return FileResponse(WEB / "index.html")          # its headers: app.create_app's, as every page file's
 
-        docs = [Mount("/docs", StaticFiles(directory=DOCS), name="docs")] if (DOCS / "walkthrough.md").is_file() else []
-        return [Route("/", page, methods=["GET"]), Mount("/web", StaticFiles(directory=WEB), name="web"), *docs,
+        return [Route("/", page, methods=["GET"]), Mount("/web", StaticFiles(directory=WEB), name="web"),
+                *docs_routes(docs_folder()),
                 Route("/explorer/model", describe, methods=["GET"]),
                 *[Route(f"/explorer/{name}", posted(getattr(self, name)), methods=["POST"])
                   for name in ("analyze", "attention", "filter", "sample", "mask")]]
