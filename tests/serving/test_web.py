@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from tests.reference.logit_match import RELATIVE_TOLERANCE, max_relative_error
 
-from qwen_np.serving import explorer
+from qwen_np.serving import docs, explorer
 from qwen_np import load_model
 from qwen_np.serving.explorer import filter_stages
 from qwen_np.inspection import STEPS, attention_weights, lens_probabilities
@@ -165,17 +165,53 @@ def test_the_flow_holds_the_trace_s_vectors_at_the_last_position(bundled, model,
     np.testing.assert_allclose(bins["max"][0], probs[:bins["ids_per_bin"]].max(), rtol=1e-5)
 
 
+def test_headings_get_github_s_ids_and_links_to_a_served_page_s_markdown_land_on_the_page(tmp_path: Path) -> None:
+    (tmp_path / "walkthrough.md").write_text("# Top\n\n## 5. Final norm → logits\n\n### 3.10 `self_attn.softmax`: q -> w\n\n"
+                                             "## Top\n\n[a](glossary.md#x) [b](walkthrough.ipynb)\n", encoding="utf-8")
+    page = docs.rendered(tmp_path / "walkthrough.md")
+    assert [h.anchor for h in page.headings] == ["top", "5-final-norm--logits", "310-self_attnsoftmax-q---w", "top-1"]
+    assert '<h2 id="5-final-norm--logits">' in page.body and page.title == "Top"
+    assert '<a href="glossary#x">a</a>' in page.body and '<a href="walkthrough.ipynb">b</a>' in page.body
+
+
+def test_the_glossary_s_links_land_on_headings_of_the_walkthrough() -> None:
+    folder = docs.docs_folder()
+    anchors = {h.anchor for h in docs.rendered(folder / "walkthrough.md").headings}
+    links = re.findall(r'href="walkthrough#([^"]+)"', docs.rendered(folder / "glossary.md").body)
+    assert len(links) >= 10 and set(links) <= anchors
+
+
+def fetch(url: str) -> tuple[int, str, bytes]:
+    """A GET's status, Content-Type and body, an error's too."""
+    try:
+        with urllib.request.urlopen(url, timeout=HANG_SECONDS) as response:
+            return response.status, response.headers["Content-Type"], response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers["Content-Type"], error.read()
+
+
 @pytest.mark.slow
-def test_every_view_links_to_a_heading_of_the_walkthrough_which_serve_serves(bundled) -> None:
+def test_every_view_links_to_a_heading_of_the_walkthrough_page_which_shows_its_figures(bundled) -> None:
     status, info = get(bundled + "/explorer/model")
     assert status == 200
-    walkthrough = (ROOT / "docs" / "walkthrough.md").read_text(encoding="utf-8")
-    anchors = {explorer.heading_anchor(h) for h in re.findall(r"^#{2,3} (.+)$", walkthrough, flags=re.MULTILINE)}
     links = {**info["links"]["views"], **info["links"]["steps"]}
     assert set(info["links"]["views"]) == set(explorer.VIEW_SECTIONS) and set(info["links"]["steps"]) == {s.name for s in STEPS}
-    assert {link.split("#")[1] for link in links.values()} <= anchors
-    with urllib.request.urlopen(bundled + "/docs/walkthrough.md", timeout=HANG_SECONDS) as response:
-        assert response.status == 200 and response.read().decode() == walkthrough
+    assert all(link.startswith("/docs/walkthrough#") for link in links.values())
+    status, kind, body = fetch(bundled + "/docs/walkthrough")
+    page = body.decode()
+    assert status == 200 and kind.startswith("text/html")
+    ids = set(re.findall(r'<h[1-6] id="([^"]+)"', page))
+    headings = re.findall(r"^#+ ", (ROOT / "docs" / "walkthrough.md").read_text(encoding="utf-8"), flags=re.MULTILINE)
+    assert len(ids) == len(headings) and {link.split("#")[1] for link in links.values()} <= ids
+    assert "<table>" in page and "<pre><code" in page and "<details>" in page
+    sources = re.findall(r'<img src="([^"]+)"', page)
+    assert len(sources) >= 10
+    for source in sources:
+        status, kind, image = fetch(f"{bundled}/docs/{source}")
+        assert (status, kind, image[:8]) == (200, "image/png", b"\x89PNG\r\n\x1a\n"), source
+    for missing in ("figures/nothing.png", "figures/ablations.json", "figures/..%2fwalkthrough.md", "walkthrough.md"):
+        status, kind, error = fetch(f"{bundled}/docs/{missing}")
+        assert status == 404 and json.loads(error)["error"]["message"].startswith("no route"), missing
 
 
 NAME_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"],
@@ -243,9 +279,12 @@ def test_the_page_loads_nothing_from_elsewhere_and_opens_without_the_key_its_dat
         with urllib.request.urlopen(base + "/", timeout=HANG_SECONDS) as response:
             page, policy = response.read().decode(), response.headers["Content-Security-Policy"]
         assert "default-src 'self'" in policy and "http" not in page.replace("http-equiv", "")
-        for name in ("app.js", "style.css"):
+        for name in ("app.js", "style.css", "docs.css"):
             with urllib.request.urlopen(f"{base}/web/{name}", timeout=HANG_SECONDS) as response:
                 assert response.status == 200 and b"http" not in response.read()
+        for path in ("/docs/walkthrough", "/docs/figures/rope.png"):             # the page's links: no key either
+            with urllib.request.urlopen(base + path, timeout=HANG_SECONDS) as response:
+                assert response.status == 200 and response.headers["Content-Security-Policy"] == policy
         assert_openai_error(*get(base + "/explorer/model"), 401)
         status, info = get(base + "/explorer/model", Authorization="Bearer sesame")
         assert status == 200 and info["dimensions"]["L"] == 6 and len(info["steps"]) == len(STEPS)
@@ -354,7 +393,26 @@ def test_the_page_opens_on_the_default_prompt_s_numbers_and_draws_its_flow_as_st
     assert page.eval_on_selector("#flow canvas.strip", "c => c.width") >= len(analysis["flow"][0]["values"])
     assert len(page.query_selector_all("#flow details.flow-layer")) == 6
     hrefs = page.eval_on_selector_all("a.doc:not([hidden])", "links => links.map(a => a.getAttribute('href'))")
-    assert len(hrefs) >= 6 and all(href.startswith("/docs/walkthrough.md#") for href in hrefs)
+    assert len(hrefs) >= 6 and all(href.startswith("/docs/walkthrough#") for href in hrefs)
+    assert not page.errors
+    page.close()
+
+
+@pytest.mark.slow
+def test_a_view_s_walkthrough_link_opens_the_page_at_its_section(browser, bundled) -> None:
+    page = open_page(browser, bundled)
+    target = page.get_attribute('a.doc[data-view="attention"]', "href").split("#")[1]
+    page.click('a.doc[data-view="attention"]')
+    page.wait_for_url(f"**/docs/walkthrough#{target}")
+    page.wait_for_load_state("load")                              # its figures too, above the section
+    shown = page.evaluate("id => { const e = document.getElementById(id); if (!e) return null;"
+                          " const r = e.getBoundingClientRect(); return [e.textContent, r.top, r.bottom, window.innerHeight]; }",
+                          target)
+    assert shown is not None, f"no heading #{target}"
+    text, top, bottom, height = shown
+    assert text.startswith("3.10 self_attn.softmax") and 0 <= top < bottom <= height        # the heading is in view
+    assert page.evaluate("window.scrollY") > 1000                    # far down the page, not at its top
+    assert page.evaluate("[...document.images].every(image => image.complete && image.naturalWidth > 0)")
     assert not page.errors
     page.close()
 
