@@ -25,7 +25,7 @@ from tests.conftest import BUNDLED, ROOT
 pytestmark = pytest.mark.slow      # a wheel built and installed into a fresh virtual environment
 
 # What the wheel is built from (MANIFEST.in says what an sdist adds for its tests; a wheel needs none of it).
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "NOTICE", "MANIFEST.in", "qwen_np", "weights")
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "NOTICE", "MANIFEST.in", "qwen_np", "weights", "docs")
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -49,7 +49,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-def test_the_wheel_holds_every_module_the_bundled_model_and_serve_s_page_but_no_test_fixture(wheel: Path) -> None:
+def test_the_wheel_holds_every_module_the_bundled_model_serve_s_page_and_walkthrough_but_no_test_fixture(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {path.relative_to(ROOT).as_posix() for path in (ROOT / "qwen_np").rglob("*.py")}
     assert modules <= names, f"modules missing from the wheel (list the package in pyproject.toml): {modules - names}"
@@ -57,8 +57,11 @@ def test_the_wheel_holds_every_module_the_bundled_model_and_serve_s_page_but_no_
     assert {f"qwen_np/weights/draft/{name}" for name in MODEL_FILES} <= names          # the bundled draft
     page = {path.relative_to(ROOT).as_posix() for path in (ROOT / "qwen_np" / "serving" / "web").iterdir()}
     assert page and page <= names, f"serve's page missing from the wheel (package-data): {page - names}"
+    figures = {f"qwen_np/docs/figures/{path.name}" for path in (ROOT / "docs" / "figures").glob("*.png")}
+    shipped = {name for name in names if name.startswith("qwen_np/docs/")}        # /docs/walkthrough's, nothing else
+    assert figures and shipped == {"qwen_np/docs/walkthrough.md", "qwen_np/docs/glossary.md"} | figures
     assert zipfile.ZipFile(wheel).read("qwen_np/weights/model.safetensors") == (BUNDLED / "model.safetensors").read_bytes()
-    assert not [name for name in names if name.startswith(("tests/", "weights/")) or "LICENSE-tokenizer" in name]
+    assert not [name for name in names if name.startswith(("tests/", "weights/", "docs/")) or "LICENSE-tokenizer" in name]
 
 
 def test_an_installed_wheel_generates_and_grades_exercises_offline_from_any_folder(wheel: Path, tmp_path: Path) -> None:
@@ -78,11 +81,13 @@ def test_an_installed_wheel_generates_and_grades_exercises_offline_from_any_fold
         cwd=elsewhere, env=env)
 
     where = run(python, "-c", "import qwen_np.cli as cli, qwen_np.files.checkpoint as checkpoint; "
-                "print(cli.__file__); print(checkpoint.bundled_model_path())",
+                "from qwen_np.serving import docs; print(cli.__file__); print(checkpoint.bundled_model_path()); "
+                "print(docs.docs_folder()); print(docs.rendered(docs.docs_folder() / 'walkthrough.md').body.count('<img'))",
                 cwd=elsewhere, env=env).stdout.decode().splitlines()
     package = Path(where[0]).resolve().parent
     assert package.is_relative_to(venv.resolve()), f"imported {package}, not the venv's qwen_np"
     assert Path(where[1]).resolve() == package / "weights"
+    assert Path(where[2]).resolve() == package / "docs" and int(where[3]) >= 10      # serve's walkthrough page, figures
 
     result = run(python, "-m", "qwen_np", "generate", "ROMEO:", "-n", "20", "-s", "0", cwd=elsewhere, env=env)
     assert result.stdout.decode().strip()
