@@ -4,9 +4,10 @@ Any web page can send requests to a server on loopback, so POSTs must be `applic
 `text/plain` POST, which a browser sends cross-site without asking, is refused), a loopback server answers
 only Host headers naming loopback (against DNS rebinding), and `--api-key` asks every client but /health and
 the page's files (the walkthrough's among them) for `Authorization: Bearer KEY` (or `x-api-key: KEY`,
-Anthropic's header). Every response under the page's paths carries the same Content-Security-Policy and
-frame-ancestors, whichever route or file it comes from. The log line of a request is escaped: a path is the client's text, and a raw newline or
-terminal control code in it (%0a, %1b) would forge log lines or drive the operator's terminal.
+Anthropic's header). Every response under the page's paths carries the same Content-Security-Policy and frame-
+ancestors, whichever route or file it comes from. The log line of a request is escaped: a path is the client's
+text, and a raw newline or terminal control code in it (%0a, %1b) would forge log lines or drive the
+operator's terminal.
 
 Imports nothing of serving/ (it is the bottom of the folder, with protocol.py).
 """
