@@ -670,7 +670,7 @@ def cli_flags() -> set[str]:
 
 def glossary_markdown(page: Any) -> str:
     """docs/glossary.md; every function, flag and section it names is checked to exist."""
-    from qwen_np.serving.explorer import heading_anchor
+    from qwen_np.serving.docs import heading_anchor
 
     flags = cli_flags()
     headings = {int(m) for m in re.findall(r"^## (\d+)\. ", page.markdown, flags=re.MULTILINE)}
