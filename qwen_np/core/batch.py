@@ -69,9 +69,10 @@ class Batch:
 
 
 def pack(token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],
-         adapters: Sequence[Adapter | None] | None, vocab_size: int, inv_freq: np.ndarray) -> Batch:
+         adapters: Sequence[Adapter | None] | None, vocab_size: int, inv_freq: np.ndarray,
+         rope_scale: float = 1.0) -> Batch:
     """The sequences' checked ids, one sequence after another, as a Batch (with each one's adapter and the RoPE
-    tables at their positions, from inv_freq [Dh/2]); their caches reserve room for them (every row checked
+    tables at their positions, from inv_freq [Dh/2], times rope_scale); their caches reserve room for them (every row checked
     first: nothing half-done)."""
     if len(token_ids) != len(caches) or not token_ids or (adapters is not None and len(adapters) != len(caches)):
         raise QwenNPError(f"forward_batch: {len(token_ids)} sequences of token ids for {len(caches)} caches"
@@ -89,7 +90,7 @@ def pack(token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[Seque
             cache.reserve(len(one))
     ends = np.cumsum([len(one) for one in ids]).tolist()
     positions = np.concatenate([np.arange(start, start + len(one)) for one, start in zip(ids, starts)])
-    cos, sin = layers.rope_angles(inv_freq, positions)                                 # [T, Dh] each
+    cos, sin = layers.rope_angles(inv_freq, positions, rope_scale)                     # [T, Dh] each
     rows = [slice(end - len(one), end) for end, one in zip(ends, ids)]
     return Batch(np.concatenate(ids), positions, rows, list(caches), cos, sin,
                  adapter_rows(rows, adapters or [None] * len(rows)))

@@ -48,6 +48,23 @@ MAX_RMS_NORM_EPS = 1e-3
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN's RoPE scaling (config.json's rope_scaling / rope_parameters with rope_type "yarn"): the context
+    grows `factor` times past the `original_max_position_embeddings` positions the model was trained on.
+    Slow frequencies are interpolated (divided by factor), fast ones kept, a linear ramp between the
+    dimensions that turn beta_slow and beta_fast times over the original window (layers.yarn_inverse_frequencies);
+    cos and sin are multiplied by attention_factor (0.1 ln(factor) + 1 unless given). As transformers'
+    _compute_yarn_parameters."""
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True           # the ramp's ends rounded outwards to whole dimensions (floor / ceil)
+
+
+@dataclass(frozen=True)
 class Qwen3Config:
     """The fields of config.json that change the forward pass (and a few that describe the model)."""
 
@@ -61,6 +78,7 @@ class Qwen3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
+    rope_scaling: Yarn | None = None        # None: plain RoPE (every released Qwen3 as shipped)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 151643
     eos_token_id: int | list[int] | None = 151645
@@ -89,12 +107,18 @@ class Qwen3Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as config.json holds them; an ablation field only where it is set (a Qwen3's dict is Qwen3's)."""
-        return {key: value for key, value in asdict(self).items() if key not in ABLATION_CHOICES or key in self.ablations}
+        fields = {key: value for key, value in asdict(self).items() if key not in ABLATION_CHOICES or key in self.ablations}
+        if self.rope_scaling is None:
+            del fields["rope_scaling"]
+        else:                                                  # transformers' spelling: the type named in the object
+            fields["rope_scaling"] = {"rope_type": "yarn", **fields["rope_scaling"]}
+        return fields
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "Qwen3Config":
         """Validate a config.json dict, in either the original Qwen3 style or the newer transformers style."""
         _check_supported(raw, source)
+        rope = _rope_parameters(raw, source)
         try:
             config = cls(
                 vocab_size=int(raw["vocab_size"]),
@@ -106,8 +130,9 @@ class Qwen3Config:
                 # transformers' Qwen3Config defaults head_dim to 128 (not hidden/heads) when absent.
                 head_dim=int(_given(raw, "head_dim", 128)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=_rope_theta(raw, source),
+                rope_theta=_rope_theta(rope, raw),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),   # transformers' default
+                rope_scaling=_yarn(rope, raw),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_id=raw.get("eos_token_id"),
@@ -141,6 +166,18 @@ class Qwen3Config:
             raise QwenNPError(f"{source}: rms_norm_eps is {self.rms_norm_eps}; it must be at most {MAX_RMS_NORM_EPS}")
         if not math.isfinite(self.rope_theta):
             raise QwenNPError(f"{source}: rope_theta must be finite, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            yarn = self.rope_scaling
+            if not (math.isfinite(yarn.factor) and yarn.factor >= 1):
+                raise QwenNPError(f"{source}: rope_scaling factor must be a finite number >= 1, got {yarn.factor}")
+            if yarn.original_max_position_embeddings <= 0:
+                raise QwenNPError(f"{source}: rope_scaling original_max_position_embeddings must be positive, "
+                                  f"got {yarn.original_max_position_embeddings}")
+            if not (math.isfinite(yarn.attention_factor) and yarn.attention_factor > 0):
+                raise QwenNPError(f"{source}: rope_scaling attention_factor must be positive, got {yarn.attention_factor}")
+            if not (0 < yarn.beta_slow <= yarn.beta_fast and math.isfinite(yarn.beta_fast)):
+                raise QwenNPError(f"{source}: rope_scaling needs 0 < beta_slow <= beta_fast, got beta_fast="
+                                  f"{yarn.beta_fast}, beta_slow={yarn.beta_slow}")
         for name, choices in ABLATION_CHOICES.items():
             value = getattr(self, name)
             # type() as well: 1 == True in Python, and "use_rope": 1 in a JSON file is a mistake worth naming.
@@ -182,18 +219,56 @@ def _check_supported(raw: dict[str, Any], source: str) -> None:
 TRANSFORMERS_DEFAULT_ROPE_THETA = 10000.0
 
 
-def _rope_theta(raw: dict[str, Any], source: str) -> float:
-    """RoPE base from `rope_theta` (Qwen3 as released) or `rope_parameters` (transformers >= 5)."""
+def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The RoPE object, `rope_parameters` (transformers >= 5) or `rope_scaling` (Qwen3 as released; null there),
+    with its type checked: plain RoPE or YaRN, any other scaling refused by name."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise QwenNPError(f"{source}: rope_parameters / rope_scaling must be an object or null, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise QwenNPError(f"{source}: rope scaling {rope_type!r} is not supported (only default RoPE; "
+    if rope_type not in ("default", "yarn"):
+        raise QwenNPError(f"{source}: rope scaling {rope_type!r} is not supported (only default RoPE and 'yarn'; "
                           "remove rope_scaling to run at the native context length)")
+    unknown = sorted(set(params) - YARN_KEYS) if rope_type == "yarn" else []
+    if unknown:              # mscale and mscale_all_dim only change the default attention factor: read below
+        raise QwenNPError(f"{source}: rope_scaling key {unknown[0]!r} is not a YaRN parameter qwen_np knows")
+    return params
+
+
+def _rope_theta(params: dict[str, Any], raw: dict[str, Any]) -> float:
+    """RoPE base from `rope_theta` (Qwen3 as released) or `rope_parameters` (transformers >= 5)."""
     theta = params.get("rope_theta", raw.get("rope_theta"))
     # Absent everywhere, transformers falls back to its standard RoPE base 10000 (not Qwen3's 1e6).
     return float(TRANSFORMERS_DEFAULT_ROPE_THETA if theta is None else theta)
+
+
+YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "attention_factor",
+             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}
+
+
+def _yarn(params: dict[str, Any], raw: dict[str, Any]) -> Yarn | None:
+    """YaRN's parameters as transformers' _compute_yarn_parameters resolves them (None for plain RoPE): the
+    original window defaults to max_position_embeddings, a missing factor to the ratio of the two; the
+    attention factor, unless given, is 0.1 ln(factor) + 1 (or the ratio of two such terms when mscale and
+    mscale_all_dim are both set); beta_fast / beta_slow default to 32 / 1 (also when 0 or null, as there)."""
+    if params.get("rope_type", params.get("type")) != "yarn":
+        return None
+    original = int(params.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 32768))
+    factor = params.get("factor")
+    factor = float(raw.get("max_position_embeddings", 32768) / original if factor is None else factor)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    return Yarn(factor=factor, original_max_position_embeddings=original, attention_factor=float(attention_factor),
+                beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                truncate=bool(params.get("truncate", True)))
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term: 0.1 mscale ln(factor) + 1 (1 for no scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

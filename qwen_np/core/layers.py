@@ -8,6 +8,7 @@ transformers' modeling_qwen3.py; comments record where the numerics could silent
 
 from __future__ import annotations
 
+import math
 from contextvars import ContextVar
 from typing import Callable
 
@@ -130,13 +131,46 @@ def rope_inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:
     not always, so for Dh=128, theta=1e6 one of 64 entries (index 37, a slow frequency) differs by
     1 ulp, a phase error of about 1e-6 rad at position 40959. All the fast frequencies match.
     """
+    return np.float32(1.0) / rope_powers(head_dim, theta)
+
+
+def rope_powers(head_dim: int, theta: float) -> np.ndarray:
+    """theta^(2i/Dh) for i < Dh/2 in FP32: the exponent formed in FP32 as torch does, the power correctly rounded."""
     exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)   # [Dh/2] FP32
-    power = (np.float64(theta) ** exponent.astype(np.float64)).astype(np.float32)
-    return np.float32(1.0) / power
+    return (np.float64(theta) ** exponent.astype(np.float64)).astype(np.float32)
 
 
-def rope_angles(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin tables for the given absolute positions: [T] -> two [T, Dh].
+def yarn_inverse_frequencies(head_dim: int, theta: float, factor: float, original_positions: int,
+                             beta_fast: float, beta_slow: float, truncate: bool = True) -> np.ndarray:
+    """YaRN's inv_freq [Dh/2]: each frequency between RoPE's own (extrapolated: kept) and divided by `factor`
+    (interpolated), by how many turns it makes over the `original_positions` the model was trained on.
+
+    A dimension pair turning more than beta_fast times there is kept (the model has seen every phase of it);
+    one turning fewer than beta_slow times is interpolated (the longer context must stay within the phases
+    seen); between, a linear ramp over the dimension index. The pair that turns r times over L positions is
+    d(r) = Dh ln(L / (2 pi r)) / (2 ln theta) (truncate: floor of the fast end, ceil of the slow one).
+    FP32 throughout as transformers' _compute_yarn_parameters, whose ramp this is.
+    """
+    def turning(rotations: float) -> float:          # the dimension pair that turns `rotations` times over L
+        return head_dim * math.log(original_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turning(beta_fast), turning(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001                                # as transformers: a ramp of one dimension, not 0 / 0
+    power = rope_powers(head_dim, theta)                                                  # [Dh/2]
+    extrapolated = np.float32(1.0) / power
+    interpolated = np.float32(1.0) / (np.float32(factor) * power)      # rounded twice, as torch: product, reciprocal
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    kept = np.float32(1.0) - ramp                                                          # 1: extrapolated
+    return (interpolated * (np.float32(1.0) - kept) + extrapolated * kept).astype(np.float32)
+
+
+def rope_angles(inv_freq: np.ndarray, positions: np.ndarray, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables for the given absolute positions: [T] -> two [T, Dh], times `scale` (YaRN's attention
+    factor: it scales q and k both, so every attention score by its square; 1 for plain RoPE).
 
     The angle is one FP32 product position * inv_freq (as torch forms it); cos/sin are then taken in
     float64 and rounded, i.e. correctly rounded, which torch's FP32 kernels match almost always.
@@ -144,7 +178,11 @@ def rope_angles(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray
     """
     angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]               # [T, Dh/2]
     angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)            # [T, Dh]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    if scale != 1.0:
+        cos *= np.float32(scale)
+        sin *= np.float32(scale)
+    return cos, sin
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

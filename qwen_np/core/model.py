@@ -108,7 +108,7 @@ class Qwen3Model:
         # How load_model holds the weights (memory.MemoryPlan; None for a model built by hand). The network never
         # reads it, so it is typed loosely: the network does not import the planner above it.
         self.plan = plan
-        self.inv_freq = layers.rope_inverse_frequencies(config.head_dim, config.rope_theta)   # [Dh/2]
+        self.inv_freq, self.rope_scale = rope_frequencies(config)        # [Dh/2], and cos/sin's factor
 
     @property
     def lm_head(self) -> Weight:
@@ -207,7 +207,18 @@ class Qwen3Model:
     def pack(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],
              adapters: Sequence[Adapter | None] | None = None) -> Batch:
         """The sequences as one Batch for this model's vocabulary and RoPE frequencies (batch.pack)."""
-        return pack(token_ids, caches, adapters, self.config.vocab_size, self.inv_freq)
+        return pack(token_ids, caches, adapters, self.config.vocab_size, self.inv_freq, self.rope_scale)
+
+
+def rope_frequencies(config: Qwen3Config) -> tuple[np.ndarray, float]:
+    """RoPE's inverse frequencies [Dh/2] and the factor its cos and sin tables are multiplied by: Qwen3's own
+    RoPE (factor 1), or YaRN's when config.json asks for it (config.Yarn)."""
+    yarn = config.rope_scaling
+    if yarn is None:
+        return layers.rope_inverse_frequencies(config.head_dim, config.rope_theta), 1.0
+    return layers.yarn_inverse_frequencies(config.head_dim, config.rope_theta, yarn.factor,
+                                           yarn.original_max_position_embeddings, yarn.beta_fast, yarn.beta_slow,
+                                           yarn.truncate), yarn.attention_factor
 
 
 class Notes:

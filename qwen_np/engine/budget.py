@@ -32,16 +32,29 @@ def context_for(config: Qwen3Config, asked: int | None = None, *, default: int |
                 param: str | None = None) -> int:
     """The positions a run keeps KV cache for: what the caller asked (--ctx-size, max_tokens, a prompt and
     its reply), else `default` (DEFAULT_CONTEXT; None: the model's whole context), and never more than the
-    model's own context (max_position_embeddings).
+    model's own context (model_context).
 
     With `param` (the flag or field `asked` came in), asking for more than the model's context is an error
     naming it, not a request quietly cut down: training and evaluation would otherwise measure something
     other than what was asked."""
-    limit = config.max_position_embeddings
+    limit = model_context(config)
     if param is not None and asked is not None and not 1 <= asked <= limit:
-        raise QwenNPError(f"must be between 1 and the model's context ({limit} positions, max_position_embeddings), "
+        raise QwenNPError(f"must be between 1 and the model's context ({limit} positions, {_context_source(config)}), "
                           f"got {asked}", param)
     return min(asked or default or limit, limit)
+
+
+def model_context(config: Qwen3Config) -> int:
+    """The positions the model's config allows: max_position_embeddings, or YaRN's extended window (factor x the
+    original one: Qwen3's documented 4 x 32,768 = 131,072) when that is longer."""
+    yarn = config.rope_scaling
+    extended = 0 if yarn is None else int(yarn.factor * yarn.original_max_position_embeddings)
+    return max(config.max_position_embeddings, extended)
+
+
+def _context_source(config: Qwen3Config) -> str:
+    """Where the model's context comes from, for a message."""
+    return "max_position_embeddings" if model_context(config) == config.max_position_embeddings else "YaRN's rope_scaling"
 
 
 def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:

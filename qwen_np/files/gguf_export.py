@@ -66,6 +66,9 @@ def write_gguf_tensors(path: str | Path, config: Qwen3Config, tokenizer: Tokeniz
     written at once (so the model never has to be in memory: bench/big_models.py writes random blocks).
     file_type: a FILE_TYPES name, or a Mix (bench/gguf_kinds.py's random K-quant files)."""
     path = Path(path)
+    if config.rope_scaling is not None:      # llama.cpp derives YaRN's ramp and attention factor its own way
+        raise QwenNPError("a checkpoint with YaRN rope_scaling is not written as GGUF yet (llama.cpp would "
+                          "run it at its native window); remove rope_scaling from config.json to export it", "model")
     if isinstance(file_type, Mix):
         llama_file_type, matrix_type = file_type.file_type, file_type.matrix_type
     else:

@@ -131,7 +131,7 @@ def context_budget(config: Qwen3Config, prompt_tokens: int, max_new_tokens: int)
     Raises when the prompt leaves no room for a single new token (checked before loading weights).
     """
     context = context_for(config, default=None)
-    where = f"the model's {context}-token context (max_position_embeddings)"
+    where = f"the model's {context}-token context"
     _check_room(prompt_tokens, max_new_tokens, context, where)
     return context_for(config, prompt_tokens + max_new_tokens, default=None)
 

@@ -402,10 +402,10 @@ class Recorder:
                   for field, values in self.layers[i].items()}                           # probs [B, H, T, T]
         return LayerTape(x=x, **fields)
 
-    def tape(self, token_ids: np.ndarray, config: Qwen3Config, inv_freq: np.ndarray) -> Tape:
+    def tape(self, token_ids: np.ndarray, config: Qwen3Config, inv_freq: np.ndarray, rope_scale: float) -> Tape:
         """The record as the backward reads it."""
         B, T = token_ids.shape
-        cos, sin = layers.rope_angles(inv_freq, np.arange(T))                        # [T, Dh] each
+        cos, sin = layers.rope_angles(inv_freq, np.arange(T), rope_scale)            # [T, Dh] each
         names = ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
         inputs = [self.outputs[name].reshape(B, T, -1) for name in names]            # L + 1 x [B, T, D]
         kept = [self.layer_tape(i, inputs[i], B, T) for i in self.layers] if self.layers else None
@@ -422,7 +422,7 @@ def forward_with_tape(model: Qwen3Model, token_ids: np.ndarray, recompute: bool 
     B, T = token_ids.shape
     record = Recorder(range(0 if recompute else model.config.num_hidden_layers))
     logits = model.forward_batch(list(token_ids), [None] * B, trace=record)          # [B*T, V]
-    return logits.reshape(B, T, -1), record.tape(token_ids, model.config, model.inv_freq)
+    return logits.reshape(B, T, -1), record.tape(token_ids, model.config, model.inv_freq, model.rope_scale)
 
 
 def recomputed_layer(model: Qwen3Model, i: int, tape: Tape) -> LayerTape:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from tests.conftest import QWEN3_RANDOM, TINY_CONFIG
+from qwen_np.engine.budget import context_for, model_context
 from qwen_np import PRESETS, Qwen3Config, QwenNPError, load_config, parameter_count, preset
 
 QWEN3_8B_CONFIG = {
@@ -41,7 +43,12 @@ def test_head_dim_comes_from_config_not_hidden_over_heads():
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not supported"),
     ({"num_key_value_heads": 3}, "not divisible by num_key_value_heads (3)"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope scaling 'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 0.5}}, "rope_scaling factor must be a finite number >= 1"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "low_freq_factor": 1}},
+     "rope_scaling key 'low_freq_factor' is not a YaRN parameter"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 1, "beta_slow": 2}},
+     "needs 0 < beta_slow <= beta_fast"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6}}, "rope scaling 'linear' is not supported"),
     ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
@@ -63,6 +70,20 @@ def test_invalid_configs_are_refused_with_the_field_named(change, message):
     with pytest.raises(QwenNPError) as error:
         Qwen3Config.from_dict({**TINY_CONFIG, **change})
     assert message in str(error.value)
+
+
+def test_qwens_documented_yarn_reads_in_both_spellings_and_reaches_131072_positions():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    old = Qwen3Config.from_dict({**QWEN3_8B_CONFIG, "rope_scaling": yarn})
+    new = Qwen3Config.from_dict({**QWEN3_8B_CONFIG, "rope_scaling": None,
+                                 "rope_parameters": {**yarn, "rope_theta": 1000000}})
+    assert old == new and old.rope_scaling is not None
+    assert old.rope_scaling.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
+    assert (old.max_position_embeddings, model_context(old)) == (40960, 131072)
+    assert context_for(old, 131072, param="ctx_size") == 131072
+    with pytest.raises(QwenNPError, match="between 1 and the model's context \\(131072 positions, YaRN"):
+        context_for(old, 131073, param="ctx_size")
+    assert context_for(PRESETS["qwen3-8b"], None, default=None) == 40960      # plain RoPE: its own window
 
 
 def test_missing_required_field_is_named():

@@ -41,12 +41,14 @@ def make_config(
     tie_word_embeddings: bool,
     rope_theta: float = 1e6,
     rms_norm_eps: float = 1e-6,
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int = 40960,
 ) -> Qwen3Config:
     """Return a Qwen3 config for the eager FP32 reference path.
 
     `rope_theta` is always passed explicitly because Qwen3Config's default (1e4) is not the
-    released models' value (1e6). Other fields follow Qwen3-8B (spec §2.1); bos/eos are
-    placed inside the small vocabularies so the saved configs stay self-consistent.
+    released models' value (1e6). `rope_scaling`: more RoPE parameters (YaRN's). Other fields
+    follow Qwen3-8B (spec §2.1); bos/eos are placed inside the small vocabularies so the saved configs stay self-consistent.
     """
     return Qwen3Config(
         vocab_size=vocab_size,
@@ -57,9 +59,9 @@ def make_config(
         num_key_value_heads=num_key_value_heads,
         head_dim=head_dim,
         tie_word_embeddings=tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})},
         rms_norm_eps=rms_norm_eps,
-        max_position_embeddings=40960,
+        max_position_embeddings=max_position_embeddings,
         max_window_layers=num_hidden_layers,
         bos_token_id=vocab_size - 2,
         eos_token_id=vocab_size - 1,
