@@ -12,8 +12,11 @@ choice at Qwen3's value it computes Qwen3's layer (tests/core/test_ablations.py)
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
+from ..numbers.numerics import Weight
 from . import layers
 from .batch import Batch
 from .config import Qwen3Config
@@ -55,9 +58,10 @@ class AblatedModel(Qwen3Model):
 
     def mlp(self, h: np.ndarray, w: LayerWeights, note: Trace) -> np.ndarray:
         """Qwen3's SwiGLU, or in a GELU MLP (mlp_type "gelu", no gate_proj) down(gelu(up(h))).  [T, D] -> [T, D]."""
+        up, down = cast(Weight, w.up_proj), cast(Weight, w.down_proj)     # an ablation's layer is dense (config)
         if w.gate_proj is None:
-            return layers.gelu_mlp(h, w.up_proj, w.down_proj, note)
-        return layers.swiglu(h, w.gate_proj, w.up_proj, w.down_proj, note)
+            return layers.gelu_mlp(h, up, down, note)
+        return layers.swiglu(h, w.gate_proj, up, down, note)
 
 
 def model_class(config: Qwen3Config) -> type[Qwen3Model]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ DIMENSIONS = {
     "F": "intermediate_size: the MLP width",
     "V": "vocab_size: one logit per token id",
     "L": "num_hidden_layers: decoder layers",
+    "E": "num_experts: the experts of a sparse (mixture-of-experts) layer; K = num_experts_per_tok of them per token",
+    "Fe": "moe_intermediate_size: one expert's MLP width",
 }
 Shape = tuple[str, ...]   # a shape in those symbols, e.g. ("H*Dh", "D"); a bare integer string is a constant
 
@@ -89,6 +92,35 @@ class Qwen3Config:
     norm_position: str = "pre"
     use_residual: bool = True
     mlp_type: str = "swiglu"
+    # Qwen3-MoE (model_type "qwen3_moe"): a sparse layer's MLP is num_experts SwiGLUs of moe_intermediate_size,
+    # num_experts_per_tok of them chosen per token by a router (layers.moe). Layer i is sparse unless it is in
+    # mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (sparse_layer). num_experts 0: dense Qwen3.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False              # the chosen experts' probabilities renormalised to sum 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001       # training's load-balancing loss weight (the forward ignores it)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether this is a Qwen3-MoE (some layers sparse)."""
+        return self.num_experts > 0
+
+    @property
+    def model_type(self) -> str:
+        return "qwen3_moe" if self.is_moe else "qwen3"
+
+    @property
+    def architecture(self) -> str:
+        """The transformers class config.json names (its "architectures")."""
+        return "Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"
+
+    def sparse_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts, transformers' rule (Qwen3MoeDecoderLayer)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def ablations(self) -> dict[str, Any]:
@@ -108,6 +140,11 @@ class Qwen3Config:
     def to_dict(self) -> dict[str, Any]:
         """The fields as config.json holds them; an ablation field only where it is set (a Qwen3's dict is Qwen3's)."""
         fields = {key: value for key, value in asdict(self).items() if key not in ABLATION_CHOICES or key in self.ablations}
+        if self.is_moe:
+            fields["mlp_only_layers"] = list(self.mlp_only_layers)
+        else:                                                  # a dense Qwen3's dict is Qwen3's
+            for key in MOE_FIELDS:
+                del fields[key]
         if self.rope_scaling is None:
             del fields["rope_scaling"]
         else:                                                  # transformers' spelling: the type named in the object
@@ -139,6 +176,7 @@ class Qwen3Config:
                 # Old files write torch_dtype, transformers >= 4.56 writes dtype.
                 torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
                 **{name: raw.get(name, choices[0]) for name, choices in ABLATION_CHOICES.items()},
+                **(_moe_fields(raw) if raw.get("model_type") == "qwen3_moe" else {}),
             )
         except KeyError as missing:
             raise QwenNPError(f"{source}: missing required field {missing}") from None
@@ -178,12 +216,44 @@ class Qwen3Config:
             if not (0 < yarn.beta_slow <= yarn.beta_fast and math.isfinite(yarn.beta_fast)):
                 raise QwenNPError(f"{source}: rope_scaling needs 0 < beta_slow <= beta_fast, got beta_fast="
                                   f"{yarn.beta_fast}, beta_slow={yarn.beta_slow}")
+        if self.is_moe:
+            self._validate_moe(source)
         for name, choices in ABLATION_CHOICES.items():
             value = getattr(self, name)
             # type() as well: 1 == True in Python, and "use_rope": 1 in a JSON file is a mistake worth naming.
             if not any(type(value) is type(choice) and value == choice for choice in choices):
                 raise QwenNPError(f"{source}: {name} must be one of {', '.join(json.dumps(c) for c in choices)}, "
                                   f"got {json.dumps(value)}")
+
+
+    def _validate_moe(self, source: str) -> None:
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise QwenNPError(f"{source}: num_experts_per_tok must be between 1 and num_experts ({self.num_experts}), "
+                              f"got {self.num_experts_per_tok}")
+        for name in ("moe_intermediate_size", "decoder_sparse_step"):
+            if getattr(self, name) <= 0:
+                raise QwenNPError(f"{source}: {name} must be positive, got {getattr(self, name)}")
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if outside:
+            raise QwenNPError(f"{source}: mlp_only_layers holds {outside[0]}, not a layer of {self.num_hidden_layers}")
+        if self.ablations:
+            raise QwenNPError(f"{source}: the ablations ({', '.join(self.ablations)}) are of dense Qwen3, not Qwen3-MoE")
+
+
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+              "mlp_only_layers", "router_aux_loss_coef")
+
+
+def _moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """A qwen3_moe config.json's expert fields, with transformers' defaults (Qwen3MoeConfig). num_experts is
+    num_local_experts in files transformers >= 5 writes."""
+    experts = _given(raw, "num_experts", _given(raw, "num_local_experts", 128))
+    return {"num_experts": int(experts), "num_experts_per_tok": int(_given(raw, "num_experts_per_tok", 8)),
+            "moe_intermediate_size": int(_given(raw, "moe_intermediate_size", 768)),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(_given(raw, "decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+            "router_aux_loss_coef": float(_given(raw, "router_aux_loss_coef", 0.001))}
 
 
 def id_list(ids: int | list[int] | None) -> list[int]:
@@ -200,9 +270,9 @@ def _given(raw: dict[str, Any], key: str, default: Any) -> Any:
 def _check_supported(raw: dict[str, Any], source: str) -> None:
     """Refuse what this implementation does not compute, rather than compute it wrongly."""
     model_type = raw.get("model_type")
-    if model_type != "qwen3":
-        raise QwenNPError(f"{source}: model_type {model_type!r} is not supported (only dense 'qwen3'; "
-                          "Qwen3-MoE, Qwen2 and others are different networks)")
+    if model_type not in ("qwen3", "qwen3_moe"):
+        raise QwenNPError(f"{source}: model_type {model_type!r} is not supported (only 'qwen3' and 'qwen3_moe'; "
+                          "Qwen2 and others are different networks)")
     if raw.get("use_sliding_window"):
         raise QwenNPError(f"{source}: use_sliding_window=true is not supported (every released Qwen3 uses full attention)")
     layer_types = raw.get("layer_types") or []
@@ -292,7 +362,7 @@ def load_config(folder: str | Path) -> Qwen3Config:
     return Qwen3Config.from_dict(read_json_object(path), source=str(path))
 
 
-# Published shapes of the dense Qwen3 family (the model cards' config.json files), so shapes, parameter counts and memory can be
+# Published shapes of the Qwen3 family (the model cards' config.json files), so shapes, parameter counts and memory can be
 # computed with no weights at all.
 PRESETS: dict[str, Qwen3Config] = {
     "qwen3-0.6b": Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -306,6 +376,10 @@ PRESETS: dict[str, Qwen3Config] = {
                              num_attention_heads=40, num_key_value_heads=8),
     "qwen3-32b": Qwen3Config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                              num_attention_heads=64, num_key_value_heads=8),
+    # Qwen3-MoE: 128 experts of 768, 8 a token (intermediate_size is what a dense layer among them would have).
+    "qwen3-30b-a3b": Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                 num_attention_heads=32, num_key_value_heads=4, num_experts=128,
+                                 num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 
@@ -343,6 +417,13 @@ LAYER_TENSORS: dict[str, TensorSpec] = {
     "up_proj": TensorSpec("model.layers.{i}.mlp.up_proj.weight", ("F", "D")),
     "down_proj": TensorSpec("model.layers.{i}.mlp.down_proj.weight", ("D", "F")),
 }
+# A sparse layer's MLP (Qwen3-MoE) in the place of gate_proj, up_proj and down_proj: the router, and each
+# expert's SwiGLU, stored one tensor per expert as released ("{e}": the expert's index).
+ROUTER = TensorSpec("model.layers.{i}.mlp.gate.weight", ("E", "D"))
+EXPERT_TENSORS: dict[str, TensorSpec] = {
+    key: TensorSpec(f"model.layers.{{i}}.mlp.experts.{{e}}.{key}.weight", shape)
+    for key, shape in (("gate_proj", ("Fe", "D")), ("up_proj", ("Fe", "D")), ("down_proj", ("D", "Fe")))}
+DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 # The tensors outside the layers, keyed by the Qwen3Model attribute that holds them. A checkpoint
 # with tie_word_embeddings has no lm_head: the LM head is the embedding table itself.
 MODEL_TENSORS: dict[str, TensorSpec] = {
@@ -359,15 +440,25 @@ LAYER_TENSOR_NAMES: dict[str, str] = {key: spec.name for key, spec in LAYER_TENS
 EMBED_TOKENS = MODEL_TENSORS["embed_tokens"].name
 FINAL_NORM = MODEL_TENSORS["norm"].name
 LM_HEAD = MODEL_TENSORS["lm_head"].name
-_MATRIX_NAMES = re.compile("|".join(re.escape(spec.name).replace(re.escape("{i}"), r"\d+")
-                                    for spec in [*LAYER_TENSORS.values(), *MODEL_TENSORS.values()] if len(spec.shape) == 2))
+_MATRIX_NAMES = re.compile("|".join(
+    re.escape(spec.name).replace(re.escape("{i}"), r"\d+").replace(re.escape("{e}"), r"\d+")
+    for spec in [*LAYER_TENSORS.values(), *MODEL_TENSORS.values(), ROUTER, *EXPERT_TENSORS.values()]
+    if len(spec.shape) == 2))
 
 
-def layer_tensors(config: Qwen3Config) -> dict[str, TensorSpec]:
-    """LAYER_TENSORS less the ones an ablation removes: q_norm and k_norm without QK-norm, gate_proj in a GELU MLP."""
+def layer_tensors(config: Qwen3Config, i: int) -> dict[str, TensorSpec]:
+    """Layer i's tensors: LAYER_TENSORS less the ones an ablation removes (q_norm and k_norm without QK-norm,
+    gate_proj in a GELU MLP); a sparse layer's MLP (config.sparse_layer) is "router" and each expert's
+    "experts.{e}.gate_proj", ... (their names' "{e}" filled in, "{i}" left) in the dense MLP's place."""
     removed = {"q_norm", "k_norm"} if not config.use_qk_norm else set()
     removed |= {"gate_proj"} if config.mlp_type == "gelu" else set()
-    return {key: spec for key, spec in LAYER_TENSORS.items() if key not in removed}
+    if not config.sparse_layer(i):
+        return {key: spec for key, spec in LAYER_TENSORS.items() if key not in removed}
+    specs = {key: spec for key, spec in LAYER_TENSORS.items() if key not in removed | set(DENSE_MLP)}
+    specs["router"] = ROUTER
+    specs.update({f"experts.{e}.{key}": TensorSpec(spec.name.replace("{e}", str(e)), spec.shape)
+                  for e in range(config.num_experts) for key, spec in EXPERT_TENSORS.items()})
+    return specs
 
 
 def is_matrix(name: str) -> bool:
@@ -379,7 +470,8 @@ def dimensions(config: Qwen3Config, tokens: int = 1, positions: int | None = Non
     """The value of every symbol for `tokens` new tokens attending to `positions` (default: tokens)."""
     return {"T": tokens, "S": tokens if positions is None else positions, "D": config.hidden_size,
             "H": config.num_attention_heads, "KVH": config.num_key_value_heads, "Dh": config.head_dim,
-            "F": config.intermediate_size, "V": config.vocab_size, "L": config.num_hidden_layers}
+            "F": config.intermediate_size, "V": config.vocab_size, "L": config.num_hidden_layers,
+            "E": config.num_experts, "Fe": config.moe_intermediate_size}
 
 
 def evaluate(expression: str, dims: dict[str, int]) -> int:
@@ -398,21 +490,35 @@ def expected_tensors(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     dims = dimensions(config)
     specs = [MODEL_TENSORS["embed_tokens"]]
     specs += [TensorSpec(spec.name.format(i=i), spec.shape)
-              for i in range(config.num_hidden_layers) for spec in layer_tensors(config).values()]
+              for i in range(config.num_hidden_layers) for spec in layer_tensors(config, i).values()]
     specs += [MODEL_TENSORS["norm"]] + ([] if config.tie_word_embeddings else [MODEL_TENSORS["lm_head"]])
     return {spec.name: tuple(resolve(spec.shape, dims)) for spec in specs}
 
 
 def tensor_shapes(config: Qwen3Config) -> list[tuple[tuple[int, ...], int]]:
-    """(shape, how many tensors have it) for each entry of MODEL_TENSORS and LAYER_TENSORS: what counting
-    needs, without a name per layer (a config is counted before its layers are checked against a header)."""
+    """(shape, how many tensors have it) for the tensors of MODEL_TENSORS and the layers' (a sparse layer's
+    experts counted together): what counting needs, without a name per layer (a config is counted before its
+    layers are checked against a header)."""
     dims = dimensions(config)
     own = [MODEL_TENSORS["embed_tokens"], MODEL_TENSORS["norm"]] + ([] if config.tie_word_embeddings
                                                                      else [MODEL_TENSORS["lm_head"]])
-    return ([(tuple(resolve(spec.shape, dims)), 1) for spec in own] +
-            [(tuple(resolve(spec.shape, dims)), config.num_hidden_layers) for spec in layer_tensors(config).values()])
+    layer_shapes: Counter[tuple[int, ...]] = Counter(
+        tuple(resolve(spec.shape, dims)) for i in range(config.num_hidden_layers)
+        for key, spec in layer_tensors(config, i).items() if not key.startswith("experts."))
+    sparse = sum(config.sparse_layer(i) for i in range(config.num_hidden_layers))
+    experts = [(tuple(resolve(spec.shape, dims)), sparse * config.num_experts) for spec in EXPERT_TENSORS.values()]
+    return ([(tuple(resolve(spec.shape, dims)), 1) for spec in own] + list(layer_shapes.items())
+            + [entry for entry in experts if entry[1]])
 
 
 def parameter_count(config: Qwen3Config) -> int:
     """Parameters in the checkpoint (the LM head counted only when it is not tied to the embedding)."""
     return sum(math.prod(shape) * count for shape, count in tensor_shapes(config))
+
+
+def active_parameter_count(config: Qwen3Config) -> int:
+    """Parameters one token computes with: all of them but, in each sparse layer, the experts it is not routed
+    to (num_experts - num_experts_per_tok of them). A dense Qwen3's: parameter_count."""
+    sparse = sum(config.sparse_layer(i) for i in range(config.num_hidden_layers))
+    expert = sum(math.prod(resolve(spec.shape, dimensions(config))) for spec in EXPERT_TENSORS.values())
+    return parameter_count(config) - sparse * (config.num_experts - config.num_experts_per_tok) * expert

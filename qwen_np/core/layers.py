@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from contextvars import ContextVar
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -269,6 +269,49 @@ def swiglu(x: np.ndarray, gate_proj: Weight, up_proj: Weight, down_proj: Weight,
     act = silu(gate) * up                                                             # [..., T, F]
     note("act_fn", act)
     return linear(act, down_proj)                                                     # [..., T, D]
+
+
+def route(router_logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The router's choice: softmax over the E experts, the top_k likeliest of each token, and their weights
+    (those probabilities; renormalised to sum to 1 when `normalize`, config.norm_topk_prob).
+    logits [T, E] -> experts [T, K] (indices, likeliest first) and weights [T, K].
+
+    The softmax is FP32 whatever the activations are (transformers: softmax(..., dtype=float)). The top
+    k of E is a partial sort; argsort of -p keeps equal probabilities in expert order (torch.topk's order
+    for ties is unspecified: with real-valued logits ties do not happen)."""
+    probs = softmax(router_logits.astype(np.float32, copy=False))                    # [T, E]
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]                  # [T, K]
+    weights = np.take_along_axis(probs, experts, axis=-1)                             # [T, K]
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return experts, weights
+
+
+Expert = tuple[Weight, Weight, Weight]    # one expert's SwiGLU: gate_proj [Fe, D], up_proj [Fe, D], down_proj [D, Fe]
+
+
+def moe(x: np.ndarray, router: Weight, experts: Sequence[Expert], top_k: int, normalize: bool,
+        note: Note = ignore) -> np.ndarray:
+    """Qwen3MoeSparseMoeBlock: each token through the top_k of E expert SwiGLUs its router picks, their outputs
+    weighted by the router's probabilities and summed.  x [T, D] -> [T, D].
+
+    Only the chosen experts run: expert e multiplies just the rows of the tokens routed to it (gathered), so a
+    token costs top_k experts' weights, not E's. Summed in expert order, as transformers' index_add_ does.
+    `note` sees the router's logits ("gate", as the checkpoint names the router).
+    """
+    logits = note_value(note, "gate", linear(x, router))                               # [T, E]
+    chosen, weights = route(logits, top_k, normalize)                                  # [T, K] each
+    out = np.zeros_like(x)                                                             # [T, D]
+    for e in np.unique(chosen):
+        tokens, slot = np.nonzero(chosen == e)         # the tokens routed to expert e, and which of their k picks
+        out[tokens] += weights[tokens, slot, None] * swiglu(x[tokens], *experts[e])   # [n, D]
+    return out
+
+
+def note_value(note: Note, name: str, value: np.ndarray) -> np.ndarray:
+    """note(name, value), handing the value back."""
+    note(name, value)
+    return value
 
 
 # GELU's tanh form (GPT-2's "gelu_new"): NumPy has no erf, and at FP32 the two differ by < 1e-3.

@@ -31,7 +31,7 @@ from ..numbers.numerics import Weight
 from . import layers
 from .adapters import Adapter
 from .batch import Batch, advance, output_rows, pack
-from .config import LAYER_TENSORS, Qwen3Config
+from .config import DENSE_MLP, LAYER_MATRICES, LAYER_TENSORS, Qwen3Config
 from .kv_cache import KVCache, SequenceCache
 
 # trace(name, value) is called with every intermediate of the forward pass when given (see inspection),
@@ -66,8 +66,26 @@ class LayerWeights:
     o_proj: Weight
     post_attention_layernorm: np.ndarray
     gate_proj: Weight | None = None
-    up_proj: Weight
-    down_proj: Weight
+    up_proj: Weight | None = None
+    down_proj: Weight | None = None
+    # A sparse layer (Qwen3-MoE, config.sparse_layer) has these in the dense MLP's place: the router [E, D]
+    # and each expert's (gate_proj, up_proj, down_proj).
+    router: Weight | None = None
+    experts: list[layers.Expert] | None = None
+
+    def matrices(self) -> list[Weight]:
+        """Every matrix the layer holds: q, k, v, o, then the MLP's (a sparse one's router and experts)."""
+        held = [getattr(self, key) for key in LAYER_MATRICES if getattr(self, key) is not None]
+        return held + ([self.router] if self.router is not None else []) + [m for e in self.experts or [] for m in e]
+
+
+def layer_weights(tensors: dict[str, Weight]) -> LayerWeights:
+    """A layer's LayerWeights from its tensors keyed as config.layer_tensors keys them (a sparse layer's experts
+    as "experts.{e}.gate_proj", ...: gathered into the list of experts, in order)."""
+    own: dict[str, Any] = {key: value for key, value in tensors.items() if not key.startswith("experts.")}
+    count = sum(key.endswith(".gate_proj") for key in tensors if key.startswith("experts."))
+    experts = [cast(layers.Expert, tuple(tensors[f"experts.{e}.{key}"] for key in DENSE_MLP)) for e in range(count)]
+    return LayerWeights(**own, experts=experts or None)
 
 
 class Qwen3LayerWeights(LayerWeights):
@@ -77,6 +95,8 @@ class Qwen3LayerWeights(LayerWeights):
     q_norm: np.ndarray
     k_norm: np.ndarray
     gate_proj: Weight
+    up_proj: Weight
+    down_proj: Weight
 
 
 class Qwen3Model:
@@ -95,9 +115,15 @@ class Qwen3Model:
             raise QwenNPError(f"{type(self).__name__} computes Qwen3 only, not the ablation {config.ablations}: "
                               "build it with core.ablations.model_class(config)")
         lacking = [f"layer {i}'s {key}" for i, layer in enumerate(decoder_layers) for key in LAYER_TENSORS
-                   if not self.ablated and getattr(layer, key) is None]
+                   if not self.ablated and getattr(layer, key) is None
+                   and not (config.sparse_layer(i) and key in DENSE_MLP)]
         if lacking:                                      # what Qwen3LayerWeights promises Qwen3's layer
             raise QwenNPError(f"a Qwen3 layer holds every tensor of config.LAYER_TENSORS; missing {lacking[0]}")
+        misplaced = [i for i, layer in enumerate(decoder_layers)
+                     if config.sparse_layer(i) != (layer.router is not None and len(layer.experts or []) == config.num_experts)]
+        if misplaced:
+            raise QwenNPError(f"layer {misplaced[0]}: config.sparse_layer says {config.sparse_layer(misplaced[0])}; a sparse "
+                              f"layer holds a router and {config.num_experts} experts, a dense one neither")
         self.config = config
         self.embed_tokens = embed_tokens      # [V, D]
         self.layers = decoder_layers          # L x LayerWeights
@@ -200,8 +226,11 @@ class Qwen3Model:
         return cast(Qwen3LayerWeights, batch.layer_weights(i, self.layers[i]))
 
     def mlp(self, h: np.ndarray, w: Qwen3LayerWeights, note: Trace) -> np.ndarray:
-        """The layer's MLP: SwiGLU, down(silu(gate(h)) * up(h)).  [T, D] -> [T, D]. Its own method so that
-        another MLP (a mixture of experts) can sit beside it; `note` sees gate_proj, up_proj and act_fn."""
+        """The layer's MLP: SwiGLU, down(silu(gate(h)) * up(h)), or in a sparse layer of Qwen3-MoE the mixture of
+        experts (each token through the few experts its router picks).  [T, D] -> [T, D]. `note` sees gate_proj,
+        up_proj and act_fn (a sparse layer: the router's logits, "gate")."""
+        if w.router is not None and w.experts is not None:
+            return layers.moe(h, w.router, w.experts, self.config.num_experts_per_tok, self.config.norm_topk_prob, note)
         return layers.swiglu(h, w.gate_proj, w.up_proj, w.down_proj, note)
 
     def pack(self, token_ids: Sequence[Sequence[int] | np.ndarray], caches: Sequence[SequenceCache | None],

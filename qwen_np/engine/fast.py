@@ -59,8 +59,8 @@ from numpy.lib.array_utils import byte_bounds
 
 from ..core import layers
 from ..core.adapters import Adapter
-from . import runtime
-from ..core.config import LAYER_MATRICES, Qwen3Config
+from . import moe, runtime
+from ..core.config import Qwen3Config
 from .memory import MemoryPlan
 from ..core.kv_cache import SequenceCache
 from ..core.batch import Batch, advance, output_rows
@@ -328,10 +328,12 @@ class _Fused:
     from: if one is replaced, the fused views are made again."""
 
     def __init__(self, w: LayerWeights) -> None:
-        self.parts = (w.q_proj, w.k_proj, w.v_proj, qwen3_weight(w.gate_proj, "gate_proj"), w.up_proj)
-        q, k, v, gate, up = (without_adapters(part) for part in self.parts)
+        self.parts = (w.q_proj, w.k_proj, w.v_proj, w.gate_proj, w.up_proj)
+        q, k, v = (without_adapters(part) for part in self.parts[:3])
         self.qkv = _joined([q, k, v])                                  # [(H + 2 KVH) Dh, D] or None
-        self.gate_up = _joined([gate, up])                             # [2F, D] or None
+        # [2F, D] or None; None in a sparse layer (Qwen3-MoE), which has no dense MLP
+        self.gate_up = (None if w.gate_proj is None or w.up_proj is None else
+                        _joined([without_adapters(w.gate_proj), without_adapters(w.up_proj)]))
 
     def current(self, w: LayerWeights) -> bool:
         return all(a is b for a, b in zip(self.parts, (w.q_proj, w.k_proj, w.v_proj, w.gate_proj, w.up_proj)))
@@ -461,7 +463,7 @@ class FastQwen3Model(Qwen3Model):
         """Whether any matrix is kept as stored (BF16/F16) or int8, and so is upcast block by block on use
         (an adapted one by its base: its adapters' thin products are FP32)."""
         matrices = [*([self.lm_head] if self.has_head else []),
-                    *(without_adapters(getattr(w, name)) for w in self.layers for name in LAYER_MATRICES)]
+                    *(without_adapters(m) for w in self.layers for m in w.matrices())]
         return not all(isinstance(m, np.ndarray) for m in matrices)
 
     def _layer(self, i: int, w: LayerWeights, x: np.ndarray, run: _Pass) -> None:
@@ -524,18 +526,21 @@ class FastQwen3Model(Qwen3Model):
 
     def _mlp_block(self, i: int, w: LayerWeights, run: _Pass) -> None:
         """block_out = down_proj(silu(gate_proj(h)) * up_proj(h)): gate and up in one product when they lie
-        back to back."""
-        b, F = run.buffers, self.config.intermediate_size
+        back to back; a sparse layer's mixture of experts (moe.sparse_mlp)."""
+        b, F, c = run.buffers, self.config.intermediate_size, self.config
+        if w.router is not None and w.experts is not None:            # a sparse layer (Qwen3-MoE): engine/moe.py
+            moe.sparse_mlp(b.h, w.router, w.experts, c.num_experts_per_tok, c.norm_topk_prob, b.block_out, linear)
+            return
         gate_up_weight = self.fused_weights(i)[1]
         if gate_up_weight is not None:
             linear(b.h, gate_up_weight, b.gate_up)
-            _add_adapters(b.h, [qwen3_weight(w.gate_proj, "gate_proj"), w.up_proj], b.gate_up)
+            _add_adapters(b.h, [qwen3_weight(w.gate_proj, "gate_proj"), qwen3_weight(w.up_proj, "up_proj")], b.gate_up)
         else:
             linear(b.h, qwen3_weight(w.gate_proj, "gate_proj"), b.gate_up[:, :F])
-            linear(b.h, w.up_proj, b.gate_up[:, F:])
+            linear(b.h, qwen3_weight(w.up_proj, "up_proj"), b.gate_up[:, F:])
         gate, up = b.gate_up[:, :F], b.gate_up[:, F:]
         run.by_rows(lambda r: _silu_times(gate[r], up[r], b.silu_scratch[r]))
-        linear(gate, w.down_proj, b.block_out)
+        linear(gate, qwen3_weight(w.down_proj, "down_proj"), b.block_out)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from ..numbers.formats import FormatRows, get_format, quantize_int8_rows
 from .budget import context_for
 from .memory import plan_memory
 from ..core.ablations import model_class
-from ..core.model import LayerWeights, Qwen3Model
+from ..core.model import Qwen3Model, layer_weights
 from ..numbers.numerics import PANEL, Int8Rows, Panels, Weight, panel_shape, panels, upcast
 from . import runtime
 from .runtime import allocate, split, threads
@@ -67,11 +67,12 @@ def load_model(path: str | Path | ModelFiles, memory: str = "auto", max_tokens: 
 
     decoder_layers = []
     for i in range(config.num_hidden_layers):
-        names = {key: spec.name.format(i=i) for key, spec in layer_tensors(config).items()}   # an ablation's: fewer
-        held = [key for key in LAYER_MATRICES if key in names]
-        layer: dict[str, Any] = {key: weights.vector(name) for key, name in names.items() if key not in held}
+        # An ablation's layer has fewer tensors; a sparse one (Qwen3-MoE) its router and experts for the dense MLP.
+        names = {key: spec.name.format(i=i) for key, spec in layer_tensors(config, i).items()}
+        held = [key for key in names if key in LAYER_MATRICES or key == "router" or key.startswith("experts.")]
+        layer: dict[str, Weight] = {key: weights.vector(name) for key, name in names.items() if key not in held}
         layer.update(zip(held, weights.matrices([names[key] for key in held])))
-        decoder_layers.append(LayerWeights(**layer))
+        decoder_layers.append(layer_weights(layer))
     embed_tokens, = weights.matrices([MODEL_TENSORS["embed_tokens"].name])
     # An untied checkpoint without lm_head.weight (a bare Qwen3Model: Qwen3-Embedding) loads without a head.
     head = MODEL_TENSORS["lm_head"].name

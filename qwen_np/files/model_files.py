@@ -96,7 +96,7 @@ class ModelFiles:
         """config.json as written: the folder's own (every key it holds), or a GGUF's metadata as one."""
         if not self.gguf:
             return read_json_object(self.path / "config.json")
-        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **self.config.to_dict()}
+        return {"architectures": [self.config.architecture], "model_type": self.config.model_type, **self.config.to_dict()}
 
     def weight_files(self) -> list[Path]:
         """The files that hold the weights: the GGUF file, or the folder's *.safetensors in name order."""

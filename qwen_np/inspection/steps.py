@@ -19,7 +19,7 @@ import numpy as np
 
 from ..core import layers, model
 from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, Shape, dimensions, resolve
-from ..core.model import LayerWeights, Qwen3Model
+from ..core.model import Qwen3Model, layer_weights
 
 # Trace name of the step that reads a tensor -> that tensor's symbolic shape.
 _WEIGHT_SHAPES = {spec.name.removesuffix(".weight"): spec.shape
@@ -156,6 +156,6 @@ def _toy_model() -> Qwen3Model:
     def zeros(shape: Shape) -> np.ndarray:
         return np.zeros(tuple(resolve(shape, dims)), np.float32)
 
-    layer = LayerWeights(**{key: zeros(spec.shape) for key, spec in LAYER_TENSORS.items()})
+    layer = layer_weights({key: zeros(spec.shape) for key, spec in LAYER_TENSORS.items()})
     table = zeros(MODEL_TENSORS["embed_tokens"].shape)
     return Qwen3Model(config, table, [layer], zeros(MODEL_TENSORS["norm"].shape), table)

@@ -137,7 +137,8 @@ def formatted_model(base: Qwen3Model, fmt: str, param: str = "fmt") -> Qwen3Mode
         matrices = back_to_back([getattr(w, key).shape for key in LAYER_MATRICES])
         for key, out in zip(LAYER_MATRICES, matrices):
             rounded(LAYER_TENSORS[key].name.format(i=i), getattr(w, key), out)
-        decoder_layers.append(replace(w, **dict(zip(LAYER_MATRICES, matrices))))
+        rounded_matrices: dict[str, Any] = dict(zip(LAYER_MATRICES, matrices))
+        decoder_layers.append(replace(w, **rounded_matrices))
     embed = rounded(MODEL_TENSORS["embed_tokens"].name, base.embed_tokens)
     lm_head = embed if base.lm_head is base.embed_tokens else rounded(MODEL_TENSORS["lm_head"].name, base.lm_head)
     return type(base)(base.config, embed, decoder_layers, base.norm, lm_head, base.plan)

@@ -16,7 +16,7 @@ layers.MATMUL_INPUTS that layers.linear and linear_backward read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, TypeGuard
+from typing import TYPE_CHECKING, Callable, TypeGuard, cast
 
 import numpy as np
 
@@ -319,10 +319,11 @@ def decoder_layer_backward(d_out: np.ndarray, w: LayerWeights, tape: LayerTape, 
     grads: dict[str, Gradient] = {}
 
     def mlp_backward(d_mlp_out: np.ndarray) -> np.ndarray:                          # -> d h_mlp [B, T, D]
+        up, down = cast(Weight, w.up_proj), cast(Weight, w.down_proj)    # dense: training refuses Qwen3-MoE
         if w.gate_proj is None or tape.gate is None:                                 # ablation: the GELU MLP
-            d_h, branch = gelu_mlp_backward(d_mlp_out, tape.h_mlp, tape.up, w.up_proj, w.down_proj)
+            d_h, branch = gelu_mlp_backward(d_mlp_out, tape.h_mlp, tape.up, up, down)
         else:
-            d_h, branch = swiglu_backward(d_mlp_out, tape.h_mlp, tape.gate, tape.up, w.gate_proj, w.up_proj, w.down_proj)
+            d_h, branch = swiglu_backward(d_mlp_out, tape.h_mlp, tape.gate, tape.up, w.gate_proj, up, down)
         grads.update(branch)
         return d_h
 

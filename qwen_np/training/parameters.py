@@ -10,7 +10,7 @@ import numpy as np
 
 from ..core.ablations import model_class
 from ..core.config import Qwen3Config, expected_tensors, layer_tensors
-from ..core.model import LayerWeights, Qwen3Model
+from ..core.model import Qwen3Model, layer_weights
 from .data import END_OF_TEXT_ID
 
 
@@ -28,7 +28,7 @@ def init_parameters(config: Qwen3Config, seed: int) -> dict[str, np.ndarray]:
 
 def model_from_parameters(config: Qwen3Config, params: dict[str, np.ndarray]) -> Qwen3Model:
     """A Qwen3Model whose weights ARE these arrays (no copies): updating them in place trains it."""
-    layers = [LayerWeights(**{key: params[spec.name.format(i=i)] for key, spec in layer_tensors(config).items()})
+    layers = [layer_weights({key: params[spec.name.format(i=i)] for key, spec in layer_tensors(config, i).items()})
               for i in range(config.num_hidden_layers)]
     embed = params["model.embed_tokens.weight"]
     head = embed if config.tie_word_embeddings else params["lm_head.weight"]

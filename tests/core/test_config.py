@@ -8,6 +8,7 @@ import math
 import pytest
 
 from tests.conftest import QWEN3_RANDOM, TINY_CONFIG
+from qwen_np.core.config import MOE_FIELDS, active_parameter_count
 from qwen_np.engine.budget import context_for, model_context
 from qwen_np import PRESETS, Qwen3Config, QwenNPError, load_config, parameter_count, preset
 
@@ -41,7 +42,12 @@ def test_head_dim_comes_from_config_not_hidden_over_heads():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not supported"),
+    ({"model_type": "qwen2_moe"}, "model_type 'qwen2_moe' is not supported"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5},
+     "num_experts_per_tok must be between 1 and num_experts (4), got 5"),
+    ({"model_type": "qwen3_moe", "mlp_only_layers": [7]}, "mlp_only_layers holds 7, not a layer of"),
+    ({"model_type": "qwen3_moe", "moe_intermediate_size": 0}, "moe_intermediate_size must be positive"),
+    ({"model_type": "qwen3_moe", "use_qk_norm": False}, "are of dense Qwen3, not Qwen3-MoE"),
     ({"num_key_value_heads": 3}, "not divisible by num_key_value_heads (3)"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope scaling 'dynamic' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 0.5}}, "rope_scaling factor must be a finite number >= 1"),
@@ -84,6 +90,34 @@ def test_qwens_documented_yarn_reads_in_both_spellings_and_reaches_131072_positi
     with pytest.raises(QwenNPError, match="between 1 and the model's context \\(131072 positions, YaRN"):
         context_for(old, 131073, param="ctx_size")
     assert context_for(PRESETS["qwen3-8b"], None, default=None) == 40960      # plain RoPE: its own window
+
+
+# Qwen3-30B-A3B's config.json on the Hub.
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_qwen3_30b_a3b_config_reads_as_its_preset_with_30_5b_parameters_3_3b_active():
+    config = Qwen3Config.from_dict(QWEN3_30B_A3B_CONFIG)
+    assert config == PRESETS["qwen3-30b-a3b"] and config.is_moe and all(map(config.sparse_layer, range(48)))
+    assert (round(parameter_count(config) / 1e9, 1), round(active_parameter_count(config) / 1e9, 1)) == (30.5, 3.4)
+    assert Qwen3Config.from_dict({"model_type": config.model_type, **config.to_dict()}) == config
+    renamed = {("num_local_experts" if k == "num_experts" else k): v for k, v in QWEN3_30B_A3B_CONFIG.items()}
+    assert Qwen3Config.from_dict(renamed) == config                 # as transformers >= 5 writes it
+
+
+def test_a_dense_configs_dict_has_no_expert_fields():
+    assert not set(MOE_FIELDS) & set(PRESETS["qwen3-8b"].to_dict())
+    assert active_parameter_count(PRESETS["qwen3-8b"]) == parameter_count(PRESETS["qwen3-8b"])
 
 
 def test_missing_required_field_is_named():

@@ -181,10 +181,11 @@ def test_silu_does_not_overflow_for_very_negative_inputs():
 
 
 def test_layer_weights_hold_exactly_the_tensors_of_the_one_table() -> None:
-    """model.LayerWeights and config.LAYER_TENSORS name the same tensors, in the same order."""
+    """model.LayerWeights and config.LAYER_TENSORS name the same tensors, in the same order; then a sparse
+    layer's router and experts (config.ROUTER, EXPERT_TENSORS)."""
     from dataclasses import fields
 
     from qwen_np.core.config import LAYER_TENSORS
     from qwen_np.core.model import LayerWeights
 
-    assert [f.name for f in fields(LayerWeights)] == list(LAYER_TENSORS)
+    assert [f.name for f in fields(LayerWeights)] == [*LAYER_TENSORS, "router", "experts"]

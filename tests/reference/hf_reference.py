@@ -21,7 +21,7 @@ os.environ.setdefault("USE_HUB_KERNELS", "NO")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from transformers.integrations import hub_kernels  # noqa: E402
 
 # Norm weights are drawn as 1 + NORM_WEIGHT_SPREAD * N(0, 1): far enough from 1 that a
@@ -69,14 +69,29 @@ def make_config(
     )
 
 
-def build_reference_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
-    """Build an FP32 eager Qwen3ForCausalLM with random BF16-exact weights.
+def make_moe_config(*, num_experts: int, num_experts_per_tok: int, moe_intermediate_size: int, norm_topk_prob: bool,
+                    decoder_sparse_step: int = 1, mlp_only_layers: list[int] | None = None, **dense) -> Qwen3MoeConfig:
+    """make_config's model as a Qwen3-MoE (Qwen3MoeConfig): its layers sparse by transformers' rule."""
+    fields = make_config(**dense).to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "max_window_layers", "layer_types", "dtype",
+                "use_sliding_window", "sliding_window"):
+        fields.pop(key, None)
+    return Qwen3MoeConfig(**fields, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                          moe_intermediate_size=moe_intermediate_size, norm_topk_prob=norm_topk_prob,
+                          decoder_sparse_step=decoder_sparse_step, mlp_only_layers=mlp_only_layers,
+                          attn_implementation="eager")
+
+
+def build_reference_model(config: Qwen3Config | Qwen3MoeConfig, seed: int) -> PreTrainedModel:
+    """Build an FP32 eager Qwen3ForCausalLM (Qwen3MoeForCausalLM for a Qwen3MoeConfig) with random BF16-exact
+    weights, the router's included.
 
     Deterministic in `seed`: parameters are filled in `named_parameters` order from one
     seeded generator (a tied lm_head is the embedding and is filled once).
     """
     _assert_no_hub_kernels()
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    kind = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
+    model = kind(config).to(torch.float32).eval()
     assert model.config._attn_implementation == "eager"
     if config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -120,8 +135,8 @@ def random_token_ids(vocab_size: int, length: int, seed: int) -> np.ndarray:
 def _fill_random_(parameter: torch.Tensor, name: str, generator: torch.Generator) -> None:
     """Overwrite one parameter in place with random values of a realistic scale.
 
-    Matrices get std 1/sqrt(fan_in) (shape[1] for both Linear [out, in] and Embedding
-    [vocab, hidden]) so activations and logits stay of order one at any width; RMSNorm
+    Matrices get std 1/sqrt(fan_in) (shape[-1] for Linear [out, in], Embedding [vocab, hidden]
+    and the experts' stacked [E, out, in]) so activations and logits stay of order one at any width; RMSNorm
     vectors get 1 + NORM_WEIGHT_SPREAD * N(0, 1).
     """
     parameter.normal_(generator=generator)
@@ -129,7 +144,7 @@ def _fill_random_(parameter: torch.Tensor, name: str, generator: torch.Generator
         assert name.endswith("norm.weight"), f"unexpected vector parameter {name}"
         parameter.mul_(NORM_WEIGHT_SPREAD).add_(1.0)
     else:
-        parameter.mul_(parameter.shape[1] ** -0.5)
+        parameter.mul_(parameter.shape[-1] ** -0.5)
 
 
 def _assert_no_hub_kernels() -> None:
