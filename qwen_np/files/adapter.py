@@ -79,6 +79,9 @@ def read_adapter(folder: str | Path, config: Qwen3Config, name: str | None = Non
     """The LoRA adapter in `folder` (PEFT's format), for a model of `config`; called `name` (default: the
     folder's name). A QwenNPError names the file and the field or tensor it cannot take."""
     folder = Path(folder)
+    if config.is_moe:       # a PEFT adapter of Qwen3-MoE targets each expert's projections: none is read yet
+        raise QwenNPError(f"{folder}: LoRA adapters are read for dense Qwen3 only, not Qwen3-MoE ({config.model_type})",
+                          "lora")
     settings = _settings(folder / ADAPTER_CONFIG)
     rank, alpha = settings["r"], settings["lora_alpha"]
     scale = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank

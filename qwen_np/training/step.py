@@ -49,6 +49,9 @@ def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = F
     predicted token's weight in the loss (gradients.cross_entropy; chat SFT's assistant-only mask).
     dropout: LoRA dropout on every adapter's input, in this forward and its backward (layers.ADAPTER_INPUTS).
     """
+    if model.config.is_moe:          # the backward by hand (gradients.py) is the dense MLP's and attention's
+        raise QwenNPError("a Qwen3-MoE is not trained here yet (its sparse layers have no backward); train a dense Qwen3",
+                          "model")
     batch = check_batch(batch, model.config.vocab_size)
     if not lora.has_adapters(model):    # an adapted model trains its FP32 adapters; its base may be any kind
         named_parameters(model)         # raises, naming the tensor, unless every weight is a float array

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import qwen_np  # noqa: E402
 from qwen_np.core.config import active_parameter_count, parameter_count  # noqa: E402
 
+from qwen_np.files.adapter import read_adapter  # noqa: E402
 from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
 from tests.commands.test_cli import ids_line  # noqa: E402
 from tests.conftest import HANG_SECONDS, QWEN3_RANDOM  # noqa: E402
@@ -104,6 +105,15 @@ def test_moe_greedy_tokens_are_transformers(moe_model, fast):
         theirs = reference.generate(torch.from_numpy(ids)[None], max_new_tokens=NEW_TOKENS, do_sample=False,
                                     min_new_tokens=NEW_TOKENS)[0, len(ids):].tolist()
     assert greedy(qwen_np.load_model(folder, fast=fast), ids, NEW_TOKENS) == theirs
+
+
+def test_training_and_lora_refuse_a_moe_by_name(moe_model, tmp_path):
+    folder, _, ids, _ = moe_model
+    model = qwen_np.load_model(folder, memory="fp32", fast=False)
+    with pytest.raises(qwen_np.QwenNPError, match="model: a Qwen3-MoE is not trained here yet"):
+        qwen_np.loss_and_gradients(model, ids[None, :8])
+    with pytest.raises(qwen_np.QwenNPError, match="lora: .* LoRA adapters are read for dense Qwen3 only"):
+        read_adapter(tmp_path, model.config)
 
 
 def test_generate_runs_a_saved_moe_folder(tmp_path, env):

@@ -159,11 +159,18 @@ def test_config_nested_too_deeply_is_reported_not_a_recursion_error(make_checkpo
         load_model(folder)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen2", "llama"])
 def test_unsupported_model_type_is_refused(make_checkpoint, model_type):
     folder = make_checkpoint()
     _rewrite_config(folder, model_type=model_type)
     with pytest.raises(QwenNPError, match=f"model_type '{model_type}' is not supported"):
+        load_model(folder)
+
+
+def test_a_dense_checkpoint_called_qwen3_moe_is_refused_naming_a_dense_mlp_tensor(make_checkpoint):
+    folder = make_checkpoint()
+    _rewrite_config(folder, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    with pytest.raises(QwenNPError, match="does not account for, from 'model.layers.0.mlp.down_proj.weight'"):
         load_model(folder)
 
 
