@@ -19,7 +19,7 @@ from ..engine.step_memory import (attention_probabilities, lora_parameters, trai
                                   training_total)
 from ..numbers.numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
-from .counts import forward_flops, parameter_summary, weight_bytes_read_per_token, weight_tensors
+from .counts import forward_flops, modules, parameter_summary, weight_bytes_read_per_token
 from .steps import STEPS, STEPS_BY_NAME, Shape, Step, format_shape
 
 # How real runtimes store the KV cache (BF16; int8 as llama.cpp's -ctk q8_0 does, here with an FP32 scale per
@@ -62,9 +62,8 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
         "steps": [_step_record(step, dims) for step in STEPS],
         "parameters": {
             **params,
-            "per_module": [{"name": step.name, "weight": _shape_record(step.weight or (), dims), "parameters": n,
-                            "instances": config.num_hidden_layers if step.in_layer else 1}
-                           for step, n in weight_tensors(config)],
+            "per_module": [{"name": m.name, "weight": _shape_record(m.shape, dims), "parameters": m.parameters,
+                            "instances": m.instances} for m in modules(config)],
             "lm_head_tied_to_embeddings": config.tie_word_embeddings,
         },
         "weight_bytes": {fmt: int(params["total"] * width) for fmt, width in BYTES_PER_VALUE.items()},
@@ -288,15 +287,20 @@ def _render_steps(report: dict[str, Any]) -> str:
 
 def _render_parameters(report: dict[str, Any]) -> str:
     params = report["parameters"]
-    lines = ["Parameters", f"  {'tensor (+ .weight)':<44}{'shape':<28}{'each':>14}{'x':>4}{'total':>16}"]
+    x = max(4, 1 + max(len(str(m["instances"])) for m in params["per_module"]))     # a MoE's experts: 6144
+    lines = ["Parameters", f"  {'tensor (+ .weight)':<44}{'shape':<28}{'each':>14}{'x':>{x}}{'total':>16}"]
     for m in params["per_module"]:
         shape = format_shape(m["weight"]["symbols"], m["weight"]["numbers"])
-        lines.append(f"  {m['name']:<44}{shape:<28}{m['parameters']:>14,}{m['instances']:>4}"
+        lines.append(f"  {m['name']:<44}{shape:<28}{m['parameters']:>14,}{m['instances']:>{x}}"
                      f"{m['parameters'] * m['instances']:>16,}")
     if params["lm_head_tied_to_embeddings"]:
         lines.append(f"  {'lm_head':<44}{'tied: reuses model.embed_tokens':<28}{0:>14,}{1:>4}{0:>16,}")
-    lines.append(f"  {'one decoder layer':<90}{params['per_layer']:>16,}")
+    moe = params["active"] != params["total"]
+    lines.append(f"  {'one sparse decoder layer' if moe else 'one decoder layer':<90}{params['per_layer']:>16,}")
     lines.append(f"  {'total':<90}{params['total']:>16,}  ({_billions(params['total'])})")
+    if moe:
+        lines.append(f"  {'active: those a token computes with (its routed experts only)':<90}{params['active']:>16,}  "
+                     f"({_billions(params['active'])})")
     lines.append(f"  {'without embeddings (embed_tokens and lm_head)':<90}{params['without_embeddings']:>16,}  "
                  f"({_billions(params['without_embeddings'])})")
     return "\n".join(lines)

@@ -69,6 +69,17 @@ def test_qwen3_8b_exact_counts():
                       "without_embeddings": 6_946_075_648}
 
 
+def test_qwen3_30b_a3b_counts_its_experts_and_reads_only_the_active_ones_a_token():
+    report = inspect_report(preset("qwen3-30b-a3b"), 7, "qwen3-30b-a3b", BANDWIDTH)
+    params = report["parameters"]
+    assert (params["total"], params["active"]) == (30_532_122_624, 3_353_032_704)      # 30.5 B, 3.3 B active
+    assert sum(m["parameters"] * m["instances"] for m in params["per_module"]) == params["total"]
+    assert "model.layers.{i}.mlp.gate_proj" not in {m["name"] for m in params["per_module"]}   # every layer sparse
+    read = {plan["weight_bytes_read_per_token"] for plan in report["this_machine"]["plans"].values()}
+    assert max(read) < 4 * params["active"]               # FP32's: the active weights, not all 30.5 B
+    assert "active: those a token computes with" in render_report(report)
+
+
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_step_weights_are_exactly_the_checkpoint_tensors(name):
     config = preset(name)
