@@ -98,6 +98,19 @@ def test_moe_logits_match_transformers_whole_and_through_the_cache(moe_model, fa
     assert_logits_match(both, np.concatenate([expected, expected[:7]]), "a batch of two")
 
 
+@pytest.mark.parametrize("memory", ["bf16", "int8", "q4_0"])
+def test_moe_runs_in_every_memory_mode_the_fast_path_as_the_readable(moe_model, memory):
+    """Experts held as stored (BF16: exact here), as int8 rows or as q4_0 blocks: both paths multiply each kind."""
+    folder, _, ids, expected = moe_model
+    readable = qwen_np.load_model(folder, memory=memory, fast=False)
+    fast = qwen_np.load_model(folder, memory=memory)
+    assert readable.plan.mode == fast.plan.mode == memory
+    logits = readable.forward(ids)
+    assert_logits_match(fast.forward(ids), logits, f"fast vs readable, {memory}")
+    if memory == "bf16":
+        assert_logits_match(logits, expected, "BF16 as stored vs transformers")
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["readable", "fast"])
 def test_moe_greedy_tokens_are_transformers(moe_model, fast):
     folder, reference, ids, _ = moe_model
