@@ -41,7 +41,7 @@ from ..numbers.ggml_blocks import BLOCK_KINDS, BlockRows
 from ..numbers.ggml_checks import EXPONENTS, FP16_FIELDS, first_bad_scale, first_not_finite
 from ..numbers.ggml_repacked import REPACKINGS, RepackedRows, repackable
 from ..numbers.numerics import Weight, upcast
-from .gguf_metadata import gguf_tensor_name, read_config
+from .gguf_metadata import expert_slice, gguf_tensor_name, read_config
 from .gguf_reader import tensors_by_name, open_reader
 
 # Held as stored (views of the file): ggml type -> the safetensors dtype name Checkpoint reads.
@@ -90,10 +90,11 @@ class GGUFCheckpoint(Checkpoint):
         stored = tensors_by_name(reader)
         tensors = {}
         for name, shape in expected_tensors(self.config).items():
-            gguf_name = gguf_tensor_name(name, self.config.num_hidden_layers)
+            gguf_name = self._gguf_name(name)
             tensor = stored.get(gguf_name)
             if tensor is None:
                 raise QwenNPError(f"{self.folder}: tensor {gguf_name!r} ({name}) is missing")
+            tensor = self._expert(name, tensor)
             numpy_shape = tuple(reversed([int(n) for n in tensor.shape]))      # ggml lists ne[0] first
             if numpy_shape != shape:
                 raise QwenNPError(f"{self.folder}: tensor {gguf_name!r} has shape {list(numpy_shape)} (NumPy order) "
@@ -105,12 +106,31 @@ class GGUFCheckpoint(Checkpoint):
                                        int(tensor.n_bytes) if dtype else 4 * math.prod(shape))
         # llama.cpp refuses a file with more tensors than its metadata implies; running without them would
         # be running a different network than the file holds.
-        used = {gguf_tensor_name(name, self.config.num_hidden_layers) for name in tensors}
+        used = {self._gguf_name(name) for name in tensors}
         extra = [name for name in stored if name not in used]
         if extra:
             raise QwenNPError(f"{self.folder}: {len(extra)} tensor(s) the metadata does not account for, from "
                               f"{extra[0]!r} (a Qwen3 of this shape has no such tensor)")
         return tensors
+
+    def _gguf_name(self, name: str) -> str:
+        """The file's tensor that holds checkpoint tensor `name` (a qwen3moe expert's: the stacked one)."""
+        stacked = expert_slice(name, self.config.num_hidden_layers)
+        return gguf_tensor_name(name, self.config.num_hidden_layers) if stacked is None else stacked[0]
+
+    def _expert(self, name: str, tensor: Any) -> Any:
+        """The tensor itself, or for a qwen3moe expert's matrix its slice of the stacked [E, rows, columns] tensor
+        (experts lie one after another in it, each its rows' blocks in order): a ReaderTensor of that expert's
+        bytes alone, a view of the file, so every kind reads, holds and checks it as a matrix of its own."""
+        stacked = expert_slice(name, self.config.num_hidden_layers)
+        if stacked is None:
+            return tensor
+        e, experts = stacked[1], int(tensor.shape[-1])                      # ggml lists the expert axis last
+        if not 0 <= e < experts or tensor.n_bytes % experts:
+            raise QwenNPError(f"{self.folder}: tensor {stacked[0]!r} holds {experts} experts, not expert {e}")
+        size = int(tensor.n_bytes) // experts
+        return tensor._replace(name=f"{tensor.name}[{e}]", shape=tensor.shape[:-1], n_elements=tensor.n_elements // experts,
+                               n_bytes=size, data_offset=int(tensor.data_offset) + e * size, data=tensor.data[e])
 
     def _check_values(self) -> None:
         """Refuse a tensor with an inf or NaN where its values come from: any block's FP16 scales (every kind's
@@ -140,7 +160,7 @@ class GGUFCheckpoint(Checkpoint):
         return data.view(EXPONENTS[info.dtype][0]).reshape(-1, info.shape[-1])
 
     def _not_finite(self, name: str, where: str) -> QwenNPError:
-        return QwenNPError(f"{self.folder}: tensor {gguf_tensor_name(name, self.config.num_hidden_layers)!r} ({name}) is not "
+        return QwenNPError(f"{self.folder}: tensor {self._gguf_name(name)!r} ({name}) is not "
                            f"finite: {where} (a damaged file: its values would be NaN)")
 
     def dequantization_note(self) -> str | None:

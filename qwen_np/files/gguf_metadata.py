@@ -8,6 +8,11 @@ file holds), the sampling defaults (read_sampling), and the llama.cpp name of ea
   uses `token_embd.weight` for both, as transformers does with tie_word_embeddings).
 * Tensor names are llama.cpp's (`blk.N.attn_q.weight`), mapped to the Hugging Face names of
   config.LAYER_TENSORS / MODEL_TENSORS by gguf's own TensorNameMap for the QWEN3 architecture.
+* A Qwen3-MoE is `general.architecture` "qwen3moe" (keys under `qwen3moe.*`, expert_count, expert_used_count,
+  expert_feed_forward_length); its router is `blk.N.ffn_gate_inp.weight` and its experts are stacked, one 3-D
+  tensor per projection (`blk.N.ffn_gate_exps.weight`, [E, Fe, D] in NumPy order, as llama.cpp's converter
+  stacks them): expert e of it is the checkpoint's `model.layers.N.mlp.experts.e.gate_proj.weight`
+  (expert_slice). llama.cpp runs every qwen3moe layer sparse and renormalises the chosen experts' weights.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import gguf
 import numpy as np
@@ -26,24 +31,29 @@ from ..errors import QwenNPError
 from .gguf_reader import metadata_value, CheckedReader, tensors_by_name, open_reader
 
 ARCHITECTURE = "qwen3"
+MOE_ARCHITECTURE = "qwen3moe"
 # llama.cpp also ends generation at these tokens whatever eos_token_id says (llama-vocab.cpp finds its
 # end-of-generation set by token text); Qwen3's generation_config.json lists both too.
 END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>")
 
 
-def _arch(name: str) -> str:
-    return name.format(arch=ARCHITECTURE)
+def _arch(name: str, arch: str = ARCHITECTURE) -> str:
+    return name.format(arch=arch)
 
 
 # Every qwen3.* key qwen_np knows: those read_config reads, and two it checks against them (vocab_size, the
 # token list's length; rope.dimension_count, head_dim: Qwen3 rotates whole heads). Any other key of the
 # architecture could change the network (RoPE scaling factors, a sliding window, ...), and a misspelt one
 # would leave its setting at a default: a file with one is refused rather than run without it.
-ARCH_KEYS = frozenset(_arch(key) for key in (
+DENSE_KEYS = (
     Keys.LLM.BLOCK_COUNT, Keys.LLM.CONTEXT_LENGTH, Keys.LLM.EMBEDDING_LENGTH, Keys.LLM.FEED_FORWARD_LENGTH,
     Keys.LLM.VOCAB_SIZE, Keys.Attention.HEAD_COUNT, Keys.Attention.HEAD_COUNT_KV, Keys.Attention.KEY_LENGTH,
     Keys.Attention.VALUE_LENGTH, Keys.Attention.LAYERNORM_RMS_EPS, Keys.Rope.FREQ_BASE, Keys.Rope.DIMENSION_COUNT,
-    Keys.Rope.SCALING_TYPE))
+    Keys.Rope.SCALING_TYPE)
+EXPERT_KEYS = (Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+               Keys.LLM.EXPERT_WEIGHTS_NORM)
+ARCH_KEYS = frozenset(_arch(key) for key in DENSE_KEYS)
+MOE_ARCH_KEYS = frozenset(_arch(key, MOE_ARCHITECTURE) for key in (*DENSE_KEYS, *EXPERT_KEYS))
 LAYER_INDEX = re.compile(r"blk\.(\d+)\.")        # the N of a llama.cpp layer tensor name (blk.N.attn_q.weight)
 
 
@@ -52,52 +62,68 @@ def read_config(path: str | Path) -> Qwen3Config:
     checked against the tensors the file holds."""
     reader = open_reader(path)
     source = str(reader.path)
-    architecture = metadata_value(reader, Keys.General.ARCHITECTURE, str)
-    if architecture != ARCHITECTURE:
-        raise QwenNPError(f"{source}: general.architecture is {architecture!r}; qwen_np runs only dense "
-                          f"{ARCHITECTURE!r} models (Qwen3-MoE, Qwen2, Llama and others are different networks)")
-    unknown = sorted(key for key in reader.fields if key.startswith(f"{ARCHITECTURE}.") and key not in ARCH_KEYS)
+    arch = metadata_value(reader, Keys.General.ARCHITECTURE, str)
+    if arch not in (ARCHITECTURE, MOE_ARCHITECTURE):
+        raise QwenNPError(f"{source}: general.architecture is {arch!r}; qwen_np runs {ARCHITECTURE!r} and "
+                          f"{MOE_ARCHITECTURE!r} models (Qwen2, Llama and others are different networks)")
+    known = MOE_ARCH_KEYS if arch == MOE_ARCHITECTURE else ARCH_KEYS
+    unknown = sorted(key for key in reader.fields if key.startswith(f"{arch}.") and key not in known)
     if unknown:
-        raise QwenNPError(f"{source}: metadata key {unknown[0]!r} is not a {ARCHITECTURE} setting qwen_np knows "
+        raise QwenNPError(f"{source}: metadata key {unknown[0]!r} is not a {arch} setting qwen_np knows "
                           "(it may change the network, so the file is refused rather than run without it)")
-    scaling = metadata_value(reader, _arch(Keys.Rope.SCALING_TYPE), str, "none")
+
+    def arch_key(name: str) -> str:                  # this file's architecture's key
+        return name.format(arch=arch)
+
+    scaling = metadata_value(reader, arch_key(Keys.Rope.SCALING_TYPE), str, "none")
     if scaling != "none":
-        raise QwenNPError(f"{source}: {_arch(Keys.Rope.SCALING_TYPE)} is {scaling!r}; only default RoPE is supported")
-    heads = metadata_value(reader, _arch(Keys.Attention.HEAD_COUNT), int)
-    hidden = metadata_value(reader, _arch(Keys.LLM.EMBEDDING_LENGTH), int)
-    head_dim = metadata_value(reader, _arch(Keys.Attention.KEY_LENGTH), int, hidden // max(heads, 1))   # llama.cpp's default
+        raise QwenNPError(f"{source}: {arch_key(Keys.Rope.SCALING_TYPE)} is {scaling!r}; only default RoPE is supported")
+    heads = metadata_value(reader, arch_key(Keys.Attention.HEAD_COUNT), int)
+    hidden = metadata_value(reader, arch_key(Keys.LLM.EMBEDDING_LENGTH), int)
+    head_dim = metadata_value(reader, arch_key(Keys.Attention.KEY_LENGTH), int, hidden // max(heads, 1))   # llama.cpp's default
     tokens = metadata_value(reader, Keys.Tokenizer.LIST, list)
     eos = _end_of_generation(reader, tokens)
     for key, value in ((Keys.Attention.VALUE_LENGTH, head_dim), (Keys.Rope.DIMENSION_COUNT, head_dim),
                        (Keys.LLM.VOCAB_SIZE, len(tokens))):
-        if (given := metadata_value(reader, _arch(key), int, value)) != value:
-            raise QwenNPError(f"{source}: {_arch(key)} is {given}, not {value} "
+        if (given := metadata_value(reader, arch_key(key), int, value)) != value:
+            raise QwenNPError(f"{source}: {arch_key(key)} is {given}, not {value} "
                               "(Qwen3 has one head_dim for keys, values and RoPE, and a logit per token of the list)")
     config = Qwen3Config(
         vocab_size=len(tokens),
         hidden_size=hidden,
-        intermediate_size=metadata_value(reader, _arch(Keys.LLM.FEED_FORWARD_LENGTH), int),
-        num_hidden_layers=_layer_count(reader),
+        intermediate_size=metadata_value(reader, arch_key(Keys.LLM.FEED_FORWARD_LENGTH), int),
+        num_hidden_layers=_layer_count(reader, arch),
         num_attention_heads=heads,
-        num_key_value_heads=metadata_value(reader, _arch(Keys.Attention.HEAD_COUNT_KV), int, heads),
+        num_key_value_heads=metadata_value(reader, arch_key(Keys.Attention.HEAD_COUNT_KV), int, heads),
         head_dim=head_dim,
-        rms_norm_eps=_f32_decimal(metadata_value(reader, _arch(Keys.Attention.LAYERNORM_RMS_EPS), (int, float))),
-        rope_theta=_f32_decimal(metadata_value(reader, _arch(Keys.Rope.FREQ_BASE), (int, float), 10000.0)),  # llama.cpp default
-        max_position_embeddings=metadata_value(reader, _arch(Keys.LLM.CONTEXT_LENGTH), int),
+        rms_norm_eps=_f32_decimal(metadata_value(reader, arch_key(Keys.Attention.LAYERNORM_RMS_EPS), (int, float))),
+        rope_theta=_f32_decimal(metadata_value(reader, arch_key(Keys.Rope.FREQ_BASE), (int, float),
+                                               10000.0)),  # llama.cpp's default
+        max_position_embeddings=metadata_value(reader, arch_key(Keys.LLM.CONTEXT_LENGTH), int),
         tie_word_embeddings=gguf_tensor_name(MODEL_TENSORS["lm_head"].name) not in tensors_by_name(reader),
         bos_token_id=token_id_of(reader, Keys.Tokenizer.BOS_ID, tokens),
         eos_token_id=eos[0] if len(eos) == 1 else eos or None,
         torch_dtype="float32",     # what a GGUF's weights compute in here, whatever they are stored as
+        **(_experts(reader, arch_key) if arch == MOE_ARCHITECTURE else {}),
     )
     config.validate(source)
     return config
 
 
-def _layer_count(reader: CheckedReader) -> int:
+def _experts(reader: CheckedReader, key: Callable[[str], str]) -> dict[str, Any]:
+    """A qwen3moe file's expert fields: llama.cpp's qwen3moe graph runs every layer sparse and renormalises the
+    chosen experts' weights (build_moe_ffn with norm_w), unless expert_weights_norm says otherwise."""
+    return {"num_experts": metadata_value(reader, key(Keys.LLM.EXPERT_COUNT), int),
+            "num_experts_per_tok": metadata_value(reader, key(Keys.LLM.EXPERT_USED_COUNT), int),
+            "moe_intermediate_size": metadata_value(reader, key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), int),
+            "norm_topk_prob": metadata_value(reader, key(Keys.LLM.EXPERT_WEIGHTS_NORM), bool, True)}
+
+
+def _layer_count(reader: CheckedReader, arch: str) -> int:
     """block_count, which must be the number of layers the tensors hold (checked before anything lists a
     layer's tensors: a block_count of 2^32 would have 11 x 2^32 names listed; one below the file's layers
     would run the model without its last layers)."""
-    key = _arch(Keys.LLM.BLOCK_COUNT)
+    key = _arch(Keys.LLM.BLOCK_COUNT, arch)
     declared = metadata_value(reader, key, int)
     held = 1 + max((int(match[1]) for tensor in reader.tensors if (match := LAYER_INDEX.match(tensor.name))), default=-1)
     if declared > held:
@@ -135,14 +161,27 @@ def _end_of_generation(reader: CheckedReader, tokens: list[str]) -> list[int]:
     return list(dict.fromkeys([i for i in ids if i is not None] + [by_text[t] for t in END_OF_GENERATION if t in by_text]))
 
 
-@functools.lru_cache(maxsize=1)
-def _name_map(layers: int) -> gguf.TensorNameMap:
-    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, layers)
+@functools.lru_cache(maxsize=2)
+def _name_map(layers: int, arch: gguf.MODEL_ARCH) -> gguf.TensorNameMap:
+    return gguf.get_tensor_name_map(arch, layers)
+
+
+EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+\.weight)")
+
+
+def expert_slice(hf_name: str, layers: int) -> tuple[str, int] | None:
+    """Where one expert's matrix lies in a qwen3moe GGUF: (the stacked tensor's llama.cpp name, the expert's index
+    along its first NumPy axis) for model.layers.N.mlp.experts.E.<proj>.weight; None for any other name."""
+    match = EXPERT.fullmatch(hf_name)
+    return None if match is None else (gguf_tensor_name(f"{match[1]}.{match[3]}", layers), int(match[2]))
 
 
 def gguf_tensor_name(hf_name: str, layers: int = 1) -> str:
-    """The llama.cpp name of a Hugging Face tensor name (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight)."""
-    name = _name_map(layers).get_name(hf_name, try_suffixes=(".weight",))
+    """The llama.cpp name of a Hugging Face tensor name (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight;
+    a Qwen3-MoE's router and stacked experts, model.layers.3.mlp.experts.up_proj.weight -> blk.3.ffn_up_exps.weight,
+    by QWEN3MOE's map: the names of one never mean another tensor in the other)."""
+    name = (_name_map(layers, gguf.MODEL_ARCH.QWEN3).get_name(hf_name, try_suffixes=(".weight",))
+            or _name_map(layers, gguf.MODEL_ARCH.QWEN3MOE).get_name(hf_name, try_suffixes=(".weight",)))
     if name is None:     # every name of config's tensor table has one (tests/files/test_gguf.py checks)
         raise QwenNPError(f"gguf: no GGUF name for tensor {hf_name!r}")
     return name
