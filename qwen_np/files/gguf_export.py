@@ -21,7 +21,7 @@ from ..core.config import Qwen3Config, expected_tensors
 from ..errors import QwenNPError
 from ..numbers.numerics import upcast
 from ..core.sampling import SamplingParams
-from .gguf_metadata import ARCHITECTURE, gguf_tensor_name
+from .gguf_metadata import ARCHITECTURE, MOE_ARCHITECTURE, expert_slice, gguf_tensor_name
 from .gguf_tokenizer import add_vocabulary
 from .tokenizer import Tokenizer
 
@@ -74,29 +74,54 @@ def write_gguf_tensors(path: str | Path, config: Qwen3Config, tokenizer: Tokeniz
     else:
         kind, llama_file_type = FILE_TYPES[file_type]
         matrix_type = lambda gguf_name: kind                                          # noqa: E731
-    layout = {hf: (gguf_name, shape, _tensor_type(shape, matrix_type(gguf_name)))
-              for hf, shape in expected_tensors(config).items()
-              for gguf_name in [gguf_tensor_name(hf, config.num_hidden_layers)]}
+    _check_llama_cpp_runs(config)
+    layout = _layout(config)                                    # GGUF name -> (its HF tensors, their shape)
+    kinds = {gguf_name: _tensor_type(shape, matrix_type(gguf_name)) for gguf_name, (_, shape) in layout.items()}
     notes = [f"{gguf_name} stays F16: its rows ({shape[-1]} values) are not whole {matrix_type(gguf_name).name} blocks"
-             for gguf_name, shape, kind in layout.values() if len(shape) == 2 and kind != matrix_type(gguf_name)]
+             for gguf_name, (_, shape) in layout.items() if len(shape) == 2 and kinds[gguf_name] != matrix_type(gguf_name)]
     temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    writer = GGUFWriter(temporary, ARCHITECTURE)
+    writer = GGUFWriter(temporary, MOE_ARCHITECTURE if config.is_moe else ARCHITECTURE)
     try:
         _add_metadata(writer, config, llama_file_type, name, sampling)
         notes += add_vocabulary(writer, tokenizer, config)
-        for gguf_name, shape, kind in layout.values():
-            writer.add_tensor_info(gguf_name, *_stored_layout(shape, kind), raw_dtype=kind)
+        for gguf_name, (sources, shape) in layout.items():
+            stacked = (len(sources), *shape) if len(sources) > 1 else shape
+            writer.add_tensor_info(gguf_name, *_stored_layout(stacked, kinds[gguf_name]), raw_dtype=kinds[gguf_name])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for hf, (gguf_name, shape, kind) in layout.items():
-            writer.write_tensor_data(tensor_data(hf, gguf_name, shape, kind))
+        for gguf_name, (sources, shape) in layout.items():
+            parts = [tensor_data(hf, gguf_name, shape, kinds[gguf_name]) for hf in sources]
+            writer.write_tensor_data(parts[0] if len(parts) == 1 else np.stack(parts))
         writer.close()
         os.replace(temporary, path)
     finally:
         writer.close()
         temporary.unlink(missing_ok=True)
     return notes
+
+
+def _check_llama_cpp_runs(config: Qwen3Config) -> None:
+    """Refuse what a GGUF llama.cpp loads cannot say: its qwen3moe graph runs every layer sparse and renormalises
+    the chosen experts' weights."""
+    if config.is_moe and not all(map(config.sparse_layer, range(config.num_hidden_layers))):
+        raise QwenNPError("a Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step) is not written as "
+                          "GGUF: llama.cpp's qwen3moe runs every layer sparse", "model")
+    if config.is_moe and not config.norm_topk_prob:
+        raise QwenNPError("a Qwen3-MoE with norm_topk_prob false is not written as GGUF: llama.cpp's qwen3moe "
+                          "renormalises the chosen experts' weights", "model")
+
+
+def _layout(config: Qwen3Config) -> dict[str, tuple[list[str], tuple[int, ...]]]:
+    """Each GGUF tensor: the Hugging Face tensors it holds and their shape. One each, but a Qwen3-MoE's experts:
+    a layer's E matrices of one projection stacked into one [E, rows, columns] tensor, as llama.cpp's
+    converter writes them (Qwen2MoeModel)."""
+    layout: dict[str, tuple[list[str], tuple[int, ...]]] = {}
+    for hf, shape in expected_tensors(config).items():
+        stacked = expert_slice(hf, config.num_hidden_layers)
+        gguf_name = gguf_tensor_name(hf, config.num_hidden_layers) if stacked is None else stacked[0]
+        layout.setdefault(gguf_name, ([], shape))[0].append(hf)       # experts in order: expected_tensors'
+    return layout
 
 
 def _encoded(values: np.ndarray, kind: GGML, name: str) -> np.ndarray:
@@ -127,7 +152,8 @@ def _stored_layout(shape: tuple[int, ...], kind: GGML) -> tuple[Sequence[int], n
 
 
 def _add_metadata(writer: GGUFWriter, config: Qwen3Config, file_type: int, name: str, sampling: SamplingParams) -> None:
-    """The keys llama.cpp's convert_hf_to_gguf.py writes for Qwen3 (TextModel.set_gguf_parameters), plus
+    """The keys llama.cpp's convert_hf_to_gguf.py writes for Qwen3 (TextModel.set_gguf_parameters; a Qwen3-MoE's
+    expert counts as Qwen2MoeModel's), plus
     the sampling defaults (general.sampling.*, which llama.cpp reads as its defaults)."""
     writer.add_name(name)
     writer.add_block_count(config.num_hidden_layers)
@@ -140,6 +166,10 @@ def _add_metadata(writer: GGUFWriter, config: Qwen3Config, file_type: int, name:
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
+    if config.is_moe:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_sampling_temp(sampling.temperature)

@@ -53,13 +53,19 @@ MODELS = [
 
 @pytest.fixture(scope="module", params=MODELS)
 def moe_model(request, tmp_path_factory):
-    """(checkpoint folder, the transformers model in FP32, token ids, its logits)."""
+    """(checkpoint folder, the transformers model's sparse layers and parameters, token ids, its logits, its
+    greedy tokens), all taken before saving, which casts RoPE's inv_freq buffer to BF16 too."""
     model = build_reference_model(make_moe_config(**SHAPE, **request.param), seed=46)
     ids = random_token_ids(SHAPE["vocab_size"], PROMPT_TOKENS, seed=46)
     expected = reference_logits(model, ids)
+    with torch.inference_mode():
+        greedy_tokens = model.generate(torch.from_numpy(ids)[None], max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       min_new_tokens=NEW_TOKENS)[0, len(ids):].tolist()
+    sparse = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in model.model.layers]
+    parameters = sum(p.numel() for p in model.parameters())                              # a tied head once
     folder = tmp_path_factory.mktemp("moe")
     save_bf16_checkpoint(model, folder)
-    return folder, model.to(torch.float32), ids, expected
+    return folder, (sparse, parameters), ids, expected, greedy_tokens
 
 
 def greedy(model, ids: np.ndarray, steps: int) -> list[int]:
@@ -73,19 +79,18 @@ def greedy(model, ids: np.ndarray, steps: int) -> list[int]:
 
 
 def test_sparse_layers_and_parameter_counts_are_transformers(moe_model):
-    folder, reference, *_ = moe_model
+    folder, (theirs, parameters), *_ = moe_model
     config = qwen_np.load_config(folder)
-    theirs = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in reference.model.layers]
     assert [config.sparse_layer(i) for i in range(config.num_hidden_layers)] == theirs
     assert True in theirs
-    assert parameter_count(config) == sum(p.numel() for p in reference.parameters())     # a tied head once
+    assert parameter_count(config) == parameters
     unused = sum(theirs) * (config.num_experts - config.num_experts_per_tok) * 3 * SHAPE["hidden_size"] * 32
     assert active_parameter_count(config) == parameter_count(config) - unused
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["readable", "fast"])
 def test_moe_logits_match_transformers_whole_and_through_the_cache(moe_model, fast):
-    folder, _, ids, expected = moe_model
+    folder, _, ids, expected, _ = moe_model
     model = qwen_np.load_model(folder, fast=fast)
     assert model.fast == fast
     assert_logits_match(model.forward(ids), expected, "whole prompt")
@@ -101,7 +106,7 @@ def test_moe_logits_match_transformers_whole_and_through_the_cache(moe_model, fa
 @pytest.mark.parametrize("memory", ["bf16", "int8", "q4_0"])
 def test_moe_runs_in_every_memory_mode_the_fast_path_as_the_readable(moe_model, memory):
     """Experts held as stored (BF16: exact here), as int8 rows or as q4_0 blocks: both paths multiply each kind."""
-    folder, _, ids, expected = moe_model
+    folder, _, ids, expected, _ = moe_model
     readable = qwen_np.load_model(folder, memory=memory, fast=False)
     fast = qwen_np.load_model(folder, memory=memory)
     assert readable.plan.mode == fast.plan.mode == memory
@@ -113,15 +118,12 @@ def test_moe_runs_in_every_memory_mode_the_fast_path_as_the_readable(moe_model, 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["readable", "fast"])
 def test_moe_greedy_tokens_are_transformers(moe_model, fast):
-    folder, reference, ids, _ = moe_model
-    with torch.inference_mode():
-        theirs = reference.generate(torch.from_numpy(ids)[None], max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    min_new_tokens=NEW_TOKENS)[0, len(ids):].tolist()
+    folder, _, ids, _, theirs = moe_model
     assert greedy(qwen_np.load_model(folder, fast=fast), ids, NEW_TOKENS) == theirs
 
 
 def test_training_and_lora_refuse_a_moe_by_name(moe_model, tmp_path):
-    folder, _, ids, _ = moe_model
+    folder, _, ids, _, _ = moe_model
     model = qwen_np.load_model(folder, memory="fp32", fast=False)
     with pytest.raises(qwen_np.QwenNPError, match="model: a Qwen3-MoE is not trained here yet"):
         qwen_np.loss_and_gradients(model, ids[None, :8])

@@ -4,6 +4,8 @@ names every tensor by gguf's TensorNameMap for QWEN3MOE, with the expert counts 
 with the gguf package the same way, F32 (transformers' logits) and Q8_0 (the logits of its dequantization),
 then read by qwen_np: each expert a slice of its stacked tensor, read, held and checked as a matrix."""
 
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -17,13 +19,19 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import qwen_np  # noqa: E402
+from qwen_np.core.sampling import SamplingParams  # noqa: E402
 from qwen_np.errors import QwenNPError  # noqa: E402
+from qwen_np.files.gguf_export import write_gguf_tensors  # noqa: E402
+from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
+from tests.conftest import BUNDLED  # noqa: E402
+from tests.files.test_gguf import export  # noqa: E402
 
 from tests.reference.hf_reference import (  # noqa: E402
     build_reference_model,
     make_moe_config,
     random_token_ids,
     reference_logits,
+    save_bf16_checkpoint,
 )
 from tests.reference.logit_match import assert_logits_match  # noqa: E402
 
@@ -163,3 +171,52 @@ def test_a_qwen3moe_gguf_missing_an_experts_tensor_is_refused_naming_it(referenc
     del tensors["blk.1.ffn_up_exps.weight"]
     with pytest.raises(QwenNPError, match="tensor 'blk.1.ffn_up_exps.weight' .*is missing"):
         qwen_np.load_model(write_gguf(tmp_path / "moe.gguf", tensors, GGML.F32))
+
+
+@pytest.fixture(scope="module")
+def moe_folder(reference, tmp_path_factory):
+    """The reference model saved as released (BF16, one tensor per expert) with the bundled model's tokenizer,
+    at its 2,048-token vocabulary."""
+    model = build_reference_model(make_moe_config(**{**CONFIG, "vocab_size": 2048}), seed=47)
+    ids = random_token_ids(2048, 16, seed=3)
+    expected = reference_logits(model, ids)      # before saving: that casts RoPE's inv_freq buffer to BF16 too
+    state = per_expert(model)
+    folder = tmp_path_factory.mktemp("moe")
+    save_bf16_checkpoint(model, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(BUNDLED / name, folder / name)
+    return folder, state, ids, expected
+
+
+@pytest.mark.parametrize("file_type", ["f32", "q8_0"])
+def test_export_writes_a_qwen3moe_gguf_as_llama_cpps_converter_lays_it_out(moe_folder, tmp_path, file_type):
+    """The same tensor names, shapes and (F32) values as the converter's stacking, its expert counts, and the
+    logits back: transformers' for F32, within Q8_0's rounding of them for Q8_0 (the same blocks per expert)."""
+    folder, state, ids, expected = moe_folder
+    path = export(folder, tmp_path / f"moe-{file_type}.gguf", file_type)
+    reader = gguf.GGUFReader(path)
+    written = {t.name: np.array(t.data) for t in reader.tensors}
+    theirs = converted(state)
+    assert {name: tuple(reversed([int(n) for n in t.shape])) for name, t in zip(written, reader.tensors)} == \
+        {name: value.shape for name, value in theirs.items()}
+    assert str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8") == "qwen3moe"
+    assert reader.fields["qwen3moe.expert_count"].parts[-1][0] == EXPERTS
+    ours = qwen_np.load_model(path, memory="fp32").forward(ids)
+    if file_type == "f32":
+        assert all(np.array_equal(written[name], value) for name, value in theirs.items())
+        assert_logits_match(ours, expected, "exported F32")
+    else:
+        assert np.abs(ours - expected).max() < 0.05 * np.abs(expected).max()
+
+
+def test_export_refuses_a_moe_llama_cpp_would_run_otherwise(tmp_path):
+    config = qwen_np.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=(1,))
+    tokenizer = Tokenizer.from_folder(BUNDLED)
+    with pytest.raises(QwenNPError, match="model: a Qwen3-MoE with dense layers"):
+        write_gguf_tensors(tmp_path / "x.gguf", config, tokenizer, SamplingParams(), None, "f32")   # type: ignore[arg-type]
+    with pytest.raises(QwenNPError, match="model: a Qwen3-MoE with norm_topk_prob false"):
+        write_gguf_tensors(tmp_path / "x.gguf", replace(config, mlp_only_layers=(), norm_topk_prob=False), tokenizer,
+                           SamplingParams(), None, "f32")   # type: ignore[arg-type]
+    assert not (tmp_path / "x.gguf").exists()
