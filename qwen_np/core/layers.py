@@ -299,19 +299,14 @@ def moe(x: np.ndarray, router: Weight, experts: Sequence[Expert], top_k: int, no
     token costs top_k experts' weights, not E's. Summed in expert order, as transformers' index_add_ does.
     `note` sees the router's logits ("gate", as the checkpoint names the router).
     """
-    logits = note_value(note, "gate", linear(x, router))                               # [T, E]
+    logits = linear(x, router)                                                         # [T, E]
+    note("gate", logits)
     chosen, weights = route(logits, top_k, normalize)                                  # [T, K] each
     out = np.zeros_like(x)                                                             # [T, D]
     for e in np.unique(chosen):
         tokens, slot = np.nonzero(chosen == e)         # the tokens routed to expert e, and which of their k picks
         out[tokens] += weights[tokens, slot, None] * swiglu(x[tokens], *experts[e])   # [n, D]
     return out
-
-
-def note_value(note: Note, name: str, value: np.ndarray) -> np.ndarray:
-    """note(name, value), handing the value back."""
-    note(name, value)
-    return value
 
 
 # GELU's tanh form (GPT-2's "gelu_new"): NumPy has no erf, and at FP32 the two differ by < 1e-3.

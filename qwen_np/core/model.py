@@ -5,6 +5,7 @@
       -> L x decoder layer:
            x = x + attention(input_layernorm(x))       q/k/v proj, per-head q/k RMSNorm, RoPE, GQA
            x = x + swiglu(post_attention_layernorm(x))
+                   (a Qwen3-MoE's sparse layer: moe, the top k of E expert SwiGLUs its router picks)
       -> norm                                           [T, D] hidden states (an embedding model's output)
       -> lm_head                                        [T, V] logits at every position
 
