@@ -211,8 +211,9 @@ def grouped_rows(by_group: np.ndarray, sums: np.ndarray, weight: Grouped, out: n
 
 def _parts(x: np.ndarray, weight: Weight) -> int:
     """Threads a product's weight is split between: one for a few rows of a small weight (SPLIT_MIN_BYTES;
-    a block kind's counted as FP32, since unpacking its codes is the work)."""
-    size = 4 * math.prod(weight.shape) if is_grouped(weight) else weight.nbytes
+    a weight not held in FP32 counted as FP32, since widening or unpacking its values is the work: Qwen3-0.6B's
+    int8 o_proj and down_proj, 2-3 MB of codes, ran on one thread; bench/README.md, "Against NumPy's own limit")."""
+    size = weight.nbytes if isinstance(weight, (np.ndarray, Panels)) else 4 * math.prod(weight.shape)
     return 1 if size < SPLIT_MIN_BYTES and x.shape[0] <= SMALL_M_MAX else runtime.threads()
 
 
