@@ -19,16 +19,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from qwen_np.core.config import preset
+from qwen_np.core.config import Qwen3Config, preset
 from qwen_np.engine.step_memory import training_memory, training_total
 from qwen_np.engine.runtime import peak_rss_bytes
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3_tokenizer_random"
 CONFIGURATIONS = ("qwen_np lora", "torch+peft lora", "qwen_np full", "torch full")
 RANK, ALPHA = 16, 32
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def batch(rows: int, tokens: int) -> np.ndarray:
@@ -62,23 +64,28 @@ def qwen_np_steps(name: str, ids: np.ndarray, steps: int, threads: int) -> list[
     return seconds[1:]
 
 
-def torch_steps(name: str, ids: np.ndarray, steps: int, threads: int) -> list[float]:
-    import torch
+def hf_model(config: Qwen3Config) -> Any:
+    """transformers' Qwen3ForCausalLM at `config`'s shapes: FP32, eager attention, tied, random, in train mode."""
     import transformers
 
-    torch.set_num_threads(threads)
-    config = preset("qwen3-0.6b")
     hf = transformers.Qwen3Config(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, tie_word_embeddings=True,
         max_position_embeddings=config.max_position_embeddings, attn_implementation="eager")
-    model: torch.nn.Module = transformers.Qwen3ForCausalLM(hf).float().train()
+    return transformers.Qwen3ForCausalLM(hf).float().train()
+
+
+def torch_steps(name: str, ids: np.ndarray, steps: int, threads: int) -> list[float]:
+    import torch
+
+    torch.set_num_threads(threads)
+    model: torch.nn.Module = hf_model(preset("qwen3-0.6b"))
     if name.endswith("lora"):
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                           target_modules=list(TARGETS)))
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     tensor = torch.from_numpy(ids)
@@ -100,8 +107,7 @@ def one(name: str, rows: int, tokens: int, steps: int, threads: int) -> dict[str
     seconds = (qwen_np_steps if name.startswith("qwen_np") else torch_steps)(name, ids, steps, threads)
     lora = name.endswith("lora")
     estimate = training_memory(preset("qwen3-0.6b"), rows, tokens, lora_rank=RANK if lora else 0,
-                               lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                             "down_proj") if lora else (), shards=math.gcd(rows, threads),
+                               lora_targets=TARGETS if lora else (), shards=math.gcd(rows, threads),
                                threads=threads)      # as loss_and_accumulated_gradients cuts the rows
     return {"name": name, "tokens_per_s": rows * tokens / statistics.median(seconds),
             "peak_above_baseline": peak_rss_bytes() - baseline, "estimate": training_total(estimate)}
