@@ -23,6 +23,7 @@ so appending one token never re-quantizes the keys before it. Read back as code 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -30,7 +31,7 @@ import numpy as np
 from .defaults import KV_DTYPES   # name -> its NumPy dtype's (dtype_named); defined there for --help
 from ..errors import QwenNPError
 from ..numbers.formats import dequantize_int8_rows, quantize_int8_rows
-from ..numbers.numerics import dtype_named
+from ..numbers.numerics import bf16_bits_to_f32, bf16_widening, dtype_named
 from .config import Qwen3Config
 
 
@@ -43,6 +44,7 @@ def kv_dtype(name: str) -> np.dtype:
 
 
 SCALED_KV_DTYPE = "int8"     # the one KV dtype whose codes carry scales
+BF16 = dtype_named("bfloat16")
 
 
 def kv_position_bytes(config: Qwen3Config, dtype: str = "fp32") -> int:
@@ -79,6 +81,29 @@ def widened(codes: np.ndarray, scales: np.ndarray | None, out: np.ndarray | None
     return out
 
 
+@dataclass(frozen=True)
+class Unscaled:
+    """One layer's keys and values [S, KVH, Dh] in FP32 as a decode step reads them: BF16 / FP16 widened, int8's
+    codes widened but not yet times their scales [S, KVH], which come beside them (None: nothing to apply).
+    Attention multiplies its S scores a head by the key scales and its S weights by the value scales instead
+    of every one of the S x Dh codes: one pass over the codes (the cast) instead of two."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    key_scales: np.ndarray | None
+    value_scales: np.ndarray | None
+
+
+def unscaled_into(codes: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Stored keys or values [..., KVH, Dh] as FP32 without int8's scales: exact for every stored dtype (BF16 by
+    the faster of two exact widenings on this machine, numerics.bf16_widening: the cast alone measured 2x an
+    FP32 cache's whole decode attention)."""
+    if codes.dtype == BF16 and bf16_widening() == "shift":
+        return bf16_bits_to_f32(codes.view(np.uint16), out)
+    out[...] = codes
+    return out
+
+
 class SequenceCache(Protocol):
     """What a forward pass needs of one sequence's cache: KVCache below, or engine.paged.PagedKVCache."""
 
@@ -90,7 +115,14 @@ class SequenceCache(Protocol):
 
     def reserve(self, new_tokens: int) -> None: ...
 
+    @property
+    def dtype(self) -> str: ...               # the KV dtype its keys and values are stored as (KV_DTYPES)
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None: ...
+
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def unscaled(self, layer: int, end: int) -> Unscaled: ...
 
     def advance(self, ids: Sequence[int] | np.ndarray) -> None: ...
 
@@ -110,19 +142,37 @@ class KVCache:
         self.values = np.zeros(shape, dtype=kv_dtype(dtype))                           # [L, S_max, KVH, Dh]
         self.key_scales, self.value_scales = kv_scales(shape, dtype), kv_scales(shape, dtype)   # [L, S_max, KVH]
         self.dtype, self.max_tokens, self.length = dtype, max_tokens, 0
+        self._widened: np.ndarray | None = None          # unscaled()'s buffers, made at its first call
 
     def reserve(self, new_tokens: int) -> None:
         """Check that `new_tokens` more positions fit (this cache was sized up front)."""
         if self.length + new_tokens > self.max_tokens:
             raise QwenNPError(f"cache: {self.length} cached + {new_tokens} new tokens exceed its {self.max_tokens} positions")
 
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store this pass's keys/values k, v [T, KVH, Dh] of `layer` after the `length` cached positions,
-        and return every key and value so far in position order, FP32 [S, KVH, Dh] each (S = length + T)."""
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store this pass's keys/values k, v [T, KVH, Dh] of `layer` after the `length` cached positions."""
         end = self.length + len(k)
         store(self.keys, self.key_scales, (layer, slice(self.length, end)), k)
         store(self.values, self.value_scales, (layer, slice(self.length, end)), v)
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """write(), then return every key and value so far in position order, FP32 [S, KVH, Dh] each (S = length + T)."""
+        self.write(layer, k, v)
+        end = self.length + len(k)
         return self._read(self.keys, self.key_scales, layer, end), self._read(self.values, self.value_scales, layer, end)
+
+    def unscaled(self, layer: int, end: int) -> Unscaled:
+        """Positions [0, end) of `layer` as a decode step reads them (Unscaled): views when FP32, else widened into
+        this cache's two reused buffers (valid until the next call): a fresh array a layer would be mapped and
+        page-faulted in anew each time."""
+        if self.dtype == "fp32":
+            return Unscaled(self.keys[layer, :end], self.values[layer, :end], None, None)
+        if self._widened is None:
+            self._widened = np.empty((2, *self.keys.shape[1:]), np.float32)                  # [2, S_max, KVH, Dh]
+        scales = (None, None) if self.key_scales is None or self.value_scales is None else (
+            self.key_scales[layer, :end], self.value_scales[layer, :end])
+        return Unscaled(unscaled_into(self.keys[layer, :end], self._widened[0, :end]),
+                        unscaled_into(self.values[layer, :end], self._widened[1, :end]), *scales)
 
     @staticmethod
     def _read(codes: np.ndarray, scales: np.ndarray | None, layer: int, end: int) -> np.ndarray:

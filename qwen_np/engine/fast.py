@@ -513,11 +513,16 @@ class FastQwen3Model(Qwen3Model):
         def attend(keys: np.ndarray, values: np.ndarray, r: slice) -> None:
             _attention(q[r], keys, values, batch.positions[r], b.mixed[r])
 
-        decoding: list[tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = []   # (row, its cache's runs)
+        decoding: list[_Decoding] = []                  # the FP32 paged caches' decode steps
         for row, cache in zip(batch.rows, batch.caches):     # each sequence attends over its own keys only
-            if isinstance(cache, PagedKVCache) and row.stop - row.start == 1 and cache.pool.dtype == "fp32":
-                cache.write(i, k[row], v[row])          # a decode step: over the blocks where they lie
-                decoding.append((row.start, cache.runs(i, cache.length + 1)))
+            if cache is not None and row.stop - row.start == 1:     # a decode step
+                cache.write(i, k[row], v[row])
+                if isinstance(cache, PagedKVCache) and cache.dtype == "fp32":      # over the blocks where they lie
+                    decoding.append(_Decoding(row.start, cache.runs(i, cache.length + 1)))
+                else:        # over reused buffers (the next cache's read overwrites them): now; int8's scales apart
+                    read = cache.unscaled(i, cache.length + 1)
+                    _decode_attention(q, [_Decoding(row.start, [(read.keys, read.values)], read.key_scales,
+                                                    read.value_scales)], b.mixed)
                 continue
             keys, values = (k[row], v[row]) if cache is None else cache.append(i, k[row], v[row])  # [S, KVH, Dh]
             run.by_rows(functools.partial(attend, keys, values), row)
@@ -631,7 +636,7 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarra
     S, KVH = k.shape[0], k.shape[1]
     group = H // KVH
     if T == 1 and positions[0] + 1 == S:
-        return _decode_attention(q, [(0, [(k, v)])], out)
+        return _decode_attention(q, [_Decoding(0, [(k, v)])], out)
     queries = q.reshape(T, KVH, group, Dh).transpose(1, 2, 0, 3).reshape(KVH, group * T, Dh)
     scores = np.matmul(queries, k.transpose(1, 2, 0))                            # [KVH, group*T, S]
     scores *= np.float32(Dh ** -0.5)
@@ -644,12 +649,23 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarra
     out.reshape(T, KVH, group, Dh)[...] = mixed.reshape(KVH, group, T, Dh).transpose(2, 0, 1, 3)
 
 
-def _decode_attention(q: np.ndarray, rows: list[tuple[int, list[tuple[np.ndarray, np.ndarray]]]],
-                      out: np.ndarray) -> None:
-    """One new token at the end of its cache (it sees every key), for each of several sequences: q [T, H, Dh],
-    out [T, H*Dh]; rows: (row of q and out, that sequence's keys and values in runs of positions, in order,
-    k/v [S_i, KVH, Dh] each): cache views, a paged cache's runs of consecutive blocks, so scattered blocks
-    are read where they lie, not gathered into a copy first.
+@dataclass(frozen=True)
+class _Decoding:
+    """One sequence's decode step for _decode_attention: its row of q and out, its keys and values in runs of
+    positions, in order, k/v [S_i, KVH, Dh] each (cache views: a paged cache's runs of consecutive blocks, so
+    scattered blocks are read where they lie, not gathered into a copy first), and an int8 cache's scales
+    [S, KVH] (kv_cache.Unscaled: the runs hold its widened codes; one run then)."""
+
+    row: int
+    runs: list[tuple[np.ndarray, np.ndarray]]
+    key_scales: np.ndarray | None = None
+    value_scales: np.ndarray | None = None
+
+
+def _decode_attention(q: np.ndarray, rows: list[_Decoding], out: np.ndarray) -> None:
+    """One new token at the end of its cache (it sees every key), for each of several sequences (_Decoding):
+    q [T, H, Dh], out [T, H*Dh]. int8's scales multiply the scores (q . code * scale = (q . code) * scale)
+    and the weights (sum_s w_s scale_s code_s), S numbers a head, instead of every code.
 
     Per KV head this is a matrix-vector product per query of its group, so NumPy's matvec/vecmat
     (one BLAS GEMV per query, no batching machinery) beat a batched matmul of [group, Dh] x [Dh, S]
@@ -659,21 +675,25 @@ def _decode_attention(q: np.ndarray, rows: list[tuple[int, list[tuple[np.ndarray
     share of the weighted sum is added (one run: exactly one vecmat).
     """
     H, Dh = q.shape[1:]
-    KVH = rows[0][1][0][0].shape[1]
-    lengths = [sum(len(k) for k, _ in runs) for _, runs in rows]
+    KVH = rows[0].runs[0][0].shape[1]
+    lengths = [sum(len(k) for k, _ in d.runs) for d in rows]
     scores = np.full((len(rows), KVH, H // KVH, max(lengths)), -np.inf, np.float32)    # [B, KVH, group, S]
-    for b, (row, runs) in enumerate(rows):
-        queries, start = q[row].reshape(KVH, H // KVH, Dh), 0                         # [KVH, group, Dh]
-        for k, _ in runs:
+    for b, d in enumerate(rows):
+        queries, start = q[d.row].reshape(KVH, H // KVH, Dh), 0                       # [KVH, group, Dh]
+        for k, _ in d.runs:
             np.matvec(k.transpose(1, 0, 2)[:, None], queries, out=scores[b, ..., start:start + len(k)])
             start += len(k)
+        if d.key_scales is not None:
+            scores[b, ..., :start] *= d.key_scales.T[:, None]                         # [KVH, 1, S]
     scores *= np.float32(Dh ** -0.5)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    for b, (row, runs) in enumerate(rows):
-        mixed, start = out[row].reshape(KVH, H // KVH, Dh), 0
-        for j, (_, v) in enumerate(runs):
+    for b, d in enumerate(rows):
+        mixed, start = out[d.row].reshape(KVH, H // KVH, Dh), 0
+        if d.value_scales is not None:
+            scores[b, ..., :lengths[b]] *= d.value_scales.T[:, None]                  # the weights times the scales
+        for j, (_, v) in enumerate(d.runs):
             weights, values = scores[b, ..., start:start + len(v)], v.transpose(1, 0, 2)[:, None]
             if j:
                 mixed += np.vecmat(weights, values)                                   # [KVH, group, Dh]

@@ -44,7 +44,7 @@ from typing import Sequence
 import numpy as np
 
 from ..core.config import Qwen3Config
-from ..core.kv_cache import kv_dtype, kv_position_bytes, kv_scales, store, widened
+from ..core.kv_cache import Unscaled, kv_dtype, kv_position_bytes, kv_scales, store, unscaled_into
 from .budget import BLOCK_SIZE, blocks_for, pool_blocks
 from ..errors import QwenNPError
 
@@ -223,6 +223,10 @@ class PagedKVCache:
     def length(self) -> int:
         return len(self.tokens)
 
+    @property
+    def dtype(self) -> str:
+        return self.pool.dtype
+
     def blocks_needed(self, new_tokens: int) -> int:
         """Blocks to allocate before `new_tokens` more positions fit."""
         return max(0, blocks_for(self.length + new_tokens, self.pool.block_size) - len(self.table))
@@ -278,15 +282,35 @@ class PagedKVCache:
             start = stop
         return pieces
 
+    def unscaled(self, layer: int, end: int) -> Unscaled:
+        """Positions [0, end) of `layer` as a decode step reads them (kv_cache.Unscaled), in order: views of the
+        pool, or of its scratch buffers, valid until the next read from a cache of this pool."""
+        pool = self.pool
+        keys, key_scales = self._stored(pool.keys[layer], None if pool.key_scales is None else pool.key_scales[layer],
+                                        end, "keys")
+        values, value_scales = self._stored(pool.values[layer], None if pool.value_scales is None
+                                            else pool.value_scales[layer], end, "values")
+        return Unscaled(keys, values, key_scales, value_scales)
+
     def _read(self, blocks: np.ndarray, scales: np.ndarray | None, end: int, name: str) -> np.ndarray:
         """Positions [0, end) of one layer's pool array [N, BLOCK_SIZE, KVH, Dh] (int8: with its scales
-        [N, BLOCK_SIZE, KVH]), in order: [end, KVH, Dh] FP32."""
+        [N, BLOCK_SIZE, KVH]), in order: [end, KVH, Dh] FP32, int8's codes times their scales."""
+        read, gathered_scales = self._stored(blocks, scales, end, name)
+        if gathered_scales is not None:
+            read *= gathered_scales[..., None]            # the widened codes are the pool's scratch: scaled in place
+        return read
+
+    def _stored(self, blocks: np.ndarray, scales: np.ndarray | None, end: int,
+                name: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """Positions [0, end) of one layer's pool array, in order, FP32 [end, KVH, Dh] (BF16 / FP16 widened exactly,
+        int8's codes widened, not scaled), and int8's scales [end, KVH] (None for the others)."""
         table = self.table[:blocks_for(end, self.pool.block_size)]
         mine = self._gathered(blocks, table, name)
-        if mine.dtype != np.float32:                      # BF16 / FP16 widened exactly, int8 codes times scales
-            gathered_scales = None if scales is None else self._gathered(scales, table, name + ".scales")
-            mine = widened(mine, gathered_scales, self.pool.scratch(name, len(table), np.dtype(np.float32)))
-        return mine.reshape(-1, *mine.shape[2:])[:end]                                # [end, KVH, Dh]
+        if mine.dtype != np.float32:
+            mine = unscaled_into(mine, self.pool.scratch(name, len(table), np.dtype(np.float32)))
+        if scales is not None:
+            scales = self._gathered(scales, table, name + ".scales").reshape(-1, scales.shape[-1])[:end]   # [end, KVH]
+        return mine.reshape(-1, *mine.shape[2:])[:end], scales
 
     def _gathered(self, blocks: np.ndarray, table: list[int], name: str) -> np.ndarray:
         """blocks[table] ([n, ...] of a pool array [N, ...]): a view when the table's blocks lie in order, else

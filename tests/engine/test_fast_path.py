@@ -368,12 +368,39 @@ def test_one_decode_attention_for_sequences_of_different_lengths_in_runs_gives_e
     for b, S in enumerate(lengths):
         k, v = (rng.standard_normal((S, KVH, Dh), dtype=np.float32) for _ in range(2))
         cuts = sorted({0, S, *rng.integers(1, S + 1, 2).tolist()})                  # 1-3 runs of positions
-        rows.append((b, [(k[a:z], v[a:z]) for a, z in zip(cuts[:-1], cuts[1:])]))
+        rows.append(fast._Decoding(b, [(k[a:z], v[a:z]) for a, z in zip(cuts[:-1], cuts[1:])]))
         expected.append(layers.attention(q[b:b + 1], k, v, np.array([S - 1]))[0])   # [H*Dh]
     out = np.full((len(lengths), H * Dh), np.nan, np.float32)
     fast._decode_attention(q, rows, out)
     for b in range(len(lengths)):
         np.testing.assert_allclose(out[b], expected[b], rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
+
+
+def test_decode_attention_over_an_int8_cache_applies_the_scales_to_scores_and_weights_as_to_every_code() -> None:
+    """An int8 cache's decode step reads its codes widened but unscaled and multiplies the S scores and the S
+    weights a head by the key and value scales: layers.attention over code * scale, to FP32 rounding, beside
+    an FP32 row in the same call (whose scores the scales must not touch)."""
+    from qwen_np.core import layers
+    from qwen_np.core.kv_cache import store
+
+    rng = np.random.default_rng(6)
+    H, KVH, Dh, S = 8, 2, 16, 29
+    q = rng.standard_normal((2, H, Dh), dtype=np.float32)
+    k, v = (rng.standard_normal((S, KVH, Dh), dtype=np.float32) * rng.uniform(0.5, 2, (S, KVH, 1)).astype(np.float32)
+            for _ in range(2))
+    codes = {name: np.zeros((S, KVH, Dh), np.int8) for name in "kv"}
+    scales = {name: np.zeros((S, KVH), np.float32) for name in "kv"}
+    for name, x in (("k", k), ("v", v)):
+        store(codes[name], scales[name], (slice(None),), x)
+    assert len(set(scales["k"].ravel().tolist())) > 1, "scales that differ by position and head"
+    widened = {name: codes[name] * scales[name][..., None] for name in "kv"}
+    rows = [fast._Decoding(0, [(codes["k"].astype(np.float32), codes["v"].astype(np.float32))], scales["k"], scales["v"]),
+            fast._Decoding(1, [(k, v)])]
+    out = np.full((2, H * Dh), np.nan, np.float32)
+    fast._decode_attention(q, rows, out)
+    np.testing.assert_allclose(out[0], layers.attention(q[:1], widened["k"], widened["v"], np.array([S - 1]))[0],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[1], layers.attention(q[1:], k, v, np.array([S - 1]))[0], rtol=1e-5, atol=1e-6)
 
 
 # --- Block kinds (numerics.Grouped): codes multiplied, scales and offsets applied per group ------------
