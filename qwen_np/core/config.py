@@ -169,7 +169,7 @@ class Qwen3Config:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=_rope_theta(rope, raw),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),   # transformers' default
-                rope_scaling=_yarn(rope, raw),
+                rope_scaling=yarn_parameters(rope, raw.get("max_position_embeddings", 32768)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_id=raw.get("eos_token_id"),
@@ -316,27 +316,27 @@ YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position
              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}
 
 
-def _yarn(params: dict[str, Any], raw: dict[str, Any]) -> Yarn | None:
+def yarn_parameters(params: dict[str, Any], max_position_embeddings: int) -> Yarn | None:
     """YaRN's parameters as transformers' _compute_yarn_parameters resolves them (None for plain RoPE): the
     original window defaults to max_position_embeddings, a missing factor to the ratio of the two; the
     attention factor, unless given, is 0.1 ln(factor) + 1 (or the ratio of two such terms when mscale and
     mscale_all_dim are both set); beta_fast / beta_slow default to 32 / 1 (also when 0 or null, as there)."""
     if params.get("rope_type", params.get("type")) != "yarn":
         return None
-    original = int(params.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 32768))
+    original = int(params.get("original_max_position_embeddings") or max_position_embeddings)
     factor = params.get("factor")
-    factor = float(raw.get("max_position_embeddings", 32768) / original if factor is None else factor)
+    factor = float(max_position_embeddings / original if factor is None else factor)
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        attention_factor = (_yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
-                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+        attention_factor = (yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
     return Yarn(factor=factor, original_max_position_embeddings=original, attention_factor=float(attention_factor),
                 beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
                 truncate=bool(params.get("truncate", True)))
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature term: 0.1 mscale ln(factor) + 1 (1 for no scaling)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 

@@ -17,7 +17,7 @@ from gguf import GGUFWriter, LlamaFileType
 
 from .checkpoint import Checkpoint
 from ..core.defaults import GGUF_FILE_TYPES
-from ..core.config import Qwen3Config, expected_tensors
+from ..core.config import Qwen3Config, expected_tensors, yarn_mscale
 from ..errors import QwenNPError
 from ..numbers.numerics import upcast
 from ..core.sampling import SamplingParams
@@ -66,9 +66,6 @@ def write_gguf_tensors(path: str | Path, config: Qwen3Config, tokenizer: Tokeniz
     written at once (so the model never has to be in memory: bench/big_models.py writes random blocks).
     file_type: a FILE_TYPES name, or a Mix (bench/gguf_kinds.py's random K-quant files)."""
     path = Path(path)
-    if config.rope_scaling is not None:      # llama.cpp derives YaRN's ramp and attention factor its own way
-        raise QwenNPError("a checkpoint with YaRN rope_scaling is not written as GGUF yet (llama.cpp would "
-                          "run it at its native window); remove rope_scaling from config.json to export it", "model")
     if isinstance(file_type, Mix):
         llama_file_type, matrix_type = file_type.file_type, file_type.matrix_type
     else:
@@ -103,7 +100,13 @@ def write_gguf_tensors(path: str | Path, config: Qwen3Config, tokenizer: Tokeniz
 
 def _check_llama_cpp_runs(config: Qwen3Config) -> None:
     """Refuse what a GGUF llama.cpp loads cannot say: its qwen3moe graph runs every layer sparse and renormalises
-    the chosen experts' weights."""
+    the chosen experts' weights; its YaRN computes the attention factor from the factor (0.1 ln(factor) + 1, an
+    attention factor written in the file multiplying it, where transformers' replaces it) and always rounds the
+    ramp's ends to whole dimensions."""
+    if (yarn := config.rope_scaling) is not None and (
+            not yarn.truncate or abs(yarn.attention_factor - yarn_mscale(yarn.factor)) > 1e-12):
+        raise QwenNPError("a YaRN rope_scaling with its own attention_factor (or mscale) or truncate false is not "
+                          "written as GGUF: llama.cpp computes the attention factor from the factor and truncates", "model")
     if config.is_moe and not all(map(config.sparse_layer, range(config.num_hidden_layers))):
         raise QwenNPError("a Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step) is not written as "
                           "GGUF: llama.cpp's qwen3moe runs every layer sparse", "model")
@@ -166,6 +169,13 @@ def _add_metadata(writer: GGUFWriter, config: Qwen3Config, file_type: int, name:
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
+    if (yarn := config.rope_scaling) is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(yarn.factor)
+        writer.add_rope_scaling_orig_ctx_len(yarn.original_max_position_embeddings)
+        if (yarn.beta_fast, yarn.beta_slow) != (32.0, 1.0):            # llama.cpp's defaults, and transformers'
+            writer.add_rope_scaling_yarn_beta_fast(yarn.beta_fast)
+            writer.add_rope_scaling_yarn_beta_slow(yarn.beta_slow)
     if config.is_moe:
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)

@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 from gguf import Keys
 
-from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config
+from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, Yarn, yarn_parameters
 from ..errors import QwenNPError
 from .gguf_reader import metadata_value, CheckedReader, tensors_by_name, open_reader
 
@@ -45,11 +45,14 @@ def _arch(name: str, arch: str = ARCHITECTURE) -> str:
 # token list's length; rope.dimension_count, head_dim: Qwen3 rotates whole heads). Any other key of the
 # architecture could change the network (RoPE scaling factors, a sliding window, ...), and a misspelt one
 # would leave its setting at a default: a file with one is refused rather than run without it.
+# YaRN's keys (_yarn): a file with type "yarn" needs the first two.
+YARN_KEYS = (Keys.Rope.SCALING_FACTOR, Keys.Rope.SCALING_ORIG_CTX_LEN, Keys.Rope.SCALING_YARN_BETA_FAST,
+             Keys.Rope.SCALING_YARN_BETA_SLOW)
 DENSE_KEYS = (
     Keys.LLM.BLOCK_COUNT, Keys.LLM.CONTEXT_LENGTH, Keys.LLM.EMBEDDING_LENGTH, Keys.LLM.FEED_FORWARD_LENGTH,
     Keys.LLM.VOCAB_SIZE, Keys.Attention.HEAD_COUNT, Keys.Attention.HEAD_COUNT_KV, Keys.Attention.KEY_LENGTH,
     Keys.Attention.VALUE_LENGTH, Keys.Attention.LAYERNORM_RMS_EPS, Keys.Rope.FREQ_BASE, Keys.Rope.DIMENSION_COUNT,
-    Keys.Rope.SCALING_TYPE)
+    Keys.Rope.SCALING_TYPE, *YARN_KEYS)
 EXPERT_KEYS = (Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
                Keys.LLM.EXPERT_WEIGHTS_NORM)
 ARCH_KEYS = frozenset(_arch(key) for key in DENSE_KEYS)
@@ -75,9 +78,6 @@ def read_config(path: str | Path) -> Qwen3Config:
     def arch_key(name: str) -> str:                  # this file's architecture's key
         return name.format(arch=arch)
 
-    scaling = metadata_value(reader, arch_key(Keys.Rope.SCALING_TYPE), str, "none")
-    if scaling != "none":
-        raise QwenNPError(f"{source}: {arch_key(Keys.Rope.SCALING_TYPE)} is {scaling!r}; only default RoPE is supported")
     heads = metadata_value(reader, arch_key(Keys.Attention.HEAD_COUNT), int)
     hidden = metadata_value(reader, arch_key(Keys.LLM.EMBEDDING_LENGTH), int)
     head_dim = metadata_value(reader, arch_key(Keys.Attention.KEY_LENGTH), int, hidden // max(heads, 1))   # llama.cpp's default
@@ -99,7 +99,8 @@ def read_config(path: str | Path) -> Qwen3Config:
         rms_norm_eps=_f32_decimal(metadata_value(reader, arch_key(Keys.Attention.LAYERNORM_RMS_EPS), (int, float))),
         rope_theta=_f32_decimal(metadata_value(reader, arch_key(Keys.Rope.FREQ_BASE), (int, float),
                                                10000.0)),  # llama.cpp's default
-        max_position_embeddings=metadata_value(reader, arch_key(Keys.LLM.CONTEXT_LENGTH), int),
+        max_position_embeddings=(context := metadata_value(reader, arch_key(Keys.LLM.CONTEXT_LENGTH), int)),
+        rope_scaling=_yarn(reader, arch_key, context),
         tie_word_embeddings=gguf_tensor_name(MODEL_TENSORS["lm_head"].name) not in tensors_by_name(reader),
         bos_token_id=token_id_of(reader, Keys.Tokenizer.BOS_ID, tokens),
         eos_token_id=eos[0] if len(eos) == 1 else eos or None,
@@ -108,6 +109,30 @@ def read_config(path: str | Path) -> Qwen3Config:
     )
     config.validate(source)
     return config
+
+
+def _yarn(reader: CheckedReader, key: Callable[[str], str], context: int) -> Yarn | None:
+    """A file's YaRN RoPE scaling (rope.scaling.type "yarn", as convert_hf_to_gguf.py writes Qwen's documented
+    rope_scaling: factor and original_context_length, the betas where given), resolved with config.json's defaults
+    (config.yarn_parameters: the attention factor 0.1 ln(factor) + 1, as llama.cpp's rope computes it from the
+    factor). A file with an attention factor of its own is refused by the unknown-key rule: llama.cpp multiplies
+    its yarn_attn_factor into that term, where transformers' attention_factor replaces it."""
+    scaling = metadata_value(reader, key(Keys.Rope.SCALING_TYPE), str, "none")
+    given = {name: metadata_value(reader, key(name), (int, float), None) for name in YARN_KEYS}
+    if scaling == "none":
+        if extra := [key(name) for name, value in given.items() if value is not None]:
+            raise QwenNPError(f"{reader.path}: {extra[0]} is set but {key(Keys.Rope.SCALING_TYPE)} is not 'yarn'")
+        return None
+    if scaling != "yarn":
+        raise QwenNPError(f"{reader.path}: {key(Keys.Rope.SCALING_TYPE)} is {scaling!r}; only default RoPE and 'yarn' "
+                          "are supported")
+    for required in (Keys.Rope.SCALING_FACTOR, Keys.Rope.SCALING_ORIG_CTX_LEN):
+        if given[required] is None:
+            raise QwenNPError(f"{reader.path}: YaRN scaling needs {key(required)}")
+    return yarn_parameters({"rope_type": "yarn", "factor": _f32_decimal(given[Keys.Rope.SCALING_FACTOR]),
+                            "original_max_position_embeddings": int(given[Keys.Rope.SCALING_ORIG_CTX_LEN]),
+                            "beta_fast": given[Keys.Rope.SCALING_YARN_BETA_FAST],
+                            "beta_slow": given[Keys.Rope.SCALING_YARN_BETA_SLOW]}, context)
 
 
 def _experts(reader: CheckedReader, key: Callable[[str], str]) -> dict[str, Any]:

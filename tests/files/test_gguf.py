@@ -439,8 +439,15 @@ def test_damaged_text_in_the_metadata_is_one_error_naming_the_key(good, tmp_path
 UNKNOWN_KEYS = {
     "misspelt": ({"qwen3.rope.freq_base": None, "qwen3.rope.freq_basf": (1e6, GGUFValueType.FLOAT32)},
                  "metadata key 'qwen3.rope.freq_basf' is not a qwen3 setting qwen_np knows"),
-    "rope scaling": ({"qwen3.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32)},
-                     "metadata key 'qwen3.rope.scaling.factor' is not a qwen3 setting qwen_np knows"),
+    "yarn attention factor": ({"qwen3.rope.scaling.yarn_attn_factor": (1.2, GGUFValueType.FLOAT32)},
+                              "metadata key 'qwen3.rope.scaling.yarn_attn_factor' is not a qwen3 setting qwen_np knows"),
+    "factor without yarn": ({"qwen3.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32)},
+                            "qwen3.rope.scaling.factor is set but qwen3.rope.scaling.type is not 'yarn'"),
+    "linear rope scaling": ({"qwen3.rope.scaling.type": ("linear", GGUFValueType.STRING)},
+                            "qwen3.rope.scaling.type is 'linear'; only default RoPE and 'yarn' are supported"),
+    "yarn without its window": ({"qwen3.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+                                 "qwen3.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32)},
+                                "YaRN scaling needs qwen3.rope.scaling.original_context_length"),
     "partial rope": ({"qwen3.rope.dimension_count": (8, GGUFValueType.UINT32)}, "qwen3.rope.dimension_count is 8, not 16"),
     "vocab size": ({"qwen3.vocab_size": (4096, GGUFValueType.UINT32)}, "qwen3.vocab_size is 4096, not 2048"),
 }
@@ -456,6 +463,45 @@ def test_the_known_keys_given_their_right_values_load(good, tmp_path) -> None:
     path = rewrite(good, tmp_path / "keys.gguf", metadata={"qwen3.rope.dimension_count": (16, GGUFValueType.UINT32),
                                                            "qwen3.vocab_size": (2048, GGUFValueType.UINT32)})
     assert np.array_equal(logits(path), logits(good))
+
+
+# Qwen's documented YaRN (factor 4 over the original window, here 16 positions: the prompt's 10 tokens and 30
+# more through the cache reach 2.5 times past it), and one with its betas given.
+YARN = {"documented": {"factor": 4.0}, "betas": {"factor": 3.0, "beta_fast": 16.0, "beta_slow": 2.0}}
+
+
+@pytest.mark.parametrize("case", YARN)
+def test_a_yarn_checkpoint_exported_as_gguf_reads_back_its_scaling_and_gives_its_logits_past_the_window(
+        tmp_path, case) -> None:
+    """tests/core/test_yarn.py holds the checkpoint's YaRN to transformers; its GGUF (rope.scaling.type, factor,
+    original_context_length and the betas where not llama.cpp's defaults) must give the same network."""
+    scaling = {"rope_type": "yarn", "original_max_position_embeddings": 16, **YARN[case]}
+    source = tiny_checkpoint(tmp_path / "ckpt", rope_scaling=scaling, max_position_embeddings=16)
+    path = export(source, tmp_path / "yarn.gguf", "f32")
+    fields = GGUFReader(path).fields
+    assert fields["qwen3.rope.scaling.type"].contents() == "yarn"
+    assert ("qwen3.rope.scaling.yarn_beta_fast" in fields) == (case == "betas")
+    assert read_config(path).rope_scaling == read_config(source).rope_scaling is not None
+    ids = np.random.default_rng(3).integers(0, 2048, 40)
+    models = [load_model(p, memory="fp32") for p in (source, path)]
+    caches = [model.new_cache(40) for model in models]
+    for model, cache in zip(models, caches):
+        model.forward(ids[:10], cache)
+    steps = [np.concatenate([model.forward(ids[t:t + 1], cache) for t in range(10, 40)]) for model, cache in
+             zip(models, caches)]
+    assert_logits_match(steps[1], steps[0], "the GGUF's decode past the original window")
+
+
+@pytest.mark.parametrize("scaling, field", [({"attention_factor": 1.3}, "attention_factor"),
+                                            ({"truncate": False}, "truncate")])
+def test_a_yarn_llama_cpp_would_compute_otherwise_is_not_exported(tmp_path, scaling, field) -> None:
+    source = tiny_checkpoint(tmp_path / "ckpt", max_position_embeddings=16,
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                           **scaling})
+    with pytest.raises(QwenNPError, match="YaRN rope_scaling with its own attention_factor .* or truncate false") as raised:
+        export(source, tmp_path / "yarn.gguf", "f32")
+    assert raised.value.param == "model" and field in str(raised.value)
+    assert not list(tmp_path.glob("*.gguf*"))
 
 
 def test_iq_kinds_are_dequantized_to_fp32_at_load_by_gguf_and_say_so(tmp_path) -> None:
