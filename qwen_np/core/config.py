@@ -28,7 +28,8 @@ DIMENSIONS = {
     "F": "intermediate_size: the MLP width",
     "V": "vocab_size: one logit per token id",
     "L": "num_hidden_layers: decoder layers",
-    "E": "num_experts: the experts of a sparse (mixture-of-experts) layer; K = num_experts_per_tok of them per token",
+    "E": "num_experts: the experts of a sparse (mixture-of-experts) layer",
+    "K": "num_experts_per_tok: the experts a token runs through in a sparse layer",
     "Fe": "moe_intermediate_size: one expert's MLP width",
 }
 Shape = tuple[str, ...]   # a shape in those symbols, e.g. ("H*Dh", "D"); a bare integer string is a constant
@@ -471,7 +472,7 @@ def dimensions(config: Qwen3Config, tokens: int = 1, positions: int | None = Non
     return {"T": tokens, "S": tokens if positions is None else positions, "D": config.hidden_size,
             "H": config.num_attention_heads, "KVH": config.num_key_value_heads, "Dh": config.head_dim,
             "F": config.intermediate_size, "V": config.vocab_size, "L": config.num_hidden_layers,
-            "E": config.num_experts, "Fe": config.moe_intermediate_size}
+            "E": config.num_experts, "K": config.num_experts_per_tok, "Fe": config.moe_intermediate_size}
 
 
 def evaluate(expression: str, dims: dict[str, int]) -> int:

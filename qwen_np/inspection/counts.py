@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..core.config import (DENSE_MLP, EXPERT_TENSORS, ROUTER, Qwen3Config, Shape, active_parameter_count, dimensions,
                            evaluate, resolve)
-from .steps import STEPS, Step
+from .steps import STEPS, Step, layer_flops
 
 
 def weight_tensors(config: Qwen3Config) -> list[tuple[Step, int]]:
@@ -70,8 +70,7 @@ def parameter_summary(config: Qwen3Config) -> dict[str, int]:
 def forward_flops(config: Qwen3Config, tokens: int, positions: int) -> int:
     """Matmul FLOPs (2 per multiply-add) of one forward call: `tokens` new tokens over `positions`."""
     dims = dimensions(config, tokens, positions)
-    return sum(evaluate(step.flops, dims) * (config.num_hidden_layers if step.in_layer else 1)
-               for step in STEPS if step.flops)
+    return layer_flops(config, dims) + sum(evaluate(step.flops, dims) for step in STEPS if step.flops and not step.in_layer)
 
 
 def weight_bytes_read_per_token(config: Qwen3Config, bytes_per_value: float) -> int:

@@ -20,7 +20,7 @@ from ..engine.step_memory import (attention_probabilities, lora_parameters, trai
 from ..numbers.numerics import BYTES_PER_VALUE
 from .bandwidth import measure_bandwidth
 from .counts import forward_flops, modules, parameter_summary, weight_bytes_read_per_token
-from .steps import STEPS, STEPS_BY_NAME, Shape, Step, format_shape
+from .steps import Shape, Step, format_shape, forward_steps
 
 # How real runtimes store the KV cache (BF16; int8 as llama.cpp's -ctk q8_0 does, here with an FP32 scale per
 # position and head) and how qwen_np does by default (FP32): shown name -> --kv-dtype (core.kv_cache)
@@ -59,7 +59,8 @@ def inspect_report(config: Qwen3Config, tokens: int, model_name: str, bandwidth:
         "config_source": config_source,
         "weights_file": weights_file,
         "dimensions": dims,
-        "steps": [_step_record(step, dims) for step in STEPS],
+        "steps": [_step_record(step, dims) for step in forward_steps(config)],
+        "dense_layers": sum(not config.sparse_layer(i) for i in range(config.num_hidden_layers)),
         "parameters": {
             **params,
             "per_module": [{"name": m.name, "weight": _shape_record(m.shape, dims), "parameters": m.parameters,
@@ -267,7 +268,8 @@ def _render_steps(report: dict[str, Any]) -> str:
     steps, L = report["steps"], report["dimensions"]["L"]
     inputs = [[f"{x['what']} {shape(x)}" for x in step["inputs"]] for step in steps]
     in_width = max(len(text) for texts in inputs for text in texts) + 2
-    name_width = max(len(STEPS_BY_NAME[step["name"]].short_name) for step in steps) + 2
+    names = [step["name"].replace("model.layers.{i}.", "") for step in steps]           # Step.short_name's
+    name_width = max(map(len, names)) + 2
     lines = ["Forward pass (names as `generate --trace` prints them; S = T here: no KV cache yet)",
              f"   #  {'step':<{name_width}}{'input':<{in_width}}output"]
     for number, (step, texts) in enumerate(zip(steps, inputs), start=1):
@@ -275,10 +277,13 @@ def _render_steps(report: dict[str, Any]) -> str:
         if step["per_layer"] and not previous:
             lines.append(f"      model.layers.{{i}} for i = 0 .. {L - 1}: the same "
                          f"{sum(s['per_layer'] for s in steps)} steps in each of the L = {L} layers")
+            if any(".mlp.experts." in s["name"] for s in steps) and report["dense_layers"]:
+                lines.append(f"      ({report['dense_layers']} dense layers (mlp_only_layers, decoder_sparse_step) run "
+                             "the dense MLP, gate_proj / up_proj / act_fn / down_proj over F, in mlp.gate .. mlp.moe's place)")
         elif previous and not step["per_layer"]:
             lines.append("      after the last layer:")
         indent = " " * (6 + name_width)
-        lines.append(f"{number:>4}  {STEPS_BY_NAME[step['name']].short_name:<{name_width}}"
+        lines.append(f"{number:>4}  {names[number - 1]:<{name_width}}"
                      f"{texts[0]:<{in_width}}{shape(step['output'])}")
         lines += [indent + text for text in texts[1:]]
         lines.append(f"{indent}{step['what']}  [{step['code'].removeprefix('qwen_np.')}]")

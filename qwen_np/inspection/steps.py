@@ -18,12 +18,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..core import layers, model
-from ..core.config import LAYER_TENSORS, MODEL_TENSORS, Qwen3Config, Shape, dimensions, resolve
+from ..core.config import (DENSE_MLP, EXPERT_TENSORS, LAYER_TENSORS, MODEL_TENSORS, ROUTER, Qwen3Config, Shape,
+                           dimensions, evaluate, resolve)
 from ..core.model import Qwen3Model, layer_weights
 
 # Trace name of the step that reads a tensor -> that tensor's symbolic shape.
 _WEIGHT_SHAPES = {spec.name.removesuffix(".weight"): spec.shape
-                  for spec in (*LAYER_TENSORS.values(), *MODEL_TENSORS.values())}
+                  for spec in (*LAYER_TENSORS.values(), *MODEL_TENSORS.values(), ROUTER, *EXPERT_TENSORS.values())}
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,48 @@ STEPS_BY_NAME = {step.name: step for step in _DESCRIBED}
 if tuple(STEPS_BY_NAME) != model.TRACE_STEPS:          # a step of the network undescribed, or out of order
     raise ImportError(f"inspection.steps describes {tuple(STEPS_BY_NAME)}, the network traces {model.TRACE_STEPS}")
 STEPS = tuple(STEPS_BY_NAME.values())
+
+# A sparse layer's MLP (Qwen3-MoE), as layers.moe computes it in the dense MLP's place: the router, the routing,
+# and the chosen experts' SwiGLU over the rows routed to each (T*K rows in all, an expert's n of them gathered),
+# their outputs weighted and summed. layers.moe notes the router's logits as mlp.gate; the rest is described here
+# for `inspect` only (a trace holds no per-expert step).
+_ROUTED = ("x gathered", ("T*K", "D"))
+SPARSE_MLP_STEPS: tuple[Step, ...] = (
+    _linear(f"{_LAYER}.mlp.gate", "router: one logit per expert", _H, ("T", "E")),
+    Step(f"{_LAYER}.mlp.route", "softmax over E (FP32), each token's top K experts and their weights",
+         layers.route, (("logits", ("T", "E")),), ("T", "K")),
+    Step(f"{_LAYER}.mlp.experts.{{e}}.gate_proj", "each chosen expert's gate, over the rows of its tokens",
+         layers.linear, (_ROUTED,), ("T*K", "Fe"), flops="2*T*K*Fe*D"),
+    Step(f"{_LAYER}.mlp.experts.{{e}}.up_proj", "each chosen expert's up", layers.linear, (_ROUTED,), ("T*K", "Fe"),
+         flops="2*T*K*Fe*D"),
+    Step(f"{_LAYER}.mlp.experts.{{e}}.act_fn", "SiLU(gate) x up (SwiGLU), expert by expert", layers.silu,
+         (("gate", ("T*K", "Fe")), ("up", ("T*K", "Fe"))), ("T*K", "Fe")),
+    Step(f"{_LAYER}.mlp.experts.{{e}}.down_proj", "each chosen expert back to the model width", layers.linear,
+         (("act", ("T*K", "Fe")),), ("T*K", "D"), flops="2*T*K*D*Fe"),
+    Step(f"{_LAYER}.mlp.moe", "each token's K expert outputs times their weights, summed", layers.moe,
+         (("expert outputs", ("T*K", "D")), ("weights", ("T", "K"))), ("T", "D")),
+)
+_DENSE_MLP_STEPS = frozenset(f"{_LAYER}.mlp.{name}" for name in (*DENSE_MLP, "act_fn"))
+
+
+def forward_steps(config: Qwen3Config) -> tuple[Step, ...]:
+    """The steps `inspect` shows for `config`: STEPS, with a Qwen3-MoE's sparse MLP in the dense MLP's place
+    (its dense layers, if any, run STEPS' MLP: inspect says how many)."""
+    if not config.is_moe:
+        return STEPS
+    first = next(i for i, step in enumerate(STEPS) if step.name in _DENSE_MLP_STEPS)
+    return (*STEPS[:first], *SPARSE_MLP_STEPS, *(s for s in STEPS[first:] if s.name not in _DENSE_MLP_STEPS))
+
+
+def layer_flops(config: Qwen3Config, dims: dict[str, int]) -> int:
+    """Matmul FLOPs of every decoder layer together: each layer's attention, and its MLP, dense or sparse."""
+    def flops(steps: Sequence[Step]) -> int:
+        return sum(evaluate(step.flops, dims) for step in steps if step.flops and step.in_layer)
+
+    dense_mlp = flops([step for step in STEPS if step.name in _DENSE_MLP_STEPS])
+    sparse = sum(map(config.sparse_layer, range(config.num_hidden_layers)))
+    return (config.num_hidden_layers * (flops(STEPS) - dense_mlp) + (config.num_hidden_layers - sparse) * dense_mlp
+            + sparse * flops(SPARSE_MLP_STEPS))
 
 
 def format_shape(shape: Shape, numbers: Sequence[int] | None = None) -> str:

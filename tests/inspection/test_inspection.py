@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import io
 import json
 import math
@@ -78,6 +80,32 @@ def test_qwen3_30b_a3b_counts_its_experts_and_reads_only_the_active_ones_a_token
     read = {plan["weight_bytes_read_per_token"] for plan in report["this_machine"]["plans"].values()}
     assert max(read) < 4 * params["active"]               # FP32's: the active weights, not all 30.5 B
     assert "active: those a token computes with" in render_report(report)
+
+
+def test_a_moe_s_steps_show_its_router_and_experts_and_its_flops_are_twice_its_active_matmul_weights():
+    """Qwen3-30B-A3B: the step table shows the sparse MLP (router, routing, the chosen experts over T*K rows) where
+    a dense model's MLP is, and a decode token's matmul FLOPs are 2 per active weight it multiplies (not the norms',
+    nor the embedding table's, read, not multiplied) plus attention's 4 H S Dh a layer."""
+    config = preset("qwen3-30b-a3b")
+    report = inspect_report(config, 7, "qwen3-30b-a3b", BANDWIDTH)
+    names = [step["name"].replace("model.layers.{i}.", "") for step in report["steps"]]
+    assert names[names.index("post_attention_layernorm") + 1:names.index("residual_mlp")] == [
+        "mlp.gate", "mlp.route", "mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.act_fn",
+        "mlp.experts.{e}.down_proj", "mlp.moe"]
+    shapes = _step_shapes(report)
+    assert shapes["model.layers.{i}.mlp.experts.{e}.down_proj"] == ([[7 * 8, 768]], [7 * 8, 2048])
+    S = 8
+    norms = sum(m["parameters"] * m["instances"] for m in report["parameters"]["per_module"] if len(m["weight"]["symbols"]) == 1)
+    matmul_active = (report["parameters"]["active"] - norms
+                     - config.vocab_size * config.hidden_size * (not config.tie_word_embeddings))
+    attention = config.num_hidden_layers * 4 * config.num_attention_heads * S * config.head_dim
+    assert forward_flops(config, 1, S) == 2 * matmul_active + attention
+    mixed = replace(config, mlp_only_layers=(0, 5))
+    D, F, Fe = config.hidden_size, config.intermediate_size, config.moe_intermediate_size
+    sparse_weights = config.num_experts_per_tok * 3 * D * Fe + config.num_experts * D          # K experts and the router
+    assert forward_flops(mixed, 1, S) == forward_flops(config, 1, S) + 2 * 2 * (3 * D * F - sparse_weights)
+    assert "2 dense layers (mlp_only_layers, decoder_sparse_step) run the dense MLP" in render_report(
+        inspect_report(mixed, 7, "mixed", BANDWIDTH))
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
