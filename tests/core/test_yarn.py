@@ -13,13 +13,7 @@ import qwen_np  # noqa: E402
 from qwen_np.core.model import rope_frequencies  # noqa: E402
 from qwen_np.engine.budget import model_context  # noqa: E402
 
-from tests.reference.hf_reference import (  # noqa: E402
-    build_reference_model,
-    make_config,
-    random_token_ids,
-    reference_logits,
-    save_bf16_checkpoint,
-)
+from tests.reference import hf_reference as hf  # noqa: E402
 from tests.reference.logit_match import assert_logits_match  # noqa: E402
 
 pytestmark = pytest.mark.slow      # torch and transformers
@@ -44,14 +38,14 @@ def yarn_model(request, tmp_path_factory):
     """(checkpoint folder, token ids, transformers' logits, its inv_freq and attention factor)."""
     scaling = {"rope_type": "yarn", "original_max_position_embeddings": ORIGINAL_WINDOW, **request.param}
     # The config's own window is the original one (as transformers expects: factor x it is the new context).
-    model = build_reference_model(make_config(**MODEL, rope_scaling=scaling, max_position_embeddings=ORIGINAL_WINDOW),
+    model = hf.build_reference_model(hf.make_config(**MODEL, rope_scaling=scaling, max_position_embeddings=ORIGINAL_WINDOW),
                                   seed=46)
-    ids = random_token_ids(MODEL["vocab_size"], PROMPT_TOKENS, seed=46)
-    expected = reference_logits(model, ids)
+    ids = hf.random_token_ids(MODEL["vocab_size"], PROMPT_TOKENS, seed=46)
+    expected = hf.reference_logits(model, ids)
     rotary = model.model.rotary_emb
     inv_freq, attention_factor = rotary.inv_freq.numpy().copy(), rotary.attention_scaling
     folder = tmp_path_factory.mktemp("yarn")
-    save_bf16_checkpoint(model, folder)              # the model in BF16 from here
+    hf.save_bf16_checkpoint(model, folder)              # the model in BF16 from here
     return folder, ids, expected, inv_freq, attention_factor
 
 

@@ -26,13 +26,7 @@ from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
 from tests.conftest import BUNDLED  # noqa: E402
 from tests.files.test_gguf import export  # noqa: E402
 
-from tests.reference.hf_reference import (  # noqa: E402
-    build_reference_model,
-    make_moe_config,
-    random_token_ids,
-    reference_logits,
-    save_bf16_checkpoint,
-)
+from tests.reference import hf_reference as hf  # noqa: E402
 from tests.reference.logit_match import assert_logits_match  # noqa: E402
 
 pytestmark = pytest.mark.slow      # torch and transformers
@@ -95,9 +89,9 @@ def write_gguf(path: Path, tensors: dict[str, np.ndarray], kind: GGML, experts_n
 
 @pytest.fixture(scope="module")
 def reference():
-    model = build_reference_model(make_moe_config(**CONFIG), seed=46)
+    model = hf.build_reference_model(hf.make_moe_config(**CONFIG), seed=46)
     state = {name: value.detach().numpy().copy() for name, value in model.state_dict().items()}
-    return model, state, random_token_ids(VOCAB, 20, seed=46)
+    return model, state, hf.random_token_ids(VOCAB, 20, seed=46)
 
 
 def with_weights(model, state: dict[str, np.ndarray]):
@@ -140,7 +134,7 @@ def test_an_f32_qwen3moe_gguf_gives_transformers_logits(reference, tmp_path, fas
     path = write_gguf(tmp_path / "moe-f32.gguf", converted(per_expert(model)), GGML.F32)
     ours = qwen_np.load_model(path, fast=fast)
     assert ours.config.is_moe and (ours.config.num_experts, ours.config.norm_topk_prob) == (EXPERTS, True)
-    assert_logits_match(ours.forward(ids), reference_logits(model, ids), "F32 GGUF")
+    assert_logits_match(ours.forward(ids), hf.reference_logits(model, ids), "F32 GGUF")
 
 
 @pytest.mark.parametrize("memory", ["bf16", "fp32"])
@@ -153,7 +147,7 @@ def test_a_q8_0_qwen3moe_gguf_gives_the_logits_of_its_dequantization(reference, 
     rounded = {name: value if value.ndim == 1 else gguf.quants.dequantize(gguf.quants.quantize(value, GGML.Q8_0),
                                                                           GGML.Q8_0).reshape(value.shape)
                for name, value in state.items()}
-    expected = reference_logits(with_weights(build_reference_model(make_moe_config(**CONFIG), seed=46), rounded), ids)
+    expected = hf.reference_logits(with_weights(hf.build_reference_model(hf.make_moe_config(**CONFIG), seed=46), rounded), ids)
     ours = qwen_np.load_model(path, memory=memory)
     assert ours.plan.mode == memory
     assert_logits_match(ours.forward(ids), expected, f"Q8_0 GGUF, {memory}")
@@ -177,12 +171,12 @@ def test_a_qwen3moe_gguf_missing_an_experts_tensor_is_refused_naming_it(referenc
 def moe_folder(reference, tmp_path_factory):
     """The reference model saved as released (BF16, one tensor per expert) with the bundled model's tokenizer,
     at its 2,048-token vocabulary."""
-    model = build_reference_model(make_moe_config(**{**CONFIG, "vocab_size": 2048}), seed=47)
-    ids = random_token_ids(2048, 16, seed=3)
-    expected = reference_logits(model, ids)      # before saving: that casts RoPE's inv_freq buffer to BF16 too
+    model = hf.build_reference_model(hf.make_moe_config(**{**CONFIG, "vocab_size": 2048}), seed=47)
+    ids = hf.random_token_ids(2048, 16, seed=3)
+    expected = hf.reference_logits(model, ids)      # before saving: that casts RoPE's inv_freq buffer to BF16 too
     state = per_expert(model)
     folder = tmp_path_factory.mktemp("moe")
-    save_bf16_checkpoint(model, folder)
+    hf.save_bf16_checkpoint(model, folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(BUNDLED / name, folder / name)
     return folder, state, ids, expected
