@@ -191,8 +191,64 @@ def test_the_fast_path_refuses_an_ablation_and_load_model_runs_it_readable(tmp_p
 
 @pytest.mark.slow
 def test_recorded_ablation_runs_repeat_their_first_steps():
-    """The walkthrough's ablation chapter is recorded (ten runs, minutes): a few variants' first steps must still
-    come out of the code, to rtol 1e-3 (the record's 4 digits, and the BLAS kernel's last bits)."""
+    """The walkthrough's ablation chapter is recorded (dozens of runs, most of an hour): a few variants' first steps,
+    each at another seed, and the order task's must still come out of the code, to rtol 1e-3 (the record's 4
+    digits, and the BLAS kernel's last bits)."""
     import walkthrough_chapter_ablations as chapter
 
-    chapter.check_first_steps(chapter.load_record())        # raises naming the variant and the step
+    chapter.check_first_steps(chapter.load_record())        # raises naming the variant, the seed and the step
+
+
+def test_the_ablation_record_holds_every_variant_at_every_seed():
+    """The chapter reads a difference against the seeds' spread: every variant of both tasks needs all of them."""
+    import walkthrough_chapter_ablations as chapter
+
+    rec = chapter.load_record()
+    assert len(rec["seeds"]) >= 3
+    for runs, variants in ((rec["runs"], chapter.VARIANTS), (rec["copy_task"]["runs"], chapter.COPY_VARIANTS)):
+        assert sorted((r["key"], r["seed"]) for r in runs) == sorted((v["key"], s) for v in variants for s in rec["seeds"])
+
+
+def test_copy_rows_repeat_distinct_ids_after_a_separator_and_only_the_copy_is_learned():
+    import walkthrough_chapter_ablations as chapter
+
+    rows = chapter.copy_rows(np.random.default_rng(0), 5, 6)                       # [5, 13]
+    first, separator, second = rows[:, :6], rows[:, 6], rows[:, 7:]
+    assert np.array_equal(first, second) and (separator == chapter.SEPARATOR).all()
+    assert all(len(set(row)) == 6 and chapter.SEPARATOR not in row for row in first)
+    learned = chapter.copy_targets(rows)
+    assert learned.shape == rows.shape and not learned[:, :7].any() and learned[:, 7:].all()
+
+
+class _Oracle:
+    """A stand-in model whose logits at each position peak on the row's token `ahead` positions later."""
+
+    def __init__(self, rows: np.ndarray, ahead: int):
+        self.rows, self.ahead = rows, ahead
+
+    def forward_batch(self, token_ids, caches):
+        T, V = self.rows.shape[1] - 1, 512
+        logits = np.zeros((len(token_ids), T, V), np.float32)
+        for b, ids in enumerate(token_ids):
+            assert np.array_equal(ids, self.rows[b, :-1])
+            logits[b, np.arange(T), self.rows[b, self.ahead:T + self.ahead]] = 30.0
+        return logits.reshape(-1, V)
+
+
+def test_copy_scores_grade_the_next_token_of_the_copy():
+    """A model that predicts each next token scores the copy perfectly; one that repeats the token it reads (the
+    off-by-one) gets none of it right."""
+    import walkthrough_chapter_ablations as chapter
+
+    rows = chapter.copy_rows(np.random.default_rng(1), 4, 8)
+    right, repeat = chapter.copy_scores(_Oracle(rows, 1), rows), chapter.copy_scores(_Oracle(rows, 0), rows)
+    assert right["accuracy"] == 1.0 and right["loss"] < 1e-6
+    assert repeat["accuracy"] == 0.0 and repeat["loss"] > 20
+
+
+def test_a_difference_is_read_only_where_the_seeds_do_not_overlap():
+    import walkthrough_chapter_ablations as chapter
+
+    assert chapter.apart([3.9, 4.0, 3.95], [4.01, 4.1, 4.05]) and chapter.apart([4.2, 4.3], [3.0, 3.1])
+    assert not chapter.apart([3.9, 4.0, 3.95], [4.0, 4.1, 4.05])           # touching: one seed of each alike
+    assert not chapter.apart([3.9, 4.2], [4.0, 4.1])
