@@ -235,6 +235,32 @@ def split(n: int, parts: int, job: Callable[[slice], object]) -> None:
         done.result()
 
 
+def take_turns(job: Callable[[Any], object], items: Sequence[Any]) -> None:
+    """job(item) for every item, on up to threads() threads (this one and the workers), each thread taking
+    the next item as it finishes one, and each job's own products on its thread alone (threads() is 1 inside).
+
+    For a step's independent pieces too small to split each (a mixture-of-experts layer's experts: one
+    hand-off for the layer, not one per product); a core that other processes keep busy then takes fewer
+    items instead of holding up every product's other half. The order in which items finish is not
+    fixed: a job writes its own part of the result."""
+    count = min(threads(), len(items))
+    if count <= 1:
+        for item in items:
+            job(item)
+        return
+    queue = iter(items)                     # shared: next() on a list iterator is atomic under the GIL
+
+    def turns(_: slice) -> None:
+        before, _job.running = getattr(_job, "running", False), True
+        try:
+            for item in queue:
+                job(item)
+        finally:
+            _job.running = before
+
+    split(count, count, turns)
+
+
 def independent_jobs(job: Callable[[Any], Any], items: Sequence[Any], most: int | None = None) -> list[Any]:
     """[job(item) for item in items], the items shared out between up to `most` threads (None: all of
     set_threads', whatever the load), each thread taking the next item as it finishes one, every job
