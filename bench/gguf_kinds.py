@@ -39,10 +39,10 @@ from gguf import LlamaFileType
 from qwen_np.core.config import LAYER_MATRICES, PRESETS, Qwen3Config
 from qwen_np.files.gguf_export import Mix
 
-from .checkpoints import FORMAT_VERSION, TOKENIZER, cache_dir, ensure_checkpoint
+from .checkpoints import FORMAT_VERSION, TOKENIZER, WEIGHT_STD, cache_dir, ensure_checkpoint
 
 GiB = 1024 ** 3
-MODELS = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b"}
+MODELS = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b", "30b-a3b": "qwen3-30b-a3b"}
 # name -> (file, --memory): the BF16 checkpoint, a random GGUF of that type, int8 requantized from the Q4_K_M file.
 CONFIGURATIONS = {"bf16": ("bf16", "bf16"), "q8_0": ("q8_0", "stored"), "q4_0": ("q4_0", "stored"),
                   "q4_k_m": ("q4_k_m", "stored"), "q6_k": ("q6_k", "stored"), "int8-from-q4_k_m": ("q4_k_m", "int8")}
@@ -68,7 +68,8 @@ def use_more_bits(i: int, n: int) -> bool:
 def q4_k_m(config: Qwen3Config) -> Mix:
     """llama.cpp's Q4_K_M (LLAMA_FTYPE_MOSTLY_Q4_K_M) for this model: Q4_K, and Q6_K for the output matrix
     (token_embd where the embedding is tied: llama.cpp treats it as the output then) and for attn_v and
-    ffn_down in use_more_bits' layers."""
+    ffn_down in use_more_bits' layers. A Qwen3-MoE's stacked experts follow the same rule (llama.cpp matches
+    "ffn_down" in ffn_down_exps), and its router (ffn_gate_inp) stays F32: llama.cpp never quantizes it."""
     n = config.num_hidden_layers
     output = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
 
@@ -76,7 +77,9 @@ def q4_k_m(config: Qwen3Config) -> Mix:
         parts = name.split(".")
         if name == output:
             return GGML.Q6_K
-        if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and use_more_bits(int(parts[1]), n):
+        if parts[0] == "blk" and parts[2] == "ffn_gate_inp":
+            return GGML.F32
+        if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps") and use_more_bits(int(parts[1]), n):
             return GGML.Q6_K
         return GGML.Q4_K
     return Mix(LlamaFileType.MOSTLY_Q4_K_M, matrix_type)
@@ -93,14 +96,18 @@ def gguf_path(model: str, file_type: str) -> Path:
 
 
 def random_tensor(hf_name: str, gguf_name: str, shape: tuple[int, ...], kind: GGML) -> np.ndarray:
-    """A tensor's data as GGUFWriter takes it (seeded by its name): norms 1.0; Q8_0/Q4_0 as bench.big_models
-    writes them; a K-kind's blocks [out, in/256 x bytes] of random bytes with FP16 scales U(0.5, 1.5) DEFAULT_D."""
+    """A tensor's data as GGUFWriter takes it (seeded by its Hugging Face name: each expert of a stacked
+    qwen3moe tensor its own): norms 1.0; an F32 matrix (a MoE's router) N(0, WEIGHT_STD); Q8_0/Q4_0 as
+    bench.big_models writes them; a K-kind's blocks [out, in/256 x bytes] of random bytes with FP16 scales
+    U(0.5, 1.5) DEFAULT_D."""
     from .big_models import random_tensor as legacy_tensor
 
+    rng = np.random.default_rng(zlib.crc32(hf_name.encode()))
+    if len(shape) == 2 and kind == GGML.F32:
+        return (WEIGHT_STD * rng.standard_normal(shape)).astype(np.float32)
     if len(shape) == 1 or kind not in DEFAULT_D:
         return legacy_tensor(hf_name, gguf_name, shape, kind)
-    return random_k_blocks(np.random.default_rng(zlib.crc32(gguf_name.encode())), shape, kind).reshape(
-        gguf.quants.quant_shape_to_byte_shape(shape, kind))
+    return random_k_blocks(rng, shape, kind).reshape(gguf.quants.quant_shape_to_byte_shape(shape, kind))
 
 
 def random_k_blocks(rng: np.random.Generator, shape: tuple[int, ...], kind: GGML) -> np.ndarray:
@@ -135,7 +142,14 @@ def ensure_gguf(model: str, file_type: str, log: Callable[[str], None] = print) 
 # --- the worker: one configuration in its own process -------------------------------------------------
 
 def worker(path: str, memory: str, decode: int, threads: int) -> dict[str, Any]:
-    """Load, prefill PROMPT_TOKENS tokens, decode greedily; peak RSS and the plan's total."""
+    """Load, prefill PROMPT_TOKENS tokens, decode greedily; peak RSS and the plan's total (decode_run)."""
+    return decode_run(path, memory, decode, threads)[1]
+
+
+def decode_run(path: str, memory: str, decode: int, threads: int, max_tokens: int = 0) -> tuple[Any, dict[str, Any]]:
+    """The model (for more measurements in the same process: bench.moe's prefill) and what its load, a
+    PROMPT_TOKENS prefill and `decode` greedy steps measured: wall and CPU time, peak RSS against the plan,
+    the bytes a token reads and the copy-bandwidth limit. max_tokens: the plan's KV positions, if more."""
     import qwen_np
     from qwen_np.engine import runtime
 
@@ -149,7 +163,7 @@ def worker(path: str, memory: str, decode: int, threads: int) -> dict[str, Any]:
     read_into_page_cache(files)
     baseline = current_rss_bytes()
     started = time.perf_counter()
-    model = qwen_np.load_model(path, memory=memory, max_tokens=PROMPT_TOKENS + decode + 1)
+    model = qwen_np.load_model(path, memory=memory, max_tokens=max(PROMPT_TOKENS + decode + 1, max_tokens))
     load_s = time.perf_counter() - started
     cache = model.new_cache(PROMPT_TOKENS + decode + 1)
     prompt = (np.arange(PROMPT_TOKENS) * 7919 + 1000) % model.config.vocab_size
@@ -157,25 +171,33 @@ def worker(path: str, memory: str, decode: int, threads: int) -> dict[str, Any]:
     token = int(model.forward(prompt, cache, last_only=True)[-1].argmax())
     prefill_s = time.perf_counter() - started
     token = int(model.forward([token], cache)[-1].argmax())          # one untimed step: buffers, pages
-    steps = []
+    steps, cpu = [], time.process_time()
     for _ in range(decode):
         started = time.perf_counter()
         token = int(model.forward([token], cache)[-1].argmax())
         steps.append(time.perf_counter() - started)
+    cpu = time.process_time() - cpu
     peak = high_water_rss_bytes()                    # before the bandwidth probe's arrays add to it
     read = per_token_bytes(model)
     bandwidth = measure_bandwidth(threads=threads)
-    return {"file_gb": sum(f.stat().st_size for f in files) / 1e9, "mode": model.plan.mode, "load_s": load_s,
-            "prefill_s": prefill_s, "decode_tps": len(steps) / sum(steps), "median_step_s": float(np.median(steps)),
-            "peak_rss_bytes": peak, "baseline_rss_bytes": baseline, "predicted_bytes": model.plan.total_bytes,
-            "token_bytes": read, "bandwidth_gbs": bandwidth / 1e9, "limit_tps": bandwidth / read}
+    return model, {"file_gb": sum(f.stat().st_size for f in files) / 1e9, "mode": model.plan.mode, "load_s": load_s,
+                   "prefill_s": prefill_s, "decode_tps": len(steps) / sum(steps), "median_step_s": float(np.median(steps)),
+                   "decode_cpu_s_per_token": cpu / decode, "peak_rss_bytes": peak, "baseline_rss_bytes": baseline,
+                   "predicted_bytes": model.plan.total_bytes, "token_bytes": read, "bandwidth_gbs": bandwidth / 1e9,
+                   "limit_tps": bandwidth / read}
 
 
 def per_token_bytes(model: Any) -> int:
-    """Bytes of the weights a decode step reads as held: every layer's matrices and the LM head (of the
-    embedding table only a row)."""
-    matrices = [getattr(layer, name) for layer in model.layers for name in LAYER_MATRICES]
-    return sum(int(m.nbytes) for m in matrices) + int(model.lm_head.nbytes)
+    """Bytes of the weights a decode step reads as held: every layer's matrices, of a sparse layer's experts
+    the K a token is routed to (K times their mean size, and the router), and the LM head (of the embedding
+    table only a row)."""
+    total = int(model.lm_head.nbytes)
+    for layer in model.layers:
+        total += sum(int(m.nbytes) for m in (getattr(layer, name) for name in LAYER_MATRICES) if m is not None)
+        if layer.experts:
+            experts = sum(int(m.nbytes) for expert in layer.experts for m in expert)
+            total += int(layer.router.nbytes) + model.config.num_experts_per_tok * experts // len(layer.experts)
+    return total
 
 
 def high_water_rss_bytes() -> int:
@@ -192,15 +214,20 @@ def checkpoint(model: str, file: str, log: Callable[[str], None]) -> Path:
 
 
 def run_one(path: Path, memory: str, args: argparse.Namespace) -> dict[str, Any] | None:
-    command = [sys.executable, "-m", "bench.gguf_kinds", "--worker", str(path), memory, str(args.tokens),
-               str(args.threads)]
+    return run_worker(["bench.gguf_kinds", "--worker", str(path), memory, str(args.tokens), str(args.threads)])
+
+
+def run_worker(module_args: list[str]) -> dict[str, Any] | None:
+    """`python -m <module_args>` in its own process: the JSON line it prints, with the 1-minute load average
+    before it started (load_average) and as it ended (load_average_after); None (said why) if it failed."""
     load = os.getloadavg()[0]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-m", *module_args], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         print(f"  FAILED ({done.returncode}): {done.stderr.strip().splitlines()[-3:]}", flush=True)
         return None
-    return {**json.loads(lines[-1]), "load_average": load}
+    return {**json.loads(lines[-1]), "load_average": load, "load_average_after": os.getloadavg()[0]}
 
 
 def main(argv: list[str] | None = None) -> None:
