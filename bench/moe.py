@@ -1,6 +1,6 @@
 """`python -m bench.moe`: Qwen3-30B-A3B beside Qwen3-8B, both Q4_K_M GGUFs kept as stored, in one run: decode
 tok/s in interleaved rounds (8B, 30B-A3B, 8B, 30B-A3B, ...) and their ratio within each round, each process's
-peak RSS against the memory plan, and in the last 30B-A3B process a 256-token prefill grouped by expert against
+peak RSS against the memory plan, and in the first 30B-A3B process a 256-token prefill grouped by expert against
 the same prompt's MoE blocks run per token.
 
 Checkpoints are bench.gguf_kinds' random GGUFs at the real shapes, written tensor by tensor in llama.cpp's
@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -38,7 +40,7 @@ GiB = 1024 ** 3
 SIZES = ("8b", "30b-a3b")          # gguf_kinds.MODELS keys: the baseline first
 PREFILL_TOKENS = 256
 SAMPLED_LAYERS = 4
-MEMORY_MARGIN = int(1.0 * GiB)     # beyond the plan: Python, NumPy, the parsed GGUF metadata
+MEMORY_MARGIN = int(0.5 * GiB)     # beyond the plan: Python, NumPy, the parsed GGUF metadata
 
 
 def timed(run: Callable[[], object]) -> tuple[float, float]:
@@ -84,13 +86,29 @@ def prefill_run(model: Any, tokens: int, sampled_layers: int) -> dict[str, Any]:
 
 
 def worker(path: str, decode: int, threads: int, prefill: int, sampled_layers: int) -> dict[str, Any]:
-    """gguf_kinds.decode_run on the file kept as stored, then prefill_run when `prefill` tokens are asked for."""
+    """gguf_kinds.decode_run on the file kept as stored, then prefill_run when `prefill` tokens are asked for.
+
+    load_model refuses a plan over SAFETY_FRACTION (0.85) of the available memory: for the 30B-A3B's 19.3 GiB
+    that asks 22.7 GiB available, more than this shared 24 GiB machine ever has. The runner has already waited
+    until the plan and MEMORY_MARGIN were available, so the worker lets the plan take all of it."""
+    from qwen_np.engine import memory
+
+    memory.SAFETY_FRACTION = 1.0
     model, result = decode_run(path, "stored", decode, threads, max_tokens=prefill)
     return {**result, **(prefill_run(model, prefill, sampled_layers) if prefill else {})}
 
 
 def plan_bytes(size: str, memory: str, tokens: int) -> int:
-    """The memory plan's total for Qwen3-{size} held as `memory` with `tokens` KV positions (before loading)."""
+    """The memory plan's total for Qwen3-{size} held as `memory` with `tokens` KV positions (before loading),
+    computed in a child process: opening a GGUF parses and maps it (the 30B-A3B's ~18,000 expert tensors:
+    ~0.6 GiB), which this runner would otherwise keep while the model it waits for memory for loads."""
+    done = subprocess.run([sys.executable, "-m", "bench.moe", "--plan", size, memory, str(tokens)], check=True,
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    return int(done.stdout.split()[-1])
+
+
+def plan_in_this_process(size: str, memory: str, tokens: int) -> int:
+    """plan_bytes, in this process (`python -m bench.moe --plan SIZE MEMORY TOKENS` prints it)."""
     from qwen_np.engine.memory import candidate_plans
     from qwen_np.files.model_files import open_checkpoint
 
@@ -104,7 +122,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=8, help="timed greedy decode steps")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill", type=int, default=PREFILL_TOKENS,
-                        help="prompt tokens of the prefill measurement (in the last 30B-A3B process; 0: none)")
+                        help="prompt tokens of the prefill measurement (in the first 30B-A3B process; 0: none)")
     parser.add_argument("--sampled-layers", type=int, default=SAMPLED_LAYERS,
                         help="sparse layers whose MoE block is timed grouped and per token")
     parser.add_argument("--wait-memory", type=float, default=900, help="seconds to wait for the memory a model needs")
@@ -117,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         path, decode, threads, prefill, sampled = argv[1:6]
         print(json.dumps(worker(path, int(decode), int(threads), int(prefill), int(sampled))))
         return
+    if argv[:1] == ["--plan"]:
+        print(plan_in_this_process(argv[1], argv[2], int(argv[3])))
+        return
     args = parse_args(argv)
     log = lambda text: print(text, flush=True)                                        # noqa: E731
     paths = {size: ensure_gguf(size, "q4_k_m", log) for size in SIZES}
@@ -125,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict[str, Any]]] = {size: [] for size in SIZES}
     for round_ in range(args.rounds):
         for size in SIZES:
-            prefill = args.prefill if size == "30b-a3b" and round_ == args.rounds - 1 else 0
+            prefill = args.prefill if size == "30b-a3b" and round_ == 0 else 0
             need = plan_bytes(size, "bf16", max(args.tokens + 10, prefill)) + MEMORY_MARGIN
             if not wait_for_memory(need, args.wait_memory, log):
                 log(f"  skip {size} in round {round_ + 1}: {need / GiB:.1f} GiB needed")
@@ -139,9 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     for size in SIZES:
         if results[size]:
             print(row(size, results[size], results["8b"]))
-    last = results["30b-a3b"][-1] if results["30b-a3b"] else {}
-    if "prefill_tokens" in last:
-        print(prefill_lines(last))
+    first = results["30b-a3b"][0] if results["30b-a3b"] else {}
+    if "prefill_tokens" in first:
+        print(prefill_lines(first))
 
 
 HEADER = ("| model (Q4_K_M, kept as stored) | file GB | plan GiB | peak RSS GiB | load s | decode tok/s, each round "
