@@ -276,15 +276,21 @@ def route(router_logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.nd
     (those probabilities; renormalised to sum to 1 when `normalize`, config.norm_topk_prob).
     logits [T, E] -> experts [T, K] (indices, likeliest first) and weights [T, K].
 
-    The softmax is FP32 whatever the activations are (transformers: softmax(..., dtype=float)). The top
-    k of E is a partial sort; argsort of -p keeps equal probabilities in expert order (torch.topk's order
-    for ties is unspecified: with real-valued logits ties do not happen)."""
-    probs = softmax(router_logits.astype(np.float32, copy=False))                    # [T, E]
+    The softmax is at least FP32 whatever the activations are (transformers: softmax(..., dtype=float); float64
+    stays float64, for the gradient checks). The top k of E is a partial sort; argsort of -p keeps equal
+    probabilities in expert order (torch.topk's order for ties is unspecified: with real-valued logits ties do
+    not happen)."""
+    probs = router_probabilities(router_logits)                                      # [T, E]
     experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]                  # [T, K]
     weights = np.take_along_axis(probs, experts, axis=-1)                             # [T, K]
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return experts, weights
+
+
+def router_probabilities(router_logits: np.ndarray) -> np.ndarray:
+    """The softmax over the E experts, in at least FP32: [T, E] -> [T, E] (route's, and the load-balancing loss's)."""
+    return softmax(router_logits.astype(np.promote_types(router_logits.dtype, np.float32), copy=False))
 
 
 Expert = tuple[Weight, Weight, Weight]    # one expert's SwiGLU: gate_proj [Fe, D], up_proj [Fe, D], down_proj [D, Fe]

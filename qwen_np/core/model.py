@@ -74,6 +74,14 @@ class LayerWeights:
     router: Weight | None = None
     experts: list[layers.Expert] | None = None
 
+    def tensor(self, key: str) -> Weight | None:
+        """The tensor config.layer_tensors keys as `key` (layer_weights' inverse): an attribute, or a sparse layer's
+        "experts.{e}.gate_proj" (up_proj, down_proj); None for one the layer lacks."""
+        if not key.startswith("experts."):
+            return cast(Weight | None, getattr(self, key))
+        _, e, kind = key.split(".")
+        return self.experts[int(e)][DENSE_MLP.index(kind)] if self.experts is not None else None
+
     def matrices(self) -> list[Weight]:
         """Every matrix the layer holds: q, k, v, o, then the MLP's (a sparse one's router and experts)."""
         held = [getattr(self, key) for key in LAYER_MATRICES if getattr(self, key) is not None]

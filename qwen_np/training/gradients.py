@@ -16,13 +16,13 @@ layers.MATMUL_INPUTS that layers.linear and linear_backward read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, TypeGuard, cast
+from typing import TYPE_CHECKING, Callable, Sequence, TypeGuard, cast
 
 import numpy as np
 
 from . import lora
 from ..core import layers
-from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, Qwen3Config
+from ..core.config import DENSE_MLP, EMBED_TOKENS, FINAL_NORM, LM_HEAD, Qwen3Config, layer_tensors
 from ..errors import QwenNPError
 from ..numbers.numerics import FULL_PRECISION, Adapted, Weight, upcast
 
@@ -205,6 +205,65 @@ def swiglu_backward(d_out: np.ndarray, x: np.ndarray, gate: np.ndarray, up: np.n
     return dx_gate + dx_up, {"gate_proj": d_gate_proj, "up_proj": d_up_proj, "down_proj": d_down}
 
 
+def route_backward(d_weights: np.ndarray, probs: np.ndarray, chosen: np.ndarray, normalize: bool) -> np.ndarray:
+    """layers.route reversed: d weights [N, K] -> d router logits [N, E].  probs [N, E] (the softmax), chosen [N, K].
+
+    The top-k choice is piecewise constant in the logits (a small change moves no token to another expert), so it
+    passes nothing back: the K weights are the chosen experts' probabilities p_k, and their gradient lands on those
+    E-entries only. With norm_topk_prob, w_k = p_k / S, S = sum_j p_j over the K chosen, and
+    dp_k = (dw_k - sum_j dw_j w_j) / S (S's own dependence on p_k: a weight renormalised does not care about the
+    scale of the K together). Then the softmax: every logit moves, the unchosen ones through its denominator.
+    """
+    picked = np.take_along_axis(probs, chosen, axis=-1)                              # [N, K]
+    if normalize:
+        total = picked.sum(axis=-1, keepdims=True)                                   # S [N, 1]
+        d_picked = (d_weights - np.sum(d_weights * (picked / total), axis=-1, keepdims=True)) / total
+    else:
+        d_picked = d_weights
+    d_probs = np.zeros_like(probs)                                                   # [N, E]
+    np.put_along_axis(d_probs, chosen, d_picked, axis=-1)        # K distinct experts a row: no two land together
+    return softmax_backward(d_probs, probs)
+
+
+def moe_backward(d_out: np.ndarray, x: np.ndarray, router_logits: np.ndarray, router: Weight,
+                 experts: Sequence[layers.Expert], top_k: int, normalize: bool,
+                 d_router_logits: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, Gradient]]:
+    """layers.moe reversed: out = sum over each token's K chosen experts of w_k * expert_k(x).
+    d_out, x [N, D] (the N = B*T rows); router_logits [N, E] from the forward; d_router_logits [N, E]: what the
+    load-balancing loss adds to the logits' gradient (None: no such loss).
+
+    Per expert e, over the n rows routed to it: dw = <d_out, expert_e(x)> (each row's weight scales its whole
+    output), and expert_e's SwiGLU backward with d_out * w. The expert's activations are computed again here from
+    x (the tape keeps only the router's logits: a layer of E experts would otherwise keep E activations), with
+    the same rows and products as the forward's, so the same values. dx sums every chosen expert's path and the
+    router's (logits = x router^T). An expert no token chose gets a zero gradient (AdamW still steps its decay).
+    Returns dx [N, D] and the gradients keyed as config.layer_tensors: "router", "experts.{e}.gate_proj", ...
+    """
+    probs = layers.router_probabilities(router_logits)                               # [N, E]
+    chosen, weights = layers.route(router_logits, top_k, normalize)                  # [N, K] each
+    dx, d_weights = np.zeros_like(x), np.zeros_like(weights)                         # [N, D], [N, K]
+    grads: dict[str, Gradient] = {}
+    for e, (gate_proj, up_proj, down_proj) in enumerate(experts):
+        tokens, slot = np.nonzero(chosen == e)           # the rows routed to expert e, and which of their K picks
+        if tokens.size == 0:
+            grads.update({f"experts.{e}.{key}": np.zeros(w.shape, d_out.dtype)
+                          for key, w in zip(DENSE_MLP, (gate_proj, up_proj, down_proj))})
+            continue
+        x_e = x[tokens]                                                              # [n, D]
+        gate, up = layers.linear(x_e, gate_proj), layers.linear(x_e, up_proj)        # [n, Fe] each
+        y = layers.linear(layers.silu(gate) * up, down_proj)                         # expert_e(x) [n, D]
+        d_weights[tokens, slot] = np.sum(d_out[tokens] * y, axis=-1)                 # [n]
+        dx_e, branch = swiglu_backward(d_out[tokens] * weights[tokens, slot, None], x_e, gate, up,
+                                       gate_proj, up_proj, down_proj)                # [n, D]
+        dx[tokens] += dx_e                # a token picks an expert at most once: `tokens` has no repeats
+        grads.update({f"experts.{e}.{key}": g for key, g in branch.items()})
+    d_logits = route_backward(d_weights, probs, chosen, normalize)                   # [N, E]
+    if d_router_logits is not None:
+        d_logits = d_logits + d_router_logits
+    dx_router, grads["router"] = linear_backward(d_logits, x, router)                # [N, D], [E, D]
+    return dx + dx_router, grads
+
+
 def gelu_backward(d_out: np.ndarray, x: np.ndarray) -> np.ndarray:
     """layers.gelu reversed. With t = tanh(c (x + a x^3)):
     d/dx [0.5 x (1 + t)] = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)."""
@@ -250,6 +309,36 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray,
     return -float(picked.sum(dtype=np.float64)) / n, d_logits
 
 
+def load_balancing_loss(router_logits: Sequence[np.ndarray], top_k: int) -> tuple[float, list[np.ndarray]]:
+    """A Qwen3-MoE's auxiliary loss, transformers' load_balancing_loss_func (the Switch Transformer's), and its
+    gradient. router_logits: the sparse layers' (L_s of them; a dense layer has no router), each [..., E], taken
+    together as one set of M = L_s * (B*T) rows:
+
+        f_e = (how often expert e is among a row's top_k) / M      the load: sums to K over the experts
+        P_e = sum over the rows of softmax(logits)_e / M            the router's mean probability: sums to 1
+        loss = E * sum_e f_e P_e
+
+    Uniform routing gives K; a router that sends most rows to a few experts and is sure of it, more. The training
+    loss adds it times config.router_aux_loss_coef (transformers: when output_router_logits; it is what keeps the
+    experts from collapsing to a few). f is piecewise constant (counts of a top-k), so only P passes a gradient:
+    d loss / d p_{r,e} = E f_e / M for every row r, then each row's softmax backward.
+    Returns the loss and d loss / d logits, one array per layer, each its logits' shape.
+    """
+    E = router_logits[0].shape[-1]
+    rows = [logits.reshape(-1, E) for logits in router_logits]                        # L_s x [N, E]
+    probs = [layers.router_probabilities(r) for r in rows]                           # L_s x [N, E]
+    M = sum(len(r) for r in rows)
+    load = np.zeros(E, dtype=np.float64)                                             # f_e * M
+    for r in rows:
+        load += np.bincount(layers.route(r, top_k, normalize=False)[0].reshape(-1), minlength=E)
+    f = load / M                                                                     # [E]
+    mean_prob = sum(p.sum(axis=0, dtype=np.float64) for p in probs) / M             # P [E]
+    d_p = (E * f / M).astype(probs[0].dtype)                                         # [E], the same for every row
+    d_logits = [softmax_backward(np.broadcast_to(d_p, p.shape), p).reshape(logits.shape)
+                for p, logits in zip(probs, router_logits)]
+    return float(E * np.dot(f, mean_prob)), d_logits
+
+
 def token_log_probs(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """log p(target) at every position, and the softmax its backward needs: what DPO and GRPO (objectives.py)
     build their losses from, as cross_entropy is SFT's.  logits [B, T, V], targets [B, T] -> [B, T], [B, T, V].
@@ -289,9 +378,10 @@ class LayerTape:
     mixed: np.ndarray      # attention output, o_proj's input             [B, T, H*Dh]
     x_mid: np.ndarray      # x + o_proj(mixed)                            [B, T, D]
     h_mlp: np.ndarray      # post_attention_layernorm(x_mid), MLP's input [B, T, D]
-    up: np.ndarray         # up_proj(h_mlp)                               [B, T, F]
     x_out: np.ndarray      # x_mid + mlp(h_mlp): the layer's output (post-norm: before its norm)  [B, T, D]
-    gate: np.ndarray | None = None     # gate_proj(h_mlp); None in a GELU MLP  [B, T, F]
+    up: np.ndarray | None = None       # up_proj(h_mlp); None in a sparse layer  [B, T, F]
+    gate: np.ndarray | None = None     # gate_proj(h_mlp); None in a GELU MLP or a sparse layer  [B, T, F]
+    router_logits: np.ndarray | None = None   # a sparse layer's router(h_mlp) (Qwen3-MoE)  [B, T, E]
 
 
 @dataclass
@@ -305,12 +395,17 @@ class Tape:
     layers: list[LayerTape] | None   # each layer's activations; None: recomputed in the backward
     x_final: np.ndarray            # the residual stream before the final norm  [B, T, D]
     h_final: np.ndarray            # norm(x_final), the LM head's input          [B, T, D]
+    # Every sparse layer's router logits (Qwen3-MoE), kept even with recomputation: the load-balancing loss
+    # reads all of them before the backward starts.  layer -> [B, T, E]
+    router_logits: dict[int, np.ndarray]
 
 
 def decoder_layer_backward(d_out: np.ndarray, w: LayerWeights, tape: LayerTape, cos: np.ndarray, sin: np.ndarray,
-                           config: Qwen3Config) -> tuple[np.ndarray, dict[str, Gradient]]:
+                           config: Qwen3Config, d_router_logits: np.ndarray | None = None
+                           ) -> tuple[np.ndarray, dict[str, Gradient]]:
     """model.py's decoder layer (as Recorder notes it) reversed.  d_out [B, T, D] -> dx [B, T, D] and the layer's 11 gradients
-    (fewer for an ablation without some weights).
+    (fewer for an ablation without some weights; a sparse layer's: the router and 3 per expert in the MLP's 3's place).
+    d_router_logits [B, T, E]: a sparse layer's share of the load-balancing loss's gradient (load_balancing_loss).
 
     Two residual blocks (residual_block_backward), the MLP's then the attention's, each with its branch's backward.
     """
@@ -319,11 +414,19 @@ def decoder_layer_backward(d_out: np.ndarray, w: LayerWeights, tape: LayerTape, 
     grads: dict[str, Gradient] = {}
 
     def mlp_backward(d_mlp_out: np.ndarray) -> np.ndarray:                          # -> d h_mlp [B, T, D]
-        up, down = cast(Weight, w.up_proj), cast(Weight, w.down_proj)    # dense: training refuses Qwen3-MoE
+        if w.router is not None and w.experts is not None and tape.router_logits is not None:   # Qwen3-MoE's sparse layer
+            E = config.num_experts
+            d_rows, branch = moe_backward(
+                d_mlp_out.reshape(B * T, -1), tape.h_mlp.reshape(B * T, -1), tape.router_logits.reshape(B * T, E),
+                w.router, w.experts, config.num_experts_per_tok, config.norm_topk_prob,
+                None if d_router_logits is None else d_router_logits.reshape(B * T, E))
+            grads.update(branch)
+            return d_rows.reshape(B, T, -1)
+        up, down, up_out = cast(Weight, w.up_proj), cast(Weight, w.down_proj), cast(np.ndarray, tape.up)   # dense
         if w.gate_proj is None or tape.gate is None:                                 # ablation: the GELU MLP
-            d_h, branch = gelu_mlp_backward(d_mlp_out, tape.h_mlp, tape.up, up, down)
+            d_h, branch = gelu_mlp_backward(d_mlp_out, tape.h_mlp, up_out, up, down)
         else:
-            d_h, branch = swiglu_backward(d_mlp_out, tape.h_mlp, tape.gate, tape.up, w.gate_proj, up, down)
+            d_h, branch = swiglu_backward(d_mlp_out, tape.h_mlp, tape.gate, up_out, w.gate_proj, up, down)
         grads.update(branch)
         return d_h
 
@@ -373,7 +476,7 @@ def residual_block_backward(d_out: np.ndarray, x: np.ndarray, total: np.ndarray,
 TAPE_STEPS = {"h": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
               "q_rot": "self_attn.rope_q", "k_rot": "self_attn.rope_k", "probs": "self_attn.softmax",
               "mixed": "self_attn.weighted_sum", "x_mid": "residual_attn", "h_mlp": "post_attention_layernorm",
-              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "x_out": "residual_mlp"}
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "router_logits": "mlp.gate", "x_out": "residual_mlp"}
 
 
 class Recorder:
@@ -387,11 +490,14 @@ class Recorder:
         self.wanted = {f"model.layers.{i}.{step}": (i, field) for i in layers for field, step in TAPE_STEPS.items()}
         self.layers: dict[int, dict[str, list[np.ndarray]]] = {i: {} for i in layers}
         self.outputs: dict[str, np.ndarray] = {}            # the embedding, each layer's output, the final norm
+        self.router_logits: dict[int, np.ndarray] = {}      # every sparse layer's, recomputing or not  [B*T, E]
 
     def __call__(self, name: str, value: np.ndarray) -> None:
         if name in self.wanted:
             i, field = self.wanted[name]
             self.layers[i].setdefault(field, []).append(value)
+        if name.endswith(".mlp.gate"):                                  # model.layers.{i}.mlp.gate
+            self.router_logits[int(name.split(".")[2])] = value
         if name == "model.embed_tokens" or name == "model.norm":
             self.outputs[name] = value
         elif name.endswith((".residual_mlp", ".post_norm_mlp")):      # a layer's output: the last of these it notes
@@ -410,7 +516,8 @@ class Recorder:
         names = ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
         inputs = [self.outputs[name].reshape(B, T, -1) for name in names]            # L + 1 x [B, T, D]
         kept = [self.layer_tape(i, inputs[i], B, T) for i in self.layers] if self.layers else None
-        return Tape(token_ids, cos, sin, inputs[:-1], kept, inputs[-1], self.outputs["model.norm"].reshape(B, T, -1))
+        return Tape(token_ids, cos, sin, inputs[:-1], kept, inputs[-1], self.outputs["model.norm"].reshape(B, T, -1),
+                    {i: logits.reshape(B, T, -1) for i, logits in self.router_logits.items()})
 
 
 def forward_with_tape(model: Qwen3Model, token_ids: np.ndarray, recompute: bool = False) -> tuple[np.ndarray, Tape]:
@@ -436,8 +543,10 @@ def recomputed_layer(model: Qwen3Model, i: int, tape: Tape) -> LayerTape:
     return record.layer_tape(i, tape.inputs[i], B, T)
 
 
-def backward(model: Qwen3Model, tape: Tape, d_logits: np.ndarray) -> dict[str, np.ndarray]:
-    """Every parameter's gradient, keyed by checkpoint tensor name.  d_logits [B, T, V].
+def backward(model: Qwen3Model, tape: Tape, d_logits: np.ndarray,
+             d_router_logits: dict[int, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Every parameter's gradient, keyed by checkpoint tensor name.  d_logits [B, T, V]; d_router_logits: a
+    Qwen3-MoE's load-balancing loss's gradient, sparse layer -> [B, T, E] (None: the loss has no such term).
 
     A tied LM head is the embedding table itself: its gradient adds into model.embed_tokens.weight
     and there is no lm_head.weight. A model with LoRA adapters (lora.add_adapters) trains its adapters
@@ -454,10 +563,12 @@ def backward(model: Qwen3Model, tape: Tape, d_logits: np.ndarray) -> dict[str, n
     dx, d_final_norm = rms_norm_backward(d_h, tape.x_final, model.norm, config.rms_norm_eps)
     for i in reversed(range(config.num_hidden_layers)):
         layer_tape = tape.layers[i] if tape.layers is not None else recomputed_layer(model, i, tape)
-        dx, layer_grads = decoder_layer_backward(dx, model.layers[i], layer_tape, tape.cos, tape.sin, config)
+        dx, layer_grads = decoder_layer_backward(dx, model.layers[i], layer_tape, tape.cos, tape.sin, config,
+                                                 (d_router_logits or {}).get(i))
         del layer_tape                                   # recomputed: freed before the next layer's
+        specs = layer_tensors(config, i)
         for key, g in layer_grads.items():
-            name = LAYER_TENSOR_NAMES[key].format(i=i)
+            name = specs[key].name.format(i=i)
             if isinstance(g, lora.AdapterGradient):
                 grads[lora.adapter_name(name, "A")], grads[lora.adapter_name(name, "B")] = g.a, g.b
             elif not adapted:

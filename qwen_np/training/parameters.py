@@ -36,9 +36,12 @@ def model_from_parameters(config: Qwen3Config, params: dict[str, np.ndarray]) ->
 
 
 def hf_config(model_config: dict[str, Any]) -> dict[str, Any]:
-    """A complete config.json that transformers and qwen_np both load."""
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-            "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+    """A complete config.json that transformers and qwen_np both load (a Qwen3-MoE's, model_type "qwen3_moe", names
+    its own class)."""
+    moe = model_config.get("model_type") == "qwen3_moe"
+    return {"architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"], "model_type": "qwen3",
+            "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
+            "rms_norm_eps": 1e-6,
             "rope_theta": 1_000_000.0, "rope_scaling": None, "use_sliding_window": False, "sliding_window": None,
             "bos_token_id": END_OF_TEXT_ID, "eos_token_id": END_OF_TEXT_ID, "torch_dtype": "bfloat16",
             "use_cache": True, **model_config}

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import gradients, lora, mixed, objectives
 from ..core import layers
-from ..core.config import EMBED_TOKENS, FINAL_NORM, LAYER_TENSOR_NAMES, LM_HEAD, is_matrix
+from ..core.config import EMBED_TOKENS, FINAL_NORM, LM_HEAD, is_matrix, layer_tensors
 from ..errors import QwenNPError
 from ..core.layers import MatmulInputs
 from ..core.model import Qwen3Model
@@ -49,26 +49,53 @@ def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = F
     predicted token's weight in the loss (gradients.cross_entropy; chat SFT's assistant-only mask).
     dropout: LoRA dropout on every adapter's input, in this forward and its backward (layers.ADAPTER_INPUTS).
     """
-    if model.config.is_moe:          # the backward by hand (gradients.py) is the dense MLP's and attention's
-        raise QwenNPError("a Qwen3-MoE is not trained here yet (its sparse layers have no backward); train a dense Qwen3",
-                          "model")
     batch = check_batch(batch, model.config.vocab_size)
     if not lora.has_adapters(model):    # an adapted model trains its FP32 adapters; its base may be any kind
         named_parameters(model)         # raises, naming the tensor, unless every weight is a float array
+    else:
+        refuse_moe_adapters(model)
     hook = layers.MATMUL_INPUTS.set(mixed.operands(precision))     # this thread's forward and backward only
     dropping = layers.ADAPTER_INPUTS.set(dropout)
     try:
         logits, tape = gradients.forward_with_tape(model, batch[:, :-1], recompute)  # [B, T, V]
         loss, d_logits = gradients.cross_entropy(logits, batch[:, 1:], weights)
+        balance, d_routers = router_loss(model, tape)
+        loss += balance
+        scale = np.float32(loss_scale)
         if loss_scale == 1.0:
-            return loss, gradients.backward(model, tape, d_logits)
+            return loss, gradients.backward(model, tape, d_logits, d_routers)
         # A scaled backward may overflow FP16: loss scaling expects that now and then and checks the
         # gradients for inf (mixed.LossScaler.unscale), so NumPy's warnings would only be noise.
         with np.errstate(over="ignore", invalid="ignore"):
-            return loss, gradients.backward(model, tape, d_logits * np.float32(loss_scale))
+            return loss, gradients.backward(model, tape, d_logits * scale, {i: d * scale for i, d in d_routers.items()})
     finally:
         layers.ADAPTER_INPUTS.reset(dropping)
         layers.MATMUL_INPUTS.reset(hook)
+
+
+def router_loss(model: Qwen3Model, tape: gradients.Tape) -> tuple[float, dict[int, np.ndarray]]:
+    """A Qwen3-MoE's load-balancing term of the training loss, config.router_aux_loss_coef times
+    gradients.load_balancing_loss over every sparse layer's router, and its gradient per layer [B, T, E]; for a
+    dense Qwen3, 0 and none. transformers adds the same term to Qwen3MoeForCausalLM's loss when output_router_logits
+    is set (the released configs say false: they are not for training); here it is always in, with the config's
+    coefficient (0 turns it off), since without it a router soon sends most tokens to a few experts. Over every
+    position of the batch, as transformers' with no attention mask; per micro-batch and shard, as its gradient
+    accumulation: the term is a product of two means over the rows, so the pieces' average is not the whole batch's."""
+    coefficient = model.config.router_aux_loss_coef
+    if not tape.router_logits:
+        return 0.0, {}
+    aux, d_logits = gradients.load_balancing_loss(list(tape.router_logits.values()), model.config.num_experts_per_tok)
+    scale = np.float32(coefficient)
+    return coefficient * aux, {i: d * scale for i, d in zip(tape.router_logits, d_logits)}
+
+
+def refuse_moe_adapters(model: Qwen3Model) -> None:
+    """LoRA trains adapters on the dense projections (lora.add_adapters); a Qwen3-MoE's router and experts have none,
+    and their backward here forms their full gradients, which a frozen base neither needs nor, held as BF16 or int8,
+    allows."""
+    if model.config.is_moe:
+        raise QwenNPError("LoRA on a Qwen3-MoE is not trained here (its router and experts take no adapters); "
+                          "train every weight of it", "model")
 
 
 def completion_log_probs(model: Qwen3Model, ids: np.ndarray, completion: np.ndarray) -> np.ndarray:
@@ -91,6 +118,8 @@ def policy_gradients(model: Qwen3Model, ids: np.ndarray, completion: np.ndarray,
     ids = check_batch(ids, model.config.vocab_size)
     if not lora.has_adapters(model):
         named_parameters(model)
+    else:
+        refuse_moe_adapters(model)
     mask = np.asarray(completion, dtype=bool)[:, 1:]                                 # [B, T]
     dropping = layers.ADAPTER_INPUTS.set(dropout)
     try:
@@ -165,9 +194,9 @@ def named_parameters(model: Qwen3Model) -> dict[str, np.ndarray]:
     A tied LM head is the embedding table, so it appears once, as model.embed_tokens.weight.
     """
     params: dict[str, Weight] = {EMBED_TOKENS: model.embed_tokens}
-    for i, layer in enumerate(model.layers):
-        params.update({template.format(i=i): getattr(layer, key) for key, template in LAYER_TENSOR_NAMES.items()
-                       if getattr(layer, key) is not None})                # an ablation's layer lacks some
+    for i, layer in enumerate(model.layers):      # an ablation's layer lacks some; a sparse one has its experts
+        params.update({spec.name.format(i=i): tensor for key, spec in layer_tensors(model.config, i).items()
+                       if (tensor := layer.tensor(key)) is not None})
     params[FINAL_NORM] = model.norm
     if not model.config.tie_word_embeddings:
         params[LM_HEAD] = model.lm_head

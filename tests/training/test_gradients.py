@@ -13,7 +13,8 @@ from qwen_np.core import layers
 from qwen_np.core.config import Qwen3Config
 from qwen_np.engine.loading import load_model
 from qwen_np.training.parameters import init_parameters, model_from_parameters
-from qwen_np.training.step import loss_and_gradients
+from qwen_np.core.model import Qwen3Model
+from qwen_np.training.step import loss_and_gradients, router_loss
 from tests.reference.finite_differences import central_difference
 from tests.reference.logit_match import max_relative_error
 
@@ -96,12 +97,18 @@ def test_every_ablation_gradient_matches_float64_central_differences(ablation: d
                                recompute_too=True)
 
 
-def assert_central_differences(config: Qwen3Config, recompute_too: bool = False) -> None:
+def micro_model(config: Qwen3Config) -> tuple[Qwen3Model, dict[str, np.ndarray], np.ndarray]:
+    """A float64 model of `config` with its weights spread around their initial values, and a batch [2, 7]."""
     rng = np.random.default_rng(3)
     params = {n: (p.astype(np.float64) + (0.3 if p.ndim == 1 else 0.25) * rng.standard_normal(p.shape))
               for n, p in init_parameters(config, seed=3).items()}
-    model = model_from_parameters(config, params)
-    batch = rng.integers(0, config.vocab_size, size=(2, 7))
+    return model_from_parameters(config, params), params, rng.integers(0, config.vocab_size, size=(2, 7))
+
+
+def assert_central_differences(config: Qwen3Config, recompute_too: bool = False) -> None:
+    """Every scalar weight's gradient against central differences of the training loss (a Qwen3-MoE's with its
+    load-balancing term, router_loss)."""
+    model, params, batch = micro_model(config)
     _, grads = loss_and_gradients(model, batch)
     assert sorted(grads) == sorted(params), "one gradient per tensor the config has"
     if recompute_too:
@@ -109,7 +116,8 @@ def assert_central_differences(config: Qwen3Config, recompute_too: bool = False)
         assert all(np.array_equal(recomputed[name], g) for name, g in grads.items())
 
     def loss() -> float:
-        return gradients.cross_entropy(gradients.forward_with_tape(model, batch[:, :-1])[0], batch[:, 1:])[0]
+        logits, tape = gradients.forward_with_tape(model, batch[:, :-1])
+        return gradients.cross_entropy(logits, batch[:, 1:])[0] + router_loss(model, tape)[0]
 
     for name, p in params.items():
         numeric = central_difference(loss, p)
