@@ -234,9 +234,10 @@ def moe_backward(d_out: np.ndarray, x: np.ndarray, router_logits: np.ndarray, ro
 
     Per expert e, over the n rows routed to it: dw = <d_out, expert_e(x)> (each row's weight scales its whole
     output), and expert_e's SwiGLU backward with d_out * w. The expert's activations are computed again here from
-    x (the tape keeps only the router's logits: a layer of E experts would otherwise keep E activations), with
-    the same rows and products as the forward's, so the same values. dx sums every chosen expert's path and the
-    router's (logits = x router^T). An expert no token chose gets a zero gradient (AdamW still steps its decay).
+    x (the tape keeps only the router's logits: keeping them would be 2 K Fe values a token, traded here for one
+    more pass of the chosen experts' products), with the same rows and products as the forward's, so the same
+    values. dx sums every chosen expert's path and the router's (logits = x router^T). An expert no token chose
+    gets a zero gradient (AdamW still steps its decay).
     Returns dx [N, D] and the gradients keyed as config.layer_tensors: "router", "experts.{e}.gate_proj", ...
     """
     probs = layers.router_probabilities(router_logits)                               # [N, E]

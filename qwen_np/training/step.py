@@ -46,7 +46,8 @@ def loss_and_gradients(model: Qwen3Model, batch: np.ndarray, recompute: bool = F
     itself, for a measurement such as fp16_underflow's). loss_scale: the loss's gradient is multiplied
     by it before the backward (FP16's loss scaling), so the gradients come back scaled by it too
     (mixed.LossScaler.unscale divides them again). The loss itself is not scaled. weights [B, T]: each
-    predicted token's weight in the loss (gradients.cross_entropy; chat SFT's assistant-only mask).
+    predicted token's weight in the loss (gradients.cross_entropy; chat SFT's assistant-only mask). A Qwen3-MoE's
+    loss adds its load-balancing term (router_loss).
     dropout: LoRA dropout on every adapter's input, in this forward and its backward (layers.ADAPTER_INPUTS).
     """
     batch = check_batch(batch, model.config.vocab_size)
@@ -77,10 +78,11 @@ def router_loss(model: Qwen3Model, tape: gradients.Tape) -> tuple[float, dict[in
     """A Qwen3-MoE's load-balancing term of the training loss, config.router_aux_loss_coef times
     gradients.load_balancing_loss over every sparse layer's router, and its gradient per layer [B, T, E]; for a
     dense Qwen3, 0 and none. transformers adds the same term to Qwen3MoeForCausalLM's loss when output_router_logits
-    is set (the released configs say false: they are not for training); here it is always in, with the config's
-    coefficient (0 turns it off), since without it a router soon sends most tokens to a few experts. Over every
+    is set (Qwen3-30B-A3B's config.json has it false); loss_and_gradients always adds it, with the config's
+    coefficient (0 leaves it out): it is what keeps a router from sending most tokens to a few experts. Over every
     position of the batch, as transformers' with no attention mask; per micro-batch and shard, as its gradient
-    accumulation: the term is a product of two means over the rows, so the pieces' average is not the whole batch's."""
+    accumulation: the term is a product of two means over the rows, so the pieces' average is not the whole batch's.
+    DPO's and GRPO's objectives (policy_gradients) are theirs alone, as TRL's without output_router_logits."""
     coefficient = model.config.router_aux_loss_coef
     if not tape.router_logits:
         return 0.0, {}

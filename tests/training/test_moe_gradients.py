@@ -206,3 +206,15 @@ def test_lora_on_a_moe_is_refused_by_name() -> None:
     lora.add_adapters(model, rank=2)
     with pytest.raises(QwenNPError, match="LoRA on a Qwen3-MoE"):
         loss_and_gradients(model, np.zeros((1, 4), dtype=np.int64))
+
+
+@pytest.mark.slow
+def test_recorded_moe_run_repeats_its_first_steps() -> None:
+    """The walkthrough's MoE run (chapter 12, docs/figures/moe.json) is recorded: its first steps must still come out
+    of the code, to rtol 1e-3 (the record's 4 digits, and the BLAS kernel's last bits)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tools" / "walkthrough"))
+    import walkthrough_moe
+
+    walkthrough_moe.check_first_steps(walkthrough_moe.load_record())     # raises naming the step

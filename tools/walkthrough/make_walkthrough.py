@@ -9,8 +9,8 @@ output is deterministic: BLAS runs on one thread and numbers are printed to 4 si
 The page is assembled here from its chapters: the shared run and formatting in walkthrough_common.py,
 sections 3-4 in walkthrough_chapter_layers.py, 5-6 in walkthrough_chapter_prediction.py, 7-8 in
 walkthrough_chapter_numbers.py, 9-10 in walkthrough_training.py, 11 in walkthrough_chapter_train.py,
-12 in walkthrough_chapter_ablations.py, 13 in walkthrough_chapter_finetune.py, 14 in
-walkthrough_chapter_serving.py; the recorded measurements that 8 and 10 show in
+12 in walkthrough_chapter_ablations.py (its mixture-of-experts part in walkthrough_moe.py), 13 in
+walkthrough_chapter_finetune.py, 14 in walkthrough_chapter_serving.py; the recorded measurements that 8 and 10 show in
 walkthrough_chapter_measured.py; the opening, sections 1-2 and the last section are in this file.
 
 Usage: python tools/walkthrough/make_walkthrough.py [--model weights]     (writes the page, figures and notebook)
@@ -226,6 +226,7 @@ def render_page(model_dir: Path | None = None) -> Page:
     from walkthrough_chapter_serving import serving_section
     from walkthrough_chapter_finetune import chapter_section as finetune_section
     from walkthrough_chapter_train import chapter_section, load_record
+    from walkthrough_moe import load_record as moe_record, moe_section
     from walkthrough_training import memory_section, training_step_section
 
     with threadpool_limits(limits=1):        # one BLAS thread: the same sums in the same order every run
@@ -234,13 +235,15 @@ def render_page(model_dir: Path | None = None) -> Page:
         run.figures["decoder_layer"] = decoder_layer_data(run)
         run.figures["training_run"] = load_record()
         run.figures["ablations"] = ablation_record()
+        run.figures["moe"] = moe_record()
         shown: set[str] = set()              # layers.* functions whose source is already on the page
         facts: dict[str, Any] = {}
         sections = [intro(run), tokens_section(run), embedding_section(run, shown), layer_section(run, shown),
                     remaining_layers_section(run), prediction_section(run, shown), kv_cache_section(run),
                     formats_section(run), bandwidth_section(run),
                     training_step_section(model_dir, num, code_block, facts, run.figures),
-                    memory_section(model_dir, num, run.figures), chapter_section(11), ablation_section(12),
+                    memory_section(model_dir, num, run.figures), chapter_section(11),
+                    ablation_section(12) + "\n\n" + moe_section(),
                     finetune_section(13, qwen3_tokenizer(), trained_in=11), serving_section(run, 14, facts),
                     next_steps_section(run, 15)]
         sections = with_exercises(sections, run)

@@ -24,7 +24,7 @@ from walkthrough_common import rounded
 
 FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "kv_cache", "formats",
            "precision_kld", "hardware", "training_step", "training_memory", "training_remedies", "mixed_precision",
-           "training_run", "ablations", "batching_timeline", "block_pool", "serving_streams")
+           "training_run", "ablations", "moe", "batching_timeline", "block_pool", "serving_streams")
 
 
 # Figures whose data is a measurement recorded by its own command (walkthrough_chapter_measured.RECORDS): written
@@ -49,6 +49,7 @@ def draw(name: str, data: dict[str, Any]) -> Any:
 
     from qwen_np.commands.precision import kld_figure
     from walkthrough_chapter_ablations import figure as ablations
+    from walkthrough_moe import figure as moe
     from walkthrough_chapter_train import figure as training_run
 
     return {"decoder_layer": _decoder_layer, "rope": _rope, "attention": _attention, "logit_lens": _logit_lens,
@@ -56,7 +57,7 @@ def draw(name: str, data: dict[str, Any]) -> Any:
             "training_memory": _training_memory, "training_run": training_run, "hardware": hardware_figure,
             "training_remedies": remedies_figure, "mixed_precision": mixed_precision_figure,
             "precision_kld": kld_figure, "kv_cache": kv_cache_figure, "training_step": training_step_figure,
-            "ablations": ablations, "batching_timeline": batching_timeline_figure, "block_pool": block_pool_figure,
+            "ablations": ablations, "moe": moe, "batching_timeline": batching_timeline_figure, "block_pool": block_pool_figure,
             "serving_streams": streams_figure}[name](data)
 
 
@@ -632,8 +633,8 @@ GLOSSARY = (
     ("FlashAttention", "attention computed a block of keys at a time with an online softmax: the same result, "
      "never the whole [H, T, S] score matrix", "qwen_np.core.flash.flash_attention", "", 10),
     ("mixture of experts (MoE) / 混合专家", "many MLPs per layer, a router picking a few for each token: more "
-     "parameters, the same work a token; qwen_np runs the dense Qwen3 (its MLP is one method, where a MoE's "
-     "would sit)", "qwen_np.core.model.Qwen3Model.mlp", "", 10),
+     "parameters, the same work a token (Qwen3-30B-A3B: 8 of 128 experts; its router drawn in section 12)",
+     "qwen_np.core.layers.moe", "", 12),
     ("speculative decoding / 投机解码", "a cheap draft proposes several tokens, the model checks them in one pass "
      "and keeps each by a rule that leaves its distribution unchanged", "qwen_np.generation.speculative.accept",
      "--draft", 14),

@@ -373,13 +373,13 @@ Tensor and pipeline parallelism split each matrix, or the layers, across devices
 moves what is touched least often, AdamW's moments and the FP32 master weights, to the host's RAM
 or to NVMe (ZeRO-Offload, ZeRO-Infinity), and runs the update on the CPU: device memory for time.
 
-**Dense and mixture-of-experts models.** Every Qwen3 model on this page is **dense**: each token goes
+**Dense and mixture-of-experts models.** Every Qwen3 model on this page but one of section 12 is **dense**: each token goes
 through every weight. Qwen3's **mixture-of-experts** (MoE) models replace each layer's MLP by many
 small MLPs (experts) and a router that sends each token to a few of them: Qwen3-30B-A3B has
 30.5B parameters in all but 3.3B active per token (128 experts per layer, 8 used), Qwen3-235B-A22B
 235B in all and 22B active. A token then costs the arithmetic, and in decode the bytes read (section 8),
 of a 3.3B or 22B dense model, while memory must still hold all 30.5B or 235B; and training keeps
-gradients and AdamW moments for every expert. qwen_np implements the dense architecture only."""
+gradients and AdamW moments for every expert. qwen_np runs and trains both; section 12 draws a MoE's router."""
 
 
 def attention_share(config: Qwen3Config, context: int) -> float:
