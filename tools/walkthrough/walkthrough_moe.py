@@ -230,11 +230,11 @@ def moe_section() -> str:
 
     return f"""### A mixture of experts in the MLP's place (Qwen3-MoE)
 
-Qwen3-30B-A3B and Qwen3-235B-A22B (`model_type: qwen3_moe`) keep everything of this chapter's layer but its
+Qwen3-30B-A3B and Qwen3-235B-A22B (`model_type: qwen3_moe`) keep everything of sections 3 and 4's layer but its
 MLP: in a **sparse** layer the MLP is E small SwiGLUs (experts) of width Fe and a router, a [E, D] matrix
 (`mlp.gate`) whose softmax picks K of them for each token. Qwen3-30B-A3B has E = {big.num_experts}, K =
 {big.num_experts_per_tok} and Fe = {big.moe_intermediate_size} at D = {big.hidden_size}, in all {big.num_hidden_layers}
-layers: {parameter_count(big) / 1e9:.1f} B parameters, of which a token computes with {active_parameter_count(big) / 1e9:.1f} B.
+layers: {parameter_count(big) / 1e9:.2f} B parameters, of which a token computes with {active_parameter_count(big) / 1e9:.2f} B.
 A layer is sparse unless `mlp_only_layers` lists it or `(i + 1) % decoder_sparse_step` is not 0 (then it has the dense
 MLP of `intermediate_size`). The router, as `layers.route` and `layers.moe` compute it (the fast path,
 `engine/moe.py`, groups the rows the same way and multiplies each expert's once):
