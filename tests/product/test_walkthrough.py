@@ -87,23 +87,31 @@ def test_recorded_training_run_repeats_its_first_steps():
     walkthrough_chapter_train.check_first_steps(walkthrough_chapter_train.load_record())   # raises naming the step
 
 
-def test_recorded_fine_tuning_run_repeats_the_base_loss_and_its_first_steps():
-    """The fine-tuning chapter's LoRA runs are recorded (minutes): the base's held-out loss and the rank-2 run's
-    first steps must still come out of `train --model --lora` within rtol 1e-3 (the record's 4 digits)."""
+def test_recorded_fine_tuning_runs_repeat_the_base_loss_and_their_first_steps():
+    """The fine-tuning chapter's runs are recorded (tens of minutes): the base's held-out loss and the first steps of
+    the rank-2 LoRA run and the full fine-tune must still come out of their recorded `python -m qwen_np train`
+    commands within rtol 1e-3 (the record's 4 digits)."""
     walkthrough_chapter_finetune.check_first_steps(walkthrough_chapter_finetune.load_record())   # raises naming it
 
 
 def test_fine_tuning_chapter_prints_the_records_figures(page):
-    """Every loss and count the chapter's tables show is the record's, as the page rounds it."""
+    """Every loss, count, time and size the chapter's tables show is the record's, as the page rounds it, and each
+    adapter's size is labelled with its rank."""
     chapter = walkthrough_chapter_finetune
     rec = chapter.load_record()
     section = next(s for s in page.sections if s.startswith("## 13. Fine-tune one yourself"))
-    held, n = rec["held_out_chats"], len(rec["held_out_chats"])
-    for run in (rec["base"], *rec["ranks"]):
-        assert f"| {chapter.two(run['held_out']['loss'])} | {chapter.right(run['answers'], held)} of {n} |" in section
-    for run in rec["ranks"]:
-        assert f"| {run['rank']} | {run['trainable']:,} |" in section
-    assert f"{rec['seconds']:,.0f} s on {rec['cores']} shared cores" in section
+    held, unread = rec["held_out_chats"], rec["unread_chats"]
+    n = len(held)
+    for run in (rec["base"], *rec["runs"]):
+        assert (f"| {chapter.two(run['held_out']['loss'])} | {chapter.right(run['answers'], held)} of {n} | "
+                f"{chapter.right(run['unread_answers'], unread)} of {len(unread)} |") in section
+    for run in rec["runs"]:
+        assert f"| {run['name']} | {run['trainable']:,} | {run['cpu_s']:,.0f} s | {run['wall_s']:,.0f} s |" in section
+        assert run["command"] in section
+        if run["rank"] is not None:
+            assert f"{sum(run['adapter_bytes'].values()):,} bytes at rank {run['rank']}" in section
+    assert f"{rec['seconds']:,.0f} s on {rec['cores']} shared" in section
+    assert "![each run's training and held-out loss](figures/finetune_run.png)" in section
 
 
 def test_recorded_mixed_precision_runs_repeat_their_first_steps():

@@ -224,7 +224,7 @@ def render_page(model_dir: Path | None = None) -> Page:
     model_dir = model_dir or BUNDLED_MODEL
     from walkthrough_chapter_ablations import chapter_section as ablation_section, load_record as ablation_record
     from walkthrough_chapter_serving import serving_section
-    from walkthrough_chapter_finetune import chapter_section as finetune_section
+    from walkthrough_chapter_finetune import chapter_section as finetune_section, load_record as finetune_record
     from walkthrough_chapter_train import chapter_section, load_record
     from walkthrough_moe import load_record as moe_record, moe_section
     from walkthrough_training import memory_section, training_step_section
@@ -236,6 +236,7 @@ def render_page(model_dir: Path | None = None) -> Page:
         run.figures["training_run"] = load_record()
         run.figures["ablations"] = ablation_record()
         run.figures["moe"] = moe_record()
+        run.figures["finetune_run"] = finetune_record()
         shown: set[str] = set()              # layers.* functions whose source is already on the page
         facts: dict[str, Any] = {}
         sections = [intro(run), tokens_section(run), embedding_section(run, shown), layer_section(run, shown),

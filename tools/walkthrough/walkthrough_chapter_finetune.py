@@ -1,12 +1,14 @@
-"""The walkthrough's chapter "Fine-tune one yourself": the bundled model taught a task by LoRA, on chats.
+"""The walkthrough's chapter "Fine-tune one yourself": the bundled model taught a task on chats, by LoRA at two
+ranks and by full fine-tuning, side by side.
 
 The task: the user quotes a speech's first line as the plays write it (the speaker, a colon, the line)
-and asks "Who says this?"; the assistant answers with the speaker's name, nothing else. It is a rule
-(answer the heading), not a fact about one play, so the chats are split BY PLAY: the tuning reads
-questions about the bundled model's training plays, and it is judged on the validation plays, which
-neither the bundled model nor the tuning ever read. The rule is easy on purpose: a few minutes of a
-shared CPU teach it, and what the chapter shows (the answer's format, its stop, the held-out loss) is
-what any SFT run must get right first.
+and asks "Who says this?"; the assistant answers with the speaker's name, nothing else. The base cannot
+do it (it has never seen a chat turn: it goes on writing a play), yet the answer is in the question, so
+what the tuning must teach is a format and one rule (copy the heading): minutes of a shared CPU do.
+The chats are distinct speeches of the bundled model's training plays; the held-out questions are other
+speeches of those plays, never trained on, and a harder test beside them asks about the validation
+plays, which neither the bundled model nor the tuning ever read (most of their speakers are names it
+never saw: there the tuned model often completes a name's first piece as a name it knows).
 
 The bundled model has no chat template (weights/README.md), so the chapter builds its instruct-style
 base honestly: the bundled weights unchanged, with CHAT_TEMPLATE (a minimal ChatML layout) written into
@@ -14,19 +16,25 @@ a copy of its tokenizer_config.json. Its tokenizer has no <|im_start|> / <|im_en
 markers are plain text to it, a few tokens each; training.chats finds the assistant's tokens by their
 characters, so its mask is the same rule as for a real Qwen3.
 
-Like the training chapter, the runs are RECORDED: `python tools/walkthrough/walkthrough_chapter_finetune.py` writes
-docs/figures/finetune_run.json and the page is rendered from it. tests/product/test_walkthrough.py repeats the
-base's held-out loss and the first steps of the rank-2 run (check_first_steps). The page prints losses
-to 2 decimals and answers as counts: their later digits would be the BLAS kernel's.
+Like the training chapter, the runs are RECORDED: `python tools/walkthrough/walkthrough_chapter_finetune.py` runs
+each TUNINGS command (`python -m qwen_np train ...`, as its own process, its CPU time and peak RSS measured),
+writes docs/figures/finetune_run.json with the exact commands, and the page and its figure are rendered from
+it. tests/product/test_walkthrough.py repeats the base's held-out loss and the first steps of CHECKED_RUNS by
+their commands (check_first_steps). The page prints losses to 2 decimals and answers as counts: their
+later digits would be the BLAS kernel's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
 import re
+import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +57,7 @@ from qwen_np.engine.loading import attach_adapter, load_model  # noqa: E402
 from qwen_np.files.adapter import read_adapter  # noqa: E402
 from qwen_np.files.tokenizer import Tokenizer  # noqa: E402
 from qwen_np.generation.generate import generate  # noqa: E402
-from qwen_np.training import chats, data, evaluation, lora, trainer, run_spec  # noqa: E402
+from qwen_np.training import chats, data, evaluation, run_state  # noqa: E402
 from walkthrough_training import mib  # noqa: E402
 import walkthrough_common  # noqa: E402
 from walkthrough_common import two  # noqa: E402
@@ -64,15 +72,25 @@ CHAT_TEMPLATE = ("{%- for message in messages %}"
                  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 SPEAKER = re.compile(r"^([A-Z][A-Za-z' ]*[A-Za-z]):$")    # a speech's heading, e.g. "KING CLAUDIUS:"
 MAX_LINE = 40                     # characters of a quoted line: the chats stay short
-TRAIN_CHATS = 512
+TRAIN_CHATS = 1280
 HELD_OUT_CHATS = 48
-RUN: dict[str, Any] = {"steps": 48, "batch_size": 8, "context": 128, "lr": 1e-2, "warmup": 4, "eval_every": 16, "seed": 0,
-       "threads": 2, "shards": 2}
-RANKS = (2, 8)                    # the rank sweep at one learning rate
-MAIN_RANK = 2                     # the run the chapter compares with the base (the better of the two here)
-MERGED_RANK = 8                   # the run whose adapter and merged model are compared
+BASE_NAME = "chat_base"           # the base's folder, beside the chat files, in the commands
+# Every run's settings but the learning rate (each run's own): the same batches in the same order for all.
+RUN: dict[str, Any] = {"steps": 160, "batch_size": 8, "context": 128, "warmup": 8, "eval_every": 80, "seed": 0,
+                       "threads": 2, "shards": 2}
+# The runs side by side: LoRA at two ranks, alpha chosen by rsLoRA's rule, and every weight. rsLoRA's rule: the
+# factor alpha / r that the adapter is scaled by (LoRA's, peft's default) set to RS_ALPHA / sqrt(r), i.e.
+# --lora-alpha RS_ALPHA sqrt(r): 4 at rank 2, 8 at rank 8.
+RS_ALPHA = 2 * 2 ** 0.5           # rank 2's factor alpha / r = 2, the default alpha = 2r's
+TUNINGS: tuple[dict[str, Any], ...] = (
+    {"key": "lora2", "name": "LoRA rank 2", "rank": 2, "alpha": 4.0, "lr": 1e-2},
+    {"key": "lora8", "name": "LoRA rank 8", "rank": 8, "alpha": 8.0, "lr": 1e-2},
+    {"key": "full", "name": "full fine-tune", "rank": None, "alpha": None, "lr": 1e-3},
+)
+MAIN = "lora2"                    # the run whose adapter and merged model are compared
 ANSWER_TOKENS = 12                # greedy tokens generated per answer (a name and <|im_end|> take fewer)
-CHECKED_STEPS = 2                 # the MAIN_RANK run's steps the drift test repeats
+CHECKED_RUNS = ("lora2", "full")  # the runs whose first steps the drift test repeats
+CHECKED_STEPS = 2
 
 
 # --- The task -------------------------------------------------------------------------------------------
@@ -87,18 +105,27 @@ def speeches(play: str) -> list[tuple[str, str]]:
     return found
 
 
-def questions(plays: tuple[str, ...], count: int, seed: int) -> list[list[dict[str, str]]]:
-    """`count` chats, each about one speech of `plays` (drawn at random among those of at most MAX_LINE
-    characters): the speech as the play writes it, "Who says this?", and the speaker's name."""
+def speech_pool(plays: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Every distinct (speaker, first line) of `plays` whose line has at most MAX_LINE characters, in the plays'
+    order (distinct: "My lord." said twice by one speaker is one question, so no question is both trained and
+    held out)."""
     texts = data.shakespeare_plays()
     found = [speech for play in plays for speech in speeches(texts[play]) if len(speech[1]) <= MAX_LINE]
-    return [[{"role": "user", "content": f"{speaker}:\n{line}\n\nWho says this?"},
-             {"role": "assistant", "content": speaker}] for speaker, line in random.Random(seed).sample(found, count)]
+    return list(dict.fromkeys(found))
 
 
-def task_chats() -> tuple[list[list[dict[str, str]]], list[list[dict[str, str]]]]:
-    """(training chats, from the train split's plays; held-out chats, from the validation split's)."""
-    return questions(data.SPLITS["train"], TRAIN_CHATS, seed=0), questions(data.SPLITS["validation"], HELD_OUT_CHATS, seed=1)
+def question(speaker: str, line: str) -> list[dict[str, str]]:
+    """One chat: the speech as the play writes it, "Who says this?", and the speaker's name."""
+    return [{"role": "user", "content": f"{speaker}:\n{line}\n\nWho says this?"}, {"role": "assistant", "content": speaker}]
+
+
+def task_chats() -> tuple[list[list[dict[str, str]]], list[list[dict[str, str]]], list[list[dict[str, str]]]]:
+    """(training chats; held-out chats, other speeches of the same plays; chats of the validation split's plays,
+    which neither the bundled model nor the tuning ever read), drawn at random."""
+    drawn = random.Random(0).sample(speech_pool(data.SPLITS["train"]), TRAIN_CHATS + HELD_OUT_CHATS)
+    unread = random.Random(1).sample(speech_pool(data.SPLITS["validation"]), HELD_OUT_CHATS)
+    return ([question(*speech) for speech in drawn[:TRAIN_CHATS]], [question(*speech) for speech in drawn[TRAIN_CHATS:]],
+            [question(*speech) for speech in unread])
 
 
 def write_chats(path: Path, conversations: list[list[dict[str, str]]]) -> Path:
@@ -150,29 +177,82 @@ def name_in(reply: str) -> str:
 
 # --- The runs -------------------------------------------------------------------------------------------
 
-def tune(out: Path, base: Path, train: Path, held_out: Path, rank: int, steps: int = RUN["steps"]) -> trainer.RunResult:
-    """`train --model BASE --data train.jsonl --val held_out.jsonl --lora RANK` with RUN's settings, stopped after
-    `steps` (the learning-rate schedule stays RUN's)."""
-    return trainer.run(run_spec.RunSpec(out=out, model=str(base), data=str(train), val=str(held_out),
-                                       lora=lora.LoraSettings(rank),
-                                       overrides={**RUN, "steps": steps, "decay_steps": RUN["steps"]}))
+def command(tuning: dict[str, Any], steps: int = RUN["steps"]) -> list[str]:
+    """The `python -m qwen_np` arguments of one run, in the folder that holds chat_base/, train.jsonl and
+    held_out.jsonl; stopped after `steps` (--decay-steps keeps the learning-rate schedule RUN's)."""
+    settings = {**RUN, "steps": steps, "decay_steps": RUN["steps"], "lr": tuning["lr"]}
+    flags = [word for key, value in settings.items() for word in (f"--{key.replace('_', '-')}", f"{value:g}")]
+    adapters = [] if tuning["rank"] is None else ["--lora", str(tuning["rank"]), "--lora-alpha", f"{tuning['alpha']:g}"]
+    return ["train", "--model", BASE_NAME, "--data", "train.jsonl", "--val", "held_out.jsonl", *adapters,
+            "--out", tuning["key"], *flags]
 
 
-def tuned_run(folder: Path, base: Path, tokenizer: Tokenizer, train: Path, held_out: Path,
-              conversations: list[list[dict[str, str]]], rank: int) -> dict[str, Any]:
-    """One LoRA run of `rank`: its losses, the tuned model's held-out loss, answers and memory plan."""
+def shown(arguments: list[str]) -> str:
+    """A command as a reader types it."""
+    return "python -m qwen_np " + shlex.join(arguments)
+
+
+Chats = list[list[dict[str, str]]]
+
+
+def prepare(folder: Path) -> tuple[Path, Tokenizer, Chats, Chats]:
+    """Write what the commands read into `folder`: chat_base/, train.jsonl and held_out.jsonl; returns
+    (the base's folder, its tokenizer, the held-out chats, the unread plays' chats)."""
+    base = chat_model(folder / BASE_NAME)
+    train_chats, held_chats, unread_chats = task_chats()
+    write_chats(folder / "train.jsonl", train_chats)
+    write_chats(folder / "held_out.jsonl", held_chats)
+    return base, Tokenizer.from_folder(base), held_chats, unread_chats
+
+
+def measured_command(folder: Path, arguments: list[str]) -> dict[str, Any]:
+    """Run `python -m qwen_np ARGUMENTS` in `folder` as its own process (this checkout's qwen_np): its wall and
+    CPU seconds and its peak RSS (os.wait4's, this process alone), with the load average before and after (the
+    machine is shared: wall time is the load's as much as the run's)."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    result = tune(folder / f"rank{rank}", base, train, held_out, rank)
-    seconds = time.perf_counter() - started
-    tuned = load_model(folder / f"rank{rank}" / "model", memory="fp32")
-    replies = answers(tuned, tokenizer, conversations)
-    plan = step_memory.training_memory(tuned.config, RUN["batch_size"], RUN["context"], lora_rank=rank,
-                                  lora_targets=LAYER_MATRICES)
-    return {"rank": rank, "trainable": step_memory.lora_parameters(tuned.config, rank, LAYER_MATRICES),
-            "loss": [r["loss"] for r in result.state.history],
-            "evals": [{"step": e["step"], "loss": e["loss_per_token"]} for e in result.state.evals],
-            "held_out": held_out_loss(tuned, tokenizer, held_out), "answers": replies,
-            "memory": {k: v for k, v in plan.items() if k != "activations_per_token"}, "seconds": seconds}
+    process = subprocess.Popen([sys.executable, "-m", "qwen_np", *arguments], cwd=folder, env=environment,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert process.stderr is not None
+    errors = process.stderr.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise RuntimeError(f"{shown(arguments)} failed ({process.returncode}): {errors.decode()[-2000:]}")
+    return {"wall_s": time.perf_counter() - started, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "peak_rss": usage.ru_maxrss * 1024, "load_average": [load_before, os.getloadavg()[0]]}
+
+
+def run_history(out: Path) -> dict[str, Any]:
+    """A finished run's training losses (one a step) and held-out losses (one each --eval-every), from OUT's
+    last checkpoint."""
+    meta = run_state.load_state(out / "last.safetensors")[3]
+    return {"loss": [r["loss"] for r in meta["history"]],
+            "evals": [{"step": e["step"], "loss": e["loss_per_token"]} for e in meta["evals"]]}
+
+
+def tuned_run(folder: Path, tokenizer: Tokenizer, conversations: Chats, unread: Chats,
+              tuning: dict[str, Any]) -> dict[str, Any]:
+    """One run of `tuning` by its command: its losses, time and memory, and the tuned model's (OUT/model's)
+    held-out loss and answers (to the held-out questions and to the unread plays')."""
+    arguments = command(tuning)
+    measured = measured_command(folder, arguments)
+    out = folder / tuning["key"]
+    tuned = load_model(out / "model", memory="fp32")
+    rank = tuning["rank"]
+    plan = step_memory.training_memory(tuned.config, RUN["batch_size"], RUN["context"], lora_rank=rank or 0,
+                                       lora_targets=LAYER_MATRICES if rank else ())
+    files = {} if rank is None else {name: (out / "adapter" / name).stat().st_size
+                                     for name in ("adapter_config.json", "adapter_model.safetensors")}
+    return {**tuning, "command": shown(arguments), **run_history(out),
+            "trainable": parameter_count(tuned.config) if rank is None else
+            step_memory.lora_parameters(tuned.config, rank, LAYER_MATRICES),
+            "held_out": held_out_loss(tuned, tokenizer, folder / "held_out.jsonl"),
+            "answers": answers(tuned, tokenizer, conversations), "unread_answers": answers(tuned, tokenizer, unread),
+            "adapter_bytes": files,
+            "memory": {k: v for k, v in plan.items() if k != "activations_per_token"},
+            "planned_peak": step_memory.training_total(plan), **measured}
 
 
 def merging(run: Path, base: Path, tokenizer: Tokenizer, conversations: list[list[dict[str, str]]]) -> dict[str, Any]:
@@ -182,67 +262,139 @@ def merging(run: Path, base: Path, tokenizer: Tokenizer, conversations: list[lis
     attach_adapter(model, adapter)
     merged = load_model(run / "model", memory="fp32")
     adapted, by_merged = answers(model, tokenizer, conversations), answers(merged, tokenizer, conversations)
-    files = {name: (run / "adapter" / name).stat().st_size for name in ("adapter_config.json", "adapter_model.safetensors")}
-    return {"same": adapted == by_merged, "answers": adapted, "adapter_bytes": files,
+    return {"same": adapted == by_merged, "answers": adapted,
             "model_bytes": (run / "model" / "model.safetensors").stat().st_size}
 
 
 def record(progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Everything the chapter shows, by running it (minutes on 2 cores; the record keeps the seconds)."""
+    """Everything the chapter shows, by running its commands (tens of minutes on 2 shared cores; the record keeps
+    each run's seconds)."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as name, threadpool_limits(limits=1):
         folder = Path(name)
-        base = chat_model(folder / "base")
-        tokenizer = Tokenizer.from_folder(base)
-        train_chats, held_chats = task_chats()
-        train, held_out = write_chats(folder / "train.jsonl", train_chats), write_chats(folder / "held_out.jsonl", held_chats)
+        base, tokenizer, held_chats, unread_chats = prepare(folder)
         model = load_model(base, memory="fp32")
-        base_replies = answers(model, tokenizer, held_chats)
-        before = {"held_out": held_out_loss(model, tokenizer, held_out), "answers": base_replies}
-        progress(f"base scored ({time.perf_counter() - started:.0f} s)")
+        before = {"held_out": held_out_loss(model, tokenizer, folder / "held_out.jsonl"),
+                  "answers": answers(model, tokenizer, held_chats), "unread_answers": answers(model, tokenizer, unread_chats)}
+        progress(f"base scored: {right(before['answers'], held_chats)} right ({time.perf_counter() - started:.0f} s)")
         runs = []
-        for rank in RANKS:
-            runs.append(tuned_run(folder, base, tokenizer, train, held_out, held_chats, rank))
-            progress(f"rank {rank}: held-out loss {runs[-1]['held_out']['loss']:.3f}, answers {runs[-1]['answers'][:4]} "
+        for tuning in TUNINGS:
+            runs.append(tuned_run(folder, tokenizer, held_chats, unread_chats, tuning))
+            progress(f"{tuning['key']}: held-out loss {runs[-1]['held_out']['loss']:.3f}, "
+                     f"{right(runs[-1]['answers'], held_chats)} right, {right(runs[-1]['unread_answers'], unread_chats)} "
+                     f"of the unread plays', {runs[-1]['cpu_s']:.0f} s CPU "
                      f"({time.perf_counter() - started:.0f} s)")
-        merged = merging(folder / f"rank{MERGED_RANK}", base, tokenizer, held_chats)
-        plan = step_memory.training_memory(model.config, RUN["batch_size"], RUN["context"])
-    return {"run": RUN, "train_chats": TRAIN_CHATS, "held_out_chats": held_chats, "train_example": train_chats[0],
+        merged = merging(folder / MAIN, base, tokenizer, held_chats)
+    train_chats = task_chats()[0]
+    return {"run": RUN, "train_chats": TRAIN_CHATS, "held_out_chats": held_chats, "unread_chats": unread_chats,
+            "train_example": train_chats[0],
             "plays": {"train": len(data.SPLITS["train"]), "held_out": list(data.SPLITS["validation"])},
-            "base": before, "ranks": runs, "merging": merged,
-            "full_memory": {"parameters": parameter_count(model.config), "weights": plan["weights"],
-                            "gradients": plan["gradients"], "adamw": plan["adamw"],
-                            "total": step_memory.training_total(plan)},
+            "base": before, "runs": runs, "merging": merged,
             "seconds": round(time.perf_counter() - started), "cores": os.cpu_count()}
 
 
 def main(argv: list[str] | None = None) -> None:
-    walkthrough_common.record_main("Run the walkthrough's fine-tuning chapter (minutes on 2 cores) "
+    walkthrough_common.record_main("Run the walkthrough's fine-tuning chapter (tens of minutes on 2 cores) "
                                    "and record what it shows.", RECORD, record, argv)
 
 
-if __name__ == "__main__":
-    main()
-
-
-def check_first_steps(recorded: dict[str, Any], steps: int = CHECKED_STEPS) -> None:
-    """Repeat the base's held-out loss and the rank-MAIN_RANK run's first steps; raise naming the first figure that
+def check_first_steps(recorded: dict[str, Any], keys: tuple[str, ...] = CHECKED_RUNS,
+                      steps: int = CHECKED_STEPS) -> None:
+    """Repeat the base's held-out loss and the first steps of the runs `keys`, each by its recorded command
+    (through qwen_np's command line, in this process) stopped after `steps`; raise naming the first figure that
     differs from the record beyond rounding (rtol 1e-3: the record keeps 4 digits)."""
-    main_run = next(r for r in recorded["ranks"] if r["rank"] == MAIN_RANK)
-    with tempfile.TemporaryDirectory() as name, threadpool_limits(limits=1):
+    from qwen_np.cli import main as qwen_np_main
+
+    runs = {run["key"]: run for run in recorded["runs"]}
+    with tempfile.TemporaryDirectory() as name, threadpool_limits(limits=1), contextlib.chdir(name):
         folder = Path(name)
-        base = chat_model(folder / "base")
-        tokenizer = Tokenizer.from_folder(base)
-        train, held_out = (write_chats(folder / f"{name}.jsonl", conversations)
-                           for name, conversations in zip(("train", "held_out"), task_chats()))
-        fresh = [held_out_loss(load_model(base, memory="fp32"), tokenizer, held_out)["loss"]]
-        fresh += [r["loss"] for r in tune(folder / "run", base, train, held_out, MAIN_RANK, steps).state.history]
-    wanted = [recorded["base"]["held_out"]["loss"]] + main_run["loss"][:steps]
-    for index, (got, want) in enumerate(zip(fresh, wanted, strict=True)):
-        if not np.isclose(got, want, rtol=1e-3):
-            what = "the base's held-out loss" if index == 0 else f"the loss of the rank-{MAIN_RANK} run's step {index}"
-            raise AssertionError(f"{what} is {got:.6g} now, {want:.6g} in {RECORD.name}: the code changed; "
+        base, tokenizer, _, _ = prepare(folder)
+        fresh = {"the base's held-out loss": [held_out_loss(load_model(base, memory="fp32"), tokenizer,
+                                                            folder / "held_out.jsonl")["loss"]]}
+        wanted = {"the base's held-out loss": [recorded["base"]["held_out"]["loss"]]}
+        for key in keys:
+            tuning = next(t for t in TUNINGS if t["key"] == key)
+            if shown(command(tuning)) != runs[key]["command"]:
+                raise AssertionError(f"{key}'s command is `{shown(command(tuning))}` now, `{runs[key]['command']}` "
+                                     f"in {RECORD.name}: re-record")
+            with contextlib.redirect_stderr(io.StringIO()):
+                if qwen_np_main(command(tuning, steps)):
+                    raise AssertionError(f"{shown(command(tuning, steps))} failed")
+            fresh[f"{key}'s training losses"] = run_history(folder / key)["loss"]
+            wanted[f"{key}'s training losses"] = runs[key]["loss"][:steps]
+    for what, values in wanted.items():
+        if len(fresh[what]) != len(values) or not np.allclose(fresh[what], values, rtol=1e-3):
+            raise AssertionError(f"{what}: {fresh[what]} now, {values} in {RECORD.name}: the code changed; "
                                  "re-record with `python tools/walkthrough/walkthrough_chapter_finetune.py`")
+
+
+# --- The figure and the notebook -------------------------------------------------------------------------
+
+def figure(data_: dict[str, Any]) -> Any:
+    """Each run's training loss a step, and its held-out loss at each validation (the base's at step 0), on a log
+    scale: the first steps fall from the base's ~14 nats, the last are a hundred times lower."""
+    import matplotlib.pyplot as plt
+
+    held = data_["held_out_chats"]
+    fig, (train_axis, held_axis) = plt.subplots(1, 2, figsize=(12, 4.4), dpi=100)
+    for run in data_["runs"]:
+        settings = f"lr {run['lr']:g}" + ("" if run["rank"] is None else f", alpha {run['alpha']:g}")
+        line, = train_axis.plot(range(1, len(run["loss"]) + 1), run["loss"], lw=1.1, label=f"{run['name']} ({settings})")
+        steps = [0] + [e["step"] for e in run["evals"]]
+        losses = [data_["base"]["held_out"]["loss"]] + [e["loss"] for e in run["evals"]]
+        held_axis.plot(steps, losses, "o-", ms=3.5, lw=1.3, color=line.get_color(),
+                       label=f"{run['name']}: {right(run['answers'], held)} of {len(held)} right")
+    train_axis.set(yscale="log", xlabel="step", ylabel="training loss (nats per assistant token)",
+                   title=f"Training: {data_['run']['batch_size']} chats a step")
+    held_axis.set(yscale="log", xlabel="step", ylabel="held-out loss (nats per assistant token)",
+                  title=f"Held out: {len(held)} chats of plays never read")
+    train_axis.legend(fontsize=8)
+    held_axis.legend(fontsize=8, title=f"the base: {right(data_['base']['answers'], held)} right", title_fontsize=8)
+    for axis in (train_axis, held_axis):
+        axis.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig
+
+
+# What the notebook's cell defines from this file, by source: the task's chats and the chat base.
+NOTEBOOK_FUNCTIONS = ("speeches", "speech_pool", "question", "task_chats", "write_chats", "chat_model")
+
+
+def notebook_code() -> str:
+    """The chapter's notebook cell: the task's files written as the chapter writes them, then the main LoRA run's
+    first CHECKED_STEPS steps by its own command line (qwen_np.cli.main, what `python -m qwen_np` runs)."""
+    import inspect
+
+    tuning = next(t for t in TUNINGS if t["key"] == MAIN)
+    functions = "\n\n".join(inspect.getsource(globals()[name]) for name in NOTEBOOK_FUNCTIONS)
+    return f'''import contextlib, io, json, random, re, shutil, tempfile
+from qwen_np.cli import main as qwen_np_main
+from qwen_np.training import data, run_state
+
+BUNDLED, CHECKPOINT_FILES = MODEL, {CHECKPOINT_FILES!r}
+CHAT_TEMPLATE = {CHAT_TEMPLATE!r}
+SPEAKER = re.compile({SPEAKER.pattern!r})
+MAX_LINE, TRAIN_CHATS, HELD_OUT_CHATS = {MAX_LINE}, {TRAIN_CHATS}, {HELD_OUT_CHATS}
+
+{functions}
+
+finetune_folder = Path(tempfile.mkdtemp())
+chat_model(finetune_folder / {BASE_NAME!r})
+train_chats, held_chats, _ = task_chats()
+write_chats(finetune_folder / "train.jsonl", train_chats)
+write_chats(finetune_folder / "held_out.jsonl", held_chats)
+print(train_chats[0])
+# The chapter's run is `{shown(command(tuning))}`; here its first {CHECKED_STEPS} steps
+with contextlib.chdir(finetune_folder), contextlib.redirect_stderr(io.StringIO()):
+    qwen_np_main({command(tuning, CHECKED_STEPS)!r})
+finetune_losses = [r["loss"] for r in run_state.load_state(finetune_folder / {MAIN!r} / "last.safetensors")[3]["history"]]
+print("first losses:", [round(loss, 2) for loss in finetune_losses])'''
+
+
+def notebook_checks() -> dict[str, Any]:
+    """Expressions over the notebook's variables after that cell, and what the record says they are."""
+    main_run = next(r for r in load_record()["runs"] if r["key"] == MAIN)
+    return {f"bool(np.allclose(finetune_losses, {main_run['loss'][:CHECKED_STEPS]!r}, rtol=1e-3))": True}
 
 
 # --- The page ---------------------------------------------------------------------------------------
@@ -278,15 +430,18 @@ def learned_text(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[s
 
 def two_turns() -> list[dict[str, str]]:
     """The first two training chats as one conversation: two assistant turns, the first with a reasoning text."""
-    (question, reply), (second, last) = task_chats()[0][:2]
-    return [question, {**reply, "reasoning_content": "The name above the line says who speaks it."}, second, last]
+    (asked, reply), (second, last) = task_chats()[0][:2]
+    return [asked, {**reply, "reasoning_content": "The name above the line says who speaks it."}, second, last]
 
 
 def task_part(rec: dict[str, Any]) -> str:
     example = json.dumps({"messages": rec["train_example"]}, ensure_ascii=False)
-    r = rec["run"]
-    flags = " ".join(f"--{k.replace('_', '-')} {r[k]:g}" for k in ("steps", "batch_size", "context", "lr", "warmup",
-                                                                   "eval_every", "seed"))
+    held, unread = rec["held_out_chats"], rec["unread_chats"]
+    base_says = name_in(rec["base"]["answers"][0]).splitlines()[0]
+    claim(right(rec["base"]["answers"], held) == 0 and right(rec["base"]["unread_answers"], unread) == 0,
+          "the base answers no question right")
+    commands = "\n".join(run["command"] for run in rec["runs"])
+    asked = held[0][0]["content"]
     return f"""**The task.** The user quotes the first line of a speech as the plays write it (the speaker's name,
 a colon, the line) and asks who says it; the assistant answers with the name and nothing else. One
 line of the chat file (`training.chats` reads OpenAI's format, one conversation a line):
@@ -295,13 +450,16 @@ line of the chat file (`training.chats` reads OpenAI's format, one conversation 
 {example}
 ```
 
-It is a rule to learn (answer the name above the line), not a fact about one play, so the chats are
-**split by play**: {rec['train_chats']} questions about the {rec['plays']['train']} plays of the
-training split (the plays the bundled model was trained on) train, and {len(rec['held_out_chats'])} about the
-validation split's ({', '.join(rec['plays']['held_out'])}) are held out: neither the bundled model nor the tuning
-ever read those plays, and most of their speakers are names the tuning never answered. The rule is
-easy on purpose, so that minutes of a shared CPU teach it: what the chapter shows (the answer's
-format, its stop, the held-out loss) is what any SFT run must get right first.
+**Why this task.** The base cannot do it at all: it has never seen a chat turn, and asked, it goes on
+writing a play (its first reply below begins `{base_says}`): 0 of the {len(held)} held-out questions right.
+Yet everything the answer needs is in the question, the name written above the line, and the base
+knows these names well (it was trained on these plays). So what the tuning must teach is a format
+(answer inside the assistant's turn, the name alone, then `<|im_end|>`) and one rule (copy the
+heading): a few hundred steps on two cores can, and whether they did is plain to count. The chats are
+{rec['train_chats']:,} distinct speeches drawn at random from the {rec['plays']['train']} plays of the training split; the
+**held-out** questions are {len(held)} other speeches of those plays, never trained on. A harder test
+beside it: {len(unread)} speeches of the validation split's plays ({', '.join(rec['plays']['held_out'])}), which neither the
+bundled model nor the tuning ever read, so that most of their speakers are names it has never seen.
 
 **The base.** The bundled model has no chat template: it continues text. So the chapter builds its
 instruct-style base honestly: the bundled weights unchanged, with a minimal ChatML template (Qwen3's
@@ -310,15 +468,18 @@ written into a copy of its `tokenizer_config.json`. The bundled tokenizer has no
 `<|im_end|>` token, so to it those markers are plain text, a few tokens each; the loss mask below is
 found from the rendered text's characters, so it is the same rule as for a real Qwen3.
 
-The run, as commands (`chat_base/` is that folder; `python tools/walkthrough/walkthrough_chapter_finetune.py` does
-it all and records it):
+The runs, as commands, in a folder holding that base as `{BASE_NAME}/`, `train.jsonl` and `held_out.jsonl`
+(`python tools/walkthrough/walkthrough_chapter_finetune.py` writes them, runs these one after another, each as
+its own process, and records them): LoRA at rank 2 and rank 8, rank 8 again with the default alpha,
+and every weight. Each run's best model (by held-out loss) is exported to `OUT/model`, a LoRA run's
+adapter to `OUT/adapter`; `eval` and `generate` score them:
 
 ```bash
-python -m qwen_np train --model chat_base --data train.jsonl --val held_out.jsonl --lora {MAIN_RANK} \\
-    --out /tmp/tuned {flags}
-python -m qwen_np eval --model chat_base --text held_out.jsonl --json     # the base's held-out loss
-python -m qwen_np eval --model /tmp/tuned/model --text held_out.jsonl --json
-python -m qwen_np generate --model chat_base --lora /tmp/tuned/adapter -n {ANSWER_TOKENS} --temperature 0 "Who says: ..."
+{commands}
+python -m qwen_np eval --model {BASE_NAME} --text held_out.jsonl --json     # the base's held-out loss
+python -m qwen_np eval --model {MAIN}/model --text held_out.jsonl --json
+python -m qwen_np generate --model {BASE_NAME} --lora {MAIN}/adapter -n {ANSWER_TOKENS} --temperature 0 \\
+    --stop '{chats.TURN_END}' {shlex.quote(asked)}
 ```"""
 
 
@@ -367,10 +528,6 @@ itself ends in the block, and the model goes on from where it was taught to:
 {no_think}```"""
 
 
-def main_rank(rec: dict[str, Any]) -> dict[str, Any]:
-    return next(r for r in rec["ranks"] if r["rank"] == MAIN_RANK)
-
-
 def right(replies: list[str], conversations: list[list[dict[str, str]]]) -> int:
     """How many replies name the speaker (name_in)."""
     return sum(name_in(reply) == messages[1]["content"] for reply, messages in zip(replies, conversations, strict=True))
@@ -382,45 +539,58 @@ def ended(replies: list[str]) -> int:
 
 
 def results_part(rec: dict[str, Any]) -> str:
-    base, tuned, held = rec["base"], main_rank(rec), rec["held_out_chats"]
-    n = len(held)
-    claim(tuned["held_out"]["loss"] <= 0.5 * base["held_out"]["loss"], "the tuning at least halves the held-out loss")
-    claim(right(tuned["answers"], held) > right(base["answers"], held),
-          "the tuned model answers more held-out questions right than the base")
-    evals = ", ".join(f"{two(e['loss'])} at step {e['step']}" for e in tuned["evals"])
-    claim(ended(tuned["answers"]) < n / 2, "most tuned replies misspell the stop marker")
+    base, held, unread = rec["base"], rec["held_out_chats"], rec["unread_chats"]
+    n, runs = len(held), {run["key"]: run for run in rec["runs"]}
+    for run in rec["runs"]:
+        claim(right(run["answers"], held) > n / 2, f"{run['name']} answers most held-out questions right")
     texts = data.shakespeare_plays()
     trained_speakers = {speaker for play in data.SPLITS["train"] for speaker, _ in speeches(texts[play])}
-    wrong = [name_in(reply) for reply, m in zip(tuned["answers"], held) if name_in(reply) != m[1]["content"]]
-    claim(sum(name in trained_speakers for name in wrong) > len(wrong) / 2, "most wrong names are training speakers")
-    with tempfile.TemporaryDirectory() as name:
-        stop_tokens = len(Tokenizer.from_folder(chat_model(Path(name))).encode(chats.TURN_END))
-    scores = "\n".join(f"| {who} | {two(x['held_out']['loss'])} | {right(x['answers'], held)} of {n} | "
-                       f"{ended(x['answers'])} of {n} |"
-                       for who, x in (("the base (bundled weights, chat template)", base),
-                                      (f"tuned: LoRA rank {MAIN_RANK}, {rec['run']['steps']} steps", tuned)))
+    main_run = runs[MAIN]
+    wrong = [name_in(reply) for reply, m in zip(main_run["unread_answers"], unread) if name_in(reply) != m[1]["content"]]
+    claim(sum(name in trained_speakers for name in wrong) > len(wrong) / 2,
+          "most of the main run's wrong names on the unread plays are training speakers")
+    scores = "\n".join(
+        f"| {who} | {two(x['held_out']['loss'])} | {right(x['answers'], held)} of {n} | "
+        f"{right(x['unread_answers'], unread)} of {len(unread)} | {ended(x['answers'])} of {n} |"
+        for who, x in (("the base (bundled weights, chat template)", base),
+                       *((f"{run['name']} (`{run['key']}`)", run) for run in rec["runs"])))
+    costs = "\n".join(f"| {run['name']} | {run['trainable']:,} | {run['cpu_s']:,.0f} s | {run['wall_s']:,.0f} s | "
+                      f"{mib(run['peak_rss'])} | {mib(run['planned_peak'])} |" for run in rec["runs"])
+    misses = [(m[1]["content"], name_in(reply)) for reply, m in zip(main_run["unread_answers"], unread)
+              if name_in(reply) != m[1]["content"]][:3]
     rows = "\n".join(f"| `{m[0]['content'].splitlines()[1]}` | {m[1]['content']} | `{b!r}` | `{t!r}` |"
-                     for m, b, t in list(zip(held, base["answers"], tuned["answers"]))[:6])
-    return f"""**Base against tuned, on the held-out plays.** The loss is `eval --text held_out.jsonl`'s: the mean
-over the {base['held_out']['tokens']:,} assistant tokens of the {n} held-out chats. Each question is answered greedily, up to
+                     for m, b, t in list(zip(held, base["answers"], main_run["answers"]))[:6])
+    return f"""**Base against tuned.** The loss is `eval --text held_out.jsonl`'s: the mean over the
+{base['held_out']['tokens']:,} assistant tokens of the {n} held-out chats. Each question is answered greedily, up to
 {ANSWER_TOKENS} tokens: the answer is right when the reply's text before its first `<` (where `<|im_end|>` starts) is
 exactly the speaker's name, and it stops well when the reply ends with `<|im_end|>` spelt right.
 
-| model | held-out loss (nats per assistant token) | right names | well-spelt stops |
-|---|---:|---:|---:|
+| model | held-out loss (nats per assistant token) | right, held out | right, unread plays | well-spelt stops |
+|---|---:|---:|---:|---:|
 {scores}
 
-The base has never seen the markers: its loss is that of text it finds absurd, and, greedy, it goes
-on writing a play. During the run the held-out loss fell to {evals}. {rec['run']['steps']} steps teach
-the layout (a name, then the start of `<|im_end|>`) and, for {right(tuned['answers'], held)} of the {n} held-out speeches, the
-right name; most wrong names are speakers of the training plays. The stop marker, {stop_tokens} text tokens here,
-is mostly not yet spelt right: a longer run learns it, and a real Qwen3's `<|im_end|>` is one token. The first
-held-out questions
+![each run's training and held-out loss](figures/finetune_run.png)
+
+Every tuned model answers most held-out questions right, where the base answered none: it writes a
+name, the name above the line, then `<|im_end|>`. The unread plays are harder, and the table shows
+how: the tuned model copies the first piece of a name it has never seen and completes it as a name it
+knows (`{misses[0][0]}` → `{misses[0][1]}`, `{misses[1][0]}` → `{misses[1][1]}`): most of its wrong names there are speakers of
+the training plays. What it learned is partly the rule and partly this model's knowledge of its own
+plays, which is what a few hundred steps on a small model give. The first held-out questions
 (their quoted line; the reply as generated, `<|im_end|>` included when it wrote one):
 
-| line | speaker | the base replies | the tuned model replies |
+| line | speaker | the base replies | `{MAIN}` replies |
 |---|---|---|---|
-{rows}"""
+{rows}
+
+**What each run costs.** Time and memory of each command, measured as its own process (`os.wait4`: CPU
+seconds and peak RSS; wall seconds on {rec['cores']} cores shared with other work, so read the CPU column), beside
+the step's planned peak (`engine.step_memory.training_memory`, what `python -m qwen_np inspect --lora R
+--batch-size {rec['run']['batch_size']} -c {rec['run']['context']}` prints):
+
+| run | trained values | CPU time | wall time | peak RSS, measured | a step's peak, planned |
+|---|---:|---:|---:|---:|---:|
+{costs}"""
 
 
 def trained_state(plan: dict[str, int]) -> int:
@@ -428,61 +598,79 @@ def trained_state(plan: dict[str, int]) -> int:
     return plan["weights"] + plan["gradients"] + plan["adamw"]
 
 
-def rank_part(rec: dict[str, Any]) -> str:
-    n, r = len(rec["held_out_chats"]), rec["run"]
-    full = rec["full_memory"]
-    held = rec["held_out_chats"]
-    low, high = min(rec["ranks"], key=lambda x: x["rank"]), max(rec["ranks"], key=lambda x: x["rank"])
-    claim(right(low["answers"], held) > right(high["answers"], held) and spike(high) > spike(low),
-          "the larger rank learns worse at the same learning rate, its training loss jumping back up")
-    rows = "\n".join(f"| {x['rank']} | {x['trainable']:,} | {mib(trained_state(x['memory']))} | "
-                     f"{mib(step_memory.training_total(x['memory']))} | {two(x['held_out']['loss'])} | "
-                     f"{right(x['answers'], held)} of {n} |"
-                     for x in rec["ranks"])
-    return f"""**Rank against quality and memory.** The same run at {len(rec['ranks'])} ranks. A rank-r adapter on a
-projection W [out, in] is two matrices, A [r, in] and B [out, r] (A random, B zero: the tuned model
-starts as the base), added as W + (alpha / r) B A with alpha = 2r, so r (in + out) trained values a
-projection, on all seven of each layer. The memory is the plan's (`engine.step_memory.training_memory`,
-what `python -m qwen_np inspect --lora R --batch-size {r['batch_size']} -c {r['context']}` prints) for
-B × T = {r['batch_size']} × {r['context']}:
-
-| rank | trained values | their weights, gradients, moments | a step (+ FP32 base, activations) | held-out loss | right |
-|---:|---:|---:|---:|---:|---:|
-{rows}
-| every weight (no `--lora`) | {full['parameters']:,} | {mib(trained_state(full))} | {mib(full['total'])} | | |
-
-Here the smaller rank did better, at the same learning rate: rank {low['rank']}'s training loss fell
-steadily, rank {high['rank']}'s jumped back up on the way (to {two(spike(high))} after warmup, against at most
-{two(spike(low))} for rank {low['rank']}). With alpha = 2r the factor alpha / r is 2 at every rank, but AdamW moves each
-trained value by about the learning rate a step, and the change of W, (alpha / r) B A, sums r such
-products: a larger rank takes larger steps, so it wants a smaller learning rate, or a factor that falls
-with the rank: a fixed alpha (alpha / r falls as 1 / r), or rsLoRA's alpha / sqrt(r) with a fixed alpha.
-(rsLoRA's factor with this chapter's alpha = 2r would be 2 sqrt(r), which grows with the rank: it would
-make rank {high['rank']}'s steps larger still.) More rank is more capacity, not a better run by itself.
-
-The adapters' own state is small at every rank; the tape of activations is the same as full
-fine-tuning's (the backward still goes through every layer), and here it is most of a step. What LoRA
-saves is the 16 bytes a weight of full fine-tuning (FP32 weights, gradients, two moments): for a real
-Qwen3-0.6B that is gigabytes against megabytes."""
-
-
 def spike(run: dict[str, Any]) -> float:
     """A run's highest training loss after warmup: how far its steps threw it back."""
     return max(run["loss"][RUN["warmup"]:])
 
 
+def rank_part(rec: dict[str, Any]) -> str:
+    held, n = rec["held_out_chats"], len(rec["held_out_chats"])
+    runs = {run["key"]: run for run in rec["runs"]}
+    full, rs = runs["full"], runs["lora8"]
+    lora_runs = [run for run in rec["runs"] if run["rank"] is not None]
+    for run in lora_runs[:2]:
+        claim(np.isclose(run["alpha"] / run["rank"], RS_ALPHA / run["rank"] ** 0.5),
+              f"{run['name']}'s alpha is rsLoRA's rule: alpha / r = {RS_ALPHA:.3f} / sqrt(r)")
+    rows = "\n".join(f"| {x['name']} | {x['alpha']:g} | {x['alpha'] / x['rank']:g} | {x['trainable']:,} | "
+                     f"{mib(trained_state(x['memory']))} | {mib(x['planned_peak'])} | {two(spike(x))} | "
+                     f"{two(x['held_out']['loss'])} | {right(x['answers'], held)} of {n} |" for x in lora_runs)
+    header = ("| run | alpha | alpha / r | trained values | their weights, gradients, moments | a step (+ FP32 base, "
+              "activations) | highest training loss after warmup | held-out loss | right |\n"
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    full_row = (f"| {full['name']} | | | {full['trainable']:,} | {mib(trained_state(full['memory']))} | "
+                f"{mib(full['planned_peak'])} | {two(spike(full))} | {two(full['held_out']['loss'])} | "
+                f"{right(full['answers'], held)} of {n} |")
+    low = runs["lora2"]
+    steadier = spike(rs) <= spike(low)
+    outcome = (f"rank 8's training loss was thrown back no further than rank 2's after warmup (at most {two(spike(rs))}, "
+               f"against {two(spike(low))})" if steadier else
+               f"rank 8's training loss was still thrown back further than rank 2's after warmup ({two(spike(rs))} against "
+               f"{two(spike(low))}): its steps are larger yet")
+    outcome += (f", and it ended with {'the better' if rs['held_out']['loss'] < low['held_out']['loss'] else 'a worse'} "
+                f"held-out loss ({two(rs['held_out']['loss'])} against {two(low['held_out']['loss'])})")
+    return f"""**LoRA against every weight.** A rank-r adapter on a projection W [out, in] is two matrices, A [r, in]
+and B [out, r] (A random, B zero: the tuned model starts as the base), added as W + (alpha / r) B A:
+r (in + out) trained values a projection, on all seven of each layer. Full fine-tuning (no `--lora`)
+trains all {full['trainable']:,} weights, at a tenth of the learning rate (lr {full['lr']:g}: every weight moves, so a
+smaller step is enough, and LoRA's 1e-2 would wreck a trained model). The memory is the plan's for
+B × T = {rec['run']['batch_size']} × {rec['run']['context']}:
+
+{header}
+{rows}
+{full_row}
+
+The adapters' own state is small at every rank; the tape of activations is the same as full
+fine-tuning's (the backward still goes through every layer), and here it is most of a step. What LoRA
+saves is the 16 bytes a weight of full fine-tuning (FP32 weights, gradients, two moments): on this
+{full['trainable'] / 1e6:.1f}M-parameter model that is little, for a real Qwen3-0.6B it is gigabytes against megabytes.
+
+**alpha, and what rsLoRA changes.** `--lora-alpha` defaults to 2r, so the factor alpha / r is 2 at
+every rank. Under AdamW each trained value moves by about the learning rate a step, whatever its
+gradient's size, and B A sums r such products: at one factor, a larger rank moves W further a step.
+LoRA's paper keeps alpha the same for every rank instead, so that the factor falls as 1 / r;
+rsLoRA (Kalajdzievski, 2023; peft's `use_rslora`) showed that 1 / r falls too fast (larger ranks then
+learn hardly more than small ones) and scales by alpha / sqrt(r). With the default alpha = 2r neither
+happens: rsLoRA's factor would be 2r / sqrt(r) = 2 sqrt(r), growing with the rank. So the runs above
+choose alpha by rsLoRA's rule, keeping rank 2's factor: alpha / sqrt(r) with alpha = 2 sqrt(2) gives 2 at
+rank 2 and 1 at rank 8, that is `--lora-alpha {low['alpha']:g}` and `--lora-alpha {rs['alpha']:g}` here (this
+trainer, like peft without `use_rslora`, divides by r). Measured at one learning rate: {outcome}.
+More rank is more capacity, not a better run by itself: a larger rank wants a smaller factor (or
+learning rate), which rsLoRA's rule gives it."""
+
+
 def merging_part(rec: dict[str, Any]) -> str:
     m = rec["merging"]
     claim(m["same"], "the merged model answers every held-out question as the adapter applied unmerged")
-    adapter = sum(m["adapter_bytes"].values())
-    return f"""**What merging does.** The run writes its adapters twice. `OUT/adapter` is PEFT's format
-(`adapter_config.json` + `adapter_model.safetensors`, {adapter:,} bytes in all at rank {MERGED_RANK}), which `generate --lora`
+    sizes = "; ".join(f"{sum(run['adapter_bytes'].values()):,} bytes at rank {run['rank']} (`{run['key']}/adapter`)"
+                      for run in rec["runs"] if run["rank"] is not None)
+    return f"""**What merging does.** A LoRA run writes its adapters twice. `OUT/adapter` is PEFT's format
+(`adapter_config.json` + `adapter_model.safetensors`: {sizes}), which `generate --lora`
 applies without merging: each adapted projection computes W x + (alpha / r) B (A x), so one base
 can serve many adapters (`serve --lora NAME=DIR`). `OUT/model` is the base with every W replaced by
 W + (alpha / r) B A: an ordinary checkpoint ({m['model_bytes']:,} bytes of weights), as fast as the base and
 loadable by anything that loads Qwen3, but one model per adapter. The two compute the same function
 up to FP32 rounding (the product B A is added once instead of at every token): on the
-{len(rec['held_out_chats'])} held-out questions the rank-{MERGED_RANK} run's adapter (unmerged) and its merged model give
+{len(rec['held_out_chats'])} held-out questions the `{MAIN}` run's adapter (unmerged) and its merged model give
 **the same greedy answers**, every one."""
 
 
@@ -491,17 +679,22 @@ def chapter_section(number: int, qwen3: Tokenizer, trained_in: int) -> str:
     trained_in: the number of the section that trains a model from random weights."""
     rec = load_record()
     parts = [task_part(rec), mask_part(rec, qwen3), results_part(rec), rank_part(rec), merging_part(rec)]
+    checked = " and ".join(f"`{key}`" for key in CHECKED_RUNS)
     return f"""## {number}. Fine-tune one yourself
 
 Section {trained_in} trained a model from random weights. More often you start from a trained model and
-teach it one thing, from a few hundred conversations: **supervised fine-tuning** (SFT) on chats, here
-with **LoRA** (low-rank adapters: the weights stay frozen, small matrices beside them are trained).
-The model taught is the bundled one. Everything below is one run of
-`python tools/walkthrough/walkthrough_chapter_finetune.py` ({rec['seconds']:,.0f} s on {rec['cores']} shared cores
-when it was recorded),
-which recorded it in `docs/figures/finetune_run.json`; the page is written from that record, and the
-test suite repeats the base's held-out loss and the rank-{MAIN_RANK} run's first {CHECKED_STEPS} steps to check the
-record still matches the code. Losses are printed to 2 decimals and answers counted: their later
+teach it one thing, from a few thousand conversations: **supervised fine-tuning** (SFT) on chats, here
+with **LoRA** (low-rank adapters: the weights stay frozen, small matrices beside them are trained) at
+two ranks and, beside them, with every weight trained. The model taught is the bundled one. Everything
+below is one run of `python tools/walkthrough/walkthrough_chapter_finetune.py` ({rec['seconds']:,.0f} s on {rec['cores']} shared
+cores when it was recorded), which recorded it, each run's exact command with it, in
+`docs/figures/finetune_run.json`; the page is written from that record, and the test suite repeats the
+base's held-out loss and the first {CHECKED_STEPS} steps of {checked} by their commands to check
+the record still matches the code. Losses are printed to 2 decimals and answers counted: their later
 digits are the BLAS kernel's, and a different kernel may flip a close answer or two.
 
 """ + "\n\n".join(parts)
+
+
+if __name__ == "__main__":
+    main()

@@ -24,7 +24,7 @@ from walkthrough_common import rounded
 
 FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "kv_cache", "formats",
            "precision_kld", "hardware", "training_step", "training_memory", "training_remedies", "mixed_precision",
-           "training_run", "ablations", "moe", "batching_timeline", "block_pool", "serving_streams")
+           "training_run", "ablations", "moe", "finetune_run", "batching_timeline", "block_pool", "serving_streams")
 
 
 # Figures whose data is a measurement recorded by its own command (walkthrough_chapter_measured.RECORDS): written
@@ -50,6 +50,7 @@ def draw(name: str, data: dict[str, Any]) -> Any:
     from qwen_np.commands.precision import kld_figure
     from walkthrough_chapter_ablations import figure as ablations
     from walkthrough_moe import figure as moe
+    from walkthrough_chapter_finetune import figure as finetune_run
     from walkthrough_chapter_train import figure as training_run
 
     return {"decoder_layer": _decoder_layer, "rope": _rope, "attention": _attention, "logit_lens": _logit_lens,
@@ -57,7 +58,8 @@ def draw(name: str, data: dict[str, Any]) -> Any:
             "training_memory": _training_memory, "training_run": training_run, "hardware": hardware_figure,
             "training_remedies": remedies_figure, "mixed_precision": mixed_precision_figure,
             "precision_kld": kld_figure, "kv_cache": kv_cache_figure, "training_step": training_step_figure,
-            "ablations": ablations, "moe": moe, "batching_timeline": batching_timeline_figure, "block_pool": block_pool_figure,
+            "ablations": ablations, "moe": moe, "finetune_run": finetune_run,
+            "batching_timeline": batching_timeline_figure, "block_pool": block_pool_figure,
             "serving_streams": streams_figure}[name](data)
 
 
@@ -407,16 +409,19 @@ for precision in ("fp32", "bf16", "fp16", "fp8"):   # the matrix products' input
 def notebook_checks(page: Any) -> dict[str, Any]:
     """Expressions over the notebook's variables, and the values the page shows for them."""
     from walkthrough_chapter_ablations import notebook_checks as ablation_checks
+    from walkthrough_chapter_finetune import notebook_checks as finetune_checks
     from walkthrough_chapter_serving import notebook_checks as serving_checks
     from walkthrough_chapter_train import notebook_checks as chapter_checks
 
     return {"ids": page.run.ids, "top[0]": page.run.answer, "round(loss, 4)": round(page.facts["training loss"], 4),
-            **chapter_checks(), **ablation_checks(), **serving_checks(page)}
+            **chapter_checks(), **ablation_checks(), **finetune_checks(),
+            **serving_checks(page)}
 
 
 def notebook_cells(page: Any) -> list[tuple[str, str]]:
     """(kind, source) of every cell: the setup, then each section's markdown and its code."""
     from walkthrough_chapter_ablations import notebook_code as ablation_code
+    from walkthrough_chapter_finetune import notebook_code as finetune_code
     from walkthrough_chapter_serving import notebook_code as serving_code
     from walkthrough_chapter_train import notebook_code as chapter_code
     from walkthrough_training import BATCH, CONTEXT, PRESET, TRAIN_TEXT
@@ -426,7 +431,8 @@ def notebook_cells(page: Any) -> list[tuple[str, str]]:
     settings = PRESET_SETTINGS[PRESET]
     fill = {"train_text": TRAIN_TEXT, "context": CONTEXT, "batch": BATCH, "warmup": settings["warmup"],
             "peak": settings["lr"], "steps": settings["steps"]}
-    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code(), 12: ablation_code(), 14: serving_code()}
+    code = {**NOTEBOOK_CODE, 9: NOTEBOOK_CODE[9].format(**fill), 11: chapter_code(), 12: ablation_code(),
+            13: finetune_code(), 14: serving_code()}
     cells = [("markdown", INSTALL), ("markdown", page.sections[0]), ("code", SETUP.format(prompt=page.run.prompt))]
     for number, section in enumerate(page.sections[1:], start=1):
         cells.append(("markdown", section))
