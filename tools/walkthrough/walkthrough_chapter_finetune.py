@@ -347,7 +347,7 @@ def figure(data_: dict[str, Any]) -> Any:
     train_axis.set(yscale="log", xlabel="step", ylabel="training loss (nats per assistant token)",
                    title=f"Training: {data_['run']['batch_size']} chats a step")
     held_axis.set(yscale="log", xlabel="step", ylabel="held-out loss (nats per assistant token)",
-                  title=f"Held out: {len(held)} chats of plays never read")
+                  title=f"Held out: {len(held)} other speeches of the training plays")
     train_axis.legend(fontsize=8)
     held_axis.legend(fontsize=8, title=f"the base: {right(data_['base']['answers'], held)} right", title_fontsize=8)
     for axis in (train_axis, held_axis):
@@ -470,8 +470,8 @@ found from the rendered text's characters, so it is the same rule as for a real 
 
 The runs, as commands, in a folder holding that base as `{BASE_NAME}/`, `train.jsonl` and `held_out.jsonl`
 (`python tools/walkthrough/walkthrough_chapter_finetune.py` writes them, runs these one after another, each as
-its own process, and records them): LoRA at rank 2 and rank 8, rank 8 again with the default alpha,
-and every weight. Each run's best model (by held-out loss) is exported to `OUT/model`, a LoRA run's
+its own process, and records them): LoRA at rank 2 and rank 8, and every weight. Each run's best
+model (by held-out loss) is exported to `OUT/model`, a LoRA run's
 adapter to `OUT/adapter`; `eval` and `generate` score them:
 
 ```bash
@@ -557,7 +557,8 @@ def results_part(rec: dict[str, Any]) -> str:
     costs = "\n".join(f"| {run['name']} | {run['trainable']:,} | {run['cpu_s']:,.0f} s | {run['wall_s']:,.0f} s | "
                       f"{mib(run['peak_rss'])} | {mib(run['planned_peak'])} |" for run in rec["runs"])
     misses = [(m[1]["content"], name_in(reply)) for reply, m in zip(main_run["unread_answers"], unread)
-              if name_in(reply) != m[1]["content"]][:3]
+              if name_in(reply) != m[1]["content"] and name_in(reply) in trained_speakers][:2]
+    loads = [load for run in rec["runs"] for load in run["load_average"]]
     rows = "\n".join(f"| `{m[0]['content'].splitlines()[1]}` | {m[1]['content']} | `{b!r}` | `{t!r}` |"
                      for m, b, t in list(zip(held, base["answers"], main_run["answers"]))[:6])
     return f"""**Base against tuned.** The loss is `eval --text held_out.jsonl`'s: the mean over the
@@ -573,9 +574,9 @@ exactly the speaker's name, and it stops well when the reply ends with `<|im_end
 
 Every tuned model answers most held-out questions right, where the base answered none: it writes a
 name, the name above the line, then `<|im_end|>`. The unread plays are harder, and the table shows
-how: the tuned model copies the first piece of a name it has never seen and completes it as a name it
-knows (`{misses[0][0]}` → `{misses[0][1]}`, `{misses[1][0]}` → `{misses[1][1]}`): most of its wrong names there are speakers of
-the training plays. What it learned is partly the rule and partly this model's knowledge of its own
+how: asked about a name it has never seen, the tuned model often answers with a name it knows from
+the training plays instead (`{misses[0][0]}` → `{misses[0][1]}`, `{misses[1][0]}` → `{misses[1][1]}`): most of its wrong
+names there are speakers of the training plays. What it learned is partly the rule and partly this model's knowledge of its own
 plays, which is what a few hundred steps on a small model give. The first held-out questions
 (their quoted line; the reply as generated, `<|im_end|>` included when it wrote one):
 
@@ -584,7 +585,8 @@ plays, which is what a few hundred steps on a small model give. The first held-o
 {rows}
 
 **What each run costs.** Time and memory of each command, measured as its own process (`os.wait4`: CPU
-seconds and peak RSS; wall seconds on {rec['cores']} cores shared with other work, so read the CPU column), beside
+seconds and peak RSS; wall seconds on {rec['cores']} cores shared with other work, the load average between
+{min(loads):.0f} and {max(loads):.0f}, so read the CPU column), beside
 the step's planned peak (`engine.step_memory.training_memory`, what `python -m qwen_np inspect --lora R
 --batch-size {rec['run']['batch_size']} -c {rec['run']['context']}` prints):
 
@@ -631,8 +633,8 @@ def rank_part(rec: dict[str, Any]) -> str:
     return f"""**LoRA against every weight.** A rank-r adapter on a projection W [out, in] is two matrices, A [r, in]
 and B [out, r] (A random, B zero: the tuned model starts as the base), added as W + (alpha / r) B A:
 r (in + out) trained values a projection, on all seven of each layer. Full fine-tuning (no `--lora`)
-trains all {full['trainable']:,} weights, at a tenth of the learning rate (lr {full['lr']:g}: every weight moves, so a
-smaller step is enough, and LoRA's 1e-2 would wreck a trained model). The memory is the plan's for
+trains all {full['trainable']:,} weights, at a tenth of LoRA's learning rate (lr {full['lr']:g}: every weight moves, where
+LoRA moves a few directions of each). The memory is the plan's for
 B × T = {rec['run']['batch_size']} × {rec['run']['context']}:
 
 {header}
@@ -683,7 +685,7 @@ def chapter_section(number: int, qwen3: Tokenizer, trained_in: int) -> str:
     return f"""## {number}. Fine-tune one yourself
 
 Section {trained_in} trained a model from random weights. More often you start from a trained model and
-teach it one thing, from a few thousand conversations: **supervised fine-tuning** (SFT) on chats, here
+teach it one thing, from about a thousand conversations: **supervised fine-tuning** (SFT) on chats, here
 with **LoRA** (low-rank adapters: the weights stay frozen, small matrices beside them are trained) at
 two ranks and, beside them, with every weight trained. The model taught is the bundled one. Everything
 below is one run of `python tools/walkthrough/walkthrough_chapter_finetune.py` ({rec['seconds']:,.0f} s on {rec['cores']} shared
