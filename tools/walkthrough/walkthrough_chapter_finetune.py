@@ -371,7 +371,7 @@ def notebook_code() -> str:
 from qwen_np.cli import main as qwen_np_main
 from qwen_np.training import data, run_state
 
-BUNDLED, CHECKPOINT_FILES = MODEL, {CHECKPOINT_FILES!r}
+BUNDLED, CHECKPOINT_FILES = Path(MODEL), {CHECKPOINT_FILES!r}
 CHAT_TEMPLATE = {CHAT_TEMPLATE!r}
 SPEAKER = re.compile({SPEAKER.pattern!r})
 MAX_LINE, TRAIN_CHATS, HELD_OUT_CHATS = {MAX_LINE}, {TRAIN_CHATS}, {HELD_OUT_CHATS}
