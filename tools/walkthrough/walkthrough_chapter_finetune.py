@@ -37,8 +37,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
+from pprint import pformat
 from typing import Any, Callable
 
 import numpy as np
@@ -367,12 +369,19 @@ def notebook_code() -> str:
 
     tuning = next(t for t in TUNINGS if t["key"] == MAIN)
     functions = "\n\n".join(inspect.getsource(globals()[name]) for name in NOTEBOOK_FUNCTIONS)
-    return f'''import contextlib, io, json, random, re, shutil, tempfile
+    return f'''import contextlib
+import io
+import json
+import random
+import re
+import shutil
+import tempfile
+
 from qwen_np.cli import main as qwen_np_main
 from qwen_np.training import data, run_state
 
 BUNDLED, CHECKPOINT_FILES = Path(MODEL), {CHECKPOINT_FILES!r}
-CHAT_TEMPLATE = {CHAT_TEMPLATE!r}
+CHAT_TEMPLATE = {pformat(CHAT_TEMPLATE, width=110)}
 SPEAKER = re.compile({SPEAKER.pattern!r})
 MAX_LINE, TRAIN_CHATS, HELD_OUT_CHATS = {MAX_LINE}, {TRAIN_CHATS}, {HELD_OUT_CHATS}
 
@@ -384,9 +393,9 @@ train_chats, held_chats, _ = task_chats()
 write_chats(finetune_folder / "train.jsonl", train_chats)
 write_chats(finetune_folder / "held_out.jsonl", held_chats)
 print(train_chats[0])
-# The chapter's run is `{shown(command(tuning))}`; here its first {CHECKED_STEPS} steps
+# The chapter's run {MAIN!r} (tools/walkthrough/walkthrough_chapter_finetune.py): here its first {CHECKED_STEPS} steps
 with contextlib.chdir(finetune_folder), contextlib.redirect_stderr(io.StringIO()):
-    qwen_np_main({command(tuning, CHECKED_STEPS)!r})
+    qwen_np_main({textwrap.indent(pformat(command(tuning, CHECKED_STEPS), width=100, compact=True), " " * 17).lstrip()})
 finetune_losses = [r["loss"] for r in run_state.load_state(finetune_folder / {MAIN!r} / "last.safetensors")[3]["history"]]
 print("first losses:", [round(loss, 2) for loss in finetune_losses])'''
 
