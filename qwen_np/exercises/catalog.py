@@ -65,7 +65,8 @@ EXERCISES = tuple(Exercise(number, section, module, line) for number, (section, 
     ("12", "e19_layer_parameters", "one layer's parameters, and what each ablation removes"),
     ("13", "e20_lora", "a LoRA adapter's product and its merged weight"),
     ("14", "e21_speculative", "speculative decoding's acceptance rule keeps the target's distribution"),
-    ("15", "e22_decoder_layer", "build it: your pieces assembled into a decoder layer, logits equal to Qwen3Model's"),
+    ("15", "e22_pass_at_k", "pass@k without bias, as a product (the binomials overflow a float)"),
+    ("16", "e23_decoder_layer", "build it: your pieces assembled into a decoder layer, logits equal to Qwen3Model's"),
 ], start=1))
 
 

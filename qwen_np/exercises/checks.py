@@ -362,6 +362,15 @@ def lora(module: ModuleType, report: Report, setting: Setting) -> None:
         report.case(f"rank {rank}, alpha {alpha:g}", one)
 
 
+def pass_at_k(module: ModuleType, report: Report, setting: Setting) -> None:
+    from ..training import rollouts
+
+    # Exactly k wrong (4 of 8, k 4) is where "fewer than k wrong" and "at most k" part; n 2,000 overflows binomials.
+    for n, c, k in ((8, 0, 1), (8, 3, 1), (8, 3, 4), (8, 4, 4), (8, 7, 8), (2000, 37, 100)):
+        expected = rollouts.pass_at_k(n, c, k)
+        report.compare(f"n {n}, c {c}, k {k}", module.pass_at_k, (n, c, k), expected, f"{expected:.6g}", rtol=1e-9)
+
+
 def speculative(module: ModuleType, report: Report, setting: Setting) -> None:
     rng = np.random.default_rng(21)
     p1, q1 = rng.dirichlet(np.ones(6)), rng.dirichlet(np.ones(6))
@@ -411,5 +420,6 @@ CHECKS: dict[str, Check] = {
     "e11_cross_entropy": cross_entropy, "e12_kv_cache_bytes": kv_cache_bytes, "e13_bf16_rounding": bf16_rounding,
     "e14_decode_bound": decode_bound, "e15_rms_norm_backward": rms_norm_backward, "e16_memory_remedy": memory_remedy,
     "e17_flash_attention": flash_attention, "e18_divergence": divergence, "e19_layer_parameters": layer_parameters,
-    "e20_lora": lora, "e21_speculative": speculative, "e22_decoder_layer": decoder_layer,
+    "e20_lora": lora, "e21_speculative": speculative, "e22_pass_at_k": pass_at_k,
+    "e23_decoder_layer": decoder_layer,
 }

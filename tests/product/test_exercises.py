@@ -55,7 +55,9 @@ WRONG: dict[str, list[tuple[str, str]]] = {
     "e20_lora": [("(alpha / a.shape[0]) * ((x", "alpha * ((x")],                                 # alpha, not alpha / r
     "e21_speculative": [("return rest / total if total > 0 else p", "return rest if total > 0 else p"),
                         ("min(1.0, p[x] / q[x])", "p[x] / q[x]")],                              # unnormalised; unclipped
-    "e22_decoder_layer": [("q = rms_norm((h @ layer.q_proj.T).reshape(-1, H, Dh), layer.q_norm, eps)",
+    "e22_pass_at_k": [("if n - c < k:", "if n - c <= k:"),                                     # exactly k wrong: 1
+                      ("1.0 - k / i", "1.0 - 1 / i")],                                       # k left out of the ratio
+    "e23_decoder_layer": [("q = rms_norm((h @ layer.q_proj.T).reshape(-1, H, Dh), layer.q_norm, eps)",
                            "q = (h @ layer.q_proj.T).reshape(-1, H, Dh)"),                       # q_norm left out
                           ("return x + swiglu(", "return swiglu(")],                              # no second residual
 }
@@ -106,7 +108,7 @@ def test_each_plausible_wrong_answer_fails_naming_its_input(number: int, tmp_pat
 def test_a_wrong_piece_of_the_learner_s_own_fails_the_assembled_layer(tmp_path: Path) -> None:
     rope = catalog.exercise(6).solution_source()
     (tmp_path / "e06_rope.py").write_text(rope.replace("* 2 / x.shape[-1]", "/ x.shape[-1]"))
-    report = grade(22, catalog.exercise(22).solution_source(), tmp_path)
+    report = grade(23, catalog.exercise(23).solution_source(), tmp_path)
     assert not report.passed and "expected" in report.text()
 
 
@@ -121,7 +123,7 @@ def test_a_stub_keeps_the_task_and_signatures_and_blanks_every_answer() -> None:
         stub = catalog.stub(entry.number)
         assert entry.task() in stub and "qwen_np.exercises.solutions" not in stub
         assert "NotImplementedError" in stub or "ANSWER = None" in stub
-    assert "from e04_rms_norm import rms_norm" in catalog.stub(22)
+    assert "from e04_rms_norm import rms_norm" in catalog.stub(23)
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -164,8 +166,8 @@ def test_a_file_that_does_not_load_is_a_wrong_answer_and_a_missing_piece_names_t
     code, out, _ = run_cli(capsys, "check", "4")
     assert code == 1 and "SyntaxError" in out
     (tmp_path / "e04_rms_norm.py").unlink()
-    assert run_cli(capsys, "start", "22")[0] == 0
-    code, out, _ = run_cli(capsys, "check", "22")
+    assert run_cli(capsys, "start", "23")[0] == 0
+    code, out, _ = run_cli(capsys, "check", "23")
     assert code == 1 and "No module named 'e04_rms_norm' (`python -m qwen_np exercises start 4` writes it" in out
 
 

@@ -98,9 +98,9 @@ def test_an_installed_wheel_generates_and_grades_exercises_offline_from_any_fold
     # The exercises' stubs and solutions are package data: start writes one here, check grades it and the solution.
     learner = tmp_path / "learner"
     learner.mkdir()
-    run(python, "-m", "qwen_np", "exercises", "start", "22", cwd=learner, env=env)
-    assert [path.name for path in learner.iterdir()] == ["e22_decoder_layer.py"]
-    graded = subprocess.run([str(python), "-m", "qwen_np", "exercises", "check", "22"], cwd=learner, env=env,
+    run(python, "-m", "qwen_np", "exercises", "start", "23", cwd=learner, env=env)
+    assert [path.name for path in learner.iterdir()] == ["e23_decoder_layer.py"]
+    graded = subprocess.run([str(python), "-m", "qwen_np", "exercises", "check", "23"], cwd=learner, env=env,
                             capture_output=True, timeout=300)
     assert graded.returncode == 1 and b"exercises start 4` writes it" in graded.stdout   # its pieces not written yet
-    assert b"all 1 right" in run(python, "-m", "qwen_np", "exercises", "check", "22", "--solution", cwd=learner, env=env).stdout
+    assert b"all 1 right" in run(python, "-m", "qwen_np", "exercises", "check", "23", "--solution", cwd=learner, env=env).stdout

@@ -10,7 +10,8 @@ The page is assembled here from its chapters: the shared run and formatting in w
 sections 3-4 in walkthrough_chapter_layers.py, 5-6 in walkthrough_chapter_prediction.py, 7-8 in
 walkthrough_chapter_numbers.py, 9-10 in walkthrough_training.py, 11 in walkthrough_chapter_train.py,
 12 in walkthrough_chapter_ablations.py (its mixture-of-experts part in walkthrough_moe.py), 13 in
-walkthrough_chapter_finetune.py, 14 in walkthrough_chapter_serving.py; the recorded measurements that 8 and 10 show in
+walkthrough_chapter_finetune.py, 14 in walkthrough_chapter_serving.py,
+15 in walkthrough_chapter_reason.py; the recorded measurements that 8 and 10 show in
 walkthrough_chapter_measured.py; the opening, sections 1-2 and the last section are in this file.
 
 Usage: python tools/walkthrough/make_walkthrough.py [--model weights]     (writes the page, figures and notebook)
@@ -61,8 +62,9 @@ it trained by you from random weights in a few minutes (11): the data, the loss 
 appearing, validation, early stopping, batch size, checkpoints and the test split; each piece of
 Qwen3 taken away in turn and that model trained again, to measure what the piece is for (12); the bundled
 model fine-tuned on chats with LoRA (13): the assistant-only loss, base against tuned on held-out
-plays, rank against quality and memory, merging; last, what a serving engine adds to run many
-requests at once (14).
+plays, rank against quality and memory, merging; what a serving engine adds to run many
+requests at once (14); last, the bundled model taught a task a program checks (15): SFT, then GRPO with
+and without its KL term, DPO on preference pairs, and voting over samples beside them.
 
 The dimensions (symbols used everywhere in qwen_np's shape comments):
 
@@ -225,6 +227,7 @@ def render_page(model_dir: Path | None = None) -> Page:
     from walkthrough_chapter_ablations import chapter_section as ablation_section, load_record as ablation_record
     from walkthrough_chapter_serving import serving_section
     from walkthrough_chapter_finetune import chapter_section as finetune_section, load_record as finetune_record
+    from walkthrough_chapter_reason import chapter_section as reason_section, load_record as reason_record
     from walkthrough_chapter_train import chapter_section, load_record
     from walkthrough_moe import load_record as moe_record, moe_section
     from walkthrough_training import memory_section, training_step_section
@@ -237,6 +240,7 @@ def render_page(model_dir: Path | None = None) -> Page:
         run.figures["ablations"] = ablation_record()
         run.figures["moe"] = moe_record()
         run.figures["finetune_run"] = finetune_record()
+        run.figures["reasoning"] = reason_record()
         shown: set[str] = set()              # layers.* functions whose source is already on the page
         facts: dict[str, Any] = {}
         sections = [intro(run), tokens_section(run), embedding_section(run, shown), layer_section(run, shown),
@@ -246,7 +250,7 @@ def render_page(model_dir: Path | None = None) -> Page:
                     memory_section(model_dir, num, run.figures), chapter_section(11),
                     ablation_section(12) + "\n\n" + moe_section(),
                     finetune_section(13, qwen3_tokenizer(), trained_in=11), serving_section(run, 14, facts),
-                    next_steps_section(run, 15)]
+                    reason_section(15), next_steps_section(run, 16)]
         sections = with_exercises(sections, run)
     return Page("\n\n".join(sections) + "\n", sections, run.figures, model_dir, run, facts)
 

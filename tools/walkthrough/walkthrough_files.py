@@ -24,7 +24,7 @@ from walkthrough_common import rounded
 
 FIGURES = ("decoder_layer", "rope", "attention", "residual_stream", "logit_lens", "sampling", "kv_cache", "formats",
            "precision_kld", "hardware", "training_step", "training_memory", "training_remedies", "mixed_precision",
-           "training_run", "ablations", "moe", "finetune_run", "batching_timeline", "block_pool", "serving_streams")
+           "training_run", "ablations", "moe", "finetune_run", "batching_timeline", "block_pool", "serving_streams", "reasoning")
 
 
 # Figures whose data is a measurement recorded by its own command (walkthrough_chapter_measured.RECORDS): written
@@ -51,6 +51,7 @@ def draw(name: str, data: dict[str, Any]) -> Any:
     from walkthrough_chapter_ablations import figure as ablations
     from walkthrough_moe import figure as moe
     from walkthrough_chapter_finetune import figure as finetune_run
+    from walkthrough_chapter_reason import figure as reasoning
     from walkthrough_chapter_train import figure as training_run
 
     return {"decoder_layer": _decoder_layer, "rope": _rope, "attention": _attention, "logit_lens": _logit_lens,
@@ -60,7 +61,7 @@ def draw(name: str, data: dict[str, Any]) -> Any:
             "precision_kld": kld_figure, "kv_cache": kv_cache_figure, "training_step": training_step_figure,
             "ablations": ablations, "moe": moe, "finetune_run": finetune_run,
             "batching_timeline": batching_timeline_figure, "block_pool": block_pool_figure,
-            "serving_streams": streams_figure}[name](data)
+            "serving_streams": streams_figure, "reasoning": reasoning}[name](data)
 
 
 # Where each step of a decoder layer sits in the drawing (column, row), and what feeds it: q, k and v are three
@@ -644,6 +645,16 @@ GLOSSARY = (
     ("speculative decoding / 投机解码", "a cheap draft proposes several tokens, the model checks them in one pass "
      "and keeps each by a rule that leaves its distribution unchanged", "qwen_np.generation.speculative.accept",
      "--draft", 14),
+    ("GRPO / 组相对策略优化", "reinforcement learning from a reward function: G replies sampled per prompt, each "
+     "reply's advantage its reward against its group's mean and std, TRL's clipped ratio loss (optionally a KL "
+     "term to the starting weights)", "qwen_np.training.objectives.grpo_loss", "--grpo", 15),
+    ("DPO / 直接偏好优化", "preference tuning without a reward model: the chosen reply's log-probability pushed up "
+     "against the rejected one's, both relative to the starting weights", "qwen_np.training.objectives.dpo_loss",
+     "--dpo", 15),
+    ("pass@k", "the chance that at least one of k samples is right, estimated without bias from n >= k samples",
+     "qwen_np.training.rollouts.pass_at_k", "--samples", 15),
+    ("self-consistency / 自洽性", "sample several replies and answer with the most common answer among them: "
+     "inference-time scaling", "qwen_np.training.rollouts.majority", "--vote", 15),
 )
 
 

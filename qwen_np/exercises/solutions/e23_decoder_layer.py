@@ -1,4 +1,4 @@
-"""Exercise 22 (section 15): your pieces assembled into Qwen3.
+"""Exercise 23 (section 16): your pieces assembled into Qwen3.
 
 Write `decoder_layer(x, layer, config, positions)` out of your own functions of exercises 4, 6, 7 and 8
 (run `exercises start` for each first; this file imports them from its folder): h = rms_norm(x); q, k, v
