@@ -492,8 +492,8 @@ def grpo_part(rec: dict[str, Any]) -> str:
     runs = {run["beta"]: run for run in rec["grpo"]}
     free, kl = runs[0.0], next((run for beta, run in runs.items() if beta), None)
     rows = "\n".join(
-        f"| {run['beta']:g} | {rounded_share(run['history'][0]['reward_mean'])} → "
-        f"{rounded_share(float(np.mean([r['reward_mean'] for r in run['history'][-5:]])))} | "
+        f"| {run['beta']:g} | " + ", ".join(f"{rounded_share(e['reward_mean'])} (step {e['step']})" for e in run["evals"]) +
+        " | "
         f"{run['history'][0]['completion_length']:.1f} → {run['history'][-1]['completion_length']:.1f} | "
         f"{count(run['eval']['pass@1'], n)} | {count(run['eval'][f'pass@{k}'], n)} | "
         f"{run['vote']['distinct_answers']:.1f} |" for run in rec["grpo"])
@@ -509,11 +509,15 @@ of the KL divergence to the starting (SFT) weights, a second copy of which the r
 The gradient of the loss with respect to each token's log-probability goes into the same hand-written
 backward as SFT's (`training.step.grpo_loss_and_gradients`).
 
-| beta | reward, step 1 → last 5 | reply length (tokens) | pass@1 (of {n}) | pass@{k} | different answers in {k} samples |
+| beta | validation reward | reply length (tokens) | pass@1 (of {n}) | pass@{k} | different answers in {k} samples |
 |---:|---:|---:|---:|---:|---:|
 {rows}
 
 ![GRPO: reward, reply length and KL per step](figures/reasoning.png)
+
+(The validation reward is the mean over the run's own validation prompts, the last 5% of `prompts.jsonl`, {g['group']}
+samples each; a step's rollouts are {g['batch_size']} prompts, so their mean reward in the figure moves by a quarter
+when one prompt's group changes.)
 
 After SFT the held-out pass@1 was {count(sft['eval']['pass@1'], n)} and pass@{k} {count(sft['eval'][f'pass@{k}'], n)}, with
 {sft['vote']['distinct_answers']:.1f} different answers among a question's {k} samples. {grpo_reading(rec, free, kl, raised)}"""
@@ -555,8 +559,8 @@ def grpo_reading(rec: dict[str, Any], free: dict[str, Any], kl: dict[str, Any] |
                 f"{what} the samples stay spread: {run['vote']['distinct_answers']:.1f} different answers a "
                 f"question ({sft['vote']['distinct_answers']:.1f} after SFT), pass@{k} "
                 f"{count(run['eval'][f'pass@{k}'], n)} (after SFT {count(sft['eval'][f'pass@{k}'], n)}).")
-    sentences.append("This is the pattern rasbt reports on MATH-500 with Qwen3-0.6B (pass@1 up, pass@k flat or "
-                     "down; without the KL term a longer run collapses): reinforcement learning from a verifiable "
+    sentences.append("rasbt reports the same direction on MATH-500 with Qwen3-0.6B (pass@1 up while pass@8 stays "
+                     "flat): reinforcement learning from a verifiable "
                      "reward mostly makes the model give, more often, an answer it could already sample; it "
                      "narrows the distribution more than it widens what the model can do.")
     return " ".join(sentences)
